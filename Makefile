@@ -1,0 +1,38 @@
+# mimotron developer entry points. Every target creates .venv on first use.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+TORCH ?= torch==2.13.0
+STAMP := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: venv demo test lint plan clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+
+# torch is installed first and pinned, so the project's `torch>=2.9` never pulls a CUDA build.
+$(STAMP): pyproject.toml | $(PY)
+	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e ".[dev,tensorboard]"
+	@touch $(STAMP)
+
+venv: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/mimotron train configs/digits.toml
+	$(VENV)/bin/mimotron plot runs/digits
+
+test: $(STAMP)
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+plan: $(STAMP)
+	$(VENV)/bin/mimotron plan configs/digits.toml
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache .ruff_cache

@@ -1,0 +1,526 @@
+"""Run configuration: dataclasses, TOML loading, ``key=value`` overrides, validation.
+
+One TOML file describes a run (DESIGN.md §4). Overrides are dotted paths whose values
+are parsed as TOML (``train.iters=5``, ``optimizer.betas=[0.9,0.95]``); a value that is
+not valid TOML is taken as a string (``train.precision=bf16``). Unknown keys are
+rejected with the list of valid ones. ``MimoConfig.validate`` raises ``ValueError``
+naming the field, the bad value and what would be valid; layout rules that involve
+several modules live in :mod:`mimotron.parallel.layout`.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ENCODER_KINDS = ("vit", "audio")
+LANGUAGE_KINDS = ("language",)
+MODULE_KINDS = ENCODER_KINDS + LANGUAGE_KINDS
+PRECISIONS = ("fp32", "bf16", "fp16")
+DECAY_STYLES = ("cosine", "linear", "constant")
+OPTIMIZERS = ("adamw", "adam", "sgd")
+DATASETS = ("digits", "mock")
+
+
+@dataclass
+class ParallelConfig:
+    """Parallel degrees of one module; its ranks are ``[rank_offset, rank_offset+size)``."""
+
+    tensor: int = 1
+    pipeline: int = 1
+    data: int = 1
+    context: int = 1
+    expert: int = 1
+    expert_tensor: int = 1
+    rank_offset: int = 0
+    sequence_parallel: bool = False
+    shard_optimizer: bool = False
+    # Explicit layers per pipeline stage, e.g. [1, 3]; empty = balanced split.
+    layers_per_stage: list[int] = field(default_factory=list)
+
+    @property
+    def size(self) -> int:
+        """Number of ranks the module occupies."""
+        return self.tensor * self.context * self.data * self.pipeline
+
+
+@dataclass
+class OptimizerConfig:
+    """Optimizer settings; every key can be overridden per module."""
+
+    name: str = "adamw"
+    lr: float = 1e-3
+    min_lr: float = 0.0
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    momentum: float = 0.0
+    clip_grad: float = 1.0
+    # Parameters whose name contains one of these substrings get no weight decay.
+    no_decay: list[str] = field(default_factory=lambda: ["norm", "bias"])
+    # Dynamic loss scaling (fp16 only).
+    initial_loss_scale: float = 2.0**16
+    min_loss_scale: float = 1.0
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+
+
+@dataclass
+class SchedulerConfig:
+    """Learning-rate schedule: linear warm-up then decay to ``optimizer.min_lr``."""
+
+    warmup_iters: int = 0
+    decay_style: str = "cosine"
+    decay_iters: int = 0  # 0 = train.iters
+    min_lr: float | None = None  # None = optimizer.min_lr
+    start_weight_decay: float | None = None  # None = constant weight decay
+    end_weight_decay: float | None = None
+    weight_decay_style: str = "constant"
+
+
+@dataclass
+class ModuleConfig:
+    """One module of the model: an encoder with its projection, or the language model."""
+
+    kind: str = "language"
+    hidden_size: int = 128
+    num_layers: int = 2
+    num_heads: int = 4
+    ffn_hidden_size: int = 0  # 0 = 4 * hidden_size rounded for SwiGLU
+    # Encoders: projector hidden width (0 = language hidden size).
+    projector_hidden_size: int = 0
+    # vit
+    image_size: int = 8
+    patch_size: int = 2
+    in_channels: int = 1
+    # audio
+    num_freq_bins: int = 129
+    num_frames: int = 16
+    num_audio_tokens: int = 4
+    freeze: bool = False
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    # Per-module overrides of [optimizer] and [scheduler] keys.
+    optimizer: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def is_encoder(self) -> bool:
+        return self.kind in ENCODER_KINDS
+
+    @property
+    def modality(self) -> str | None:
+        """Input modality an encoder consumes (``image`` or ``audio``)."""
+        return {"vit": "image", "audio": "audio"}.get(self.kind)
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Embeddings an encoder emits per sample (placeholders in the text)."""
+        if self.kind == "vit":
+            return (self.image_size // self.patch_size) ** 2
+        if self.kind == "audio":
+            return self.num_audio_tokens
+        return 0
+
+
+@dataclass
+class DataConfig:
+    dataset: str = "digits"
+    seq_length: int = 64
+    train_fraction: float = 0.8
+    # Mix of sample kinds in the digits task (normalised).
+    p_image: float = 0.3
+    p_audio: float = 0.2
+    p_both: float = 0.4
+    p_text: float = 0.1
+    image_shift: int = 1
+    mock_num_samples: int = 256
+
+
+@dataclass
+class TrainConfig:
+    iters: int = 100
+    global_batch_size: int = 32
+    micro_batch_size: int = 8
+    seed: int = 1234
+    precision: str = "fp32"
+    exit_interval: int = 0
+    exit_duration_mins: float = 0.0
+    max_skipped: int = 10
+    pg_timeout_s: float = 300.0
+
+
+@dataclass
+class EvalConfig:
+    interval: int = 50
+    iters: int = 0  # 0 = the whole validation split
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str = ""  # "" = <log.dir>/checkpoints
+    interval: int = 0
+    load: str = "auto"
+    async_save: bool = False
+    keep: int = 3
+
+
+@dataclass
+class LogConfig:
+    dir: str = ""  # "" = runs/<name>
+    interval: int = 1
+    tensorboard: bool = False
+    progress: bool = True
+
+
+@dataclass
+class ProfileConfig:
+    enabled: bool = False
+    start: int = 2
+    end: int = 4
+    ranks: list[int] = field(default_factory=lambda: [0])
+
+
+@dataclass
+class MimoConfig:
+    """The whole run: model modules with their layouts, data, training, logging."""
+
+    name: str = "mimotron"
+    modules: dict[str, ModuleConfig] = field(default_factory=dict)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
+
+    # ---- derived values -------------------------------------------------------------
+    @property
+    def encoder_names(self) -> list[str]:
+        """Encoder modules in config order (the order embeddings are merged)."""
+        return [n for n, m in self.modules.items() if m.is_encoder]
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.train.global_batch_size // self.train.micro_batch_size
+
+    @property
+    def log_dir(self) -> Path:
+        return Path(self.log.dir or f"runs/{self.name}")
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return Path(self.checkpoint.dir) if self.checkpoint.dir else self.log_dir / "checkpoints"
+
+    def effective_optimizer(self, module: str) -> OptimizerConfig:
+        """``[optimizer]`` with the module's overrides applied."""
+        keys = {f.name for f in dataclasses.fields(OptimizerConfig)}
+        over = {k: v for k, v in self.modules[module].optimizer.items() if k in keys}
+        return dataclasses.replace(self.optimizer, **copy.deepcopy(over))
+
+    def effective_scheduler(self, module: str) -> SchedulerConfig:
+        """``[scheduler]`` with the module's overrides applied."""
+        keys = {f.name for f in dataclasses.fields(SchedulerConfig)} - {"min_lr"}
+        over = {k: v for k, v in self.modules[module].optimizer.items() if k in keys}
+        return dataclasses.replace(self.scheduler, **over)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    # ---- validation -------------------------------------------------------------------
+    def validate(self) -> MimoConfig:
+        """Check every single-field and cross-field rule; raise ``ValueError`` on the first.
+
+        Returns self so calls can be chained.
+        """
+        _validate_modules(self)
+        _validate_train(self)
+        _validate_optim(self.optimizer, "optimizer")
+        _validate_scheduler(self.scheduler, "scheduler")
+        for name in self.modules:
+            _validate_optim(self.effective_optimizer(name), f"modules.{name}.optimizer")
+            _validate_scheduler(self.effective_scheduler(name), f"modules.{name}.optimizer")
+        _validate_data(self)
+        _check(self.eval.interval >= 1, "eval.interval", self.eval.interval, "an integer >= 1")
+        _check(self.eval.iters >= 0, "eval.iters", self.eval.iters, "an integer >= 0")
+        _check(
+            self.checkpoint.interval >= 0,
+            "checkpoint.interval",
+            self.checkpoint.interval,
+            "an integer >= 0 (0 = no periodic saves)",
+        )
+        _check(self.checkpoint.keep >= 1, "checkpoint.keep", self.checkpoint.keep, "an integer >= 1")
+        _check(self.log.interval >= 1, "log.interval", self.log.interval, "an integer >= 1")
+        _check(
+            0 <= self.profile.start <= self.profile.end,
+            "profile.start",
+            self.profile.start,
+            f"0 <= profile.start <= profile.end ({self.profile.end})",
+        )
+        return self
+
+
+def _check(ok: bool, name: str, value: Any, valid: str) -> None:
+    if not ok:
+        raise ValueError(f"{name}={value!r} is invalid: expected {valid}")
+
+
+def _validate_modules(cfg: MimoConfig) -> None:
+    if "language" not in cfg.modules:
+        raise ValueError(
+            f"modules: a module named 'language' is required (have {sorted(cfg.modules)}); "
+            "add a [modules.language] table with kind = \"language\""
+        )
+    _check(
+        cfg.modules["language"].kind in LANGUAGE_KINDS,
+        "modules.language.kind",
+        cfg.modules["language"].kind,
+        f"one of {LANGUAGE_KINDS}",
+    )
+    modalities: dict[str, str] = {}
+    for name, mod in cfg.modules.items():
+        p = f"modules.{name}"
+        _check(mod.kind in MODULE_KINDS, f"{p}.kind", mod.kind, f"one of {MODULE_KINDS}")
+        if name != "language":
+            _check(mod.is_encoder, f"{p}.kind", mod.kind, f"an encoder kind {ENCODER_KINDS}")
+            if mod.modality in modalities:
+                raise ValueError(
+                    f"{p}.kind={mod.kind!r} is invalid: modality {mod.modality!r} is already "
+                    f"encoded by modules.{modalities[mod.modality]}; one encoder module per modality"
+                )
+            modalities[mod.modality] = name
+        for key in ("hidden_size", "num_layers", "num_heads"):
+            val = getattr(mod, key)
+            _check(isinstance(val, int) and val >= 1, f"{p}.{key}", val, "an integer >= 1")
+        _check(
+            mod.hidden_size % mod.num_heads == 0,
+            f"{p}.num_heads",
+            mod.num_heads,
+            f"a divisor of hidden_size={mod.hidden_size}",
+        )
+        if mod.kind == "vit":
+            _check(
+                mod.patch_size >= 1 and mod.image_size % mod.patch_size == 0,
+                f"{p}.patch_size",
+                mod.patch_size,
+                f"a positive divisor of image_size={mod.image_size}",
+            )
+        if mod.kind == "audio":
+            _check(
+                mod.num_audio_tokens >= 1 and mod.num_frames % mod.num_audio_tokens == 0,
+                f"{p}.num_audio_tokens",
+                mod.num_audio_tokens,
+                f"a positive divisor of num_frames={mod.num_frames}",
+            )
+        _validate_parallel(mod.parallel, f"{p}.parallel")
+
+
+def _validate_parallel(par: ParallelConfig, p: str) -> None:
+    for key in ("tensor", "pipeline", "data", "context", "expert", "expert_tensor"):
+        val = getattr(par, key)
+        _check(isinstance(val, int) and val >= 1, f"{p}.{key}", val, "a positive integer")
+    _check(par.rank_offset >= 0, f"{p}.rank_offset", par.rank_offset, "an integer >= 0")
+    if par.layers_per_stage:
+        _check(
+            len(par.layers_per_stage) == par.pipeline and all(n >= 1 for n in par.layers_per_stage),
+            f"{p}.layers_per_stage",
+            par.layers_per_stage,
+            f"{par.pipeline} positive layer counts (one per pipeline stage)",
+        )
+
+
+def _validate_train(cfg: MimoConfig) -> None:
+    t = cfg.train
+    _check(t.iters >= 1, "train.iters", t.iters, "an integer >= 1")
+    _check(t.micro_batch_size >= 1, "train.micro_batch_size", t.micro_batch_size, "an integer >= 1")
+    _check(
+        t.global_batch_size >= t.micro_batch_size
+        and t.global_batch_size % t.micro_batch_size == 0,
+        "train.global_batch_size",
+        t.global_batch_size,
+        f"a positive multiple of train.micro_batch_size={t.micro_batch_size}",
+    )
+    _check(t.precision in PRECISIONS, "train.precision", t.precision, f"one of {PRECISIONS}")
+    _check(t.max_skipped >= 1, "train.max_skipped", t.max_skipped, "an integer >= 1")
+    _check(t.pg_timeout_s > 0, "train.pg_timeout_s", t.pg_timeout_s, "a positive number")
+    _check(t.exit_interval >= 0, "train.exit_interval", t.exit_interval, "an integer >= 0")
+
+
+def _validate_optim(o: OptimizerConfig, p: str) -> None:
+    _check(o.name in OPTIMIZERS, f"{p}.name", o.name, f"one of {OPTIMIZERS}")
+    _check(o.lr > 0, f"{p}.lr", o.lr, "a positive number")
+    _check(0 <= o.min_lr <= o.lr, f"{p}.min_lr", o.min_lr, f"0 <= min_lr <= lr ({o.lr})")
+    _check(o.weight_decay >= 0, f"{p}.weight_decay", o.weight_decay, "a number >= 0")
+    _check(
+        len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas),
+        f"{p}.betas",
+        o.betas,
+        "two numbers in [0, 1)",
+    )
+    _check(o.eps > 0, f"{p}.eps", o.eps, "a positive number")
+    _check(o.clip_grad >= 0, f"{p}.clip_grad", o.clip_grad, "a number >= 0 (0 = no clipping)")
+    _check(o.initial_loss_scale > 0, f"{p}.initial_loss_scale", o.initial_loss_scale, "> 0")
+    _check(o.loss_scale_window >= 1, f"{p}.loss_scale_window", o.loss_scale_window, ">= 1")
+    _check(o.hysteresis >= 1, f"{p}.hysteresis", o.hysteresis, ">= 1")
+
+
+def _validate_scheduler(s: SchedulerConfig, p: str) -> None:
+    _check(s.warmup_iters >= 0, f"{p}.warmup_iters", s.warmup_iters, "an integer >= 0")
+    _check(s.decay_style in DECAY_STYLES, f"{p}.decay_style", s.decay_style, f"one of {DECAY_STYLES}")
+    _check(s.decay_iters >= 0, f"{p}.decay_iters", s.decay_iters, "an integer >= 0")
+    _check(
+        s.weight_decay_style in ("constant", "linear", "cosine"),
+        f"{p}.weight_decay_style",
+        s.weight_decay_style,
+        "one of ('constant', 'linear', 'cosine')",
+    )
+
+
+def _validate_data(cfg: MimoConfig) -> None:
+    d = cfg.data
+    _check(d.dataset in DATASETS, "data.dataset", d.dataset, f"one of {DATASETS}")
+    _check(0 < d.train_fraction < 1, "data.train_fraction", d.train_fraction, "a number in (0, 1)")
+    probs = (d.p_image, d.p_audio, d.p_both, d.p_text)
+    _check(
+        all(p >= 0 for p in probs) and sum(probs) > 0,
+        "data.p_image",
+        probs,
+        "non-negative mixture weights p_image/p_audio/p_both/p_text with a positive sum",
+    )
+    # Prompt = <bos> + placeholders of every encoder + separator; answers need room too.
+    placeholders = sum(m.num_output_tokens for m in cfg.modules.values())
+    need = placeholders + 2 + 30 if d.dataset == "digits" else placeholders + 4
+    _check(
+        d.seq_length >= need,
+        "data.seq_length",
+        d.seq_length,
+        f">= {need} ({placeholders} placeholder tokens plus prompt and the longest answer)",
+    )
+
+
+# ---- loading ----------------------------------------------------------------------------
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> MimoConfig:
+    """Read a TOML file (or start from defaults), apply ``key=value`` overrides, validate.
+
+    Args:
+        path: TOML file; ``None`` starts from an empty table (defaults only).
+        overrides: dotted ``key=value`` strings; values are parsed as TOML.
+
+    Returns:
+        The validated config.
+
+    Raises:
+        ValueError: unknown key, wrong type, or an invalid value (the message names it).
+    """
+    raw: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ValueError(f"config file {str(path)!r} does not exist")
+        try:
+            raw = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as exc:
+            raise ValueError(f"config file {str(path)!r} is not valid TOML: {exc}") from None
+    for item in overrides or []:
+        apply_override(raw, item)
+    return config_from_dict(raw).validate()
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """Split ``a.b.c=value`` into the key path and the TOML-parsed value."""
+    if "=" not in item:
+        raise ValueError(f"override {item!r} is invalid: expected key=value, e.g. train.iters=10")
+    key, text = item.split("=", 1)
+    keys = key.strip().split(".")
+    if not all(keys):
+        raise ValueError(f"override {item!r} is invalid: empty key segment in {key!r}")
+    try:
+        value = tomllib.loads(f"v = {text.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = text.strip()  # Not TOML: take it as a string (train.precision=bf16).
+    return keys, value
+
+
+def apply_override(raw: dict[str, Any], item: str) -> None:
+    """Set one dotted ``key=value`` into a raw config dict, creating tables as needed."""
+    keys, value = parse_override(item)
+    node = raw
+    for k in keys[:-1]:
+        node = node.setdefault(k, {})
+        if not isinstance(node, dict):
+            raise ValueError(f"override {item!r} is invalid: {k!r} is not a table")
+    node[keys[-1]] = value
+
+
+def config_from_dict(raw: dict[str, Any]) -> MimoConfig:
+    """Build a ``MimoConfig`` from a nested dict, rejecting unknown keys and wrong types."""
+    raw = dict(raw)
+    modules = raw.pop("modules", {})
+    if not isinstance(modules, dict):
+        raise ValueError("modules is invalid: expected tables [modules.<name>]")
+    cfg = _build(MimoConfig, raw, "")
+    for name, table in modules.items():
+        if not isinstance(table, dict):
+            raise ValueError(f"modules.{name} is invalid: expected a table")
+        cfg.modules[name] = _build(ModuleConfig, table, f"modules.{name}.")
+        _check_override_keys(cfg.modules[name].optimizer, f"modules.{name}.optimizer")
+    return cfg
+
+
+def _check_override_keys(over: dict[str, Any], p: str) -> None:
+    valid = {f.name for f in dataclasses.fields(OptimizerConfig)}
+    valid |= {f.name for f in dataclasses.fields(SchedulerConfig)} - {"min_lr"}
+    for key in over:
+        if key not in valid:
+            raise ValueError(f"unknown key {p}.{key}; valid keys: {', '.join(sorted(valid))}")
+        # Type-check through the dataclass that owns the key.
+        owner = OptimizerConfig if key in {f.name for f in dataclasses.fields(OptimizerConfig)} else SchedulerConfig
+        _build(owner, {key: over[key]}, f"{p}.")
+
+
+def _build(cls: type, table: dict[str, Any], prefix: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    kwargs: dict[str, Any] = {}
+    for key, value in table.items():
+        if key not in fields:
+            raise ValueError(
+                f"unknown key {prefix}{key}; valid keys: {', '.join(sorted(fields))}"
+            )
+        kwargs[key] = _coerce(hints[key], value, f"{prefix}{key}")
+    return cls(**kwargs)
+
+
+def _coerce(hint: Any, value: Any, name: str) -> Any:
+    if dataclasses.is_dataclass(hint):
+        if not isinstance(value, dict):
+            raise ValueError(f"{name}={value!r} is invalid: expected a table")
+        return _build(hint, value, f"{name}.")
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        return None if value is None else _coerce(args[0], value, name)
+    if origin is list:
+        if not isinstance(value, list):
+            raise ValueError(f"{name}={value!r} is invalid: expected a list")
+        (item,) = typing.get_args(hint)
+        return [_coerce(item, v, name) for v in value]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ValueError(f"{name}={value!r} is invalid: expected a table")
+        return dict(value)
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint in (int, str, bool, float) and (
+        not isinstance(value, hint) or (hint is int and isinstance(value, bool))
+    ):
+        raise ValueError(f"{name}={value!r} is invalid: expected {hint.__name__}")
+    return value
