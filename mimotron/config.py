@@ -255,7 +255,7 @@ class MimoConfig:
             self.checkpoint.interval,
             "an integer >= 0 (0 = no periodic saves)",
         )
-        _check(self.checkpoint.keep >= 1, "checkpoint.keep", self.checkpoint.keep, "an integer >= 1")
+        _check(self.checkpoint.keep >= 1, "checkpoint.keep", self.checkpoint.keep, ">= 1")
         _check(self.log.interval >= 1, "log.interval", self.log.interval, "an integer >= 1")
         _check(
             0 <= self.profile.start <= self.profile.end,
@@ -292,7 +292,7 @@ def _validate_modules(cfg: MimoConfig) -> None:
             if mod.modality in modalities:
                 raise ValueError(
                     f"{p}.kind={mod.kind!r} is invalid: modality {mod.modality!r} is already "
-                    f"encoded by modules.{modalities[mod.modality]}; one encoder module per modality"
+                    f"encoded by modules.{modalities[mod.modality]}; one encoder per modality"
                 )
             modalities[mod.modality] = name
         for key in ("hidden_size", "num_layers", "num_heads"):
@@ -372,7 +372,8 @@ def _validate_optim(o: OptimizerConfig, p: str) -> None:
 
 def _validate_scheduler(s: SchedulerConfig, p: str) -> None:
     _check(s.warmup_iters >= 0, f"{p}.warmup_iters", s.warmup_iters, "an integer >= 0")
-    _check(s.decay_style in DECAY_STYLES, f"{p}.decay_style", s.decay_style, f"one of {DECAY_STYLES}")
+    _check(s.decay_style in DECAY_STYLES, f"{p}.decay_style", s.decay_style,
+           f"one of {DECAY_STYLES}")
     _check(s.decay_iters >= 0, f"{p}.decay_iters", s.decay_iters, "an integer >= 0")
     _check(
         s.weight_decay_style in ("constant", "linear", "cosine"),
@@ -482,7 +483,8 @@ def _check_override_keys(over: dict[str, Any], p: str) -> None:
         if key not in valid:
             raise ValueError(f"unknown key {p}.{key}; valid keys: {', '.join(sorted(valid))}")
         # Type-check through the dataclass that owns the key.
-        owner = OptimizerConfig if key in {f.name for f in dataclasses.fields(OptimizerConfig)} else SchedulerConfig
+        optimizer_keys = {f.name for f in dataclasses.fields(OptimizerConfig)}
+        owner = OptimizerConfig if key in optimizer_keys else SchedulerConfig
         _build(owner, {key: over[key]}, f"{p}.")
 
 

@@ -1,0 +1,40 @@
+"""The ``mimotron`` command: ``train``, ``plan``, ``plot``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mimotron", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+    for name, help_ in (("train", "train a model (launches ranks as needed)"),
+                        ("plan", "validate a config and print its rank map and memory estimate")):
+        s = sub.add_parser(name, help=help_)
+        s.add_argument("config", help="TOML config file")
+        s.add_argument("overrides", nargs="*", help="key=value overrides (dotted paths)")
+    s = sub.add_parser("plot", help="PNG curves from one or more runs' metrics.jsonl")
+    s.add_argument("run_dirs", nargs="+", help="run directories (each holding metrics.jsonl)")
+    s.add_argument("--out", default=None, help="output directory (default: the first run dir)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; returns the process exit code."""
+    args = _parser().parse_args(argv)
+    if args.command == "plan":
+        from mimotron.cli.plan import run_plan
+
+        return run_plan(args.config, args.overrides)
+    if args.command == "train":
+        from mimotron.cli.train import run_train
+
+        return run_train(args.config, args.overrides)
+    from mimotron.cli.plot import run_plot
+
+    return run_plot(args.run_dirs, args.out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,46 @@
+"""``mimotron plan``: validate a config, print the rank map and a memory estimate."""
+
+from __future__ import annotations
+
+import sys
+
+from mimotron.config import load_config
+from mimotron.parallel.layout import plan_layout
+from mimotron.parallel.memory import estimate_memory, stage_parameter_counts
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:8.2f}"
+
+
+def run_plan(config: str, overrides: list[str]) -> int:
+    """Print the plan; exit 0, or 2 with one line naming the problem."""
+    try:
+        cfg = load_config(config, overrides)
+        layout = plan_layout(cfg)
+    except ValueError as exc:
+        print(f"mimotron plan: invalid config: {exc}", file=sys.stderr)
+        return 2
+    from mimotron.data.tokenizer import CharTokenizer
+
+    vocab = CharTokenizer().vocab_size
+    print(layout.format_rank_map())
+    print()
+    print(f"{'module':<10} {'kind':<9} {'params':>10}  tp pp dp  stages (params)")
+    for name, mod in cfg.modules.items():
+        stages = stage_parameter_counts(cfg, name, vocab)
+        p = mod.parallel
+        print(f"{name:<10} {mod.kind:<9} {sum(stages):>10,}  {p.tensor:>2} {p.pipeline:>2} "
+              f"{p.data:>2}  {stages}{'  (frozen)' if mod.freeze else ''}")
+    print()
+    print(f"memory estimate per rank (MiB, precision {cfg.train.precision}):")
+    print(f"{'rank':>4}  {'module':<10} {'weights':>8} {'grads':>8} {'optim':>8} {'activ':>8} "
+          f"{'total':>8}")
+    for rank, items in estimate_memory(cfg, layout, vocab).items():
+        for i, e in enumerate(items):
+            r = f"{rank:>4}" if i == 0 else " " * 4
+            print(f"{r}  {e.module:<10} {_mib(e.weights)} {_mib(e.grads)} {_mib(e.optimizer)} "
+                  f"{_mib(e.activations)} {_mib(e.total)}")
+    print(f"\nmicro-batches per step: {cfg.num_microbatches} "
+          f"(global batch {cfg.train.global_batch_size}, micro-batch {cfg.train.micro_batch_size})")
+    return 0

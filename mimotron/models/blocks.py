@@ -1,0 +1,264 @@
+"""Transformer building blocks: RMSNorm, rotary embeddings, attention, SwiGLU, block.
+
+Every block is written so that tensor parallelism can be applied from the outside with
+DTensor plans (column-wise ``wq``/``wk``/``wv``/``w1``/``w3``, row-wise ``wo``/``w2``,
+local outputs): nothing here stores a head count that a sharded layer would contradict.
+Attention derives the number of *local* heads from the width its projections return,
+so a column-sharded ``wq`` that returns ``hidden / tp`` features simply runs
+``num_heads / tp`` heads, and the row-wise ``wo`` sums the partial outputs.
+
+Linear layers whose output is added straight onto the residual stream (``wo``, ``w2``)
+carry an ``init_std`` attribute scaled by the depth of the stack; see
+:mod:`mimotron.models.init`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# GPT-2's std, used for embeddings and (divided by sqrt(2 * num_layers)) for projections
+# that write onto the residual stream, so a pre-norm stack starts near the identity.
+INIT_STD = 0.02
+
+
+def default_ffn_hidden_size(hidden_size: int, multiple_of: int = 8) -> int:
+    """SwiGLU width for ``ffn_hidden_size = 0``: two thirds of ``4 * hidden``, rounded up.
+
+    SwiGLU has three matrices instead of two, so ``8/3 * hidden`` keeps the parameter count
+    of a ``4 * hidden`` GELU MLP. Rounding to a multiple of 8 keeps the width divisible by
+    every tensor-parallel degree up to 8.
+
+    Args:
+        hidden_size: model width.
+        multiple_of: the width is rounded up to a multiple of this.
+
+    Returns:
+        The feed-forward width.
+    """
+    width = int(math.ceil(8 * hidden_size / 3))
+    return multiple_of * ((width + multiple_of - 1) // multiple_of)
+
+
+def residual_init_std(num_layers: int) -> float:
+    """Init std of projections that write onto the residual stream (GPT-2 scaling).
+
+    Each of the ``2 * num_layers`` residual branches adds variance; dividing their std by
+    ``sqrt(2 * num_layers)`` keeps the residual stream's variance independent of depth.
+
+    Args:
+        num_layers: total number of layers of the stack (not of one pipeline stage, so
+            the value is layout independent).
+
+    Returns:
+        The standard deviation.
+    """
+    return INIT_STD / math.sqrt(2 * max(num_layers, 1))
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square layer norm with a learned scale and no bias.
+
+    Args:
+        dim: size of the normalised last dimension.
+        eps: added to the mean square for numerical safety.
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Normalise ``x`` over its last dimension (computed in fp32, returned in x's dtype)."""
+        xf = x.float()
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.type_as(x) * self.weight
+
+
+def rope_cache(
+    seq_len: int,
+    head_dim: int,
+    base: float = 10000.0,
+    device: torch.device | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cosines and sines of rotary position embeddings.
+
+    Args:
+        seq_len: number of positions.
+        head_dim: per-head width; must be even.
+        base: frequency base.
+        device: where the tables live.
+
+    Returns:
+        ``(cos, sin)``, each ``[seq_len, head_dim // 2]`` in fp32.
+
+    Raises:
+        ValueError: if ``head_dim`` is odd.
+    """
+    if head_dim % 2:
+        raise ValueError(f"rotary embeddings need an even head_dim, got {head_dim}")
+    exponents = torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim
+    inv_freq = base**-exponents
+    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs ``(x[..., :d/2], x[..., d/2:])`` of ``x`` by position-dependent angles.
+
+    Args:
+        x: ``[batch, num_heads, seq, head_dim]``.
+        cos: ``[seq, head_dim // 2]`` from :func:`rope_cache`.
+        sin: ``[seq, head_dim // 2]``.
+
+    Returns:
+        The rotated tensor, same shape and dtype as ``x``.
+    """
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half].float(), x[..., half:].float()
+    # Rotation in the plane of each (x1_i, x2_i) pair; the half-split layout (as in
+    # GPT-NeoX / Llama in HF) needs no interleaving reshapes.
+    out = torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+    return out.type_as(x)
+
+
+class Attention(nn.Module):
+    """Multi-head self-attention with separate q/k/v/o projections and no biases.
+
+    Args:
+        hidden_size: model width.
+        num_heads: total number of heads; ``hidden_size`` must be divisible by it.
+        causal: mask future positions (decoder) or not (encoder).
+        num_layers: depth of the whole stack; scales the init of ``wo``.
+
+    Raises:
+        ValueError: if ``hidden_size`` is not divisible by ``num_heads``.
+    """
+
+    def __init__(self, hidden_size: int, num_heads: int, causal: bool, num_layers: int = 1) -> None:
+        super().__init__()
+        if num_heads < 1 or hidden_size % num_heads:
+            raise ValueError(
+                f"num_heads={num_heads} is invalid: expected a divisor of hidden_size={hidden_size}"
+            )
+        self.head_dim = hidden_size // num_heads
+        self.causal = causal
+        self.wq = nn.Linear(hidden_size, hidden_size, bias=False)
+        self.wk = nn.Linear(hidden_size, hidden_size, bias=False)
+        self.wv = nn.Linear(hidden_size, hidden_size, bias=False)
+        self.wo = nn.Linear(hidden_size, hidden_size, bias=False)
+        self.wo.init_std = residual_init_std(num_layers)
+
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        """Attend over the sequence.
+
+        Args:
+            x: ``[batch, seq, hidden]``.
+            rope: ``(cos, sin)`` for the sequence, or ``None`` for no rotary embedding.
+
+        Returns:
+            ``[batch, seq, hidden]``.
+        """
+        batch, seq = x.shape[0], x.shape[1]
+        q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        # Local heads from the projection's width: under column-wise TP this is
+        # num_heads / tp, and nothing else in this module needs to know.
+        num_local_heads = q.shape[-1] // self.head_dim
+        q, k, v = (
+            t.view(batch, seq, num_local_heads, self.head_dim).transpose(1, 2) for t in (q, k, v)
+        )
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
+        out = out.transpose(1, 2).reshape(batch, seq, num_local_heads * self.head_dim)
+        return self.wo(out)
+
+
+class SwiGLU(nn.Module):
+    """Gated feed-forward ``w2(silu(w1 x) * w3 x)`` with no biases.
+
+    Args:
+        hidden_size: model width.
+        ffn_hidden_size: inner width; 0 picks :func:`default_ffn_hidden_size`.
+        num_layers: depth of the whole stack; scales the init of ``w2``.
+    """
+
+    def __init__(self, hidden_size: int, ffn_hidden_size: int = 0, num_layers: int = 1) -> None:
+        super().__init__()
+        inner = ffn_hidden_size or default_ffn_hidden_size(hidden_size)
+        self.w1 = nn.Linear(hidden_size, inner, bias=False)  # gate
+        self.w3 = nn.Linear(hidden_size, inner, bias=False)  # up
+        self.w2 = nn.Linear(inner, hidden_size, bias=False)  # down
+        self.w2.init_std = residual_init_std(num_layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Apply the MLP to ``[..., hidden]``."""
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm transformer layer: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``.
+
+    Args:
+        hidden: model width.
+        num_heads: attention heads.
+        ffn_hidden: SwiGLU inner width (0 = default).
+        causal: causal attention (decoder) or bidirectional (encoder).
+        num_layers: depth of the whole stack the block belongs to (init scaling only).
+    """
+
+    def __init__(
+        self, hidden: int, num_heads: int, ffn_hidden: int, causal: bool, num_layers: int = 1
+    ) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(hidden)
+        self.attn = Attention(hidden, num_heads, causal, num_layers=num_layers)
+        self.mlp_norm = RMSNorm(hidden)
+        self.mlp = SwiGLU(hidden, ffn_hidden, num_layers=num_layers)
+
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        """Run the layer on ``[batch, seq, hidden]``; ``rope`` as in :class:`Attention`."""
+        x = x + self.attn(self.attn_norm(x), rope)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+def make_layers(
+    layer_ids: list[int] | None,
+    num_layers: int,
+    build: type[nn.Module] | None = None,
+    **block_kwargs: int | bool,
+) -> nn.ModuleDict:
+    """Build the layers one pipeline stage holds, keyed by their *global* index.
+
+    Keying by global index keeps parameter names (``layers.7.attn.wq.weight``) the same
+    whatever the pipeline split, which is what makes init and checkpoints layout
+    independent.
+
+    Args:
+        layer_ids: global indices to build; ``None`` = all of ``range(num_layers)``.
+        num_layers: layers in the whole stack.
+        build: block class (default :class:`TransformerBlock`).
+        **block_kwargs: passed to the block constructor, plus ``num_layers``.
+
+    Returns:
+        A ``ModuleDict`` from ``str(global_index)`` to block, in ascending index order.
+
+    Raises:
+        ValueError: on an index outside ``[0, num_layers)`` or a repeated index.
+    """
+    ids = list(range(num_layers)) if layer_ids is None else list(layer_ids)
+    bad = [i for i in ids if not 0 <= i < num_layers]
+    if bad or len(set(ids)) != len(ids):
+        raise ValueError(
+            f"layer_ids={ids} is invalid: expected distinct indices in [0, {num_layers})"
+        )
+    cls = build or TransformerBlock
+    return nn.ModuleDict({str(i): cls(**block_kwargs, num_layers=num_layers) for i in sorted(ids)})

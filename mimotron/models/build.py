@@ -1,0 +1,168 @@
+"""Build modules and ``MimoModel`` from a :class:`~mimotron.config.MimoConfig`.
+
+Every module is initialised with :func:`init_parameters_` under the prefix it has inside
+``MimoModel`` (``modality_submodules.<name>.`` or ``language_model.``), so a module built
+alone, or one pipeline stage of it, holds exactly the values of the full model.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from mimotron.config import MimoConfig, ModuleConfig
+from mimotron.models.encoders import AudioEncoder, ModalitySubmodule, Projector, VisionEncoder
+from mimotron.models.init import init_parameters_
+from mimotron.models.language import LanguageModel
+from mimotron.models.mimo import MimoModel
+
+
+def module_prefix(cfg: MimoConfig, name: str) -> str:
+    """The prefix of module ``name``'s parameter names inside ``MimoModel``.
+
+    Args:
+        cfg: run config.
+        name: module name.
+
+    Returns:
+        ``"language_model."`` or ``"modality_submodules.<name>."``.
+    """
+    _module_cfg(cfg, name)
+    return "language_model." if name == "language" else f"modality_submodules.{name}."
+
+
+def _module_cfg(cfg: MimoConfig, name: str) -> ModuleConfig:
+    if name not in cfg.modules:
+        raise ValueError(f"unknown module {name!r}; the config has {sorted(cfg.modules)}")
+    return cfg.modules[name]
+
+
+def _construct(
+    cfg: MimoConfig,
+    name: str,
+    vocab_size: int,
+    layer_ids: list[int] | None,
+    pre_process: bool,
+    post_process: bool,
+) -> nn.Module:
+    """Instantiate module ``name`` (uninitialised values) on the current default device."""
+    mod = _module_cfg(cfg, name)
+    stage = {"layer_ids": layer_ids, "pre_process": pre_process, "post_process": post_process}
+    common = {
+        "hidden_size": mod.hidden_size,
+        "num_layers": mod.num_layers,
+        "num_heads": mod.num_heads,
+        "ffn_hidden_size": mod.ffn_hidden_size,
+    }
+    if mod.kind == "language":
+        return LanguageModel(vocab_size, max_seq_len=cfg.data.seq_length, **common, **stage)
+    if mod.kind == "vit":
+        encoder: nn.Module = VisionEncoder(
+            image_size=mod.image_size,
+            patch_size=mod.patch_size,
+            in_channels=mod.in_channels,
+            **common,
+            **stage,
+        )
+    elif mod.kind == "audio":
+        encoder = AudioEncoder(
+            num_freq_bins=mod.num_freq_bins,
+            num_frames=mod.num_frames,
+            num_audio_tokens=mod.num_audio_tokens,
+            **common,
+            **stage,
+        )
+    else:
+        raise ValueError(f"modules.{name}.kind={mod.kind!r} cannot be built by mimotron.models")
+    if "language" not in cfg.modules:
+        raise ValueError("an encoder's projector needs the 'language' module's hidden size")
+    lm_hidden = cfg.modules["language"].hidden_size
+    projector = (
+        Projector(mod.hidden_size, lm_hidden, mod.projector_hidden_size) if post_process else None
+    )
+    return ModalitySubmodule(encoder, projector)
+
+
+def build_module(
+    cfg: MimoConfig,
+    name: str,
+    vocab_size: int,
+    layer_ids: list[int] | None = None,
+    pre_process: bool = True,
+    post_process: bool = True,
+    init: bool = True,
+) -> nn.Module:
+    """Build and initialise one module (or one pipeline stage of it) on the CPU.
+
+    Args:
+        cfg: run config.
+        name: module name (``"language"`` or an encoder such as ``"vision"``).
+        vocab_size: tokenizer vocabulary size (used by the language model).
+        layer_ids: global layers to hold (``None`` = all).
+        pre_process: hold the input embedding (first stage).
+        post_process: hold the final norm and the head / projector (last stage).
+        init: run :func:`init_parameters_`; ``False`` leaves PyTorch's default values
+            (for shape-only builds, e.g. under ``torch.device("meta")``, where init is
+            skipped anyway).
+
+    Returns:
+        A :class:`LanguageModel` or a :class:`ModalitySubmodule`, initialised from
+        ``(cfg.train.seed, parameter name inside MimoModel)`` unless ``init`` is False.
+
+    Raises:
+        ValueError: unknown module or kind, or invalid sizes.
+    """
+    module = _construct(cfg, name, vocab_size, layer_ids, pre_process, post_process)
+    if not init:
+        return module
+    return init_parameters_(module, cfg.train.seed, prefix=module_prefix(cfg, name))
+
+
+def build_mimo_model(
+    cfg: MimoConfig,
+    vocab_size: int,
+    placeholder_ids: dict[str, int],
+    modules: set[str] | None = None,
+) -> MimoModel:
+    """Build a ``MimoModel`` holding ``modules`` (default: every module of the config).
+
+    Args:
+        cfg: run config.
+        vocab_size: tokenizer vocabulary size.
+        placeholder_ids: encoder module name -> placeholder token id (all encoders).
+        modules: module names this rank holds; ``None`` = all.
+
+    Returns:
+        The model, each module whole (no pipeline split) and initialised.
+
+    Raises:
+        ValueError: unknown module names or a missing placeholder id.
+    """
+    wanted = set(cfg.modules) if modules is None else set(modules)
+    unknown = sorted(wanted - set(cfg.modules))
+    if unknown:
+        raise ValueError(f"unknown modules {unknown}; the config has {sorted(cfg.modules)}")
+    missing = [n for n in cfg.encoder_names if n not in placeholder_ids]
+    if missing:
+        raise ValueError(f"placeholder_ids {placeholder_ids} lack encoder modules {missing}")
+    encoders = {n: build_module(cfg, n, vocab_size) for n in cfg.encoder_names if n in wanted}
+    language = build_module(cfg, "language", vocab_size) if "language" in wanted else None
+    assert language is None or isinstance(language, LanguageModel)
+    modality_of = {n: str(cfg.modules[n].modality) for n in cfg.encoder_names}
+    return MimoModel(encoders, language, dict(placeholder_ids), modality_of)
+
+
+def count_parameters(cfg: MimoConfig, name: str, vocab_size: int) -> int:
+    """Number of parameters of module ``name`` (whole, unsharded), without allocating.
+
+    Args:
+        cfg: run config.
+        name: module name.
+        vocab_size: tokenizer vocabulary size.
+
+    Returns:
+        The parameter count (encoders include their projector).
+    """
+    with torch.device("meta"):
+        module = _construct(cfg, name, vocab_size, None, True, True)
+    return sum(p.numel() for p in module.parameters())

@@ -1,0 +1,185 @@
+"""``MimoModel``: modality encoders whose outputs replace placeholder tokens in the LM input.
+
+A sample's text holds, for each modality it carries, exactly ``T`` placeholder tokens
+(``T`` = the encoder's output tokens); :meth:`MimoModel.merge_embeddings` overwrites
+those positions, in order, with the projected encoder outputs. The pieces stay separate
+(``encode`` / ``merge_embeddings`` / the language model) because the distributed engine
+runs them on different ranks and moves tensors between them; ``forward`` strings them
+together for the single-process reference.
+
+A rank may hold only some modules (non-colocated layouts): ``language_model`` may be
+``None`` and ``modality_submodules`` may lack entries.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from mimotron.models.encoders import ModalitySubmodule
+from mimotron.models.language import LanguageModel, language_loss
+
+Batch = dict[str, torch.Tensor]
+
+
+class MimoModel(nn.Module):
+    """Multi-module model: modality submodules plus a language model.
+
+    Args:
+        modality_submodules: module name (``"vision"``) -> encoder + projector present on
+            this rank.
+        language_model: the decoder, or ``None`` if this rank does not hold it.
+        placeholder_ids: module name -> the token id of its placeholder, for EVERY
+            encoder module of the model (also those held elsewhere).
+        modality_of: module name -> batch key of its input (``"image"``, ``"audio"``).
+
+    Raises:
+        ValueError: if a held module has no placeholder id or modality.
+    """
+
+    def __init__(
+        self,
+        modality_submodules: dict[str, ModalitySubmodule],
+        language_model: LanguageModel | None,
+        placeholder_ids: dict[str, int],
+        modality_of: dict[str, str],
+    ) -> None:
+        super().__init__()
+        missing = [
+            n for n in modality_submodules if n not in placeholder_ids or n not in modality_of
+        ]
+        if missing:
+            raise ValueError(
+                f"modules {missing} need entries in placeholder_ids {placeholder_ids} and "
+                f"modality_of {modality_of}"
+            )
+        self.modality_submodules = nn.ModuleDict(modality_submodules)
+        self.language_model = language_model
+        self.placeholder_ids = dict(placeholder_ids)
+        self.modality_of = dict(modality_of)
+
+    def present_mask(self, name: str, batch: Batch) -> torch.Tensor:
+        """Bool ``[B]``: which samples carry module ``name``'s modality."""
+        return batch["has_" + self.modality_of[name]].bool()
+
+    def encode(self, name: str, batch: Batch) -> torch.Tensor:
+        """Run module ``name`` on the samples that carry its modality.
+
+        Args:
+            name: module name, e.g. ``"vision"``.
+            batch: a batch dict (see :mod:`mimotron.models`).
+
+        Returns:
+            ``[n_present, T, lm_hidden]`` (``n_present`` may be 0).
+
+        Raises:
+            ValueError: if this rank does not hold the module.
+        """
+        if name not in self.modality_submodules:
+            raise ValueError(
+                f"module {name!r} is not held on this rank (have "
+                f"{sorted(self.modality_submodules)})"
+            )
+        inputs = batch[self.modality_of[name]][self.present_mask(name, batch)]
+        return self.modality_submodules[name](inputs)
+
+    def merge_embeddings(
+        self,
+        tokens: torch.Tensor,
+        token_embeds: torch.Tensor,
+        modality_embeds: dict[str, torch.Tensor],
+        present: dict[str, torch.Tensor],
+    ) -> torch.Tensor:
+        """Replace each module's placeholder positions by its embeddings.
+
+        Args:
+            tokens: ``[B, S]`` token ids.
+            token_embeds: ``[B, S, H]`` text embeddings.
+            modality_embeds: module name -> ``[n_present, T, H]``, rows in batch order of
+                the samples where ``present[name]`` is True (``[0, T, H]`` if none).
+            present: module name -> bool ``[B]``.
+
+        Returns:
+            ``[B, S, H]``; gradients flow into both ``token_embeds`` and the modality
+            embeddings.
+
+        Raises:
+            ValueError: if a sample's placeholder count is not ``T`` where present and 0
+                where absent, if rows and present samples disagree, or if placeholders
+                of a module without embeddings occur.
+        """
+        merged = token_embeds
+        for name, pid in self.placeholder_ids.items():
+            if name not in modality_embeds and bool((tokens == pid).any()):
+                raise ValueError(
+                    f"tokens hold placeholders of module {name!r} (id {pid}) but no "
+                    f"embeddings for it were given (have {sorted(modality_embeds)})"
+                )
+        for name, embeds in modality_embeds.items():
+            if name not in self.placeholder_ids or name not in present:
+                raise ValueError(
+                    f"embeddings of module {name!r} need a placeholder id (have "
+                    f"{sorted(self.placeholder_ids)}) and a present mask (have {sorted(present)})"
+                )
+            mask = tokens == self.placeholder_ids[name]
+            self._check_counts(name, mask, embeds, present[name])
+            # masked_scatter fills True positions in row-major order: sample by sample,
+            # position by position, which is exactly the order of the flattened rows.
+            merged = merged.masked_scatter(mask.unsqueeze(-1), embeds.to(merged.dtype))
+        return merged
+
+    def _check_counts(
+        self, name: str, mask: torch.Tensor, embeds: torch.Tensor, present: torch.Tensor
+    ) -> None:
+        """Raise ``ValueError`` unless placeholders match the embeddings sample by sample."""
+        present = present.bool()
+        modality = self.modality_of.get(name, "?")
+        num_present = int(present.sum())
+        if embeds.dim() != 3 or embeds.shape[0] != num_present:
+            raise ValueError(
+                f"module {name!r} (modality {modality!r}): expected embeddings "
+                f"[{num_present}, T, H] for the {num_present} present samples, "
+                f"got {tuple(embeds.shape)}"
+            )
+        counts = mask.sum(dim=1)
+        expected = present.long() * embeds.shape[1]
+        bad = (counts != expected).nonzero().flatten()
+        if bad.numel():
+            i = int(bad[0])
+            raise ValueError(
+                f"sample {i}: {int(counts[i])} placeholder tokens for module {name!r} "
+                f"(modality {modality!r}) but expected {int(expected[i])} "
+                f"({'present' if bool(present[i]) else 'absent'}, {embeds.shape[1]} "
+                "tokens per sample)"
+            )
+
+    def forward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Single-process reference: encode, merge, run the LM, score.
+
+        Args:
+            batch: dict with ``tokens``, ``labels``, ``loss_mask`` and, per modality,
+                ``<modality>`` and ``has_<modality>``.
+
+        Returns:
+            ``(loss_sum, num_tokens, correct)`` as from :func:`language_loss`.
+
+        Raises:
+            ValueError: if this instance does not hold every module.
+        """
+        if self.language_model is None or set(self.modality_submodules) != set(
+            self.placeholder_ids
+        ):
+            raise ValueError(
+                "MimoModel.forward needs every module on this rank; in a distributed "
+                "layout call encode / merge_embeddings / language_model separately"
+            )
+        embeds = {name: self.encode(name, batch) for name in self.modality_submodules}
+        present = {name: self.present_mask(name, batch) for name in self.modality_submodules}
+        hidden = self.merge_embeddings(
+            batch["tokens"],
+            self.language_model.embed_tokens(batch["tokens"]),
+            embeds,
+            present,
+        )
+        logits = self.language_model(hidden)
+        return language_loss(logits, batch["labels"], batch["loss_mask"])

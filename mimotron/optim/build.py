@@ -1,0 +1,180 @@
+"""Build the optimizer and the LR schedulers of a model from the run config.
+
+Kept apart from :mod:`~mimotron.optim.mimo_optimizer` (global consensus over per-module
+optimizers) and :mod:`~mimotron.optim.scheduler` (the schedule itself): this file is the
+one that knows the config and the model's shape.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from mimotron.config import PRECISIONS, MimoConfig, ModuleConfig, OptimizerConfig
+from mimotron.optim.loss_scaler import ConstantLossScaler, DynamicLossScaler, LossScaler
+from mimotron.optim.mimo_optimizer import MimoOptimizer, ModuleOptimizerInfo
+from mimotron.optim.scheduler import OptimizerParamScheduler
+from mimotron.parallel.groups import ProcessGroupCollection
+
+
+def _submodule(mimo_model: Any, name: str, mcfg: ModuleConfig) -> nn.Module | None:
+    """The part of ``name`` on this rank, or None."""
+    if mcfg.is_encoder:
+        subs = getattr(mimo_model, "modality_submodules", None)
+        return subs[name] if subs is not None and name in subs else None
+    return getattr(mimo_model, "language_model", None)
+
+
+def _check_groups(name: str, grid: Any, pg: ProcessGroupCollection | None) -> None:
+    """Without groups a multi-rank module's norm would silently miss its other shards."""
+    if grid is None or pg is not None:
+        return
+    if getattr(grid, "size", 1) > 1 and grid.is_current_rank_in_grid():
+        raise ValueError(
+            f"module {name!r} spans {grid.size} ranks including this one, but "
+            "pg_collections has no entry for it (build it with ProcessGroupCollection.from_grid)"
+        )
+
+
+def _loss_scaler(oc: OptimizerConfig, precision: str) -> LossScaler:
+    if precision != "fp16":
+        return ConstantLossScaler(1.0)
+    return DynamicLossScaler(
+        oc.initial_loss_scale, oc.min_loss_scale, oc.loss_scale_window, oc.hysteresis
+    )
+
+
+def build_torch_optimizer(
+    named_params: list[tuple[str, nn.Parameter]], cfg: OptimizerConfig
+) -> torch.optim.Optimizer:
+    """AdamW / Adam / SGD over two groups: decayed, and ``no_decay`` (weight decay 0).
+
+    Groups carry ``wd_mult`` (1 or 0) so a weight-decay schedule skips no-decay groups.
+
+    Raises:
+        ValueError: an unknown optimizer name or no parameters.
+    """
+    if not named_params:
+        raise ValueError("cannot build an optimizer over no parameters")
+    decay = [p for n, p in named_params if not any(s in n for s in cfg.no_decay)]
+    no_decay = [p for n, p in named_params if any(s in n for s in cfg.no_decay)]
+    groups = [
+        {"params": ps, "weight_decay": wd, "wd_mult": mult}
+        for ps, wd, mult in ((decay, cfg.weight_decay, 1.0), (no_decay, 0.0, 0.0))
+        if ps
+    ]
+    if cfg.name in ("adamw", "adam"):
+        cls = torch.optim.AdamW if cfg.name == "adamw" else torch.optim.Adam
+        return cls(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
+    if cfg.name == "sgd":
+        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum)
+    raise ValueError(f"optimizer.name={cfg.name!r} is invalid: expected adamw, adam or sgd")
+
+
+def get_mimo_optimizer(
+    mimo_model: Any,
+    config: MimoConfig,
+    grids: Mapping[str, Any] | None = None,
+    pg_collections: Mapping[str, ProcessGroupCollection] | Any | None = None,
+    precision: str | None = None,
+    world_group: dist.ProcessGroup | None = None,
+) -> MimoOptimizer:
+    """Build one optimizer per module present on this rank, wrapped in a MimoOptimizer.
+
+    Every module of ``config.modules`` gets an info (inactive where the rank holds none
+    of it, the module is frozen, or it has no trainable parameters here), so slots line
+    up on all ranks. Loss-scaler settings come from the global ``[optimizer]`` table for
+    every module, because the scales must stay identical.
+
+    Args:
+        mimo_model: has ``modality_submodules[name]`` (encoders) and ``language_model``;
+            either may be missing on this rank.
+        config: the run config (per-module optimizer overrides apply).
+        grids: module name -> HyperCommGrid (only used to catch missing groups).
+        pg_collections: module name -> groups, for modules this rank belongs to (a
+            dict or a ``MultiModuleProcessGroupCollection``). Required for every module
+            that spans more than one rank: its norm needs the module's ``mp``/``dp``.
+        precision: ``fp32``/``bf16``/``fp16`` (dynamic loss scaling); ``None`` =
+            ``config.train.precision``.
+        world_group: group over all ranks; ``None`` = the default group.
+
+    Returns:
+        The multi-module optimizer.
+
+    Raises:
+        ValueError: an unknown precision or optimizer name, or a multi-rank grid that
+            contains this rank but has no process-group collection.
+    """
+    precision = config.train.precision if precision is None else precision
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision={precision!r} is invalid: expected one of {PRECISIONS}")
+    oc = config.optimizer
+    infos: dict[str, ModuleOptimizerInfo] = {}
+    for name, mcfg in config.modules.items():
+        module = _submodule(mimo_model, name, mcfg)
+        named = [] if module is None or mcfg.freeze else [
+            (n, p) for n, p in module.named_parameters() if p.requires_grad
+        ]
+        grid = grids.get(name) if grids is not None else None
+        pg = pg_collections[name] if pg_collections is not None and name in pg_collections else None
+        _check_groups(name, grid, pg)
+        opt = build_torch_optimizer(named, config.effective_optimizer(name)) if named else None
+        infos[name] = ModuleOptimizerInfo(
+            optimizer=opt,
+            grid=grid,
+            pg_collection=pg,
+            is_active=bool(named),
+            params=named,
+            loss_scaler=_loss_scaler(oc, precision),
+            frozen=mcfg.freeze,
+        )
+    return MimoOptimizer(infos, oc, world_group)
+
+
+def build_schedulers(
+    cfg: MimoConfig, optimizer: MimoOptimizer
+) -> dict[str, OptimizerParamScheduler]:
+    """One scheduler per module that has an optimizer on this rank.
+
+    Values come from ``cfg.effective_optimizer(name)`` (lr, min_lr, weight_decay) and
+    ``cfg.effective_scheduler(name)``: ``decay_iters = 0`` means ``train.iters``,
+    ``min_lr = None`` means the optimizer's ``min_lr``, and unset start/end weight decay
+    mean a constant weight decay (the groups keep the value they were built with).
+
+    Args:
+        cfg: the run config.
+        optimizer: the multi-module optimizer whose active modules get schedules.
+
+    Returns:
+        Module name -> scheduler, for active modules only (sorted by name).
+    """
+    schedulers: dict[str, OptimizerParamScheduler] = {}
+    for name, info in optimizer.module_infos.items():
+        if not info.is_active or info.optimizer is None:
+            continue
+        opt = cfg.effective_optimizer(name)
+        sched = cfg.effective_scheduler(name)
+        start_wd, end_wd = sched.start_weight_decay, sched.end_weight_decay
+        if start_wd is None and end_wd is None:
+            wd_style = "constant"
+        else:
+            # Only one end given: the other stays at the optimizer's weight decay.
+            start_wd = opt.weight_decay if start_wd is None else start_wd
+            end_wd = opt.weight_decay if end_wd is None else end_wd
+            wd_style = sched.weight_decay_style
+        schedulers[name] = OptimizerParamScheduler(
+            info.optimizer,
+            max_lr=opt.lr,
+            min_lr=opt.min_lr if sched.min_lr is None else sched.min_lr,
+            warmup_iters=sched.warmup_iters,
+            decay_iters=sched.decay_iters or cfg.train.iters,
+            decay_style=sched.decay_style,
+            start_wd=start_wd,
+            end_wd=end_wd,
+            wd_incr_style=wd_style,
+        )
+    return schedulers

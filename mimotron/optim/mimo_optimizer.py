@@ -1,0 +1,491 @@
+"""One optimizer per module, one global view: grad norm, clipping, found-inf, success.
+
+Modules live on different (or shared) ranks with different layouts, yet clipping must
+use the norm over *all* parameters and every rank must take the same branch (skip or
+step). The trick (DESIGN.md §3): modules are ordered by name and slot ``i`` of every
+world vector belongs to module ``i``. A module's ranks fill its slot with a value that
+is identical on all of them, every other rank puts 0 there, and a world all-reduce MAX
+gives every rank the whole vector. Found-inf is a world MAX, step success a world MIN.
+
+Collective discipline: world collectives are issued by every rank; a module's group
+collectives by every rank *in the module* (``ModuleOptimizerInfo.in_module``), whether
+or not it holds parameters, in module-name order, before any early return.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate
+
+from mimotron.config import OptimizerConfig
+from mimotron.optim.loss_scaler import ConstantLossScaler, LossScaler
+from mimotron.parallel.groups import ProcessGroupCollection
+
+_PREFIX = "optimizer"
+
+
+@dataclass
+class ModuleOptimizerInfo:
+    """Optimizer info for one module on this rank.
+
+    Attributes:
+        optimizer: the module's torch optimizer; ``None`` when inactive here.
+        grid: the module's ``HyperCommGrid`` (informational).
+        pg_collection: the module's groups on this rank; ``None`` when this rank holds
+            no part of the module. ``mp`` (tp x pp) sums the squared norm, ``dp`` (or
+            ``dp_cp``) sums the part of DTensor grads sharded over data parallelism.
+        is_active: this rank steps an optimizer for the module.
+        params: ``(name, parameter)`` pairs; optimizer state is keyed by these names so
+            checkpoints do not depend on the layout. Empty = index names (``"0"``, ...).
+        loss_scaler: the module's scaler (all modules' scalers stay identical).
+        frozen: the module is frozen everywhere, so its ranks skip its collectives.
+    """
+
+    optimizer: torch.optim.Optimizer | None = None
+    grid: Any | None = None
+    pg_collection: ProcessGroupCollection | None = None
+    is_active: bool = False
+    params: list[tuple[str, nn.Parameter]] = field(default_factory=list)
+    loss_scaler: LossScaler = field(default_factory=ConstantLossScaler)
+    frozen: bool = False
+
+    @property
+    def in_module(self) -> bool:
+        """Whether this rank computes the module's slot (and joins its group collectives).
+
+        An active module without groups is a one-rank module: it counts locally only.
+        """
+        return (self.pg_collection is not None or self.is_active) and not self.frozen
+
+
+class MimoOptimizer:
+    """Optimizer for a multi-module model with a parallel layout per module.
+
+    Args:
+        module_infos: module name -> info; every rank passes every module name.
+        config: global optimizer settings (``clip_grad``: 0 = off).
+        world_group: group spanning all ranks; ``None`` = the default group (or no
+            collectives at all when torch.distributed is not initialised).
+
+    Raises:
+        ValueError: an active module without an optimizer, or a parameter of an inner
+            optimizer that ``params`` does not name.
+    """
+
+    def __init__(
+        self,
+        module_infos: dict[str, ModuleOptimizerInfo],
+        config: OptimizerConfig,
+        world_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        self.config = config
+        self.module_infos = {name: module_infos[name] for name in sorted(module_infos)}
+        self._world = world_group
+        self._distributed = dist.is_available() and dist.is_initialized()
+        self._device = _collective_device(world_group) if self._distributed else torch.device("cpu")
+        self._rank = dist.get_rank() if self._distributed else 0
+        # Parameter names in the inner optimizer's index order, per active module.
+        self._order: dict[str, list[str]] = {}
+        for name, info in self.module_infos.items():
+            if info.is_active:
+                self._order[name] = _index_names(name, info)
+                for group in info.optimizer.param_groups:
+                    group["module"] = name
+
+    # ---- collectives ------------------------------------------------------------------
+    def _world_reduce(self, values: list[float], op: dist.ReduceOp) -> torch.Tensor:
+        t = torch.tensor(values, dtype=torch.float64, device=self._device)
+        if self._distributed:
+            dist.all_reduce(t, op=op, group=self._world)
+        return t.cpu()
+
+    def _active(self) -> list[ModuleOptimizerInfo]:
+        return [i for i in self.module_infos.values() if i.is_active]
+
+    # ---- gradients --------------------------------------------------------------------
+    def prepare_grads(self) -> bool:
+        """Unscale (fp16), check for non-finite grads, agree on it world-wide.
+
+        Also updates every module's loss scaler from the world flag.
+
+        Returns:
+            found_inf, identical on every rank.
+        """
+        found = False
+        for info in self._active():
+            grads = _reduced_grads(info)
+            if info.loss_scaler.is_dynamic:
+                _scale_(grads, info.loss_scaler.inv_scale)
+            found = found or _has_non_finite(grads)
+        found_inf = bool(self._world_reduce([float(found)], dist.ReduceOp.MAX).item() > 0)
+        for info in self.module_infos.values():
+            info.loss_scaler.update(found_inf)
+        return found_inf
+
+    def _global_stats(self) -> tuple[float, int]:
+        """(grad norm, zero count) over all modules: one world all-reduce of 2n slots."""
+        slots = [0.0] * (2 * len(self.module_infos))
+        for i, (name, info) in enumerate(self.module_infos.items()):
+            if info.in_module:
+                slots[2 * i : 2 * i + 2] = self._module_stats(name, info)
+        vec = self._world_reduce(slots, dist.ReduceOp.MAX).view(-1, 2)
+        return math.sqrt(vec[:, 0].sum().item()), int(round(vec[:, 1].sum().item()))
+
+    def _module_stats(self, name: str, info: ModuleOptimizerInfo) -> list[float]:
+        """[squared norm, zeros] of one module, identical on all of its ranks."""
+        pg = info.pg_collection or ProcessGroupCollection()
+        mp, dp = pg.mp, pg.dp_cp if _usable(pg.dp_cp) else pg.dp
+        mp_ranks = set(dist.get_process_group_ranks(mp)) if _usable(mp) else {self._rank}
+        dp_ranks = set(dist.get_process_group_ranks(dp)) if _usable(dp) else {self._rank}
+        own = torch.zeros(2, dtype=torch.float64, device=self._device)
+        shared = torch.zeros(2, dtype=torch.float64, device=self._device)
+        any_shared = False
+        for _, p in info.params:
+            over_dp = _sharded_outside(p, mp_ranks, dp_ranks, name)
+            any_shared = any_shared or over_dp
+            local = _counted_local_grad(p, mp_ranks)
+            if local is not None:
+                target = shared if over_dp else own
+                target[0] += torch.linalg.vector_norm(local, dtype=torch.float64).to(own) ** 2
+                target[1] += local.numel() - torch.count_nonzero(local).to(own)
+        # Placements are the same on all DP replicas, so they agree on this branch.
+        if any_shared and _usable(dp):
+            dist.all_reduce(shared, group=dp)
+        total = own + shared
+        if _usable(mp):
+            dist.all_reduce(total, group=mp)
+        return total.tolist()
+
+    def get_grad_norm(self) -> float:
+        """Global L2 norm of all modules' gradients (world collective)."""
+        return self._global_stats()[0]
+
+    def count_zeros(self) -> int:
+        """Number of zero gradient entries over all modules (world collective)."""
+        return self._global_stats()[1]
+
+    def clip_grad_norm(
+        self, clip_grad: float | None = None, grad_norm: float | None = None
+    ) -> float:
+        """Scale all grads by ``clip / (norm + 1e-6)`` when that is below 1.
+
+        Args:
+            clip_grad: max norm; ``None`` = ``config.clip_grad``; 0 = no clipping.
+            grad_norm: a global norm already computed this step (skips the collective).
+
+        Returns:
+            The global grad norm before clipping.
+        """
+        clip = self.config.clip_grad if clip_grad is None else clip_grad
+        norm = self.get_grad_norm() if grad_norm is None else grad_norm
+        coeff = clip / (norm + 1.0e-6)
+        if clip > 0 and coeff < 1.0:
+            for info in self._active():
+                _scale_(_grads(info), coeff)
+        return norm
+
+    # ---- stepping ---------------------------------------------------------------------
+    def step(self) -> tuple[bool, float | None, int | None]:
+        """Prepare, clip with the global norm, count zeros, and step every module.
+
+        Zeros are always counted: they come out of the same pass and the same world
+        all-reduce as the norm, so they cost nothing extra.
+
+        Returns:
+            ``(success, grad_norm, num_zeros)``, identical on every rank;
+            ``(False, None, None)`` when any rank found a non-finite gradient.
+        """
+        if self.prepare_grads():
+            return False, None, None
+        norm, zeros = self._global_stats()
+        self.clip_grad_norm(grad_norm=norm)
+        success = self.step_with_ready_grads()
+        return success, norm, zeros
+
+    def step_with_ready_grads(self) -> bool:
+        """Step every active inner optimizer; world MIN of the local success."""
+        for info in self._active():
+            info.optimizer.step()
+        return bool(self._world_reduce([1.0], dist.ReduceOp.MIN).item() > 0)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the gradients of every active module."""
+        for info in self._active():
+            info.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def prepare_model_params_for_param_sync(self) -> None:
+        """No-op: parameters are updated in place (no sharded optimizer copies)."""
+
+    def reload_model_params(self, state_dict: dict[str, Any] | None = None) -> None:
+        """No-op: there are no separate fp32 main parameters to refresh."""
+        del state_dict
+
+    def get_loss_scale(self) -> torch.Tensor:
+        """The current loss scale (1.0 without fp16 scaling); same for every module."""
+        for info in self.module_infos.values():
+            return info.loss_scaler.scale
+        return torch.tensor(1.0)
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """All active modules' param groups, each tagged with ``"module": name``."""
+        return [g for info in self._active() for g in info.optimizer.param_groups]
+
+    # ---- state ------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, dict[str, Any]]:
+        """``{module: {"state", "param_groups", "loss_scaler"}}`` with state by name.
+
+        Inactive modules carry only their loss scaler, so every rank (including one
+        that holds no part of a module) can restore every scaler.
+        """
+        out: dict[str, dict[str, Any]] = {}
+        for name, info in self.module_infos.items():
+            entry: dict[str, Any] = {"loss_scaler": info.loss_scaler.state_dict()}
+            if info.is_active:
+                order = self._order[name]
+                inner = info.optimizer.state_dict()
+                entry["state"] = {order[i]: v for i, v in inner["state"].items()}
+                entry["param_groups"] = [
+                    {**g, "params": [order[i] for i in g["params"]]} for g in inner["param_groups"]
+                ]
+            out[name] = entry
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load :meth:`state_dict` output, or a loaded :meth:`sharded_state_dict`.
+
+        Raises:
+            ValueError: an active module, or one of its parameters, is missing from the
+                checkpoint, or a param group holds different parameters.
+        """
+        if any(isinstance(k, str) and k.startswith(_PREFIX + ".") for k in state_dict):
+            state_dict = self._unflatten(state_dict)
+        for name, info in self.module_infos.items():
+            entry = state_dict.get(name)
+            if entry is None:
+                if info.is_active:
+                    raise ValueError(f"optimizer checkpoint has no state for module {name!r}")
+                continue
+            if "loss_scaler" in entry:
+                info.loss_scaler.load_state_dict(entry["loss_scaler"])
+            if info.is_active:
+                info.optimizer.load_state_dict(self._to_indexed(name, info, entry))
+                for group in info.optimizer.param_groups:
+                    group["module"] = name
+
+    def _to_indexed(self, name: str, info: ModuleOptimizerInfo, entry: dict) -> dict:
+        """Name-keyed entry -> torch's index-keyed optimizer state dict."""
+        order = self._order[name]
+        index = {n: i for i, n in enumerate(order)}
+        saved_groups = entry.get("param_groups", [])
+        current = info.optimizer.state_dict()["param_groups"]
+        if len(saved_groups) != len(current):
+            raise ValueError(
+                f"module {name!r}: checkpoint has {len(saved_groups)} param groups, "
+                f"the optimizer has {len(current)}"
+            )
+        groups = []
+        for saved, cur in zip(saved_groups, current, strict=True):
+            want = sorted(order[i] for i in cur["params"])
+            if sorted(saved["params"]) != want:
+                raise ValueError(
+                    f"module {name!r}: checkpoint param group {saved['params']} does not "
+                    f"match the optimizer's {want}"
+                )
+            # Keep the current index order: torch pairs saved and current params by position.
+            groups.append({**saved, "params": cur["params"]})
+        unknown = sorted(set(entry.get("state", {})) - set(index))
+        if unknown:
+            raise ValueError(f"module {name!r}: checkpoint state for unknown params {unknown}")
+        state = {index[n]: v for n, v in entry.get("state", {}).items()}
+        return {"state": state, "param_groups": groups}
+
+    def sharded_state_dict(
+        self, model_sharded_state_dict: dict[str, Any] | None = None, is_loading: bool = False
+    ) -> dict[str, Any]:
+        """Flat dict for ``torch.distributed.checkpoint``.
+
+        Keys: ``optimizer.<module>.state.<param>.<key>`` (tensors, DTensors for DTensor
+        parameters so DCP reshards them), ``optimizer.<module>.param_groups`` and
+        ``optimizer.<module>.loss_scaler`` (plain objects written by whichever rank holds
+        the module, so they survive when global rank 0 is not in it).
+
+        Args:
+            model_sharded_state_dict: accepted for Megatron parity; DTensor parameters
+                carry their own sharding, so it is not needed.
+            is_loading: create the optimizer state first (a zero-lr step on zero grads)
+                so DCP has tensors to load into; pass the loaded dict to
+                :meth:`load_state_dict`.
+
+        Returns:
+            The flat state dict.
+        """
+        del model_sharded_state_dict
+        if is_loading:
+            self._init_state_for_loading()
+        flat: dict[str, Any] = {}
+        for name, entry in self.state_dict().items():
+            prefix = f"{_PREFIX}.{name}."
+            flat[prefix + "loss_scaler"] = entry["loss_scaler"]
+            if "param_groups" in entry:
+                flat[prefix + "param_groups"] = entry["param_groups"]
+            for pname, st in entry.get("state", {}).items():
+                for key, value in st.items():
+                    flat[f"{prefix}state.{pname}.{key}"] = value
+        return flat
+
+    def _unflatten(self, flat: dict[str, Any]) -> dict[str, dict[str, Any]]:
+        out: dict[str, dict[str, Any]] = {}
+        for name in self.module_infos:
+            prefix = f"{_PREFIX}.{name}."
+            entry: dict[str, Any] = {}
+            if prefix + "loss_scaler" in flat:
+                entry["loss_scaler"] = flat[prefix + "loss_scaler"]
+            if prefix + "param_groups" in flat:
+                entry["param_groups"] = flat[prefix + "param_groups"]
+                entry["state"] = {}
+            for key, value in flat.items():
+                if key.startswith(prefix + "state."):
+                    # State keys (exp_avg, step, ...) have no dots; parameter names do.
+                    pname, skey = key[len(prefix + "state.") :].rsplit(".", 1)
+                    entry.setdefault("state", {}).setdefault(pname, {})[skey] = value
+            if entry:
+                out[name] = entry
+        return out
+
+    def _init_state_for_loading(self) -> None:
+        """Materialise lazy optimizer state with a zero-lr step on zero gradients."""
+        for info in self._active():
+            opt = info.optimizer
+            params = [p for g in opt.param_groups for p in g["params"]]
+            if all(p in opt.state and opt.state[p] for p in params):
+                continue
+            lrs = [g["lr"] for g in opt.param_groups]
+            grads = [p.grad for p in params]
+            for g in opt.param_groups:
+                g["lr"] = 0.0
+            for p in params:
+                p.grad = torch.zeros_like(p)
+            opt.step()
+            for g, lr in zip(opt.param_groups, lrs, strict=True):
+                g["lr"] = lr
+            for p, grad in zip(params, grads, strict=True):
+                p.grad = grad
+
+
+# ---- helpers ------------------------------------------------------------------------
+
+
+def _collective_device(group: dist.ProcessGroup | None) -> torch.device:
+    """CPU for gloo; the accelerator for backends that need device tensors (NCCL)."""
+    backend = str(dist.get_backend(group))
+    if backend in ("gloo", "fake") or not torch.accelerator.is_available():
+        return torch.device("cpu")
+    return torch.accelerator.current_accelerator()
+
+
+def _usable(group: Any) -> bool:
+    """A real group this rank belongs to, with more than one rank."""
+    return isinstance(group, dist.ProcessGroup) and dist.get_world_size(group) > 1
+
+
+def _index_names(module: str, info: ModuleOptimizerInfo) -> list[str]:
+    if info.optimizer is None:
+        raise ValueError(f"module {module!r} is active but has no optimizer")
+    ordered = [p for g in info.optimizer.param_groups for p in g["params"]]
+    if not info.params:
+        info.params = [(str(i), p) for i, p in enumerate(ordered)]
+    names = {id(p): n for n, p in info.params}
+    missing = [i for i, p in enumerate(ordered) if id(p) not in names]
+    if missing:
+        raise ValueError(f"module {module!r}: optimizer params {missing} are not named in params")
+    return [names[id(p)] for p in ordered]
+
+
+def _grads(info: ModuleOptimizerInfo) -> list[torch.Tensor]:
+    return [p.grad for _, p in info.params if p.grad is not None]
+
+
+def _reduced_grads(info: ModuleOptimizerInfo) -> list[torch.Tensor]:
+    """Grads, with Partial DTensor grads all-reduced to Replicate (norm needs values).
+
+    Every rank holding the parameter visits it in the same order, so the collectives
+    over the parameter's mesh line up.
+    """
+    for _, p in info.params:
+        g = p.grad
+        if isinstance(g, DTensor) and any(pl.is_partial() for pl in g.placements):
+            placements = [Replicate() if pl.is_partial() else pl for pl in g.placements]
+            p.grad = g.redistribute(g.device_mesh, placements)
+    return _grads(info)
+
+
+def _scale_(grads: list[torch.Tensor], factor: float) -> None:
+    plain = [g for g in grads if not isinstance(g, DTensor)]
+    if plain:
+        torch._foreach_mul_(plain, factor)
+    for g in grads:
+        if isinstance(g, DTensor):
+            g.mul_(factor)
+
+
+def _has_non_finite(grads: list[torch.Tensor]) -> bool:
+    if not grads:
+        return False
+    local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    # One host sync for the whole module instead of one per tensor.
+    return not bool(torch.stack([torch.isfinite(g).all() for g in local]).all())
+
+
+def _dim_ranks(mesh: Any, dim: int) -> set[int]:
+    """Ranks of this rank's group along one mesh dim (from the mesh tensor, no groups)."""
+    coord = mesh.get_coordinate()
+    assert coord is not None, "a rank holding a DTensor must be in its mesh"
+    index: list[Any] = list(coord)
+    index[dim] = slice(None)
+    return set(mesh.mesh[tuple(index)].flatten().tolist())
+
+
+def _counted_local_grad(p: torch.Tensor, mp_ranks: set[int]) -> torch.Tensor | None:
+    """The local grad this rank counts, or None (no grad, or a replica counted elsewhere).
+
+    A Replicate dim inside the module's mp group is counted on coordinate 0 only (the mp
+    SUM would count it once per replica); replicas outside mp are equal and the world
+    MAX already keeps one.
+    """
+    g = p.grad
+    if g is None:
+        return None
+    if not isinstance(g, DTensor):
+        return g
+    coord = g.device_mesh.get_coordinate()
+    for dim, pl in enumerate(g.placements):
+        if pl.is_replicate() and coord[dim] != 0 and _dim_ranks(g.device_mesh, dim) <= mp_ranks:
+            return None
+    return g.to_local()
+
+
+def _sharded_outside(p: torch.Tensor, mp_ranks: set[int], dp_ranks: set[int], module: str) -> bool:
+    """Whether a DTensor parameter is sharded over ranks outside mp (e.g. FSDP over dp)."""
+    if not isinstance(p, DTensor):
+        return False
+    mesh, outside = p.device_mesh, False
+    for dim, pl in enumerate(p.placements):
+        if not pl.is_shard() or mesh.size(dim) == 1:
+            continue
+        ranks = _dim_ranks(mesh, dim)
+        if ranks <= mp_ranks:
+            continue
+        if not ranks <= dp_ranks:
+            raise ValueError(
+                f"module {module!r}: a parameter is sharded over ranks {sorted(ranks)}, "
+                "which are in neither its mp nor its dp group"
+            )
+        outside = True
+    return outside

@@ -1,0 +1,98 @@
+"""Data parallelism per module: SUM-reduce gradients over the module's own DP group.
+
+The loss each rank backpropagates is already divided by the *global* loss-token count
+(broadcast to every rank, encoder-only ranks included, before the schedule runs), so a
+SUM over DP replicas gives exactly the single-device mean over tokens. FSDP's default
+AVG would divide a second time by the DP degree, wrongly for encoders whose DP degree
+differs from the language model's (DESIGN.md §8).
+
+Gradients are flattened into buckets of at most ``bucket_bytes`` so each bucket is one
+collective; a parameter that received no gradient on this rank (e.g. an encoder whose
+modality was absent from this rank's slice) contributes zeros, so every rank of the
+group issues the same collectives with the same sizes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from mimotron.parallel.groups import ProcessGroupCollection
+
+DEFAULT_BUCKET_BYTES = 32 * 2**20
+
+
+def trainable_params(module: nn.Module) -> list[nn.Parameter]:
+    """Parameters that take gradients, in registration order (identical on every replica)."""
+    return [p for p in module.parameters() if p.requires_grad]
+
+
+def _buckets(params: list[nn.Parameter], bucket_bytes: int) -> Iterable[list[nn.Parameter]]:
+    bucket: list[nn.Parameter] = []
+    size = 0
+    for p in params:
+        nbytes = p.numel() * p.element_size()
+        if bucket and (size + nbytes > bucket_bytes or p.dtype != bucket[0].dtype):
+            yield bucket
+            bucket, size = [], 0
+        bucket.append(p)
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor, or the tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def allreduce_gradients(
+    module: nn.Module,
+    group: dist.ProcessGroup | None,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+) -> None:
+    """SUM every trainable parameter's gradient over ``group`` (no-op for one rank)."""
+    params = trainable_params(module)
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    if group is None or dist.get_world_size(group) == 1:
+        return
+    for bucket in _buckets(params, bucket_bytes):
+        grads = [_local(p.grad) for p in bucket]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+        offset = 0
+        for g in grads:
+            n = g.numel()
+            g.copy_(flat[offset : offset + n].view_as(g))
+            offset += n
+
+
+def finalize_model_grads(
+    modules: dict[str, nn.Module],
+    pg_collections: dict[str, ProcessGroupCollection],
+    frozen: set[str] | None = None,
+) -> None:
+    """Reduce each module's gradients over its own DP group, in sorted module order.
+
+    Args:
+        modules: the module parts this rank holds, keyed by module name.
+        pg_collections: the process groups of each of those modules.
+        frozen: modules that do not train (no gradient sync at all).
+    """
+    frozen = frozen or set()
+    for name in sorted(modules):
+        if name in frozen:
+            continue
+        allreduce_gradients(modules[name], pg_collections[name].dp)
+
+
+def zero_grad_buffer_for_multimodule(modules: dict[str, nn.Module]) -> None:
+    """Clear every module part's gradients before a new step (set to None)."""
+    for module in modules.values():
+        for p in module.parameters():
+            p.grad = None

@@ -1,0 +1,289 @@
+"""Placement planning: which global rank holds which module, at which coordinates.
+
+Pure functions over the config (no process group), so ``mimotron plan`` and every
+validation run before any process starts. Two placements exist:
+
+* **colocated** — every module spans the same ranks ``[0, world)`` (degrees may differ);
+* **non-colocated** — modules occupy disjoint contiguous blocks that tile ``[0, world)``.
+
+Coordinates follow the grid convention of :class:`~mimotron.parallel.grid.HyperCommGrid`:
+base dims ``tp, cp, dp, pp`` with ``tp`` varying fastest.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from mimotron.config import MimoConfig, ParallelConfig
+
+GRID_DIMS = ("tp", "cp", "dp", "pp")
+LANGUAGE = "language"
+
+
+@dataclass(frozen=True)
+class ModulePlacement:
+    """One module's block of ranks and its parallel degrees."""
+
+    name: str
+    parallel: ParallelConfig
+
+    @property
+    def rank_offset(self) -> int:
+        return self.parallel.rank_offset
+
+    @property
+    def size(self) -> int:
+        return self.parallel.size
+
+    @property
+    def ranks(self) -> range:
+        return range(self.rank_offset, self.rank_offset + self.size)
+
+    @property
+    def shape(self) -> list[int]:
+        """Grid shape in ``GRID_DIMS`` order."""
+        p = self.parallel
+        return [p.tensor, p.context, p.data, p.pipeline]
+
+    def coordinate(self, rank: int) -> dict[str, int] | None:
+        """Grid coordinates of a global rank, or None if the rank is outside the block."""
+        if rank not in self.ranks:
+            return None
+        local, coord = rank - self.rank_offset, {}
+        for dim, size in zip(GRID_DIMS, self.shape, strict=True):
+            coord[dim] = local % size
+            local //= size
+        return coord
+
+    def rank_at(self, **coord: int) -> int:
+        """Global rank at the given coordinates (missing dims = 0)."""
+        rank, stride = self.rank_offset, 1
+        for dim, size in zip(GRID_DIMS, self.shape, strict=True):
+            rank += coord.get(dim, 0) * stride
+            stride *= size
+        return rank
+
+
+@dataclass(frozen=True)
+class RankRole:
+    """What one global rank does for one module."""
+
+    rank: int
+    module: str
+    tp: int
+    cp: int
+    dp: int
+    pp: int
+    is_first_stage: bool
+    is_last_stage: bool
+
+
+@dataclass
+class Layout:
+    """The placement of every module over the world."""
+
+    world_size: int
+    colocated: bool
+    modules: dict[str, ModulePlacement]
+    # Module DAG: source module -> destination modules (every encoder feeds language).
+    topology: dict[str, list[str]] = field(default_factory=dict)
+
+    def roles(self, rank: int) -> list[RankRole]:
+        """The roles of a rank, one per module it holds, in config order."""
+        out = []
+        for name, mod in self.modules.items():
+            c = mod.coordinate(rank)
+            if c is None:
+                continue
+            last = mod.parallel.pipeline - 1
+            out.append(
+                RankRole(
+                    rank, name, c["tp"], c["cp"], c["dp"], c["pp"], c["pp"] == 0, c["pp"] == last
+                )
+            )
+        return out
+
+    def modules_on_rank(self, rank: int) -> list[str]:
+        return [r.module for r in self.roles(rank)]
+
+    def rank_map(self) -> list[list[RankRole]]:
+        """Roles of every rank, indexed by global rank."""
+        return [self.roles(r) for r in range(self.world_size)]
+
+    def format_rank_map(self) -> str:
+        """A human-readable table of the rank map."""
+        lines = [
+            f"placement: {'colocated' if self.colocated else 'non-colocated'}, "
+            f"world size {self.world_size}",
+            f"{'rank':>4}  {'module':<10} {'tp':>2} {'cp':>2} {'dp':>2} {'pp':>2}  stage",
+        ]
+        for roles in self.rank_map():
+            for i, r in enumerate(roles):
+                stage = (
+                    "first+last"
+                    if r.is_first_stage and r.is_last_stage
+                    else "first"
+                    if r.is_first_stage
+                    else "last"
+                    if r.is_last_stage
+                    else "middle"
+                )
+                rank = f"{r.rank:>4}" if i == 0 else " " * 4
+                lines.append(
+                    f"{rank}  {r.module:<10} {r.tp:>2} {r.cp:>2} {r.dp:>2} {r.pp:>2}  {stage}"
+                )
+        return "\n".join(lines)
+
+
+def plan_layout(cfg: MimoConfig, env_world_size: int | None = None) -> Layout:
+    """Derive and validate the layout of a config.
+
+    Args:
+        cfg: a config that passed ``MimoConfig.validate``.
+        env_world_size: the launcher's WORLD_SIZE, when running under torchrun; checked
+            against the layout. ``None`` reads ``WORLD_SIZE`` only if ``TORCHELASTIC_RUN_ID``
+            is set (i.e. under torchrun), else skips the check.
+
+    Returns:
+        The layout.
+
+    Raises:
+        ValueError: the first rule broken, naming the field and what would be valid.
+    """
+    modules = {n: ModulePlacement(n, m.parallel) for n, m in cfg.modules.items()}
+    colocated, world_size = _check_placement(modules)
+    topology = {n: [LANGUAGE] for n in cfg.encoder_names}
+    for name in cfg.modules:
+        _check_module_shape(cfg, name, colocated)
+    for src, dsts in topology.items():
+        for dst in dsts:
+            _check_dp_compatible(modules[src], modules[dst])
+    _check_batch(cfg, modules)
+    if env_world_size is None and os.environ.get("TORCHELASTIC_RUN_ID"):
+        env_world_size = int(os.environ.get("WORLD_SIZE", "0"))
+    if env_world_size is not None and env_world_size != world_size:
+        raise ValueError(
+            f"WORLD_SIZE={env_world_size} does not match the layout, which needs {world_size} "
+            f"ranks ({_describe_blocks(modules)}); launch with --nproc-per-node={world_size} "
+            "or change modules.<name>.parallel"
+        )
+    return Layout(world_size, colocated, modules, topology)
+
+
+def _describe_blocks(modules: dict[str, ModulePlacement]) -> str:
+    return ", ".join(
+        f"{n}: ranks {m.rank_offset}-{m.rank_offset + m.size - 1}" for n, m in modules.items()
+    )
+
+
+def _check_placement(modules: dict[str, ModulePlacement]) -> tuple[bool, int]:
+    """Return (colocated, world_size) or raise for overlaps, gaps and partial overlaps."""
+    blocks = sorted(modules.values(), key=lambda m: (m.rank_offset, m.name))
+    first = blocks[0]
+    if all(m.rank_offset == first.rank_offset and m.size == first.size for m in blocks):
+        if first.rank_offset != 0:
+            raise ValueError(
+                f"modules.{first.name}.parallel.rank_offset={first.rank_offset} is invalid: "
+                "the ranks must start at 0 (ranks below it would hold no module)"
+            )
+        return True, first.size
+    expected = 0
+    for m in blocks:
+        field_name = f"modules.{m.name}.parallel.rank_offset"
+        if m.rank_offset < expected:
+            other = next(o for o in blocks if m.rank_offset in o.ranks and o is not m)
+            raise ValueError(
+                f"{field_name}={m.rank_offset} is invalid: ranks {m.rank_offset}-"
+                f"{m.rank_offset + m.size - 1} partially overlap modules.{other.name} (ranks "
+                f"{other.rank_offset}-{other.rank_offset + other.size - 1}); use either the same "
+                f"ranks and size for every module (colocated) or disjoint blocks, e.g. "
+                f"rank_offset={expected}"
+            )
+        if m.rank_offset > expected:
+            raise ValueError(
+                f"{field_name}={m.rank_offset} is invalid: ranks {expected}-{m.rank_offset - 1} "
+                f"would hold no module (stub ranks); set rank_offset={expected}"
+            )
+        expected = m.rank_offset + m.size
+    return False, expected
+
+
+def _check_module_shape(cfg: MimoConfig, name: str, colocated: bool) -> None:
+    mod = cfg.modules[name]
+    par, p = mod.parallel, f"modules.{name}.parallel"
+    if colocated and par.pipeline > 1 and len(cfg.modules) > 1:
+        raise ValueError(
+            f"{p}.pipeline={par.pipeline} is invalid: colocated modules need pipeline=1 "
+            "(use non-colocated blocks for pipeline parallelism)"
+        )
+    for key, total in (("num_heads", mod.num_heads), ("hidden_size", mod.hidden_size)):
+        if total % par.tensor:
+            raise ValueError(
+                f"{p}.tensor={par.tensor} is invalid: it must divide modules.{name}.{key}={total}"
+            )
+    if par.pipeline > mod.num_layers:
+        raise ValueError(
+            f"{p}.pipeline={par.pipeline} is invalid: modules.{name}.num_layers={mod.num_layers} "
+            "layers cannot fill more stages than layers"
+        )
+    if par.layers_per_stage and sum(par.layers_per_stage) != mod.num_layers:
+        raise ValueError(
+            f"{p}.layers_per_stage={par.layers_per_stage} is invalid: it must sum to "
+            f"modules.{name}.num_layers={mod.num_layers}"
+        )
+    if par.context > 1:
+        raise ValueError(
+            f"{p}.context={par.context} is invalid: context parallelism is not supported; use 1"
+        )
+    expert = par.expert * par.expert_tensor * par.pipeline
+    if par.size % expert:
+        raise ValueError(
+            f"{p}.expert={par.expert} is invalid: expert x expert_tensor x pipeline "
+            f"({expert}) must divide the module's {par.size} ranks"
+        )
+
+
+def _check_dp_compatible(src: ModulePlacement, dst: ModulePlacement) -> None:
+    a, b = src.parallel.data, dst.parallel.data
+    if a % b and b % a:
+        raise ValueError(
+            f"modules.{src.name}.parallel.data={a} is invalid: it feeds modules.{dst.name} "
+            f"(data={b}) and one data-parallel degree must divide the other "
+            f"(e.g. {b} or {b * 2} or a divisor of {b})"
+        )
+
+
+def _check_batch(cfg: MimoConfig, modules: dict[str, ModulePlacement]) -> None:
+    mbs = cfg.train.micro_batch_size
+    for name, mod in modules.items():
+        dp = mod.parallel.data
+        if mbs % dp:
+            raise ValueError(
+                f"train.micro_batch_size={mbs} is invalid: it must be divisible by "
+                f"modules.{name}.parallel.data={dp} (each DP replica takes an equal slice)"
+            )
+
+
+def module_grid_shape(par: ParallelConfig) -> tuple[list[int], list[str]]:
+    """Shape and dim names of a module's base grid (tp fastest)."""
+    return [par.tensor, par.context, par.data, par.pipeline], list(GRID_DIMS)
+
+
+def stage_layers(
+    num_layers: int, pipeline: int, layers_per_stage: list[int] | None = None
+) -> list[list[int]]:
+    """Global layer indices of each pipeline stage: contiguous, balanced unless given.
+
+    A balanced split gives the first ``num_layers % pipeline`` stages one extra layer.
+    """
+    counts = list(layers_per_stage or [])
+    if not counts:
+        base, extra = divmod(num_layers, pipeline)
+        counts = [base + (1 if s < extra else 0) for s in range(pipeline)]
+    assert sum(counts) == num_layers and len(counts) == pipeline
+    out, start = [], 0
+    for n in counts:
+        out.append(list(range(start, start + n)))
+        start += n
+    return out

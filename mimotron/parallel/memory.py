@@ -1,0 +1,105 @@
+"""Analytic per-rank memory estimate: weights, gradients, optimizer state, activations.
+
+Used by ``mimotron plan`` and the memory benchmark. Parameter counts come from building
+each pipeline stage on the ``meta`` device, so they match the real model exactly; the
+tensor-parallel share divides every stage's count by the TP degree (norm weights are
+replicated, a small overcount we accept).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mimotron.config import MimoConfig
+from mimotron.parallel.layout import Layout, stage_layers
+
+BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes one rank needs for one module."""
+
+    module: str
+    num_params: int  # parameters held by this rank
+    weights: int
+    grads: int
+    optimizer: int
+    activations: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.grads + self.optimizer + self.activations
+
+
+def stage_parameter_counts(cfg: MimoConfig, name: str, vocab_size: int) -> list[int]:
+    """Parameter count of each pipeline stage of a module (built on the meta device)."""
+    from mimotron.models.build import build_module
+
+    par = cfg.modules[name].parallel
+    stages = stage_layers(cfg.modules[name].num_layers, par.pipeline, par.layers_per_stage)
+    counts = []
+    for s, layers in enumerate(stages):
+        with torch.device("meta"):
+            mod = build_module(
+                cfg,
+                name,
+                vocab_size,
+                layer_ids=layers,
+                pre_process=s == 0,
+                post_process=s == len(stages) - 1,
+                init=False,
+            )
+        counts.append(sum(p.numel() for p in mod.parameters()))
+    return counts
+
+
+def activation_bytes(cfg: MimoConfig, name: str) -> int:
+    """Rough activations kept for backward per rank and micro-batch (fp32 or compute dtype).
+
+    Per transformer layer and token about ``34 * hidden`` bytes in 16-bit precision
+    (Korthikanti et al., without recomputation), attention scores excluded since SDPA
+    does not store them; divided by TP, and by DP through the micro-batch slice.
+    """
+    mod = cfg.modules[name]
+    par = mod.parallel
+    samples = cfg.train.micro_batch_size // par.data
+    tokens = cfg.data.seq_length if mod.kind == "language" else mod.num_output_tokens
+    layers = -(-mod.num_layers // par.pipeline)
+    scale = BYTES[cfg.train.precision] / 2
+    per_layer = 34 * mod.hidden_size * tokens * samples * scale / par.tensor
+    logits = 0
+    if mod.kind == "language":
+        logits = 3 * samples * tokens * 4 * 64  # vocab ~ 64 classes: logits, softmax, grad
+    # 1F1B keeps up to `pipeline` micro-batches in flight on the first stage.
+    return int(per_layer * layers * par.pipeline + logits)
+
+
+def estimate_memory(
+    cfg: MimoConfig, layout: Layout, vocab_size: int
+) -> dict[int, list[MemoryEstimate]]:
+    """Per-rank estimates, one entry per module the rank holds."""
+    counts = {n: stage_parameter_counts(cfg, n, vocab_size) for n in cfg.modules}
+    master = 4
+    compute = BYTES[cfg.train.precision] if cfg.train.precision != "fp32" else 0
+    out: dict[int, list[MemoryEstimate]] = {}
+    for rank in range(layout.world_size):
+        out[rank] = []
+        for role in layout.roles(rank):
+            mod = cfg.modules[role.module]
+            n = counts[role.module][role.pp] // mod.parallel.tensor
+            frozen = mod.freeze
+            opt_shard = mod.parallel.data if mod.parallel.shard_optimizer else 1
+            out[rank].append(
+                MemoryEstimate(
+                    module=role.module,
+                    num_params=n,
+                    weights=n * (master + compute),
+                    grads=0 if frozen else n * 4,
+                    optimizer=0 if frozen else n * 8 // opt_shard,
+                    activations=activation_bytes(cfg, role.module),
+                )
+            )
+    return out

@@ -1,0 +1,114 @@
+"""Device, backend and process-group set-up: the one place that names accelerators.
+
+Library code asks this module for the device and backend, so CPU (gloo) and GPU (NCCL)
+share every other line.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from dataclasses import dataclass
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """Where this process computes and how it talks to the others."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def accelerator_available() -> bool:
+    """True when a CUDA device can be used (and MIMOTRON_DEVICE does not force cpu)."""
+    if os.environ.get("MIMOTRON_DEVICE", "") == "cpu":
+        return False
+    return torch.cuda.is_available()
+
+
+def default_backend() -> str:
+    return "nccl" if accelerator_available() else "gloo"
+
+
+def device_for(local_rank: int) -> torch.device:
+    if accelerator_available():
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def init_runtime(timeout_s: float = 300.0) -> Runtime:
+    """Join (or reuse) the default process group from the launcher's environment.
+
+    Under ``torchrun`` (or the test harness) RANK/WORLD_SIZE/MASTER_* are set. Without
+    them a single-process group is made over a private FileStore-free TCP-less store,
+    so one-process runs take the same code path as many.
+    """
+    if dist.is_initialized():
+        rank, world = dist.get_rank(), dist.get_world_size()
+        local = int(os.environ.get("LOCAL_RANK", rank))
+        return Runtime(rank, world, local, device_for(local), dist.get_backend())
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    device = device_for(local)
+    backend = default_backend()
+    timeout = timedelta(seconds=timeout_s)
+    if "MASTER_ADDR" in os.environ:
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout,
+                                device_id=device if device.type != "cpu" else None)
+    else:
+        assert world == 1, "WORLD_SIZE > 1 needs a launcher (torchrun or mimotron train)"
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=timeout)
+    return Runtime(rank, world, local, device, backend)
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python, NumPy and torch (weights come from (seed, name), not from this)."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def compute_dtype(precision: str) -> torch.dtype:
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak memory of this process: device allocator peak on GPU, max RSS on CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def device_peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
+    """Dense peak FLOP/s of the device for MFU, when known (None on CPU)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    table = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
+    for key, bf16_peak in table.items():
+        if key in name:
+            return bf16_peak if dtype in (torch.bfloat16, torch.float16) else bf16_peak / 2
+    return None
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for queued device work (timers must not measure launch time only)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -1,0 +1,100 @@
+"""Per-rank micro-batches in one global sample order, whatever the layout.
+
+Global batch ``k`` is the samples at stream positions ``[k*G, (k+1)*G)``; micro-batch
+``j`` of it is ``[j*m, (j+1)*m)``; DP replica ``d`` of a module with DP degree ``D``
+takes the contiguous slice ``[d*m/D, (d+1)*m/D)`` of each micro-batch. A rank builds
+only the samples its modules need (the union of its modules' slices), collates once and
+slices per module, so an encoder-only rank never tokenises text it does not use.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from mimotron.data.collate import collate, slice_batch
+from mimotron.parallel.layout import Layout
+from mimotron.pipeline.communicator import slice_range
+
+Microbatch = dict[str, dict[str, torch.Tensor]]
+
+
+class MicrobatchProvider:
+    """Builds this rank's slices of every micro-batch of a step.
+
+    Args:
+        layout: module placement (gives this rank's modules and DP coordinates).
+        rank: this global rank.
+        micro_batch_size: the global micro-batch size.
+        seq_length: padded sequence length.
+        sample_at: ``f(position) -> sample dict`` over the global order.
+        collate_kwargs: passed to ``collate`` (modality shapes).
+    """
+
+    def __init__(self, layout: Layout, rank: int, micro_batch_size: int, seq_length: int,
+                 sample_at: Any, collate_kwargs: dict[str, Any] | None = None) -> None:
+        self.mbs = micro_batch_size
+        self.seq_length = seq_length
+        self.sample_at = sample_at
+        self.collate_kwargs = collate_kwargs or {}
+        self.slices: dict[str, tuple[int, int]] = {}
+        for role in layout.roles(rank):
+            dp = layout.modules[role.module].parallel.data
+            self.slices[role.module] = slice_range(micro_batch_size, dp, role.dp)
+
+    @property
+    def span(self) -> tuple[int, int] | None:
+        """Union of this rank's module slices inside a micro-batch."""
+        if not self.slices:
+            return None
+        return min(s for s, _ in self.slices.values()), max(e for _, e in self.slices.values())
+
+    def microbatch(self, start: int) -> Microbatch:
+        """The micro-batch whose first sample is at global position ``start``."""
+        span = self.span
+        if span is None:
+            return {}
+        lo, hi = span
+        samples = self.sample_at(start + lo, hi - lo)
+        batch = collate(samples, self.seq_length, **self.collate_kwargs)
+        return {name: slice_batch(batch, s - lo, e - lo) for name, (s, e) in self.slices.items()}
+
+    def step(self, start: int, num_microbatches: int) -> list[Microbatch]:
+        """All micro-batches of the step whose first sample is at ``start``."""
+        return [self.microbatch(start + j * self.mbs) for j in range(num_microbatches)]
+
+
+def train_iterator(provider: MicrobatchProvider, start: int, global_batch_size: int
+                   ) -> Iterator[list[Microbatch]]:
+    """Endless steps from global position ``start`` (resume = consumed samples)."""
+    num_mb = global_batch_size // provider.mbs
+    pos = start
+    while True:
+        yield provider.step(pos, num_mb)
+        pos += global_batch_size
+
+
+def padded_reader(task: Any, pad_sample: Any) -> Any:
+    """``f(start, count)`` over a finite split in order; positions past the end are pads.
+
+    A pad sample has ``index = -1`` and an all-zero loss mask, so evaluation batches can
+    be full-sized (every rank in lock-step) without counting pads in any metric.
+    """
+    n = len(task)
+
+    def read(start: int, count: int) -> list[dict[str, Any]]:
+        # get_many batches the tones' STFT; validation samples are epoch 0.
+        real = task.get_many([(p, 0) for p in range(start, min(start + count, n))])
+        return real + [pad_sample] * (count - len(real))
+
+    return read
+
+
+def make_pad_sample(task: Any) -> dict[str, Any]:
+    """A copy of sample 0 that contributes nothing: no loss tokens, index -1."""
+    s = dict(task.get(0))
+    s["loss_mask"] = torch.zeros_like(s["loss_mask"])
+    s["index"] = -1
+    return s

@@ -1,0 +1,99 @@
+"""Evaluation: forward-only schedule over the validation split, all ranks in lock-step.
+
+``eval_accuracy`` is the exact match of greedily generated answers. It is computed in
+one teacher-forced pass: greedy decoding reproduces the answer exactly iff, at every
+answer position (the final ``<eos>`` included), the argmax of the logits given the
+correct prefix is the correct next token — by induction, each greedy step then sees the
+correct prefix. So "every masked argmax correct" *is* greedy exact match, at the cost of
+one forward pass, with any layout (``tests/test_evaluate.py`` checks it against real
+token-by-token generation).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from mimotron.pipeline.communicator import MultiModulePipelineCommunicator
+from mimotron.pipeline.schedules import forward_backward_no_pipelining
+from mimotron.training.data_provider import Microbatch
+from mimotron.training.infra import MimoModelInfra
+from mimotron.training.step import autocast_factory, reduce_outputs
+
+
+def evaluate(
+    forward_step_func: Callable[..., Any],
+    steps: Iterator[list[Microbatch]],
+    model: nn.Module,
+    communicator: MultiModulePipelineCommunicator,
+    infra: MimoModelInfra,
+    precision: str,
+    device: torch.device,
+) -> dict[str, float]:
+    """Token-weighted eval loss and exact-match accuracy over ``steps``.
+
+    Returns:
+        ``{"eval_loss": ..., "eval_accuracy": ..., "eval_samples": ...}`` on every rank.
+    """
+    was_training = model.training
+    model.eval()
+    totals = {"loss_sum": 0.0, "tokens": 0.0, "correct": 0.0, "samples": 0.0}
+    for microbatches in steps:
+        outputs = forward_backward_no_pipelining(
+            forward_step_func=forward_step_func,
+            microbatches=microbatches,
+            model=model,
+            communicator=communicator,
+            loss_divisor=1.0,
+            forward_only=True,
+            autocast=autocast_factory(precision, device),
+        )
+        for key, value in reduce_outputs(outputs, infra, device).items():
+            totals[key] += value
+    model.train(was_training)
+    return {
+        "eval_loss": totals["loss_sum"] / max(totals["tokens"], 1.0),
+        "eval_accuracy": totals["correct"] / max(totals["samples"], 1.0),
+        "eval_samples": totals["samples"],
+    }
+
+
+@torch.no_grad()
+def greedy_generate(model: nn.Module, batch: dict[str, torch.Tensor], prompt_len: int,
+                    max_new_tokens: int, eos_id: int) -> list[list[int]]:
+    """Token-by-token greedy decoding on one process holding every module.
+
+    Used to check the one-pass exact-match metric; training never calls it.
+
+    Args:
+        model: a full ``MimoModel``.
+        batch: one collated sample batch whose prompts all have length ``prompt_len``.
+        prompt_len: tokens before the answer.
+        max_new_tokens: generation limit.
+        eos_id: stop token.
+
+    Returns:
+        The generated ids per sample (without the eos).
+    """
+    embeds = {m: model.encode(m, batch) for m in model.modality_submodules}
+    present = {m: batch[f"has_{model.modality_of[m]}"] for m in embeds}
+    tokens = batch["tokens"][:, :prompt_len].clone()
+    lm = model.language_model
+    done = torch.zeros(tokens.shape[0], dtype=torch.bool)
+    out: list[list[int]] = [[] for _ in range(tokens.shape[0])]
+    for _ in range(max_new_tokens):
+        hidden = model.merge_embeddings(tokens, lm.embed_tokens(tokens), embeds, present)
+        nxt = lm(hidden)[:, -1].argmax(-1)
+        for i, t in enumerate(nxt.tolist()):
+            if not done[i]:
+                if t == eos_id:
+                    done[i] = True
+                else:
+                    out[i].append(t)
+        tokens = torch.cat([tokens, nxt[:, None]], dim=1)
+        if bool(done.all()):
+            break
+    return out

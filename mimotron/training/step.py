@@ -1,0 +1,154 @@
+"""One training step: schedule, gradient finalisation, optimizer, schedulers.
+
+``train_step_mimo`` keeps Megatron-Bridge's return value
+``(loss_dict, skipped_iter, grad_norm, num_zeros_in_grad)``. Every collective below is
+issued by every rank in the same order (world reductions use fixed-size vectors), so no
+rank takes a branch the others don't.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from mimotron.models.language import language_loss
+from mimotron.parallel.data_parallel import finalize_model_grads, zero_grad_buffer_for_multimodule
+from mimotron.pipeline.communicator import MultiModulePipelineCommunicator
+from mimotron.pipeline.schedules import MicrobatchOutput, forward_backward_no_pipelining
+from mimotron.runtime import compute_dtype
+from mimotron.training.data_provider import Microbatch
+from mimotron.training.infra import LANGUAGE, MimoModelInfra
+from mimotron.training.state import GlobalState
+
+
+def default_forward_step(model: nn.Module, batch: dict[str, torch.Tensor],
+                         embeddings: dict[str, torch.Tensor | None]
+                         ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """Merge modality embeddings into the text, run the language model, sum the loss.
+
+    Returns:
+        ``(loss_sum, num_loss_tokens, {"correct": n, "samples": n})`` where ``correct``
+        counts samples whose every answer token is the argmax (= exact match of greedy
+        generation, see ``evaluate``); pad samples (index < 0) are not counted.
+    """
+    lm = model.language_model
+    tokens = batch["tokens"]
+    embeds = {m: e for m, e in embeddings.items() if e is not None}
+    present = {m: batch[f"has_{model.modality_of[m]}"] for m in embeds}
+    hidden = model.merge_embeddings(tokens, lm.embed_tokens(tokens), embeds, present)
+    logits = lm(hidden)
+    loss_sum, num_tokens, correct = language_loss(logits, batch["labels"], batch["loss_mask"])
+    valid = batch["index"] >= 0
+    return loss_sum, num_tokens, {"correct": (correct & valid).sum(), "samples": valid.sum()}
+
+
+def module_parts(model: nn.Module) -> dict[str, nn.Module]:
+    """The module parts of a ``MimoModel`` on this rank, keyed by module name."""
+    parts: dict[str, nn.Module] = dict(model.modality_submodules.items())
+    if model.language_model is not None:
+        parts[LANGUAGE] = model.language_model
+    return parts
+
+
+def count_global_tokens(microbatches: list[Microbatch], infra: MimoModelInfra,
+                        device: torch.device) -> float:
+    """Loss tokens of the whole global batch, known to every rank (one world reduction).
+
+    Each language DP replica's leader contributes its slice's count; encoder-only ranks
+    contribute zero but still join, so they can scale their gradients identically.
+    """
+    local = 0.0
+    if infra.is_loss_leader:
+        local = float(sum(mb[LANGUAGE]["loss_mask"].sum() for mb in microbatches))
+    t = torch.tensor([local], dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return float(t.item())
+
+
+def reduce_outputs(outputs: list[MicrobatchOutput], infra: MimoModelInfra, device: torch.device
+                   ) -> dict[str, float]:
+    """World sums of loss, token and sample counts over the language loss leaders."""
+    vec = torch.zeros(4, dtype=torch.float64, device=device)
+    if infra.is_loss_leader:
+        for out in outputs:
+            vec[0] += out.loss_sum.double()
+            vec[1] += out.num_tokens.double()
+            vec[2] += out.metrics.get("correct", torch.tensor(0)).double()
+            vec[3] += out.metrics.get("samples", torch.tensor(0)).double()
+    dist.all_reduce(vec)
+    loss_sum, tokens, correct, samples = vec.tolist()
+    return {"loss_sum": loss_sum, "tokens": tokens, "correct": correct, "samples": samples}
+
+
+def autocast_factory(precision: str, device: torch.device) -> Callable[[], Any]:
+    """Mixed-precision context: compute in bf16/fp16, weights and optimizer in fp32."""
+    if precision == "fp32":
+        return contextlib.nullcontext
+    dtype = compute_dtype(precision)
+    return lambda: torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def train_step_mimo(
+    forward_step_func: Callable[..., Any],
+    data_iterator: Iterator[list[Microbatch]],
+    model: nn.Module,
+    optimizer: Any,
+    schedulers: dict[str, Any],
+    global_state: GlobalState,
+    multimodule_communicator: MultiModulePipelineCommunicator,
+    infra: MimoModelInfra,
+) -> tuple[dict[str, float], bool, float | None, int | None]:
+    """Run one training iteration on this rank.
+
+    Args:
+        forward_step_func: the language step (see ``default_forward_step``).
+        data_iterator: yields the step's micro-batches for this rank.
+        model: the ``MimoModel`` holding this rank's modules.
+        optimizer: the ``MimoOptimizer``.
+        schedulers: per-module ``OptimizerParamScheduler`` (active modules).
+        global_state: config, timers, train state.
+        multimodule_communicator: transports activations between modules.
+        infra: grids and process groups.
+
+    Returns:
+        ``(loss_dict, skipped_iter, grad_norm, num_zeros_in_grad)``; identical on all ranks.
+    """
+    cfg, timers = global_state.cfg, global_state.timers
+    device = global_state.runtime.device
+    timers("data").start()
+    microbatches = next(data_iterator)
+    timers("data").stop()
+    parts = module_parts(model)
+    zero_grad_buffer_for_multimodule(parts)
+    num_tokens = count_global_tokens(microbatches, infra, device)
+    timers("forward-backward").start()
+    outputs = forward_backward_no_pipelining(
+        forward_step_func=forward_step_func,
+        microbatches=microbatches,
+        model=model,
+        communicator=multimodule_communicator,
+        loss_divisor=max(num_tokens, 1.0),
+        loss_scale=float(optimizer.get_loss_scale()),
+        autocast=autocast_factory(cfg.train.precision, device),
+    )
+    timers("forward-backward").stop(sync=True)
+    timers("grad-sync").start()
+    frozen = {n for n, m in cfg.modules.items() if m.freeze}
+    finalize_model_grads(parts, infra.pg_collections, frozen)
+    timers("grad-sync").stop(sync=True)
+    timers("optimizer").start()
+    success, grad_norm, num_zeros = optimizer.step()
+    if success:
+        for scheduler in schedulers.values():
+            scheduler.step()
+    timers("optimizer").stop(sync=True)
+    sums = reduce_outputs(outputs, infra, device)
+    loss = sums["loss_sum"] / max(num_tokens, 1.0)
+    loss_dict = {"loss": loss, "num_tokens": num_tokens,
+                 "accuracy": sums["correct"] / max(sums["samples"], 1.0)}
+    return loss_dict, not success, grad_norm, num_zeros

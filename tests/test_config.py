@@ -1,0 +1,102 @@
+"""Config loading, overrides, defaults and single-field validation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from mimotron.config import load_config, parse_override
+
+ROOT = Path(__file__).resolve().parents[1]
+DIGITS = ROOT / "configs" / "digits.toml"
+
+
+def test_default_config_loads_and_has_contract_keys():
+    cfg = load_config(DIGITS)
+    assert set(cfg.modules) == {"vision", "audio", "language"}
+    assert cfg.encoder_names == ["vision", "audio"]
+    assert cfg.modules["vision"].kind == "vit" and cfg.modules["vision"].modality == "image"
+    assert cfg.num_microbatches == cfg.train.global_batch_size // cfg.train.micro_batch_size
+    assert cfg.log_dir == Path("runs/digits")
+    assert cfg.checkpoint_dir == Path("runs/digits/checkpoints")
+
+
+@pytest.mark.parametrize(
+    ("item", "keys", "value"),
+    [
+        ("train.iters=5", ["train", "iters"], 5),
+        ("train.precision=bf16", ["train", "precision"], "bf16"),
+        ("train.precision='fp16'", ["train", "precision"], "fp16"),
+        ("optimizer.betas=[0.9, 0.95]", ["optimizer", "betas"], [0.9, 0.95]),
+        ("checkpoint.async_save=true", ["checkpoint", "async_save"], True),
+        ("optimizer.lr=3e-4", ["optimizer", "lr"], 3e-4),
+    ],
+)
+def test_parse_override_values_are_toml(item, keys, value):
+    assert parse_override(item) == (keys, value)
+
+
+def test_overrides_apply_and_create_module_tables():
+    cfg = load_config(DIGITS, ["train.iters=7", "modules.vision.optimizer.lr=1e-4",
+                               "modules.vision.optimizer.warmup_iters=3",
+                               "modules.language.parallel.data=2"])
+    assert cfg.train.iters == 7
+    assert cfg.effective_optimizer("vision").lr == 1e-4
+    assert cfg.effective_optimizer("audio").lr == cfg.optimizer.lr
+    assert cfg.effective_scheduler("vision").warmup_iters == 3
+    assert cfg.effective_scheduler("language").warmup_iters == cfg.scheduler.warmup_iters
+
+
+def test_int_accepted_for_float_field():
+    cfg = load_config(DIGITS, ["optimizer.lr=1"])
+    assert cfg.optimizer.lr == 1.0 and isinstance(cfg.optimizer.lr, float)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "needle"),
+    [
+        (["train.foo=1"], "unknown key train.foo; valid keys:"),
+        (["modules.vision.parallel.tensr=2"], "unknown key modules.vision.parallel.tensr"),
+        (["modules.vision.optimizer.lrr=1"], "unknown key modules.vision.optimizer.lrr"),
+        (["train.iters=ten"], "train.iters='ten' is invalid: expected int"),
+        (["train.iters=0"], "train.iters=0"),
+        (["train.precision=fp8"], "train.precision='fp8'"),
+        (["train.global_batch_size=60"], "train.global_batch_size=60"),
+        (["optimizer.lr=-1"], "optimizer.lr=-1"),
+        (["optimizer.betas=[0.9]"], "optimizer.betas=[0.9]"),
+        (["modules.vision.optimizer.min_lr=1.0"], "modules.vision.optimizer.min_lr=1.0"),
+        (["scheduler.decay_style=step"], "scheduler.decay_style='step'"),
+        (["modules.vision.kind=clip"], "modules.vision.kind='clip'"),
+        (["modules.vision.num_heads=5"], "modules.vision.num_heads=5"),
+        (["data.seq_length=16"], "data.seq_length=16"),
+        (["data.dataset=imagenet"], "data.dataset='imagenet'"),
+        (["eval.interval=0"], "eval.interval=0"),
+        (["noequals"], "expected key=value"),
+    ],
+)
+def test_bad_values_name_the_field(overrides, needle):
+    with pytest.raises(ValueError, match=None) as info:
+        load_config(DIGITS, overrides)
+    assert needle in str(info.value)
+
+
+def test_missing_language_module(tmp_path):
+    p = tmp_path / "c.toml"
+    p.write_text('[modules.vision]\nkind = "vit"\n')
+    with pytest.raises(ValueError, match="a module named 'language' is required"):
+        load_config(p)
+
+
+def test_missing_file_and_bad_toml(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        load_config(tmp_path / "nope.toml")
+    p = tmp_path / "bad.toml"
+    p.write_text("[train\n")
+    with pytest.raises(ValueError, match="not valid TOML"):
+        load_config(p)
+
+
+def test_two_encoders_for_one_modality_rejected():
+    with pytest.raises(ValueError, match="modality 'image' is already encoded"):
+        load_config(DIGITS, ["modules.audio.kind=vit"])
