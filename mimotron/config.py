@@ -26,6 +26,7 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 DECAY_STYLES = ("cosine", "linear", "constant")
 OPTIMIZERS = ("adamw", "adam", "sgd")
 DATASETS = ("digits", "mock")
+SCHEDULES = ("1f1b", "no_pipelining")
 
 
 @dataclass
@@ -148,6 +149,7 @@ class TrainConfig:
     micro_batch_size: int = 8
     seed: int = 1234
     precision: str = "fp32"
+    schedule: str = "1f1b"  # 1f1b | no_pipelining
     exit_interval: int = 0
     exit_duration_mins: float = 0.0
     max_skipped: int = 10
@@ -347,6 +349,7 @@ def _validate_train(cfg: MimoConfig) -> None:
         f"a positive multiple of train.micro_batch_size={t.micro_batch_size}",
     )
     _check(t.precision in PRECISIONS, "train.precision", t.precision, f"one of {PRECISIONS}")
+    _check(t.schedule in SCHEDULES, "train.schedule", t.schedule, f"one of {SCHEDULES}")
     _check(t.max_skipped >= 1, "train.max_skipped", t.max_skipped, "an integer >= 1")
     _check(t.pg_timeout_s > 0, "train.pg_timeout_s", t.pg_timeout_s, "a positive number")
     _check(t.exit_interval >= 0, "train.exit_interval", t.exit_interval, "an integer >= 0")

@@ -1,20 +1,22 @@
-"""Moving encoder outputs to the language module and their gradients back.
+"""Moving activations forward and gradients backward, within and across modules.
 
-``MultiModulePipelineCommunicator`` works over the module DAG (every encoder feeds the
-language model). For each edge ``src -> dst`` it picks one of two transports:
+``MultiModulePipelineCommunicator`` serves one rank of a non-colocated layout (where a
+rank holds one stage of one module). Its neighbours:
 
-* **colocated, same DP slices** — the tensor is handed over in-process; autograd carries
-  the gradient back, nothing is sent;
-* **point-to-point** (non-colocated) — each ``(src replica, dst replica)`` pair whose
-  sample ranges intersect exchanges exactly the rows of that intersection: DP fan-in
-  (src DP > dst DP) concatenates contiguous slices, fan-out splits them, and the same
-  rule covers both. Sends are batched ``isend``/``irecv``; no world barrier.
+* inside a module, the previous/next pipeline stage with the same TP and DP coordinates
+  (every TP rank sends its own copy of the replicated hidden states);
+* across a module boundary (an encoder's last stage -> the language model's first stage),
+  one *leader* per DP replica (TP rank 0) on each side. Each ``(source replica,
+  destination replica)`` pair whose sample ranges intersect exchanges exactly the rows of
+  that intersection: DP fan-in (source DP > destination DP) concatenates contiguous
+  slices, fan-out splits them, and one rule covers both. The receiving leader broadcasts
+  to its TP group; gradients go back the same way.
 
-Encoder outputs hold one row per *present* sample (a text-only sample has none), so
-the rows a pair exchanges are the present samples in the intersection. Both ends know
-those counts from the ``has_<modality>`` masks of their own slice (the intersection lies
-inside both slices), so no shape message is needed and every rank stays in lock-step
-even when a pair exchanges zero rows (then nothing is posted on either side).
+Encoder outputs hold one row per sample that carries the modality, so a pair may
+exchange zero rows (a text-only slice): then only a header travels and every rank stays
+in lock-step. Shapes travel with each tensor (:mod:`mimotron.pipeline.p2p`). Colocated
+layouts need none of this: modules hand tensors over in-process
+(:mod:`mimotron.pipeline.colocated`).
 """
 
 from __future__ import annotations
@@ -25,179 +27,197 @@ import torch
 import torch.distributed as dist
 
 from mimotron.parallel.layout import Layout, ModulePlacement
+from mimotron.pipeline.p2p import PendingSends, broadcast_tensor, exchange
+
+LANGUAGE = "language"
 
 
 @dataclass(frozen=True)
 class Edge:
-    """One module boundary and what this rank does on it."""
+    """One module boundary of the DAG."""
 
     src: str
     dst: str
     modality: str
-    num_tokens: int  # embeddings per present sample
-    hidden_size: int  # of the destination (projector output)
     colocated: bool
 
 
 def slice_range(mbs: int, dp_size: int, dp_rank: int) -> tuple[int, int]:
-    """Sample range [start, end) of a DP replica inside a micro-batch."""
+    """Sample range ``[start, end)`` of a DP replica inside a micro-batch."""
     per = mbs // dp_size
     return dp_rank * per, (dp_rank + 1) * per
 
 
-class MultiModulePipelineCommunicator:
-    """Forward/backward transport of activations between modules for one rank.
-
-    Args:
-        layout: the placement of every module.
-        rank: this global rank.
-        micro_batch_size: the global micro-batch size (samples through the pipeline at once).
-        edges: the module boundaries (from ``build_edges``).
-        dtype: dtype of the activations crossing (the compute dtype).
-        device: where received tensors are allocated.
-    """
-
-    def __init__(self, layout: Layout, rank: int, micro_batch_size: int, edges: list[Edge],
-                 dtype: torch.dtype, device: torch.device) -> None:
-        self.layout = layout
-        self.rank = rank
-        self.mbs = micro_batch_size
-        self.edges = edges
-        self.dtype = dtype
-        self.device = device
-        for e in edges:
-            src, dst = layout.modules[e.src], layout.modules[e.dst]
-            if e.colocated and src.parallel.data != dst.parallel.data:
-                raise ValueError(
-                    f"modules.{e.src}.parallel.data={src.parallel.data} differs from "
-                    f"modules.{e.dst}.parallel.data={dst.parallel.data} on shared ranks: the "
-                    "colocated bridge between different DP degrees is not implemented yet; "
-                    "use equal data degrees or non-colocated blocks"
-                )
-            for m in (src, dst):
-                if m.parallel.tensor > 1 or m.parallel.pipeline > 1:
-                    raise ValueError(
-                        f"modules.{m.name}.parallel: tensor={m.parallel.tensor}, pipeline="
-                        f"{m.parallel.pipeline}: tensor and pipeline parallelism are not "
-                        "implemented yet in this version; use 1"
-                    )
-
-    # ---- pairing ----------------------------------------------------------------------
-    def _pairs(self, e: Edge) -> list[tuple[int, int, int, int]]:
-        """(src_rank, dst_rank, start, end) for each replica pair sharing samples."""
-        src, dst = self.layout.modules[e.src], self.layout.modules[e.dst]
-        out = []
-        for i in range(src.parallel.data):
-            a0, a1 = slice_range(self.mbs, src.parallel.data, i)
-            for j in range(dst.parallel.data):
-                b0, b1 = slice_range(self.mbs, dst.parallel.data, j)
-                lo, hi = max(a0, b0), min(a1, b1)
-                if lo < hi:
-                    out.append((_leader(src, i, last=True), _leader(dst, j, last=False), lo, hi))
-        return out
-
-    @staticmethod
-    def _count(mask: torch.Tensor, my_start: int, lo: int, hi: int) -> int:
-        """Present samples in global micro-batch range [lo, hi), from a slice's mask."""
-        return int(mask[lo - my_start:hi - my_start].sum())
-
-    # ---- forward ------------------------------------------------------------------------
-    def forward(self, e: Edge, output: torch.Tensor | None, src_mask: torch.Tensor | None,
-                dst_mask: torch.Tensor | None) -> torch.Tensor | None:
-        """Carry ``output`` (on src ranks) to the dst ranks; returns the dst's input.
-
-        Args:
-            e: the edge.
-            output: the src module's output for this rank's slice (src ranks), else None.
-            src_mask: ``has_<modality>`` of this rank's src slice (src ranks), else None.
-            dst_mask: ``has_<modality>`` of this rank's dst slice (dst ranks), else None.
-
-        Returns:
-            On dst ranks the rows of the dst slice (a leaf that requires grad when sent
-            point-to-point; the same tensor when colocated); None elsewhere.
-        """
-        if e.colocated:
-            return output
-        ops, recvs = [], []
-        src, dst = self.layout.modules[e.src], self.layout.modules[e.dst]
-        src_start = self._my_start(src)
-        dst_start = self._my_start(dst)
-        send_offset = 0
-        for s_rank, d_rank, lo, hi in self._pairs(e):
-            if s_rank == self.rank:
-                n = self._count(src_mask, src_start, lo, hi)
-                if n:
-                    chunk = output[send_offset:send_offset + n].detach().to(self.dtype).contiguous()
-                    ops.append(dist.P2POp(dist.isend, chunk, d_rank))
-                send_offset += n
-            if d_rank == self.rank:
-                n = self._count(dst_mask, dst_start, lo, hi)
-                buf = torch.empty(n, e.num_tokens, e.hidden_size, dtype=self.dtype,
-                                  device=self.device)
-                recvs.append(buf)
-                if n:
-                    ops.append(dist.P2POp(dist.irecv, buf, s_rank))
-        _run(ops)
-        if dst_mask is None:
-            return None
-        received = torch.cat(recvs) if recvs else torch.empty(
-            0, e.num_tokens, e.hidden_size, dtype=self.dtype, device=self.device)
-        return received.requires_grad_(True)
-
-    # ---- backward -----------------------------------------------------------------------
-    def backward(self, e: Edge, output: torch.Tensor | None, received: torch.Tensor | None,
-                 src_mask: torch.Tensor | None, dst_mask: torch.Tensor | None) -> None:
-        """Send ``received.grad`` back (dst ranks) and backprop it into ``output`` (src)."""
-        if e.colocated:
-            return
-        ops, grads = [], []
-        src, dst = self.layout.modules[e.src], self.layout.modules[e.dst]
-        src_start, dst_start = self._my_start(src), self._my_start(dst)
-        recv_offset = 0
-        for s_rank, d_rank, lo, hi in self._pairs(e):
-            if d_rank == self.rank:
-                n = self._count(dst_mask, dst_start, lo, hi)
-                if n:
-                    g = received.grad
-                    g = torch.zeros_like(received) if g is None else g
-                    ops.append(dist.P2POp(dist.isend, g[recv_offset:recv_offset + n].contiguous(),
-                                          s_rank))
-                recv_offset += n
-            if s_rank == self.rank:
-                n = self._count(src_mask, src_start, lo, hi)
-                buf = torch.empty(n, e.num_tokens, e.hidden_size, dtype=self.dtype,
-                                  device=self.device)
-                grads.append(buf)
-                if n:
-                    ops.append(dist.P2POp(dist.irecv, buf, d_rank))
-        _run(ops)
-        if output is not None and output.requires_grad and output.numel():
-            output.backward(torch.cat(grads).to(output.dtype))
-
-    def _my_start(self, mod: ModulePlacement) -> int:
-        c = mod.coordinate(self.rank)
-        return 0 if c is None else slice_range(self.mbs, mod.parallel.data, c["dp"])[0]
-
-
-def _leader(mod: ModulePlacement, dp_rank: int, last: bool) -> int:
-    """The rank that talks across a boundary for one DP replica (tp 0, edge stage)."""
-    return mod.rank_at(dp=dp_rank, pp=mod.parallel.pipeline - 1 if last else 0)
-
-
-def _run(ops: list[dist.P2POp]) -> None:
-    if ops:
-        for req in dist.batch_isend_irecv(ops):
-            req.wait()
-
-
-def build_edges(cfg, layout: Layout) -> list[Edge]:  # noqa: ANN001 - MimoConfig, import cycle
+def build_edges(layout: Layout, modality_of: dict[str, str]) -> list[Edge]:
     """The module boundaries of the DAG, in config order."""
-    lm_hidden = cfg.modules["language"].hidden_size
     edges = []
     for src, dsts in layout.topology.items():
         for dst in dsts:
             a, b = layout.modules[src], layout.modules[dst]
             colocated = a.rank_offset == b.rank_offset and a.size == b.size
-            mod = cfg.modules[src]
-            edges.append(Edge(src, dst, mod.modality, mod.num_output_tokens, lm_hidden, colocated))
+            edges.append(Edge(src, dst, modality_of[src], colocated))
     return edges
+
+
+def bridge_pairs(layout: Layout, edge: Edge, mbs: int) -> list[tuple[int, int, int, int]]:
+    """``(src leader, dst leader, start, end)`` for each replica pair sharing samples."""
+    src, dst = layout.modules[edge.src], layout.modules[edge.dst]
+    out = []
+    for i in range(src.parallel.data):
+        a0, a1 = slice_range(mbs, src.parallel.data, i)
+        for j in range(dst.parallel.data):
+            b0, b1 = slice_range(mbs, dst.parallel.data, j)
+            lo, hi = max(a0, b0), min(a1, b1)
+            if lo < hi:
+                out.append((_leader(src, i, last=True), _leader(dst, j, last=False), lo, hi))
+    return out
+
+
+def _leader(mod: ModulePlacement, dp_rank: int, last: bool) -> int:
+    """The rank that talks across a boundary for one DP replica (TP 0, edge stage)."""
+    return mod.rank_at(dp=dp_rank, pp=mod.parallel.pipeline - 1 if last else 0)
+
+
+class MultiModulePipelineCommunicator:
+    """The neighbours of one rank and the transfers to and from them.
+
+    Args:
+        layout: the placement of every module.
+        rank: this global rank.
+        micro_batch_size: the global micro-batch size.
+        edges: the module boundaries (``build_edges``).
+        tp_groups: this rank's TP group per module it holds (``None`` = TP 1).
+        device: where received tensors are allocated.
+    """
+
+    def __init__(self, layout: Layout, rank: int, micro_batch_size: int, edges: list[Edge],
+                 tp_groups: dict[str, dist.ProcessGroup | None], device: torch.device) -> None:
+        self.layout, self.rank, self.mbs, self.edges = layout, rank, micro_batch_size, edges
+        self.device = device
+        self.pending = PendingSends()
+        roles = layout.roles(rank)
+        self.module = roles[0].module if len(roles) == 1 and not layout.colocated else None
+        self.role = roles[0] if self.module else None
+        self.tp_group = tp_groups.get(self.module) if self.module else None
+        # Rows exchanged per bridge pair, remembered from forward for the gradients.
+        self._rows: dict[tuple[int, str], list[int]] = {}
+        self._pairs = {e.src: bridge_pairs(layout, e, micro_batch_size)
+                       for e in edges if not e.colocated}
+
+    # ---- neighbours ----------------------------------------------------------------------
+    def _stage_peer(self, delta: int) -> int:
+        r, mod = self.role, self.layout.modules[self.module]
+        return mod.rank_at(tp=r.tp, cp=r.cp, dp=r.dp, pp=r.pp + delta)
+
+    @property
+    def _tp_leader(self) -> int:
+        r, mod = self.role, self.layout.modules[self.module]
+        return mod.rank_at(tp=0, cp=r.cp, dp=r.dp, pp=r.pp)
+
+    def _my_start(self) -> int:
+        dp = self.layout.modules[self.module].parallel.data
+        return slice_range(self.mbs, dp, self.role.dp)[0]
+
+    # ---- forward direction -------------------------------------------------------------
+    def _forward_sends(self, output: torch.Tensor, mask: torch.Tensor | None
+                       ) -> list[tuple[int, torch.Tensor]]:
+        if not self.role.is_last_stage:
+            return [(self._stage_peer(+1), output)]
+        if self.role.tp != 0:
+            return []
+        start, offset, sends = self._my_start(), 0, []
+        for s_rank, d_rank, lo, hi in self._pairs[self.module]:
+            if s_rank == self.rank:
+                n = int(mask[lo - start:hi - start].sum())
+                sends.append((d_rank, output[offset:offset + n]))
+                offset += n
+        return sends
+
+    def _forward_sources(self) -> list[tuple[str | None, int]]:
+        """``(edge src or None for a stage link, peer)`` this rank receives from."""
+        if not self.role.is_first_stage:
+            return [(None, self._stage_peer(-1))]
+        if self.module != LANGUAGE or self.role.tp != 0:
+            return []
+        return [(src, s_rank) for src, pairs in self._pairs.items()
+                for s_rank, d_rank, _, _ in pairs if d_rank == self.rank]
+
+    def _assemble_forward(self, k: int, sources, tensors) -> torch.Tensor | dict:
+        if not self.role.is_first_stage:
+            return tensors[0].requires_grad_(True)
+        out = {}
+        for src in self._pairs:
+            chunks = [t for (s, _), t in zip(sources, tensors, strict=True) if s == src]
+            if self.role.tp == 0:  # Only the leader sends the gradients back.
+                self._rows[(k, src)] = [c.shape[0] for c in chunks]
+            t = torch.cat(chunks) if chunks else None
+            # TP ranks of the destination all need the embeddings: leader broadcasts.
+            t = broadcast_tensor(t, self._tp_leader, self.tp_group, self.device)
+            out[src] = t.requires_grad_(True)
+        return out
+
+    # ---- backward direction ------------------------------------------------------------
+    def _backward_sends(self, k: int, grads: torch.Tensor | dict
+                        ) -> list[tuple[int, torch.Tensor]]:
+        if not self.role.is_first_stage:
+            return [(self._stage_peer(-1), grads)]
+        if self.role.tp != 0:
+            return []
+        sends = []
+        for src, pairs in self._pairs.items():
+            rows, offset, i = self._rows.pop((k, src)), 0, 0
+            for s_rank, d_rank, _, _ in pairs:
+                if d_rank == self.rank:
+                    sends.append((s_rank, grads[src][offset:offset + rows[i]]))
+                    offset += rows[i]
+                    i += 1
+        return sends
+
+    def _backward_sources(self) -> list[int]:
+        if not self.role.is_last_stage:
+            return [self._stage_peer(+1)]
+        if self.role.tp != 0:
+            return []
+        return [d for s, d, _, _ in self._pairs[self.module] if s == self.rank]
+
+    def _assemble_backward(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        if not self.role.is_last_stage:
+            return tensors[0]
+        t = torch.cat(tensors) if tensors else None
+        return broadcast_tensor(t, self._tp_leader, self.tp_group, self.device)
+
+    # ---- the four transfers, alone or paired ------------------------------------------
+    def communicate(self, *, send_forward: tuple[int, torch.Tensor, torch.Tensor | None] | None
+                    = None, send_backward: tuple[int, torch.Tensor | dict] | None = None,
+                    recv_forward: int | None = None, recv_backward: int | None = None
+                    ) -> tuple[torch.Tensor | dict | None, torch.Tensor | None]:
+        """Post the sends, then do the receives, in one exchange.
+
+        Args:
+            send_forward: ``(microbatch, output, modality mask of this rank's slice)``.
+            send_backward: ``(microbatch, input gradient(s))``.
+            recv_forward: micro-batch whose input to receive.
+            recv_backward: micro-batch whose output gradient to receive.
+
+        Returns:
+            ``(forward input, output gradient)``; ``None`` where not requested.
+        """
+        sends: list[tuple[int, torch.Tensor]] = []
+        if send_forward is not None:
+            sends += self._forward_sends(send_forward[1], send_forward[2])
+        if send_backward is not None:
+            sends += self._backward_sends(*send_backward)
+        fwd_src = self._forward_sources() if recv_forward is not None else []
+        bwd_src = self._backward_sources() if recv_backward is not None else []
+        got = exchange(sends, [p for _, p in fwd_src] + bwd_src, self.pending, self.device)
+        fwd = bwd = None
+        if recv_forward is not None:
+            fwd = self._assemble_forward(recv_forward, fwd_src, got[:len(fwd_src)])
+        if recv_backward is not None:
+            bwd = self._assemble_backward(got[len(fwd_src):])
+        return fwd, bwd
+
+    def finish(self) -> None:
+        """Wait for every send of the step (call once at the end of a schedule)."""
+        self.pending.wait()
+        assert not self._rows, f"gradients never sent for {sorted(self._rows)}"

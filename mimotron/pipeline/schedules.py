@@ -1,9 +1,19 @@
-"""Schedules: run the micro-batches of one step through every module on this rank.
+"""Schedules: run a step's micro-batches through every module stage on this rank.
 
-``forward_backward_no_pipelining`` runs micro-batch by micro-batch: the encoders this
-rank holds, the bridge to the language module, the language forward and loss, the
-backward, and the gradients back across the bridge. Every rank walks the same edges in
-the same order, so point-to-point transfers pair up without a barrier.
+The *plan* (what to do, in which order) comes from the pure functions in
+:mod:`mimotron.pipeline.plan`; this module *executes* it. ``StageRunner`` knows how to
+run one forward or backward of whatever this rank holds:
+
+* a colocated rank holds every module: encoders, the colocated bridge, the language
+  model and its loss run in-process, and one ``loss.backward()`` reaches the encoders;
+* a non-colocated rank holds one pipeline stage of one module: it gets its input from
+  the data (first encoder stage) or from the communicator (later stages, and the
+  language model's first stage, which receives every encoder's embeddings), and hands
+  its output to the communicator or, on the language model's last stage, to the loss.
+
+``forward_backward_pipelining_without_interleaving`` runs the 1F1B plan;
+``forward_backward_no_pipelining`` the same executor with no warm-up (each micro-batch's
+backward completes before the next forward). ``forward_only=True`` evaluates.
 """
 
 from __future__ import annotations
@@ -11,95 +21,205 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
+from mimotron.parallel.layout import Layout
+from mimotron.pipeline import plan as P
+from mimotron.pipeline.colocated import ColocatedBridge, bridge_geometry
 from mimotron.pipeline.communicator import MultiModulePipelineCommunicator
 
 LANGUAGE = "language"
 
-# (model, language batch, received embeddings by module) -> (loss sum, tokens, metrics)
+# (model, language batch, embeddings by module) -> (loss sum, loss tokens, metrics)
 ForwardStepFunc = Callable[..., tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]
 
 
 @dataclass
 class MicrobatchOutput:
-    """What the language module produced for one micro-batch (language ranks only)."""
+    """What the language model's last stage produced for one micro-batch."""
 
     loss_sum: torch.Tensor
     num_tokens: torch.Tensor
     metrics: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
-def _mask(mb: dict[str, dict[str, torch.Tensor]], module: str, modality: str
-          ) -> torch.Tensor | None:
-    batch = mb.get(module)
-    return None if batch is None else batch[f"has_{modality}"]
+@dataclass
+class StepContext:
+    """Everything one schedule run needs besides the plan."""
+
+    model: torch.nn.Module
+    layout: Layout
+    rank: int
+    microbatches: list[dict[str, dict[str, torch.Tensor]]]
+    forward_step_func: ForwardStepFunc
+    lm_input_func: Callable[..., torch.Tensor]
+    lm_loss_func: Callable[..., tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]
+    communicator: MultiModulePipelineCommunicator
+    loss_divisor: float = 1.0
+    loss_scale: float = 1.0
+    forward_only: bool = False
+    autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
 
 
-def forward_backward_no_pipelining(
-    *,
-    forward_step_func: ForwardStepFunc,
-    microbatches: list[dict[str, dict[str, torch.Tensor]]],
-    model: torch.nn.Module,
-    communicator: MultiModulePipelineCommunicator,
-    loss_divisor: float,
-    loss_scale: float = 1.0,
-    forward_only: bool = False,
-    autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-) -> list[MicrobatchOutput]:
-    """Forward (and backward) every micro-batch through the modules of this rank.
+class StageRunner:
+    """Forward and backward of one micro-batch on this rank (see module docs)."""
 
-    Args:
-        forward_step_func: the language step, ``f(model, batch, embeddings)``.
-        microbatches: per micro-batch, this rank's batch slice of each module it holds.
-        model: the ``MimoModel`` (holding only this rank's modules).
-        communicator: transports encoder outputs and their gradients.
-        loss_divisor: the global loss-token count of the step; each micro-batch's loss
-            sum is divided by it before backward, so gradients are the global token mean.
-        loss_scale: multiplies the loss before backward (fp16 dynamic scaling).
-        forward_only: evaluation: no backward, no gradient transfers.
-        autocast: context manager factory for mixed-precision compute.
+    def __init__(self, ctx: StepContext) -> None:
+        self.ctx = ctx
+        self.outputs: list[MicrobatchOutput] = []
+        self._saved: dict[int, tuple[Any, Any]] = {}
+        self.roles = {r.module: r for r in ctx.layout.roles(ctx.rank)}
+        self.colocated = ctx.layout.colocated
+        self.module = None if self.colocated else next(iter(self.roles))
+        mbs = ctx.communicator.mbs
+        self._geo = {e.src: bridge_geometry(ctx.layout, e, ctx.rank, mbs)
+                     for e in ctx.communicator.edges if e.colocated}
 
-    Returns:
-        The language outputs per micro-batch (empty on ranks without the language module).
-    """
-    outputs: list[MicrobatchOutput] = []
-    grad_ctx = torch.no_grad if forward_only else contextlib.nullcontext
-    for mb in microbatches:
-        with grad_ctx():
-            out = _run_microbatch(forward_step_func, mb, model, communicator, loss_divisor,
-                                  loss_scale, forward_only, autocast)
-        if out is not None:
-            outputs.append(out)
-    return outputs
+    def modality_mask(self, k: int) -> torch.Tensor | None:
+        """This rank's presence mask of its encoder module for micro-batch ``k``."""
+        model, m = self.ctx.model, self.module
+        if m is None or m == LANGUAGE:
+            return None
+        return self.ctx.microbatches[k][m][f"has_{model.modality_of[m]}"]
+
+    # ---- forward -------------------------------------------------------------------------
+    def forward(self, k: int, received: Any) -> Any:
+        with self.ctx.autocast():
+            if self.colocated:
+                return self._forward_colocated(k)
+            if self.module == LANGUAGE:
+                return self._forward_language(k, received)
+            return self._forward_encoder(k, received)
+
+    def _forward_colocated(self, k: int) -> None:
+        mb, model = self.ctx.microbatches[k], self.ctx.model
+        embeds = {}
+        for e in self.ctx.communicator.edges:
+            rows = model.encode(e.src, mb[e.src])
+            geo = self._geo[e.src]
+            if geo.needed:
+                mask = mb[e.src][f"has_{e.modality}"]
+                rows = ColocatedBridge.apply(rows, mask, geo)
+            embeds[e.src] = rows
+        loss = self.ctx.forward_step_func(model, mb[LANGUAGE], embeds)
+        self._record_loss(k, loss)
+
+    def _forward_encoder(self, k: int, received: torch.Tensor | None) -> torch.Tensor:
+        model, m = self.ctx.model, self.module
+        if self.roles[m].is_first_stage:
+            out = model.encode(m, self.ctx.microbatches[k][m])
+        else:
+            out = model.modality_submodules[m](received)
+        self._saved[k] = (received, out)
+        return out
+
+    def _forward_language(self, k: int, received: Any) -> torch.Tensor | None:
+        role, model = self.roles[LANGUAGE], self.ctx.model
+        batch = self.ctx.microbatches[k][LANGUAGE]
+        if role.is_first_stage and role.is_last_stage:
+            self._saved[k] = (received, None)
+            self._record_loss(k, self.ctx.forward_step_func(model, batch, received or {}))
+            return None
+        hidden = (self.ctx.lm_input_func(model, batch, received or {}) if role.is_first_stage
+                  else received)
+        out = model.language_model(hidden)
+        if role.is_last_stage:
+            self._saved[k] = (received, None)
+            self._record_loss(k, self.ctx.lm_loss_func(model, batch, out))
+            return None
+        self._saved[k] = (received, out)
+        return out
+
+    def _record_loss(self, k: int, loss: tuple) -> None:
+        loss_sum, num_tokens, metrics = loss
+        self.outputs.append(MicrobatchOutput(loss_sum.detach().float(), num_tokens.detach(),
+                                             {n: v.detach() for n, v in metrics.items()}))
+        if not self.ctx.forward_only:
+            self._saved[k] = (self._saved.get(k, (None, None))[0], loss_sum)
+
+    # ---- backward ------------------------------------------------------------------------
+    def backward(self, k: int, grad: torch.Tensor | None) -> Any:
+        received, out = self._saved.pop(k)
+        last_lm = self.colocated or (self.module == LANGUAGE and self.roles[LANGUAGE].is_last_stage)
+        if last_lm:
+            (out.float() * (self.ctx.loss_scale / self.ctx.loss_divisor)).backward()
+        elif out.requires_grad and out.numel():
+            out.backward(grad.to(out.dtype))
+        if received is None:
+            return None
+        if isinstance(received, dict):
+            return {n: _grad_or_zeros(t) for n, t in received.items()}
+        return _grad_or_zeros(received)
 
 
-def _run_microbatch(forward_step_func, mb, model, communicator, loss_divisor, loss_scale,
-                    forward_only, autocast) -> MicrobatchOutput | None:  # noqa: ANN001
-    edges = communicator.edges
-    # Forward: encoders, then the bridge, then the language module and its loss.
-    enc_out: dict[str, torch.Tensor] = {}
-    with autocast():
-        for e in edges:
-            if e.src in mb:
-                enc_out[e.src] = model.encode(e.src, mb[e.src])
-    received: dict[str, torch.Tensor | None] = {}
-    for e in edges:
-        received[e.src] = communicator.forward(
-            e, enc_out.get(e.src), _mask(mb, e.src, e.modality), _mask(mb, e.dst, e.modality))
-    result = None
-    if LANGUAGE in mb:
-        with autocast():
-            loss_sum, num_tokens, metrics = forward_step_func(model, mb[LANGUAGE], received)
-        result = MicrobatchOutput(loss_sum.detach().float(), num_tokens.detach(),
-                                  {k: v.detach() for k, v in metrics.items()})
-        if not forward_only:
-            (loss_sum.float() * (loss_scale / loss_divisor)).backward()
-    if forward_only:
-        return result
-    # Backward across the bridge: gradients of the received embeddings go home.
-    for e in edges:
-        communicator.backward(e, enc_out.get(e.src), received.get(e.src),
-                              _mask(mb, e.src, e.modality), _mask(mb, e.dst, e.modality))
-    return result
+def _grad_or_zeros(t: torch.Tensor) -> torch.Tensor:
+    return t.grad if t.grad is not None else torch.zeros_like(t)
+
+
+def _execute(plan: list[P.Action], runner: StageRunner, comm: MultiModulePipelineCommunicator
+             ) -> None:
+    """Run a plan: compute actions on the runner, transfers on the communicator."""
+    inputs: dict[int, Any] = {}
+    outputs: dict[int, Any] = {}
+    out_grads: dict[int, Any] = {}
+    in_grads: dict[int, Any] = {}
+
+    def fwd_send(k: int) -> tuple:
+        return (k, outputs.pop(k), runner.modality_mask(k))
+
+    for a in plan:
+        k = a.microbatch
+        if a.kind == P.FORWARD:
+            outputs[k] = runner.forward(k, inputs.pop(k, None))
+        elif a.kind == P.BACKWARD:
+            in_grads[k] = runner.backward(k, out_grads.pop(k, None))
+        elif a.kind == P.RECV_FORWARD:
+            inputs[k], _ = comm.communicate(recv_forward=k)
+        elif a.kind == P.SEND_FORWARD:
+            comm.communicate(send_forward=fwd_send(k))
+        elif a.kind == P.RECV_BACKWARD:
+            _, out_grads[k] = comm.communicate(recv_backward=k)
+        elif a.kind == P.SEND_BACKWARD:
+            comm.communicate(send_backward=(k, in_grads.pop(k)))
+        elif a.kind == P.SEND_FORWARD_RECV_BACKWARD:
+            _, out_grads[a.other] = comm.communicate(send_forward=fwd_send(k),
+                                                     recv_backward=a.other)
+        elif a.kind == P.SEND_BACKWARD_RECV_FORWARD:
+            inputs[a.other], _ = comm.communicate(send_backward=(k, in_grads.pop(k)),
+                                                  recv_forward=a.other)
+        else:
+            raise AssertionError(f"unknown action {a}")
+    comm.finish()
+
+
+def _my_position(ctx: StepContext) -> P.Position:
+    positions = P.pipeline_positions(ctx.layout)
+    if ctx.layout.colocated:
+        return next(iter(positions.values()))
+    (role,) = ctx.layout.roles(ctx.rank)
+    return positions[(role.module, role.pp)]
+
+
+def _run(ctx: StepContext, pipelined: bool) -> list[MicrobatchOutput]:
+    runner = StageRunner(ctx)
+    position = _my_position(ctx)
+    num_mb = len(ctx.microbatches)
+    if ctx.forward_only:
+        plan = P.build_forward_only_plan(num_mb, position)
+        with torch.no_grad():
+            _execute(plan, runner, ctx.communicator)
+    else:
+        _execute(P.build_1f1b_plan(num_mb, position, pipelined), runner, ctx.communicator)
+    return runner.outputs
+
+
+def forward_backward_pipelining_without_interleaving(ctx: StepContext) -> list[MicrobatchOutput]:
+    """1F1B over the module DAG (warm-up / steady / cool-down per rank)."""
+    return _run(ctx, pipelined=True)
+
+
+def forward_backward_no_pipelining(ctx: StepContext) -> list[MicrobatchOutput]:
+    """Micro-batch after micro-batch: each backward finishes before the next forward."""
+    return _run(ctx, pipelined=False)

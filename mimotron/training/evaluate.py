@@ -18,10 +18,15 @@ import torch
 from torch import nn
 
 from mimotron.pipeline.communicator import MultiModulePipelineCommunicator
-from mimotron.pipeline.schedules import forward_backward_no_pipelining
+from mimotron.pipeline.schedules import StepContext, forward_backward_no_pipelining
 from mimotron.training.data_provider import Microbatch
 from mimotron.training.infra import MimoModelInfra
-from mimotron.training.step import autocast_factory, reduce_outputs
+from mimotron.training.step import (
+    autocast_factory,
+    language_input,
+    language_loss_step,
+    reduce_outputs,
+)
 
 
 def evaluate(
@@ -42,15 +47,12 @@ def evaluate(
     model.eval()
     totals = {"loss_sum": 0.0, "tokens": 0.0, "correct": 0.0, "samples": 0.0}
     for microbatches in steps:
-        outputs = forward_backward_no_pipelining(
-            forward_step_func=forward_step_func,
-            microbatches=microbatches,
-            model=model,
-            communicator=communicator,
-            loss_divisor=1.0,
-            forward_only=True,
-            autocast=autocast_factory(precision, device),
-        )
+        ctx = StepContext(
+            model=model, layout=infra.layout, rank=infra.rank, microbatches=microbatches,
+            forward_step_func=forward_step_func, lm_input_func=language_input,
+            lm_loss_func=language_loss_step, communicator=communicator, forward_only=True,
+            autocast=autocast_factory(precision, device))
+        outputs = forward_backward_no_pipelining(ctx)
         for key, value in reduce_outputs(outputs, infra, device).items():
             totals[key] += value
     model.train(was_training)

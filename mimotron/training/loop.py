@@ -9,22 +9,19 @@ own model or forward step as well as ``mimotron train``.
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-import torch.distributed as dist
 from torch import nn
 
+from mimotron.checkpoint import CheckpointManager, maybe_load_checkpoint
 from mimotron.config import MimoConfig
 from mimotron.data import build_datasets
 from mimotron.data.tokenizer import CharTokenizer
-from mimotron.models.build import build_mimo_model
 from mimotron.optim import build_schedulers, get_mimo_optimizer
 from mimotron.pipeline.communicator import MultiModulePipelineCommunicator, build_edges
-from mimotron.runtime import Runtime, compute_dtype, peak_memory_bytes, seed_everything
+from mimotron.runtime import Runtime, seed_everything
 from mimotron.training.data_provider import (
     MicrobatchProvider,
     make_pad_sample,
@@ -33,7 +30,9 @@ from mimotron.training.data_provider import (
 )
 from mimotron.training.evaluate import evaluate
 from mimotron.training.infra import MimoModelInfra, build_infra
-from mimotron.training.metrics import MetricsWriter, StepClock
+from mimotron.training.metrics import LoopMonitor, check_divergence
+from mimotron.training.model_setup import build_rank_model, padded_vocab_size
+from mimotron.training.profiling import StepProfiler
 from mimotron.training.state import GlobalState
 from mimotron.training.step import default_forward_step, train_step_mimo
 
@@ -62,17 +61,20 @@ def setup_mimo(cfg: MimoConfig, runtime: Runtime) -> MimoRun:
     infra = build_infra(cfg, runtime.rank, runtime.world_size)
     tokenizer = CharTokenizer()
     placeholders = {n: tokenizer.placeholder_id(cfg.modules[n].modality) for n in cfg.encoder_names}
-    model = build_mimo_model(cfg, tokenizer.vocab_size, placeholders,
-                             modules=set(infra.module_names)).to(runtime.device)
+    model = build_rank_model(cfg, infra, padded_vocab_size(tokenizer.vocab_size), placeholders,
+                             runtime.device)
     optimizer = get_mimo_optimizer(model, cfg, grids=infra.grids,
                                    pg_collections=infra.pg_collections,
                                    precision=cfg.train.precision)
     schedulers = build_schedulers(cfg, optimizer)
     communicator = MultiModulePipelineCommunicator(
-        infra.layout, runtime.rank, cfg.train.micro_batch_size, build_edges(cfg, infra.layout),
-        compute_dtype(cfg.train.precision), runtime.device)
+        infra.layout, runtime.rank, cfg.train.micro_batch_size,
+        build_edges(infra.layout, model.modality_of),
+        {n: pg.tp for n, pg in infra.pg_collections.items()}, runtime.device)
     train_task, valid_task = build_datasets(cfg, tokenizer)
     state = GlobalState(cfg, runtime)
+    # Before the data iterator: the restored consumed_samples is the data position.
+    maybe_load_checkpoint(model, optimizer, schedulers, state, infra)
     provider = MicrobatchProvider(infra.layout, runtime.rank, cfg.train.micro_batch_size,
                                   cfg.data.seq_length, train_task.stream(cfg.train.seed).samples,
                                   _collate_kwargs(train_task))
@@ -105,16 +107,6 @@ def _valid_factory(cfg: MimoConfig, infra: MimoModelInfra, runtime: Runtime, tas
     return steps
 
 
-def _module_lrs(optimizer: Any, cfg: MimoConfig, device: torch.device) -> dict[str, float]:
-    """Each module's current lr, known to every rank (world MAX over module slots)."""
-    names = sorted(cfg.modules)
-    vec = torch.zeros(len(names), dtype=torch.float64, device=device)
-    for group in optimizer.param_groups:
-        vec[names.index(group["module"])] = max(vec[names.index(group["module"])], group["lr"])
-    dist.all_reduce(vec, op=dist.ReduceOp.MAX)
-    return {n: float(vec[i]) for i, n in enumerate(names) if not cfg.modules[n].freeze}
-
-
 def train_mimo(
     forward_step_func: Callable[..., Any],
     model: nn.Module,
@@ -133,19 +125,22 @@ def train_mimo(
         on every rank.
     """
     cfg, ts, runtime = global_state.cfg, global_state.train_state, global_state.runtime
-    writer = None
-    if mimo_infra.is_logging_rank:
-        writer = MetricsWriter(cfg.log_dir, cfg.train.iters, cfg.log.tensorboard,
-                               cfg.log.progress, append=ts.iteration > 0)
+    # Metrics, timing hooks and profiling live in metrics.py / profiling.py.
+    profiler = StepProfiler(cfg.profile, cfg.log_dir, runtime.rank, runtime.world_size)
+    monitor = LoopMonitor(global_state, mimo_infra, model, optimizer, multimodule_communicator)
+    multimodule_communicator = monitor.communicator
+    train_data_iterator = monitor.wrap_data(train_data_iterator)
+    forward_step_func = monitor.wrap_forward_step(forward_step_func)
     model.train()
-    clock, start = StepClock(), time.monotonic()
+    checkpoints = CheckpointManager(model, optimizer, schedulers, global_state, mimo_infra)
     summary: dict[str, Any] = {"eval": {}}
-    tokens_per_step = cfg.train.global_batch_size * cfg.data.seq_length
     run_eval = lambda: _evaluate_and_log(  # noqa: E731
         forward_step_func, valid_data_iterator, model, multimodule_communicator, mimo_infra,
-        global_state, writer)
+        global_state, monitor)
     try:
+        monitor.banner()
         while ts.iteration < cfg.train.iters:
+            profiler.before_step(ts.iteration + 1)
             loss_dict, skipped, grad_norm, num_zeros = train_step_mimo(
                 forward_step_func, train_data_iterator, model, optimizer, schedulers,
                 global_state, multimodule_communicator, mimo_infra)
@@ -156,46 +151,34 @@ def train_mimo(
             if not math.isfinite(loss_dict["loss"]):
                 ts.nan_iters += 1
             summary["loss"] = loss_dict["loss"]
-            if ts.iteration % cfg.log.interval == 0 or ts.iteration == cfg.train.iters:
-                step_time = clock.lap() / (cfg.log.interval if ts.iteration % cfg.log.interval
-                                           == 0 else (ts.iteration % cfg.log.interval))
-                record = {
-                    "iteration": ts.iteration, "loss": loss_dict["loss"], "grad_norm": grad_norm,
-                    "lr": _module_lrs(optimizer, cfg, runtime.device),
-                    "loss_scale": float(optimizer.get_loss_scale()), "skipped": bool(skipped),
-                    "num_zeros": num_zeros, "consumed_samples": ts.consumed_samples,
-                    "tokens_per_second": tokens_per_step / step_time,
-                    "samples_per_second": cfg.train.global_batch_size / step_time,
-                    "step_time_s": step_time, "train_accuracy": loss_dict["accuracy"],
-                    "peak_memory_bytes": peak_memory_bytes(runtime.device),
-                }
-                if writer is not None:
-                    writer.write(record)
-                    writer.console(record, time.monotonic() - start)
-            if ts.consecutive_skips >= cfg.train.max_skipped:
-                raise RuntimeError(
-                    f"{ts.consecutive_skips} consecutive iterations were skipped (non-finite "
-                    f"gradients, last loss {loss_dict['loss']}); stopping. Lower the learning "
-                    "rate or check the data (train.max_skipped sets the limit)")
+            monitor.after_step(loss_dict, skipped, grad_norm, num_zeros)
+            with monitor.excluded():  # Writing a trace is not step time.
+                profiler.after_step(ts.iteration)
+            check_divergence(ts, loss_dict["loss"], cfg.train.max_skipped)
             if valid_data_iterator is not None and ts.iteration % cfg.eval.interval == 0 \
                     and ts.iteration < cfg.train.iters:
                 summary["eval"] = run_eval()
-                clock.lap()  # Evaluation time is not step time.
-        if valid_data_iterator is not None:
+            with monitor.excluded():  # Saves, exit conditions, SIGTERM (world-agreed).
+                if checkpoints.after_step():
+                    break
+        with monitor.excluded():
+            checkpoints.finish()
+        if valid_data_iterator is not None and not checkpoints.stopped:
             summary["eval"] = run_eval()
     finally:
-        if writer is not None:
-            writer.close()
-    summary.update(iteration=ts.iteration, wall_time_s=time.monotonic() - start,
-                   skipped_iters=ts.skipped_iters)
-    return summary
+        checkpoints.close()
+        profiler.close()
+        monitor.close()
+    return monitor.finish(summary)
 
 
 def _evaluate_and_log(forward_step_func, valid_data_iterator, model, communicator, infra,
-                      global_state, writer) -> dict[str, float]:  # noqa: ANN001
+                      global_state, monitor) -> dict[str, float]:  # noqa: ANN001
     cfg, runtime = global_state.cfg, global_state.runtime
-    metrics = evaluate(forward_step_func, valid_data_iterator(), model, communicator, infra,
-                       cfg.train.precision, runtime.device)
+    with monitor.excluded():  # Evaluation time is not step time.
+        metrics = evaluate(forward_step_func, valid_data_iterator(), model, communicator,
+                           infra, cfg.train.precision, runtime.device)
+    writer = monitor.writer
     record = {"iteration": global_state.train_state.iteration, **metrics}
     if writer is not None:
         writer.write(record)

@@ -18,12 +18,48 @@ from torch import nn
 
 from mimotron.models.language import language_loss
 from mimotron.parallel.data_parallel import finalize_model_grads, zero_grad_buffer_for_multimodule
+from mimotron.parallel.tensor_parallel import vocab_parallel_loss
 from mimotron.pipeline.communicator import MultiModulePipelineCommunicator
-from mimotron.pipeline.schedules import MicrobatchOutput, forward_backward_no_pipelining
+from mimotron.pipeline.schedules import (
+    MicrobatchOutput,
+    StepContext,
+    forward_backward_no_pipelining,
+    forward_backward_pipelining_without_interleaving,
+)
 from mimotron.runtime import compute_dtype
 from mimotron.training.data_provider import Microbatch
 from mimotron.training.infra import LANGUAGE, MimoModelInfra
 from mimotron.training.state import GlobalState
+
+
+def language_input(model: nn.Module, batch: dict[str, torch.Tensor],
+                   embeddings: dict[str, torch.Tensor | None]) -> torch.Tensor:
+    """Token embeddings with every modality's embeddings merged at its placeholders."""
+    tokens = batch["tokens"]
+    embeds = {m: e for m, e in embeddings.items() if e is not None}
+    present = {m: batch[f"has_{model.modality_of[m]}"] for m in embeds}
+    return model.merge_embeddings(tokens, model.language_model.embed_tokens(tokens), embeds,
+                                  present)
+
+
+def language_loss_step(model: nn.Module, batch: dict[str, torch.Tensor], logits: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """Summed token loss of the language model's (possibly vocab-sharded) logits.
+
+    Returns:
+        ``(loss_sum, num_loss_tokens, {"correct": n, "samples": n})`` where ``correct``
+        counts samples whose every answer token is the argmax (= exact match of greedy
+        generation, see ``evaluate``); pad samples (index < 0) are not counted.
+    """
+    group = getattr(model.language_model, "tp_group", None)
+    if group is not None:
+        loss_sum, num_tokens, correct = vocab_parallel_loss(
+            logits, batch["labels"], batch["loss_mask"], group)
+    else:
+        loss_sum, num_tokens, correct = language_loss(logits, batch["labels"],
+                                                      batch["loss_mask"])
+    valid = batch["index"] >= 0
+    return loss_sum, num_tokens, {"correct": (correct & valid).sum(), "samples": valid.sum()}
 
 
 def default_forward_step(model: nn.Module, batch: dict[str, torch.Tensor],
@@ -31,20 +67,12 @@ def default_forward_step(model: nn.Module, batch: dict[str, torch.Tensor],
                          ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """Merge modality embeddings into the text, run the language model, sum the loss.
 
-    Returns:
-        ``(loss_sum, num_loss_tokens, {"correct": n, "samples": n})`` where ``correct``
-        counts samples whose every answer token is the argmax (= exact match of greedy
-        generation, see ``evaluate``); pad samples (index < 0) are not counted.
+    A custom ``forward_step_func`` has this signature; it runs where the language model
+    is one pipeline stage (with language ``pipeline > 1`` the built-in split of this
+    function, ``language_input`` / ``language_loss_step``, runs instead).
     """
-    lm = model.language_model
-    tokens = batch["tokens"]
-    embeds = {m: e for m, e in embeddings.items() if e is not None}
-    present = {m: batch[f"has_{model.modality_of[m]}"] for m in embeds}
-    hidden = model.merge_embeddings(tokens, lm.embed_tokens(tokens), embeds, present)
-    logits = lm(hidden)
-    loss_sum, num_tokens, correct = language_loss(logits, batch["labels"], batch["loss_mask"])
-    valid = batch["index"] >= 0
-    return loss_sum, num_tokens, {"correct": (correct & valid).sum(), "samples": valid.sum()}
+    logits = model.language_model(language_input(model, batch, embeddings))
+    return language_loss_step(model, batch, logits)
 
 
 def module_parts(model: nn.Module) -> dict[str, nn.Module]:
@@ -127,15 +155,15 @@ def train_step_mimo(
     zero_grad_buffer_for_multimodule(parts)
     num_tokens = count_global_tokens(microbatches, infra, device)
     timers("forward-backward").start()
-    outputs = forward_backward_no_pipelining(
-        forward_step_func=forward_step_func,
-        microbatches=microbatches,
-        model=model,
-        communicator=multimodule_communicator,
-        loss_divisor=max(num_tokens, 1.0),
-        loss_scale=float(optimizer.get_loss_scale()),
-        autocast=autocast_factory(cfg.train.precision, device),
-    )
+    ctx = StepContext(
+        model=model, layout=infra.layout, rank=infra.rank, microbatches=microbatches,
+        forward_step_func=forward_step_func, lm_input_func=language_input,
+        lm_loss_func=language_loss_step, communicator=multimodule_communicator,
+        loss_divisor=max(num_tokens, 1.0), loss_scale=float(optimizer.get_loss_scale()),
+        autocast=autocast_factory(cfg.train.precision, device))
+    schedule = (forward_backward_pipelining_without_interleaving
+                if cfg.train.schedule == "1f1b" else forward_backward_no_pipelining)
+    outputs = schedule(ctx)
     timers("forward-backward").stop(sync=True)
     timers("grad-sync").start()
     frozen = {n for n, m in cfg.modules.items() if m.freeze}

@@ -1,0 +1,138 @@
+"""Tensor parallelism per module with DTensor plans, and a vocab-parallel loss.
+
+Plans for the built-in blocks (Megatron's split): attention ``wq/wk/wv`` column-wise and
+``wo`` row-wise; SwiGLU ``w1/w3`` column-wise and ``w2`` row-wise; the language model's
+embedding row-wise over the vocabulary and its output head column-wise with *local*
+logits, so the loss (:func:`vocab_parallel_loss`) never gathers full logits; encoder
+projectors ``fc1`` column-wise and ``fc2`` row-wise. Everything else (norms, position
+embeddings, the patch/conv front ends) stays a plain replicated tensor; such parameters
+are marked ``tensor_parallel_duplicate`` so the global grad norm counts them once.
+
+Weights are initialised on the full shape first (from ``(seed, name)``) and then
+sharded, so any TP degree starts from the same model as one process.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    parallelize_module,
+)
+
+DUPLICATE_ATTR = "tensor_parallel_duplicate"
+
+
+def _block_plan(prefix: str, layers: nn.ModuleDict) -> dict[str, object]:
+    plan: dict[str, object] = {}
+    for idx in layers:
+        base = f"{prefix}layers.{idx}"
+        plan.update({f"{base}.attn.{n}": ColwiseParallel() for n in ("wq", "wk", "wv")})
+        plan[f"{base}.attn.wo"] = RowwiseParallel()
+        plan.update({f"{base}.mlp.{n}": ColwiseParallel() for n in ("w1", "w3")})
+        plan[f"{base}.mlp.w2"] = RowwiseParallel()
+    return plan
+
+
+def tensor_parallel_plan(module: nn.Module, is_language: bool) -> dict[str, object]:
+    """The DTensor plan for one built-in module part (encoder submodule or LM stage)."""
+    if is_language:
+        plan = _block_plan("", module.layers)
+        if module.embed is not None:
+            # Each rank holds a vocabulary range, masks the rest, outputs are all-reduced.
+            plan["embed"] = RowwiseParallel(input_layouts=Replicate())
+        if module.output is not None:
+            plan["output"] = ColwiseParallel()  # local logits: [.., vocab / tp]
+        return plan
+    plan = _block_plan("encoder.", module.encoder.layers)
+    if module.projector is not None:
+        plan["projector.fc1"] = ColwiseParallel()
+        plan["projector.fc2"] = RowwiseParallel()
+    return plan
+
+
+def apply_tensor_parallel(module: nn.Module, mesh: DeviceMesh, is_language: bool) -> nn.Module:
+    """Shard a module part over a 1-D TP mesh in place; mark replicated parameters.
+
+    Raises:
+        ValueError: the vocabulary does not divide by the TP degree.
+    """
+    tp = mesh.size()
+    if is_language and module.embed is not None and module.embed.num_embeddings % tp:
+        raise ValueError(f"vocabulary size {module.embed.num_embeddings} is not divisible by "
+                         f"tensor={tp}; the padded vocabulary must divide by the TP degree")
+    plan = tensor_parallel_plan(module, is_language)
+    parallelize_module(module, mesh, plan)
+    for p in module.parameters():
+        if not hasattr(p, "placements"):
+            setattr(p, DUPLICATE_ATTR, True)
+    return module
+
+
+class _ReplicatedSum(torch.autograd.Function):
+    """All-reduce SUM whose result feeds a loss replicated on every rank of the group.
+
+    Every rank computes the same loss from the sum, so the gradient reaching each rank's
+    partial term is already the full gradient: backward is the identity (an all-reduce
+    here would count the loss once per rank).
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:  # noqa: ANN001
+        out = x.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
+        return grad, None
+
+
+def vocab_parallel_loss(logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor,
+                        group: dist.ProcessGroup) -> tuple[torch.Tensor, torch.Tensor,
+                                                           torch.Tensor]:
+    """Cross-entropy over vocab-sharded logits without gathering them (Megatron's method).
+
+    Args:
+        logits: this rank's vocabulary shard ``[B, S, V / tp]`` (contiguous ranges in rank
+            order within ``group``).
+        labels: ``[B, S]`` global token ids.
+        loss_mask: ``[B, S]``.
+        group: the TP group.
+
+    Returns:
+        Like :func:`mimotron.models.language.language_loss`: (loss sum over masked tokens,
+        number of masked tokens, per-sample "every masked argmax is right" bool ``[B]``).
+    """
+    logits = logits.float()
+    shard = logits.shape[-1]
+    start = dist.get_rank(group) * shard
+    # Softmax normaliser across shards: max (no grad needed), then sum of exps.
+    local_max = logits.max(dim=-1).values
+    global_max = local_max.detach().clone()
+    dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=group)
+    shifted = logits - global_max.unsqueeze(-1)
+    sum_exp = _ReplicatedSum.apply(shifted.exp().sum(dim=-1), group)
+    local_ids = labels - start
+    in_range = (local_ids >= 0) & (local_ids < shard)
+    picked = shifted.gather(-1, local_ids.clamp(0, shard - 1).unsqueeze(-1)).squeeze(-1)
+    target = _ReplicatedSum.apply(torch.where(in_range, picked, torch.zeros_like(picked)),
+                                  group)
+    token_loss = torch.log(sum_exp) - target
+    mask = loss_mask.float()
+    loss_sum = (token_loss * mask).sum()
+    # Global argmax = smallest index attaining the global max (torch.argmax's tie rule).
+    with torch.no_grad():
+        local_arg = logits.argmax(dim=-1) + start
+        candidate = torch.where(local_max >= global_max, local_arg,
+                                torch.full_like(local_arg, torch.iinfo(torch.int64).max))
+        dist.all_reduce(candidate, op=dist.ReduceOp.MIN, group=group)
+        scored = mask > 0
+        wrong = ((candidate != labels) & scored).any(dim=-1)
+        correct = ~wrong & scored.any(dim=-1)
+    return loss_sum, mask.sum(), correct

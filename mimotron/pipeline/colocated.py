@@ -1,0 +1,98 @@
+"""The colocated bridge: modules on the same ranks with different TP/DP layouts.
+
+When an encoder and the language model share ranks but slice the micro-batch
+differently (e.g. vision DP 4 and language TP 2 x DP 2 on 4 ranks), each rank holds the
+encoder output of its *encoder* slice but the language model needs the rows of its
+*language* slice. ``ColocatedBridge`` is an autograd function over the (colocated)
+world:
+
+* forward — all-gather every rank's encoder rows (padded to a common row count; only
+  TP rank 0 of each encoder replica is read, the others hold copies), reassemble the
+  micro-batch in sample order, and narrow to this rank's language slice (fan-in is a
+  gather, fan-out a narrow — the same code);
+* backward — each rank puts its language-slice gradient, divided by the number of ranks
+  that hold that same slice (the language TP copies, whose gradients are identical),
+  into a zero tensor of the whole micro-batch; a world all-reduce SUM gives every rank
+  the exact gradient of every row, and each rank keeps the rows of its encoder slice.
+
+When every rank's two slices coincide, ``needed`` is False and tensors pass through.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from mimotron.parallel.layout import Layout
+from mimotron.pipeline.communicator import Edge, slice_range
+
+
+@dataclass(frozen=True)
+class BridgeGeometry:
+    """How one colocated edge slices a micro-batch, as seen from one rank."""
+
+    world_size: int
+    src_dp_of_rank: tuple[int, ...]  # encoder DP coordinate of every rank
+    src_reader_ranks: tuple[int, ...]  # per encoder DP replica, the rank read (TP 0)
+    src_slice: tuple[int, int]
+    dst_slice: tuple[int, int]
+    dst_copies: int  # ranks holding this rank's language slice
+
+    @property
+    def needed(self) -> bool:
+        return self.src_slice != self.dst_slice
+
+
+def bridge_geometry(layout: Layout, edge: Edge, rank: int, mbs: int) -> BridgeGeometry:
+    """Slices of both modules on ``rank`` and who holds what (pure)."""
+    src, dst = layout.modules[edge.src], layout.modules[edge.dst]
+    world = layout.world_size
+    src_dp = tuple(src.coordinate(r)["dp"] for r in range(world))
+    readers = tuple(src.rank_at(dp=d) for d in range(src.parallel.data))
+    my_src, my_dst = src.coordinate(rank), dst.coordinate(rank)
+    copies = sum(1 for r in range(world) if dst.coordinate(r)["dp"] == my_dst["dp"])
+    needed_anywhere = any(
+        slice_range(mbs, src.parallel.data, src.coordinate(r)["dp"])
+        != slice_range(mbs, dst.parallel.data, dst.coordinate(r)["dp"]) for r in range(world))
+    s = slice_range(mbs, src.parallel.data, my_src["dp"])
+    d = slice_range(mbs, dst.parallel.data, my_dst["dp"])
+    if not needed_anywhere:
+        d = s
+    return BridgeGeometry(world, src_dp, readers, s, d, copies)
+
+
+class ColocatedBridge(torch.autograd.Function):
+    """Re-slice encoder rows from the encoder's DP layout to the language model's."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, mask: torch.Tensor, geo: BridgeGeometry
+                ) -> torch.Tensor:  # noqa: ANN001
+        """``rows``: this rank's encoder output; ``mask``: presence over its src slice."""
+        masks = [torch.empty_like(mask) for _ in range(geo.world_size)]
+        dist.all_gather(masks, mask.contiguous())
+        counts = [int(m.sum()) for m in masks]
+        pad = max(counts)
+        padded = torch.zeros((pad, *rows.shape[1:]), dtype=rows.dtype, device=rows.device)
+        padded[:rows.shape[0]] = rows
+        gathered = [torch.empty_like(padded) for _ in range(geo.world_size)]
+        dist.all_gather(gathered, padded)
+        # The micro-batch in sample order: encoder replicas in DP order (TP 0 copy each).
+        full_rows = torch.cat([gathered[r][:counts[r]] for r in geo.src_reader_ranks])
+        full_mask = torch.cat([masks[r] for r in geo.src_reader_ranks])
+        before = torch.cumsum(full_mask.long(), 0)
+        lo, hi = geo.dst_slice
+        first = int(before[lo - 1]) if lo > 0 else 0
+        last = int(before[hi - 1])
+        src_lo = int(before[geo.src_slice[0] - 1]) if geo.src_slice[0] > 0 else 0
+        ctx.meta = (full_rows.shape, first, last, src_lo, rows.shape[0], geo.dst_copies)
+        return full_rows[first:last].clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
+        shape, first, last, src_lo, n_src, copies = ctx.meta
+        full = torch.zeros(shape, dtype=grad.dtype, device=grad.device)
+        full[first:last] = grad / copies
+        dist.all_reduce(full)
+        return full[src_lo:src_lo + n_src].clone(), None, None

@@ -1,0 +1,56 @@
+"""Build the part of the ``MimoModel`` one rank holds: its modules, stages and TP shards.
+
+Every module part is built with its pipeline stage's *global* layer indices and
+initialised from ``(seed, full parameter name)`` on the full shape, then sharded by its
+TP plan — so every layout starts from exactly the weights of the one-process model.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from mimotron.config import MimoConfig
+from mimotron.models.build import build_module
+from mimotron.models.mimo import MimoModel
+from mimotron.parallel.layout import stage_layers
+from mimotron.parallel.tensor_parallel import apply_tensor_parallel
+from mimotron.training.infra import LANGUAGE, MimoModelInfra
+
+# The vocabulary is padded to a multiple of this (Megatron's make-vocab-divisible), the
+# same for every layout, so TP can split it and layouts share one model.
+VOCAB_MULTIPLE = 64
+
+
+def padded_vocab_size(vocab_size: int, multiple: int = VOCAB_MULTIPLE) -> int:
+    """Round the tokenizer's vocabulary up to a multiple of ``multiple``."""
+    return -(-vocab_size // multiple) * multiple
+
+
+def build_rank_model(cfg: MimoConfig, infra: MimoModelInfra, vocab_size: int,
+                     placeholder_ids: dict[str, int], device: torch.device) -> MimoModel:
+    """The ``MimoModel`` slice of this rank (modules, stage layers, TP shards).
+
+    Args:
+        cfg: run config.
+        infra: grids and roles of this rank.
+        vocab_size: the (padded) vocabulary size.
+        placeholder_ids: encoder module -> placeholder token id.
+        device: where parameters live.
+    """
+    parts: dict[str, nn.Module] = {}
+    for name, role in infra.roles.items():
+        mod = cfg.modules[name]
+        layers = stage_layers(mod.num_layers, mod.parallel.pipeline,
+                              mod.parallel.layers_per_stage)[role.pp]
+        parts[name] = build_module(cfg, name, vocab_size, layer_ids=layers,
+                                   pre_process=role.is_first_stage,
+                                   post_process=role.is_last_stage).to(device)
+        if mod.parallel.tensor > 1:
+            mesh = infra.grids[name].to_device_mesh(device.type, dims=["tp"])
+            apply_tensor_parallel(parts[name], mesh, name == LANGUAGE)
+            if name == LANGUAGE:
+                parts[name].tp_group = infra.pg_collections[name].tp
+    language = parts.pop(LANGUAGE, None)
+    modality_of = {n: str(cfg.modules[n].modality) for n in cfg.encoder_names}
+    return MimoModel(parts, language, dict(placeholder_ids), modality_of)

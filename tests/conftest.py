@@ -1,0 +1,20 @@
+"""Session set-up shared by every test module.
+
+Multi-rank tests fork their ranks from this process, so whatever is imported or cached
+here is inherited for free. Without it every forked rank pays, on its own, for importing
+scikit-learn and loading the digits, for torch's lazily imported optimizer/compiler
+modules (first ``AdamW``), and for DTensor's first dispatch — seconds per rank.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mimotron.testing import warm_up_imports
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _warm_imports() -> None:
+    torch.set_num_threads(1)
+    warm_up_imports()
