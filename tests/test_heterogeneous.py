@@ -36,7 +36,8 @@ CASES = {
                                        ["train.micro_batch_size=2"]),
     "language-tp2-dp2-fan-out": (_noncolocated({}, {}, {"tensor": 2, "data": 2}), []),
     "colocated-vision-dp4-language-tp2-dp2": (
-        _par("vision", data=4) + _par("audio", data=4) + _par("language", tensor=2, data=2),
+        _par("vision", data=4, rank_offset=0) + _par("audio", data=4, rank_offset=0)
+        + _par("language", tensor=2, data=2, rank_offset=0),
         []),
 }
 

@@ -16,9 +16,15 @@ def _par(module: str, **kw: int) -> list[str]:
     return [f"modules.{module}.parallel.{k}={v}" for k, v in kw.items()]
 
 
+# The shipped config is non-colocated; cases start from every module on ranks [0, 1).
+COLOCATED_1 = [f"modules.{m}.parallel.{k}={v}" for m in ("vision", "audio", "language")
+               for k, v in (("data", 1), ("rank_offset", 0))]
+
+
 def _layout(overrides: list[str], env_world_size: int | None = None):
     return plan_layout(load_config(DIGITS, ["train.micro_batch_size=8",
-                                            "train.global_batch_size=32", *overrides]),
+                                            "train.global_batch_size=32", *COLOCATED_1,
+                                            *overrides]),
                        env_world_size=env_world_size)
 
 
@@ -121,6 +127,8 @@ INVALID = [
                  + _par("audio", context=2), "context parallelism is not supported",
                  id="context"),
     pytest.param(_par("vision", rank_offset=-1), "rank_offset=-1", id="negative-offset"),
+    pytest.param(["modules.language.parallel.sequence_parallel=true"],
+                 "sequence parallelism is not implemented", id="sequence-parallel"),
     pytest.param(_par("vision", data=1, rank_offset=0) + _par("audio", data=1, rank_offset=1)
                  + _par("language", pipeline=2, rank_offset=2)
                  + ["modules.language.parallel.layers_per_stage=[2]"],

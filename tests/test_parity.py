@@ -36,7 +36,8 @@ def _par(module: str, **kw: int) -> list[str]:
 
 
 def _colocated(dp: int) -> list[str]:
-    return _par("vision", data=dp) + _par("audio", data=dp) + _par("language", data=dp)
+    return (_par("vision", data=dp, rank_offset=0) + _par("audio", data=dp, rank_offset=0)
+            + _par("language", data=dp, rank_offset=0))
 
 
 def _train(rank: int, world: int, overrides: list[str], num_iters: int) -> list[tuple]:

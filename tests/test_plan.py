@@ -75,7 +75,7 @@ def _before_first_backward(plan: list[Action], action: Action) -> bool:
 
 
 def test_colocated_is_one_position_without_transfers():
-    layout = _layout([])
+    layout = _layout(_block("vision", 0) + _block("audio", 0) + _block("language", 0))
     pos = pipeline_positions(layout)
     assert {p.total for p in pos.values()} == {1}
     plan = build_1f1b_plan(3, pos[("language", 0)])

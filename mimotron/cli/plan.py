@@ -7,6 +7,7 @@ import sys
 from mimotron.config import load_config
 from mimotron.parallel.layout import plan_layout
 from mimotron.parallel.memory import estimate_memory, stage_parameter_counts
+from mimotron.training.model_setup import padded_vocab_size
 
 
 def _mib(n: int) -> str:
@@ -23,7 +24,7 @@ def run_plan(config: str, overrides: list[str]) -> int:
         return 2
     from mimotron.data.tokenizer import CharTokenizer
 
-    vocab = CharTokenizer().vocab_size
+    vocab = padded_vocab_size(CharTokenizer().vocab_size)
     print(layout.format_rank_map())
     print()
     print(f"{'module':<10} {'kind':<9} {'params':>10}  tp pp dp  stages (params)")

@@ -232,6 +232,9 @@ def _check_module_shape(cfg: MimoConfig, name: str, colocated: bool) -> None:
             f"{p}.layers_per_stage={par.layers_per_stage} is invalid: it must sum to "
             f"modules.{name}.num_layers={mod.num_layers}"
         )
+    if par.sequence_parallel:
+        raise ValueError(f"{p}.sequence_parallel=true is invalid: sequence parallelism is not "
+                         "implemented; use false (tensor parallelism works without it)")
     if par.context > 1:
         raise ValueError(
             f"{p}.context={par.context} is invalid: context parallelism is not supported; use 1"

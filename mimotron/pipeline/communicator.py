@@ -217,7 +217,9 @@ class MultiModulePipelineCommunicator:
             bwd = self._assemble_backward(got[len(fwd_src):])
         return fwd, bwd
 
-    def finish(self) -> None:
+    def finish(self, forward_only: bool = False) -> None:
         """Wait for every send of the step (call once at the end of a schedule)."""
         self.pending.wait()
+        if forward_only:
+            self._rows.clear()  # No gradients go back in evaluation.
         assert not self._rows, f"gradients never sent for {sorted(self._rows)}"

@@ -191,7 +191,7 @@ def _execute(plan: list[P.Action], runner: StageRunner, comm: MultiModulePipelin
                                                   recv_forward=a.other)
         else:
             raise AssertionError(f"unknown action {a}")
-    comm.finish()
+    comm.finish(forward_only=runner.ctx.forward_only)
 
 
 def _my_position(ctx: StepContext) -> P.Position:
