@@ -1,4 +1,5 @@
-"""MimoOptimizer: one-process parity with torch, and multi-rank world consensus (gloo)."""
+"""MimoOptimizer: one-process parity with torch, multi-rank world consensus (gloo), and
+state round trips (optimizer alone, and through the engine with model and schedulers)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from mimotron.config import MimoConfig, ModuleConfig
+from mimotron.config import MimoConfig, ModuleConfig, load_config
+from mimotron.data.tokenizer import CharTokenizer
+from mimotron.models.build import build_mimo_model
 from mimotron.optim import (
     ConstantLossScaler,
     DynamicLossScaler,
@@ -23,9 +26,14 @@ from mimotron.optim import (
     OptimizerConfig,
     build_torch_optimizer,
     get_mimo_optimizer,
+    load_schedulers_state_dict,
+    schedulers_state_dict,
 )
 from mimotron.parallel.groups import ProcessGroupCollection
+from mimotron.runtime import init_runtime
 from mimotron.testing import run_ranks
+from mimotron.training.loop import setup_mimo
+from mimotron.training.step import default_forward_step, train_step_mimo
 
 SIZES = {"c": (3, 5), "a": (4, 3), "b": (6, 4)}  # module -> (in, out); unsorted on purpose
 ADAM = {"lr": 0.01, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
@@ -435,3 +443,93 @@ def test_multirank_dtensor_norm_and_dcp_round_trip(tmp_path: Path) -> None:
     for r in results:
         assert r["second"][0] == r["second"][1]
         assert r["diff"] == 0.0  # resumed optimizer state is exact
+
+
+# ---- the real model and engine ------------------------------------------------------------
+
+DIGITS = Path(__file__).resolve().parents[1] / "configs" / "digits.toml"
+ENGINE = [
+    "modules.vision.hidden_size=32", "modules.vision.num_layers=1",
+    "modules.audio.hidden_size=32", "modules.language.hidden_size=64",
+    "train.global_batch_size=16", "train.micro_batch_size=8",
+    "optimizer.lr=3e-3", "optimizer.clip_grad=0.5", "optimizer.weight_decay=0.05",
+    "scheduler.warmup_iters=2", "eval.interval=1000",
+]
+
+
+def test_norms_and_biases_get_no_weight_decay_by_default() -> None:
+    cfg = load_config(DIGITS, ENGINE)
+    tok = CharTokenizer()
+    holders = {n: tok.placeholder_id(cfg.modules[n].modality) for n in cfg.encoder_names}
+    opt = get_mimo_optimizer(build_mimo_model(cfg, tok.vocab_size, holders), cfg)
+    seen = 0
+    for name, info in opt.module_infos.items():
+        names = {id(p): n for n, p in info.params}
+        for group in info.optimizer.param_groups:
+            for p in group["params"]:
+                n = names[id(p)]
+                no_decay = "norm" in n or "bias" in n
+                assert group["weight_decay"] == (0.0 if no_decay else 0.05), (name, n)
+                seen += no_decay
+    assert seen > 10  # RMSNorm weights and projector/conv biases of every module
+
+
+def _engine_round_trip(rank: int, world: int) -> dict:
+    overrides = ENGINE + [f"modules.{m}.parallel.{k}={v}" for m in ("vision", "audio", "language")
+                          for k, v in (("data", 2), ("rank_offset", 0))]
+    overrides.append("modules.language.parallel.shard_optimizer=true")  # both paths at once
+    cfg = load_config(DIGITS, overrides)
+
+    def step(run) -> tuple:  # noqa: ANN001 - MimoRun
+        loss, skipped, grad_norm, zeros = train_step_mimo(
+            default_forward_step, run.train_data_iterator, run.model, run.optimizer,
+            run.schedulers, run.global_state, run.communicator, run.infra)
+        return loss["loss"], skipped, grad_norm, zeros
+
+    a = setup_mimo(cfg, init_runtime())
+    assert a.optimizer.module_infos["language"].zero is not None
+    for _ in range(3):
+        step(a)
+    saved = copy.deepcopy({  # as if written to disk and read back
+        "model": a.model.state_dict(), "optimizer": a.optimizer.state_dict(),
+        "schedulers": schedulers_state_dict(a.schedulers)})
+    original = [step(a) for _ in range(2)]
+    b = setup_mimo(cfg, init_runtime())
+    b.model.load_state_dict(saved["model"])
+    b.optimizer.load_state_dict(saved["optimizer"])
+    b.optimizer.reload_model_params()
+    assert load_schedulers_state_dict(b.schedulers, saved["schedulers"]) == []
+    for _ in range(3):  # the checkpoint's data position
+        next(b.train_data_iterator)
+    resumed = [step(b) for _ in range(2)]
+    return {"original": original, "resumed": resumed}
+
+
+def test_engine_state_dict_round_trip_gives_identical_next_steps() -> None:
+    for r in run_ranks(2, _engine_round_trip, timeout_s=240):
+        assert r["resumed"] == r["original"]
+
+
+def _rank_tp_duplicate(rank: int, world: int) -> tuple:
+    group = dist.new_group([0, 1])
+    full = _full_modules()["B"]  # weight rows split over "tp"; bias replicated on both ranks
+    weight = nn.Parameter(full.weight.detach().chunk(2, dim=0)[rank].clone())
+    bias = nn.Parameter(full.bias.detach().clone())
+    bias.tensor_parallel_duplicate = True  # what parallel.tensor_parallel marks
+    _set_grads({"B": full}, 0)
+    weight.grad = full.weight.grad.chunk(2, dim=0)[rank].clone()
+    bias.grad = full.bias.grad.clone()
+    info = ModuleOptimizerInfo(
+        optimizer=torch.optim.AdamW([weight, bias], **ADAM), is_active=True,
+        pg_collection=ProcessGroupCollection(tp=group, mp=group),
+        params=[("weight", weight), ("bias", bias)])
+    opt = MimoOptimizer({"B": info}, OptimizerConfig(clip_grad=0.0))
+    zeros = sum(int((p.grad == 0).sum()) for p in full.parameters())
+    return opt.get_grad_norm(), opt.count_zeros(), full.weight.grad.norm().item(), \
+        full.bias.grad.norm().item(), zeros
+
+
+def test_tensor_parallel_duplicates_count_once_in_the_norm() -> None:
+    for norm, zeros, w_norm, b_norm, ref_zeros in run_ranks(2, _rank_tp_duplicate):
+        assert norm == pytest.approx((w_norm**2 + b_norm**2) ** 0.5, rel=1e-6)
+        assert zeros == ref_zeros

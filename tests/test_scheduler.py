@@ -1,16 +1,31 @@
-"""OptimizerParamScheduler: Megatron warm-up/decay semantics, wd schedules, per-module builds."""
+"""OptimizerParamScheduler: Megatron warm-up/decay semantics, wd schedules, per-module builds.
+
+End to end: the ``lr`` object of ``metrics.jsonl`` follows each module's own schedule
+when ``[modules.<m>.optimizer]`` overrides lr, warm-up, decay style and min lr.
+"""
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 from torch import nn
 
-from mimotron.config import MimoConfig, ModuleConfig, SchedulerConfig
-from mimotron.optim import OptimizerParamScheduler, build_schedulers, get_mimo_optimizer
+from mimotron.config import MimoConfig, ModuleConfig, SchedulerConfig, load_config
+from mimotron.optim import (
+    OptimizerParamScheduler,
+    build_schedulers,
+    get_mimo_optimizer,
+    load_schedulers_state_dict,
+    schedulers_state_dict,
+)
+from mimotron.runtime import init_runtime
+from mimotron.testing import run_ranks
+from mimotron.training.loop import run_training
 
 
 def _opt(wd: float = 0.1) -> torch.optim.Optimizer:
@@ -160,3 +175,68 @@ def test_build_schedulers_global_min_lr_and_weight_decay() -> None:
     sched.step(5)
     assert decay["weight_decay"] == pytest.approx(0.05)
     assert no_decay["weight_decay"] == 0.0
+
+
+def test_schedulers_state_round_trip_and_fresh_modules() -> None:
+    a = {"vision": _sched(), "language": _sched()}
+    for s in a.values():
+        s.step(7)
+    saved = schedulers_state_dict({"language": a["language"]})  # vision was frozen then
+    b = {"vision": _sched(), "language": _sched()}
+    assert load_schedulers_state_dict(b, saved) == ["vision"]
+    assert b["language"].num_steps == 7 and b["vision"].num_steps == 0
+    assert b["vision"].optimizer.param_groups[0]["lr"] == 0.0  # its warm-up starts again
+    assert load_schedulers_state_dict({"language": _sched()}, schedulers_state_dict(a)) == []
+
+
+# ---- end to end: metrics.jsonl logs each module's own schedule -------------------------
+
+DIGITS = Path(__file__).resolve().parents[1] / "configs" / "digits.toml"
+NUM_ITERS = 6
+LR_RUN = [
+    "modules.vision.hidden_size=32", "modules.vision.num_layers=1",
+    "modules.audio.hidden_size=32", "modules.language.hidden_size=64",
+    "train.global_batch_size=16", "train.micro_batch_size=8", f"train.iters={NUM_ITERS}",
+    "eval.interval=1000", "eval.iters=1", "log.interval=1", "log.tensorboard=false",
+    "log.progress=false",
+    # language: the global schedule (lr 3e-3, 2 warm-up steps, cosine to 0 at iteration 6)
+    "optimizer.lr=3e-3", "optimizer.min_lr=0.0", "scheduler.warmup_iters=2",
+    "scheduler.decay_style=cosine",
+    # vision: its own lr, warm-up, linear decay and floor
+    "modules.vision.optimizer.lr=5e-3", "modules.vision.optimizer.warmup_iters=4",
+    "modules.vision.optimizer.decay_style=linear", "modules.vision.optimizer.min_lr=1e-4",
+    # audio: constant, no warm-up
+    "modules.audio.optimizer.lr=1e-3", "modules.audio.optimizer.warmup_iters=0",
+    "modules.audio.optimizer.decay_style=constant",
+] + [f"modules.{m}.parallel.{k}={v}" for i, m in enumerate(("vision", "audio", "language"))
+     for k, v in (("data", 1), ("rank_offset", i))]
+
+
+def _expected_lr(module: str, k: int) -> float:
+    """The lr after ``k`` steps, written out from the schedule definitions above."""
+    if module == "audio":
+        return 1e-3
+    if module == "vision":
+        if k <= 4:
+            return 5e-3 * k / 4
+        return 1e-4 + (1 - (k - 4) / (NUM_ITERS - 4)) * (5e-3 - 1e-4)
+    if k <= 2:
+        return 3e-3 * k / 2
+    return 0.5 * (math.cos(math.pi * (k - 2) / (NUM_ITERS - 2)) + 1) * 3e-3
+
+
+def _train_and_log(rank: int, world: int, log_dir: str) -> None:
+    cfg = load_config(DIGITS, LR_RUN + [f"log.dir={log_dir}"])
+    run_training(cfg, init_runtime())
+
+
+def test_logged_lr_follows_each_modules_own_schedule(tmp_path: Path) -> None:
+    run_ranks(3, _train_and_log, str(tmp_path), timeout_s=240)
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    train = [x for x in lines if "lr" in x]
+    assert [x["iteration"] for x in train] == list(range(1, NUM_ITERS + 1))
+    for x in train:
+        assert not x["skipped"]
+        # lr of iteration k is logged after its (successful) step: the schedule at k.
+        want = {m: _expected_lr(m, x["iteration"]) for m in ("audio", "language", "vision")}
+        assert x["lr"] == pytest.approx(want, rel=1e-9, abs=1e-15), x["iteration"]

@@ -1,4 +1,4 @@
-"""The ``mimotron`` command: ``train``, ``plan``, ``plot``."""
+"""The ``mimotron`` command: ``train``, ``plan``, ``plot``, ``export``."""
 
 from __future__ import annotations
 
@@ -17,6 +17,9 @@ def _parser() -> argparse.ArgumentParser:
     s = sub.add_parser("plot", help="PNG curves from one or more runs' metrics.jsonl")
     s.add_argument("run_dirs", nargs="+", help="run directories (each holding metrics.jsonl)")
     s.add_argument("--out", default=None, help="output directory (default: the first run dir)")
+    s = sub.add_parser("export", help="full model of a checkpoint as safetensors per module")
+    s.add_argument("checkpoint", help="checkpoint dir holding 'latest', or an iter_NNNNNNN dir")
+    s.add_argument("out_dir", help="output directory (<module>.safetensors + config.json)")
     return p
 
 
@@ -31,6 +34,10 @@ def main(argv: list[str] | None = None) -> int:
         from mimotron.cli.train import run_train
 
         return run_train(args.config, args.overrides)
+    if args.command == "export":
+        from mimotron.cli.export import run_export
+
+        return run_export(args.checkpoint, args.out_dir)
     from mimotron.cli.plot import run_plot
 
     return run_plot(args.run_dirs, args.out)

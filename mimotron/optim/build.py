@@ -18,7 +18,9 @@ from mimotron.config import PRECISIONS, MimoConfig, ModuleConfig, OptimizerConfi
 from mimotron.optim.loss_scaler import ConstantLossScaler, DynamicLossScaler, LossScaler
 from mimotron.optim.mimo_optimizer import MimoOptimizer, ModuleOptimizerInfo
 from mimotron.optim.scheduler import OptimizerParamScheduler
+from mimotron.parallel.data_parallel import OPTIMIZER_REDUCES_GRAD
 from mimotron.parallel.groups import ProcessGroupCollection
+from mimotron.parallel.zero import ZeroShards
 
 
 def _submodule(mimo_model: Any, name: str, mcfg: ModuleConfig) -> nn.Module | None:
@@ -38,6 +40,60 @@ def _check_groups(name: str, grid: Any, pg: ProcessGroupCollection | None) -> No
             f"module {name!r} spans {grid.size} ranks including this one, but "
             "pg_collections has no entry for it (build it with ProcessGroupCollection.from_grid)"
         )
+
+
+def freeze_modules(mimo_model: Any, config: MimoConfig) -> list[str]:
+    """Stop gradients for every frozen module held on this rank (``requires_grad=False``).
+
+    Autograd then neither computes nor stores anything for the module: its encoder
+    output carries no graph (the same as running it under ``no_grad``, since its only
+    input is data), the data-parallel sync skips it, and no optimizer is built for it.
+    Parameters are never switched back on here (a user may have frozen pieces).
+
+    Returns:
+        The frozen modules this rank holds.
+    """
+    frozen = []
+    for name, mcfg in config.modules.items():
+        module = _submodule(mimo_model, name, mcfg)
+        if mcfg.freeze and module is not None:
+            module.requires_grad_(False)
+            frozen.append(name)
+    return frozen
+
+
+def _shards(name: str, mcfg: ModuleConfig, named: list[tuple[str, nn.Parameter]],
+            pg: ProcessGroupCollection | None) -> ZeroShards | None:
+    """Row shards for ``shard_optimizer`` modules with a DP group larger than one."""
+    if not (named and mcfg.parallel.shard_optimizer and pg is not None):
+        return None
+    if pg.dp is None or dist.get_world_size(pg.dp) < 2:
+        return None  # one replica: sharding would change nothing
+    try:
+        return ZeroShards(named, pg.dp)
+    except ValueError as exc:
+        raise ValueError(f"modules.{name}.parallel.shard_optimizer=true: {exc}") from None
+
+
+def _check_config(config: MimoConfig, precision: str) -> None:
+    """Reject, from the config alone, what no rank can build.
+
+    Every rank raises alike, so none is left waiting in a collective.
+    """
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision={precision!r} is invalid: expected one of {PRECISIONS}")
+    if config.modules and all(m.freeze for m in config.modules.values()):
+        raise ValueError(
+            f"modules.*.freeze: every module ({sorted(config.modules)}) is frozen, so "
+            "nothing would train; unfreeze at least one"
+        )
+    for name, mcfg in config.modules.items():
+        if mcfg.parallel.shard_optimizer and mcfg.parallel.tensor > 1:
+            raise ValueError(
+                f"modules.{name}.parallel.shard_optimizer=true with tensor="
+                f"{mcfg.parallel.tensor} is not supported yet: the sharded optimizer splits "
+                "plain parameters only; use tensor = 1 or shard_optimizer = false"
+            )
 
 
 def _loss_scaler(oc: OptimizerConfig, precision: str) -> LossScaler:
@@ -90,6 +146,12 @@ def get_mimo_optimizer(
     up on all ranks. Loss-scaler settings come from the global ``[optimizer]`` table for
     every module, because the scales must stay identical.
 
+    Frozen modules (``modules.<m>.freeze``) get ``requires_grad=False`` (see
+    :func:`freeze_modules`) and no optimizer. Modules with ``parallel.shard_optimizer``
+    and a DP degree above one get a ZeRO-1 optimizer over their DP group
+    (:class:`~mimotron.parallel.zero.ZeroShards`): the inner optimizer holds only this
+    rank's rows of every parameter.
+
     Args:
         mimo_model: has ``modality_submodules[name]`` (encoders) and ``language_model``;
             either may be missing on this rank.
@@ -106,12 +168,13 @@ def get_mimo_optimizer(
         The multi-module optimizer.
 
     Raises:
-        ValueError: an unknown precision or optimizer name, or a multi-rank grid that
-            contains this rank but has no process-group collection.
+        ValueError: an unknown precision or optimizer name, every module frozen, a
+            multi-rank grid that contains this rank but has no process-group collection,
+            or a sharded module whose parameters cannot be row-sharded.
     """
     precision = config.train.precision if precision is None else precision
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision={precision!r} is invalid: expected one of {PRECISIONS}")
+    _check_config(config, precision)
+    freeze_modules(mimo_model, config)
     oc = config.optimizer
     infos: dict[str, ModuleOptimizerInfo] = {}
     for name, mcfg in config.modules.items():
@@ -122,15 +185,21 @@ def get_mimo_optimizer(
         grid = grids.get(name) if grids is not None else None
         pg = pg_collections[name] if pg_collections is not None and name in pg_collections else None
         _check_groups(name, grid, pg)
-        opt = build_torch_optimizer(named, config.effective_optimizer(name)) if named else None
+        zero = _shards(name, mcfg, named, pg)
+        if zero is None:  # a model reused from a sharded run gets its DP sync back
+            for _, p in named:
+                p.__dict__.pop(OPTIMIZER_REDUCES_GRAD, None)
+        stepped = zero.fragments if zero is not None else named
+        opt = build_torch_optimizer(stepped, config.effective_optimizer(name)) if named else None
         infos[name] = ModuleOptimizerInfo(
             optimizer=opt,
             grid=grid,
             pg_collection=pg,
             is_active=bool(named),
-            params=named,
+            params=stepped,
             loss_scaler=_loss_scaler(oc, precision),
             frozen=mcfg.freeze,
+            zero=zero,
         )
     return MimoOptimizer(infos, oc, world_group)
 

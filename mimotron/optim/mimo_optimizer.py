@@ -10,6 +10,15 @@ gives every rank the whole vector. Found-inf is a world MAX, step success a worl
 Collective discipline: world collectives are issued by every rank; a module's group
 collectives by every rank *in the module* (``ModuleOptimizerInfo.in_module``), whether
 or not it holds parameters, in module-name order, before any early return.
+
+A module may shard its optimizer over its DP group (``ModuleOptimizerInfo.zero``, ZeRO-1,
+:mod:`mimotron.parallel.zero`): its ``params`` are then this rank's row fragments, its
+gradients are reduce-scattered in :meth:`MimoOptimizer.prepare_grads`, its squared norm
+and zero count are summed over the DP group (fragments are disjoint, so nothing is
+counted twice), and its parameters are all-gathered after the inner step.
+
+Frozen modules and modules frozen when a checkpoint was written: see
+:meth:`MimoOptimizer.load_state_dict`.
 """
 
 from __future__ import annotations
@@ -21,13 +30,27 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate
 
 from mimotron.config import OptimizerConfig
+from mimotron.optim.grads import (
+    collective_device,
+    counted_local_grad,
+    grads_of,
+    has_non_finite,
+    reduced_grads,
+    scale_,
+    sharded_outside,
+    usable,
+)
 from mimotron.optim.loss_scaler import ConstantLossScaler, LossScaler
 from mimotron.parallel.groups import ProcessGroupCollection
+from mimotron.parallel.zero import ZeroShards
 
 _PREFIX = "optimizer"
+# ``optimizer.<module>.has_state``: True when saved; the loading placeholder is False, so
+# it is still False after a (partial) DCP load when the checkpoint has no optimizer state
+# for the module (it was frozen when saved).
+_HAS_STATE = "has_state"
 
 
 @dataclass
@@ -45,6 +68,8 @@ class ModuleOptimizerInfo:
             checkpoints do not depend on the layout. Empty = index names (``"0"``, ...).
         loss_scaler: the module's scaler (all modules' scalers stay identical).
         frozen: the module is frozen everywhere, so its ranks skip its collectives.
+        zero: the row shards when the module's optimizer is sharded over its DP group;
+            ``params`` and ``optimizer`` then hold this rank's fragments.
     """
 
     optimizer: torch.optim.Optimizer | None = None
@@ -54,6 +79,7 @@ class ModuleOptimizerInfo:
     params: list[tuple[str, nn.Parameter]] = field(default_factory=list)
     loss_scaler: LossScaler = field(default_factory=ConstantLossScaler)
     frozen: bool = False
+    zero: ZeroShards | None = None
 
     @property
     def in_module(self) -> bool:
@@ -88,7 +114,7 @@ class MimoOptimizer:
         self.module_infos = {name: module_infos[name] for name in sorted(module_infos)}
         self._world = world_group
         self._distributed = dist.is_available() and dist.is_initialized()
-        self._device = _collective_device(world_group) if self._distributed else torch.device("cpu")
+        self._device = collective_device(world_group) if self._distributed else torch.device("cpu")
         self._rank = dist.get_rank() if self._distributed else 0
         # Parameter names in the inner optimizer's index order, per active module.
         self._order: dict[str, list[str]] = {}
@@ -112,17 +138,22 @@ class MimoOptimizer:
     def prepare_grads(self) -> bool:
         """Unscale (fp16), check for non-finite grads, agree on it world-wide.
 
-        Also updates every module's loss scaler from the world flag.
+        Sharded modules reduce-scatter their gradients first (collective over each one's
+        DP group, in module order). Also updates every module's loss scaler from the
+        world flag.
 
         Returns:
             found_inf, identical on every rank.
         """
+        for info in self._active():
+            if info.zero is not None:
+                info.zero.reduce_grads()
         found = False
         for info in self._active():
-            grads = _reduced_grads(info)
+            grads = reduced_grads(info.params)
             if info.loss_scaler.is_dynamic:
-                _scale_(grads, info.loss_scaler.inv_scale)
-            found = found or _has_non_finite(grads)
+                scale_(grads, info.loss_scaler.inv_scale)
+            found = found or has_non_finite(grads)
         found_inf = bool(self._world_reduce([float(found)], dist.ReduceOp.MAX).item() > 0)
         for info in self.module_infos.values():
             info.loss_scaler.update(found_inf)
@@ -140,25 +171,28 @@ class MimoOptimizer:
     def _module_stats(self, name: str, info: ModuleOptimizerInfo) -> list[float]:
         """[squared norm, zeros] of one module, identical on all of its ranks."""
         pg = info.pg_collection or ProcessGroupCollection()
-        mp, dp = pg.mp, pg.dp_cp if _usable(pg.dp_cp) else pg.dp
-        mp_ranks = set(dist.get_process_group_ranks(mp)) if _usable(mp) else {self._rank}
-        dp_ranks = set(dist.get_process_group_ranks(dp)) if _usable(dp) else {self._rank}
+        mp, dp = pg.mp, pg.dp_cp if usable(pg.dp_cp) else pg.dp
+        if info.zero is not None:
+            dp = info.zero.group  # the group the fragments are sharded over
+        mp_ranks = set(dist.get_process_group_ranks(mp)) if usable(mp) else {self._rank}
+        dp_ranks = set(dist.get_process_group_ranks(dp)) if usable(dp) else {self._rank}
+        tp_rank = dist.get_rank(pg.tp) if usable(pg.tp) else 0
         own = torch.zeros(2, dtype=torch.float64, device=self._device)
         shared = torch.zeros(2, dtype=torch.float64, device=self._device)
-        any_shared = False
+        any_shared = info.zero is not None
         for _, p in info.params:
-            over_dp = _sharded_outside(p, mp_ranks, dp_ranks, name)
+            over_dp = info.zero is not None or sharded_outside(p, mp_ranks, dp_ranks, name)
             any_shared = any_shared or over_dp
-            local = _counted_local_grad(p, mp_ranks)
+            local = counted_local_grad(p, mp_ranks, tp_rank)
             if local is not None:
                 target = shared if over_dp else own
                 target[0] += torch.linalg.vector_norm(local, dtype=torch.float64).to(own) ** 2
                 target[1] += local.numel() - torch.count_nonzero(local).to(own)
-        # Placements are the same on all DP replicas, so they agree on this branch.
-        if any_shared and _usable(dp):
+        # Placements (and sharding) are the same on all DP replicas: they agree here.
+        if any_shared and usable(dp):
             dist.all_reduce(shared, group=dp)
         total = own + shared
-        if _usable(mp):
+        if usable(mp):
             dist.all_reduce(total, group=mp)
         return total.tolist()
 
@@ -187,7 +221,7 @@ class MimoOptimizer:
         coeff = clip / (norm + 1.0e-6)
         if clip > 0 and coeff < 1.0:
             for info in self._active():
-                _scale_(_grads(info), coeff)
+                scale_(grads_of(info.params), coeff)
         return norm
 
     # ---- stepping ---------------------------------------------------------------------
@@ -209,22 +243,45 @@ class MimoOptimizer:
         return success, norm, zeros
 
     def step_with_ready_grads(self) -> bool:
-        """Step every active inner optimizer; world MIN of the local success."""
+        """Step every active inner optimizer; world MIN of the local success.
+
+        A sharded module then all-gathers its parameters (collective over its DP group).
+        """
         for info in self._active():
             info.optimizer.step()
+            if info.zero is not None:
+                info.zero.gather_params()
         return bool(self._world_reduce([1.0], dist.ReduceOp.MIN).item() > 0)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear the gradients of every active module."""
+        """Clear the gradients of every active module (model and fragment gradients)."""
         for info in self._active():
             info.optimizer.zero_grad(set_to_none=set_to_none)
+            if info.zero is not None:
+                info.zero.zero_model_grads(set_to_none)
 
     def prepare_model_params_for_param_sync(self) -> None:
-        """No-op: parameters are updated in place (no sharded optimizer copies)."""
+        """All-gather sharded modules' parameters from the ranks that own their rows.
+
+        :meth:`step_with_ready_grads` already does this after every step; call it after
+        changing fragments outside a step. Collective over each sharded module's DP
+        group; a no-op for unsharded modules (updated in place).
+        """
+        for info in self._active():
+            if info.zero is not None:
+                info.zero.gather_params()
 
     def reload_model_params(self, state_dict: dict[str, Any] | None = None) -> None:
-        """No-op: there are no separate fp32 main parameters to refresh."""
+        """Re-view sharded fragments into the parameters' current storage.
+
+        Needed after a model load that replaced parameter storage (``assign=True``); an
+        in-place ``load_state_dict`` keeps them valid. There are no separate fp32 main
+        parameters to refresh (weights are fp32 under autocast).
+        """
         del state_dict
+        for info in self._active():
+            if info.zero is not None:
+                info.zero.repoint()
 
     def get_loss_scale(self) -> torch.Tensor:
         """The current loss scale (1.0 without fp16 scaling); same for every module."""
@@ -242,7 +299,9 @@ class MimoOptimizer:
         """``{module: {"state", "param_groups", "loss_scaler"}}`` with state by name.
 
         Inactive modules carry only their loss scaler, so every rank (including one
-        that holds no part of a module) can restore every scaler.
+        that holds no part of a module) can restore every scaler. A sharded module's
+        state holds this rank's rows only (same-layout round trips; reshard through
+        :meth:`sharded_state_dict`).
         """
         out: dict[str, dict[str, Any]] = {}
         for name, info in self.module_infos.items():
@@ -260,9 +319,20 @@ class MimoOptimizer:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load :meth:`state_dict` output, or a loaded :meth:`sharded_state_dict`.
 
+        Unfreezing on resume: a module that was frozen (or had no parameters) when the
+        checkpoint was written has an entry without ``param_groups``; if it trains now,
+        it starts from *fresh* optimizer state (Adam moments and step count empty, like a
+        new module) while every other module resumes exactly. Its schedule restarts too
+        (see ``load_schedulers_state_dict``). Freezing on resume simply ignores the saved
+        state of the now-frozen module.
+
+        A sharded module accepts its own rows (same layout) or full parameter-shaped
+        state (an unsharded optimizer's state dict: each rank slices its rows out).
+
         Raises:
-            ValueError: an active module, or one of its parameters, is missing from the
-                checkpoint, or a param group holds different parameters.
+            ValueError: an active module missing from the checkpoint, a checkpoint param
+                group holding different parameters, state for unknown parameters, or a
+                state tensor whose shape fits neither the parameter nor its shard.
         """
         if any(isinstance(k, str) and k.startswith(_PREFIX + ".") for k in state_dict):
             state_dict = self._unflatten(state_dict)
@@ -274,10 +344,14 @@ class MimoOptimizer:
                 continue
             if "loss_scaler" in entry:
                 info.loss_scaler.load_state_dict(entry["loss_scaler"])
-            if info.is_active:
-                info.optimizer.load_state_dict(self._to_indexed(name, info, entry))
-                for group in info.optimizer.param_groups:
-                    group["module"] = name
+            if not info.is_active:
+                continue
+            if "param_groups" not in entry:
+                info.optimizer.state.clear()  # frozen when saved: start fresh
+                continue
+            info.optimizer.load_state_dict(self._to_indexed(name, info, entry))
+            for group in info.optimizer.param_groups:
+                group["module"] = name
 
     def _to_indexed(self, name: str, info: ModuleOptimizerInfo, entry: dict) -> dict:
         """Name-keyed entry -> torch's index-keyed optimizer state dict."""
@@ -303,7 +377,11 @@ class MimoOptimizer:
         unknown = sorted(set(entry.get("state", {})) - set(index))
         if unknown:
             raise ValueError(f"module {name!r}: checkpoint state for unknown params {unknown}")
-        state = {index[n]: v for n, v in entry.get("state", {}).items()}
+        params = dict(info.params)
+        state = {
+            index[n]: {k: _state_value(info, n, params[n], k, v) for k, v in st.items()}
+            for n, st in entry.get("state", {}).items()
+        }
         return {"state": state, "param_groups": groups}
 
     def sharded_state_dict(
@@ -311,17 +389,20 @@ class MimoOptimizer:
     ) -> dict[str, Any]:
         """Flat dict for ``torch.distributed.checkpoint``.
 
-        Keys: ``optimizer.<module>.state.<param>.<key>`` (tensors, DTensors for DTensor
-        parameters so DCP reshards them), ``optimizer.<module>.param_groups`` and
-        ``optimizer.<module>.loss_scaler`` (plain objects written by whichever rank holds
-        the module, so they survive when global rank 0 is not in it).
+        Keys: ``optimizer.<module>.state.<param>.<key>`` (tensors; DTensors for DTensor
+        parameters and for sharded modules, whose rows become a ``Shard`` of the
+        parameter's global shape, so DCP reshards both), ``optimizer.<module>.param_groups``,
+        ``optimizer.<module>.has_state`` and ``optimizer.<module>.loss_scaler`` (plain
+        objects written by whichever rank holds the module, so they survive when global
+        rank 0 is not in it).
 
         Args:
             model_sharded_state_dict: accepted for Megatron parity; DTensor parameters
                 carry their own sharding, so it is not needed.
             is_loading: create the optimizer state first (a zero-lr step on zero grads)
                 so DCP has tensors to load into; pass the loaded dict to
-                :meth:`load_state_dict`.
+                :meth:`load_state_dict`. A module the checkpoint has no state for (frozen
+                when saved; load with DCP's ``allow_partial_load``) then starts fresh.
 
         Returns:
             The flat state dict.
@@ -331,12 +412,15 @@ class MimoOptimizer:
             self._init_state_for_loading()
         flat: dict[str, Any] = {}
         for name, entry in self.state_dict().items():
-            prefix = f"{_PREFIX}.{name}."
+            info, prefix = self.module_infos[name], f"{_PREFIX}.{name}."
             flat[prefix + "loss_scaler"] = entry["loss_scaler"]
             if "param_groups" in entry:
                 flat[prefix + "param_groups"] = entry["param_groups"]
+                flat[prefix + _HAS_STATE] = not is_loading
             for pname, st in entry.get("state", {}).items():
                 for key, value in st.items():
+                    if info.zero is not None:
+                        value = info.zero.to_dtensor(pname, value)
                     flat[f"{prefix}state.{pname}.{key}"] = value
         return flat
 
@@ -347,14 +431,14 @@ class MimoOptimizer:
             entry: dict[str, Any] = {}
             if prefix + "loss_scaler" in flat:
                 entry["loss_scaler"] = flat[prefix + "loss_scaler"]
-            if prefix + "param_groups" in flat:
+            if prefix + "param_groups" in flat and flat.get(prefix + _HAS_STATE, True):
                 entry["param_groups"] = flat[prefix + "param_groups"]
                 entry["state"] = {}
-            for key, value in flat.items():
-                if key.startswith(prefix + "state."):
-                    # State keys (exp_avg, step, ...) have no dots; parameter names do.
-                    pname, skey = key[len(prefix + "state.") :].rsplit(".", 1)
-                    entry.setdefault("state", {}).setdefault(pname, {})[skey] = value
+                for key, value in flat.items():
+                    if key.startswith(prefix + "state."):
+                        # State keys (exp_avg, step, ...) have no dots; parameter names do.
+                        pname, skey = key[len(prefix + "state.") :].rsplit(".", 1)
+                        entry["state"].setdefault(pname, {})[skey] = value
             if entry:
                 out[name] = entry
         return out
@@ -379,23 +463,8 @@ class MimoOptimizer:
                 p.grad = grad
 
 
-# ---- helpers ------------------------------------------------------------------------
-
-
-def _collective_device(group: dist.ProcessGroup | None) -> torch.device:
-    """CPU for gloo; the accelerator for backends that need device tensors (NCCL)."""
-    backend = str(dist.get_backend(group))
-    if backend in ("gloo", "fake") or not torch.accelerator.is_available():
-        return torch.device("cpu")
-    return torch.accelerator.current_accelerator()
-
-
-def _usable(group: Any) -> bool:
-    """A real group this rank belongs to, with more than one rank."""
-    return isinstance(group, dist.ProcessGroup) and dist.get_world_size(group) > 1
-
-
 def _index_names(module: str, info: ModuleOptimizerInfo) -> list[str]:
+    """Parameter names in the inner optimizer's index order (index names if unnamed)."""
     if info.optimizer is None:
         raise ValueError(f"module {module!r} is active but has no optimizer")
     ordered = [p for g in info.optimizer.param_groups for p in g["params"]]
@@ -408,84 +477,15 @@ def _index_names(module: str, info: ModuleOptimizerInfo) -> list[str]:
     return [names[id(p)] for p in ordered]
 
 
-def _grads(info: ModuleOptimizerInfo) -> list[torch.Tensor]:
-    return [p.grad for _, p in info.params if p.grad is not None]
-
-
-def _reduced_grads(info: ModuleOptimizerInfo) -> list[torch.Tensor]:
-    """Grads, with Partial DTensor grads all-reduced to Replicate (norm needs values).
-
-    Every rank holding the parameter visits it in the same order, so the collectives
-    over the parameter's mesh line up.
-    """
-    for _, p in info.params:
-        g = p.grad
-        if isinstance(g, DTensor) and any(pl.is_partial() for pl in g.placements):
-            placements = [Replicate() if pl.is_partial() else pl for pl in g.placements]
-            p.grad = g.redistribute(g.device_mesh, placements)
-    return _grads(info)
-
-
-def _scale_(grads: list[torch.Tensor], factor: float) -> None:
-    plain = [g for g in grads if not isinstance(g, DTensor)]
-    if plain:
-        torch._foreach_mul_(plain, factor)
-    for g in grads:
-        if isinstance(g, DTensor):
-            g.mul_(factor)
-
-
-def _has_non_finite(grads: list[torch.Tensor]) -> bool:
-    if not grads:
-        return False
-    local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
-    # One host sync for the whole module instead of one per tensor.
-    return not bool(torch.stack([torch.isfinite(g).all() for g in local]).all())
-
-
-def _dim_ranks(mesh: Any, dim: int) -> set[int]:
-    """Ranks of this rank's group along one mesh dim (from the mesh tensor, no groups)."""
-    coord = mesh.get_coordinate()
-    assert coord is not None, "a rank holding a DTensor must be in its mesh"
-    index: list[Any] = list(coord)
-    index[dim] = slice(None)
-    return set(mesh.mesh[tuple(index)].flatten().tolist())
-
-
-def _counted_local_grad(p: torch.Tensor, mp_ranks: set[int]) -> torch.Tensor | None:
-    """The local grad this rank counts, or None (no grad, or a replica counted elsewhere).
-
-    A Replicate dim inside the module's mp group is counted on coordinate 0 only (the mp
-    SUM would count it once per replica); replicas outside mp are equal and the world
-    MAX already keeps one.
-    """
-    g = p.grad
-    if g is None:
-        return None
-    if not isinstance(g, DTensor):
-        return g
-    coord = g.device_mesh.get_coordinate()
-    for dim, pl in enumerate(g.placements):
-        if pl.is_replicate() and coord[dim] != 0 and _dim_ranks(g.device_mesh, dim) <= mp_ranks:
-            return None
-    return g.to_local()
-
-
-def _sharded_outside(p: torch.Tensor, mp_ranks: set[int], dp_ranks: set[int], module: str) -> bool:
-    """Whether a DTensor parameter is sharded over ranks outside mp (e.g. FSDP over dp)."""
-    if not isinstance(p, DTensor):
-        return False
-    mesh, outside = p.device_mesh, False
-    for dim, pl in enumerate(p.placements):
-        if not pl.is_shard() or mesh.size(dim) == 1:
-            continue
-        ranks = _dim_ranks(mesh, dim)
-        if ranks <= mp_ranks:
-            continue
-        if not ranks <= dp_ranks:
-            raise ValueError(
-                f"module {module!r}: a parameter is sharded over ranks {sorted(ranks)}, "
-                "which are in neither its mp nor its dp group"
-            )
-        outside = True
-    return outside
+def _state_value(info: ModuleOptimizerInfo, pname: str, param: torch.Tensor, key: str,
+                 value: Any) -> Any:
+    """A saved state value checked (and, for a sharded module, sliced) for ``param``."""
+    if info.zero is not None:
+        return info.zero.local_state(pname, value)
+    if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != param.shape:
+        raise ValueError(
+            f"optimizer state {pname}.{key} has shape {tuple(value.shape)}, the parameter "
+            f"{tuple(param.shape)}: a sharded optimizer's state loads into an unsharded one "
+            "only through sharded_state_dict (DCP)"
+        )
+    return value

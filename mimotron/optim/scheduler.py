@@ -143,6 +143,33 @@ class OptimizerParamScheduler:
         self.step(0)
 
 
+def schedulers_state_dict(schedulers: dict[str, OptimizerParamScheduler]) -> dict[str, Any]:
+    """``{module: scheduler state}`` for the modules that train on this rank."""
+    return {name: s.state_dict() for name, s in schedulers.items()}
+
+
+def load_schedulers_state_dict(
+    schedulers: dict[str, OptimizerParamScheduler], state: dict[str, Any]
+) -> list[str]:
+    """Resume each module's schedule from ``state``.
+
+    A module absent from ``state`` (frozen when the checkpoint was written, so it had no
+    schedule) keeps its fresh schedule: it starts at step 0, warm-up included, like its
+    fresh optimizer state (see ``MimoOptimizer.load_state_dict``). Saved schedules of
+    modules that no longer train are ignored.
+
+    Returns:
+        The modules that start fresh.
+    """
+    fresh = []
+    for name, sched in schedulers.items():
+        if name in state:
+            sched.load_state_dict(state[name])
+        else:
+            fresh.append(name)
+    return fresh
+
+
 def _check_args(max_lr: float, min_lr: float, warmup: int, decay: int, style: str) -> None:
     if style not in DECAY_STYLES:
         raise ValueError(f"decay_style={style!r} is invalid: expected one of {DECAY_STYLES}")

@@ -10,6 +10,11 @@ Gradients are flattened into buckets of at most ``bucket_bytes`` so each bucket 
 collective; a parameter that received no gradient on this rank (e.g. an encoder whose
 modality was absent from this rank's slice) contributes zeros, so every rank of the
 group issues the same collectives with the same sizes.
+
+A module whose optimizer is sharded over its DP group (ZeRO-1, see
+:mod:`~mimotron.parallel.zero`) reduce-scatters its own gradients inside the optimizer
+step: its parameters carry ``OPTIMIZER_REDUCES_GRAD`` and are skipped here, so nothing is
+reduced twice and each rank only ever receives the gradient rows it steps.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ from torch import nn
 from mimotron.parallel.groups import ProcessGroupCollection
 
 DEFAULT_BUCKET_BYTES = 32 * 2**20
+# Set (True) on parameters whose gradient the sharded optimizer reduce-scatters itself.
+OPTIMIZER_REDUCES_GRAD = "optimizer_reduces_grad"
 
 
 def trainable_params(module: nn.Module) -> list[nn.Parameter]:
@@ -30,7 +37,11 @@ def trainable_params(module: nn.Module) -> list[nn.Parameter]:
     return [p for p in module.parameters() if p.requires_grad]
 
 
-def _buckets(params: list[nn.Parameter], bucket_bytes: int) -> Iterable[list[nn.Parameter]]:
+def bucket_params(params: list[nn.Parameter], bucket_bytes: int) -> Iterable[list[nn.Parameter]]:
+    """Consecutive runs of parameters of one dtype and at most ``bucket_bytes`` each.
+
+    A parameter larger than ``bucket_bytes`` gets a bucket of its own.
+    """
     bucket: list[nn.Parameter] = []
     size = 0
     for p in params:
@@ -54,14 +65,17 @@ def allreduce_gradients(
     group: dist.ProcessGroup | None,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
 ) -> None:
-    """SUM every trainable parameter's gradient over ``group`` (no-op for one rank)."""
-    params = trainable_params(module)
+    """SUM every trainable parameter's gradient over ``group`` (no-op for one rank).
+
+    Parameters marked ``OPTIMIZER_REDUCES_GRAD`` are left to their sharded optimizer.
+    """
+    params = [p for p in trainable_params(module) if not getattr(p, OPTIMIZER_REDUCES_GRAD, False)]
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
     if group is None or dist.get_world_size(group) == 1:
         return
-    for bucket in _buckets(params, bucket_bytes):
+    for bucket in bucket_params(params, bucket_bytes):
         grads = [_local(p.grad) for p in bucket]
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)

@@ -1,0 +1,149 @@
+"""Export a checkpoint as plain weights: one safetensors file per module, plus the config.
+
+The export runs in one process without ``torch.distributed``: DCP assembles every
+tensor at its full (unsharded) shape whatever layout wrote it. Each module's file holds
+the names the module has on its own (``encoder.layers.0...`` for an encoder with its
+projector, ``layers.0...`` for the language model), so a module can be reused alone;
+:func:`load_exported` rebuilds the whole ``MimoModel`` from the folder.
+
+Output folder::
+
+    <module>.safetensors   one per module (header metadata: module, iteration)
+    config.json            the resolved run config the checkpoint was written with
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from mimotron.checkpoint.files import CheckpointError, read_manifest, resolve_checkpoint
+from mimotron.checkpoint.load import SafeLoadPlanner, read_metadata, verify_share
+from mimotron.checkpoint.state import META, MODEL
+from mimotron.config import MimoConfig, config_from_dict
+from mimotron.data.tokenizer import CharTokenizer
+from mimotron.models.build import build_mimo_model
+from mimotron.models.mimo import MimoModel
+from mimotron.training.model_setup import padded_vocab_size
+
+CONFIG_FILE = "config.json"
+_LANGUAGE_PREFIX = "language_model."
+_ENCODER_PREFIX = "modality_submodules."
+
+
+def split_module(name: str) -> tuple[str, str]:
+    """``modality_submodules.vision.x`` -> ``("vision", "x")``; ``language_model.x`` ->
+    ``("language", "x")``.
+
+    Raises:
+        CheckpointError: a name outside both (not a ``MimoModel`` parameter).
+    """
+    if name.startswith(_LANGUAGE_PREFIX):
+        return "language", name[len(_LANGUAGE_PREFIX) :]
+    if name.startswith(_ENCODER_PREFIX):
+        module, _, rest = name[len(_ENCODER_PREFIX) :].partition(".")
+        return module, rest
+    raise CheckpointError(f"checkpoint entry model.{name} belongs to no MimoModel module")
+
+
+def read_full_model(checkpoint: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Every model tensor of a checkpoint at full shape, and its ``meta``; one process.
+
+    Every file is checked against the manifest first.
+
+    Returns:
+        ``({"<name inside MimoModel>": tensor}, meta)``.
+
+    Raises:
+        ValueError: not a checkpoint path.
+        CheckpointError: missing, incomplete or corrupted (names the file).
+    """
+    path = resolve_checkpoint(checkpoint)
+    manifest = read_manifest(path)
+    metadata = read_metadata(path, manifest)
+    problems = verify_share(path, manifest, 0, 1)
+    if problems:
+        raise CheckpointError(f"cannot export {path}:\n  " + "\n  ".join(problems))
+    template: dict[str, Any] = {META: ""}
+    for key, md in metadata.state_dict_metadata.items():
+        if key.startswith(MODEL) and isinstance(md, TensorStorageMetadata):
+            template[key] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+    with warnings.catch_warnings():
+        # DCP warns that it runs without a process group: that is the point here.
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(template, checkpoint_id=str(path), planner=SafeLoadPlanner(), no_dist=True)
+    meta = json.loads(template.pop(META))
+    return {k[len(MODEL) :]: v for k, v in template.items()}, meta
+
+
+def export_checkpoint(checkpoint: str | Path, out_dir: str | Path) -> dict[str, Path]:
+    """Write ``<module>.safetensors`` per module and ``config.json`` into ``out_dir``.
+
+    Args:
+        checkpoint: a checkpoint root holding ``latest``, or one ``iter_NNNNNNN`` dir.
+        out_dir: output folder (created; existing files of the same names are replaced).
+
+    Returns:
+        Module name -> the file written.
+
+    Raises:
+        ValueError: not a checkpoint path.
+        CheckpointError: missing, incomplete or corrupted (names the file).
+    """
+    tensors, meta = read_full_model(checkpoint)
+    per_module: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in tensors.items():
+        module, rest = split_module(name)
+        per_module.setdefault(module, {})[rest] = tensor.contiguous()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    written = {}
+    for module, state in sorted(per_module.items()):
+        file = out / f"{module}.safetensors"
+        save_file(
+            state,
+            str(file),
+            metadata={"format": "mimotron", "module": module, "iteration": str(meta["iteration"])},
+        )
+        written[module] = file
+    (out / CONFIG_FILE).write_text(json.dumps(meta["config"], indent=1) + "\n")
+    return written
+
+
+def load_exported(
+    out_dir: str | Path, device: str | torch.device = "cpu"
+) -> tuple[MimoConfig, MimoModel]:
+    """Rebuild the whole model from an export folder (no ``torch.distributed`` needed).
+
+    Args:
+        out_dir: a folder written by :func:`export_checkpoint`.
+        device: where to put the model.
+
+    Returns:
+        ``(config, model)`` with every module's weights loaded (strict).
+
+    Raises:
+        ValueError: the folder lacks the config or a module's file, or they disagree.
+    """
+    out = Path(out_dir)
+    if not (out / CONFIG_FILE).is_file():
+        raise ValueError(f"export folder {str(out)!r} is invalid: {CONFIG_FILE} is missing")
+    cfg = config_from_dict(json.loads((out / CONFIG_FILE).read_text())).validate()
+    tokenizer = CharTokenizer()
+    placeholders = {n: tokenizer.placeholder_id(cfg.modules[n].modality) for n in cfg.encoder_names}
+    # The same (padded) vocabulary as training (see setup_mimo).
+    model = build_mimo_model(cfg, padded_vocab_size(tokenizer.vocab_size), placeholders)
+    for name in cfg.modules:
+        file = out / f"{name}.safetensors"
+        if not file.is_file():
+            raise ValueError(f"export folder {str(out)!r} is invalid: {file.name} is missing")
+        part = model.language_model if name == "language" else model.modality_submodules[name]
+        part.load_state_dict(load_file(str(file)), strict=True)
+    return cfg, model.to(device)

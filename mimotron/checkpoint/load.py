@@ -1,0 +1,242 @@
+"""Load a checkpoint into a run of any valid layout (the resume path).
+
+Order on every rank, so no rank can be left waiting in a collective:
+
+1. resolve the path and read the manifest and DCP's ``.metadata`` (after checking its
+   SHA-256): plain files, no collectives;
+2. build this rank's template (model, optimizer, schedules, meta, RNG when the rank map
+   is unchanged) and check it against the checkpoint's keys and global shapes; check a
+   share of the data files against the manifest (rank ``r`` of ``W`` checks files
+   ``r, r+W, ...``);
+3. one ``all_gather_object`` of the problems found: if any rank found one, every rank
+   raises the same error, naming the files or keys;
+4. one ``dcp.load``: each rank reads just its shards (DCP re-cuts DTensors), non-tensor
+   entries are read with ``weights_only=True``;
+5. hand the results to the optimizer, schedulers, train state and RNG.
+
+When the rank map differs from the saved one (another TP/PP/DP split or placement),
+per-rank RNG state has no counterpart; it is re-derived from ``(seed, iteration, rank)``
+and rank 0 says so.
+"""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import ReadItem
+
+from mimotron.checkpoint.files import (
+    DCP_ERRORS,
+    DCP_METADATA,
+    CheckpointError,
+    describe_failure,
+    read_manifest,
+    resolve_checkpoint,
+    resolve_load,
+    verify_file,
+)
+from mimotron.checkpoint.state import (
+    apply_loaded,
+    build_load_request,
+    describe_layout,
+    layout_signature,
+    rederive_rng,
+)
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, but non-tensor entries load with ``weights_only=True``.
+
+    Every object mimotron stores is JSON text, which ``weights_only`` accepts; anything
+    else in a checkpoint is refused instead of unpickled.
+    """
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        """Deserialize one non-tensor entry without arbitrary unpickling."""
+        obj = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
+
+
+def log(rank: int, message: str) -> None:
+    """Print a checkpoint message once (from global rank 0)."""
+    if rank == 0:
+        print(f"checkpoint: {message}", flush=True)
+
+
+def read_metadata(path: Path, manifest: dict[str, Any]) -> Metadata:
+    """DCP's metadata, after its checksum matched (so a damaged file is never unpickled).
+
+    Raises:
+        CheckpointError: the file is missing, damaged or unreadable (names it).
+    """
+    expected = manifest["files"].get(DCP_METADATA)
+    if expected is None:
+        raise CheckpointError(f"{path / 'manifest.json'} is corrupted: no {DCP_METADATA} entry")
+    problem = verify_file(path, DCP_METADATA, expected)
+    if problem:
+        raise CheckpointError(problem)
+    try:
+        return FileSystemReader(str(path)).read_metadata()
+    except Exception as exc:  # noqa: BLE001 - any unpickling failure means a bad file
+        raise CheckpointError(
+            f"checkpoint file {path / DCP_METADATA} is unreadable: {exc}"
+        ) from exc
+
+
+def verify_share(path: Path, manifest: dict[str, Any], rank: int, world_size: int) -> list[str]:
+    """Check this rank's share of the data files against the manifest."""
+    names = sorted(n for n in manifest["files"] if n != DCP_METADATA)
+    problems = [verify_file(path, n, manifest["files"][n]) for n in names[rank::world_size]]
+    return [p for p in problems if p]
+
+
+def agree_on_problems(problems: list[str], what: str, group: Any = None) -> None:
+    """Collective: raise the same ``CheckpointError`` on every rank if any rank found one."""
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, problems, group=group)
+    found = sorted({p for rank_problems in gathered for p in rank_problems})
+    if found:
+        raise CheckpointError(f"cannot load {what}:\n  " + "\n  ".join(found))
+
+
+def load_checkpoint(
+    checkpoint: str | Path,
+    model: nn.Module,
+    optimizer: Any,
+    schedulers: dict[str, Any],
+    global_state: Any,
+    infra: Any,
+    process_group: Any = None,
+) -> int:
+    """Restore a run from a checkpoint (collective over the world).
+
+    Args:
+        checkpoint: a checkpoint root holding ``latest``, or one ``iter_NNNNNNN`` dir.
+        model: this rank's ``MimoModel`` (loaded in place).
+        optimizer: the ``MimoOptimizer``.
+        schedulers: per-module schedulers present on this rank.
+        global_state: its ``train_state`` is restored (iteration, consumed samples).
+        infra: the run's ``MimoModelInfra`` (rank map, for the RNG decision).
+        process_group: group over all ranks; None = the default group.
+
+    Returns:
+        The iteration the checkpoint was written after; training continues at the next.
+
+    Raises:
+        ValueError: the path is not a checkpoint.
+        CheckpointError: missing, incomplete or corrupted (names the file), or it does
+            not fit this model (names the keys). Raised on every rank alike.
+    """
+    path = resolve_checkpoint(checkpoint)
+    runtime = global_state.runtime
+    manifest = read_manifest(path)
+    metadata = read_metadata(path, manifest)
+    here = layout_signature(infra, runtime.device)
+    same_layout = manifest.get("layout") == here
+    fresh_scalers = {n: i.loss_scaler.state_dict() for n, i in optimizer.module_infos.items()}
+    req = build_load_request(model, optimizer, schedulers, global_state, metadata, same_layout)
+    world = dist.get_world_size(process_group)
+    problems = [f"rank {runtime.rank}: {e}" for e in req.errors]
+    problems += verify_share(path, manifest, dist.get_rank(process_group), world)
+    agree_on_problems(problems, str(path), process_group)
+    try:
+        dcp.load(
+            req.state,
+            checkpoint_id=str(path),
+            planner=SafeLoadPlanner(),
+            process_group=process_group,
+        )
+    except DCP_ERRORS as exc:
+        raise CheckpointError(f"reading checkpoint {path} failed: {describe_failure(exc)}") from exc
+    meta, fresh = apply_loaded(req, optimizer, schedulers, global_state)
+    for name in fresh:
+        role = infra.roles[name]
+        if role.tp == role.pp == role.dp == 0:  # One message per module, not per rank.
+            print(
+                f"checkpoint: module {name!r} had no optimizer state or schedule in "
+                f"{path} (frozen when saved): it starts fresh",
+                flush=True,
+            )
+    iteration = int(meta["iteration"])
+    if iteration != manifest.get("iteration"):
+        raise CheckpointError(
+            f"{path}: manifest says iteration {manifest.get('iteration')}, "
+            f"the checkpoint holds {iteration}"
+        )
+    _after_load(path, meta, manifest, here, same_layout, fresh_scalers, optimizer, global_state)
+    return iteration
+
+
+def _after_load(
+    path: Path,
+    meta: dict[str, Any],
+    manifest: dict[str, Any],
+    here: dict[str, Any],
+    same_layout: bool,
+    fresh_scalers: dict[str, Any],
+    optimizer: Any,
+    global_state: Any,
+) -> None:
+    """Fix up what does not carry over (precision change, RNG on a new layout) and log."""
+    cfg, ts, rank = global_state.cfg, global_state.train_state, global_state.runtime.rank
+    saved_precision = meta["config"]["train"]["precision"]
+    if saved_precision != cfg.train.precision:
+        # A constant fp32 scale of 1 must not become fp16's starting scale (or back).
+        for name, info in optimizer.module_infos.items():
+            info.loss_scaler.load_state_dict(fresh_scalers[name])
+        log(
+            rank,
+            f"precision changed ({saved_precision} -> {cfg.train.precision}): loss "
+            "scaling starts afresh",
+        )
+    log(
+        rank,
+        f"resumed from {path} at iteration {ts.iteration} ({ts.consumed_samples} samples consumed)",
+    )
+    if not same_layout:
+        rederive_rng(cfg.train.seed, ts.iteration, rank)
+        saved = manifest.get("layout")
+        log(
+            rank,
+            "the layout differs from the saved one, so RNG state was re-derived from "
+            f"(seed, iteration, rank); saved: "
+            f"{describe_layout(saved) if saved else 'unknown'}; now: {describe_layout(here)}",
+        )
+
+
+def maybe_load_checkpoint(
+    model: nn.Module, optimizer: Any, schedulers: dict[str, Any], global_state: Any, infra: Any
+) -> int | None:
+    """Apply ``checkpoint.load`` (``auto`` / ``none`` / a path) to a freshly set-up run.
+
+    Call before the data iterator is created: the restored ``consumed_samples`` is the
+    data position. Collective when a checkpoint is loaded (every rank resolves the same
+    path, so every rank takes the same branch).
+
+    Returns:
+        The iteration resumed from, or None when starting fresh.
+
+    Raises:
+        ValueError: an invalid ``checkpoint.load`` (before any collective).
+        CheckpointError: see :func:`load_checkpoint`.
+    """
+    cfg = global_state.cfg
+    path = resolve_load(cfg.checkpoint.load, cfg.checkpoint_dir)
+    if path is None:
+        if cfg.checkpoint.load == "auto":
+            log(global_state.runtime.rank, f"no checkpoint in {cfg.checkpoint_dir}; starting fresh")
+        return None
+    return load_checkpoint(path, model, optimizer, schedulers, global_state, infra)

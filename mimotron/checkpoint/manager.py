@@ -1,0 +1,169 @@
+"""The training loop's side of checkpointing: when to save, and when to stop.
+
+``train_mimo`` makes one :class:`CheckpointManager` and calls :meth:`after_step` after
+every iteration, :meth:`finish` after the loop and :meth:`close` on the way out. The
+manager saves every ``checkpoint.interval`` iterations, stops (after a save) on
+``train.exit_interval``, ``train.exit_duration_mins``, SIGTERM or SIGINT, and saves at the
+end when ``checkpoint.interval > 0``.
+
+Stopping must be a world decision: the signal may reach one rank only, and clocks differ.
+Each step every rank contributes its flags (signal received, time is up, a background
+save failed) to one MAX all-reduce, so all ranks stop, or fail, after the same iteration.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from mimotron.checkpoint.files import CheckpointError
+from mimotron.checkpoint.load import log
+from mimotron.checkpoint.save import SaveHandle, save_checkpoint
+from mimotron.checkpoint.signals import StopSignals
+
+
+class CheckpointManager:
+    """Periodic, final and exit saves of one training run (every rank makes one).
+
+    Args:
+        model: this rank's ``MimoModel``.
+        optimizer: the ``MimoOptimizer``.
+        schedulers: per-module schedulers on this rank.
+        global_state: config, runtime, train state.
+        infra: the run's ``MimoModelInfra``.
+
+    Attributes:
+        exit_reason: why the loop stopped early (``"SIGTERM"``, ``"exit_interval"``,
+            ``"exit_duration_mins"``), or None.
+        saves: per save, ``{"iteration", "blocking_s", "async"}`` (for reports).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: Any,
+        schedulers: dict[str, Any],
+        global_state: Any,
+        infra: Any,
+    ) -> None:
+        self._run = (model, optimizer, schedulers, global_state, infra)
+        self._cfg = global_state.cfg
+        self._state = global_state
+        self._group: Any = None
+        self._pending: SaveHandle | None = None
+        iteration = global_state.train_state.iteration
+        # A resumed run starts at a saved iteration: no need to write it again.
+        self._last_saved: int | None = iteration if iteration > 0 else None
+        self.exit_reason: str | None = None
+        self.saves: list[dict[str, Any]] = []
+        self._signals = StopSignals().install()
+
+    @property
+    def stopped(self) -> bool:
+        """Whether the loop was told to stop before ``train.iters``."""
+        return self.exit_reason is not None
+
+    def after_step(self) -> bool:
+        """Save if due; decide (world-wide) whether to stop. Collective; call every step.
+
+        Returns:
+            True when training should stop now (a checkpoint was saved first).
+
+        Raises:
+            CheckpointError: a background save failed (on every rank alike).
+        """
+        cfg, ts = self._cfg, self._state.train_state
+        limit_min = cfg.train.exit_duration_mins
+        elapsed_min = (time.monotonic() - self._state.start_time) / 60.0
+        flags = torch.tensor(
+            [
+                float(self._signals.received is not None),
+                float(0 < limit_min <= elapsed_min),
+                float(self._pending is not None and self._pending.failed()),
+            ],
+            device=self._state.runtime.device,
+        )
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        signalled, out_of_time, save_failed = (bool(f) for f in flags.tolist())
+        if save_failed:
+            self._fail_pending()
+        reason = None
+        if cfg.train.exit_interval > 0 and ts.iteration % cfg.train.exit_interval == 0:
+            reason = "exit_interval"
+        if out_of_time:
+            reason = "exit_duration_mins"
+        if signalled:
+            reason = self._signals.name or "signal"
+        periodic = cfg.checkpoint.interval > 0 and ts.iteration % cfg.checkpoint.interval == 0
+        if reason is not None and ts.iteration >= cfg.train.iters:
+            reason = None  # The loop ends here anyway; finish() saves as configured.
+        if periodic or reason is not None:
+            self.save()
+        if reason is not None:
+            self.exit_reason = reason
+            log(
+                dist.get_rank(),
+                f"stopping after iteration {ts.iteration} ({reason}); "
+                f"resume with checkpoint.load=auto from {cfg.checkpoint_dir}",
+            )
+        return reason is not None
+
+    def save(self) -> None:
+        """Save the current iteration (waits for a previous background save first)."""
+        self.wait()
+        ts = self._state.train_state
+        if self._group is None:
+            # Created on first use, by every rank at the same save: DCP's background
+            # thread must not share a group with the training loop's collectives.
+            self._group = dist.new_group(
+                backend="gloo", timeout=timedelta(seconds=self._cfg.train.pg_timeout_s)
+            )
+        handle = save_checkpoint(
+            self._cfg.checkpoint_dir,
+            *self._run,
+            async_save=self._cfg.checkpoint.async_save,
+            keep=self._cfg.checkpoint.keep,
+            process_group=self._group,
+        )
+        self._last_saved = ts.iteration
+        self.saves.append(
+            {
+                "iteration": ts.iteration,
+                "blocking_s": handle.blocking_s,
+                "async": handle.future is not None,
+            }
+        )
+        self._pending = handle if handle.future is not None else None
+
+    def wait(self) -> None:
+        """Block until a background save is complete.
+
+        Raises:
+            CheckpointError: it failed.
+        """
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.wait()
+
+    def finish(self) -> None:
+        """After the loop: the final save (``checkpoint.interval > 0``), then wait for it."""
+        if (
+            self._cfg.checkpoint.interval > 0
+            and self._last_saved != self._state.train_state.iteration
+        ):
+            self.save()
+        self.wait()
+
+    def close(self) -> None:
+        """Restore the signal handlers. Never waits: on an error path peers may be gone."""
+        self._signals.restore()
+
+    def _fail_pending(self) -> None:
+        """Some rank's background save failed: raise here too, with its message if local."""
+        self.wait()  # Raises this rank's own failure, if it has one.
+        raise CheckpointError("an asynchronous checkpoint save failed on another rank")

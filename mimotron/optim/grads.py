@@ -1,0 +1,129 @@
+"""Gradient helpers of :class:`~mimotron.optim.mimo_optimizer.MimoOptimizer`.
+
+Which local gradient a rank counts towards a module's norm, so that after the module's
+sums (``mp``, and ``dp`` for what is sharded over data parallelism) every element of
+every parameter is counted exactly once:
+
+* a plain tensor is counted where it lives, except a parameter that tensor parallelism
+  left replicated on every TP rank (marked ``tensor_parallel_duplicate`` by
+  ``mimotron.parallel.tensor_parallel``): only TP rank 0 counts it;
+* a DTensor counts its local shard, except along a ``Replicate`` mesh dim inside ``mp``
+  (coordinate 0 only);
+* shards over data parallelism (FSDP DTensors, ZeRO fragments) go to a separate sum
+  that is all-reduced over ``dp``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate
+
+# Same attribute name as ``mimotron.parallel.tensor_parallel.DUPLICATE_ATTR``.
+TP_DUPLICATE_ATTR = "tensor_parallel_duplicate"
+
+
+def collective_device(group: dist.ProcessGroup | None) -> torch.device:
+    """CPU for gloo; the accelerator for backends that need device tensors (NCCL)."""
+    backend = str(dist.get_backend(group))
+    if backend in ("gloo", "fake") or not torch.accelerator.is_available():
+        return torch.device("cpu")
+    return torch.accelerator.current_accelerator()
+
+
+def usable(group: Any) -> bool:
+    """A real group this rank belongs to, with more than one rank."""
+    return isinstance(group, dist.ProcessGroup) and dist.get_world_size(group) > 1
+
+
+def grads_of(params: list[tuple[str, nn.Parameter]]) -> list[torch.Tensor]:
+    """The gradients that exist, in parameter order."""
+    return [p.grad for _, p in params if p.grad is not None]
+
+
+def reduced_grads(params: list[tuple[str, nn.Parameter]]) -> list[torch.Tensor]:
+    """Grads, with Partial DTensor grads all-reduced to Replicate (norm needs values).
+
+    Every rank holding the parameter visits it in the same order, so the collectives
+    over the parameter's mesh line up.
+    """
+    for _, p in params:
+        g = p.grad
+        if isinstance(g, DTensor) and any(pl.is_partial() for pl in g.placements):
+            placements = [Replicate() if pl.is_partial() else pl for pl in g.placements]
+            p.grad = g.redistribute(g.device_mesh, placements)
+    return grads_of(params)
+
+
+def scale_(grads: list[torch.Tensor], factor: float) -> None:
+    """Multiply every gradient in place."""
+    plain = [g for g in grads if not isinstance(g, DTensor)]
+    if plain:
+        torch._foreach_mul_(plain, factor)
+    for g in grads:
+        if isinstance(g, DTensor):
+            g.mul_(factor)
+
+
+def has_non_finite(grads: list[torch.Tensor]) -> bool:
+    """Whether any local gradient element is inf or NaN."""
+    if not grads:
+        return False
+    local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    # One host sync for the whole module instead of one per tensor.
+    return not bool(torch.stack([torch.isfinite(g).all() for g in local]).all())
+
+
+def dim_ranks(mesh: Any, dim: int) -> set[int]:
+    """Ranks of this rank's group along one mesh dim (from the mesh tensor, no groups)."""
+    coord = mesh.get_coordinate()
+    assert coord is not None, "a rank holding a DTensor must be in its mesh"
+    index: list[Any] = list(coord)
+    index[dim] = slice(None)
+    return set(mesh.mesh[tuple(index)].flatten().tolist())
+
+
+def counted_local_grad(p: torch.Tensor, mp_ranks: set[int], tp_rank: int) -> torch.Tensor | None:
+    """The local grad this rank counts, or None (no grad, or a replica counted elsewhere).
+
+    A Replicate dim inside the module's mp group is counted on coordinate 0 only (the mp
+    SUM would count it once per replica); replicas outside mp are equal and the world
+    MAX already keeps one. A plain parameter duplicated over TP counts on TP rank 0.
+    """
+    g = p.grad
+    if g is None:
+        return None
+    if not isinstance(g, DTensor):
+        return None if getattr(p, TP_DUPLICATE_ATTR, False) and tp_rank != 0 else g
+    coord = g.device_mesh.get_coordinate()
+    for dim, pl in enumerate(g.placements):
+        if pl.is_replicate() and coord[dim] != 0 and dim_ranks(g.device_mesh, dim) <= mp_ranks:
+            return None
+    return g.to_local()
+
+
+def sharded_outside(p: torch.Tensor, mp_ranks: set[int], dp_ranks: set[int], module: str) -> bool:
+    """Whether a DTensor parameter is sharded over ranks outside mp (e.g. FSDP over dp).
+
+    Raises:
+        ValueError: it is sharded over ranks in neither the module's mp nor dp group.
+    """
+    if not isinstance(p, DTensor):
+        return False
+    mesh, outside = p.device_mesh, False
+    for dim, pl in enumerate(p.placements):
+        if not pl.is_shard() or mesh.size(dim) == 1:
+            continue
+        ranks = dim_ranks(mesh, dim)
+        if ranks <= mp_ranks:
+            continue
+        if not ranks <= dp_ranks:
+            raise ValueError(
+                f"module {module!r}: a parameter is sharded over ranks {sorted(ranks)}, "
+                "which are in neither its mp nor its dp group"
+            )
+        outside = True
+    return outside

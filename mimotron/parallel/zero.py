@@ -1,0 +1,247 @@
+"""ZeRO-1: a module's optimizer state sharded over its data-parallel group.
+
+Each parameter is split along its first dimension of size > 1 into ``D`` row chunks
+with ``torch.chunk`` semantics (``ceil(rows / D)`` rows each; trailing ranks may get
+fewer or none) - the split of a DTensor ``Shard(dim)``. So the state checkpoints as
+DTensors with the parameter's own global shape: it reshards to another DP degree and
+loads into an unsharded optimizer. The dimension is the first one larger than 1 because
+slicing it is a contiguous view (``pos_embed [1, T, H]`` splits along ``T``).
+
+A rank's optimizer steps only its *fragments*: leaf parameters that are views of its
+rows of the model parameters, so the step updates the model in place, with no fp32
+copy (weights are fp32 under autocast already). One step of a sharded module:
+
+1. ``reduce_grads``: per bucket, the gradients are laid out rank-major (rank ``r``'s
+   rows of every parameter, each padded to ``ceil(rows / D)`` rows, then rank
+   ``r + 1``'s) and reduce-scattered (SUM): each rank receives exactly the summed rows it
+   steps. The data-parallel all-reduce skips these parameters
+   (``OPTIMIZER_REDUCES_GRAD``).
+2. the optimizer unscales, takes the norm (a fragment sum over the DP group), clips and
+   steps the fragments;
+3. ``gather_params``: the same layout all-gathered, so every replica holds every row.
+
+Per-rank optimizer state is the state of its rows: the module's state divided by ``D``,
+give or take one row per parameter.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from mimotron.parallel.data_parallel import (
+    DEFAULT_BUCKET_BYTES,
+    OPTIMIZER_REDUCES_GRAD,
+    bucket_params,
+)
+
+
+def shard_dim(shape: torch.Size | tuple[int, ...]) -> int:
+    """The dimension a parameter is split along: the first of size > 1 (else 0)."""
+    return next((d for d, n in enumerate(shape) if n > 1), 0)
+
+
+def chunk_range(rows: int, num_shards: int, shard_rank: int) -> tuple[int, int]:
+    """Rows ``[start, end)`` of one shard with ``torch.chunk`` (DTensor ``Shard``) semantics."""
+    chunk = math.ceil(rows / num_shards)
+    start = min(shard_rank * chunk, rows)
+    return start, min(start + chunk, rows)
+
+
+@dataclass(frozen=True)
+class _Slot:
+    """Where one parameter's rows live in its bucket."""
+
+    name: str
+    param: nn.Parameter
+    dim: int
+    rows: int  # size along dim
+    row_numel: int  # elements per row (numel / rows)
+    chunk: int  # rows per shard, padded: ceil(rows / D)
+    start: int  # this rank's rows [start, end)
+    end: int
+    offset: int  # elements before this parameter in one rank's segment of the bucket
+
+    @property
+    def padded_numel(self) -> int:
+        return self.chunk * self.row_numel
+
+    @property
+    def local_numel(self) -> int:
+        return (self.end - self.start) * self.row_numel
+
+    def rows_view(self) -> torch.Tensor:
+        """The whole parameter as ``[rows, row_numel]`` (a view: writes reach the model)."""
+        return self.param.detach().view(self.rows, self.row_numel)
+
+    def fragment_view(self) -> torch.Tensor:
+        """This rank's rows of the parameter, in the parameter's layout (a view)."""
+        return self.param.detach().narrow(self.dim, self.start, self.end - self.start)
+
+
+class ZeroShards:
+    """Row shards of one module's parameters over its DP group (ZeRO stage 1).
+
+    Args:
+        named_params: the module's trainable ``(name, parameter)`` pairs, identical (names,
+            shapes, order) on every rank of ``group``.
+        group: the module's data-parallel group (more than one rank).
+        bucket_bytes: upper bound of one reduce-scatter / all-gather.
+
+    Raises:
+        ValueError: a DTensor (tensor-parallel or FSDP) parameter, a 0-dim or
+            non-contiguous parameter, or a group of one rank.
+    """
+
+    def __init__(
+        self,
+        named_params: list[tuple[str, nn.Parameter]],
+        group: dist.ProcessGroup,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    ) -> None:
+        _check_params(named_params)
+        if dist.get_world_size(group) < 2:
+            raise ValueError("a sharded optimizer needs a data-parallel group of 2 or more ranks")
+        self.group = group
+        self.num_shards = dist.get_world_size(group)
+        self.shard_rank = dist.get_rank(group)
+        self._mesh: DeviceMesh | None = None
+        names = {id(p): n for n, p in named_params}
+        self._buckets: list[tuple[list[_Slot], int]] = []
+        for bucket in bucket_params([p for _, p in named_params], bucket_bytes):
+            slots, offset = [], 0
+            for p in bucket:
+                slot = self._slot(names[id(p)], p, offset)
+                slots.append(slot)
+                offset += slot.padded_numel
+            self._buckets.append((slots, offset))
+        self._slots = {s.name: s for slots, _ in self._buckets for s in slots}
+        self.fragments = [(s.name, nn.Parameter(s.fragment_view())) for s in self._slots.values()]
+        self._fragment = dict(self.fragments)
+        for _, p in named_params:
+            setattr(p, OPTIMIZER_REDUCES_GRAD, True)
+
+    def _slot(self, name: str, p: nn.Parameter, offset: int) -> _Slot:
+        dim = shard_dim(p.shape)
+        rows = p.shape[dim]
+        start, end = chunk_range(rows, self.num_shards, self.shard_rank)
+        return _Slot(name, p, dim, rows, p.numel() // rows, math.ceil(rows / self.num_shards),
+                     start, end, offset)
+
+    # ---- the step --------------------------------------------------------------------
+    def reduce_grads(self) -> None:
+        """Reduce-scatter (SUM) the model gradients into the fragments' ``.grad``.
+
+        Collective over the DP group. A parameter without a gradient on this rank (its
+        modality was absent from the slice) contributes zeros.
+        """
+        d = self.num_shards
+        for slots, seg in self._buckets:
+            parts = []
+            for s in slots:
+                g = s.param.grad
+                rows = (torch.zeros(s.rows, s.row_numel, dtype=s.param.dtype,
+                                    device=s.param.device)
+                        if g is None else g.detach().reshape(s.rows, s.row_numel))
+                rows = F.pad(rows, (0, 0, 0, s.chunk * d - s.rows))
+                parts.append(rows.reshape(d, s.padded_numel))
+            send = torch.cat(parts, dim=1).reshape(-1)
+            recv = send.new_empty(seg)
+            dist.reduce_scatter_single(recv, send, op=dist.ReduceOp.SUM, group=self.group)
+            for s in slots:
+                frag = self._fragment[s.name]
+                frag.grad = recv[s.offset : s.offset + s.local_numel].view(frag.shape)
+
+    def gather_params(self) -> None:
+        """All-gather every rank's rows into the model parameters (collective over DP)."""
+        d = self.num_shards
+        with torch.no_grad():
+            for slots, seg in self._buckets:
+                parts = []
+                for s in slots:
+                    local = self._fragment[s.name].detach().reshape(s.end - s.start, s.row_numel)
+                    parts.append(F.pad(local, (0, 0, 0, s.chunk - (s.end - s.start))).reshape(-1))
+                send = torch.cat(parts)
+                recv = send.new_empty(d * seg)
+                dist.all_gather_single(recv, send, group=self.group)
+                table = recv.view(d, seg)
+                for s in slots:
+                    full = table[:, s.offset : s.offset + s.padded_numel]
+                    s.rows_view().copy_(full.reshape(d * s.chunk, s.row_numel)[: s.rows])
+
+    def zero_model_grads(self, set_to_none: bool = True) -> None:
+        """Clear the (unreduced) gradients of the model parameters."""
+        for s in self._slots.values():
+            if set_to_none:
+                s.param.grad = None
+            elif s.param.grad is not None:
+                s.param.grad.zero_()
+
+    def repoint(self) -> None:
+        """Re-view the fragments into the current parameter storage.
+
+        Needed only if a parameter's storage was replaced (``load_state_dict(assign=True)``,
+        ``.data = ...``); an in-place load keeps the views valid.
+        """
+        for s in self._slots.values():
+            self._fragment[s.name].data = s.fragment_view()
+
+    # ---- state conversion --------------------------------------------------------------
+    def local_state(self, name: str, value: Any) -> Any:
+        """A saved state value as this rank's piece of parameter ``name``.
+
+        Accepts this rank's rows (a sharded state dict of the same layout), the full
+        parameter shape (an unsharded state dict: the rows are sliced out) or a DTensor
+        loaded by DCP; scalars (``step``) pass through.
+
+        Raises:
+            ValueError: a tensor of any other shape (a sharded state dict of another DP
+                degree: reshard it through ``sharded_state_dict`` and DCP instead).
+        """
+        if isinstance(value, DTensor):
+            value = value.to_local()
+        if not isinstance(value, torch.Tensor) or value.dim() == 0:
+            return value
+        s, frag = self._slots[name], self._fragment[name]
+        if value.shape == frag.shape:
+            return value
+        if value.shape == s.param.shape:
+            return value.narrow(s.dim, s.start, s.end - s.start).clone()
+        raise ValueError(
+            f"optimizer state of {name!r} has shape {tuple(value.shape)}: expected this "
+            f"rank's shard {tuple(frag.shape)} or the full {tuple(s.param.shape)}; a state "
+            "saved with another data-parallel degree loads through sharded_state_dict (DCP)"
+        )
+
+    def to_dtensor(self, name: str, value: Any) -> Any:
+        """This rank's piece of a state tensor as a DTensor of the parameter's shape."""
+        frag = self._fragment[name]
+        if not isinstance(value, torch.Tensor) or value.shape != frag.shape or value.dim() == 0:
+            return value
+        s = self._slots[name]
+        if self._mesh is None:
+            self._mesh = DeviceMesh.from_group(self.group, s.param.device.type)
+        return DTensor.from_local(value, self._mesh, [Shard(s.dim)], run_check=False,
+                                  shape=s.param.shape, stride=s.param.stride())
+
+
+def _check_params(named_params: list[tuple[str, nn.Parameter]]) -> None:
+    for name, p in named_params:
+        if isinstance(p, DTensor):
+            raise ValueError(
+                f"parameter {name!r} is a DTensor: shard_optimizer does not compose with "
+                "tensor parallelism or FSDP yet; set parallel.shard_optimizer = false"
+            )
+        if p.dim() == 0 or not p.is_contiguous():
+            raise ValueError(
+                f"parameter {name!r} (shape {tuple(p.shape)}) cannot be row-sharded: "
+                "shard_optimizer needs contiguous parameters with at least one dimension"
+            )
