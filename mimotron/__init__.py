@@ -1,6 +1,46 @@
-"""mimotron: training for multi-module models with heterogeneous parallelism."""
+"""mimotron: training for multi-module models with heterogeneous parallelism.
 
-from mimotron.config import MimoConfig, load_config
+Every name of the public API (DESIGN.md §2) is importable from here. They are loaded on
+first use, so ``import mimotron`` (and the CLI's start-up) stays cheap.
+"""
 
-__all__ = ["MimoConfig", "load_config"]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
 __version__ = "0.1.0"
+
+# Public name -> defining module. A constant table, read only.
+_EXPORTS = {
+    "MimoConfig": "mimotron.config",
+    "OptimizerConfig": "mimotron.config",
+    "load_config": "mimotron.config",
+    "HyperCommGrid": "mimotron.parallel.grid",
+    "ProcessGroupCollection": "mimotron.parallel.groups",
+    "MultiModuleProcessGroupCollection": "mimotron.parallel.groups",
+    "zero_grad_buffer_for_multimodule": "mimotron.parallel.data_parallel",
+    "MimoModel": "mimotron.models.mimo",
+    "MultiModulePipelineCommunicator": "mimotron.pipeline.communicator",
+    "forward_backward_no_pipelining": "mimotron.pipeline.schedules",
+    "forward_backward_pipelining_without_interleaving": "mimotron.pipeline.schedules",
+    "MimoOptimizer": "mimotron.optim.mimo_optimizer",
+    "ModuleOptimizerInfo": "mimotron.optim.mimo_optimizer",
+    "get_mimo_optimizer": "mimotron.optim",
+    "OptimizerParamScheduler": "mimotron.optim.scheduler",
+    "save_checkpoint": "mimotron.checkpoint",
+    "load_checkpoint": "mimotron.checkpoint",
+    "train_step_mimo": "mimotron.training.step",
+    "train_mimo": "mimotron.training.loop",
+    "setup_mimo": "mimotron.training.loop",
+    "MimoModelInfra": "mimotron.training.infra",
+    "GlobalState": "mimotron.training.state",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'mimotron' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)
