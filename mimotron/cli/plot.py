@@ -1,20 +1,34 @@
 """``mimotron plot RUN_DIR [RUN_DIR ...]``: PNG figures from ``metrics.jsonl``.
 
-Writes ``loss.png`` (train and eval loss), ``eval.png`` (eval metrics such as accuracy),
-``lr.png`` (lr per module) and ``throughput.png`` (tokens/s and step time), one line per
-run so several runs can be compared.
+Writes, into ``--out`` (default: the first run dir), one line per run so several runs
+can be compared:
+
+* ``loss.png`` — train loss per logged iteration and eval loss (log scale);
+* ``eval.png`` — evaluation task metrics (``eval_accuracy`` ...);
+* ``lr.png`` — learning rate per module;
+* ``throughput.png`` — tokens/s, step time and, when recorded, model TFLOP/s per rank.
+
+Runs are labelled by their directory name (made unique with the parent directory when
+two runs share a name).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any
 
+Records = list[dict[str, Any]]
 
-def read_metrics(run_dir: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Split a run's metrics file into train records and eval records."""
+
+def read_metrics(run_dir: Path) -> tuple[Records, Records]:
+    """Split a run's metrics file into train records and eval records.
+
+    Raises:
+        ValueError: ``run_dir`` holds no ``metrics.jsonl``.
+    """
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         raise ValueError(f"{path} does not exist: pass a run directory (log.dir) of a run")
@@ -27,9 +41,21 @@ def read_metrics(run_dir: Path) -> tuple[list[dict[str, Any]], list[dict[str, An
     return train, evals
 
 
-def _series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
-    pts = [(r["iteration"], r[key]) for r in records if r.get(key) is not None]
-    return [p[0] for p in pts], [float(p[1]) for p in pts]
+def _series(records: Records, key: str) -> tuple[list[int], list[float]]:
+    """(iterations, values) of ``key``, skipping missing and non-finite values."""
+    pts = [(r["iteration"], float(r[key])) for r in records
+           if isinstance(r.get(key), int | float) and math.isfinite(r[key])]
+    return [p[0] for p in pts], [p[1] for p in pts]
+
+
+def run_labels(run_dirs: list[str]) -> list[str]:
+    """A distinct label per run: the directory name, or ``parent/name`` when they clash."""
+    paths = [Path(d).resolve() for d in run_dirs]
+    names = [p.name for p in paths]
+    labels = [f"{p.parent.name}/{p.name}" if names.count(p.name) > 1 else p.name
+              for p in paths]
+    # Still equal (same dir given twice, or equal parents too): number them.
+    return [f"{lab} ({i})" if labels.count(lab) > 1 else lab for i, lab in enumerate(labels)]
 
 
 def run_plot(run_dirs: list[str], out: str | None) -> int:
@@ -37,24 +63,38 @@ def run_plot(run_dirs: list[str], out: str | None) -> int:
     import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     try:
-        runs = {Path(d).name or d: read_metrics(Path(d)) for d in run_dirs}
+        runs = {label: read_metrics(Path(d))
+                for label, d in zip(run_labels(run_dirs), run_dirs, strict=True)}
     except ValueError as exc:
         print(f"mimotron plot: {exc}", file=sys.stderr)
         return 2
     out_dir = Path(out or run_dirs[0])
     out_dir.mkdir(parents=True, exist_ok=True)
-    written = []
+    written = [_plot_loss(runs, out_dir / "loss.png"), _plot_eval(runs, out_dir / "eval.png"),
+               _plot_lr(runs, out_dir / "lr.png"),
+               _plot_throughput(runs, out_dir / "throughput.png")]
+    for path in written:
+        print(f"wrote {path}")
+    return 0
+
+
+def _plot_loss(runs: dict[str, tuple[Records, Records]], path: Path) -> Path:
+    import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for name, (train, evals) in runs.items():
-        ax.plot(*_series(train, "loss"), label=f"{name} train")
+        (line,) = ax.plot(*_series(train, "loss"), label=f"{name} train")
         if evals:
-            ax.plot(*_series(evals, "eval_loss"), "o--", label=f"{name} eval")
+            ax.plot(*_series(evals, "eval_loss"), "o--", color=line.get_color(),
+                    label=f"{name} eval")
     ax.set(xlabel="iteration", ylabel="loss (per token)", yscale="log", title="Loss")
-    written.append(_save(fig, ax, out_dir / "loss.png"))
+    return _save(fig, [ax], path)
+
+
+def _plot_eval(runs: dict[str, tuple[Records, Records]], path: Path) -> Path:
+    import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for name, (_, evals) in runs.items():
@@ -63,39 +103,49 @@ def run_plot(run_dirs: list[str], out: str | None) -> int:
         for key in keys:
             ax.plot(*_series(evals, key), "o-", label=f"{name} {key}")
     ax.set(xlabel="iteration", ylabel="value", title="Evaluation metrics", ylim=(0, 1.02))
-    written.append(_save(fig, ax, out_dir / "eval.png"))
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for name, (train, _) in runs.items():
-        modules = sorted({m for r in train for m in r.get("lr", {})})
-        for m in modules:
-            its = [r["iteration"] for r in train if m in r.get("lr", {})]
-            ax.plot(its, [r["lr"][m] for r in train if m in r.get("lr", {})],
-                    label=f"{name} {m}")
-    ax.set(xlabel="iteration", ylabel="learning rate", title="Learning rate per module")
-    written.append(_save(fig, ax, out_dir / "lr.png"))
-
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    for name, (train, _) in runs.items():
-        ax1.plot(*_series(train, "tokens_per_second"), label=name)
-        its, times = _series(train, "step_time_s")
-        ax2.plot(its, [t * 1e3 for t in times], label=name)
-    ax1.set(xlabel="iteration", ylabel="tokens / s", title="Throughput")
-    ax2.set(xlabel="iteration", ylabel="ms", title="Step time")
-    ax2.legend(fontsize=8)
-    written.append(_save(fig, ax1, out_dir / "throughput.png"))
-
-    for path in written:
-        print(f"wrote {path}")
-    return 0
+    return _save(fig, [ax], path)
 
 
-def _save(fig: Any, ax: Any, path: Path) -> Path:
+def _plot_lr(runs: dict[str, tuple[Records, Records]], path: Path) -> Path:
     import matplotlib.pyplot as plt
 
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    styles = ("-", "--", ":", "-.")  # Modules often share a schedule: keep both visible.
+    for name, (train, _) in runs.items():
+        for i, m in enumerate(sorted({m for r in train for m in r.get("lr", {})})):
+            pts = [(r["iteration"], r["lr"][m]) for r in train if m in r.get("lr", {})]
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], styles[i % len(styles)],
+                    label=f"{name} {m}")
+    ax.set(xlabel="iteration", ylabel="learning rate", title="Learning rate per module")
+    return _save(fig, [ax], path)
+
+
+def _plot_throughput(runs: dict[str, tuple[Records, Records]], path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    has_flops = any(_series(train, "tflops_per_second_per_rank")[0]
+                    for train, _ in runs.values())
+    fig, axes = plt.subplots(1, 3 if has_flops else 2, figsize=(15 if has_flops else 11, 4))
+    for name, (train, _) in runs.items():
+        axes[0].plot(*_series(train, "tokens_per_second"), label=name)
+        its, times = _series(train, "step_time_s")
+        axes[1].plot(its, [t * 1e3 for t in times], label=name)
+        if has_flops:
+            axes[2].plot(*_series(train, "tflops_per_second_per_rank"), label=name)
+    axes[0].set(xlabel="iteration", ylabel="tokens / s", title="Throughput")
+    axes[1].set(xlabel="iteration", ylabel="ms", title="Step time")
+    if has_flops:
+        axes[2].set(xlabel="iteration", ylabel="TFLOP/s", title="Model TFLOP/s per rank")
+    return _save(fig, list(axes), path)
+
+
+def _save(fig: Any, axes: list[Any], path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    for ax in axes:
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

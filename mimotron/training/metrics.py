@@ -1,17 +1,55 @@
-"""Metrics sinks: ``metrics.jsonl`` (contract), the console, TensorBoard.
+"""Metrics: what the loop measures, and its sinks (``metrics.jsonl``, console, TensorBoard).
 
-Only the logging rank (language module, DP 0, TP 0, last stage) constructs a writer, so
-the file is written once per run, not once per rank.
+:class:`LoopMonitor` is everything ``train_mimo`` measures. At each logged iteration
+every rank joins one ``all_gather_object`` (the same iterations on every rank, so the
+collective order is fixed) carrying its timers, per-module times, peak memory, lr per
+module, encoder sample counts and auxiliary losses; the logging rank (language module,
+DP 0, TP 0, last stage) turns them into one record and is the only writer, so
+``metrics.jsonl`` is written once per run, not once per rank.
+
+A train record holds the DESIGN §5 contract fields (``iteration``, ``loss``,
+``grad_norm``, ``lr`` {module: lr}, ``loss_scale``, ``skipped``, ``num_zeros``,
+``consumed_samples``, ``tokens_per_second`` = ``global_batch_size · seq_length /
+step_time_s``, ``step_time_s`` = wall time per iteration over the log interval, with
+evaluation excluded) and more: ``loss_scale_per_module``, ``samples_per_second``,
+``train_accuracy``, auxiliary losses by name, ``skipped_iters`` / ``nan_iters`` (run
+totals), ``peak_memory_bytes`` (max over ranks) and ``peak_memory_bytes_per_rank``,
+``model_flops_per_iteration`` and ``model_flops_per_module``
+(:mod:`mimotron.training.flops`), ``tflops_per_second_per_rank``, ``mfu`` (only where
+the device's peak is known), ``time_s`` (the step's timers) and ``module_time_s``
+{module: {forward, backward, communication}} — seconds per iteration, the max over the
+ranks holding the module (see :mod:`mimotron.training.profiling` for what they cover).
+
+**Auxiliary losses.** A forward step may return extra metrics beside ``correct`` and
+``samples``: a 2-element tensor ``[sum, count]`` is logged as the global sum over the
+count (Megatron-Bridge's convention); a scalar is logged as its global sum over the step.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import sys
 import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from mimotron.runtime import compute_dtype, device_peak_flops, peak_memory_bytes
+from mimotron.training.flops import model_flops_per_iteration
+from mimotron.training.infra import MimoModelInfra
+from mimotron.training.profiling import ModuleTimes, TimedCommunicator, counting_iterator
+from mimotron.training.state import GlobalState, TrainState
+from mimotron.training.step import module_parts
+
+# Forward-step metrics that become train_accuracy rather than auxiliary losses.
+_ACCURACY_KEYS = ("correct", "samples")
 
 
 def _fmt_duration(seconds: float) -> str:
@@ -28,15 +66,52 @@ def _fmt_count(x: float) -> str:
     return f"{x:.0f}"
 
 
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def _scalars(prefix: str, value: Any) -> Iterator[tuple[str, float]]:
+    """Flatten nested dicts of numbers into ``a/b/c`` TensorBoard tags."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            yield from _scalars(f"{prefix}/{k}" if prefix else str(k), v)
+    elif isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
+        yield prefix, float(value)
+
+
+class TrainingDivergedError(RuntimeError):
+    """Too many consecutive iterations had non-finite gradients (raised on every rank)."""
+
+
+def check_divergence(ts: TrainState, loss: float, max_skipped: int) -> None:
+    """Stop after ``max_skipped`` consecutive skipped iterations, with a clear message.
+
+    ``ts`` is identical on every rank (skips are a world decision), so every rank raises
+    at the same iteration and no rank waits on a collective the others left.
+
+    Raises:
+        TrainingDivergedError: ``ts.consecutive_skips >= max_skipped``.
+    """
+    if ts.consecutive_skips < max_skipped:
+        return
+    raise TrainingDivergedError(
+        f"training diverged at iteration {ts.iteration}: {ts.consecutive_skips} consecutive "
+        f"iterations had non-finite gradients and were skipped (last loss {loss}, "
+        f"{ts.nan_iters} iterations with a non-finite loss in all); stopping because "
+        f"train.max_skipped={max_skipped}. Lower optimizer.lr, use precision bf16 or fp32 "
+        "instead of fp16, or check the data")
+
+
 class MetricsWriter:
-    """Writes one JSON object per logged iteration and per evaluation.
+    """Writes one JSON object per logged iteration and per evaluation; prints them.
 
     Args:
         log_dir: run directory; ``metrics.jsonl`` goes there (truncated when a run starts
             from scratch, appended to on resume).
         total_iters: for the ETA and progress display.
         tensorboard: also write TensorBoard scalars under ``log_dir/tensorboard``.
-        progress: print a progress line; a bar is drawn when stdout is a terminal.
+        progress: print to the console (banner, a line per log interval, summary); a
+            progress bar is drawn when stdout is a terminal.
         append: keep existing lines (resume).
     """
 
@@ -60,55 +135,356 @@ class MetricsWriter:
         self._file.flush()
         if self._tb is not None:
             step = record["iteration"]
-            for key, value in record.items():
-                if isinstance(value, dict):
-                    for sub, v in value.items():
-                        self._tb.add_scalar(f"{key}/{sub}", v, step)
-                elif isinstance(value, int | float) and key != "iteration" and not isinstance(
-                        value, bool) and math.isfinite(value):
-                    self._tb.add_scalar(key, value, step)
+            for tag, value in _scalars("", {k: v for k, v in record.items()
+                                            if k != "iteration"}):
+                self._tb.add_scalar(tag, value, step)
+
+    def print(self, text: str) -> None:
+        """Print ``text`` when console output is on."""
+        if self.progress:
+            print(text, flush=True)
 
     def console(self, record: dict[str, Any], elapsed_s: float) -> None:
-        """One progress line per logged iteration."""
-        if not self.progress:
-            return
+        """One progress line per logged iteration (with a bar on a terminal)."""
         it = record["iteration"]
         lrs = record.get("lr", {})
-        lr = next(iter(lrs.values()), 0.0) if len(set(lrs.values())) <= 1 else max(lrs.values())
+        lr = max(lrs.values()) if lrs else 0.0
         eta = (self.total_iters - it) * record["step_time_s"]
         norm = record.get("grad_norm")
         line = (f"iter {it:>6}/{self.total_iters} | loss {record['loss']:.4f} | grad "
                 f"{norm if norm is None else f'{norm:.3f}'} | lr {lr:.2e} | "
                 f"{_fmt_count(record['tokens_per_second'])} tok/s | "
-                f"{record['step_time_s'] * 1e3:.0f} ms/it | elapsed {_fmt_duration(elapsed_s)} | "
-                f"ETA {_fmt_duration(eta)}")
+                f"{record['step_time_s'] * 1e3:.0f} ms/it")
+        if record.get("mfu") is not None:
+            line += f" | MFU {100 * record['mfu']:.1f}%"
+        line += f" | elapsed {_fmt_duration(elapsed_s)} | ETA {_fmt_duration(eta)}"
         if record.get("skipped"):
             line += " | skipped"
         if self._tty:
             done = int(30 * it / max(self.total_iters, 1))
             line = f"[{'#' * done}{'.' * (30 - done)}] " + line
-        print(line, flush=True)
+        self.print(line)
 
     def eval_line(self, record: dict[str, Any]) -> None:
-        if self.progress:
-            extra = "".join(f" | {k} {v:.4f}" for k, v in record.items()
-                            if k.startswith("eval_") and k != "eval_loss")
-            print(f"eval @ iter {record['iteration']} | eval_loss {record['eval_loss']:.4f}"
-                  f"{extra}", flush=True)
+        """One line per evaluation."""
+        extra = "".join(f" | {k} {v:.4f}" for k, v in record.items()
+                        if k.startswith("eval_") and k not in ("eval_loss", "eval_samples"))
+        self.print(f"eval @ iter {record['iteration']} | eval_loss {record['eval_loss']:.4f}"
+                   f"{extra}")
 
     def close(self) -> None:
+        """Close the file and TensorBoard writer."""
         self._file.close()
         if self._tb is not None:
             self._tb.close()
 
 
-class StepClock:
-    """Wall time between consecutive logged iterations, for throughput."""
+def format_banner(global_state: GlobalState, infra: MimoModelInfra,
+                  params: dict[str, tuple[int, int]]) -> str:
+    """The start-up banner: run, rank map, parameter counts, batch and outputs.
 
-    def __init__(self) -> None:
-        self._last = time.perf_counter()
+    Args:
+        global_state: config, runtime, train state.
+        infra: the layout.
+        params: module -> (parameters, trainable parameters), whole module.
 
-    def lap(self) -> float:
+    Returns:
+        The banner text (several lines).
+    """
+    cfg, rt, ts = global_state.cfg, global_state.runtime, global_state.train_state
+    lines = [f"mimotron: run {cfg.name!r} on {rt.world_size} rank(s) ({rt.backend}, "
+             f"{rt.device.type}), precision {cfg.train.precision}, iterations "
+             f"{ts.iteration + 1}..{cfg.train.iters}",
+             infra.layout.format_rank_map(), "",
+             f"{'module':<10} {'kind':<9} {'parameters':>12} {'trainable':>12}"]
+    for name, (total, trainable) in params.items():
+        kind = cfg.modules[name].kind if name in cfg.modules else "?"
+        lines.append(f"{name:<10} {kind:<9} {total:>12,} {trainable:>12,}")
+    lines.append(f"{'total':<10} {'':<9} {sum(p[0] for p in params.values()):>12,} "
+                 f"{sum(p[1] for p in params.values()):>12,}")
+    lines.append(f"global batch {cfg.train.global_batch_size} = {cfg.num_microbatches} "
+                 f"micro-batch(es) of {cfg.train.micro_batch_size}, seq length "
+                 f"{cfg.data.seq_length}; log every {cfg.log.interval}, eval every "
+                 f"{cfg.eval.interval}; metrics -> {cfg.log_dir / 'metrics.jsonl'}")
+    return "\n".join(lines)
+
+
+def format_summary(summary: dict[str, Any], metrics_path: Path | None = None) -> str:
+    """The final summary table (see :meth:`LoopMonitor.finish` for the keys).
+
+    Args:
+        summary: the run summary.
+        metrics_path: shown as the last row when given.
+
+    Returns:
+        The table text.
+    """
+    rows = [("iterations", f"{summary['iteration']}"),
+            ("wall time", _fmt_duration(summary["wall_time_s"])
+             + f" ({summary['wall_time_s']:.1f} s)"),
+            ("final loss", f"{summary.get('loss', float('nan')):.4f}")]
+    rows += [(k, f"{v:.4f}") for k, v in summary.get("eval", {}).items() if k != "eval_samples"]
+    if summary.get("tokens_per_second"):
+        rows.append(("throughput", f"{_fmt_count(summary['tokens_per_second'])} tok/s, "
+                     f"{summary['samples_per_second']:.1f} samples/s, "
+                     f"{summary['step_time_s'] * 1e3:.0f} ms/it (mean)"))
+    if summary.get("tflops_per_second_per_rank") is not None:
+        mfu = summary.get("mfu")
+        rows.append(("model TFLOP/s", f"{summary['tflops_per_second_per_rank']:.4g} per rank"
+                     + ("" if mfu is None else f", MFU {100 * mfu:.1f}%")))
+    if summary.get("peak_memory_bytes") is not None:
+        rows.append(("peak memory", f"{_mib(summary['peak_memory_bytes'])} (max over ranks)"))
+    rows.append(("skipped / NaN", f"{summary['skipped_iters']} / {summary['nan_iters']}"))
+    if metrics_path is not None:
+        rows.append(("metrics", str(metrics_path)))
+    width = max(len(k) for k, _ in rows)
+    bar = "-" * (width + 2 + max(len(v) for _, v in rows))
+    return "\n".join(["summary", bar, *(f"{k:<{width}}  {v}" for k, v in rows), bar])
+
+
+class LoopMonitor:
+    """What ``train_mimo`` measures: wraps its inputs, logs records, prints, summarises.
+
+    Construct it on every rank before the first step (it installs timing hooks), then
+    run the loop with :attr:`communicator`, :meth:`wrap_data` and
+    :meth:`wrap_forward_step`; call :meth:`after_step` after every iteration (a
+    collective on logged iterations) and :meth:`finish` at the end.
+
+    Args:
+        global_state: config, runtime, timers, train state.
+        infra: layout and roles of this rank.
+        model: the ``MimoModel`` (this rank's modules).
+        optimizer: the ``MimoOptimizer`` (lr per module comes from its param groups).
+        communicator: the multi-module communicator to time.
+    """
+
+    def __init__(self, global_state: GlobalState, infra: MimoModelInfra, model: nn.Module,
+                 optimizer: Any, communicator: Any) -> None:
+        cfg, ts = global_state.cfg, global_state.train_state
+        self.state, self.infra, self.model, self.optimizer = global_state, infra, model, optimizer
+        self.writer = None
+        if infra.is_logging_rank:
+            self.writer = MetricsWriter(cfg.log_dir, cfg.train.iters, cfg.log.tensorboard,
+                                        cfg.log.progress, append=ts.iteration > 0)
+        self.module_times = ModuleTimes(module_parts(model), global_state.runtime.device)
+        self.communicator = TimedCommunicator(communicator, self.module_times,
+                                              infra.module_names, lambda: model.training)
+        self._counts: dict[str, Any] = defaultdict(float)  # Summed lazily (tensors).
+        self._aux: dict[str, list[torch.Tensor]] = {}
+        self._last_iter = ts.iteration
+        self._interval_start = time.perf_counter()
+        self._excluded_s = 0.0
+        self._run = {"iters": 0, "step_s": 0.0, "flops": 0.0, "flops_iters": 0}
+        self._last: dict[str, Any] = {}
+        self.start_time = time.monotonic()
+
+    # ---- wrapping the loop's inputs -------------------------------------------------------
+    def wrap_data(self, data_iterator: Iterator) -> Iterator:
+        """Count the samples each encoder sees (for FLOPs) and run the fault-injection hook."""
+        counted = {r.module for r in self.infra.layout.roles(self.infra.rank)
+                   if r.module != "language" and r.tp == 0 and r.cp == 0 and r.is_first_stage}
+        modality_of = {n: str(m.modality) for n, m in self.state.cfg.modules.items()
+                       if m.is_encoder}
+        return counting_iterator(data_iterator, self._counts, self.infra.rank, modality_of,
+                                 counted, self.state.train_state.iteration + 1)
+
+    def wrap_forward_step(self, forward_step_func: Callable[..., Any]) -> Callable[..., Any]:
+        """Capture the auxiliary metrics a forward step returns (training steps only)."""
+        def forward_step(*args: Any, **kwargs: Any) -> Any:
+            out = forward_step_func(*args, **kwargs)
+            if (self.model.training and self.infra.is_loss_leader and isinstance(out, tuple)
+                    and len(out) == 3 and isinstance(out[2], dict)):
+                for key, value in out[2].items():
+                    if key not in _ACCURACY_KEYS:
+                        self._aux.setdefault(key, []).append(value.detach().double().flatten())
+            return out
+
+        return forward_step
+
+    @contextlib.contextmanager
+    def excluded(self) -> Iterator[None]:
+        """Time spent inside (evaluation, checkpointing) does not count as step time."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._excluded_s += time.perf_counter() - t0
+
+    # ---- start-up -------------------------------------------------------------------------
+    def banner(self) -> None:
+        """Print the banner on the logging rank (collective: parameter counts)."""
+        if not self.state.cfg.log.progress:
+            return
+        local: dict[str, tuple[int, int]] = {}
+        for role in self.infra.layout.roles(self.infra.rank):
+            part = module_parts(self.model).get(role.module)
+            if part is not None and role.tp == 0 and role.cp == 0 and role.dp == 0:
+                ps = list(part.parameters())
+                local[role.module] = (sum(p.numel() for p in ps),
+                                      sum(p.numel() for p in ps if p.requires_grad))
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, local)
+        params: dict[str, tuple[int, int]] = {}
+        for name in self.state.cfg.modules:
+            # Pipeline stages hold disjoint layers: their counts add up.
+            items = [g[name] for g in gathered if name in g]
+            params[name] = (sum(i[0] for i in items), sum(i[1] for i in items))
+        if self.writer is not None:
+            self.writer.print(format_banner(self.state, self.infra, params))
+
+    # ---- per iteration --------------------------------------------------------------------
+    def after_step(self, loss_dict: dict[str, float], skipped: bool, grad_norm: float | None,
+                   num_zeros: int | None) -> dict[str, Any] | None:
+        """Log the iteration if it is due (a collective on every rank).
+
+        Returns:
+            The record written (the same on every rank), or ``None`` when the iteration
+            is not logged.
+        """
+        cfg, ts = self.state.cfg, self.state.train_state
+        if ts.iteration % cfg.log.interval and ts.iteration != cfg.train.iters:
+            self._aux.clear()  # Auxiliary losses are those of the logged iteration.
+            return None
         now = time.perf_counter()
-        out, self._last = now - self._last, now
+        num_iters = max(ts.iteration - self._last_iter, 1)
+        step_time = (now - self._interval_start - self._excluded_s) / num_iters
+        self._interval_start, self._excluded_s, self._last_iter = now, 0.0, ts.iteration
+        gathered = self._gather()
+        record: dict[str, Any] = {
+            "iteration": ts.iteration, "loss": loss_dict["loss"], "grad_norm": grad_norm,
+            "lr": gathered["lr"], "loss_scale": float(self.optimizer.get_loss_scale()),
+            "loss_scale_per_module": gathered["loss_scale"],
+            "skipped": bool(skipped), "num_zeros": num_zeros,
+            "consumed_samples": ts.consumed_samples,
+            "tokens_per_second": cfg.train.global_batch_size * cfg.data.seq_length / step_time,
+            "step_time_s": step_time,
+            "samples_per_second": cfg.train.global_batch_size / step_time,
+        }
+        if "accuracy" in loss_dict:
+            record["train_accuracy"] = loss_dict["accuracy"]
+        for key, value in gathered["aux"].items():  # Never shadow a contract field.
+            record[f"aux_{key}" if key in record else key] = value
+        record.update(skipped_iters=ts.skipped_iters, nan_iters=ts.nan_iters,
+                      peak_memory_bytes=max(gathered["peak"]),
+                      peak_memory_bytes_per_rank=gathered["peak"])
+        record.update(self._flops(gathered["vocab"], gathered["counts"], num_iters, step_time))
+        record["time_s"] = {k: v / num_iters for k, v in gathered["timers"].items()}
+        record["module_time_s"] = {m: {k: v / num_iters for k, v in t.items()}
+                                   for m, t in gathered["modules"].items()}
+        self._run["iters"] += num_iters
+        self._run["step_s"] += step_time * num_iters
+        self._last = record
+        if self.writer is not None:
+            self.writer.write(record)
+            self.writer.console(record, time.monotonic() - self.start_time)
+        return record
+
+    def _gather(self) -> dict[str, Any]:
+        """One world all-gather of this interval's per-rank measurements."""
+        rt = self.state.runtime
+        lrs: dict[str, float] = {}
+        for group in self.optimizer.param_groups:
+            lrs.setdefault(group.get("module", "model"), float(group["lr"]))
+        scales = {name: float(info.loss_scaler.scale)
+                  for name, info in getattr(self.optimizer, "module_infos", {}).items()
+                  if info.is_active}
+        lm = getattr(self.model, "language_model", None)
+        modules = self.module_times.pop()
+        for m, s in self.communicator.pop().items():
+            modules.setdefault(m, {"forward": 0.0, "backward": 0.0})["communication"] = s
+        aux = {k: torch.stack(v).sum(0).tolist() for k, v in self._aux.items()}
+        self._aux.clear()
+        local = {"peak": peak_memory_bytes(rt.device), "lr": lrs, "loss_scale": scales,
+                 "modules": modules, "timers": self.state.timers.pop_all(),
+                 "counts": {m: float(c) for m, c in self._counts.items()}, "aux": aux,
+                 "vocab": getattr(lm, "vocab_size", None)}
+        self._counts.clear()
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, local)
+        return _combine(gathered)
+
+    def _flops(self, vocab: int | None, counts: dict[str, float], num_iters: int,
+               step_time: float) -> dict[str, Any]:
+        """Model FLOPs of the iteration, TFLOP/s per rank and (when known) MFU."""
+        if vocab is None:  # A language model that is not the built-in one: no count.
+            return {}
+        cfg, rt = self.state.cfg, self.state.runtime
+        per_module = model_flops_per_iteration(
+            cfg, vocab, {m: c / num_iters for m, c in counts.items()})
+        flops = sum(per_module.values())
+        self.state.train_state.floating_point_operations_so_far += flops * num_iters
+        self._run["flops"] += flops * num_iters
+        self._run["flops_iters"] += num_iters
+        out: dict[str, Any] = {"model_flops_per_iteration": flops,
+                               "model_flops_per_module": per_module,
+                               "tflops_per_second_per_rank":
+                                   flops / step_time / rt.world_size / 1e12}
+        peak = device_peak_flops(rt.device, compute_dtype(cfg.train.precision))
+        if peak:
+            out["mfu"] = flops / step_time / (peak * rt.world_size)
         return out
+
+    # ---- the end --------------------------------------------------------------------------
+    def finish(self, summary: dict[str, Any]) -> dict[str, Any]:
+        """Complete the summary, print the table (logging rank), close sinks and hooks.
+
+        Adds ``wall_time_s``, ``skipped_iters``, ``nan_iters``, ``tokens_per_second``,
+        ``samples_per_second`` and ``step_time_s`` (means over the logged run),
+        ``peak_memory_bytes`` (max over ranks at the last log), and
+        ``tflops_per_second_per_rank`` / ``mfu`` when known.
+        """
+        cfg, ts, rt = self.state.cfg, self.state.train_state, self.state.runtime
+        summary.update(iteration=ts.iteration, wall_time_s=time.monotonic() - self.start_time,
+                       skipped_iters=ts.skipped_iters, nan_iters=ts.nan_iters,
+                       peak_memory_bytes=self._last.get("peak_memory_bytes"))
+        if self._run["iters"]:
+            step = self._run["step_s"] / self._run["iters"]
+            summary.update(step_time_s=step, samples_per_second=cfg.train.global_batch_size / step,
+                           tokens_per_second=cfg.train.global_batch_size * cfg.data.seq_length
+                           / step)
+            if self._run["flops_iters"]:
+                flops = self._run["flops"] / self._run["flops_iters"]
+                summary["tflops_per_second_per_rank"] = flops / step / rt.world_size / 1e12
+                if "mfu" in self._last:
+                    peak = device_peak_flops(rt.device, compute_dtype(cfg.train.precision))
+                    summary["mfu"] = flops / step / (peak * rt.world_size)
+        self.close()
+        if self.writer is not None:
+            self.writer.print(format_summary(summary, self.writer.path))
+        return summary
+
+    def close(self) -> None:
+        """Remove the hooks and close the writer (idempotent)."""
+        self.module_times.remove()
+        if self.writer is not None:
+            self.writer.close()
+
+
+def _combine(gathered: list[dict[str, Any]]) -> dict[str, Any]:
+    """Merge per-rank measurements: max of times, sums of counts and auxiliary sums."""
+    out: dict[str, Any] = {"peak": [g["peak"] for g in gathered], "lr": {}, "loss_scale": {},
+                           "timers": {}, "modules": {}, "counts": defaultdict(float),
+                           "aux": {}, "vocab": None}
+    aux_sums: dict[str, list[float]] = {}
+    for g in gathered:
+        for m, lr in g["lr"].items():
+            out["lr"][m] = max(out["lr"].get(m, lr), lr)
+        out["loss_scale"].update(g["loss_scale"])
+        out["vocab"] = out["vocab"] or g["vocab"]
+        for k, v in g["timers"].items():
+            out["timers"][k] = max(out["timers"].get(k, 0.0), v)
+        for m, times in g["modules"].items():
+            slot = out["modules"].setdefault(m, {})
+            for k, v in times.items():
+                slot[k] = max(slot.get(k, 0.0), v)
+        for m, c in g["counts"].items():
+            out["counts"][m] += c
+        for k, v in g["aux"].items():
+            acc = aux_sums.setdefault(k, [0.0] * len(v))
+            for i, x in enumerate(v):
+                acc[i] += x
+    for k, v in aux_sums.items():
+        out["aux"][k] = (v[0] / v[1] if v[1] else None) if len(v) == 2 else sum(v)
+    out["lr"] = dict(sorted(out["lr"].items()))
+    out["loss_scale"] = dict(sorted(out["loss_scale"].items()))
+    return out

@@ -1,0 +1,156 @@
+"""Analytic model FLOPs of one training iteration (encoders + projections + LM).
+
+Megatron-Bridge reports MIMO FLOPs as 0; we count them from the config, so TFLOP/s and
+MFU mean something. The count is the usual "model FLOPs" (PaLM appendix B, Megatron's
+``num_floating_point_operations``): only matrix multiplications, each ``[m, k] @ [k, n]``
+costing ``2·m·n·k`` (a multiply and an add per term), recomputation not included.
+
+Forward FLOPs of the built-in modules, for ``N = samples · tokens`` tokens of width
+``h`` (``f`` = SwiGLU width, ``S`` = tokens per sample, ``V`` = vocabulary):
+
+======================  ================================================================
+piece                   forward FLOPs
+======================  ================================================================
+q, k, v, o projections  ``4 · 2·N·h·h``
+attention scores+context ``2 · 2·samples·S·S·h`` (``Q Kᵀ`` and ``A V``; the full ``S×S``
+                        square is counted, causal or not, as PaLM and Megatron do)
+SwiGLU MLP              ``3 · 2·N·h·f`` (gate, up, down)
+LM output head          ``2·N·h·V`` (the embedding lookup is free)
+ViT patch embedding     ``2·N·(C·p²)·h`` (a stride-``p`` conv = a matmul per patch)
+audio front end         ``2·samples·T·F·h·3`` (k=3 conv over ``T`` frames, ``F`` bins) +
+                        ``2·samples·T·h·h`` (the pooling conv, kernel = stride)
+projector               ``2·N·h_enc·h_mid + 2·N·h_mid·h_lm``
+======================  ================================================================
+
+Norms, rotary embeddings, softmax and activations are elementwise and not counted.
+Training multiplies by 3 (backward computes a gradient for the input and one for the
+weight of every matmul, each as costly as the forward) for trainable modules. A frozen
+encoder runs forward only (nothing upstream of it needs a gradient); a frozen language
+model still back-propagates to its input when an encoder trains (×2). The "×3" slightly
+overcounts the very first layer of each encoder, whose raw input needs no gradient —
+the standard convention, kept so numbers compare with other frameworks.
+
+Encoders only see the samples that carry their modality, so the loop counts those per
+step (:class:`~mimotron.training.metrics.LoopMonitor`); the language model sees every
+sample padded to ``data.seq_length``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from mimotron.config import MimoConfig, ModuleConfig
+from mimotron.models.blocks import default_ffn_hidden_size
+
+
+def matmul_flops(m: int | float, n: int | float, k: int | float) -> float:
+    """FLOPs of ``[m, k] @ [k, n]``: one multiply and one add per term."""
+    return 2.0 * m * n * k
+
+
+def transformer_layer_flops(num_samples: float, seq_length: int, hidden_size: int,
+                            ffn_hidden_size: int = 0) -> float:
+    """Forward FLOPs of one :class:`~mimotron.models.blocks.TransformerBlock`.
+
+    Args:
+        num_samples: sequences in the batch (may be fractional: an average).
+        seq_length: tokens per sequence.
+        hidden_size: model width ``h``.
+        ffn_hidden_size: SwiGLU width (0 = the default for ``h``).
+
+    Returns:
+        ``8·N·h² + 4·B·S²·h + 6·N·h·f`` with ``N = B·S``.
+    """
+    ffn = ffn_hidden_size or default_ffn_hidden_size(hidden_size)
+    tokens = num_samples * seq_length
+    projections = 4 * matmul_flops(tokens, hidden_size, hidden_size)
+    attention = 2 * num_samples * matmul_flops(seq_length, seq_length, hidden_size)
+    mlp = 3 * matmul_flops(tokens, ffn, hidden_size)
+    return projections + attention + mlp
+
+
+def language_model_flops(mod: ModuleConfig, vocab_size: int, num_samples: float,
+                         seq_length: int) -> float:
+    """Forward FLOPs of the built-in language model (layers + output head).
+
+    Args:
+        mod: the ``language`` module's config.
+        vocab_size: tokenizer vocabulary size.
+        num_samples: sequences.
+        seq_length: tokens per sequence (padded length: padding is computed too).
+
+    Returns:
+        ``num_layers · layer + 2·N·h·V``.
+    """
+    layers = mod.num_layers * transformer_layer_flops(num_samples, seq_length,
+                                                      mod.hidden_size, mod.ffn_hidden_size)
+    head = matmul_flops(num_samples * seq_length, vocab_size, mod.hidden_size)
+    return layers + head
+
+
+def encoder_flops(mod: ModuleConfig, lm_hidden_size: int, num_samples: float) -> float:
+    """Forward FLOPs of an encoder with its projector, for ``num_samples`` inputs.
+
+    Args:
+        mod: the encoder's config (``vit`` or ``audio``).
+        lm_hidden_size: the language model's width (the projector's output).
+        num_samples: inputs that carry the encoder's modality.
+
+    Returns:
+        Front end + transformer layers + projector FLOPs.
+
+    Raises:
+        ValueError: the module is not an encoder kind this count knows.
+    """
+    tokens = mod.num_output_tokens
+    h = mod.hidden_size
+    if mod.kind == "vit":
+        patch = mod.in_channels * mod.patch_size ** 2
+        front = matmul_flops(num_samples * tokens, h, patch)
+    elif mod.kind == "audio":
+        pool = mod.num_frames // mod.num_audio_tokens
+        front = (matmul_flops(num_samples * mod.num_frames, h, mod.num_freq_bins * 3)
+                 + matmul_flops(num_samples * tokens, h, h * pool))
+    else:
+        raise ValueError(f"kind={mod.kind!r} has no FLOP count: expected 'vit' or 'audio'")
+    layers = mod.num_layers * transformer_layer_flops(num_samples, tokens, h,
+                                                      mod.ffn_hidden_size)
+    mid = mod.projector_hidden_size or lm_hidden_size
+    projector = (matmul_flops(num_samples * tokens, mid, h)
+                 + matmul_flops(num_samples * tokens, lm_hidden_size, mid))
+    return front + layers + projector
+
+
+def training_multiplier(cfg: MimoConfig, name: str) -> int:
+    """3 for a trainable module, 1 for a frozen encoder, 2 or 1 for a frozen LM (see above)."""
+    mod = cfg.modules[name]
+    if not mod.freeze:
+        return 3
+    if mod.is_encoder:
+        return 1
+    encoders_train = any(not cfg.modules[n].freeze for n in cfg.encoder_names)
+    return 2 if encoders_train else 1
+
+
+def model_flops_per_iteration(cfg: MimoConfig, vocab_size: int,
+                              encoder_samples: Mapping[str, float],
+                              num_samples: float | None = None) -> dict[str, float]:
+    """Training FLOPs of one iteration, per module (forward + backward).
+
+    Args:
+        cfg: the run config (module shapes, ``data.seq_length``, freezing).
+        vocab_size: tokenizer vocabulary size.
+        encoder_samples: encoder name -> samples of the iteration carrying its modality.
+        num_samples: samples through the language model (default: the global batch).
+
+    Returns:
+        Module name -> FLOPs; sum the values for the model total.
+    """
+    lm = cfg.modules["language"]
+    samples = cfg.train.global_batch_size if num_samples is None else num_samples
+    out = {"language": training_multiplier(cfg, "language") * language_model_flops(
+        lm, vocab_size, samples, cfg.data.seq_length)}
+    for name in cfg.encoder_names:
+        fwd = encoder_flops(cfg.modules[name], lm.hidden_size, encoder_samples.get(name, 0.0))
+        out[name] = training_multiplier(cfg, name) * fwd
+    return out

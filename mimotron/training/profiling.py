@@ -1,0 +1,288 @@
+"""Instrumentation of the loop: per-module timers, torch.profiler traces, fault injection.
+
+* :class:`ModuleTimes` times each module's forward and backward with module and autograd
+  hooks, so the schedule needs no timer calls: forward = the module's ``forward`` call;
+  backward = from the gradient of its output arriving to the gradient of its input (or,
+  for an encoder whose raw input needs none, to the last gradient of its parameters).
+* :class:`TimedCommunicator` wraps the multi-module communicator and times its
+  transfers (stage links and module bridges).
+* :class:`StepProfiler` records ``profile.start..profile.end`` iterations (inclusive,
+  numbered from 1) with ``torch.profiler`` on the ranks in ``profile.ranks`` and writes
+  one Chrome trace per rank to ``<log.dir>/profile/``.
+* :func:`inject_fault` is a test hook: with ``MIMOTRON_FAIL_AT_ITER=k`` (and optionally
+  ``MIMOTRON_FAIL_RANK=r``, default every rank) in the environment, rank ``r`` raises
+  :class:`InjectedFault` while fetching the data of iteration ``k`` — inside the step,
+  while its peers are about to wait on it — so tests can check that one failing rank ends
+  the whole job. Unset, it costs one dictionary lookup per step.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.autograd.graph import register_multi_grad_hook
+
+from mimotron.config import ProfileConfig
+from mimotron.runtime import synchronize
+
+FAIL_AT_ITER_ENV = "MIMOTRON_FAIL_AT_ITER"
+FAIL_RANK_ENV = "MIMOTRON_FAIL_RANK"
+
+
+class InjectedFault(RuntimeError):
+    """The failure requested by ``MIMOTRON_FAIL_AT_ITER`` (tests only)."""
+
+
+def inject_fault(iteration: int, rank: int) -> None:
+    """Raise :class:`InjectedFault` if the environment asks this rank to fail now.
+
+    Args:
+        iteration: the iteration being run (from 1).
+        rank: this global rank.
+
+    Raises:
+        InjectedFault: ``MIMOTRON_FAIL_AT_ITER == iteration`` and ``MIMOTRON_FAIL_RANK``
+            is unset or equals ``rank``.
+    """
+    at = os.environ.get(FAIL_AT_ITER_ENV)
+    if at is None or int(at) != iteration:
+        return
+    who = os.environ.get(FAIL_RANK_ENV)
+    if who is None or int(who) == rank:
+        raise InjectedFault(f"rank {rank}: injected failure at iteration {iteration} "
+                            f"({FAIL_AT_ITER_ENV}={at})")
+
+
+class ModuleTimes:
+    """Wall time of each module's forward and backward on this rank, from hooks.
+
+    Only training-mode forwards are timed (evaluation runs the model in eval mode). On an
+    accelerator each boundary synchronises the device, so the numbers are device time at
+    the cost of a few synchronisations per micro-batch.
+
+    Args:
+        parts: module name -> the part of the model this rank holds.
+        device: this rank's device.
+    """
+
+    def __init__(self, parts: dict[str, nn.Module], device: torch.device) -> None:
+        self.device = device
+        self.seconds: dict[str, dict[str, float]] = defaultdict(
+            lambda: {"forward": 0.0, "backward": 0.0})
+        self.compute_s = 0.0  # all closed intervals, for TimedCommunicator
+        self._fwd_start: dict[str, float] = {}
+        self._bwd_start: dict[str, float] = {}
+        self._handles: list[Any] = []
+        for name, mod in parts.items():
+            self._handles.append(mod.register_forward_pre_hook(partial(self._pre, name)))
+            self._handles.append(mod.register_forward_hook(partial(self._post, name)))
+            params = [p for p in mod.parameters() if p.requires_grad]
+            if params:
+                self._handles.append(register_multi_grad_hook(
+                    params, partial(self._params_done, name), mode="all"))
+
+    def _now(self) -> float:
+        synchronize(self.device)
+        return time.perf_counter()
+
+    def _pre(self, name: str, module: nn.Module, args: tuple) -> None:
+        if not module.training:
+            return
+        self._fwd_start[name] = self._now()
+        inputs = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+        if torch.is_grad_enabled() and inputs:
+            # Backward of this module ends when the gradient of its input is ready.
+            inputs[0].register_hook(partial(self._input_grad, name))
+
+    def _post(self, name: str, module: nn.Module, args: tuple, output: Any) -> None:
+        start = self._fwd_start.pop(name, None)
+        if start is None:
+            return
+        self._add(name, "forward", self._now() - start)
+        if isinstance(output, torch.Tensor) and output.requires_grad:
+            output.register_hook(partial(self._output_grad, name))
+
+    def _output_grad(self, name: str, grad: torch.Tensor) -> None:
+        self._bwd_start[name] = self._now()
+
+    def _input_grad(self, name: str, grad: torch.Tensor) -> None:
+        self._close_backward(name)
+
+    def _params_done(self, name: str, grads: Any) -> None:
+        self._close_backward(name)
+
+    def _close_backward(self, name: str) -> None:
+        # The first end marker wins (the input gradient comes before the parameters').
+        start = self._bwd_start.pop(name, None)
+        if start is not None:
+            self._add(name, "backward", self._now() - start)
+
+    def _add(self, name: str, kind: str, seconds: float) -> None:
+        self.seconds[name][kind] += seconds
+        self.compute_s += seconds
+
+    def pop(self) -> dict[str, dict[str, float]]:
+        """Accumulated seconds per module and phase since the last pop; resets them."""
+        out = {k: dict(v) for k, v in self.seconds.items()}
+        self.seconds.clear()
+        return out
+
+    def remove(self) -> None:
+        """Remove every hook (the model is left as it was)."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+
+class TimedCommunicator:
+    """A ``MultiModulePipelineCommunicator`` whose transfers are timed.
+
+    Calls to the transfer methods (:data:`TIMED_METHODS`) are timed and charged to every
+    module this rank holds (each side of a boundary waits for the transfer); module
+    compute that runs inside such a call is subtracted using ``module_times``. Every
+    other attribute is the wrapped communicator's. Collectives hidden inside autograd
+    functions (the colocated bridge between different DP degrees) count as compute.
+
+    Args:
+        inner: the communicator to wrap.
+        module_times: the hooks that time module compute on this rank.
+        modules: the modules this rank holds.
+        active: whether to count now (the loop passes ``lambda: model.training``, so
+            evaluation's transfers are not charged to training steps).
+    """
+
+    TIMED_METHODS = frozenset({"communicate", "finish", "forward", "backward"})
+
+    def __init__(self, inner: Any, module_times: ModuleTimes, modules: list[str],
+                 active: Callable[[], bool] = lambda: True) -> None:
+        self._inner = inner
+        self._times = module_times
+        self._modules = list(modules)
+        self._active = active
+        self._spent = 0.0
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._inner, name)
+        if name not in self.TIMED_METHODS or not callable(attr) or not self._active():
+            return attr
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            compute0, t0 = self._times.compute_s, time.perf_counter()
+            out = attr(*args, **kwargs)
+            synchronize(self._times.device)
+            spent = time.perf_counter() - t0 - (self._times.compute_s - compute0)
+            self._spent += max(spent, 0.0)
+            return out
+
+        return timed
+
+    def pop(self) -> dict[str, float]:
+        """Seconds per module since the last pop; resets them."""
+        out = {m: self._spent for m in self._modules}
+        self._spent = 0.0
+        return out
+
+
+class StepProfiler:
+    """torch.profiler over iterations ``[profile.start, profile.end]`` on chosen ranks.
+
+    Call :meth:`before_step` with the iteration about to run and :meth:`after_step` with
+    the one just finished; :meth:`close` writes a partial trace if the run stops inside
+    the window. The trace is ``<log_dir>/profile/rank<r>_iter<start>-<end>.json``.
+
+    Args:
+        cfg: the ``[profile]`` config.
+        log_dir: the run directory.
+        rank: this global rank.
+        world_size: number of ranks (to validate ``profile.ranks``).
+
+    Raises:
+        ValueError: ``profile.ranks`` names a rank outside the world (same on every rank).
+    """
+
+    def __init__(self, cfg: ProfileConfig, log_dir: Path, rank: int, world_size: int) -> None:
+        bad = [r for r in cfg.ranks if not 0 <= r < world_size]
+        if cfg.enabled and bad:
+            raise ValueError(f"profile.ranks={cfg.ranks!r} is invalid: ranks {bad} are outside "
+                             f"the world of {world_size} ranks (valid: 0..{world_size - 1})")
+        self.enabled = cfg.enabled and rank in cfg.ranks
+        self.start, self.end = max(cfg.start, 1), cfg.end
+        self.path = log_dir / "profile" / f"rank{rank}_iter{self.start}-{self.end}.json"
+        self._prof: Any = None
+        self._step_range: Any = None
+
+    def before_step(self, iteration: int) -> None:
+        """Start recording if ``iteration`` is the first of the window (or a resume in it)."""
+        if self.enabled and self._prof is None and self.start <= iteration <= self.end:
+            self._prof = torch.profiler.profile(
+                activities=list(torch.profiler.supported_activities()), record_shapes=True)
+            self._prof.__enter__()
+        if self._prof is not None:
+            # A named range per iteration, so the trace shows where each step begins.
+            self._step_range = torch.profiler.record_function(f"mimotron/iteration {iteration}")
+            self._step_range.__enter__()
+
+    def after_step(self, iteration: int) -> None:
+        """Mark the step boundary; stop and write the trace after the last iteration."""
+        if self._prof is None:
+            return
+        if self._step_range is not None:
+            self._step_range.__exit__(None, None, None)
+            self._step_range = None
+        self._prof.step()
+        if iteration >= self.end:
+            self._finish()
+
+    def _finish(self) -> None:
+        if self._step_range is not None:  # Stopped inside an iteration (an exception).
+            self._step_range.__exit__(None, None, None)
+            self._step_range = None
+        prof, self._prof = self._prof, None
+        prof.__exit__(None, None, None)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(self.path))
+        self.enabled = False  # One window a run.
+
+    def close(self) -> None:
+        """Write what was recorded if the run ended inside the window."""
+        if self._prof is not None:
+            self._finish()
+
+
+def counting_iterator(data_iterator: Iterator, counts: dict[str, Any], rank: int,
+                      modality_of: dict[str, str], counted_modules: set[str],
+                      first_iteration: int) -> Iterator:
+    """Yield the steps of ``data_iterator``, counting encoder samples and injecting faults.
+
+    For each module in ``counted_modules`` (this rank's encoder slices that no other rank
+    of the same DP replica also counts), adds the step's samples carrying its modality to
+    ``counts[module]`` (a tensor or number: no device synchronisation per step). Calls
+    :func:`inject_fault` with each step fetched, i.e. inside ``train_step_mimo``.
+
+    Args:
+        data_iterator: yields a step's micro-batches (module -> batch dict) for this rank.
+        counts: accumulator, module -> samples (mutated).
+        rank: this global rank (for the fault hook).
+        modality_of: module -> batch key of its input.
+        counted_modules: modules whose samples this rank counts.
+        first_iteration: the iteration number of the first step fetched.
+    """
+    iteration = first_iteration
+    for step in data_iterator:
+        inject_fault(iteration, rank)
+        for mb in step:
+            for module in counted_modules & set(mb):
+                batch = mb[module]
+                key = f"has_{modality_of[module]}"
+                present = batch[key].sum() if key in batch else batch[modality_of[module]].shape[0]
+                counts[module] = counts[module] + present
+        yield step
+        iteration += 1

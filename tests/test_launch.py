@@ -1,0 +1,86 @@
+"""Launching: a failing rank ends the whole job; two torchrun "nodes" train together.
+
+Both tests start real launchers in subprocesses (the only way to test them), with tiny
+models and a few iterations. The subprocess timeouts are hang guards, not speed checks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DIGITS = str(ROOT / "configs" / "digits.toml")  # vision | audio | language DP 2: 4 ranks
+COLOCATED = str(ROOT / "configs" / "digits_colocated.toml")  # all modules DP 2 on 2 ranks
+TINY = [
+    "modules.vision.hidden_size=32", "modules.vision.num_layers=1",
+    "modules.audio.hidden_size=32", "modules.language.hidden_size=64",
+    "train.global_batch_size=16", "train.micro_batch_size=8", "scheduler.warmup_iters=2",
+    "eval.iters=1", "log.interval=1",
+]
+LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID", "MASTER_ADDR",
+                 "MASTER_PORT", "MIMOTRON_FAIL_AT_ITER", "MIMOTRON_FAIL_RANK")
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
+    env.update(OMP_NUM_THREADS="1", **extra)
+    return env
+
+
+def test_a_rank_failing_mid_step_ends_the_job_non_zero_with_its_traceback(tmp_path):
+    # Rank 1 raises while fetching iteration 2's data (inside train_step_mimo); rank 0 is
+    # then blocked on it in a collective.
+    proc = subprocess.run(
+        [sys.executable, "-m", "mimotron", "train", COLOCATED, *TINY, "train.iters=5",
+         "train.pg_timeout_s=60", f"log.dir={tmp_path}"],
+        cwd=ROOT, env=_env(MIMOTRON_FAIL_AT_ITER="2", MIMOTRON_FAIL_RANK="1"),
+        capture_output=True, text=True, timeout=240)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out[-4000:]
+    assert "mimotron train: rank 1 failed: InjectedFault: rank 1: injected failure at " \
+           "iteration 2 (MIMOTRON_FAIL_AT_ITER=2)" in out
+    assert "Traceback (most recent call last)" in out and "in inject_fault" in out
+    assert "mimotron train: rank 1 failed (exit code 1)" in out  # The launcher's verdict.
+    iterations = [json.loads(x)["iteration"] for x in
+                  (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert iterations == [1]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_torchrun_nodes_train_a_heterogeneous_layout(tmp_path):
+    # vision | audio | language (DP 2): 4 ranks, 2 per "node", modules split across nodes.
+    layout = ["modules.vision.parallel.data=1", "modules.vision.parallel.rank_offset=0",
+              "modules.audio.parallel.data=1", "modules.audio.parallel.rank_offset=1",
+              "modules.language.parallel.data=2", "modules.language.parallel.rank_offset=2"]
+    port = _free_port()
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={node}",
+         "--nproc-per-node=2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+         "--rdzv-id=mimotron-two-nodes", "--max-restarts=0", "--local-addr=127.0.0.1",
+         "-m", "mimotron", "train", DIGITS, *TINY, *layout, "train.iters=3",
+         "train.pg_timeout_s=120", f"log.dir={tmp_path}"],
+        cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for node in (0, 1)]
+    try:
+        outputs = [p.communicate(timeout=300)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for node, (p, out) in enumerate(zip(procs, outputs, strict=True)):
+        assert p.returncode == 0, f"node {node}:\n{out[-4000:]}"
+    text = "".join(outputs)
+    assert text.count("placement: non-colocated, world size 4") == 1
+    records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in records if "loss" in r] == [1, 2, 3]
+    assert len(records[0]["peak_memory_bytes_per_rank"]) == 4
+    assert any("eval_accuracy" in r for r in records)
