@@ -245,9 +245,11 @@ class MimoConfig:
         _validate_train(self)
         _validate_optim(self.optimizer, "optimizer")
         _validate_scheduler(self.scheduler, "scheduler")
+        _validate_warmup(self, self.scheduler, "scheduler")
         for name in self.modules:
             _validate_optim(self.effective_optimizer(name), f"modules.{name}.optimizer")
             _validate_scheduler(self.effective_scheduler(name), f"modules.{name}.optimizer")
+            _validate_warmup(self, self.effective_scheduler(name), f"modules.{name}.optimizer")
         _validate_data(self)
         _check(self.eval.interval >= 1, "eval.interval", self.eval.interval, "an integer >= 1")
         _check(self.eval.iters >= 0, "eval.iters", self.eval.iters, "an integer >= 0")
@@ -371,6 +373,12 @@ def _validate_optim(o: OptimizerConfig, p: str) -> None:
     _check(o.initial_loss_scale > 0, f"{p}.initial_loss_scale", o.initial_loss_scale, "> 0")
     _check(o.loss_scale_window >= 1, f"{p}.loss_scale_window", o.loss_scale_window, ">= 1")
     _check(o.hysteresis >= 1, f"{p}.hysteresis", o.hysteresis, ">= 1")
+
+
+def _validate_warmup(cfg: MimoConfig, s: SchedulerConfig, p: str) -> None:
+    decay = s.decay_iters or cfg.train.iters
+    _check(s.warmup_iters <= decay, f"{p}.warmup_iters", s.warmup_iters,
+           f"<= the decay length ({decay}: scheduler.decay_iters, or train.iters when 0)")
 
 
 def _validate_scheduler(s: SchedulerConfig, p: str) -> None:

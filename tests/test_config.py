@@ -38,7 +38,8 @@ def test_parse_override_values_are_toml(item, keys, value):
 
 
 def test_overrides_apply_and_create_module_tables():
-    cfg = load_config(DIGITS, ["train.iters=7", "modules.vision.optimizer.lr=1e-4",
+    cfg = load_config(DIGITS, ["train.iters=7", "scheduler.warmup_iters=2",
+                               "modules.vision.optimizer.lr=1e-4",
                                "modules.vision.optimizer.warmup_iters=3",
                                "modules.language.parallel.data=2"])
     assert cfg.train.iters == 7
@@ -73,6 +74,8 @@ def test_int_accepted_for_float_field():
         (["data.dataset=imagenet"], "data.dataset='imagenet'"),
         (["eval.interval=0"], "eval.interval=0"),
         (["noequals"], "expected key=value"),
+        (["train.iters=50", "scheduler.warmup_iters=100"], "scheduler.warmup_iters=100"),
+        (["train.schedule=gpipe"], "train.schedule='gpipe'"),
     ],
 )
 def test_bad_values_name_the_field(overrides, needle):

@@ -37,7 +37,12 @@ def run_train(config: str, overrides: list[str]) -> int:
         cfg = load_config(config, overrides)
         env_world = int(os.environ["WORLD_SIZE"]) if _under_launcher() else None
         layout = plan_layout(cfg, env_world_size=env_world)
-    except ValueError as exc:
+        if cfg.checkpoint.load != "none":
+            from mimotron.checkpoint import resolve_load
+
+            # A missing checkpoint path is a config error: catch it before any launch.
+            resolve_load(cfg.checkpoint.load, cfg.checkpoint_dir)
+    except (ValueError, RuntimeError) as exc:  # RuntimeError: CheckpointError
         print(f"mimotron train: invalid config: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     if not _under_launcher() and layout.world_size > 1:
@@ -47,6 +52,7 @@ def run_train(config: str, overrides: list[str]) -> int:
 
 def _launch(config: str, overrides: list[str], world_size: int) -> int:
     """Re-run ``mimotron train`` on ``world_size`` local ranks with torch's launcher."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
@@ -58,6 +64,12 @@ def _launch(config: str, overrides: list[str], world_size: int) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world_size)))
     try:
         run(args)
+    except SignalException as exc:
+        # SIGTERM/SIGINT reached the launcher, which passed it on: the ranks finish their
+        # step, save (when checkpointing is configured) and stop — a requested stop.
+        print(f"mimotron train: stopped by signal {exc.sigval.name}; the ranks saved and "
+              "exited (resume with checkpoint.load=auto)", file=sys.stderr)
+        return 0
     except ChildFailedError as exc:
         # The root cause is a rank that failed on its own, not one stopped by a peer.
         # (Negative codes are signals: ranks the launcher stopped after the failure.)
