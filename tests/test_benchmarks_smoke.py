@@ -22,9 +22,22 @@ from benchmarks.common import Figure, interleave, summarize  # noqa: E402
 def test_overhead_case_writes_its_figures(tmp_path):
     out = tmp_path / "bench.json"
     proc = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "run.py"), "--quick", "--case", "overhead",
-         "--size", "tiny", "--json", str(out)],
-        cwd=tmp_path, capture_output=True, text=True, timeout=120)
+        [
+            sys.executable,
+            str(REPO / "benchmarks" / "run.py"),
+            "--quick",
+            "--case",
+            "overhead",
+            "--size",
+            "tiny",
+            "--json",
+            str(out),
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "| overhead | `overhead_ratio` |" in proc.stdout
     doc = json.loads(out.read_text())
@@ -43,22 +56,35 @@ def test_overhead_case_writes_its_figures(tmp_path):
 def test_reps_below_five_are_rejected(tmp_path):
     proc = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "run.py"), "--reps", "3"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=60)
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode != 0
     assert "--reps=3 is invalid" in proc.stderr
 
 
-@pytest.mark.parametrize(("value", "target", "passed"), [
-    (1.04, "<= 1.05", True), (1.06, "<= 1.05", False), (0.96, ">= 0.95", True),
-    (0.9, ">= 0.95", False), (1.004, "<= 1.00", True), (2.0, "", None)])
+@pytest.mark.parametrize(
+    ("value", "target", "passed"),
+    [
+        (1.04, "<= 1.05", True),
+        (1.06, "<= 1.05", False),
+        (0.96, ">= 0.95", True),
+        (0.9, ">= 0.95", False),
+        (1.004, "<= 1.00", True),
+        (2.0, "", None),
+    ],
+)
 def test_figure_target(value, target, passed):
     assert Figure("x", value, target).passed is passed
 
 
 def test_interleave_alternates_order_and_summarize():
     calls: list[str] = []
-    out = interleave(4, {"a": lambda: calls.append("a") or 1.0,
-                         "b": lambda: calls.append("b") or 3.0})
+    out = interleave(
+        4, {"a": lambda: calls.append("a") or 1.0, "b": lambda: calls.append("b") or 3.0}
+    )
     assert calls == ["a", "b", "b", "a", "a", "b", "b", "a"]
     assert out == {"a": [1.0] * 4, "b": [3.0] * 4}
     s = summarize([3.0, 1.0, 2.0])

@@ -23,7 +23,7 @@ from torch import nn
 
 from mimotron.checkpoint.files import CheckpointError
 from mimotron.checkpoint.load import log
-from mimotron.checkpoint.save import SaveHandle, save_checkpoint
+from mimotron.checkpoint.save import SaveHandle, make_stager, save_checkpoint
 from mimotron.checkpoint.signals import StopSignals
 
 
@@ -56,6 +56,7 @@ class CheckpointManager:
         self._state = global_state
         self._group: Any = None
         self._pending: SaveHandle | None = None
+        self._staging: Any = None  # Reused host buffers for async saves (made on first).
         iteration = global_state.train_state.iteration
         # A resumed run starts at a saved iteration: no need to write it again.
         self._last_saved: int | None = iteration if iteration > 0 else None
@@ -129,6 +130,7 @@ class CheckpointManager:
             async_save=self._cfg.checkpoint.async_save,
             keep=self._cfg.checkpoint.keep,
             process_group=self._group,
+            stager=self._stager(),
         )
         self._last_saved = ts.iteration
         self.saves.append(
@@ -139,6 +141,14 @@ class CheckpointManager:
             }
         )
         self._pending = handle if handle.future is not None else None
+
+    def _stager(self) -> Any:
+        """One reusable staging helper per run, for async saves only."""
+        if not self._cfg.checkpoint.async_save:
+            return None
+        if self._staging is None:
+            self._staging = make_stager()
+        return self._staging
 
     def wait(self) -> None:
         """Block until a background save is complete.

@@ -101,6 +101,7 @@ def save_checkpoint(
     async_save: bool = False,
     keep: int | None = None,
     process_group: Any = None,
+    stager: Any = None,
 ) -> SaveHandle:
     """Save this run after ``global_state.train_state.iteration`` (collective).
 
@@ -116,6 +117,8 @@ def save_checkpoint(
         process_group: group over all ranks for DCP's coordination; None = the default
             group. Async saves need a dedicated gloo group (``dist.new_group(backend=
             "gloo")``): the background thread must not share the training's group.
+        stager: for async saves, a long-lived ``make_stager()`` whose staging buffers
+            are reused from save to save (None = DCP's default, which allocates anew).
 
     Returns:
         A handle; call ``wait()`` before the next save and before exiting.
@@ -136,8 +139,24 @@ def save_checkpoint(
     layout = layout_signature(infra, global_state.runtime.device)
     iteration = global_state.train_state.iteration
     return _write_checkpoint(
-        state, Path(root), iteration, layout, process_group, async_save, keep, start
+        state, Path(root), iteration, layout, process_group, async_save, keep, start, stager
     )
+
+
+def make_stager() -> Any:
+    """A staging helper for async saves that keeps its host buffers between saves.
+
+    DCP's default allocates a fresh copy of the state on every async save; reusing the
+    buffers cuts the time training is blocked by about 2.5x on CPU (benchmarks/
+    checkpoint.py), at the cost of one copy of the state staying allocated. The next save
+    waits for the previous write, so a buffer is never overwritten while being written.
+    """
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    # Pinned/shared memory and async staging need an accelerator or a worker process.
+    return DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
+                                        use_async_staging=False,
+                                        use_non_blocking_copy=False))
 
 
 def _write_checkpoint(
@@ -149,6 +168,7 @@ def _write_checkpoint(
     async_save: bool,
     keep: int | None,
     start: float,
+    stager: Any = None,
 ) -> SaveHandle:
     """Steps 1-4 of the module docstring for an already built state dict."""
     path = iter_dir(root, iteration)
@@ -177,6 +197,7 @@ def _write_checkpoint(
         checkpoint_id=str(path),
         process_group=group,
         async_checkpointer_type=AsyncCheckpointerType.THREAD,
+        async_stager=stager,
     )
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mimotron-checkpoint")
     job = executor.submit(_finish_async, staged, path, root, iteration, layout, group, keep, start)

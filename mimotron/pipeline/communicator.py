@@ -150,7 +150,8 @@ class MultiModulePipelineCommunicator:
             chunks = [t for (s, _), t in zip(sources, tensors, strict=True) if s == src]
             if self.role.tp == 0:  # Only the leader sends the gradients back.
                 self._rows[(k, src)] = [c.shape[0] for c in chunks]
-            t = torch.cat(chunks) if chunks else None
+            # One chunk (no fan-in) is used as received: no copy.
+            t = (chunks[0] if len(chunks) == 1 else torch.cat(chunks)) if chunks else None
             # TP ranks of the destination all need the embeddings: leader broadcasts.
             t = broadcast_tensor(t, self._tp_leader, self.tp_group, self.device)
             out[src] = t.requires_grad_(True)
@@ -183,7 +184,7 @@ class MultiModulePipelineCommunicator:
     def _assemble_backward(self, tensors: list[torch.Tensor]) -> torch.Tensor:
         if not self.role.is_last_stage:
             return tensors[0]
-        t = torch.cat(tensors) if tensors else None
+        t = (tensors[0] if len(tensors) == 1 else torch.cat(tensors)) if tensors else None
         return broadcast_tensor(t, self._tp_leader, self.tp_group, self.device)
 
     # ---- the four transfers, alone or paired ------------------------------------------

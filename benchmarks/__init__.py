@@ -1,0 +1,1 @@
+"""mimotron benchmarks: ``python benchmarks/run.py [--quick] [--json OUT]`` (see run.py)."""
