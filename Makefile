@@ -29,7 +29,6 @@ test: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/ruff format --check .
 
 plan: $(STAMP)
 	$(VENV)/bin/mimotron plan configs/digits.toml
