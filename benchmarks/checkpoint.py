@@ -61,14 +61,18 @@ def mimotron_savers(run: Any, group: Any) -> tuple[dict[str, Any], dict[str, Sav
     """mimotron's sync and async save of ``run`` and the state dict it writes (or None)."""
     try:
         from mimotron.checkpoint import save_checkpoint
+        from mimotron.checkpoint.save import make_stager
         from mimotron.checkpoint.state import build_save_state
     except ImportError:
         return None
     args = (run.model, run.optimizer, run.schedulers, run.global_state, run.infra)
+    # As the training loop does: one stager per run, its buffers reused save after save.
+    stager = make_stager()
     savers: dict[str, Saver] = {
         "sync": lambda path: save_checkpoint(path, *args) and None,
         "async": lambda path: (
-            save_checkpoint(path, *args, async_save=True, process_group=group).wait
+            save_checkpoint(path, *args, async_save=True, process_group=group,
+                            stager=stager).wait
         ),
     }
     return build_save_state(*args), savers
