@@ -1,6 +1,6 @@
 """Checkpoints: exact resume, async == sync, failed and killed saves, damage, SIGTERM, export.
 
-Every run uses the small model of ``tests/test_parity.py`` (fp32 unless said otherwise)
+Every run uses the small model of ``tests/common.py`` (fp32 unless said otherwise)
 and the real loop (``run_training``), so periodic saves, ``exit_interval``, retention
 and ``checkpoint.load = "auto"`` are exercised as a user would. One straight 20-iteration
 run (module fixture) is the reference; it also leaves a checkpoint for the damage and
@@ -59,7 +59,7 @@ from mimotron.runtime import init_runtime
 from mimotron.testing import RankError, run_ranks
 from mimotron.training.loop import run_training, setup_mimo
 from mimotron.training.step import default_forward_step, train_step_mimo
-from tests.test_parity import BASE, DIGITS
+from tests.common import BASE, DIGITS
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -24,8 +24,8 @@ from mimotron.config import load_config
 from mimotron.runtime import init_runtime
 from mimotron.testing import run_ranks
 from mimotron.training.loop import run_training
+from tests.common import BASE, DIGITS
 from tests.test_checkpoint import colocated
-from tests.test_parity import BASE, DIGITS
 
 
 def _noncolocated(**modules: dict[str, int]) -> list[str]:

@@ -18,6 +18,7 @@ import pytest
 
 from mimotron.cli.main import main
 from mimotron.testing import run_ranks
+from tests.common import ONE_RANK, SMALL_MODEL
 
 ROOT = Path(__file__).resolve().parents[1]
 DIGITS = str(ROOT / "configs" / "digits.toml")  # vision | audio | language DP 2: 4 ranks
@@ -25,13 +26,9 @@ COLOCATED = str(ROOT / "configs" / "digits_colocated.toml")  # all modules DP 2 
 CONTRACT = ("iteration", "loss", "grad_norm", "lr", "loss_scale", "skipped", "num_zeros",
             "consumed_samples", "tokens_per_second", "step_time_s")
 TINY = [
-    "modules.vision.hidden_size=32", "modules.vision.num_layers=1",
-    "modules.audio.hidden_size=32", "modules.language.hidden_size=64",
-    "train.global_batch_size=16", "train.micro_batch_size=8", "scheduler.warmup_iters=2",
+    *SMALL_MODEL,
     "eval.iters=1", "log.interval=1",
 ]
-ONE_RANK = [f"modules.{m}.parallel.{k}={v}" for m in ("vision", "audio", "language")
-            for k, v in (("data", 1), ("rank_offset", 0))]
 
 
 def _records(log_dir: Path) -> list[dict]:

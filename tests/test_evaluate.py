@@ -12,7 +12,8 @@ from mimotron.testing import run_ranks
 from mimotron.training.evaluate import greedy_generate
 from mimotron.training.loop import setup_mimo
 from mimotron.training.step import default_forward_step, train_step_mimo
-from tests.test_parity import BASE, DIGITS, _colocated
+from tests.common import BASE, DIGITS
+from tests.common import colocated as _colocated
 
 NUM_SAMPLES = 48
 

@@ -29,18 +29,11 @@ from mimotron.runtime import init_runtime
 from mimotron.testing import run_ranks
 from mimotron.training.loop import setup_mimo
 from mimotron.training.step import default_forward_step, train_step_mimo
+from tests.common import BASE as COMMON_BASE
+from tests.common import MODULES, ONE_RANK
 
 DIGITS = Path(__file__).resolve().parents[1] / "configs" / "digits.toml"
-MODULES = ("vision", "audio", "language")
-BASE = [
-    "modules.vision.hidden_size=32", "modules.vision.num_layers=1",
-    "modules.audio.hidden_size=32", "modules.language.hidden_size=64",
-    "train.global_batch_size=16", "train.micro_batch_size=8",
-    "optimizer.lr=3e-3", "optimizer.clip_grad=0.5", "scheduler.warmup_iters=2",
-    "eval.interval=1000",
-]
-ONE_RANK = [f"modules.{m}.parallel.{k}={v}" for m in MODULES
-            for k, v in (("data", 1), ("rank_offset", 0))]
+BASE = COMMON_BASE
 LAYOUTS = {
     "colocated-dp2": (2, [f"modules.{m}.parallel.{k}={v}" for m in MODULES
                           for k, v in (("data", 2), ("rank_offset", 0))]),

@@ -12,7 +12,10 @@ import torch.distributed as dist
 
 from mimotron.cli.train import run_train
 from mimotron.testing import run_ranks
-from tests.test_parity import DIGITS, NUM_ITERS, _colocated, _par, _train
+from tests.common import DIGITS, NUM_ITERS
+from tests.common import colocated as _colocated
+from tests.common import par as _par
+from tests.common import train_steps as _train
 
 
 def _noncolocated(vision: dict, audio: dict, language: dict) -> list[str]:
@@ -55,7 +58,7 @@ def _reference(extra: list[str]) -> list[tuple]:
 def _world(overrides: list[str]) -> int:
     from mimotron.config import load_config
     from mimotron.parallel.layout import plan_layout
-    from tests.test_parity import BASE
+    from tests.common import BASE
 
     return plan_layout(load_config(DIGITS, BASE + overrides)).world_size
 
@@ -85,7 +88,7 @@ def _batch_kinds(rank: int, world: int) -> list[int]:
     from mimotron.config import load_config
     from mimotron.data import build_datasets
     from mimotron.data.tokenizer import CharTokenizer
-    from tests.test_parity import BASE
+    from tests.common import BASE
 
     cfg = load_config(DIGITS, BASE + _colocated(1))
     task, _ = build_datasets(cfg, CharTokenizer())

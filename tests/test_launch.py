@@ -13,13 +13,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.common import SMALL_MODEL
+
 ROOT = Path(__file__).resolve().parents[1]
 DIGITS = str(ROOT / "configs" / "digits.toml")  # vision | audio | language DP 2: 4 ranks
 COLOCATED = str(ROOT / "configs" / "digits_colocated.toml")  # all modules DP 2 on 2 ranks
 TINY = [
-    "modules.vision.hidden_size=32", "modules.vision.num_layers=1",
-    "modules.audio.hidden_size=32", "modules.language.hidden_size=64",
-    "train.global_batch_size=16", "train.micro_batch_size=8", "scheduler.warmup_iters=2",
+    *SMALL_MODEL,
     "eval.iters=1", "log.interval=1",
 ]
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID", "MASTER_ADDR",

@@ -15,12 +15,11 @@ from pathlib import Path
 import pytest
 
 from mimotron.testing import run_ranks
+from tests.common import SMALL_MODEL
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "custom_forward_step.py"
 TINY = [
-    "modules.vision.hidden_size=32", "modules.vision.num_layers=1",
-    "modules.audio.hidden_size=32", "modules.language.hidden_size=64",
-    "train.global_batch_size=16", "train.micro_batch_size=8", "scheduler.warmup_iters=2",
+    *SMALL_MODEL,
     "eval.iters=1", "log.interval=1", "train.iters=3",
 ]
 

@@ -22,14 +22,13 @@ from mimotron.training.flops import model_flops_per_iteration
 from mimotron.training.loop import setup_mimo, train_mimo
 from mimotron.training.metrics import MetricsWriter, format_summary
 from mimotron.training.step import default_forward_step
+from tests.common import ONE_RANK, SMALL_MODEL
 
 DIGITS = Path(__file__).resolve().parents[1] / "configs" / "digits.toml"
 CONTRACT = ("iteration", "loss", "grad_norm", "lr", "loss_scale", "skipped", "num_zeros",
             "consumed_samples", "tokens_per_second", "step_time_s")
 TINY = [
-    "modules.vision.hidden_size=32", "modules.vision.num_layers=1",
-    "modules.audio.hidden_size=32", "modules.language.hidden_size=64",
-    "train.global_batch_size=16", "train.micro_batch_size=8", "scheduler.warmup_iters=2",
+    *SMALL_MODEL,
     "modules.vision.optimizer.lr=5e-4", "eval.interval=1000", "eval.iters=1",
 ]
 SPLIT = [
@@ -37,8 +36,6 @@ SPLIT = [
     "modules.audio.parallel.data=1", "modules.audio.parallel.rank_offset=1",
     "modules.language.parallel.data=1", "modules.language.parallel.rank_offset=2",
 ]
-ONE_RANK = [f"modules.{m}.parallel.{k}={v}" for m in ("vision", "audio", "language")
-            for k, v in (("data", 1), ("rank_offset", 0))]
 ITERS = 4
 
 

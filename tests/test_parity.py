@@ -7,49 +7,12 @@ grad norm with a one-rank run of the same config.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
-from mimotron.config import load_config
-from mimotron.runtime import init_runtime
 from mimotron.testing import run_ranks
-from mimotron.training.loop import setup_mimo
-from mimotron.training.step import default_forward_step, train_step_mimo
+from tests.common import NUM_ITERS, colocated, par, train_steps
 
-DIGITS = Path(__file__).resolve().parents[1] / "configs" / "digits.toml"
-NUM_ITERS = 5
-
-# A small model so each case takes seconds; clipping at 0.5 so clipping is exercised.
-BASE = [
-    "modules.vision.hidden_size=32", "modules.vision.num_layers=1",
-    "modules.audio.hidden_size=32",
-    "modules.language.hidden_size=64",
-    "train.global_batch_size=16", "train.micro_batch_size=8",
-    "optimizer.lr=3e-3", "optimizer.clip_grad=0.5", "scheduler.warmup_iters=2",
-    "eval.interval=1000",
-]
-
-
-def _par(module: str, **kw: int) -> list[str]:
-    return [f"modules.{module}.parallel.{k}={v}" for k, v in kw.items()]
-
-
-def _colocated(dp: int) -> list[str]:
-    return (_par("vision", data=dp, rank_offset=0) + _par("audio", data=dp, rank_offset=0)
-            + _par("language", data=dp, rank_offset=0))
-
-
-def _train(rank: int, world: int, overrides: list[str], num_iters: int) -> list[tuple]:
-    cfg = load_config(DIGITS, BASE + overrides)
-    run = setup_mimo(cfg, init_runtime())
-    out = []
-    for _ in range(num_iters):
-        loss, skipped, grad_norm, num_zeros = train_step_mimo(
-            default_forward_step, run.train_data_iterator, run.model, run.optimizer,
-            run.schedulers, run.global_state, run.communicator, run.infra)
-        out.append((loss["loss"], grad_norm, skipped, loss["num_tokens"]))
-    return out
+_par, _colocated, _train = par, colocated, train_steps
 
 
 def _reference(extra: list[str] = ()) -> list[tuple]:

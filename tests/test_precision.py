@@ -30,20 +30,15 @@ from mimotron.runtime import compute_dtype, init_runtime
 from mimotron.testing import run_ranks
 from mimotron.training.loop import setup_mimo
 from mimotron.training.step import autocast_factory, default_forward_step, train_step_mimo
+from tests.common import BASE as COMMON_BASE
+from tests.common import MODULES, ONE_RANK
 
 DIGITS = Path(__file__).resolve().parents[1] / "configs" / "digits.toml"
-MODULES = ("vision", "audio", "language")
 BASE = [
-    "modules.vision.hidden_size=32", "modules.vision.num_layers=1",
-    "modules.audio.hidden_size=32", "modules.language.hidden_size=64",
-    "train.global_batch_size=16", "train.micro_batch_size=8",
-    "optimizer.lr=3e-3", "optimizer.clip_grad=0.5", "scheduler.warmup_iters=2",
-    "eval.interval=1000",
+    *COMMON_BASE,
     # fp16: a scale that does not overflow at the start, no growth within a test.
     "optimizer.initial_loss_scale=1024", "optimizer.loss_scale_window=1000",
 ]
-ONE_RANK = [f"modules.{m}.parallel.{k}={v}" for m in MODULES
-            for k, v in (("data", 1), ("rank_offset", 0))]
 NONCOLOCATED = [f"modules.{m}.parallel.{k}={v}" for i, m in enumerate(MODULES)
                 for k, v in (("data", 1), ("rank_offset", i))]
 NUM_CURVE_ITERS = 20

@@ -28,6 +28,7 @@ from mimotron.runtime import init_runtime
 from mimotron.testing import run_ranks
 from mimotron.training.loop import setup_mimo
 from mimotron.training.step import default_forward_step, train_step_mimo
+from tests.common import BASE as COMMON_BASE
 
 DIGITS = Path(__file__).resolve().parents[1] / "configs" / "digits.toml"
 ADAM = {"lr": 0.01, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
@@ -156,13 +157,7 @@ def test_zero_shards_step_like_adamw_on_summed_grads(tmp_path: Path) -> None:
 
 # ---- engine level --------------------------------------------------------------------
 
-BASE = [
-    "modules.vision.hidden_size=32", "modules.vision.num_layers=1",
-    "modules.audio.hidden_size=32", "modules.language.hidden_size=64",
-    "train.global_batch_size=16", "train.micro_batch_size=8",
-    "optimizer.lr=3e-3", "optimizer.clip_grad=0.5", "scheduler.warmup_iters=2",
-    "eval.interval=1000",
-]
+BASE = COMMON_BASE
 NUM_ITERS = 4
 
 
