@@ -37,6 +37,8 @@ CASES = {
                                 ["modules.vision.num_layers=2"]),
     "language-pp2-many-microbatches": (_noncolocated({}, {}, {"pipeline": 2}),
                                        ["train.micro_batch_size=2"]),
+    "language-pp2-one-microbatch": (_noncolocated({}, {}, {"pipeline": 2}),
+                                    ["train.micro_batch_size=16"]),
     "language-tp2-dp2-fan-out": (_noncolocated({}, {}, {"tensor": 2, "data": 2}), []),
     "colocated-vision-dp4-language-tp2-dp2": (
         _par("vision", data=4, rank_offset=0) + _par("audio", data=4, rank_offset=0)
