@@ -169,6 +169,18 @@ def digits_raw() -> dict[str, Any]:
     return tomllib.loads(DIGITS.read_text())
 
 
+# The smallest model that still exercises every module (smoke tests, --size tiny).
+TINY = [
+    "modules.vision.hidden_size=16",
+    "modules.vision.num_layers=1",
+    "modules.audio.hidden_size=16",
+    "modules.language.hidden_size=32",
+    "modules.language.num_layers=1",
+    "train.global_batch_size=8",
+    "train.micro_batch_size=8",
+]
+
+
 def make_config(raw: dict[str, Any], overrides: list[str] = ()) -> MimoConfig:
     """Validated config from a raw dict plus ``key=value`` overrides (raw is not changed).
 

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from benchmarks.common import (
+    TINY,
     CaseResult,
     Figure,
     Options,
@@ -60,15 +61,6 @@ MODELS = {
         "train.micro_batch_size=16",
     ],
 }
-TINY = [
-    "modules.vision.hidden_size=16",
-    "modules.vision.num_layers=1",
-    "modules.audio.hidden_size=16",
-    "modules.language.hidden_size=32",
-    "modules.language.num_layers=1",
-    "train.global_batch_size=8",
-    "train.micro_batch_size=8",
-]
 
 
 def _rank(rank: int, world: int, overrides: list[str], num_steps: int) -> dict[str, Any]:

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from benchmarks.common import (
+    TINY,
     CaseResult,
     Options,
     digits_raw,
@@ -39,16 +40,6 @@ from benchmarks.common import (
 )
 from mimotron.config import MimoConfig
 from mimotron.testing import run_ranks
-
-TINY = [
-    "modules.vision.hidden_size=16",
-    "modules.vision.num_layers=1",
-    "modules.audio.hidden_size=16",
-    "modules.language.hidden_size=32",
-    "modules.language.num_layers=1",
-    "train.global_batch_size=8",
-    "train.micro_batch_size=8",
-]
 
 
 def plain_loop(
