@@ -183,3 +183,20 @@ def test_tensorboard_gets_nested_scalars(tmp_path):
     acc.Reload()
     assert sorted(acc.Tags()["scalars"]) == ["loss", "lr/vision", "module_time_s/vision/forward"]
     assert acc.Scalars("module_time_s/vision/forward")[0].value == 0.5
+
+
+def test_resume_drops_lines_logged_after_the_checkpoint(tmp_path):
+    from mimotron.training.metrics import MetricsWriter
+
+    w = MetricsWriter(tmp_path, 10, progress=False)
+    for it in (1, 2, 3, 4):
+        w.write({"iteration": it, "loss": 1.0 / it})
+    w.write({"iteration": 4, "eval_loss": 0.5})
+    w.close()
+    # The run crashed after iteration 4; its last checkpoint was iteration 2.
+    w = MetricsWriter(tmp_path, 10, progress=False, append=True, resumed_at=2)
+    w.write({"iteration": 3, "loss": 0.3})
+    w.close()
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in lines] == [1, 2, 3]
+    assert lines[-1]["loss"] == 0.3

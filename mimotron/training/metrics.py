@@ -113,12 +113,20 @@ class MetricsWriter:
         progress: print to the console (banner, a line per log interval, summary); a
             progress bar is drawn when stdout is a terminal.
         append: keep existing lines (resume).
+        resumed_at: on resume, the checkpoint's iteration: lines logged after it (by a run
+            that went on past its last checkpoint before it stopped) are dropped, so each
+            iteration appears once.
     """
 
     def __init__(self, log_dir: Path, total_iters: int, tensorboard: bool = False,
-                 progress: bool = True, append: bool = False) -> None:
+                 progress: bool = True, append: bool = False, resumed_at: int | None = None
+                 ) -> None:
         log_dir.mkdir(parents=True, exist_ok=True)
         self.path = log_dir / "metrics.jsonl"
+        if append and resumed_at is not None and self.path.is_file():
+            kept = [line for line in self.path.read_text().splitlines()
+                    if line.strip() and json.loads(line).get("iteration", 0) <= resumed_at]
+            self.path.write_text("".join(line + "\n" for line in kept))
         self._file = self.path.open("a" if append else "w")
         self.total_iters = total_iters
         self.progress = progress
@@ -265,7 +273,8 @@ class LoopMonitor:
         self.writer = None
         if infra.is_logging_rank:
             self.writer = MetricsWriter(cfg.log_dir, cfg.train.iters, cfg.log.tensorboard,
-                                        cfg.log.progress, append=ts.iteration > 0)
+                                        cfg.log.progress, append=ts.iteration > 0,
+                                        resumed_at=ts.iteration)
         self.module_times = ModuleTimes(module_parts(model), global_state.runtime.device)
         self.communicator = TimedCommunicator(communicator, self.module_times,
                                               infra.module_names, lambda: model.training)
