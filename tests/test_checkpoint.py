@@ -409,6 +409,25 @@ def test_sigterm_saves_exits_0_and_resume_continues_exactly(straight, tmp_path):
     assert _records(tmp_path) == straight["records"]
 
 
+def test_sigterm_to_the_launcher_saves_on_every_rank_and_exits_0(tmp_path):
+    # Two ranks under torch's launcher: the signal reaches the launcher, which passes it on.
+    overrides = TRAIN + colocated(2) + ["train.iters=400", f"log.dir={tmp_path}",
+                                         f"checkpoint.dir={tmp_path}/ckpt"]
+    proc = _cli(overrides)
+    metrics = tmp_path / "metrics.jsonl"
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline and proc.poll() is None:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
+            break
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=90)
+    assert proc.returncode == 0, out
+    assert "stopped by signal SIGTERM" in out
+    stopped = read_latest(tmp_path / "ckpt")
+    assert stopped is not None and 2 <= stopped < 400, out
+
+
 # ---- export -----------------------------------------------------------------------------
 
 
