@@ -19,12 +19,14 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import time
 import traceback
 
 from mimotron.config import MimoConfig, load_config
 from mimotron.parallel.layout import plan_layout
 
 EXIT_FAILED, EXIT_CONFIG, EXIT_PEER_FAILED = 1, 2, 3
+PEER_FAILURE_GRACE_S = 2.0
 
 
 def _under_launcher() -> bool:
@@ -118,6 +120,9 @@ def _train_this_rank(cfg: MimoConfig) -> int:
         print(f"{prefix}: stopped because a peer failed ({type(exc).__name__}: "
               f"{str(exc).splitlines()[0] if str(exc) else ''})", file=sys.stderr, flush=True)
         _abort()
+        # Let the rank that failed first exit first, so the launcher (which polls every
+        # 0.5 s) reports the root cause rather than this collateral stop.
+        time.sleep(PEER_FAILURE_GRACE_S)
         return EXIT_PEER_FAILED
     _shutdown()
     return 0
