@@ -388,10 +388,10 @@ def _cli(overrides: list[str]) -> subprocess.Popen:
     )
 
 
-def test_sigterm_saves_exits_0_and_resume_continues_exactly(straight, tmp_path):
-    overrides = TRAIN + [f"log.dir={tmp_path}", f"checkpoint.dir={tmp_path}/ckpt"]
+def _sigterm_after_two_lines(overrides: list[str], log_dir: Path) -> tuple[int, str]:
+    """Start ``mimotron train``, SIGTERM it once two metrics lines exist; (code, output)."""
     proc = _cli(overrides)
-    metrics = tmp_path / "metrics.jsonl"
+    metrics = log_dir / "metrics.jsonl"
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline and proc.poll() is None:
         if metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
@@ -399,7 +399,13 @@ def test_sigterm_saves_exits_0_and_resume_continues_exactly(straight, tmp_path):
         time.sleep(0.02)
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=90)
-    assert proc.returncode == 0, out
+    return proc.returncode, out
+
+
+def test_sigterm_saves_exits_0_and_resume_continues_exactly(straight, tmp_path):
+    overrides = TRAIN + [f"log.dir={tmp_path}", f"checkpoint.dir={tmp_path}/ckpt"]
+    returncode, out = _sigterm_after_two_lines(overrides, tmp_path)
+    assert returncode == 0, out
     stopped = read_latest(tmp_path / "ckpt")
     assert stopped is not None and 2 <= stopped < 20, out
     assert "SIGTERM" in out
@@ -413,16 +419,8 @@ def test_sigterm_to_the_launcher_saves_on_every_rank_and_exits_0(tmp_path):
     # Two ranks under torch's launcher: the signal reaches the launcher, which passes it on.
     overrides = TRAIN + colocated(2) + ["train.iters=400", f"log.dir={tmp_path}",
                                          f"checkpoint.dir={tmp_path}/ckpt"]
-    proc = _cli(overrides)
-    metrics = tmp_path / "metrics.jsonl"
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline and proc.poll() is None:
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
-            break
-        time.sleep(0.02)
-    proc.send_signal(signal.SIGTERM)
-    out, _ = proc.communicate(timeout=90)
-    assert proc.returncode == 0, out
+    returncode, out = _sigterm_after_two_lines(overrides, tmp_path)
+    assert returncode == 0, out
     assert "stopped by signal SIGTERM" in out
     stopped = read_latest(tmp_path / "ckpt")
     assert stopped is not None and 2 <= stopped < 400, out

@@ -18,7 +18,23 @@ from typing import Any
 import torch
 
 
-class ConstantLossScaler:
+class _ScaleHolder:
+    """What both scalers share: the current scale and its inverse (from ``_scale``)."""
+
+    _scale: float
+
+    @property
+    def scale(self) -> torch.Tensor:
+        """The current scale as a 0-dim float32 tensor."""
+        return torch.tensor(self._scale, dtype=torch.float32)
+
+    @property
+    def inv_scale(self) -> float:
+        """``1 / scale``, the factor that unscales gradients."""
+        return 1.0 / self._scale
+
+
+class ConstantLossScaler(_ScaleHolder):
     """A loss scale that never changes (1.0 means no scaling).
 
     Args:
@@ -35,16 +51,6 @@ class ConstantLossScaler:
         """False: gradients never need a non-finite check because of scaling."""
         return False
 
-    @property
-    def scale(self) -> torch.Tensor:
-        """The current scale as a 0-dim float32 tensor."""
-        return torch.tensor(self._scale, dtype=torch.float32)
-
-    @property
-    def inv_scale(self) -> float:
-        """``1 / scale``, the factor that unscales gradients."""
-        return 1.0 / self._scale
-
     def update(self, found_inf: bool) -> None:
         """Nothing to adapt; present so both scalers share one interface."""
         del found_inf
@@ -58,7 +64,7 @@ class ConstantLossScaler:
         self._scale = float(state.get("scale", self._scale))
 
 
-class DynamicLossScaler:
+class DynamicLossScaler(_ScaleHolder):
     """Megatron's dynamic loss scaler with hysteresis.
 
     Args:
@@ -112,16 +118,6 @@ class DynamicLossScaler:
     def is_dynamic(self) -> bool:
         """True: scaled fp16 gradients may overflow and must be checked."""
         return True
-
-    @property
-    def scale(self) -> torch.Tensor:
-        """The current scale as a 0-dim float32 tensor."""
-        return torch.tensor(self._scale, dtype=torch.float32)
-
-    @property
-    def inv_scale(self) -> float:
-        """``1 / scale``, the factor that unscales gradients."""
-        return 1.0 / self._scale
 
     def update(self, found_inf: bool) -> None:
         """Adapt the scale after one step.
