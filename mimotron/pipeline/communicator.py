@@ -103,6 +103,11 @@ class MultiModulePipelineCommunicator:
         self._rows: dict[tuple[int, str], list[int]] = {}
         self._pairs = {e.src: bridge_pairs(layout, e, micro_batch_size)
                        for e in edges if not e.colocated}
+        # Colocated edges re-slice in-process; their geometry is fixed for the run.
+        from mimotron.pipeline.colocated import bridge_geometry  # colocated imports us
+
+        self.colocated_geometry = {e.src: bridge_geometry(layout, e, rank, micro_batch_size)
+                                   for e in edges if e.colocated}
 
     # ---- neighbours ----------------------------------------------------------------------
     def _stage_peer(self, delta: int) -> int:

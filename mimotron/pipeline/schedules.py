@@ -27,7 +27,7 @@ import torch
 
 from mimotron.parallel.layout import Layout
 from mimotron.pipeline import plan as P
-from mimotron.pipeline.colocated import ColocatedBridge, bridge_geometry
+from mimotron.pipeline.colocated import ColocatedBridge
 from mimotron.pipeline.communicator import MultiModulePipelineCommunicator
 
 LANGUAGE = "language"
@@ -73,9 +73,7 @@ class StageRunner:
         self.roles = {r.module: r for r in ctx.layout.roles(ctx.rank)}
         self.colocated = ctx.layout.colocated
         self.module = None if self.colocated else next(iter(self.roles))
-        mbs = ctx.communicator.mbs
-        self._geo = {e.src: bridge_geometry(ctx.layout, e, ctx.rank, mbs)
-                     for e in ctx.communicator.edges if e.colocated}
+        self._geo = ctx.communicator.colocated_geometry
 
     def modality_mask(self, k: int) -> torch.Tensor | None:
         """This rank's presence mask of its encoder module for micro-batch ``k``."""
