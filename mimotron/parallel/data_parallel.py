@@ -24,6 +24,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from mimotron.parallel.groups import ProcessGroupCollection
 
@@ -58,6 +59,26 @@ def bucket_params(params: list[nn.Parameter], bucket_bytes: int) -> Iterable[lis
 def _local(t: torch.Tensor) -> torch.Tensor:
     """The local shard of a DTensor, or the tensor itself."""
     return t.to_local() if hasattr(t, "to_local") else t
+
+
+def align_grad_placements(module: nn.Module) -> None:
+    """Give every DTensor gradient its parameter's placements (a TP collective if needed).
+
+    DTensor's sharding propagation may return a weight gradient in a placement other
+    than the weight's: with an empty input (an encoder slice with no sample of its
+    modality) a row-parallel weight's gradient comes back ``_StridedShard(dim=1)``
+    instead of ``Shard(1)``, and accumulating it into the other micro-batches' ``Shard``
+    gradient keeps the strided placement. The global values are right, but the *local*
+    tensor then holds other columns than the parameter's local shard, so the DP
+    all-reduce of local tensors (and the optimizer's local view) would mix different
+    columns across replicas. Redistributing here makes every local gradient line up
+    with its parameter. The collective, when one is needed, runs on the parameter's own
+    TP mesh, whose ranks all see the same samples and therefore decide alike.
+    """
+    for p in module.parameters():
+        g = p.grad
+        if isinstance(g, DTensor) and tuple(g.placements) != tuple(p.placements):
+            p.grad = g.redistribute(p.device_mesh, p.placements)
 
 
 def allreduce_gradients(
@@ -102,6 +123,7 @@ def finalize_model_grads(
     for name in sorted(modules):
         if name in frozen:
             continue
+        align_grad_placements(modules[name])
         allreduce_gradients(modules[name], pg_collections[name].dp)
 
 
