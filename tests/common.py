@@ -8,7 +8,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+from torch.distributed.tensor import DTensor
+
 from mimotron.config import load_config
+from mimotron.pipeline import communicator as communicator_module
+from mimotron.pipeline.p2p import exchange
 from mimotron.runtime import init_runtime
 from mimotron.training.loop import setup_mimo
 from mimotron.training.step import default_forward_step, train_step_mimo
@@ -37,6 +42,22 @@ def colocated(dp: int) -> list[str]:
     return [item for m in MODULES for item in par(m, data=dp, rank_offset=0)]
 
 
+def noncolocated(vision: dict, audio: dict, language: dict) -> list[str]:
+    """Blocks in order vision | audio | language, each with its own degrees."""
+    out, offset = [], 0
+    for name, degrees in (("vision", vision), ("audio", audio), ("language", language)):
+        degrees = {"data": 1, **degrees}
+        out += par(name, rank_offset=offset, **degrees)
+        offset += degrees["data"] * degrees.get("tensor", 1) * degrees.get("pipeline", 1)
+    return out
+
+
+def coloc(vision: dict, audio: dict, language: dict) -> list[str]:
+    """Every module on the same ranks, each with its own degrees."""
+    return [*par("vision", rank_offset=0, **vision), *par("audio", rank_offset=0, **audio),
+            *par("language", rank_offset=0, **language)]
+
+
 ONE_RANK = colocated(1)
 
 
@@ -55,3 +76,67 @@ def train_steps(rank: int, world: int, overrides: list[str], num_iters: int) -> 
             run.schedulers, run.global_state, run.communicator, run.infra)
         out.append((loss["loss"], grad_norm, skipped, loss["num_tokens"]))
     return out
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """The full value of a (possibly TP-sharded) tensor; collective over its TP mesh."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def module_of(param_name: str) -> str:
+    """``language_model.x`` -> ``language``; ``modality_submodules.vision.x`` -> ``vision``."""
+    if param_name.startswith("language_model."):
+        return "language"
+    return param_name.split(".")[1]
+
+
+def _grad_square_norms(model: torch.nn.Module, skip_modules: set[str]) -> dict[str, float]:
+    """Per parameter, the squared L2 norm of its full gradient (same order on all ranks)."""
+    return {name: float(_full(p.grad).double().pow(2).sum())
+            for name, p in model.named_parameters()
+            if p.grad is not None and module_of(name) not in skip_modules}
+
+
+def engine_run(rank: int, world: int, overrides: list[str], num_iters: int) -> dict:
+    """Train ``num_iters`` iterations through the real engine and report what it did.
+
+    Returns:
+        ``steps``: per iteration ``(loss, grad_norm, skipped, num_loss_tokens)``;
+        ``grad_sq``: per iteration, parameter name -> squared norm of its full gradient as
+        the optimizer steps it (after the DP reduce and clipping; modules with a sharded
+        optimizer reduce inside the optimizer and are left out);
+        ``weights``: parameter name -> full final value, for the parameters on this rank;
+        ``empty_encoder_outputs``: encoder calls that had no sample of their modality;
+        ``header_only_sends``: transfers that carried a shape header and no payload.
+    """
+    cfg = load_config(DIGITS, BASE + overrides)
+    run = setup_mimo(cfg, init_runtime())
+    sharded = {n for n, m in cfg.modules.items() if m.parallel.shard_optimizer}
+    counts = {"empty_encoder_outputs": 0, "header_only_sends": 0}
+    grad_sq: list[dict[str, float]] = []
+    encode, step_ready = run.model.encode, run.optimizer.step_with_ready_grads
+
+    def counting_encode(name: str, batch: dict) -> torch.Tensor:
+        rows = encode(name, batch)
+        counts["empty_encoder_outputs"] += int(rows.shape[0] == 0)
+        return rows
+
+    def capturing_step() -> bool:
+        grad_sq.append(_grad_square_norms(run.model, sharded))
+        return step_ready()
+
+    def counting_exchange(sends: list, *args: object) -> list:
+        counts["header_only_sends"] += sum(1 for _, t in sends if t.numel() == 0)
+        return exchange(sends, *args)
+
+    run.model.encode = counting_encode
+    run.optimizer.step_with_ready_grads = capturing_step
+    communicator_module.exchange = counting_exchange  # this forked rank only
+    steps = []
+    for _ in range(num_iters):
+        loss, skipped, grad_norm, _ = train_step_mimo(
+            default_forward_step, run.train_data_iterator, run.model, run.optimizer,
+            run.schedulers, run.global_state, run.communicator, run.infra)
+        steps.append((loss["loss"], grad_norm, skipped, loss["num_tokens"]))
+    weights = {n: _full(p.detach()).clone() for n, p in run.model.named_parameters()}
+    return {"steps": steps, "grad_sq": grad_sq, "weights": weights, **counts}

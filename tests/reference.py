@@ -1,0 +1,151 @@
+"""The independent reference every parity test compares against: a plain PyTorch loop.
+
+One process, no ``torch.distributed``: the whole model (built from the model classes and
+initialised exactly as the engine initialises it), the whole global batch in one forward
+(no micro-batches), ``loss_sum / num_tokens``, ``backward``,
+``torch.nn.utils.clip_grad_norm_`` and ``torch.optim.AdamW`` with norm/bias parameters
+excluded from weight decay, and the learning-rate schedule written out below. Nothing
+of the engine's schedule, bridge, gradient finalisation, optimizer or scheduler runs
+here, so a bug there cannot hide in both sides of a comparison.
+
+What it borrows from mimotron is what a user would borrow: the config file and its
+resolved per-module values, the tokenizer and data API (the global sample order), and
+the model classes (``build_mimo_model``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import cache
+
+import torch
+
+from mimotron.config import MimoConfig, load_config
+from mimotron.data import CharTokenizer, build_datasets, collate
+from mimotron.models.build import build_mimo_model
+from tests.common import BASE, DIGITS, module_of
+
+# The language model's vocabulary is padded to a multiple of 64 (so TP can split it).
+VOCAB_MULTIPLE = 64
+
+
+@dataclass
+class ReferenceRun:
+    """Per-iteration numbers and the final weights of the plain loop.
+
+    Attributes:
+        losses: mean loss over the global batch's loss tokens, per iteration.
+        grad_norms: global L2 norm of all gradients before clipping, per iteration.
+        module_norms: per iteration, module -> L2 norm of its gradients after clipping.
+        num_tokens: loss tokens per global batch.
+        weights: parameter name (as inside ``MimoModel``) -> final value.
+        initial: parameter name -> initial value.
+    """
+
+    losses: list[float]
+    grad_norms: list[float]
+    module_norms: list[dict[str, float]]
+    num_tokens: list[float]
+    weights: dict[str, torch.Tensor]
+    initial: dict[str, torch.Tensor]
+
+
+def lr_at(step: int, max_lr: float, min_lr: float, warmup: int, decay: int, style: str
+          ) -> float:
+    """Megatron's schedule: linear warm-up from 0, then cosine/linear/constant decay."""
+    if warmup > 0 and step <= warmup:
+        return max_lr * step / warmup
+    if style == "constant":
+        return max_lr
+    if step > decay:
+        return min_lr
+    ratio = (step - warmup) / (decay - warmup)
+    coeff = 1.0 - ratio if style == "linear" else 0.5 * (math.cos(math.pi * ratio) + 1.0)
+    return min_lr + coeff * (max_lr - min_lr)
+
+
+def _optimizer(cfg: MimoConfig, model: torch.nn.Module) -> tuple[torch.optim.AdamW, list]:
+    """AdamW with two groups per trainable module (decay / no decay); group schedules."""
+    groups, schedules = [], []
+    for name in sorted(cfg.modules):
+        if cfg.modules[name].freeze:
+            continue
+        opt, sched = cfg.effective_optimizer(name), cfg.effective_scheduler(name)
+        assert opt.name == "adamw", "the reference implements AdamW only"
+        named = [(n, p) for n, p in model.named_parameters() if module_of(n) == name]
+        decay = [p for n, p in named if not any(s in n for s in opt.no_decay)]
+        no_decay = [p for n, p in named if any(s in n for s in opt.no_decay)]
+        min_lr = opt.min_lr if sched.min_lr is None else sched.min_lr
+        schedule = (opt.lr, min_lr, sched.warmup_iters, sched.decay_iters or cfg.train.iters,
+                    sched.decay_style)
+        for params, wd in ((decay, opt.weight_decay), (no_decay, 0.0)):
+            groups.append({"params": params, "weight_decay": wd, "betas": tuple(opt.betas),
+                           "eps": opt.eps, "lr": 0.0, "clip": opt.clip_grad, "module": name})
+            schedules.append(schedule)
+    return torch.optim.AdamW(groups), schedules
+
+
+def _clip(optimizer: torch.optim.AdamW, params: list[torch.nn.Parameter]) -> float:
+    """Global norm; each module clipped with its own threshold against that norm."""
+    clips = {g["clip"] for g in optimizer.param_groups}
+    if len(clips) == 1:
+        clip = clips.pop()
+        if clip > 0:
+            return float(torch.nn.utils.clip_grad_norm_(params, clip))
+        return float(torch.nn.utils.get_total_norm([p.grad for p in params]))
+    total = torch.nn.utils.get_total_norm([p.grad for p in params])
+    for group in optimizer.param_groups:
+        if group["clip"] > 0:
+            torch.nn.utils.clip_grads_with_norm_(group["params"], group["clip"], total)
+    return float(total)
+
+
+@cache
+def _data(cfg_key: tuple[str, ...]) -> tuple:
+    cfg = load_config(DIGITS, BASE + list(cfg_key))
+    tokenizer = CharTokenizer()
+    task, _ = build_datasets(cfg, tokenizer)
+    return tokenizer, task
+
+
+def reference_run(overrides: tuple[str, ...], num_iters: int) -> ReferenceRun:
+    """Train ``num_iters`` iterations of the ``BASE + overrides`` config in one process."""
+    cfg = load_config(DIGITS, BASE + list(overrides))
+    tokenizer, task = _data(tuple(overrides))
+    vocab = -(-tokenizer.vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+    placeholders = {n: tokenizer.placeholder_id(cfg.modules[n].modality)
+                    for n in cfg.encoder_names}
+    model = build_mimo_model(cfg, vocab, placeholders)
+    for n, p in model.named_parameters():
+        p.requires_grad_(not cfg.modules[module_of(n)].freeze)
+    initial = {n: p.detach().clone() for n, p in model.named_parameters()}
+    optimizer, schedules = _optimizer(cfg, model)
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    stream = task.stream(cfg.train.seed)
+    gbs = cfg.train.global_batch_size
+    out = ReferenceRun([], [], [], [], {}, initial)
+    for k in range(num_iters):
+        batch = collate(stream.samples(k * gbs, gbs), task.seq_length, pad_id=task.pad_id,
+                        image_shape=task.image_shape, audio_shape=task.audio_shape)
+        optimizer.zero_grad(set_to_none=True)
+        loss_sum, num_tokens, _ = model(batch)
+        (loss_sum / num_tokens).backward()
+        out.grad_norms.append(_clip(optimizer, params))
+        out.module_norms.append(_module_norms(model))
+        for group, schedule in zip(optimizer.param_groups, schedules, strict=True):
+            group["lr"] = lr_at(k, *schedule)
+        optimizer.step()
+        out.losses.append(float(loss_sum.detach() / num_tokens))
+        out.num_tokens.append(float(num_tokens))
+    out.weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return out
+
+
+def _module_norms(model: torch.nn.Module) -> dict[str, float]:
+    sq: dict[str, float] = {}
+    for n, p in model.named_parameters():
+        if p.grad is not None:
+            m = module_of(n)
+            sq[m] = sq.get(m, 0.0) + float(p.grad.double().pow(2).sum())
+    return {m: math.sqrt(v) for m, v in sq.items()}
