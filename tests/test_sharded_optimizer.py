@@ -3,9 +3,11 @@
 Unit level: ``ZeroShards`` inside a ``MimoOptimizer`` on 2 gloo ranks against plain
 AdamW on the summed gradients (awkward shapes: uneven rows, a leading 1, a rank with no
 rows). Engine level: ``modules.<m>.parallel.shard_optimizer = true`` on 2 colocated DP
-ranks and on a non-colocated layout with vision DP 2 gives the losses of the unsharded
-run, while each rank's optimizer state (measured: bytes of the tensors in the inner
-optimizer's state) is the module's state divided by the DP degree.
+ranks and on a non-colocated layout with vision DP 2 gives bit-identical losses, zero
+counts and weights to the unsharded run (fp32; the float64 grad norm within 2e-15
+relative: its sum of squares associates differently), while each rank's optimizer
+state (measured: bytes of the tensors in the inner optimizer's state) is the module's
+state divided by the DP degree.
 """
 
 from __future__ import annotations
@@ -159,6 +161,10 @@ def test_zero_shards_step_like_adamw_on_summed_grads(tmp_path: Path) -> None:
 
 BASE = COMMON_BASE
 NUM_ITERS = 4
+# The grad norm's float64 sum of squares is summed per fragment, then over the DP group
+# (unsharded: per parameter), so it may differ in the last bits (measured: <= 4.6e-16
+# relative); the fp32 clip factor, the losses and the weights stay bit-identical.
+NORM_REL = 2e-15
 
 
 def _par(module: str, **kw: object) -> list[str]:
@@ -208,11 +214,12 @@ def test_sharded_matches_unsharded_and_divides_state(layout: str) -> None:
         assert z["sharded"] == sorted(n for n in sharded if n in z["state"])
         for (lp, gp, sp, zp), (lz, gz, sz, zz) in zip(p["steps"], z["steps"], strict=True):
             assert not sp and not sz
-            assert lz == pytest.approx(lp, rel=1e-5), f"rank {rank} loss"
-            assert gz == pytest.approx(gp, rel=1e-5), f"rank {rank} grad norm"
+            assert lz == lp, f"rank {rank} loss"  # bitwise
+            # Float64 sum of squares, associated per fragment then over DP: ulps apart.
+            assert gz == pytest.approx(gp, rel=NORM_REL), f"rank {rank} grad norm"
             assert zz == zp, f"rank {rank} zero count"
         for name, w in p["weights"].items():
-            torch.testing.assert_close(z["weights"][name], w, rtol=1e-5, atol=1e-6)
+            assert torch.equal(z["weights"][name], w), f"rank {rank} {name}"  # bitwise
     # Measured state bytes: each DP rank of a sharded module holds 1/D of the moments.
     for name in sharded:
         ranks = [r for r, z in enumerate(zero) if name in z["state"]]

@@ -143,8 +143,9 @@ def get_mimo_optimizer(
 
     Every module of ``config.modules`` gets an info (inactive where the rank holds none
     of it, the module is frozen, or it has no trainable parameters here), so slots line
-    up on all ranks. Loss-scaler settings come from the global ``[optimizer]`` table for
-    every module, because the scales must stay identical.
+    up on all ranks. Each module's clipping threshold and fp16 loss-scaler settings come
+    from its effective optimizer config (``[optimizer]`` with its overrides); see
+    :mod:`mimotron.optim.mimo_optimizer` for the per-module clipping and loss-scale rules.
 
     Frozen modules (``modules.<m>.freeze``) get ``requires_grad=False`` (see
     :func:`freeze_modules`) and no optimizer. Modules with ``parallel.shard_optimizer``
@@ -175,7 +176,6 @@ def get_mimo_optimizer(
     precision = config.train.precision if precision is None else precision
     _check_config(config, precision)
     freeze_modules(mimo_model, config)
-    oc = config.optimizer
     infos: dict[str, ModuleOptimizerInfo] = {}
     for name, mcfg in config.modules.items():
         module = _submodule(mimo_model, name, mcfg)
@@ -190,7 +190,8 @@ def get_mimo_optimizer(
             for _, p in named:
                 p.__dict__.pop(OPTIMIZER_REDUCES_GRAD, None)
         stepped = zero.fragments if zero is not None else named
-        opt = build_torch_optimizer(stepped, config.effective_optimizer(name)) if named else None
+        oc = config.effective_optimizer(name)
+        opt = build_torch_optimizer(stepped, oc) if named else None
         infos[name] = ModuleOptimizerInfo(
             optimizer=opt,
             grid=grid,
@@ -200,8 +201,9 @@ def get_mimo_optimizer(
             loss_scaler=_loss_scaler(oc, precision),
             frozen=mcfg.freeze,
             zero=zero,
+            clip_grad=oc.clip_grad,
         )
-    return MimoOptimizer(infos, oc, world_group)
+    return MimoOptimizer(infos, config.optimizer, world_group)
 
 
 def build_schedulers(

@@ -5,10 +5,10 @@ divides the gradients by it (``inv_scale``) before the norm and the step. A dyna
 scaler halves the scale after ``hysteresis`` steps with non-finite gradients and
 doubles it after ``growth_interval`` consecutive clean steps.
 
-:class:`~mimotron.optim.mimo_optimizer.MimoOptimizer` keeps one scaler per module and
-updates every one of them from the *world* found-inf flag, so all scales stay identical
-on every rank: the loss (computed on the language ranks) and the gradients of every
-module are scaled by the same factor.
+:class:`~mimotron.optim.mimo_optimizer.MimoOptimizer` keeps one scaler per module (with
+the module's own settings) on every rank and updates every one of them from the *world*
+found-inf flag, so each module's scale is the same on every rank. Backward applies one
+common factor, the minimum over the modules' scales, and gradients are unscaled by it.
 """
 
 from __future__ import annotations

@@ -17,6 +17,21 @@ gradients are reduce-scattered in :meth:`MimoOptimizer.prepare_grads`, its squar
 and zero count are summed over the DP group (fragments are disjoint, so nothing is
 counted twice), and its parameters are all-gathered after the inner step.
 
+Per-module settings (Megatron semantics):
+
+* **Clipping**: every module clips against the *global* grad norm (all modules) with its
+  own threshold: module ``m``'s grads are multiplied by ``clip_m / (norm + 1e-6)`` when
+  that is below 1; ``clip_m = 0`` leaves the module unclipped.
+* **fp16 loss scaling**: every module has its own dynamic scaler (initial scale, growth
+  window, hysteresis, floor), all updated from the one *world* found-inf flag, so an
+  overflow anywhere skips the step everywhere and every scaler backs off by its own
+  rules. The loss is a single tensor, so backward can apply only one factor to all
+  modules: :meth:`MimoOptimizer.get_loss_scale` returns the *minimum* scale over the
+  trainable modules (no module's gradients are scaled beyond what its scaler allows),
+  and :meth:`MimoOptimizer.prepare_grads` divides every module's gradients by that same
+  common scale (what actually multiplied them). Scalers live on every rank and see the
+  same flag, so the minimum is the same on every rank.
+
 Frozen modules and modules frozen when a checkpoint was written: see
 :meth:`MimoOptimizer.load_state_dict`.
 """
@@ -66,7 +81,9 @@ class ModuleOptimizerInfo:
         is_active: this rank steps an optimizer for the module.
         params: ``(name, parameter)`` pairs; optimizer state is keyed by these names so
             checkpoints do not depend on the layout. Empty = index names (``"0"``, ...).
-        loss_scaler: the module's scaler (all modules' scalers stay identical).
+        loss_scaler: the module's scaler (its own fp16 settings, the world's found-inf).
+        clip_grad: the module's clipping threshold against the global norm; ``None`` =
+            the optimizer config's ``clip_grad``; 0 = the module is not clipped.
         frozen: the module is frozen everywhere, so its ranks skip its collectives.
         zero: the row shards when the module's optimizer is sharded over its DP group;
             ``params`` and ``optimizer`` then hold this rank's fragments.
@@ -80,6 +97,7 @@ class ModuleOptimizerInfo:
     loss_scaler: LossScaler = field(default_factory=ConstantLossScaler)
     frozen: bool = False
     zero: ZeroShards | None = None
+    clip_grad: float | None = None
 
     @property
     def in_module(self) -> bool:
@@ -95,7 +113,8 @@ class MimoOptimizer:
 
     Args:
         module_infos: module name -> info; every rank passes every module name.
-        config: global optimizer settings (``clip_grad``: 0 = off).
+        config: global optimizer settings (``clip_grad`` for modules whose info has
+            none; 0 = off).
         world_group: group spanning all ranks; ``None`` = the default group (or no
             collectives at all when torch.distributed is not initialised).
 
@@ -136,11 +155,13 @@ class MimoOptimizer:
 
     # ---- gradients --------------------------------------------------------------------
     def prepare_grads(self) -> bool:
-        """Unscale (fp16), check for non-finite grads, agree on it world-wide.
+        """Unscale, check for non-finite grads, agree on it world-wide.
 
-        Sharded modules reduce-scatter their gradients first (collective over each one's
-        DP group, in module order). Also updates every module's loss scaler from the
-        world flag.
+        Every module's gradients are divided by the common loss scale
+        (:meth:`get_loss_scale` before this call's update: the factor backward applied to
+        all of them). Sharded modules reduce-scatter their gradients first (collective
+        over each one's DP group, in module order). Then every module's loss scaler is
+        updated, by its own rules, from the world flag.
 
         Returns:
             found_inf, identical on every rank.
@@ -148,11 +169,12 @@ class MimoOptimizer:
         for info in self._active():
             if info.zero is not None:
                 info.zero.reduce_grads()
+        inv_scale = 1.0 / float(self.get_loss_scale())
         found = False
         for info in self._active():
             grads = reduced_grads(info.params)
-            if info.loss_scaler.is_dynamic:
-                scale_(grads, info.loss_scaler.inv_scale)
+            if inv_scale != 1.0:
+                scale_(grads, inv_scale)
             found = found or has_non_finite(grads)
         found_inf = bool(self._world_reduce([float(found)], dist.ReduceOp.MAX).item() > 0)
         for info in self.module_infos.values():
@@ -207,22 +229,31 @@ class MimoOptimizer:
     def clip_grad_norm(
         self, clip_grad: float | None = None, grad_norm: float | None = None
     ) -> float:
-        """Scale all grads by ``clip / (norm + 1e-6)`` when that is below 1.
+        """Scale each module's grads by ``clip_m / (norm + 1e-6)`` when that is below 1.
+
+        ``norm`` is the *global* norm over all modules; ``clip_m`` is the module's own
+        threshold (``ModuleOptimizerInfo.clip_grad``, else ``config.clip_grad``), so
+        modules with different thresholds are scaled by different factors.
 
         Args:
-            clip_grad: max norm; ``None`` = ``config.clip_grad``; 0 = no clipping.
+            clip_grad: max norm for every module, overriding the per-module thresholds;
+                ``None`` = each module's own; 0 = no clipping.
             grad_norm: a global norm already computed this step (skips the collective).
 
         Returns:
             The global grad norm before clipping.
         """
-        clip = self.config.clip_grad if clip_grad is None else clip_grad
         norm = self.get_grad_norm() if grad_norm is None else grad_norm
-        coeff = clip / (norm + 1.0e-6)
-        if clip > 0 and coeff < 1.0:
-            for info in self._active():
+        for info in self._active():
+            clip = self.module_clip(info) if clip_grad is None else clip_grad
+            coeff = clip / (norm + 1.0e-6)
+            if clip > 0 and coeff < 1.0:
                 scale_(grads_of(info.params), coeff)
         return norm
+
+    def module_clip(self, info: ModuleOptimizerInfo) -> float:
+        """The clipping threshold of one module (its own, else ``config.clip_grad``)."""
+        return self.config.clip_grad if info.clip_grad is None else info.clip_grad
 
     # ---- stepping ---------------------------------------------------------------------
     def step(self) -> tuple[bool, float | None, int | None]:
@@ -284,10 +315,18 @@ class MimoOptimizer:
                 info.zero.repoint()
 
     def get_loss_scale(self) -> torch.Tensor:
-        """The current loss scale (1.0 without fp16 scaling); same for every module."""
-        for info in self.module_infos.values():
-            return info.loss_scaler.scale
-        return torch.tensor(1.0)
+        """The scale to multiply the loss by before backward (1.0 without fp16 scaling).
+
+        The minimum of the trainable modules' scales (every module when all are frozen):
+        one loss feeds every module's gradients, so one factor applies to all of them,
+        and the smallest keeps each module within its own scaler's limit. Identical on
+        every rank (every rank holds every scaler, updated from the same world flag).
+        """
+        scalers = [i.loss_scaler for i in self.module_infos.values() if not i.frozen]
+        scalers = scalers or [i.loss_scaler for i in self.module_infos.values()]
+        if not scalers:
+            return torch.tensor(1.0)
+        return min((s.scale for s in scalers), key=float)
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:

@@ -1,0 +1,329 @@
+"""No config key may be silently ignored: every accepted key changes something observable.
+
+The keys are enumerated from the config dataclasses (``MimoConfig`` sections,
+``modules.<m>.*``, ``modules.<m>.parallel.*`` and the per-module ``[optimizer]`` /
+``[scheduler]`` overrides), so a new field fails :func:`test_every_key_has_a_probe`
+until it gets a probe here (or, only if its effect needs a multi-rank run, an entry in
+``ALLOWED``). A probe applies one override (on top of a small one-process config and a
+probe-specific context) and shows that one of these changes, or that the value is
+rejected with a ``ValueError`` naming the key:
+
+* ``built``: ``setup_mimo`` on one process: parameter names/shapes/values, optimizer
+  types and param groups, each module's clipping of unit gradients, each module's loss
+  scaler over a fixed overflow pattern, lr/weight decay over 12 scheduler steps, the
+  first training batch, the number of validation steps, the module groups' timeout;
+* ``step``: one training step (which pipeline schedule ran, loss, grad norm);
+* ``plan``: the layout plan and each module's layers per stage;
+* ``run``: a 2-3 iteration one-process ``train_mimo`` in a fresh directory: the files it
+  writes, the metrics records, the console lines, the checkpoint saves, an exception.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import io
+import json
+import tempfile
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+import pytest
+import torch
+
+import mimotron.checkpoint.manager as manager_module
+import mimotron.training.step as step_module
+from mimotron.config import (
+    MimoConfig,
+    ModuleConfig,
+    OptimizerConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    load_config,
+)
+from mimotron.parallel.layout import plan_layout, stage_layers
+from mimotron.runtime import init_runtime
+from mimotron.training.loop import run_training, setup_mimo
+from mimotron.training.step import default_forward_step, train_step_mimo
+from tests.common import DIGITS, ONE_RANK, SMALL_MODEL
+
+BASE = [*SMALL_MODEL, *ONE_RANK, "train.iters=8", "eval.iters=1", "eval.interval=1000",
+        "log.progress=false", "log.dir='logs'"]
+NONCOLOCATED = [f"modules.{m}.parallel.{k}={v}"
+                for i, m in enumerate(("vision", "audio", "language"))
+                for k, v in (("data", 1), ("rank_offset", i))]
+FP16 = ["train.precision=fp16"]
+MOCK = ["data.dataset=mock"]
+RUN = ["train.iters=2"]
+SAVE = [*RUN, "checkpoint.interval=1"]
+PROFILE = [*RUN, "profile.enabled=true", "profile.start=1", "profile.end=1"]
+# Only for keys whose effect needs more than one rank.
+ALLOWED = {
+    # ZeRO-1 needs a DP group of >= 2 ranks (one replica: nothing to shard); its effect
+    # (per-rank state / DP, bitwise-equal training) is asserted by
+    # tests/test_sharded_optimizer.py.
+    "modules.<m>.parallel.shard_optimizer",
+}
+
+# [optimizer] / [scheduler] probes: (key=value, observer, context), the key relative to
+# its table; used both globally and per module (``modules.vision.optimizer.<key>``).
+OPTIM_PROBES: dict[str, tuple[str, str, list[str]]] = {
+    "name": ("name='sgd'", "built", []),
+    "lr": ("lr=0.01", "built", []),
+    "min_lr": ("min_lr=1e-4", "built", []),
+    "weight_decay": ("weight_decay=0.3", "built", []),
+    "betas": ("betas=[0.8, 0.9]", "built", []),
+    "eps": ("eps=1e-6", "built", []),
+    "momentum": ("momentum=0.5", "built", ["name='sgd'"]),
+    "clip_grad": ("clip_grad=0.01", "built", []),
+    "no_decay": ("no_decay=['norm']", "built", []),
+    "initial_loss_scale": ("initial_loss_scale=512", "built", FP16),
+    "min_loss_scale": ("min_loss_scale=4096", "built", FP16),
+    "loss_scale_window": ("loss_scale_window=2", "built", FP16),
+    "hysteresis": ("hysteresis=1", "built", FP16),
+}
+SCHED_PROBES: dict[str, tuple[str, str, list[str]]] = {
+    "warmup_iters": ("warmup_iters=4", "built", []),
+    "decay_style": ("decay_style='linear'", "built", []),
+    "decay_iters": ("decay_iters=4", "built", []),
+    "min_lr": ("min_lr=1e-4", "built", []),
+    "start_weight_decay": ("start_weight_decay=0.2", "built", ["weight_decay_style='linear'"]),
+    "end_weight_decay": ("end_weight_decay=0.2", "built", ["weight_decay_style='linear'"]),
+    "weight_decay_style": ("weight_decay_style='cosine'", "built",
+                           ["start_weight_decay=0.0", "end_weight_decay=0.2",
+                            "weight_decay_style='linear'"]),
+}
+
+
+def _table_probes() -> dict[str, tuple[list[str], str, list[str]]]:
+    out = {}
+    for table, probes in (("optimizer", OPTIM_PROBES), ("scheduler", SCHED_PROBES)):
+        for key, (item, kind, ctx) in probes.items():
+            glob = [c if c in FP16 else f"{table}.{c}" for c in ctx]
+            out[f"{table}.{key}"] = ([f"{table}.{item}"], kind, glob)
+            if table == "scheduler" and key == "min_lr":
+                continue  # not a per-module key (the module's optimizer.min_lr is)
+            per = [c if c in FP16 else f"modules.vision.optimizer.{c}" for c in ctx]
+            out[f"modules.<m>.optimizer.{key}"] = ([f"modules.vision.optimizer.{item}"],
+                                                   kind, per)
+    return out
+
+
+def _par(item: str) -> list[str]:
+    return [f"modules.language.parallel.{item}"]
+
+
+# key -> (overrides, observer, context); observer "error:<observer>" = rejected.
+PROBES: dict[str, tuple[list[str], str, list[str]]] = {
+    "name": (["name='other'"], "run", [*RUN, "log.dir=''"]),
+    "modules.<m>.kind": (["modules.vision.kind='audio'"], "error:built", []),
+    "modules.<m>.hidden_size": (["modules.vision.hidden_size=16"], "built", []),
+    "modules.<m>.num_layers": (["modules.vision.num_layers=2"], "built", []),
+    "modules.<m>.num_heads": (["modules.vision.num_heads=2"], "step", []),
+    "modules.<m>.ffn_hidden_size": (["modules.vision.ffn_hidden_size=48"], "built", []),
+    "modules.<m>.projector_hidden_size": (["modules.vision.projector_hidden_size=16"],
+                                          "built", []),
+    "modules.<m>.image_size": (["modules.vision.image_size=4"], "built", MOCK),
+    "modules.<m>.patch_size": (["modules.vision.patch_size=4"], "built", MOCK),
+    "modules.<m>.in_channels": (["modules.vision.in_channels=3"], "built", MOCK),
+    "modules.<m>.num_freq_bins": (["modules.audio.num_freq_bins=65"], "built", MOCK),
+    "modules.<m>.num_frames": (["modules.audio.num_frames=8"], "built", MOCK),
+    "modules.<m>.num_audio_tokens": (["modules.audio.num_audio_tokens=8"], "built", []),
+    "modules.<m>.freeze": (["modules.vision.freeze=true"], "built", []),
+    "modules.<m>.parallel.tensor": (_par("tensor=2"), "plan", NONCOLOCATED),
+    "modules.<m>.parallel.pipeline": (_par("pipeline=2"), "plan", NONCOLOCATED),
+    "modules.<m>.parallel.data": (_par("data=2"), "plan", NONCOLOCATED),
+    "modules.<m>.parallel.context": (_par("context=2"), "error:plan", NONCOLOCATED),
+    "modules.<m>.parallel.expert": (_par("expert=2"), "error:plan", NONCOLOCATED),
+    "modules.<m>.parallel.expert_tensor": (_par("expert_tensor=2"), "error:plan",
+                                           NONCOLOCATED),
+    "modules.<m>.parallel.rank_offset": (["modules.vision.parallel.rank_offset=1",
+                                          "modules.audio.parallel.rank_offset=0"], "plan",
+                                         NONCOLOCATED),
+    "modules.<m>.parallel.sequence_parallel": (_par("sequence_parallel=true"), "error:plan",
+                                               NONCOLOCATED),
+    "modules.<m>.parallel.layers_per_stage": (_par("layers_per_stage=[1, 2]"), "plan",
+                                              [*NONCOLOCATED, *_par("pipeline=2"),
+                                               "modules.language.num_layers=3"]),
+    "data.dataset": (["data.dataset='mock'"], "built", []),
+    "data.seq_length": (["data.seq_length=96"], "built", []),
+    "data.train_fraction": (["data.train_fraction=0.5"], "built", []),
+    "data.p_image": (["data.p_image=5.0"], "built", []),
+    "data.p_audio": (["data.p_audio=5.0"], "built", []),
+    "data.p_both": (["data.p_both=5.0"], "built", []),
+    "data.p_text": (["data.p_text=5.0"], "built", []),
+    "data.image_shift": (["data.image_shift=3"], "built", []),
+    "data.mock_num_samples": (["data.mock_num_samples=64"], "built", [*MOCK, "eval.iters=0"]),
+    "train.iters": (["train.iters=12"], "built", []),
+    "train.global_batch_size": (["train.global_batch_size=32"], "built", []),
+    "train.micro_batch_size": (["train.micro_batch_size=4"], "built", []),
+    "train.seed": (["train.seed=7"], "built", []),
+    "train.precision": (["train.precision='fp16'"], "built", []),
+    "train.schedule": (["train.schedule='no_pipelining'"], "step", []),
+    "train.exit_interval": (["train.exit_interval=1"], "run", RUN),
+    "train.exit_duration_mins": (["train.exit_duration_mins=1e-9"], "run", RUN),
+    # Every fp16 step overflows at this scale: max_skipped=1 stops the run.
+    "train.max_skipped": (["train.max_skipped=1"], "run",
+                          [*RUN, *FP16, "optimizer.initial_loss_scale=1e30"]),
+    "train.pg_timeout_s": (["train.pg_timeout_s=77"], "built", []),
+    "eval.interval": (["eval.interval=1"], "run", RUN),
+    "eval.iters": (["eval.iters=2"], "built", []),
+    "checkpoint.dir": (["checkpoint.dir='ck'"], "run", SAVE),
+    "checkpoint.interval": (["checkpoint.interval=1"], "run", RUN),
+    "checkpoint.load": (["checkpoint.load='missing'"], "error:built", []),
+    "checkpoint.async_save": (["checkpoint.async_save=true"], "run", SAVE),
+    "checkpoint.keep": (["checkpoint.keep=1"], "run", [*SAVE, "train.iters=3"]),
+    "log.dir": (["log.dir='elsewhere'"], "run", RUN),
+    "log.interval": (["log.interval=2"], "run", [*RUN, "log.interval=1"]),
+    "log.tensorboard": (["log.tensorboard=true"], "run", RUN),
+    "log.progress": (["log.progress=true"], "run", RUN),
+    "profile.enabled": (["profile.enabled=true"], "run",
+                        [*RUN, "profile.start=1", "profile.end=1"]),
+    "profile.start": (["profile.start=2"], "run", [*PROFILE, "profile.end=2"]),
+    "profile.end": (["profile.end=2"], "run", PROFILE),
+    "profile.ranks": (["profile.ranks=[1]"], "error:run", PROFILE),
+    **_table_probes(),
+}
+
+
+def config_keys() -> set[str]:
+    """Every accepted key, from the dataclasses (``<m>`` = any module)."""
+    keys = set()
+    for f in dataclasses.fields(MimoConfig):
+        if f.name == "modules":
+            continue
+        if dataclasses.is_dataclass(f.default_factory if f.default_factory is not
+                                    dataclasses.MISSING else None):
+            keys |= {f"{f.name}.{g.name}" for g in dataclasses.fields(f.default_factory)}
+        else:
+            keys.add(f.name)
+    for f in dataclasses.fields(ModuleConfig):
+        if f.name not in ("parallel", "optimizer"):
+            keys.add(f"modules.<m>.{f.name}")
+    keys |= {f"modules.<m>.parallel.{f.name}" for f in dataclasses.fields(ParallelConfig)}
+    per_module = {f.name for f in dataclasses.fields(OptimizerConfig)}
+    per_module |= {f.name for f in dataclasses.fields(SchedulerConfig)} - {"min_lr"}
+    keys |= {f"modules.<m>.optimizer.{k}" for k in per_module}
+    return keys
+
+
+def test_every_key_has_a_probe() -> None:
+    keys = config_keys()
+    assert "optimizer.clip_grad" in keys and "modules.<m>.parallel.tensor" in keys
+    assert not set(PROBES) & ALLOWED
+    assert sorted(keys - set(PROBES) - ALLOWED) == [], "keys without a probe"
+    assert sorted((set(PROBES) | ALLOWED) - keys) == [], "probes of keys that do not exist"
+
+
+# ---- observers -----------------------------------------------------------------------
+
+
+def _built(cfg: MimoConfig) -> Any:
+    run = setup_mimo(cfg, init_runtime())
+    model = [(n, tuple(p.shape), round(p.double().sum().item(), 9), p.requires_grad)
+             for n, p in run.model.named_parameters()]
+    opt = run.optimizer
+    for p in run.model.parameters():
+        p.grad = torch.ones_like(p) if p.requires_grad else None
+    opt.clip_grad_norm()
+    clipped = {n: [round(p.grad.sum().item(), 9) for _, p in i.params]
+               for n, i in opt.module_infos.items() if i.is_active}
+    scales = {}
+    for n, info in opt.module_infos.items():
+        scaler = copy.deepcopy(info.loss_scaler)
+        trace = []
+        for found_inf in [False] * 3 + [True] * 12:
+            scaler.update(found_inf)
+            trace.append(float(scaler.scale))
+        scales[n] = (type(scaler).__name__, trace)
+    groups = [(g["module"], type(i.optimizer).__name__, len(g["params"]),
+               {k: g.get(k) for k in ("lr", "weight_decay", "betas", "eps", "momentum")})
+              for i in opt.module_infos.values() if i.is_active for g in i.optimizer.param_groups]
+    sched = []
+    for _ in range(12):
+        for s in run.schedulers.values():
+            s.step()
+        sched.append([(g["lr"], g["weight_decay"]) for g in opt.param_groups])
+    batch = next(run.train_data_iterator)
+    batch_fp = [(m, k, tuple(v.shape), round(v.double().sum().item(), 6))
+                for mb in batch for m, t in sorted(mb.items()) for k, v in sorted(t.items())
+                if isinstance(v, torch.Tensor)]
+    valid_steps = sum(1 for _ in run.valid_data_iterator())
+    timeouts = sorted(str(g.timeout) for g in run.infra.grids.values())
+    return model, clipped, scales, groups, sched, (len(batch), batch_fp), valid_steps, timeouts
+
+
+def _step(cfg: MimoConfig) -> Any:
+    run = setup_mimo(cfg, init_runtime())
+    names = ("forward_backward_no_pipelining", "forward_backward_pipelining_without_interleaving")
+    with contextlib.ExitStack() as stack:
+        mocks = [stack.enter_context(mock.patch.object(
+            step_module, n, wraps=getattr(step_module, n))) for n in names]
+        loss, skipped, norm, _ = train_step_mimo(
+            default_forward_step, run.train_data_iterator, run.model, run.optimizer,
+            run.schedulers, run.global_state, run.communicator, run.infra)
+    return [m.call_count for m in mocks], loss["loss"], skipped, norm
+
+
+def _plan(cfg: MimoConfig) -> Any:
+    layout = plan_layout(cfg)
+    stages = {n: stage_layers(m.num_layers, m.parallel.pipeline, m.parallel.layers_per_stage)
+              for n, m in cfg.modules.items()}
+    return repr(layout), stages
+
+
+def _run(cfg: MimoConfig) -> Any:
+    out, err = io.StringIO(), io.StringIO()
+    saves: list[bool] = []
+    real_save = manager_module.save_checkpoint
+
+    def save(*args: Any, **kwargs: Any) -> Any:
+        saves.append(bool(kwargs.get("async_save")))
+        return real_save(*args, **kwargs)
+
+    with tempfile.TemporaryDirectory() as tmp, contextlib.chdir(tmp):
+        failure = None
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), \
+                mock.patch.object(manager_module, "save_checkpoint", save):
+            try:
+                summary = run_training(cfg, init_runtime())
+            except Exception as exc:  # noqa: BLE001 - the failure is the observable
+                failure, summary = exc, {}
+        if isinstance(failure, ValueError):
+            raise failure
+        files = sorted("tfevents" if "tfevents" in p.name else str(p)
+                       for p in Path().rglob("*") if p.is_file())
+        metrics = [sorted(json.loads(line)) + [json.loads(line).get("iteration")]
+                   for p in Path().rglob("metrics.jsonl") for line in p.read_text().splitlines()]
+    lines = len((out.getvalue() + err.getvalue()).splitlines())
+    return (files, metrics, lines, saves, type(failure).__name__, summary.get("iteration"),
+            sorted(summary.get("eval") or {}))
+
+
+OBSERVERS = {"built": _built, "step": _step, "plan": _plan, "run": _run}
+
+
+def _observe(kind: str, overrides: list[str]) -> Any:
+    return OBSERVERS[kind](load_config(DIGITS, BASE + overrides))
+
+
+@pytest.fixture(scope="module")
+def baselines() -> dict[tuple[str, ...], Any]:
+    """Observations of the probe contexts alone, shared by the probes (deterministic)."""
+    return {}
+
+
+@pytest.mark.parametrize("key", sorted(PROBES))
+def test_key_changes_something_observable(key: str, baselines: dict) -> None:
+    overrides, kind, context = PROBES[key]
+    observer = kind.removeprefix("error:")
+    cache_key = (observer, *context)
+    if cache_key not in baselines:  # the context alone is valid
+        baselines[cache_key] = _observe(observer, context)
+    if kind.startswith("error:"):
+        with pytest.raises(ValueError, match=key.rsplit(".", 1)[1]):
+            _observe(observer, context + overrides)
+        return
+    assert baselines[cache_key] != _observe(kind, context + overrides), key
