@@ -232,7 +232,7 @@ def engine_stepper(run: Any, steps: list[Any]) -> Callable[[], dict[str, float]]
             run.schedulers,
             run.global_state,
             run.communicator,
-            run.infra,
+            infra=run.infra,
         )
         return loss
 

@@ -73,7 +73,7 @@ def train_steps(rank: int, world: int, overrides: list[str], num_iters: int) -> 
     for _ in range(num_iters):
         loss, skipped, grad_norm, _ = train_step_mimo(
             default_forward_step, run.train_data_iterator, run.model, run.optimizer,
-            run.schedulers, run.global_state, run.communicator, run.infra)
+            run.schedulers, run.global_state, run.communicator, infra=run.infra)
         out.append((loss["loss"], grad_norm, skipped, loss["num_tokens"]))
     return out
 

@@ -178,7 +178,7 @@ def _steps(run: Any, num: int) -> None:
             run.schedulers,
             run.global_state,
             run.communicator,
-            run.infra,
+            infra=run.infra,
         )
         ts.iteration += 1
         ts.consumed_samples += run.global_state.cfg.train.global_batch_size

@@ -24,7 +24,8 @@ def _compare(rank: int, world: int) -> tuple[list[bool], list[bool]]:
     # Train a little so that some answers are right and some are wrong.
     for _ in range(60):
         train_step_mimo(default_forward_step, run.train_data_iterator, run.model, run.optimizer,
-                        run.schedulers, run.global_state, run.communicator, run.infra)
+                        run.schedulers, run.global_state, run.communicator,
+                        infra=run.infra)
     model, tok = run.model.eval(), run.tokenizer
     _, valid = build_datasets(cfg, tok)
     one_pass, generated = [], []

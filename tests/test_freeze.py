@@ -46,7 +46,7 @@ FROZEN = ["modules.vision.freeze=true"]
 def _step(run) -> float:  # noqa: ANN001 - MimoRun
     loss, skipped, _, _ = train_step_mimo(
         default_forward_step, run.train_data_iterator, run.model, run.optimizer,
-        run.schedulers, run.global_state, run.communicator, run.infra)
+        run.schedulers, run.global_state, run.communicator, infra=run.infra)
     assert not skipped
     return loss["loss"]
 

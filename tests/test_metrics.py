@@ -11,6 +11,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 from mimotron.config import load_config
 from mimotron.data import build_datasets
@@ -200,3 +201,61 @@ def test_resume_drops_lines_logged_after_the_checkpoint(tmp_path):
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in lines] == [1, 2, 3]
     assert lines[-1]["loss"] == 0.3
+
+
+def _capturing_train(rank: int, world: int, overrides: list[str]) -> dict:
+    """Train with a forward step that records each training micro-batch's sums.
+
+    It also reports ``lm_loss`` (a ``[sum, count]`` pair) and ``calls`` (a scalar), and
+    makes iteration 3's loss NaN (micro-batches 5 and 6: two per iteration), so that
+    iteration is skipped.
+    """
+    seen: list[tuple[float, float, float, float]] = []
+
+    def step(model, batch, embeddings):
+        loss_sum, num_tokens, metrics = default_forward_step(model, batch, embeddings)
+        if not model.training:
+            return loss_sum, num_tokens, metrics
+        seen.append((float(loss_sum), float(num_tokens), float(metrics["correct"]),
+                     float(metrics["samples"])))
+        metrics = {**metrics, "lm_loss": torch.stack([loss_sum.detach(), num_tokens]),
+                   "calls": torch.tensor(1.0)}
+        nan = float("nan") if len(seen) in (5, 6) else 1.0
+        return loss_sum * nan, num_tokens, metrics
+
+    summary = _train(rank, world, overrides, step)
+    summary["seen"] = seen
+    return summary
+
+
+def test_logged_loss_is_the_interval_mean_beside_the_last_value(tmp_path, capfd):
+    overrides = [f"log.dir={tmp_path}", "train.iters=4", "log.interval=2", *ONE_RANK]
+    (summary,) = run_ranks(1, _capturing_train, overrides, timeout_s=180)
+    seen = summary["seen"]
+    assert len(seen) == 8  # 4 iterations x 2 micro-batches.
+    # Per iteration: (loss_sum, tokens, correct, samples), summed over its micro-batches.
+    its = [[sum(x) for x in zip(*seen[2 * i:2 * i + 2], strict=True)] for i in range(4)]
+    train, _ = _records(tmp_path)
+    assert [r["iteration"] for r in train] == [2, 4]
+    first, second = train
+    assert first["loss"] == pytest.approx((its[0][0] + its[1][0]) / (its[0][1] + its[1][1]))
+    assert first["loss_last"] == pytest.approx(its[1][0] / its[1][1])
+    assert first["train_accuracy"] == pytest.approx(
+        (its[0][2] + its[1][2]) / (its[0][3] + its[1][3]))
+    assert first["train_accuracy_last"] == pytest.approx(its[1][2] / its[1][3])
+    assert first["lm_loss"] == pytest.approx(first["loss"])
+    assert first["lm_loss_last"] == pytest.approx(first["loss_last"])
+    assert first["calls"] == first["calls_last"] == 2.0  # Per iteration, not per interval.
+    assert (first["interval_iters"], first["interval_skipped_iters"]) == (2, 0)
+    # Iteration 3 (NaN loss) is skipped: the mean is iteration 4's alone.
+    assert second["loss"] == pytest.approx(its[3][0] / its[3][1])
+    assert second["loss_last"] == pytest.approx(its[3][0] / its[3][1])
+    assert second["lm_loss"] == pytest.approx(second["loss"]) and second["calls"] == 2.0
+    assert second["train_accuracy"] == pytest.approx(its[3][2] / its[3][3])
+    assert (second["interval_iters"], second["interval_skipped_iters"]) == (2, 1)
+    assert (second["skipped_iters"], second["nan_iters"]) == (1, 1)
+    assert second["skipped"] is False
+    # The console line shows the interval mean.
+    lines = [x for x in capfd.readouterr().out.splitlines() if x.startswith("iter ")]
+    assert [re.search(r"loss (\S+)", x).group(1) for x in lines] == [
+        f"{first['loss']:.4f}", f"{second['loss']:.4f}"]

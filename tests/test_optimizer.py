@@ -483,7 +483,7 @@ def _engine_round_trip(rank: int, world: int) -> dict:
     def step(run) -> tuple:  # noqa: ANN001 - MimoRun
         loss, skipped, grad_norm, zeros = train_step_mimo(
             default_forward_step, run.train_data_iterator, run.model, run.optimizer,
-            run.schedulers, run.global_state, run.communicator, run.infra)
+            run.schedulers, run.global_state, run.communicator, infra=run.infra)
         return loss["loss"], skipped, grad_norm, zeros
 
     a = setup_mimo(cfg, init_runtime())

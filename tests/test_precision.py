@@ -49,7 +49,7 @@ TOLERANCE = {"bf16": 0.05, "fp16": 0.01}
 def _step(run) -> tuple:  # noqa: ANN001 - MimoRun
     loss, skipped, grad_norm, _ = train_step_mimo(
         default_forward_step, run.train_data_iterator, run.model, run.optimizer,
-        run.schedulers, run.global_state, run.communicator, run.infra)
+        run.schedulers, run.global_state, run.communicator, infra=run.infra)
     return loss["loss"], skipped, grad_norm, float(run.optimizer.get_loss_scale())
 
 

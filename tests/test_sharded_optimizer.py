@@ -178,7 +178,7 @@ def _train(rank: int, world: int, overrides: list[str]) -> dict:
     for _ in range(NUM_ITERS):
         loss, skipped, grad_norm, num_zeros = train_step_mimo(
             default_forward_step, run.train_data_iterator, run.model, run.optimizer,
-            run.schedulers, run.global_state, run.communicator, run.infra)
+            run.schedulers, run.global_state, run.communicator, infra=run.infra)
         steps.append((loss["loss"], grad_norm, skipped, num_zeros))
     state, rows = {}, {}
     for name, info in run.optimizer.module_infos.items():

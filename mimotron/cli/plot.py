@@ -3,7 +3,8 @@
 Writes, into ``--out`` (default: the first run dir), one line per run so several runs
 can be compared:
 
-* ``loss.png`` — train loss per logged iteration and eval loss (log scale);
+* ``loss.png`` — train loss (``loss``: the token-weighted mean over each log interval,
+  not the logged iteration's ``loss_last``) and eval loss (log scale);
 * ``eval.png`` — evaluation task metrics (``eval_accuracy`` ...);
 * ``lr.png`` — learning rate per module;
 * ``throughput.png`` — tokens/s, step time and, when recorded, model TFLOP/s per rank.
@@ -85,7 +86,8 @@ def _plot_loss(runs: dict[str, tuple[Records, Records]], path: Path) -> Path:
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for name, (train, evals) in runs.items():
-        (line,) = ax.plot(*_series(train, "loss"), label=f"{name} train")
+        # "loss" is the interval mean: smooth at any log.interval (loss_last is noisy).
+        (line,) = ax.plot(*_series(train, "loss"), label=f"{name} train (interval mean)")
         if evals:
             ax.plot(*_series(evals, "eval_loss"), "o--", color=line.get_color(),
                     label=f"{name} eval")

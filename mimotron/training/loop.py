@@ -1,15 +1,16 @@
 """The training loop: ``setup_mimo`` builds a run, ``train_mimo`` drives it.
 
-``train_mimo`` keeps Megatron-Bridge's shape: it takes the forward step, the model, the
-optimizer, per-module schedulers, data, ``GlobalState`` and the infra, and runs until an
-exit condition; everything it needs is passed in, so it serves library users with their
-own model or forward step as well as ``mimotron train``.
+``train_mimo`` takes Megatron-Bridge's arguments (names and order): the forward step,
+the model, the optimizer, per-module schedulers, data, ``GlobalState``, the infra, the
+communicator and the optional process-group collection and ``(module, grid)`` pairs; it
+runs until an exit condition. Everything it needs is passed in, so it serves library
+users with their own model or forward step as well as ``mimotron train``.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,8 +21,11 @@ from mimotron.config import MimoConfig
 from mimotron.data import build_datasets
 from mimotron.data.tokenizer import CharTokenizer
 from mimotron.optim import build_schedulers, get_mimo_optimizer
+from mimotron.parallel.grid import HyperCommGrid
+from mimotron.parallel.groups import MultiModuleProcessGroupCollection
 from mimotron.pipeline.communicator import MultiModulePipelineCommunicator, build_edges
 from mimotron.runtime import Runtime, seed_everything
+from mimotron.training.bridge_args import resolve_module_parts, resolve_pg_collection
 from mimotron.training.data_provider import (
     MicrobatchProvider,
     make_pad_sample,
@@ -34,7 +38,7 @@ from mimotron.training.metrics import LoopMonitor, check_divergence
 from mimotron.training.model_setup import build_rank_model, padded_vocab_size
 from mimotron.training.profiling import StepProfiler
 from mimotron.training.state import GlobalState
-from mimotron.training.step import default_forward_step, train_step_mimo
+from mimotron.training.step import default_forward_step, module_parts, train_step_mimo
 
 
 @dataclass
@@ -117,13 +121,43 @@ def train_mimo(
     global_state: GlobalState,
     mimo_infra: MimoModelInfra,
     multimodule_communicator: MultiModulePipelineCommunicator,
+    multimodule_pg_collection: MultiModuleProcessGroupCollection | None = None,
+    module_to_grid_tuple: Sequence[tuple[Any, HyperCommGrid]] | None = None,
 ) -> dict[str, Any]:
     """Train until ``train.iters`` (or another exit condition); evaluate and log.
+
+    Megatron-Bridge's signature (parameter names and order); see the README, "Library
+    use", for what differs.
+
+    Args:
+        forward_step_func: ``(model, batch, embeddings) -> (loss_sum, num_tokens,
+            metrics)``, see ``default_forward_step``.
+        model: the ``MimoModel`` (this rank's modules).
+        optimizer: the ``MimoOptimizer``.
+        schedulers: per-module schedulers ``{module: OptimizerParamScheduler}``.
+        train_data_iterator: yields each step's micro-batches for this rank.
+        valid_data_iterator: ``None`` (no evaluation), or a callable returning a fresh
+            iterator over the validation steps, called at each evaluation.
+        global_state: config, runtime, timers, train state.
+        mimo_infra: grids, process groups and roles of this rank.
+        multimodule_communicator: transports activations between modules.
+        multimodule_pg_collection: this rank's process groups for the step (``None``:
+            ``mimo_infra``'s); must match ``mimo_infra``'s.
+        module_to_grid_tuple: ``(module part or name, grid)`` for each module on this
+            rank, for the gradient operations (``None``: from ``model`` and
+            ``mimo_infra``); must match them.
 
     Returns:
         A summary (final iteration, last loss, last eval metrics, wall time) — the same
         on every rank.
+
+    Raises:
+        ValueError: ``multimodule_pg_collection`` or ``module_to_grid_tuple``
+            contradicts ``mimo_infra`` or ``model`` (the message names the argument).
     """
+    # Checked once here; the step re-checks cheaply (the same objects).
+    multimodule_pg_collection = resolve_pg_collection(multimodule_pg_collection, mimo_infra)
+    resolve_module_parts(module_to_grid_tuple, module_parts(model), mimo_infra)
     cfg, ts, runtime = global_state.cfg, global_state.train_state, global_state.runtime
     # Metrics, timing hooks and profiling live in metrics.py / profiling.py.
     profiler = StepProfiler(cfg.profile, cfg.log_dir, runtime.rank, runtime.world_size)
@@ -143,7 +177,9 @@ def train_mimo(
             profiler.before_step(ts.iteration + 1)
             loss_dict, skipped, grad_norm, num_zeros = train_step_mimo(
                 forward_step_func, train_data_iterator, model, optimizer, schedulers,
-                global_state, multimodule_communicator, mimo_infra)
+                global_state, multimodule_communicator, multimodule_pg_collection,
+                mimo_infra, module_to_grid_tuple, cfg.num_microbatches, cfg.data.seq_length,
+                cfg.train.micro_batch_size)
             ts.iteration += 1
             ts.consumed_samples += cfg.train.global_batch_size
             ts.skipped_iters += int(skipped)

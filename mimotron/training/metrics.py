@@ -7,22 +7,28 @@ module, encoder sample counts and auxiliary losses; the logging rank (language m
 DP 0, TP 0, last stage) turns them into one record and is the only writer, so
 ``metrics.jsonl`` is written once per run, not once per rank.
 
-A train record holds the DESIGN §5 contract fields (``iteration``, ``loss``,
-``grad_norm``, ``lr`` {module: lr}, ``loss_scale``, ``skipped``, ``num_zeros``,
-``consumed_samples``, ``tokens_per_second`` = ``global_batch_size · seq_length /
-step_time_s``, ``step_time_s`` = wall time per iteration over the log interval, with
-evaluation excluded) and more: ``loss_scale_per_module``, ``samples_per_second``,
-``train_accuracy``, auxiliary losses by name, ``skipped_iters`` / ``nan_iters`` (run
-totals), ``peak_memory_bytes`` (max over ranks) and ``peak_memory_bytes_per_rank``,
-``model_flops_per_iteration`` and ``model_flops_per_module``
-(:mod:`mimotron.training.flops`), ``tflops_per_second_per_rank``, ``mfu`` (only where
-the device's peak is known), ``time_s`` (the step's timers) and ``module_time_s``
-{module: {forward, backward, communication}} — seconds per iteration, the max over the
-ranks holding the module (see :mod:`mimotron.training.profiling` for what they cover).
+A train record holds the contract fields of the README ("Metrics, console, profiling"):
+``iteration``, ``loss`` (the token-weighted mean over the iterations since the previous
+record, see :mod:`mimotron.training.interval`), ``grad_norm``, ``lr`` {module: lr},
+``loss_scale``, ``skipped``, ``num_zeros``, ``consumed_samples``, ``tokens_per_second``
+= ``global_batch_size · seq_length / step_time_s``, ``step_time_s`` = wall time per
+iteration over the log interval, with evaluation excluded. And more:
+``loss_scale_per_module``, ``samples_per_second``, ``loss_last`` (the logged iteration's
+own loss), ``train_accuracy`` (interval mean) and ``train_accuracy_last``, auxiliary
+losses by name (interval mean, and ``<name>_last``), ``interval_iters`` /
+``interval_skipped_iters`` (iterations the record covers / left out of its means),
+``skipped_iters`` / ``nan_iters`` (run totals), ``peak_memory_bytes`` (max over ranks)
+and ``peak_memory_bytes_per_rank``, ``model_flops_per_iteration`` and
+``model_flops_per_module`` (:mod:`mimotron.training.flops`),
+``tflops_per_second_per_rank``, ``mfu`` (only where the device's peak is known),
+``time_s`` (the step's timers) and ``module_time_s`` {module: {forward, backward,
+communication}} — seconds per iteration, the max over the ranks holding the module (see
+:mod:`mimotron.training.profiling` for what they cover).
 
 **Auxiliary losses.** A forward step may return extra metrics beside ``correct`` and
 ``samples``: a 2-element tensor ``[sum, count]`` is logged as the global sum over the
 count (Megatron-Bridge's convention); a scalar is logged as its global sum over the step.
+Both are averaged over the log interval like the loss.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ from torch import nn
 from mimotron.runtime import compute_dtype, device_peak_flops, peak_memory_bytes
 from mimotron.training.flops import model_flops_per_iteration
 from mimotron.training.infra import MimoModelInfra
+from mimotron.training.interval import LAST, IntervalMeans, aux_value
 from mimotron.training.profiling import ModuleTimes, TimedCommunicator, counting_iterator
 from mimotron.training.state import GlobalState, TrainState
 from mimotron.training.step import module_parts
@@ -279,7 +286,8 @@ class LoopMonitor:
         self.communicator = TimedCommunicator(communicator, self.module_times,
                                               infra.module_names, lambda: model.training)
         self._counts: dict[str, Any] = defaultdict(float)  # Summed lazily (tensors).
-        self._aux: dict[str, list[torch.Tensor]] = {}
+        self._aux: dict[str, list[torch.Tensor]] = {}  # This iteration's, per call.
+        self._interval = IntervalMeans()
         self._last_iter = ts.iteration
         self._interval_start = time.perf_counter()
         self._excluded_s = 0.0
@@ -351,8 +359,10 @@ class LoopMonitor:
             is not logged.
         """
         cfg, ts = self.state.cfg, self.state.train_state
+        self._interval.add(loss_dict, skipped, {k: torch.stack(v).sum(0)
+                                                for k, v in self._aux.items()})
+        self._aux.clear()
         if ts.iteration % cfg.log.interval and ts.iteration != cfg.train.iters:
-            self._aux.clear()  # Auxiliary losses are those of the logged iteration.
             return None
         now = time.perf_counter()
         num_iters = max(ts.iteration - self._last_iter, 1)
@@ -360,7 +370,7 @@ class LoopMonitor:
         self._interval_start, self._excluded_s, self._last_iter = now, 0.0, ts.iteration
         gathered = self._gather()
         record: dict[str, Any] = {
-            "iteration": ts.iteration, "loss": loss_dict["loss"], "grad_norm": grad_norm,
+            "iteration": ts.iteration, **self._interval.record(), "grad_norm": grad_norm,
             "lr": gathered["lr"], "loss_scale": float(self.optimizer.get_loss_scale()),
             "loss_scale_per_module": gathered["loss_scale"],
             "skipped": bool(skipped), "num_zeros": num_zeros,
@@ -369,10 +379,13 @@ class LoopMonitor:
             "step_time_s": step_time,
             "samples_per_second": cfg.train.global_batch_size / step_time,
         }
-        if "accuracy" in loss_dict:
-            record["train_accuracy"] = loss_dict["accuracy"]
-        for key, value in gathered["aux"].items():  # Never shadow a contract field.
-            record[f"aux_{key}" if key in record else key] = value
+        counted = self._interval.counted
+        self._interval.reset()
+        aux, aux_last = gathered["aux"]
+        for key in sorted(set(aux) | set(aux_last)):  # Never shadow a contract field.
+            name = f"aux_{key}" if key in record or key + LAST in record else key
+            record[name] = aux_value(aux[key], counted) if key in aux else None
+            record[name + LAST] = aux_value(aux_last[key], 1) if key in aux_last else None
         record.update(skipped_iters=ts.skipped_iters, nan_iters=ts.nan_iters,
                       peak_memory_bytes=max(gathered["peak"]),
                       peak_memory_bytes_per_rank=gathered["peak"])
@@ -401,8 +414,7 @@ class LoopMonitor:
         modules = self.module_times.pop()
         for m, s in self.communicator.pop().items():
             modules.setdefault(m, {"forward": 0.0, "backward": 0.0})["communication"] = s
-        aux = {k: torch.stack(v).sum(0).tolist() for k, v in self._aux.items()}
-        self._aux.clear()
+        aux = self._interval.aux_sums()
         local = {"peak": peak_memory_bytes(rt.device), "lr": lrs, "loss_scale": scales,
                  "modules": modules, "timers": self.state.timers.pop_all(),
                  "counts": {m: float(c) for m, c in self._counts.items()}, "aux": aux,
@@ -473,8 +485,7 @@ def _combine(gathered: list[dict[str, Any]]) -> dict[str, Any]:
     """Merge per-rank measurements: max of times, sums of counts and auxiliary sums."""
     out: dict[str, Any] = {"peak": [g["peak"] for g in gathered], "lr": {}, "loss_scale": {},
                            "timers": {}, "modules": {}, "counts": defaultdict(float),
-                           "aux": {}, "vocab": None}
-    aux_sums: dict[str, list[float]] = {}
+                           "aux": ({}, {}), "vocab": None}
     for g in gathered:
         for m, lr in g["lr"].items():
             out["lr"][m] = max(out["lr"].get(m, lr), lr)
@@ -488,12 +499,11 @@ def _combine(gathered: list[dict[str, Any]]) -> dict[str, Any]:
                 slot[k] = max(slot.get(k, 0.0), v)
         for m, c in g["counts"].items():
             out["counts"][m] += c
-        for k, v in g["aux"].items():
-            acc = aux_sums.setdefault(k, [0.0] * len(v))
-            for i, x in enumerate(v):
-                acc[i] += x
-    for k, v in aux_sums.items():
-        out["aux"][k] = (v[0] / v[1] if v[1] else None) if len(v) == 2 else sum(v)
+        for sums, mine in zip(out["aux"], g["aux"], strict=True):
+            for k, v in mine.items():
+                acc = sums.setdefault(k, [0.0] * len(v))
+                for i, x in enumerate(v):
+                    acc[i] += x
     out["lr"] = dict(sorted(out["lr"].items()))
     out["loss_scale"] = dict(sorted(out["loss_scale"].items()))
     return out

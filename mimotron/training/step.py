@@ -1,6 +1,6 @@
 """One training step: schedule, gradient finalisation, optimizer, schedulers.
 
-``train_step_mimo`` keeps Megatron-Bridge's return value
+``train_step_mimo`` keeps Megatron-Bridge's signature and return value
 ``(loss_dict, skipped_iter, grad_norm, num_zeros_in_grad)``. Every collective below is
 issued by every rank in the same order (world reductions use fixed-size vectors), so no
 rank takes a branch the others don't.
@@ -9,7 +9,7 @@ rank takes a branch the others don't.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -18,6 +18,8 @@ from torch import nn
 
 from mimotron.models.language import language_loss
 from mimotron.parallel.data_parallel import finalize_model_grads, zero_grad_buffer_for_multimodule
+from mimotron.parallel.grid import HyperCommGrid
+from mimotron.parallel.groups import MultiModuleProcessGroupCollection
 from mimotron.parallel.tensor_parallel import vocab_parallel_loss
 from mimotron.pipeline.communicator import MultiModulePipelineCommunicator
 from mimotron.pipeline.schedules import (
@@ -27,6 +29,12 @@ from mimotron.pipeline.schedules import (
     forward_backward_pipelining_without_interleaving,
 )
 from mimotron.runtime import compute_dtype
+from mimotron.training.bridge_args import (
+    check_batch_geometry,
+    require_infra,
+    resolve_module_parts,
+    resolve_pg_collection,
+)
 from mimotron.training.data_provider import Microbatch
 from mimotron.training.infra import LANGUAGE, MimoModelInfra
 from mimotron.training.state import GlobalState
@@ -129,9 +137,14 @@ def train_step_mimo(
     schedulers: dict[str, Any],
     global_state: GlobalState,
     multimodule_communicator: MultiModulePipelineCommunicator,
-    infra: MimoModelInfra,
+    multimodule_pg_collection: MultiModuleProcessGroupCollection | None = None,
+    infra: MimoModelInfra | None = None,
+    module_to_grid_tuple: Sequence[tuple[Any, HyperCommGrid]] | None = None,
+    num_microbatches: int | None = None,
+    seq_length: int | None = None,
+    micro_batch_size: int | None = None,
 ) -> tuple[dict[str, float], bool, float | None, int | None]:
-    """Run one training iteration on this rank.
+    """Run one training iteration on this rank (Megatron-Bridge's signature).
 
     Args:
         forward_step_func: the language step (see ``default_forward_step``).
@@ -141,17 +154,35 @@ def train_step_mimo(
         schedulers: per-module ``OptimizerParamScheduler`` (active modules).
         global_state: config, timers, train state.
         multimodule_communicator: transports activations between modules.
-        infra: grids and process groups.
+        multimodule_pg_collection: this rank's groups (``None``: ``infra``'s); its data
+            parallel groups reduce the gradients. Must match ``infra``'s.
+        infra: grids and process groups (required, although Bridge's order puts it after
+            an optional argument).
+        module_to_grid_tuple: ``(module part or name, grid)`` for each module on this
+            rank (``None``: from ``model`` and ``infra``); the parts whose gradients are
+            zeroed and reduced. Must match ``model`` and ``infra``.
+        num_microbatches: must equal the config's (``None``: from the config).
+        seq_length: must equal ``data.seq_length`` (``None``: from the config).
+        micro_batch_size: must equal ``train.micro_batch_size`` (``None``: from the config).
 
     Returns:
         ``(loss_dict, skipped_iter, grad_norm, num_zeros_in_grad)``; identical on all ranks.
+        ``loss_dict`` holds floats: ``loss`` (per token), ``num_tokens``, ``accuracy``
+        and ``num_samples``.
+
+    Raises:
+        ValueError: ``infra`` is missing, or an optional argument contradicts ``infra``
+            or the config (the message names it).
     """
+    infra = require_infra(infra, multimodule_pg_collection)
+    pgs = resolve_pg_collection(multimodule_pg_collection, infra)
+    check_batch_geometry(global_state.cfg, num_microbatches, seq_length, micro_batch_size)
+    parts = resolve_module_parts(module_to_grid_tuple, module_parts(model), infra)
     cfg, timers = global_state.cfg, global_state.timers
     device = global_state.runtime.device
     timers("data").start()
     microbatches = next(data_iterator)
     timers("data").stop()
-    parts = module_parts(model)
     zero_grad_buffer_for_multimodule(parts)
     num_tokens = count_global_tokens(microbatches, infra, device)
     timers("forward-backward").start()
@@ -167,7 +198,7 @@ def train_step_mimo(
     timers("forward-backward").stop(sync=True)
     timers("grad-sync").start()
     frozen = {n for n, m in cfg.modules.items() if m.freeze}
-    finalize_model_grads(parts, infra.pg_collections, frozen)
+    finalize_model_grads(parts, dict(pgs.items()), frozen)
     timers("grad-sync").stop(sync=True)
     timers("optimizer").start()
     success, grad_norm, num_zeros = optimizer.step()
@@ -178,5 +209,6 @@ def train_step_mimo(
     sums = reduce_outputs(outputs, infra, device)
     loss = sums["loss_sum"] / max(num_tokens, 1.0)
     loss_dict = {"loss": loss, "num_tokens": num_tokens,
-                 "accuracy": sums["correct"] / max(sums["samples"], 1.0)}
+                 "accuracy": sums["correct"] / max(sums["samples"], 1.0),
+                 "num_samples": sums["samples"]}
     return loss_dict, not success, grad_norm, num_zeros
