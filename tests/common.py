@@ -136,7 +136,7 @@ def engine_run(rank: int, world: int, overrides: list[str], num_iters: int) -> d
     for _ in range(num_iters):
         loss, skipped, grad_norm, _ = train_step_mimo(
             default_forward_step, run.train_data_iterator, run.model, run.optimizer,
-            run.schedulers, run.global_state, run.communicator, run.infra)
+            run.schedulers, run.global_state, run.communicator, infra=run.infra)
         steps.append((loss["loss"], grad_norm, skipped, loss["num_tokens"]))
     weights = {n: _full(p.detach()).clone() for n, p in run.model.named_parameters()}
     return {"steps": steps, "grad_sq": grad_sq, "weights": weights, **counts}

@@ -263,7 +263,7 @@ def _step(cfg: MimoConfig) -> Any:
             step_module, n, wraps=getattr(step_module, n))) for n in names]
         loss, skipped, norm, _ = train_step_mimo(
             default_forward_step, run.train_data_iterator, run.model, run.optimizer,
-            run.schedulers, run.global_state, run.communicator, run.infra)
+            run.schedulers, run.global_state, run.communicator, infra=run.infra)
     return [m.call_count for m in mocks], loss["loss"], skipped, norm
 
 

@@ -47,6 +47,9 @@ WEIGHT_REL = 1e-3
 ZERO = [f"modules.{m}.parallel.shard_optimizer=true" for m in ("vision", "audio", "language")]
 LR_OVERRIDES = ["modules.vision.optimizer.lr=1e-2", "modules.audio.optimizer.lr=5e-4",
                 "modules.language.optimizer.warmup_iters=4"]
+# Each module clips against the global norm with its own threshold (0 = never clipped).
+CLIP_OVERRIDES = ["modules.vision.optimizer.clip_grad=0.05",
+                  "modules.language.optimizer.clip_grad=0"]
 VISION_2_LAYERS = ["modules.vision.num_layers=2"]
 
 # name: (layout, overrides shared with the reference)
@@ -94,6 +97,7 @@ CASES: dict[str, tuple[list[str], list[str]]] = {
     "frozen-audio-language-dp2": (noncolocated({}, {}, {"data": 2}),
                                   ["modules.audio.freeze=true"]),
     "per-module-lr-language-tp2": (noncolocated({}, {}, {"tensor": 2}), LR_OVERRIDES),
+    "per-module-clip-coloc-dp2": (colocated(2), CLIP_OVERRIDES),
 }
 
 

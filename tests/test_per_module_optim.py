@@ -137,7 +137,7 @@ def _engine_steps(overrides: list[str], iters: int = 2) -> tuple[list[tuple], di
     for _ in range(iters):
         loss, skipped, norm, _ = train_step_mimo(
             default_forward_step, run.train_data_iterator, run.model, run.optimizer,
-            run.schedulers, run.global_state, run.communicator, run.infra)
+            run.schedulers, run.global_state, run.communicator, infra=run.infra)
         steps.append((loss["loss"], skipped, norm, float(run.optimizer.get_loss_scale())))
     infos = run.optimizer.module_infos
     return steps, {n: (i.clip_grad, i.loss_scaler.state_dict()) for n, i in infos.items()}
