@@ -1,7 +1,8 @@
 """mimotron: training for multi-module models with heterogeneous parallelism.
 
-Every name of the public API (DESIGN.md §2) is importable from here. They are loaded on
-first use, so ``import mimotron`` (and the CLI's start-up) stays cheap.
+Every name of the public API (docs/design.md, "Public API") is importable from here.
+They are loaded on first use, so ``import mimotron`` (and the CLI's start-up) stays
+cheap.
 """
 
 from __future__ import annotations

@@ -1,11 +1,12 @@
 """Run configuration: dataclasses, TOML loading, ``key=value`` overrides, validation.
 
-One TOML file describes a run (DESIGN.md §4). Overrides are dotted paths whose values
-are parsed as TOML (``train.iters=5``, ``optimizer.betas=[0.9,0.95]``); a value that is
-not valid TOML is taken as a string (``train.precision=bf16``). Unknown keys are
-rejected with the list of valid ones. ``MimoConfig.validate`` raises ``ValueError``
-naming the field, the bad value and what would be valid; layout rules that involve
-several modules live in :mod:`mimotron.parallel.layout`.
+One TOML file describes a run (docs/design.md, "Configuration"). Overrides are dotted
+paths whose values are parsed as TOML (``train.iters=5``,
+``optimizer.betas=[0.9,0.95]``); a value that is not valid TOML is taken as a string
+(``train.precision=bf16``). Unknown keys are rejected with the list of valid ones.
+``MimoConfig.validate`` raises ``ValueError`` naming the field, the bad value and what
+would be valid; layout rules that involve several modules live in
+:mod:`mimotron.parallel.layout`.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Every contract name of DESIGN.md §2 is importable from the top-level package."""
+"""Every public name of docs/design.md ("Public API") is importable from the top-level package."""
 
 from __future__ import annotations
 

@@ -1,11 +1,11 @@
 """Resharding: a checkpoint written by one layout resumes in any other.
 
-Saved non-colocated (vision DP 2 with a sharded optimizer | audio | language TP 2,
-5 ranks) after 4 of 20 iterations; resumed in vision DP 1 | audio | language PP 2 x DP 2
+Saved non-colocated (vision DP 2 with a sharded optimizer | audio | language TP 2, 5
+ranks) after 4 of 20 iterations; resumed in vision DP 1 | audio | language PP 2 x DP 2
 (6 ranks) and colocated DP 2 (2 ranks). fp32 training is layout independent
-(DESIGN.md §3), so every run must follow the one-process reference within 1e-4
-relative, before and after the move. The TP-sharded checkpoint also exports to the same
-full weights as the reference's.
+(docs/design.md, "The parity contract"), so every run must follow the one-process
+reference within 1e-4 relative, before and after the move. The TP-sharded checkpoint
+also exports to the same full weights as the reference's.
 """
 
 from __future__ import annotations

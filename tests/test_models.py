@@ -317,7 +317,7 @@ def test_count_parameters_matches_built_modules(cfg: MimoConfig, model: MimoMode
     assert counts["vision"] == sum(
         p.numel() for p in model.modality_submodules["vision"].parameters()
     )
-    assert 550_000 < sum(counts.values()) < 750_000  # DESIGN.md §9: about 650k
+    assert 550_000 < sum(counts.values()) < 750_000  # docs/design.md, "The demo task": about 650k
     with pytest.raises(ValueError, match="unknown module"):
         count_parameters(cfg, "nope", VOCAB)
     with torch.device("meta"):

@@ -1,6 +1,7 @@
 """The demo task: read a digit image, hear a DTMF tone, answer in words.
 
-Every sample is one of four kinds (DESIGN.md §9), with prompts and answers like:
+Every sample is one of four kinds (docs/design.md, "The demo task"), with prompts and
+answers like:
 
 ======  =================================  ==============================
 kind    prompt                             answer
@@ -11,11 +12,12 @@ both    ``<bos><image>x16<audio>x4=``        ``seven plus three is ten<eos>``
 text    ``<bos>two plus three=``             ``five<eos>``
 ======  =================================  ==============================
 
-**Determinism (DESIGN.md §3).** A sample is a pure function of ``(seed, split, epoch,
-index)``: all its randomness (kind, audio digit, text digits, image shift, tone) comes
-from one generator seeded with exactly that tuple. So any rank, in any layout, that
-builds sample ``(index, epoch)`` gets the same tensors, and :class:`SampleStream` fixes
-which ``(index, epoch)`` sits at each global position of the training stream.
+**Determinism (docs/design.md, "The parity contract").** A sample is a pure function of
+``(seed, split, epoch, index)``: all its randomness (kind, audio digit, text digits,
+image shift, tone) comes from one generator seeded with exactly that tuple. So any rank,
+in any layout, that builds sample ``(index, epoch)`` gets the same tensors, and
+:class:`SampleStream` fixes which ``(index, epoch)`` sits at each global position of the
+training stream.
 """
 
 from __future__ import annotations
@@ -192,7 +194,7 @@ class _Plan(NamedTuple):
 
 
 class DigitsTask:
-    """Digit images, DTMF tones and text sums, answered in words (DESIGN.md §9).
+    """Digit images, DTMF tones and text sums, answered in words (docs/design.md, "The demo task").
 
     Args:
         tokenizer: the character tokenizer (placeholder ids come from it).

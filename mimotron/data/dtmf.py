@@ -2,9 +2,10 @@
 
 A key press is the sum of two sines: one "row" frequency (697/770/852/941 Hz) and one
 "column" frequency (1209/1336/1477 Hz). To make the audio encoder learn the tones rather
-than memorise waveforms, every tone is randomised (DESIGN.md §9): 60-120 ms of tone at a
-random offset inside a 120 ms window at 8 kHz, a random phase per frequency, amplitude
-0.3-1.0, ±1% frequency jitter, and white noise with a standard deviation of 0.05-0.5.
+than memorise waveforms, every tone is randomised (docs/design.md, "The demo task"):
+60-120 ms of tone at a random offset inside a 120 ms window at 8 kHz, a random phase per
+frequency, amplitude 0.3-1.0, ±1% frequency jitter, and white noise with a standard
+deviation of 0.05-0.5.
 
 The spectrogram is a Hann-windowed STFT (``n_fft`` 256, hop 64, centred) whose magnitude
 is compressed with ``log1p`` and normalised with fixed constants, so a sample's features

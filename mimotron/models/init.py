@@ -1,9 +1,9 @@
 """Layout-independent deterministic parameter initialisation.
 
-DESIGN.md §3 requires that any parallel layout trains exactly like one process. The
-first half of that is the weights: every parameter is drawn from its own
-``torch.Generator`` seeded by a stable hash of ``(seed, full parameter name)``, on the
-parameter's FULL shape, on the CPU. So:
+docs/design.md ("The parity contract") requires that any parallel layout trains exactly
+like one process. The first half of that is the weights: every parameter is drawn from
+its own ``torch.Generator`` seeded by a stable hash of ``(seed, full parameter name)``,
+on the parameter's FULL shape, on the CPU. So:
 
 - a pipeline stage that holds only layers 4..7 gets exactly the values those layers have
   in the full model (names carry global layer indices, and no draw depends on any other

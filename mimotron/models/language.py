@@ -115,7 +115,7 @@ def language_loss(
 
     The loss is a SUM (in fp32), not a mean: the trainer divides by the token count of
     the whole global batch, which is what keeps results independent of micro-batching
-    and data parallelism (DESIGN.md §3).
+    and data parallelism (docs/design.md, "The parity contract").
 
     Args:
         logits: ``[B, S, vocab]``.

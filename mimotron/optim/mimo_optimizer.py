@@ -2,10 +2,11 @@
 
 Modules live on different (or shared) ranks with different layouts, yet clipping must
 use the norm over *all* parameters and every rank must take the same branch (skip or
-step). The trick (DESIGN.md §3): modules are ordered by name and slot ``i`` of every
-world vector belongs to module ``i``. A module's ranks fill its slot with a value that
-is identical on all of them, every other rank puts 0 there, and a world all-reduce MAX
-gives every rank the whole vector. Found-inf is a world MAX, step success a world MIN.
+step). The trick (docs/design.md, "Optimizer semantics"): modules are ordered by name
+and slot ``i`` of every world vector belongs to module ``i``. A module's ranks fill its
+slot with a value that is identical on all of them, every other rank puts 0 there, and a
+world all-reduce MAX gives every rank the whole vector. Found-inf is a world MAX, step
+success a world MIN.
 
 Collective discipline: world collectives are issued by every rank; a module's group
 collectives by every rank *in the module* (``ModuleOptimizerInfo.in_module``), whether

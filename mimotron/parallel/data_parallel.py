@@ -4,7 +4,7 @@ The loss each rank backpropagates is already divided by the *global* loss-token 
 (broadcast to every rank, encoder-only ranks included, before the schedule runs), so a
 SUM over DP replicas gives exactly the single-device mean over tokens. FSDP's default
 AVG would divide a second time by the DP degree, wrongly for encoders whose DP degree
-differs from the language model's (DESIGN.md §8).
+differs from the language model's (docs/design.md, "The parity contract").
 
 Gradients are flattened into buckets of at most ``bucket_bytes`` so each bucket is one
 collective; a parameter that received no gradient on this rank (e.g. an encoder whose
