@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from mimotron.testing import warm_up_imports
 
@@ -18,3 +19,11 @@ from mimotron.testing import warm_up_imports
 def _warm_imports() -> None:
     torch.set_num_threads(1)
     warm_up_imports()
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_process_group() -> None:
+    """A test that trained in this process leaves no default group for later forks."""
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
