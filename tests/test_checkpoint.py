@@ -276,9 +276,12 @@ def _failing_saves(rank: int, world: int, overrides: list[str], root: str) -> di
     manager = CheckpointManager(*_pieces(run))
     manager.save()
     try:
-        for _ in range(500):
+        # Poll until the failure surfaces, however long the background save takes (no
+        # fixed number of polls): after_step is collective, so the ranks stay in step, and
+        # run_ranks' timeout is the hang guard.
+        while True:
             manager.after_step()
-            time.sleep(0.01)
+            time.sleep(0.01)  # the poll interval, not an ordering assumption
     except CheckpointError as exc:
         out["async_error"] = str(exc)
     finally:
