@@ -130,12 +130,12 @@ def _report_failure(failures: dict[int, Any], records: list[FailureRecord],
     if code is None:
         code = failures[root.rank].exitcode if root.rank in failures else EXIT_FAILED
     if root.kind == "died":
-        what = f"{root.summary}"
+        what = f"({root.summary})"
     elif root.kind == "peer":
-        what = f"exit code {code}; it lost a peer and no rank reported an error of its own"
+        what = f"(exit code {code}) after losing a peer; no rank reported its own error"
     else:
-        what = f"exit code {code}; its error is printed above"
-    print(f"mimotron train: rank {root.rank} failed ({what}){note}", file=sys.stderr)
+        what = f"(exit code {code}); its error is printed above"
+    print(f"mimotron train: rank {root.rank} failed {what}{note}", file=sys.stderr)
     return EXIT_CONFIG if code == EXIT_CONFIG and root.kind == "error" else EXIT_FAILED
 
 
