@@ -122,7 +122,10 @@ def run_ranks(
         The per-rank return values, indexed by rank.
 
     Raises:
-        RankError: a rank raised (its traceback is in the message) or timed out.
+        RankError: a rank failed or timed out. The message names the root cause (the
+            first rank to raise an error of its own, or a rank that died without a
+            report; its traceback follows) and lists the ranks that failed or were
+            stopped as a consequence.
     """
     torch.set_num_threads(1)
     ctx = mp.get_context("fork")
@@ -197,8 +200,8 @@ def _failures(failure_dir: str, errors: dict[int, str]) -> list[FailureRecord]:
     """The recorded failures of the ranks in ``errors`` (one each; unrecorded ones last)."""
     records = first_per_rank([r for r in read_failures(failure_dir) if r.rank in errors])
     recorded = {r.rank for r in records}
-    n = len(records)
-    return records + [FailureRecord(n + i, rank, "error", errors[rank].splitlines()[0])
+    after = max((r.seq for r in records), default=-1) + 1
+    return records + [FailureRecord(after + i, rank, "error", errors[rank].splitlines()[0])
                       for i, rank in enumerate(sorted(set(errors) - recorded))]
 
 
