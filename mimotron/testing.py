@@ -182,23 +182,28 @@ def _collect(procs: list, conns: list, timeout_s: float, failure_dir: str) -> li
                 errors[rank] = data
         # Collateral failures alone do not settle it: the rank they lost is either dead
         # (seen on a later pass) or recorded its own error before its connections closed.
-        if errors and root_cause(_failures(failure_dir, errors)).kind != "peer":
+        # A root cause still pending recorded its failure and is sending its traceback.
+        root = root_cause(_failures(failure_dir, errors, results)) if errors else None
+        if root is not None and root.kind != "peer" and root.rank in errors:
             break
     for p in procs:
         if p.is_alive():
             p.kill()
         p.join(timeout=5)
     if errors:
-        raise _rank_error(_failures(failure_dir, errors), errors, sorted(pending),
+        raise _rank_error(_failures(failure_dir, errors, results), errors, sorted(pending),
                           timeout_s if time.monotonic() >= deadline else None)
     if pending:
         raise RankError(f"ranks {sorted(pending)} did not finish within {timeout_s:.0f} s")
     return [results[r] for r in range(len(procs))]
 
 
-def _failures(failure_dir: str, errors: dict[int, str]) -> list[FailureRecord]:
-    """The recorded failures of the ranks in ``errors`` (one each; unrecorded ones last)."""
-    records = first_per_rank([r for r in read_failures(failure_dir) if r.rank in errors])
+def _failures(failure_dir: str, errors: dict[int, str],
+              results: dict[int, Any]) -> list[FailureRecord]:
+    """Failures, one per rank: the records (a rank's report may still be on its way), then
+    failed ranks that recorded nothing. Ranks that returned a result are left out (code
+    under test, e.g. the CLI, may record an error it then handles)."""
+    records = first_per_rank([r for r in read_failures(failure_dir) if r.rank not in results])
     recorded = {r.rank for r in records}
     after = max((r.seq for r in records), default=-1) + 1
     return records + [FailureRecord(after + i, rank, "error", errors[rank].splitlines()[0])
@@ -213,7 +218,8 @@ def _rank_error(records: list[FailureRecord], errors: dict[int, str], pending: l
         # Only collateral failures, and ranks that never finished: they are the cause.
         note = consequence_note(records, None)
         return RankError(f"ranks {pending} did not finish within {timed_out_s:.0f} s{note}")
-    note = consequence_note(records, root, stopped=pending)
-    text = errors[root.rank]
+    note = consequence_note(records, root,
+                            stopped=[r for r in pending if r not in {x.rank for x in records}])
+    text = errors.get(root.rank, root.summary)
     first, _, rest = text.partition("\n")
     return RankError(f"rank {root.rank} failed: {first}{note}\n{rest}".rstrip("\n"))
