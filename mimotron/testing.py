@@ -3,10 +3,15 @@
 Ranks are forked (not spawned: spawn costs seconds per test) after
 ``torch.set_num_threads(1)``, because forking a process that already ran multi-threaded
 OpenMP work can hang the children. Rendezvous is a ``FileStore`` in a fresh temp dir, so
-no ports are used. Each rank's return value comes back to the parent; an exception on
-any rank is re-raised in the parent naming the rank and carrying its traceback; a rank
-still running after ``timeout_s`` is killed and reported. The package ships this (rather
-than ``tests/``) so benchmarks and users' own tests can use it too.
+no ports are used. Each rank's return value comes back to the parent. When ranks fail,
+the parent raises one :class:`RankError` naming the root cause, not whichever report
+arrived first: each failing rank records its failure in a shared directory before
+anything can close its connections, and the parent records ranks that die without a
+report when it sees them die (:mod:`mimotron.failures`). The earliest own error or death
+is the root cause (its traceback is in the message); ranks that failed because a peer
+vanished are listed as collateral. A rank still running after ``timeout_s`` is killed
+and reported. The package ships this (rather than ``tests/``) so benchmarks and users'
+own tests can use it too.
 """
 
 from __future__ import annotations
@@ -24,6 +29,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mimotron.failures import (
+    FAILURE_DIR_ENV,
+    FailureRecord,
+    consequence_note,
+    death_summary,
+    first_per_rank,
+    read_failures,
+    record_exception,
+    record_failure,
+    root_cause,
+)
+
 
 class RankError(RuntimeError):
     """A rank raised, or did not finish in time; the message names the rank."""
@@ -33,19 +50,21 @@ def _rank_main(
     fn: Callable[..., Any],
     rank: int,
     world_size: int,
-    store_path: str,
+    tmp: str,
     conn: Any,
     pg_timeout_s: float,
     args: tuple,
     kwargs: dict,
 ) -> None:
     torch.set_num_threads(1)
+    failure_dir = os.path.join(tmp, "failures")
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
         LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
+        **{FAILURE_DIR_ENV: failure_dir},
     )
     try:
-        store = dist.FileStore(store_path, world_size)
+        store = dist.FileStore(os.path.join(tmp, "store"), world_size)
         dist.init_process_group(
             "gloo", store=store, rank=rank, world_size=world_size,
             timeout=timedelta(seconds=pg_timeout_s),
@@ -53,6 +72,9 @@ def _rank_main(
         result = fn(rank, world_size, *args, **kwargs)
         payload = ("ok", pickle.dumps(result))
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the parent
+        # Record first: until this process exits its connections are open, so no peer
+        # can have failed "because of" this rank before the record exists.
+        record_exception(failure_dir, rank, exc)
         payload = ("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
     try:
         conn.send(payload)
@@ -100,56 +122,104 @@ def run_ranks(
         The per-rank return values, indexed by rank.
 
     Raises:
-        RankError: a rank raised (its traceback is in the message) or timed out.
+        RankError: a rank failed or timed out. The message names the root cause (the
+            first rank to raise an error of its own, or a rank that died without a
+            report; its traceback follows) and lists the ranks that failed or were
+            stopped as a consequence.
     """
     torch.set_num_threads(1)
     ctx = mp.get_context("fork")
     with tempfile.TemporaryDirectory(prefix="mimotron-store-") as tmp:
-        store_path = os.path.join(tmp, "store")
+        os.mkdir(os.path.join(tmp, "failures"))
         procs, conns = [], []
         for rank in range(world_size):
             parent, child = ctx.Pipe(duplex=False)
             p = ctx.Process(
                 target=_rank_main,
-                args=(fn, rank, world_size, store_path, child, pg_timeout_s, args, kwargs),
+                args=(fn, rank, world_size, tmp, child, pg_timeout_s, args, kwargs),
                 daemon=True,
             )
             p.start()
             child.close()
             procs.append(p)
             conns.append(parent)
-        return _collect(procs, conns, timeout_s)
+        return _collect(procs, conns, timeout_s, os.path.join(tmp, "failures"))
 
 
-def _collect(procs: list, conns: list, timeout_s: float) -> list[Any]:
+def _poll(proc: Any, conn: Any) -> tuple[str, Any] | None:
+    """``("ok", result)``, ``("error", text)``, ``("died", exit code)`` or None (running)."""
+    if conn.poll(0.01):
+        try:
+            status, data = conn.recv()
+        except EOFError:
+            proc.join(timeout=5)  # The pipe closed: the process is on its way out.
+            return "died", proc.exitcode
+        return (status, pickle.loads(data)) if status == "ok" else (status, data)
+    if not proc.is_alive() and not conn.poll(0):
+        return "died", proc.exitcode
+    return None
+
+
+def _collect(procs: list, conns: list, timeout_s: float, failure_dir: str) -> list[Any]:
+    """Gather results; on failure, wait until the root cause is known, then raise it."""
     deadline = time.monotonic() + timeout_s
     results: dict[int, Any] = {}
     errors: dict[int, str] = {}
     pending = set(range(len(procs)))
     while pending and time.monotonic() < deadline:
         for rank in sorted(pending):
-            if conns[rank].poll(0.01):
-                try:
-                    status, data = conns[rank].recv()
-                except EOFError:
-                    status, data = "error", "rank exited without a result"
-                pending.discard(rank)
-                if status == "ok":
-                    results[rank] = pickle.loads(data)
-                else:
-                    errors[rank] = data
-            elif not procs[rank].is_alive() and not conns[rank].poll(0):
-                pending.discard(rank)
-                errors[rank] = f"rank died with exit code {procs[rank].exitcode}"
-        if errors:
-            break  # One failure: the others would wait on it until their PG timeout.
+            polled = _poll(procs[rank], conns[rank])
+            if polled is None:
+                continue
+            pending.discard(rank)
+            status, data = polled
+            if status == "ok":
+                results[rank] = data
+            elif status == "died":
+                errors[rank] = death_summary(data)
+                record_failure(failure_dir, rank, "died", errors[rank])
+            else:
+                errors[rank] = data
+        # Collateral failures alone do not settle it: the rank they lost is either dead
+        # (seen on a later pass) or recorded its own error before its connections closed.
+        # A root cause still pending recorded its failure and is sending its traceback.
+        root = root_cause(_failures(failure_dir, errors, results)) if errors else None
+        if root is not None and root.kind != "peer" and root.rank in errors:
+            break
     for p in procs:
         if p.is_alive():
             p.kill()
         p.join(timeout=5)
     if errors:
-        rank = min(errors)
-        raise RankError(f"rank {rank} failed: {errors[rank]}")
+        raise _rank_error(_failures(failure_dir, errors, results), errors, sorted(pending),
+                          timeout_s if time.monotonic() >= deadline else None)
     if pending:
         raise RankError(f"ranks {sorted(pending)} did not finish within {timeout_s:.0f} s")
     return [results[r] for r in range(len(procs))]
+
+
+def _failures(failure_dir: str, errors: dict[int, str],
+              results: dict[int, Any]) -> list[FailureRecord]:
+    """Failures, one per rank: the records (a rank's report may still be on its way), then
+    failed ranks that recorded nothing. Ranks that returned a result are left out (code
+    under test, e.g. the CLI, may record an error it then handles)."""
+    records = first_per_rank([r for r in read_failures(failure_dir) if r.rank not in results])
+    recorded = {r.rank for r in records}
+    after = max((r.seq for r in records), default=-1) + 1
+    return records + [FailureRecord(after + i, rank, "error", errors[rank].splitlines()[0])
+                      for i, rank in enumerate(sorted(set(errors) - recorded))]
+
+
+def _rank_error(records: list[FailureRecord], errors: dict[int, str], pending: list[int],
+                timed_out_s: float | None) -> RankError:
+    root = root_cause(records)
+    assert root is not None
+    if root.kind == "peer" and pending and timed_out_s is not None:
+        # Only collateral failures, and ranks that never finished: they are the cause.
+        note = consequence_note(records, None)
+        return RankError(f"ranks {pending} did not finish within {timed_out_s:.0f} s{note}")
+    note = consequence_note(records, root,
+                            stopped=[r for r in pending if r not in {x.rank for x in records}])
+    text = errors.get(root.rank, root.summary)
+    first, _, rest = text.partition("\n")
+    return RankError(f"rank {root.rank} failed: {first}{note}\n{rest}".rstrip("\n"))

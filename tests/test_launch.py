@@ -1,14 +1,18 @@
-"""Launching: a failing rank ends the whole job; two torchrun "nodes" train together.
+"""Launching: a failing rank ends the whole job, named as the root cause; two torchrun
+"nodes" train together.
 
-Both tests start real launchers in subprocesses (the only way to test them), with tiny
+The tests start real launchers in subprocesses (the only way to test them), with tiny
 models and a few iterations. The subprocess timeouts are hang guards, not speed checks.
+Failures are injected with ``MIMOTRON_FAIL_AT_ITER``/``MIMOTRON_FAIL_RANK`` (and
+``MIMOTRON_FAIL_SIGNAL``); whichever rank exits first, the verdict must name the failing
+rank and call its blocked peer collateral.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import socket
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -23,7 +27,9 @@ TINY = [
     "eval.iters=1", "log.interval=1",
 ]
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID", "MASTER_ADDR",
-                 "MASTER_PORT", "MIMOTRON_FAIL_AT_ITER", "MIMOTRON_FAIL_RANK")
+                 "MASTER_PORT", "MIMOTRON_FAIL_AT_ITER", "MIMOTRON_FAIL_RANK",
+                 "MIMOTRON_FAIL_SIGNAL", "MIMOTRON_FAILURE_DIR")
+COLLATERAL = r"rank 0 (failed as a consequence: peer lost|stopped as a consequence)"
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -45,16 +51,32 @@ def test_a_rank_failing_mid_step_ends_the_job_non_zero_with_its_traceback(tmp_pa
     assert "mimotron train: rank 1 failed: InjectedFault: rank 1: injected failure at " \
            "iteration 2 (MIMOTRON_FAIL_AT_ITER=2)" in out
     assert "Traceback (most recent call last)" in out and "in inject_fault" in out
-    assert "mimotron train: rank 1 failed (exit code 1)" in out  # The launcher's verdict.
+    # The launcher's verdict names rank 1, never rank 0 (blocked on it, so collateral).
+    verdict = re.search(r"mimotron train: rank \d failed \(.*", out)
+    assert verdict is not None, out[-4000:]
+    assert verdict[0].startswith("mimotron train: rank 1 failed (exit code 1); its error is "
+                                 "printed above"), verdict[0]
+    assert re.search(COLLATERAL, verdict[0]), verdict[0]
     iterations = [json.loads(x)["iteration"] for x in
                   (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert iterations == [1]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def test_a_rank_killed_by_a_signal_is_named_as_the_root_cause(tmp_path):
+    # Rank 1 SIGKILLs itself at iteration 2: it reports nothing; rank 0 loses its peer.
+    proc = subprocess.run(
+        [sys.executable, "-m", "mimotron", "train", COLOCATED, *TINY, "train.iters=5",
+         "train.pg_timeout_s=60", f"log.dir={tmp_path}"],
+        cwd=ROOT, env=_env(MIMOTRON_FAIL_AT_ITER="2", MIMOTRON_FAIL_RANK="1",
+                           MIMOTRON_FAIL_SIGNAL="SIGKILL"),
+        capture_output=True, text=True, timeout=240)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out[-4000:]
+    verdict = re.search(r"mimotron train: rank \d failed \(.*", out)
+    assert verdict is not None, out[-4000:]
+    assert verdict[0].startswith("mimotron train: rank 1 failed (killed by signal SIGKILL)"), \
+        verdict[0]
+    assert re.search(COLLATERAL, verdict[0]), verdict[0]
 
 
 def test_two_torchrun_nodes_train_a_heterogeneous_layout(tmp_path):
@@ -62,10 +84,11 @@ def test_two_torchrun_nodes_train_a_heterogeneous_layout(tmp_path):
     layout = ["modules.vision.parallel.data=1", "modules.vision.parallel.rank_offset=0",
               "modules.audio.parallel.data=1", "modules.audio.parallel.rank_offset=1",
               "modules.language.parallel.data=2", "modules.language.parallel.rank_offset=2"]
-    port = _free_port()
+    # Rendezvous on a file (c10d backend, file store): no port to pick and hand over.
     procs = [subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={node}",
-         "--nproc-per-node=2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+         "--nproc-per-node=2", "--rdzv-backend=c10d", f"--rdzv-endpoint={tmp_path}/rdzv",
+         "--rdzv-conf=store_type=file",
          "--rdzv-id=mimotron-two-nodes", "--max-restarts=0", "--local-addr=127.0.0.1",
          "-m", "mimotron", "train", DIGITS, *TINY, *layout, "train.iters=3",
          "train.pg_timeout_s=120", f"log.dir={tmp_path}"],

@@ -13,12 +13,15 @@
   ``MIMOTRON_FAIL_RANK=r``, default every rank) in the environment, rank ``r`` raises
   :class:`InjectedFault` while fetching the data of iteration ``k`` — inside the step,
   while its peers are about to wait on it — so tests can check that one failing rank ends
-  the whole job. Unset, it costs one dictionary lookup per step.
+  the whole job. With ``MIMOTRON_FAIL_SIGNAL=SIGKILL`` (any signal name) the rank kills
+  itself with that signal instead of raising. Unset, it costs one dictionary lookup per
+  step.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
@@ -35,6 +38,7 @@ from mimotron.runtime import synchronize
 
 FAIL_AT_ITER_ENV = "MIMOTRON_FAIL_AT_ITER"
 FAIL_RANK_ENV = "MIMOTRON_FAIL_RANK"
+FAIL_SIGNAL_ENV = "MIMOTRON_FAIL_SIGNAL"
 
 
 class InjectedFault(RuntimeError):
@@ -42,7 +46,7 @@ class InjectedFault(RuntimeError):
 
 
 def inject_fault(iteration: int, rank: int) -> None:
-    """Raise :class:`InjectedFault` if the environment asks this rank to fail now.
+    """Raise :class:`InjectedFault` (or die by a signal) if the environment says so.
 
     Args:
         iteration: the iteration being run (from 1).
@@ -50,15 +54,20 @@ def inject_fault(iteration: int, rank: int) -> None:
 
     Raises:
         InjectedFault: ``MIMOTRON_FAIL_AT_ITER == iteration`` and ``MIMOTRON_FAIL_RANK``
-            is unset or equals ``rank``.
+            is unset or equals ``rank`` (and ``MIMOTRON_FAIL_SIGNAL`` is unset; when it
+            is set, e.g. to ``SIGKILL``, the rank sends itself that signal instead).
     """
     at = os.environ.get(FAIL_AT_ITER_ENV)
     if at is None or int(at) != iteration:
         return
     who = os.environ.get(FAIL_RANK_ENV)
-    if who is None or int(who) == rank:
-        raise InjectedFault(f"rank {rank}: injected failure at iteration {iteration} "
-                            f"({FAIL_AT_ITER_ENV}={at})")
+    if who is not None and int(who) != rank:
+        return
+    how = os.environ.get(FAIL_SIGNAL_ENV)
+    if how is not None:
+        os.kill(os.getpid(), signal.Signals[how])
+    raise InjectedFault(f"rank {rank}: injected failure at iteration {iteration} "
+                        f"({FAIL_AT_ITER_ENV}={at})")
 
 
 class ModuleTimes:
