@@ -6,7 +6,7 @@ a one-process loop that shares no training code with the engine. Per iteration: 
 loss and the global grad norm (<= 1e-4 relative), the loss-token count (exact) and every
 module's grad norm after clipping (<= 1e-4; a SUM-vs-AVG slip in one module cannot hide
 behind Adam's scale invariance). At the end: every parameter, gathered to full shape,
-within 1e-3 relative L2 of the reference, and bitwise identical on every rank that holds
+within 1e-4 relative L2 of the reference, and bitwise identical on every rank that holds
 a copy (DP replicas, TP duplicates).
 
 Several cases use micro-batches of 4 samples so that encoder DP slices regularly hold no
@@ -41,7 +41,7 @@ NUM_ITERS = 12
 PARITY = ["train.iters=12"]
 SMALL_MB = ["train.micro_batch_size=4"]  # 4 micro-batches; DP slices of 1-2 samples
 LOSS_REL = 1e-4
-WEIGHT_REL = 1e-3
+WEIGHT_REL = 1e-4  # the worst measured is 2.2e-6 (README, Heterogeneous parallelism)
 
 
 ZERO = [f"modules.{m}.parallel.shard_optimizer=true" for m in ("vision", "audio", "language")]
