@@ -15,7 +15,7 @@ from mimotron.config import load_config
 from mimotron.pipeline import communicator as communicator_module
 from mimotron.pipeline.p2p import exchange
 from mimotron.runtime import init_runtime
-from mimotron.training.loop import setup_mimo
+from mimotron.training.loop import MimoRun, setup_mimo
 from mimotron.training.step import default_forward_step, train_step_mimo
 
 DIGITS = Path(__file__).resolve().parents[1] / "configs" / "digits.toml"
@@ -61,6 +61,13 @@ def coloc(vision: dict, audio: dict, language: dict) -> list[str]:
 ONE_RANK = colocated(1)
 
 
+def train_step(run: MimoRun) -> tuple[dict, bool, float | None, int | None]:
+    """One ``train_step_mimo`` of a ``setup_mimo`` run with the default forward step."""
+    return train_step_mimo(default_forward_step, run.train_data_iterator, run.model,
+                           run.optimizer, run.schedulers, run.global_state, run.communicator,
+                           infra=run.infra)
+
+
 def train_steps(rank: int, world: int, overrides: list[str], num_iters: int) -> list[tuple]:
     """Train ``num_iters`` iterations through the real engine on this rank.
 
@@ -71,9 +78,7 @@ def train_steps(rank: int, world: int, overrides: list[str], num_iters: int) -> 
     run = setup_mimo(cfg, init_runtime())
     out = []
     for _ in range(num_iters):
-        loss, skipped, grad_norm, _ = train_step_mimo(
-            default_forward_step, run.train_data_iterator, run.model, run.optimizer,
-            run.schedulers, run.global_state, run.communicator, infra=run.infra)
+        loss, skipped, grad_norm, _ = train_step(run)
         out.append((loss["loss"], grad_norm, skipped, loss["num_tokens"]))
     return out
 
@@ -134,9 +139,7 @@ def engine_run(rank: int, world: int, overrides: list[str], num_iters: int) -> d
     communicator_module.exchange = counting_exchange  # this forked rank only
     steps = []
     for _ in range(num_iters):
-        loss, skipped, grad_norm, _ = train_step_mimo(
-            default_forward_step, run.train_data_iterator, run.model, run.optimizer,
-            run.schedulers, run.global_state, run.communicator, infra=run.infra)
+        loss, skipped, grad_norm, _ = train_step(run)
         steps.append((loss["loss"], grad_norm, skipped, loss["num_tokens"]))
     weights = {n: _full(p.detach()).clone() for n, p in run.model.named_parameters()}
     return {"steps": steps, "grad_sq": grad_sq, "weights": weights, **counts}

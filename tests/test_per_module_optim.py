@@ -24,8 +24,7 @@ from mimotron.config import load_config
 from mimotron.optim import DynamicLossScaler, MimoOptimizer, ModuleOptimizerInfo, OptimizerConfig
 from mimotron.runtime import init_runtime
 from mimotron.training.loop import setup_mimo
-from mimotron.training.step import default_forward_step, train_step_mimo
-from tests.common import BASE, ONE_RANK
+from tests.common import BASE, ONE_RANK, train_step
 
 DIGITS = Path(__file__).resolve().parents[1] / "configs" / "digits.toml"
 SIZES = {"a": (4, 3), "b": (6, 4), "c": (3, 5)}
@@ -135,9 +134,7 @@ def _engine_steps(overrides: list[str], iters: int = 2) -> tuple[list[tuple], di
     run = setup_mimo(cfg, init_runtime())
     steps = []
     for _ in range(iters):
-        loss, skipped, norm, _ = train_step_mimo(
-            default_forward_step, run.train_data_iterator, run.model, run.optimizer,
-            run.schedulers, run.global_state, run.communicator, infra=run.infra)
+        loss, skipped, norm, _ = train_step(run)
         steps.append((loss["loss"], skipped, norm, float(run.optimizer.get_loss_scale())))
     infos = run.optimizer.module_infos
     return steps, {n: (i.clip_grad, i.loss_scaler.state_dict()) for n, i in infos.items()}

@@ -29,8 +29,8 @@ from mimotron.parallel.zero import ZeroShards, chunk_range, shard_dim
 from mimotron.runtime import init_runtime
 from mimotron.testing import run_ranks
 from mimotron.training.loop import setup_mimo
-from mimotron.training.step import default_forward_step, train_step_mimo
 from tests.common import BASE as COMMON_BASE
+from tests.common import train_step
 
 DIGITS = Path(__file__).resolve().parents[1] / "configs" / "digits.toml"
 ADAM = {"lr": 0.01, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
@@ -176,9 +176,7 @@ def _train(rank: int, world: int, overrides: list[str]) -> dict:
     run = setup_mimo(cfg, init_runtime())
     steps = []
     for _ in range(NUM_ITERS):
-        loss, skipped, grad_norm, num_zeros = train_step_mimo(
-            default_forward_step, run.train_data_iterator, run.model, run.optimizer,
-            run.schedulers, run.global_state, run.communicator, infra=run.infra)
+        loss, skipped, grad_norm, num_zeros = train_step(run)
         steps.append((loss["loss"], grad_norm, skipped, num_zeros))
     state, rows = {}, {}
     for name, info in run.optimizer.module_infos.items():
