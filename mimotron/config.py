@@ -20,172 +20,72 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-ENCODER_KINDS = ("vit", "audio")
-LANGUAGE_KINDS = ("language",)
-MODULE_KINDS = ENCODER_KINDS + LANGUAGE_KINDS
-PRECISIONS = ("fp32", "bf16", "fp16")
-DECAY_STYLES = ("cosine", "linear", "constant")
-OPTIMIZERS = ("adamw", "adam", "sgd")
-DATASETS = ("digits", "mock")
-SCHEDULES = ("1f1b", "no_pipelining")
+from mimotron.config_schema import (
+    DATASETS,
+    DECAY_STYLES,
+    ENCODER_KINDS,
+    LANGUAGE_KINDS,
+    MODULE_KINDS,
+    OPTIMIZERS,
+    PRECISIONS,
+    SCHEDULES,
+    WEIGHT_DECAY_STYLES,
+    CheckpointConfig,
+    DataConfig,
+    DatasetName,
+    DecayStyle,
+    EncoderKind,
+    EvalConfig,
+    LanguageKind,
+    LogConfig,
+    ModuleConfig,
+    ModuleKind,
+    OptimizerConfig,
+    OptimizerName,
+    ParallelConfig,
+    Precision,
+    ProfileConfig,
+    Schedule,
+    SchedulerConfig,
+    TrainConfig,
+    WeightDecayStyle,
+)
 
-
-@dataclass
-class ParallelConfig:
-    """Parallel degrees of one module; its ranks are ``[rank_offset, rank_offset+size)``."""
-
-    tensor: int = 1
-    pipeline: int = 1
-    data: int = 1
-    context: int = 1
-    expert: int = 1
-    expert_tensor: int = 1
-    rank_offset: int = 0
-    sequence_parallel: bool = False
-    shard_optimizer: bool = False
-    # Explicit layers per pipeline stage, e.g. [1, 3]; empty = balanced split.
-    layers_per_stage: list[int] = field(default_factory=list)
-
-    @property
-    def size(self) -> int:
-        """Number of ranks the module occupies."""
-        return self.tensor * self.context * self.data * self.pipeline
-
-
-@dataclass
-class OptimizerConfig:
-    """Optimizer settings; every key can be overridden per module."""
-
-    name: str = "adamw"
-    lr: float = 1e-3
-    min_lr: float = 0.0
-    weight_decay: float = 0.0
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    eps: float = 1e-8
-    momentum: float = 0.0
-    clip_grad: float = 1.0
-    # Parameters whose name contains one of these substrings get no weight decay.
-    no_decay: list[str] = field(default_factory=lambda: ["norm", "bias"])
-    # Dynamic loss scaling (fp16 only).
-    initial_loss_scale: float = 2.0**16
-    min_loss_scale: float = 1.0
-    loss_scale_window: int = 1000
-    hysteresis: int = 2
-
-
-@dataclass
-class SchedulerConfig:
-    """Learning-rate schedule: linear warm-up then decay to ``optimizer.min_lr``."""
-
-    warmup_iters: int = 0
-    decay_style: str = "cosine"
-    decay_iters: int = 0  # 0 = train.iters
-    min_lr: float | None = None  # None = optimizer.min_lr
-    start_weight_decay: float | None = None  # None = constant weight decay
-    end_weight_decay: float | None = None
-    weight_decay_style: str = "constant"
-
-
-@dataclass
-class ModuleConfig:
-    """One module of the model: an encoder with its projection, or the language model."""
-
-    kind: str = "language"
-    hidden_size: int = 128
-    num_layers: int = 2
-    num_heads: int = 4
-    ffn_hidden_size: int = 0  # 0 = 4 * hidden_size rounded for SwiGLU
-    # Encoders: projector hidden width (0 = language hidden size).
-    projector_hidden_size: int = 0
-    # vit
-    image_size: int = 8
-    patch_size: int = 2
-    in_channels: int = 1
-    # audio
-    num_freq_bins: int = 129
-    num_frames: int = 16
-    num_audio_tokens: int = 4
-    freeze: bool = False
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    # Per-module overrides of [optimizer] and [scheduler] keys.
-    optimizer: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def is_encoder(self) -> bool:
-        return self.kind in ENCODER_KINDS
-
-    @property
-    def modality(self) -> str | None:
-        """Input modality an encoder consumes (``image`` or ``audio``)."""
-        return {"vit": "image", "audio": "audio"}.get(self.kind)
-
-    @property
-    def num_output_tokens(self) -> int:
-        """Embeddings an encoder emits per sample (placeholders in the text)."""
-        if self.kind == "vit":
-            return (self.image_size // self.patch_size) ** 2
-        if self.kind == "audio":
-            return self.num_audio_tokens
-        return 0
-
-
-@dataclass
-class DataConfig:
-    dataset: str = "digits"
-    seq_length: int = 64
-    train_fraction: float = 0.8
-    # Mix of sample kinds in the digits task (normalised).
-    p_image: float = 0.3
-    p_audio: float = 0.2
-    p_both: float = 0.4
-    p_text: float = 0.1
-    image_shift: int = 1
-    mock_num_samples: int = 256
-
-
-@dataclass
-class TrainConfig:
-    iters: int = 100
-    global_batch_size: int = 32
-    micro_batch_size: int = 8
-    seed: int = 1234
-    precision: str = "fp32"
-    schedule: str = "1f1b"  # 1f1b | no_pipelining
-    exit_interval: int = 0
-    exit_duration_mins: float = 0.0
-    max_skipped: int = 10
-    pg_timeout_s: float = 300.0
-
-
-@dataclass
-class EvalConfig:
-    interval: int = 50
-    iters: int = 0  # 0 = the whole validation split
-
-
-@dataclass
-class CheckpointConfig:
-    dir: str = ""  # "" = <log.dir>/checkpoints
-    interval: int = 0
-    load: str = "auto"
-    async_save: bool = False
-    keep: int = 3
-
-
-@dataclass
-class LogConfig:
-    dir: str = ""  # "" = runs/<name>
-    interval: int = 1
-    tensorboard: bool = False
-    progress: bool = True
-
-
-@dataclass
-class ProfileConfig:
-    enabled: bool = False
-    start: int = 2
-    end: int = 4
-    ranks: list[int] = field(default_factory=lambda: [0])
+__all__ = [
+    "DATASETS",
+    "DECAY_STYLES",
+    "ENCODER_KINDS",
+    "LANGUAGE_KINDS",
+    "MODULE_KINDS",
+    "OPTIMIZERS",
+    "PRECISIONS",
+    "SCHEDULES",
+    "WEIGHT_DECAY_STYLES",
+    "CheckpointConfig",
+    "DataConfig",
+    "DatasetName",
+    "DecayStyle",
+    "EncoderKind",
+    "EvalConfig",
+    "LanguageKind",
+    "LogConfig",
+    "MimoConfig",
+    "ModuleConfig",
+    "ModuleKind",
+    "OptimizerConfig",
+    "OptimizerName",
+    "ParallelConfig",
+    "Precision",
+    "ProfileConfig",
+    "Schedule",
+    "SchedulerConfig",
+    "TrainConfig",
+    "WeightDecayStyle",
+    "apply_override",
+    "config_from_dict",
+    "load_config",
+    "parse_override",
+]
 
 
 @dataclass
@@ -193,15 +93,27 @@ class MimoConfig:
     """The whole run: model modules with their layouts, data, training, logging."""
 
     name: str = "mimotron"
+    """Run name; outputs go to runs/<name>/ unless log.dir is set."""
     modules: dict[str, ModuleConfig] = field(default_factory=dict)
+    """The model's modules, one ``[modules.<m>]`` table each, in merge order; ``language``
+    is required.
+    """
     data: DataConfig = field(default_factory=DataConfig)
+    """The ``[data]`` table."""
     train: TrainConfig = field(default_factory=TrainConfig)
+    """The ``[train]`` table."""
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    """The ``[optimizer]`` table (defaults for every module)."""
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    """The ``[scheduler]`` table (defaults for every module)."""
     eval: EvalConfig = field(default_factory=EvalConfig)
+    """The ``[eval]`` table."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """The ``[checkpoint]`` table."""
     log: LogConfig = field(default_factory=LogConfig)
+    """The ``[log]`` table."""
     profile: ProfileConfig = field(default_factory=ProfileConfig)
+    """The ``[profile]`` table."""
 
     # ---- derived values -------------------------------------------------------------
     @property
@@ -388,10 +300,10 @@ def _validate_scheduler(s: SchedulerConfig, p: str) -> None:
            f"one of {DECAY_STYLES}")
     _check(s.decay_iters >= 0, f"{p}.decay_iters", s.decay_iters, "an integer >= 0")
     _check(
-        s.weight_decay_style in ("constant", "linear", "cosine"),
+        s.weight_decay_style in WEIGHT_DECAY_STYLES,
         f"{p}.weight_decay_style",
         s.weight_decay_style,
-        "one of ('constant', 'linear', 'cosine')",
+        f"one of {WEIGHT_DECAY_STYLES}",
     )
 
 
@@ -519,6 +431,11 @@ def _coerce(hint: Any, value: Any, name: str) -> Any:
             raise ValueError(f"{name}={value!r} is invalid: expected a table")
         return _build(hint, value, f"{name}.")
     origin = typing.get_origin(hint)
+    if origin is typing.Literal:
+        choices = typing.get_args(hint)
+        if isinstance(value, list | dict) or value not in choices:
+            raise ValueError(f"{name}={value!r} is invalid: expected one of {choices}")
+        return value
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(hint) if a is not type(None)]
         return None if value is None else _coerce(args[0], value, name)

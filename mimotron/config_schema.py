@@ -1,0 +1,353 @@
+"""The run config's sections: one dataclass per TOML table, every field documented.
+
+Each field carries an attribute docstring (a string literal right after it, as in
+torchtitan's ``JobConfig``): what it means, its unit, the valid values and how it
+interacts with other keys. :mod:`mimotron.config_docs` reads these docstrings to render
+the README's configuration table, so they are the one source of the config docs. Fields
+with a fixed set of values are typed ``Literal[...]``; the parser
+(:func:`mimotron.config.config_from_dict`) rejects any other value, and the tuples
+``PRECISIONS``, ``DECAY_STYLES``, ... are derived from those types. The whole run,
+loading and validation live in :mod:`mimotron.config`, which re-exports every name here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal, get_args
+
+EncoderKind = Literal["vit", "audio"]
+LanguageKind = Literal["language"]
+ModuleKind = Literal[EncoderKind, LanguageKind]
+Precision = Literal["fp32", "bf16", "fp16"]
+DecayStyle = Literal["cosine", "linear", "constant"]
+WeightDecayStyle = Literal["constant", "linear", "cosine"]
+OptimizerName = Literal["adamw", "adam", "sgd"]
+DatasetName = Literal["digits", "mock"]
+Schedule = Literal["1f1b", "no_pipelining"]
+
+ENCODER_KINDS: tuple[str, ...] = get_args(EncoderKind)
+LANGUAGE_KINDS: tuple[str, ...] = get_args(LanguageKind)
+MODULE_KINDS: tuple[str, ...] = get_args(ModuleKind)
+PRECISIONS: tuple[str, ...] = get_args(Precision)
+DECAY_STYLES: tuple[str, ...] = get_args(DecayStyle)
+WEIGHT_DECAY_STYLES: tuple[str, ...] = get_args(WeightDecayStyle)
+OPTIMIZERS: tuple[str, ...] = get_args(OptimizerName)
+DATASETS: tuple[str, ...] = get_args(DatasetName)
+SCHEDULES: tuple[str, ...] = get_args(Schedule)
+
+
+@dataclass
+class ParallelConfig:
+    """Parallel degrees of one module; its ranks are ``[rank_offset, rank_offset+size)``."""
+
+    tensor: int = 1
+    """Tensor-parallel degree (>= 1); must divide the module's heads and hidden size."""
+    pipeline: int = 1
+    """Pipeline-parallel degree (>= 1, at most num_layers); colocated modules need 1.
+
+    Stages split the layers as ``layers_per_stage`` says, else evenly. When several
+    modules are colocated, pipeline parallelism needs non-colocated blocks instead.
+    """
+    data: int = 1
+    """Data-parallel degree (>= 1); must divide train.micro_batch_size.
+
+    Each replica takes a contiguous slice of every micro-batch. The DP degrees of
+    connected modules must divide one another.
+    """
+    context: int = 1
+    """Context-parallel degree; only 1 is supported (anything else is rejected)."""
+    expert: int = 1
+    """Expert-parallel degree (>= 1); expert x expert_tensor x pipeline must divide the
+    module's ranks.
+    """
+    expert_tensor: int = 1
+    """Expert tensor-parallel degree (>= 1); see ``expert``."""
+    rank_offset: int = 0
+    """First global rank of the module's block (>= 0).
+
+    Blocks either all coincide (colocated) or are disjoint and tile ``[0, world)``.
+    """
+    sequence_parallel: bool = False
+    """Sequence parallelism; not implemented, so true is rejected."""
+    shard_optimizer: bool = False
+    """ZeRO-1: shard the module's optimizer state over its DP group.
+
+    No effect with one DP replica; not supported together with tensor > 1.
+    """
+    layers_per_stage: list[int] = field(default_factory=list)
+    """Explicit layers per pipeline stage, e.g. ``[1, 3]``; empty = balanced split.
+
+    When set: one positive count per pipeline stage, summing to num_layers.
+    """
+
+    @property
+    def size(self) -> int:
+        """Number of ranks the module occupies."""
+        return self.tensor * self.context * self.data * self.pipeline
+
+
+@dataclass
+class OptimizerConfig:
+    """Optimizer settings; every key can be overridden per module."""
+
+    name: OptimizerName = "adamw"
+    """Optimizer: ``adamw``, ``adam`` or ``sgd``."""
+    lr: float = 1e-3
+    """Peak learning rate (> 0), reached at the end of warm-up."""
+    min_lr: float = 0.0
+    """Learning rate at the end of the decay (0 <= min_lr <= lr); scheduler.min_lr overrides it."""
+    weight_decay: float = 0.0
+    """Weight decay (>= 0) of parameters not matched by ``no_decay``.
+
+    The constant value unless scheduler.start_weight_decay / end_weight_decay are set.
+    """
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """Adam/AdamW ``(beta1, beta2)``, two numbers in [0, 1); ignored by sgd."""
+    eps: float = 1e-8
+    """Adam/AdamW epsilon (> 0); ignored by sgd."""
+    momentum: float = 0.0
+    """SGD momentum; only used when name = ``sgd``."""
+    clip_grad: float = 1.0
+    """Gradient clipping threshold (>= 0; 0 = no clipping) against the global grad norm.
+
+    The norm is taken over all modules; a module whose own (per-module) ``clip_grad``
+    differs clips against that same global norm with its own threshold.
+    """
+    no_decay: list[str] = field(default_factory=lambda: ["norm", "bias"])
+    """Parameter-name substrings whose parameters get no weight decay."""
+    initial_loss_scale: float = 2.0**16
+    """fp16 only: starting dynamic loss scale (> 0).
+
+    Each module keeps its own scaler; backward uses the minimum scale over the
+    trainable modules.
+    """
+    min_loss_scale: float = 1.0
+    """fp16 only: the dynamic loss scale never drops below this."""
+    loss_scale_window: int = 1000
+    """fp16 only: consecutive clean steps (>= 1) before the loss scale doubles."""
+    hysteresis: int = 2
+    """fp16 only: non-finite steps (>= 1) tolerated before the loss scale halves."""
+
+
+@dataclass
+class SchedulerConfig:
+    """Learning-rate schedule: linear warm-up then decay to ``optimizer.min_lr``."""
+
+    warmup_iters: int = 0
+    """Iterations of linear warm-up from 0 to optimizer.lr (>= 0, at most the decay length)."""
+    decay_style: DecayStyle = "cosine"
+    """Learning-rate decay after warm-up: ``cosine``, ``linear`` or ``constant``."""
+    decay_iters: int = 0
+    """Iteration at which the decay reaches min_lr (>= 0); 0 = train.iters."""
+    min_lr: float | None = None
+    """Final learning rate; unset = optimizer.min_lr. Not a per-module key."""
+    start_weight_decay: float | None = None
+    """Weight decay at iteration 0; unset (with end_weight_decay unset) = constant
+    optimizer.weight_decay.
+
+    If only one of start/end is set, the other is optimizer.weight_decay.
+    """
+    end_weight_decay: float | None = None
+    """Weight decay at the end of the decay; see ``start_weight_decay``."""
+    weight_decay_style: WeightDecayStyle = "constant"
+    """How weight decay moves from start to end: ``constant``, ``linear`` or ``cosine``.
+
+    Only used when start_weight_decay or end_weight_decay is set.
+    """
+
+
+@dataclass
+class ModuleConfig:
+    """One module of the model: an encoder with its projection, or the language model."""
+
+    kind: ModuleKind = "language"
+    """``vit``, ``audio`` (encoders) or ``language``; a module named ``language`` of kind
+    ``language`` is required.
+
+    At most one encoder per modality (image for vit, audio for audio).
+    """
+    hidden_size: int = 128
+    """Transformer hidden size (>= 1, a multiple of num_heads)."""
+    num_layers: int = 2
+    """Transformer layers (>= 1)."""
+    num_heads: int = 4
+    """Attention heads (>= 1, dividing hidden_size)."""
+    ffn_hidden_size: int = 0
+    """SwiGLU inner width; 0 = two thirds of 4 x hidden_size, rounded up to a multiple of 8."""
+    projector_hidden_size: int = 0
+    """Encoders: width of the MLP projector into the language model; 0 = the language hidden
+    size.
+    """
+    image_size: int = 8
+    """vit only: image side in pixels (the digits images are 8 x 8)."""
+    patch_size: int = 2
+    """vit only: patch side in pixels, dividing image_size; emits (image_size /
+    patch_size)^2 tokens.
+    """
+    in_channels: int = 1
+    """vit only: image channels."""
+    num_freq_bins: int = 129
+    """audio only: frequency bins of the input spectrogram."""
+    num_frames: int = 16
+    """audio only: spectrogram frames."""
+    num_audio_tokens: int = 4
+    """audio only: tokens the encoder emits per sample, dividing num_frames."""
+    freeze: bool = False
+    """Freeze the module: no gradients, no optimizer state, no gradient sync; not every
+    module may be frozen.
+    """
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """The module's parallel layout (the ``[modules.<m>.parallel]`` table)."""
+    optimizer: dict[str, Any] = field(default_factory=dict)
+    """Per-module overrides of any [optimizer] or [scheduler] key except scheduler.min_lr.
+
+    E.g. ``lr``, ``warmup_iters``, ``clip_grad``; keys not given fall back to the global
+    tables. Each module gets its own optimizer and schedule built from the result.
+    """
+
+    @property
+    def is_encoder(self) -> bool:
+        """Whether the module is an encoder (any kind but ``language``)."""
+        return self.kind in ENCODER_KINDS
+
+    @property
+    def modality(self) -> str | None:
+        """Input modality an encoder consumes (``image`` or ``audio``)."""
+        return {"vit": "image", "audio": "audio"}.get(self.kind)
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Embeddings an encoder emits per sample (placeholders in the text)."""
+        if self.kind == "vit":
+            return (self.image_size // self.patch_size) ** 2
+        if self.kind == "audio":
+            return self.num_audio_tokens
+        return 0
+
+
+@dataclass
+class DataConfig:
+    """The training data: which task, how long a sample is, how it is split and mixed."""
+
+    dataset: DatasetName = "digits"
+    """``digits`` (sklearn digits images + synthesised DTMF audio) or ``mock`` (random
+    tensors for tests).
+    """
+    seq_length: int = 64
+    """Tokens per sample, placeholders included; too small for the prompt and answer is an error."""
+    train_fraction: float = 0.8
+    """Share of the items in the train split, in (0, 1); the rest is validation.
+
+    Both splits must be non-empty (digits: 0.8 gives 1438 / 359 images).
+    """
+    p_image: float = 0.3
+    """Digits: weight of image-only samples (the four p_* weights are normalised; >= 0,
+    positive sum).
+    """
+    p_audio: float = 0.2
+    """Digits: weight of audio-only samples."""
+    p_both: float = 0.4
+    """Digits: weight of image + audio samples."""
+    p_text: float = 0.1
+    """Digits: weight of text-only samples."""
+    image_shift: int = 1
+    """Digits: largest random image shift in pixels (>= 0), train split only; 0 disables it."""
+    mock_num_samples: int = 256
+    """Mock: samples in the dataset (>= 2), split by train_fraction."""
+
+
+@dataclass
+class TrainConfig:
+    """The training loop: length, batch sizes, seed, precision, schedule, stop rules."""
+
+    iters: int = 100
+    """Training iterations (optimizer steps, >= 1)."""
+    global_batch_size: int = 32
+    """Samples per iteration, a multiple of micro_batch_size; num_microbatches = global / micro."""
+    micro_batch_size: int = 8
+    """Samples per micro-batch over the whole run (the GLOBAL micro-batch), divisible by
+    every module's data degree.
+
+    Each DP replica of a module takes a contiguous micro_batch_size / data slice.
+    """
+    seed: int = 1234
+    """Run seed: parameter init and data (sample content and order)."""
+    precision: Precision = "fp32"
+    """``fp32``, ``bf16`` or ``fp16``: autocast compute; master weights and optimizer state
+    stay fp32.
+
+    fp16 adds dynamic loss scaling (the optimizer's loss-scale keys).
+    """
+    schedule: Schedule = "1f1b"
+    """Pipeline schedule: ``1f1b`` or ``no_pipelining`` (each micro-batch's backward before
+    the next forward).
+    """
+    exit_interval: int = 0
+    """Stop (after saving a checkpoint) when the iteration is a multiple of this (>= 0); 0 = off."""
+    exit_duration_mins: float = 0.0
+    """Stop (after saving a checkpoint) once this many minutes have passed; 0 = off."""
+    max_skipped: int = 10
+    """Stop after this many consecutive skipped (non-finite) steps (>= 1)."""
+    pg_timeout_s: float = 300.0
+    """Process-group timeout in seconds (> 0): no rank waits forever on a dead peer."""
+
+
+@dataclass
+class EvalConfig:
+    """Evaluation on the validation split."""
+
+    interval: int = 50
+    """Evaluate every this many iterations (>= 1) and at the end."""
+    iters: int = 0
+    """Validation steps per evaluation (>= 0); 0 = the whole validation split."""
+
+
+@dataclass
+class CheckpointConfig:
+    """Checkpoint saving and resuming."""
+
+    dir: str = ""
+    """Checkpoint directory; "" = <log.dir>/checkpoints."""
+    interval: int = 0
+    """Save every this many iterations and at the end (>= 0); 0 = no periodic or final saves."""
+    load: str = "auto"
+    """``auto`` (resume from the latest checkpoint in dir, if any), ``none`` (start fresh)
+    or a checkpoint path.
+    """
+    async_save: bool = False
+    """Save on a background thread (own process group) while training continues."""
+    keep: int = 3
+    """Complete checkpoints to keep (>= 1); older ones are deleted."""
+
+
+@dataclass
+class LogConfig:
+    """Metrics and console output."""
+
+    dir: str = ""
+    """Run output directory (metrics.jsonl, checkpoints, traces); "" = runs/<name>."""
+    interval: int = 1
+    """Write a train record every this many iterations (>= 1) and at the end; its metrics
+    are means over the interval.
+
+    loss is token-weighted and accuracy sample-weighted over the interval's
+    non-skipped iterations; the last iteration's values are kept with a ``_last`` suffix.
+    """
+    tensorboard: bool = False
+    """Also write TensorBoard scalars under <log.dir>/tensorboard."""
+    progress: bool = True
+    """Print to the console: banner, a line per log interval, summary (a bar on a terminal)."""
+
+
+@dataclass
+class ProfileConfig:
+    """torch.profiler traces."""
+
+    enabled: bool = False
+    """Record torch.profiler Chrome traces under <log.dir>/profile/."""
+    start: int = 2
+    """First profiled iteration (numbered from 1; 0 <= start <= end)."""
+    end: int = 4
+    """Last profiled iteration (inclusive)."""
+    ranks: list[int] = field(default_factory=lambda: [0])
+    """Global ranks to profile; each must exist in the world."""
