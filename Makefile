@@ -6,7 +6,7 @@ TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: venv demo test lint plan clean
+.PHONY: venv demo test lint plan docs clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,10 @@ lint: $(STAMP)
 
 plan: $(STAMP)
 	$(VENV)/bin/mimotron plan configs/digits.toml
+
+# README's configuration table, generated from the config dataclasses' field docstrings.
+docs: $(STAMP)
+	$(PY) -m mimotron.config_docs README.md
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache

@@ -93,7 +93,7 @@ class MimoConfig:
     """The whole run: model modules with their layouts, data, training, logging."""
 
     name: str = "mimotron"
-    """Run name; outputs go to runs/<name>/ unless log.dir is set."""
+    """Run name; outputs go to ``runs/<name>/`` unless log.dir is set."""
     modules: dict[str, ModuleConfig] = field(default_factory=dict)
     """The model's modules, one ``[modules.<m>]`` table each, in merge order; ``language``
     is required.

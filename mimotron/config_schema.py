@@ -97,9 +97,8 @@ class OptimizerConfig:
     min_lr: float = 0.0
     """Learning rate at the end of the decay (0 <= min_lr <= lr); scheduler.min_lr overrides it."""
     weight_decay: float = 0.0
-    """Weight decay (>= 0) of parameters not matched by ``no_decay``.
-
-    The constant value unless scheduler.start_weight_decay / end_weight_decay are set.
+    """Weight decay (>= 0) of parameters not matched by ``no_decay``; constant unless
+    scheduler.start_weight_decay / end_weight_decay are set.
     """
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     """Adam/AdamW ``(beta1, beta2)``, two numbers in [0, 1); ignored by sgd."""
@@ -108,18 +107,18 @@ class OptimizerConfig:
     momentum: float = 0.0
     """SGD momentum; only used when name = ``sgd``."""
     clip_grad: float = 1.0
-    """Gradient clipping threshold (>= 0; 0 = no clipping) against the global grad norm.
-
-    The norm is taken over all modules; a module whose own (per-module) ``clip_grad``
-    differs clips against that same global norm with its own threshold.
+    """Max gradient norm (>= 0; 0 = no clipping), measured as the global norm over all
+    modules; a per-module value clips that module against the same global norm with its
+    own threshold.
     """
     no_decay: list[str] = field(default_factory=lambda: ["norm", "bias"])
     """Parameter-name substrings whose parameters get no weight decay."""
     initial_loss_scale: float = 2.0**16
-    """fp16 only: starting dynamic loss scale (> 0).
+    """fp16 only: starting dynamic loss scale (> 0); each module keeps its own scaler and
+    backward uses the minimum scale over the trainable modules.
 
-    Each module keeps its own scaler; backward uses the minimum scale over the
-    trainable modules.
+    All scalers are updated from the world-wide found-inf flag, so every rank sees the
+    same scales.
     """
     min_loss_scale: float = 1.0
     """fp16 only: the dynamic loss scale never drops below this."""
@@ -199,10 +198,12 @@ class ModuleConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     """The module's parallel layout (the ``[modules.<m>.parallel]`` table)."""
     optimizer: dict[str, Any] = field(default_factory=dict)
-    """Per-module overrides of any [optimizer] or [scheduler] key except scheduler.min_lr.
+    """Per-module overrides: ``[modules.<m>.optimizer]`` overrides any ``[optimizer]`` or
+    ``[scheduler]`` key (except ``scheduler.min_lr``) for this module, e.g. ``lr``,
+    ``warmup_iters``, ``clip_grad``.
 
-    E.g. ``lr``, ``warmup_iters``, ``clip_grad``; keys not given fall back to the global
-    tables. Each module gets its own optimizer and schedule built from the result.
+    Keys not given fall back to the global tables. Each module gets its own optimizer
+    and schedule built from the result.
     """
 
     @property
@@ -241,7 +242,7 @@ class DataConfig:
     Both splits must be non-empty (digits: 0.8 gives 1438 / 359 images).
     """
     p_image: float = 0.3
-    """Digits: weight of image-only samples (the four p_* weights are normalised; >= 0,
+    """Digits: weight of image-only samples (the four ``p_*`` weights are normalised; >= 0,
     positive sum).
     """
     p_audio: float = 0.2
@@ -307,7 +308,7 @@ class CheckpointConfig:
     """Checkpoint saving and resuming."""
 
     dir: str = ""
-    """Checkpoint directory; "" = <log.dir>/checkpoints."""
+    """Checkpoint directory; ``""`` = ``<log.dir>/checkpoints``."""
     interval: int = 0
     """Save every this many iterations and at the end (>= 0); 0 = no periodic or final saves."""
     load: str = "auto"
@@ -325,7 +326,7 @@ class LogConfig:
     """Metrics and console output."""
 
     dir: str = ""
-    """Run output directory (metrics.jsonl, checkpoints, traces); "" = runs/<name>."""
+    """Run output directory (metrics.jsonl, checkpoints, traces); ``""`` = ``runs/<name>``."""
     interval: int = 1
     """Write a train record every this many iterations (>= 1) and at the end; its metrics
     are means over the interval.
@@ -334,7 +335,7 @@ class LogConfig:
     non-skipped iterations; the last iteration's values are kept with a ``_last`` suffix.
     """
     tensorboard: bool = False
-    """Also write TensorBoard scalars under <log.dir>/tensorboard."""
+    """Also write TensorBoard scalars under ``<log.dir>/tensorboard``."""
     progress: bool = True
     """Print to the console: banner, a line per log interval, summary (a bar on a terminal)."""
 
@@ -344,7 +345,7 @@ class ProfileConfig:
     """torch.profiler traces."""
 
     enabled: bool = False
-    """Record torch.profiler Chrome traces under <log.dir>/profile/."""
+    """Record torch.profiler Chrome traces under ``<log.dir>/profile/``."""
     start: int = 2
     """First profiled iteration (numbered from 1; 0 <= start <= end)."""
     end: int = 4

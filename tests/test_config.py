@@ -2,11 +2,22 @@
 
 from __future__ import annotations
 
+import typing
 from pathlib import Path
 
 import pytest
 
-from mimotron.config import load_config, parse_override
+from mimotron.config import (
+    DECAY_STYLES,
+    PRECISIONS,
+    WEIGHT_DECAY_STYLES,
+    DecayStyle,
+    Precision,
+    WeightDecayStyle,
+    config_from_dict,
+    load_config,
+    parse_override,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 DIGITS = ROOT / "configs" / "digits.toml"
@@ -103,3 +114,40 @@ def test_missing_file_and_bad_toml(tmp_path):
 def test_two_encoders_for_one_modality_rejected():
     with pytest.raises(ValueError, match="modality 'image' is already encoded"):
         load_config(DIGITS, ["modules.audio.kind=vit"])
+
+
+def test_choice_tuples_come_from_the_literal_types():
+    assert PRECISIONS == typing.get_args(Precision) == ("fp32", "bf16", "fp16")
+    assert typing.get_args(DecayStyle) == DECAY_STYLES
+    assert typing.get_args(WeightDecayStyle) == WEIGHT_DECAY_STYLES
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        ({"train": {"precision": "fp8"}},
+         "train.precision='fp8' is invalid: expected one of ('fp32', 'bf16', 'fp16')"),
+        ({"scheduler": {"weight_decay_style": "step"}},
+         "scheduler.weight_decay_style='step' is invalid: expected one of "
+         "('constant', 'linear', 'cosine')"),
+        ({"modules": {"language": {"optimizer": {"name": "lion"}}}},
+         "modules.language.optimizer.name='lion' is invalid: expected one of "
+         "('adamw', 'adam', 'sgd')"),
+        ({"modules": {"v": {"kind": "clip"}}},
+         "modules.v.kind='clip' is invalid: expected one of ('vit', 'audio', 'language')"),
+        ({"data": {"dataset": ["digits"]}},
+         "data.dataset=['digits'] is invalid: expected one of ('digits', 'mock')"),
+    ],
+)
+def test_parser_rejects_values_outside_a_literal(raw, message):
+    """Literal fields are checked while parsing, before validation, in the usual format."""
+    with pytest.raises(ValueError) as info:
+        config_from_dict(raw)
+    assert str(info.value) == message
+
+
+def test_parser_accepts_literal_values():
+    cfg = config_from_dict({"train": {"precision": "bf16", "schedule": "no_pipelining"},
+                            "modules": {"language": {"optimizer": {"decay_style": "linear"}}}})
+    assert (cfg.train.precision, cfg.train.schedule) == ("bf16", "no_pipelining")
+    assert cfg.modules["language"].optimizer == {"decay_style": "linear"}
