@@ -1,7 +1,7 @@
 """Freezing a module: no gradients, no sync, no optimizer state; unfreezing on resume.
 
-``modules.<m>.freeze = true`` sets ``requires_grad=False`` on the module (in
-``get_mimo_optimizer``), so autograd neither computes nor keeps anything for it (its
+``modules.<m>.freeze = true`` sets ``requires_grad=False`` on the module (in model
+setup, ``build_rank_model``), so autograd neither computes nor keeps anything for it (its
 encoder output carries no graph), the DP sync skips it and no optimizer state exists.
 A module that was frozen when a state dict was written and trains after the resume
 starts from fresh optimizer state and a fresh schedule; every other module resumes
@@ -20,7 +20,6 @@ from torch import nn
 
 from mimotron.config import MimoConfig, ModuleConfig, load_config
 from mimotron.optim import (
-    freeze_modules,
     get_mimo_optimizer,
     load_schedulers_state_dict,
     schedulers_state_dict,
@@ -28,6 +27,7 @@ from mimotron.optim import (
 from mimotron.runtime import init_runtime
 from mimotron.testing import run_ranks
 from mimotron.training.loop import setup_mimo
+from mimotron.training.model_setup import freeze_modules
 from mimotron.training.step import default_forward_step, train_step_mimo
 from tests.common import BASE as COMMON_BASE
 from tests.common import MODULES, ONE_RANK

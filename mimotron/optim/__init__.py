@@ -4,7 +4,6 @@ from mimotron.config import OptimizerConfig
 from mimotron.optim.build import (
     build_schedulers,
     build_torch_optimizer,
-    freeze_modules,
     get_mimo_optimizer,
 )
 from mimotron.optim.loss_scaler import ConstantLossScaler, DynamicLossScaler, LossScaler
@@ -25,7 +24,6 @@ __all__ = [
     "OptimizerParamScheduler",
     "build_schedulers",
     "build_torch_optimizer",
-    "freeze_modules",
     "get_mimo_optimizer",
     "load_schedulers_state_dict",
     "schedulers_state_dict",

@@ -42,26 +42,6 @@ def _check_groups(name: str, grid: Any, pg: ProcessGroupCollection | None) -> No
         )
 
 
-def freeze_modules(mimo_model: Any, config: MimoConfig) -> list[str]:
-    """Stop gradients for every frozen module held on this rank (``requires_grad=False``).
-
-    Autograd then neither computes nor stores anything for the module: its encoder
-    output carries no graph (the same as running it under ``no_grad``, since its only
-    input is data), the data-parallel sync skips it, and no optimizer is built for it.
-    Parameters are never switched back on here (a user may have frozen pieces).
-
-    Returns:
-        The frozen modules this rank holds.
-    """
-    frozen = []
-    for name, mcfg in config.modules.items():
-        module = _submodule(mimo_model, name, mcfg)
-        if mcfg.freeze and module is not None:
-            module.requires_grad_(False)
-            frozen.append(name)
-    return frozen
-
-
 def _shards(name: str, mcfg: ModuleConfig, named: list[tuple[str, nn.Parameter]],
             pg: ProcessGroupCollection | None) -> ZeroShards | None:
     """Row shards for ``shard_optimizer`` modules with a DP group larger than one."""
@@ -147,8 +127,10 @@ def get_mimo_optimizer(
     from its effective optimizer config (``[optimizer]`` with its overrides); see
     :mod:`mimotron.optim.mimo_optimizer` for the per-module clipping and loss-scale rules.
 
-    Frozen modules (``modules.<m>.freeze``) get ``requires_grad=False`` (see
-    :func:`freeze_modules`) and no optimizer. Modules with ``parallel.shard_optimizer``
+    Frozen modules (``modules.<m>.freeze``) get no optimizer; freezing their parameters
+    (``requires_grad=False``) is model setup's job
+    (:func:`mimotron.training.model_setup.freeze_modules`), this factory only reads the
+    config and ``requires_grad``. Modules with ``parallel.shard_optimizer``
     and a DP degree above one get a ZeRO-1 optimizer over their DP group
     (:class:`~mimotron.parallel.zero.ZeroShards`): the inner optimizer holds only this
     rank's rows of every parameter.
@@ -175,7 +157,6 @@ def get_mimo_optimizer(
     """
     precision = config.train.precision if precision is None else precision
     _check_config(config, precision)
-    freeze_modules(mimo_model, config)
     infos: dict[str, ModuleOptimizerInfo] = {}
     for name, mcfg in config.modules.items():
         module = _submodule(mimo_model, name, mcfg)

@@ -16,6 +16,11 @@ world:
   the exact gradient of every row, and each rank keeps the rows of its encoder slice.
 
 When every rank's two slices coincide, ``needed`` is False and tensors pass through.
+
+``ColocatedTransport`` is the transport of a colocated layout, chosen instead of
+:class:`~mimotron.pipeline.communicator.MultiModulePipelineCommunicator` once at setup:
+it holds each edge's geometry (fixed for the run) and bridges encoder rows in-process.
+Its collectives run inside autograd, so they count as module compute in the metrics.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from mimotron.parallel.layout import Layout
-from mimotron.pipeline.communicator import Edge, slice_range
+from mimotron.pipeline.edges import Edge, slice_range
 
 
 @dataclass(frozen=True)
@@ -96,3 +101,48 @@ class ColocatedBridge(torch.autograd.Function):
         full[first:last] = grad / copies
         dist.all_reduce(full)
         return full[src_lo:src_lo + n_src].clone(), None, None
+
+
+class ColocatedTransport:
+    """Hands encoder rows to the language model on ranks that hold every module.
+
+    Args:
+        layout: a colocated placement.
+        rank: this global rank.
+        micro_batch_size: the global micro-batch size.
+        edges: the module boundaries (``build_edges``); all colocated.
+
+    Raises:
+        ValueError: ``layout`` is not colocated (use the pipeline communicator).
+    """
+
+    def __init__(self, layout: Layout, rank: int, micro_batch_size: int, edges: list[Edge]
+                 ) -> None:
+        if not layout.colocated:
+            raise ValueError("ColocatedTransport needs a colocated layout; a split layout "
+                             "uses MultiModulePipelineCommunicator")
+        assert all(e.colocated for e in edges), "a colocated layout has split edges"
+        self.edges = edges
+        self.geometry = {e.src: bridge_geometry(layout, e, rank, micro_batch_size)
+                         for e in edges}
+
+    def bridge(self, edge: Edge, rows: torch.Tensor, batch: dict[str, torch.Tensor]
+               ) -> torch.Tensor:
+        """This rank's language-slice rows of ``edge``'s encoder output (autograd-aware).
+
+        Args:
+            edge: the boundary the rows cross.
+            rows: this rank's encoder output (one row per present sample).
+            batch: the encoder's micro-batch slice on this rank (its presence mask).
+        """
+        geo = self.geometry[edge.src]
+        if not geo.needed:
+            return rows
+        return ColocatedBridge.apply(rows, batch[f"has_{edge.modality}"], geo)
+
+    def finish(self, forward_only: bool = False) -> None:
+        """Nothing is in flight between steps (the bridge is synchronous)."""
+
+    def pop_transfer_seconds(self) -> float:
+        """Always 0: the bridge's collectives run inside autograd and count as compute."""
+        return 0.0

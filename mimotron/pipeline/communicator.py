@@ -15,48 +15,28 @@ rank holds one stage of one module). Its neighbours:
 Encoder outputs hold one row per sample that carries the modality, so a pair may
 exchange zero rows (a text-only slice): then only a header travels and every rank stays
 in lock-step. Shapes travel with each tensor (:mod:`mimotron.pipeline.p2p`). Colocated
-layouts need none of this: modules hand tensors over in-process
-(:mod:`mimotron.pipeline.colocated`).
+layouts need none of this: their transport is
+:class:`~mimotron.pipeline.colocated.ColocatedTransport`, chosen instead of this class
+once at setup; both share the layout helpers of :mod:`mimotron.pipeline.edges`.
+
+The wall time of every transfer (synchronised with the device) accumulates in
+``transfer_s``; the training loop reads it with :meth:`pop_transfer_seconds` for the
+per-module ``communication`` metric.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
 
 import torch
 import torch.distributed as dist
 
 from mimotron.parallel.layout import Layout, ModulePlacement
+from mimotron.pipeline.edges import Edge, slice_range
 from mimotron.pipeline.p2p import PendingSends, broadcast_tensor, exchange
+from mimotron.runtime import synchronize
 
 LANGUAGE = "language"
-
-
-@dataclass(frozen=True)
-class Edge:
-    """One module boundary of the DAG."""
-
-    src: str
-    dst: str
-    modality: str
-    colocated: bool
-
-
-def slice_range(mbs: int, dp_size: int, dp_rank: int) -> tuple[int, int]:
-    """Sample range ``[start, end)`` of a DP replica inside a micro-batch."""
-    per = mbs // dp_size
-    return dp_rank * per, (dp_rank + 1) * per
-
-
-def build_edges(layout: Layout, modality_of: dict[str, str]) -> list[Edge]:
-    """The module boundaries of the DAG, in config order."""
-    edges = []
-    for src, dsts in layout.topology.items():
-        for dst in dsts:
-            a, b = layout.modules[src], layout.modules[dst]
-            colocated = a.rank_offset == b.rank_offset and a.size == b.size
-            edges.append(Edge(src, dst, modality_of[src], colocated))
-    return edges
 
 
 def bridge_pairs(layout: Layout, edge: Edge, mbs: int) -> list[tuple[int, int, int, int]]:
@@ -88,26 +68,28 @@ class MultiModulePipelineCommunicator:
         edges: the module boundaries (``build_edges``).
         tp_groups: this rank's TP group per module it holds (``None`` = TP 1).
         device: where received tensors are allocated.
+
+    Raises:
+        ValueError: ``layout`` is colocated (use ``ColocatedTransport``).
     """
 
     def __init__(self, layout: Layout, rank: int, micro_batch_size: int, edges: list[Edge],
                  tp_groups: dict[str, dist.ProcessGroup | None], device: torch.device) -> None:
+        if layout.colocated:
+            raise ValueError("a colocated layout has no pipeline transfers: use "
+                             "mimotron.pipeline.colocated.ColocatedTransport")
         self.layout, self.rank, self.mbs, self.edges = layout, rank, micro_batch_size, edges
         self.device = device
         self.pending = PendingSends()
         roles = layout.roles(rank)
-        self.module = roles[0].module if len(roles) == 1 and not layout.colocated else None
-        self.role = roles[0] if self.module else None
+        assert len(roles) == 1, f"rank {rank} holds {len(roles)} modules in a split layout"
+        self.module, self.role = roles[0].module, roles[0]
         self.tp_group = tp_groups.get(self.module) if self.module else None
         # Rows exchanged per bridge pair, remembered from forward for the gradients.
         self._rows: dict[tuple[int, str], list[int]] = {}
         self._pairs = {e.src: bridge_pairs(layout, e, micro_batch_size)
                        for e in edges if not e.colocated}
-        # Colocated edges re-slice in-process; their geometry is fixed for the run.
-        from mimotron.pipeline.colocated import bridge_geometry  # colocated imports us
-
-        self.colocated_geometry = {e.src: bridge_geometry(layout, e, rank, micro_batch_size)
-                                   for e in edges if e.colocated}
+        self.transfer_s = 0.0
 
     # ---- neighbours ----------------------------------------------------------------------
     def _stage_peer(self, delta: int) -> int:
@@ -208,6 +190,7 @@ class MultiModulePipelineCommunicator:
         Returns:
             ``(forward input, output gradient)``; ``None`` where not requested.
         """
+        t0 = time.perf_counter()
         sends: list[tuple[int, torch.Tensor]] = []
         if send_forward is not None:
             sends += self._forward_sends(send_forward[1], send_forward[2])
@@ -221,11 +204,23 @@ class MultiModulePipelineCommunicator:
             fwd = self._assemble_forward(recv_forward, fwd_src, got[:len(fwd_src)])
         if recv_backward is not None:
             bwd = self._assemble_backward(got[len(fwd_src):])
+        self._add_time(t0)
         return fwd, bwd
 
     def finish(self, forward_only: bool = False) -> None:
         """Wait for every send of the step (call once at the end of a schedule)."""
+        t0 = time.perf_counter()
         self.pending.wait()
+        self._add_time(t0)
         if forward_only:
             self._rows.clear()  # No gradients go back in evaluation.
         assert not self._rows, f"gradients never sent for {sorted(self._rows)}"
+
+    def _add_time(self, t0: float) -> None:
+        synchronize(self.device)  # Device time, not launch time.
+        self.transfer_s += time.perf_counter() - t0
+
+    def pop_transfer_seconds(self) -> float:
+        """Seconds spent in transfers since the last call; resets the count."""
+        spent, self.transfer_s = self.transfer_s, 0.0
+        return spent

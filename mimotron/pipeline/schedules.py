@@ -11,6 +11,11 @@ run one forward or backward of whatever this rank holds:
   language model's first stage, which receives every encoder's embeddings), and hands
   its output to the communicator or, on the language model's last stage, to the loss.
 
+A run's ``StepContext`` carries two objects besides the data: the *transport*, chosen
+once at setup from the layout (``ColocatedTransport`` or
+``MultiModulePipelineCommunicator``), and the ``LanguageStep``, which owns everything on
+the language side (input merging, the forward step function, the loss).
+
 ``forward_backward_pipelining_without_interleaving`` runs the 1F1B plan;
 ``forward_backward_no_pipelining`` the same executor with no warm-up (each micro-batch's
 backward completes before the next forward). ``forward_only=True`` evaluates.
@@ -24,16 +29,38 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from mimotron.parallel.layout import Layout
 from mimotron.pipeline import plan as P
-from mimotron.pipeline.colocated import ColocatedBridge
+from mimotron.pipeline.colocated import ColocatedTransport
 from mimotron.pipeline.communicator import MultiModulePipelineCommunicator
+from mimotron.pipeline.edges import Edge
+from mimotron.training.language_step import LanguageStep, LossOutput
 
 LANGUAGE = "language"
 
-# (model, language batch, embeddings by module) -> (loss sum, loss tokens, metrics)
-ForwardStepFunc = Callable[..., tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]
+# How activations move: in-process (colocated) or between ranks (split layouts).
+Transport = ColocatedTransport | MultiModulePipelineCommunicator
+
+
+def build_transport(layout: Layout, rank: int, micro_batch_size: int, edges: list[Edge],
+                    tp_groups: dict[str, dist.ProcessGroup | None], device: torch.device
+                    ) -> Transport:
+    """The run's transport, chosen once from the layout.
+
+    Args:
+        layout: the placement of every module.
+        rank: this global rank.
+        micro_batch_size: the global micro-batch size.
+        edges: the module boundaries (``build_edges``).
+        tp_groups: this rank's TP group per module it holds (split layouts only).
+        device: where received tensors are allocated (split layouts only).
+    """
+    if layout.colocated:
+        return ColocatedTransport(layout, rank, micro_batch_size, edges)
+    return MultiModulePipelineCommunicator(layout, rank, micro_batch_size, edges, tp_groups,
+                                           device)
 
 
 @dataclass
@@ -53,10 +80,8 @@ class StepContext:
     layout: Layout
     rank: int
     microbatches: list[dict[str, dict[str, torch.Tensor]]]
-    forward_step_func: ForwardStepFunc
-    lm_input_func: Callable[..., torch.Tensor]
-    lm_loss_func: Callable[..., tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]
-    communicator: MultiModulePipelineCommunicator
+    language: LanguageStep
+    transport: Transport
     loss_divisor: float = 1.0
     loss_scale: float = 1.0
     forward_only: bool = False
@@ -73,7 +98,8 @@ class StageRunner:
         self.roles = {r.module: r for r in ctx.layout.roles(ctx.rank)}
         self.colocated = ctx.layout.colocated
         self.module = None if self.colocated else next(iter(self.roles))
-        self._geo = ctx.communicator.colocated_geometry
+        assert self.colocated == isinstance(ctx.transport, ColocatedTransport), \
+            "the transport does not match the layout (choose it with build_transport)"
 
     def modality_mask(self, k: int) -> torch.Tensor | None:
         """This rank's presence mask of its encoder module for micro-batch ``k``."""
@@ -93,15 +119,10 @@ class StageRunner:
 
     def _forward_colocated(self, k: int) -> None:
         mb, model = self.ctx.microbatches[k], self.ctx.model
-        embeds = {}
-        for e in self.ctx.communicator.edges:
-            rows = model.encode(e.src, mb[e.src])
-            geo = self._geo[e.src]
-            if geo.needed:
-                mask = mb[e.src][f"has_{e.modality}"]
-                rows = ColocatedBridge.apply(rows, mask, geo)
-            embeds[e.src] = rows
-        loss = self.ctx.forward_step_func(model, mb[LANGUAGE], embeds)
+        transport = self.ctx.transport
+        embeds = {e.src: transport.bridge(e, model.encode(e.src, mb[e.src]), mb[e.src])
+                  for e in transport.edges}
+        loss = self.ctx.language.forward_step(model, mb[LANGUAGE], embeds)
         self._record_loss(k, loss)
 
     def _forward_encoder(self, k: int, received: torch.Tensor | None) -> torch.Tensor:
@@ -118,19 +139,19 @@ class StageRunner:
         batch = self.ctx.microbatches[k][LANGUAGE]
         if role.is_first_stage and role.is_last_stage:
             self._saved[k] = (received, None)
-            self._record_loss(k, self.ctx.forward_step_func(model, batch, received or {}))
+            self._record_loss(k, self.ctx.language.forward_step(model, batch, received or {}))
             return None
-        hidden = (self.ctx.lm_input_func(model, batch, received or {}) if role.is_first_stage
-                  else received)
+        hidden = (self.ctx.language.first_stage_input(model, batch, received or {})
+                  if role.is_first_stage else received)
         out = model.language_model(hidden)
         if role.is_last_stage:
             self._saved[k] = (received, None)
-            self._record_loss(k, self.ctx.lm_loss_func(model, batch, out))
+            self._record_loss(k, self.ctx.language.loss(model, batch, out))
             return None
         self._saved[k] = (received, out)
         return out
 
-    def _record_loss(self, k: int, loss: tuple) -> None:
+    def _record_loss(self, k: int, loss: LossOutput) -> None:
         loss_sum, num_tokens, metrics = loss
         self.outputs.append(MicrobatchOutput(loss_sum.detach().float(), num_tokens.detach(),
                                              {n: v.detach() for n, v in metrics.items()}))
@@ -156,9 +177,12 @@ def _grad_or_zeros(t: torch.Tensor) -> torch.Tensor:
     return t.grad if t.grad is not None else torch.zeros_like(t)
 
 
-def _execute(plan: list[P.Action], runner: StageRunner, comm: MultiModulePipelineCommunicator
-             ) -> None:
-    """Run a plan: compute actions on the runner, transfers on the communicator."""
+def _execute(plan: list[P.Action], runner: StageRunner, comm: Transport) -> None:
+    """Run a plan: compute actions on the runner, transfers on the transport.
+
+    A colocated plan holds compute actions only (one position), so only split layouts'
+    communicators are asked to ``communicate``.
+    """
     inputs: dict[int, Any] = {}
     outputs: dict[int, Any] = {}
     out_grads: dict[int, Any] = {}
@@ -207,9 +231,9 @@ def _run(ctx: StepContext, pipelined: bool) -> list[MicrobatchOutput]:
     if ctx.forward_only:
         plan = P.build_forward_only_plan(num_mb, position)
         with torch.no_grad():
-            _execute(plan, runner, ctx.communicator)
+            _execute(plan, runner, ctx.transport)
     else:
-        _execute(P.build_1f1b_plan(num_mb, position, pipelined), runner, ctx.communicator)
+        _execute(P.build_1f1b_plan(num_mb, position, pipelined), runner, ctx.transport)
     return runner.outputs
 
 

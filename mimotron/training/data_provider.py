@@ -16,7 +16,7 @@ import torch
 
 from mimotron.data.collate import collate, slice_batch
 from mimotron.parallel.layout import Layout
-from mimotron.pipeline.communicator import slice_range
+from mimotron.pipeline.edges import slice_range
 
 Microbatch = dict[str, dict[str, torch.Tensor]]
 

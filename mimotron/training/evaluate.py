@@ -11,29 +11,23 @@ token-by-token generation).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Iterator
 
 import torch
 from torch import nn
 
-from mimotron.pipeline.communicator import MultiModulePipelineCommunicator
-from mimotron.pipeline.schedules import StepContext, forward_backward_no_pipelining
+from mimotron.pipeline.schedules import StepContext, Transport, forward_backward_no_pipelining
 from mimotron.training.data_provider import Microbatch
 from mimotron.training.infra import MimoModelInfra
-from mimotron.training.step import (
-    autocast_factory,
-    language_input,
-    language_loss_step,
-    reduce_outputs,
-)
+from mimotron.training.language_step import ForwardStepFunc, LanguageStep
+from mimotron.training.step import autocast_factory, reduce_outputs
 
 
 def evaluate(
-    forward_step_func: Callable[..., Any],
+    forward_step_func: ForwardStepFunc | LanguageStep,
     steps: Iterator[list[Microbatch]],
     model: nn.Module,
-    communicator: MultiModulePipelineCommunicator,
+    communicator: Transport,
     infra: MimoModelInfra,
     precision: str,
     device: torch.device,
@@ -49,8 +43,8 @@ def evaluate(
     for microbatches in steps:
         ctx = StepContext(
             model=model, layout=infra.layout, rank=infra.rank, microbatches=microbatches,
-            forward_step_func=forward_step_func, lm_input_func=language_input,
-            lm_loss_func=language_loss_step, communicator=communicator, forward_only=True,
+            language=LanguageStep.of(forward_step_func), transport=communicator,
+            forward_only=True,
             autocast=autocast_factory(precision, device))
         outputs = forward_backward_no_pipelining(ctx)
         for key, value in reduce_outputs(outputs, infra, device).items():

@@ -23,7 +23,8 @@ from mimotron.data.tokenizer import CharTokenizer
 from mimotron.optim import build_schedulers, get_mimo_optimizer
 from mimotron.parallel.grid import HyperCommGrid
 from mimotron.parallel.groups import MultiModuleProcessGroupCollection
-from mimotron.pipeline.communicator import MultiModulePipelineCommunicator, build_edges
+from mimotron.pipeline.edges import build_edges
+from mimotron.pipeline.schedules import Transport, build_transport
 from mimotron.runtime import Runtime, seed_everything
 from mimotron.training.bridge_args import resolve_module_parts, resolve_pg_collection
 from mimotron.training.data_provider import (
@@ -34,11 +35,12 @@ from mimotron.training.data_provider import (
 )
 from mimotron.training.evaluate import evaluate
 from mimotron.training.infra import MimoModelInfra, build_infra
+from mimotron.training.language_step import ForwardStepFunc, LanguageStep, default_forward_step
 from mimotron.training.metrics import LoopMonitor, check_divergence
 from mimotron.training.model_setup import build_rank_model, padded_vocab_size
-from mimotron.training.profiling import StepProfiler
-from mimotron.training.state import GlobalState
-from mimotron.training.step import default_forward_step, module_parts, train_step_mimo
+from mimotron.training.profiling import StepProfiler, inject_fault
+from mimotron.training.state import GlobalState, TrainState
+from mimotron.training.step import module_parts, train_step_mimo
 
 
 @dataclass
@@ -52,7 +54,7 @@ class MimoRun:
     valid_data_iterator: Callable[[], Iterator] | None
     global_state: GlobalState
     infra: MimoModelInfra
-    communicator: MultiModulePipelineCommunicator
+    communicator: Transport
     tokenizer: CharTokenizer
 
 
@@ -71,7 +73,7 @@ def setup_mimo(cfg: MimoConfig, runtime: Runtime) -> MimoRun:
                                    pg_collections=infra.pg_collections,
                                    precision=cfg.train.precision)
     schedulers = build_schedulers(cfg, optimizer)
-    communicator = MultiModulePipelineCommunicator(
+    communicator = build_transport(
         infra.layout, runtime.rank, cfg.train.micro_batch_size,
         build_edges(infra.layout, model.modality_of),
         {n: pg.tp for n, pg in infra.pg_collections.items()}, runtime.device)
@@ -112,7 +114,7 @@ def _valid_factory(cfg: MimoConfig, infra: MimoModelInfra, runtime: Runtime, tas
 
 
 def train_mimo(
-    forward_step_func: Callable[..., Any],
+    forward_step_func: ForwardStepFunc,
     model: nn.Module,
     optimizer: Any,
     schedulers: dict[str, Any],
@@ -120,7 +122,7 @@ def train_mimo(
     valid_data_iterator: Callable[[], Iterator] | None,
     global_state: GlobalState,
     mimo_infra: MimoModelInfra,
-    multimodule_communicator: MultiModulePipelineCommunicator,
+    multimodule_communicator: Transport,
     multimodule_pg_collection: MultiModuleProcessGroupCollection | None = None,
     module_to_grid_tuple: Sequence[tuple[Any, HyperCommGrid]] | None = None,
 ) -> dict[str, Any]:
@@ -140,7 +142,7 @@ def train_mimo(
             iterator over the validation steps, called at each evaluation.
         global_state: config, runtime, timers, train state.
         mimo_infra: grids, process groups and roles of this rank.
-        multimodule_communicator: transports activations between modules.
+        multimodule_communicator: the run's transport (``build_transport``).
         multimodule_pg_collection: this rank's process groups for the step (``None``:
             ``mimo_infra``'s); must match ``mimo_infra``'s.
         module_to_grid_tuple: ``(module part or name, grid)`` for each module on this
@@ -159,35 +161,35 @@ def train_mimo(
     multimodule_pg_collection = resolve_pg_collection(multimodule_pg_collection, mimo_infra)
     resolve_module_parts(module_to_grid_tuple, module_parts(model), mimo_infra)
     cfg, ts, runtime = global_state.cfg, global_state.train_state, global_state.runtime
-    # Metrics, timing hooks and profiling live in metrics.py / profiling.py.
+    language = LanguageStep(forward_step_func)  # Also collects the auxiliary metrics.
     profiler = StepProfiler(cfg.profile, cfg.log_dir, runtime.rank, runtime.world_size)
-    monitor = LoopMonitor(global_state, mimo_infra, model, optimizer, multimodule_communicator)
-    multimodule_communicator = monitor.communicator
-    train_data_iterator = monitor.wrap_data(train_data_iterator)
-    forward_step_func = monitor.wrap_forward_step(forward_step_func)
+    monitor = LoopMonitor(global_state, mimo_infra, model, optimizer)
     model.train()
     checkpoints = CheckpointManager(model, optimizer, schedulers, global_state, mimo_infra)
     summary: dict[str, Any] = {"eval": {}}
     run_eval = lambda: _evaluate_and_log(  # noqa: E731
-        forward_step_func, valid_data_iterator, model, multimodule_communicator, mimo_infra,
+        language, valid_data_iterator, model, multimodule_communicator, mimo_infra,
         global_state, monitor)
     try:
         monitor.banner()
         while ts.iteration < cfg.train.iters:
             profiler.before_step(ts.iteration + 1)
+            # The loop fetches the step's data: the sample count and the fault hook need it.
+            global_state.timers("data").start()
+            microbatches = next(train_data_iterator)
+            global_state.timers("data").stop()
+            inject_fault(ts.iteration + 1, runtime.rank)  # Test hook: MIMOTRON_FAIL_*.
+            monitor.count_samples(microbatches)
             loss_dict, skipped, grad_norm, num_zeros = train_step_mimo(
-                forward_step_func, train_data_iterator, model, optimizer, schedulers,
+                language, iter((microbatches,)), model, optimizer, schedulers,
                 global_state, multimodule_communicator, multimodule_pg_collection,
                 mimo_infra, module_to_grid_tuple, cfg.num_microbatches, cfg.data.seq_length,
                 cfg.train.micro_batch_size)
-            ts.iteration += 1
-            ts.consumed_samples += cfg.train.global_batch_size
-            ts.skipped_iters += int(skipped)
-            ts.consecutive_skips = ts.consecutive_skips + 1 if skipped else 0
-            if not math.isfinite(loss_dict["loss"]):
-                ts.nan_iters += 1
+            _advance(ts, loss_dict["loss"], skipped, cfg.train.global_batch_size)
             summary["loss"] = loss_dict["loss"]
-            monitor.after_step(loss_dict, skipped, grad_norm, num_zeros)
+            monitor.after_step(loss_dict, skipped, grad_norm, num_zeros,
+                               aux=language.pop_aux(),
+                               transfer_s=multimodule_communicator.pop_transfer_seconds())
             with monitor.excluded():  # Writing a trace is not step time.
                 profiler.after_step(ts.iteration)
             check_divergence(ts, loss_dict["loss"], cfg.train.max_skipped)
@@ -208,12 +210,24 @@ def train_mimo(
     return monitor.finish(summary)
 
 
-def _evaluate_and_log(forward_step_func, valid_data_iterator, model, communicator, infra,
-                      global_state, monitor) -> dict[str, float]:  # noqa: ANN001
+def _advance(ts: TrainState, loss: float, skipped: bool, global_batch_size: int) -> None:
+    """Count the finished iteration in the train state (identical on every rank)."""
+    ts.iteration += 1
+    ts.consumed_samples += global_batch_size
+    ts.skipped_iters += int(skipped)
+    ts.consecutive_skips = ts.consecutive_skips + 1 if skipped else 0
+    if not math.isfinite(loss):
+        ts.nan_iters += 1
+
+
+def _evaluate_and_log(language: LanguageStep, valid_data_iterator: Callable[[], Iterator],
+                      model: nn.Module, communicator: Transport, infra: MimoModelInfra,
+                      global_state: GlobalState, monitor: LoopMonitor) -> dict[str, float]:
     cfg, runtime = global_state.cfg, global_state.runtime
     with monitor.excluded():  # Evaluation time is not step time.
-        metrics = evaluate(forward_step_func, valid_data_iterator(), model, communicator,
+        metrics = evaluate(language, valid_data_iterator(), model, communicator,
                            infra, cfg.train.precision, runtime.device)
+    communicator.pop_transfer_seconds()  # Evaluation's transfers are not training's.
     writer = monitor.writer
     record = {"iteration": global_state.train_state.iteration, **metrics}
     if writer is not None:
@@ -223,7 +237,7 @@ def _evaluate_and_log(forward_step_func, valid_data_iterator, model, communicato
 
 
 def run_training(cfg: MimoConfig, runtime: Runtime,
-                 forward_step_func: Callable[..., Any] = default_forward_step) -> dict[str, Any]:
+                 forward_step_func: ForwardStepFunc = default_forward_step) -> dict[str, Any]:
     """Set up and train one run on this rank (what ``mimotron train`` runs per rank)."""
     run = setup_mimo(cfg, runtime)
     return train_mimo(forward_step_func, run.model, run.optimizer, run.schedulers,

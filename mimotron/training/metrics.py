@@ -39,7 +39,7 @@ import math
 import sys
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -51,12 +51,9 @@ from mimotron.runtime import compute_dtype, device_peak_flops, peak_memory_bytes
 from mimotron.training.flops import model_flops_per_iteration
 from mimotron.training.infra import MimoModelInfra
 from mimotron.training.interval import LAST, IntervalMeans, aux_value
-from mimotron.training.profiling import ModuleTimes, TimedCommunicator, counting_iterator
+from mimotron.training.profiling import ModuleTimes
 from mimotron.training.state import GlobalState, TrainState
 from mimotron.training.step import module_parts
-
-# Forward-step metrics that become train_accuracy rather than auxiliary losses.
-_ACCURACY_KEYS = ("correct", "samples")
 
 
 def _fmt_duration(seconds: float) -> str:
@@ -258,23 +255,24 @@ def format_summary(summary: dict[str, Any], metrics_path: Path | None = None) ->
 
 
 class LoopMonitor:
-    """What ``train_mimo`` measures: wraps its inputs, logs records, prints, summarises.
+    """What ``train_mimo`` measures: logs records, prints, summarises.
 
-    Construct it on every rank before the first step (it installs timing hooks), then
-    run the loop with :attr:`communicator`, :meth:`wrap_data` and
-    :meth:`wrap_forward_step`; call :meth:`after_step` after every iteration (a
-    collective on logged iterations) and :meth:`finish` at the end.
+    Construct it on every rank before the first step (it installs the per-module timing
+    hooks of :class:`~mimotron.training.profiling.ModuleTimes`). The loop then calls it
+    explicitly: :meth:`count_samples` with each step's data, :meth:`after_step` after
+    every iteration with the step's auxiliary metrics and transport time (a collective
+    on logged iterations), :meth:`excluded` around what is not step time, and
+    :meth:`finish` at the end.
 
     Args:
         global_state: config, runtime, timers, train state.
         infra: layout and roles of this rank.
         model: the ``MimoModel`` (this rank's modules).
         optimizer: the ``MimoOptimizer`` (lr per module comes from its param groups).
-        communicator: the multi-module communicator to time.
     """
 
     def __init__(self, global_state: GlobalState, infra: MimoModelInfra, model: nn.Module,
-                 optimizer: Any, communicator: Any) -> None:
+                 optimizer: Any) -> None:
         cfg, ts = global_state.cfg, global_state.train_state
         self.state, self.infra, self.model, self.optimizer = global_state, infra, model, optimizer
         self.writer = None
@@ -283,10 +281,13 @@ class LoopMonitor:
                                         cfg.log.progress, append=ts.iteration > 0,
                                         resumed_at=ts.iteration)
         self.module_times = ModuleTimes(module_parts(model), global_state.runtime.device)
-        self.communicator = TimedCommunicator(communicator, self.module_times,
-                                              infra.module_names, lambda: model.training)
+        self._counted = {r.module for r in infra.layout.roles(infra.rank)
+                         if r.module != "language" and r.tp == 0 and r.cp == 0
+                         and r.is_first_stage}
+        self._modality_of = {n: str(m.modality) for n, m in cfg.modules.items()
+                             if m.is_encoder}
         self._counts: dict[str, Any] = defaultdict(float)  # Summed lazily (tensors).
-        self._aux: dict[str, list[torch.Tensor]] = {}  # This iteration's, per call.
+        self._transfer_s = 0.0  # Transport time since the last record.
         self._interval = IntervalMeans()
         self._last_iter = ts.iteration
         self._interval_start = time.perf_counter()
@@ -295,28 +296,21 @@ class LoopMonitor:
         self._last: dict[str, Any] = {}
         self.start_time = time.monotonic()
 
-    # ---- wrapping the loop's inputs -------------------------------------------------------
-    def wrap_data(self, data_iterator: Iterator) -> Iterator:
-        """Count the samples each encoder sees (for FLOPs) and run the fault-injection hook."""
-        counted = {r.module for r in self.infra.layout.roles(self.infra.rank)
-                   if r.module != "language" and r.tp == 0 and r.cp == 0 and r.is_first_stage}
-        modality_of = {n: str(m.modality) for n, m in self.state.cfg.modules.items()
-                       if m.is_encoder}
-        return counting_iterator(data_iterator, self._counts, self.infra.rank, modality_of,
-                                 counted, self.state.train_state.iteration + 1)
+    # ---- explicit measurements, called by the loop -----------------------------------------
+    def count_samples(self, microbatches: list[dict[str, dict[str, Any]]]) -> None:
+        """Add the step's samples each counted encoder sees (for the FLOPs of the record).
 
-    def wrap_forward_step(self, forward_step_func: Callable[..., Any]) -> Callable[..., Any]:
-        """Capture the auxiliary metrics a forward step returns (training steps only)."""
-        def forward_step(*args: Any, **kwargs: Any) -> Any:
-            out = forward_step_func(*args, **kwargs)
-            if (self.model.training and self.infra.is_loss_leader and isinstance(out, tuple)
-                    and len(out) == 3 and isinstance(out[2], dict)):
-                for key, value in out[2].items():
-                    if key not in _ACCURACY_KEYS:
-                        self._aux.setdefault(key, []).append(value.detach().double().flatten())
-            return out
-
-        return forward_step
+        A rank counts an encoder module when it holds its first stage at TP 0, CP 0, so
+        every DP replica's slice is counted exactly once over the world. The counts stay
+        tensors (summed lazily): no device synchronisation per step.
+        """
+        for mb in microbatches:
+            for module in self._counted & set(mb):
+                batch = mb[module]
+                key = f"has_{self._modality_of[module]}"
+                present = (batch[key].sum() if key in batch
+                           else batch[self._modality_of[module]].shape[0])
+                self._counts[module] = self._counts[module] + present
 
     @contextlib.contextmanager
     def excluded(self) -> Iterator[None]:
@@ -351,17 +345,28 @@ class LoopMonitor:
 
     # ---- per iteration --------------------------------------------------------------------
     def after_step(self, loss_dict: dict[str, float], skipped: bool, grad_norm: float | None,
-                   num_zeros: int | None) -> dict[str, Any] | None:
-        """Log the iteration if it is due (a collective on every rank).
+                   num_zeros: int | None, aux: dict[str, torch.Tensor] | None = None,
+                   transfer_s: float = 0.0) -> dict[str, Any] | None:
+        """Record the step; log the iteration if it is due (a collective on every rank).
+
+        Args:
+            loss_dict: ``train_step_mimo``'s loss dictionary.
+            skipped: whether the optimizer skipped the step.
+            grad_norm: the global gradient norm (``None`` when skipped).
+            num_zeros: zero gradient elements (``None`` unless counted).
+            aux: the step's auxiliary metrics (``LanguageStep.pop_aux``); only the
+                language loss leaders' count, so each replica contributes once.
+            transfer_s: the step's transport seconds (``pop_transfer_seconds``),
+                charged to every module this rank holds (each side of a transfer waits).
 
         Returns:
             The record written (the same on every rank), or ``None`` when the iteration
             is not logged.
         """
         cfg, ts = self.state.cfg, self.state.train_state
-        self._interval.add(loss_dict, skipped, {k: torch.stack(v).sum(0)
-                                                for k, v in self._aux.items()})
-        self._aux.clear()
+        self._interval.add(loss_dict, skipped,
+                           (aux or {}) if self.infra.is_loss_leader else {})
+        self._transfer_s += transfer_s
         if ts.iteration % cfg.log.interval and ts.iteration != cfg.train.iters:
             return None
         now = time.perf_counter()
@@ -412,8 +417,10 @@ class LoopMonitor:
                   if info.is_active}
         lm = getattr(self.model, "language_model", None)
         modules = self.module_times.pop()
-        for m, s in self.communicator.pop().items():
-            modules.setdefault(m, {"forward": 0.0, "backward": 0.0})["communication"] = s
+        for m in self.infra.module_names:
+            modules.setdefault(m, {"forward": 0.0, "backward": 0.0})["communication"] = \
+                self._transfer_s
+        self._transfer_s = 0.0
         aux = self._interval.aux_sums()
         local = {"peak": peak_memory_bytes(rt.device), "lr": lrs, "loss_scale": scales,
                  "modules": modules, "timers": self.state.timers.pop_all(),

@@ -3,9 +3,12 @@
 Every module part is built with its pipeline stage's *global* layer indices and
 initialised from ``(seed, full parameter name)`` on the full shape, then sharded by its
 TP plan — so every layout starts from exactly the weights of the one-process model.
+Frozen modules (``modules.<m>.freeze``) are frozen here, before any optimizer exists.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from torch import nn
@@ -53,4 +56,38 @@ def build_rank_model(cfg: MimoConfig, infra: MimoModelInfra, vocab_size: int,
                 parts[name].tp_group = infra.pg_collections[name].tp
     language = parts.pop(LANGUAGE, None)
     modality_of = {n: str(cfg.modules[n].modality) for n in cfg.encoder_names}
-    return MimoModel(parts, language, dict(placeholder_ids), modality_of)
+    model = MimoModel(parts, language, dict(placeholder_ids), modality_of)
+    freeze_modules(model, cfg)
+    return model
+
+
+def freeze_modules(mimo_model: Any, config: MimoConfig) -> list[str]:
+    """Stop gradients for every frozen module held on this rank (``requires_grad=False``).
+
+    Autograd then neither computes nor stores anything for the module: its encoder
+    output carries no graph (the same as running it under ``no_grad``, since its only
+    input is data), the data-parallel sync skips it, and the optimizer factory builds no
+    optimizer for it. Parameters are never switched back on here (a user may have
+    frozen pieces).
+
+    Args:
+        mimo_model: has ``modality_submodules`` (encoders) and ``language_model``;
+            either may be missing or hold only some modules on this rank.
+        config: the run config (``modules.<m>.freeze``).
+
+    Returns:
+        The frozen modules this rank holds.
+    """
+    frozen = []
+    for name, mcfg in config.modules.items():
+        if not mcfg.freeze:
+            continue
+        if mcfg.is_encoder:
+            subs = getattr(mimo_model, "modality_submodules", None)
+            module = subs[name] if subs is not None and name in subs else None
+        else:
+            module = getattr(mimo_model, "language_model", None)
+        if module is not None:
+            module.requires_grad_(False)
+            frozen.append(name)
+    return frozen

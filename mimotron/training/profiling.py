@@ -4,18 +4,18 @@
   hooks, so the schedule needs no timer calls: forward = the module's ``forward`` call;
   backward = from the gradient of its output arriving to the gradient of its input (or,
   for an encoder whose raw input needs none, to the last gradient of its parameters).
-* :class:`TimedCommunicator` wraps the multi-module communicator and times its
-  transfers (stage links and module bridges).
+* Transfer time is not measured here: each transport accumulates its own
+  (``pop_transfer_seconds``) and the loop hands it to the monitor.
 * :class:`StepProfiler` records ``profile.start..profile.end`` iterations (inclusive,
   numbered from 1) with ``torch.profiler`` on the ranks in ``profile.ranks`` and writes
   one Chrome trace per rank to ``<log.dir>/profile/``.
 * :func:`inject_fault` is a test hook: with ``MIMOTRON_FAIL_AT_ITER=k`` (and optionally
   ``MIMOTRON_FAIL_RANK=r``, default every rank) in the environment, rank ``r`` raises
-  :class:`InjectedFault` while fetching the data of iteration ``k`` — inside the step,
-  while its peers are about to wait on it — so tests can check that one failing rank ends
-  the whole job. With ``MIMOTRON_FAIL_SIGNAL=SIGKILL`` (any signal name) the rank kills
-  itself with that signal instead of raising. Unset, it costs one dictionary lookup per
-  step.
+  :class:`InjectedFault` when the loop calls it, right after fetching the data of
+  iteration ``k`` — while its peers go on into the step and wait on it — so tests can
+  check that one failing rank ends the whole job. With ``MIMOTRON_FAIL_SIGNAL=SIGKILL``
+  (any signal name) the rank kills itself with that signal instead of raising. Unset,
+  it costs one dictionary lookup per step.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ import os
 import signal
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -86,7 +85,6 @@ class ModuleTimes:
         self.device = device
         self.seconds: dict[str, dict[str, float]] = defaultdict(
             lambda: {"forward": 0.0, "backward": 0.0})
-        self.compute_s = 0.0  # all closed intervals, for TimedCommunicator
         self._fwd_start: dict[str, float] = {}
         self._bwd_start: dict[str, float] = {}
         self._handles: list[Any] = []
@@ -136,7 +134,6 @@ class ModuleTimes:
 
     def _add(self, name: str, kind: str, seconds: float) -> None:
         self.seconds[name][kind] += seconds
-        self.compute_s += seconds
 
     def pop(self) -> dict[str, dict[str, float]]:
         """Accumulated seconds per module and phase since the last pop; resets them."""
@@ -149,55 +146,6 @@ class ModuleTimes:
         for h in self._handles:
             h.remove()
         self._handles.clear()
-
-
-class TimedCommunicator:
-    """A ``MultiModulePipelineCommunicator`` whose transfers are timed.
-
-    Calls to the transfer methods (:data:`TIMED_METHODS`) are timed and charged to every
-    module this rank holds (each side of a boundary waits for the transfer); module
-    compute that runs inside such a call is subtracted using ``module_times``. Every
-    other attribute is the wrapped communicator's. Collectives hidden inside autograd
-    functions (the colocated bridge between different DP degrees) count as compute.
-
-    Args:
-        inner: the communicator to wrap.
-        module_times: the hooks that time module compute on this rank.
-        modules: the modules this rank holds.
-        active: whether to count now (the loop passes ``lambda: model.training``, so
-            evaluation's transfers are not charged to training steps).
-    """
-
-    TIMED_METHODS = frozenset({"communicate", "finish", "forward", "backward"})
-
-    def __init__(self, inner: Any, module_times: ModuleTimes, modules: list[str],
-                 active: Callable[[], bool] = lambda: True) -> None:
-        self._inner = inner
-        self._times = module_times
-        self._modules = list(modules)
-        self._active = active
-        self._spent = 0.0
-
-    def __getattr__(self, name: str) -> Any:
-        attr = getattr(self._inner, name)
-        if name not in self.TIMED_METHODS or not callable(attr) or not self._active():
-            return attr
-
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            compute0, t0 = self._times.compute_s, time.perf_counter()
-            out = attr(*args, **kwargs)
-            synchronize(self._times.device)
-            spent = time.perf_counter() - t0 - (self._times.compute_s - compute0)
-            self._spent += max(spent, 0.0)
-            return out
-
-        return timed
-
-    def pop(self) -> dict[str, float]:
-        """Seconds per module since the last pop; resets them."""
-        out = {m: self._spent for m in self._modules}
-        self._spent = 0.0
-        return out
 
 
 class StepProfiler:
@@ -264,34 +212,3 @@ class StepProfiler:
         """Write what was recorded if the run ended inside the window."""
         if self._prof is not None:
             self._finish()
-
-
-def counting_iterator(data_iterator: Iterator, counts: dict[str, Any], rank: int,
-                      modality_of: dict[str, str], counted_modules: set[str],
-                      first_iteration: int) -> Iterator:
-    """Yield the steps of ``data_iterator``, counting encoder samples and injecting faults.
-
-    For each module in ``counted_modules`` (this rank's encoder slices that no other rank
-    of the same DP replica also counts), adds the step's samples carrying its modality to
-    ``counts[module]`` (a tensor or number: no device synchronisation per step). Calls
-    :func:`inject_fault` with each step fetched, i.e. inside ``train_step_mimo``.
-
-    Args:
-        data_iterator: yields a step's micro-batches (module -> batch dict) for this rank.
-        counts: accumulator, module -> samples (mutated).
-        rank: this global rank (for the fault hook).
-        modality_of: module -> batch key of its input.
-        counted_modules: modules whose samples this rank counts.
-        first_iteration: the iteration number of the first step fetched.
-    """
-    iteration = first_iteration
-    for step in data_iterator:
-        inject_fault(iteration, rank)
-        for mb in step:
-            for module in counted_modules & set(mb):
-                batch = mb[module]
-                key = f"has_{modality_of[module]}"
-                present = batch[key].sum() if key in batch else batch[modality_of[module]].shape[0]
-                counts[module] = counts[module] + present
-        yield step
-        iteration += 1

@@ -16,15 +16,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mimotron.models.language import language_loss
 from mimotron.parallel.data_parallel import finalize_model_grads, zero_grad_buffer_for_multimodule
 from mimotron.parallel.grid import HyperCommGrid
 from mimotron.parallel.groups import MultiModuleProcessGroupCollection
-from mimotron.parallel.tensor_parallel import vocab_parallel_loss
-from mimotron.pipeline.communicator import MultiModulePipelineCommunicator
 from mimotron.pipeline.schedules import (
     MicrobatchOutput,
     StepContext,
+    Transport,
     forward_backward_no_pipelining,
     forward_backward_pipelining_without_interleaving,
 )
@@ -37,50 +35,13 @@ from mimotron.training.bridge_args import (
 )
 from mimotron.training.data_provider import Microbatch
 from mimotron.training.infra import LANGUAGE, MimoModelInfra
+from mimotron.training.language_step import ForwardStepFunc, LanguageStep
+
+# Re-exported: the forward-step API has always been importable from here.
+from mimotron.training.language_step import default_forward_step as default_forward_step
+from mimotron.training.language_step import language_input as language_input
+from mimotron.training.language_step import language_loss_step as language_loss_step
 from mimotron.training.state import GlobalState
-
-
-def language_input(model: nn.Module, batch: dict[str, torch.Tensor],
-                   embeddings: dict[str, torch.Tensor | None]) -> torch.Tensor:
-    """Token embeddings with every modality's embeddings merged at its placeholders."""
-    tokens = batch["tokens"]
-    embeds = {m: e for m, e in embeddings.items() if e is not None}
-    present = {m: batch[f"has_{model.modality_of[m]}"] for m in embeds}
-    return model.merge_embeddings(tokens, model.language_model.embed_tokens(tokens), embeds,
-                                  present)
-
-
-def language_loss_step(model: nn.Module, batch: dict[str, torch.Tensor], logits: torch.Tensor
-                       ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-    """Summed token loss of the language model's (possibly vocab-sharded) logits.
-
-    Returns:
-        ``(loss_sum, num_loss_tokens, {"correct": n, "samples": n})`` where ``correct``
-        counts samples whose every answer token is the argmax (= exact match of greedy
-        generation, see ``evaluate``); pad samples (index < 0) are not counted.
-    """
-    group = getattr(model.language_model, "tp_group", None)
-    if group is not None:
-        loss_sum, num_tokens, correct = vocab_parallel_loss(
-            logits, batch["labels"], batch["loss_mask"], group)
-    else:
-        loss_sum, num_tokens, correct = language_loss(logits, batch["labels"],
-                                                      batch["loss_mask"])
-    valid = batch["index"] >= 0
-    return loss_sum, num_tokens, {"correct": (correct & valid).sum(), "samples": valid.sum()}
-
-
-def default_forward_step(model: nn.Module, batch: dict[str, torch.Tensor],
-                         embeddings: dict[str, torch.Tensor | None]
-                         ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-    """Merge modality embeddings into the text, run the language model, sum the loss.
-
-    A custom ``forward_step_func`` has this signature; it runs where the language model
-    is one pipeline stage (with language ``pipeline > 1`` the built-in split of this
-    function, ``language_input`` / ``language_loss_step``, runs instead).
-    """
-    logits = model.language_model(language_input(model, batch, embeddings))
-    return language_loss_step(model, batch, logits)
 
 
 def module_parts(model: nn.Module) -> dict[str, nn.Module]:
@@ -130,13 +91,13 @@ def autocast_factory(precision: str, device: torch.device) -> Callable[[], Any]:
 
 
 def train_step_mimo(
-    forward_step_func: Callable[..., Any],
+    forward_step_func: ForwardStepFunc | LanguageStep,
     data_iterator: Iterator[list[Microbatch]],
     model: nn.Module,
     optimizer: Any,
     schedulers: dict[str, Any],
     global_state: GlobalState,
-    multimodule_communicator: MultiModulePipelineCommunicator,
+    multimodule_communicator: Transport,
     multimodule_pg_collection: MultiModuleProcessGroupCollection | None = None,
     infra: MimoModelInfra | None = None,
     module_to_grid_tuple: Sequence[tuple[Any, HyperCommGrid]] | None = None,
@@ -147,13 +108,16 @@ def train_step_mimo(
     """Run one training iteration on this rank (Megatron-Bridge's signature).
 
     Args:
-        forward_step_func: the language step (see ``default_forward_step``).
+        forward_step_func: the language step function (see ``default_forward_step``)
+            or a ``LanguageStep`` around one (the loop passes one, to read its
+            auxiliary metrics).
         data_iterator: yields the step's micro-batches for this rank.
         model: the ``MimoModel`` holding this rank's modules.
         optimizer: the ``MimoOptimizer``.
         schedulers: per-module ``OptimizerParamScheduler`` (active modules).
         global_state: config, timers, train state.
-        multimodule_communicator: transports activations between modules.
+        multimodule_communicator: the run's transport (``build_transport``: the
+            pipeline communicator, or the colocated transport).
         multimodule_pg_collection: this rank's groups (``None``: ``infra``'s); its data
             parallel groups reduce the gradients. Must match ``infra``'s.
         infra: grids and process groups (required, although Bridge's order puts it after
@@ -188,8 +152,7 @@ def train_step_mimo(
     timers("forward-backward").start()
     ctx = StepContext(
         model=model, layout=infra.layout, rank=infra.rank, microbatches=microbatches,
-        forward_step_func=forward_step_func, lm_input_func=language_input,
-        lm_loss_func=language_loss_step, communicator=multimodule_communicator,
+        language=LanguageStep.of(forward_step_func), transport=multimodule_communicator,
         loss_divisor=max(num_tokens, 1.0), loss_scale=float(optimizer.get_loss_scale()),
         autocast=autocast_factory(cfg.train.precision, device))
     schedule = (forward_backward_pipelining_without_interleaving

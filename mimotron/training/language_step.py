@@ -1,0 +1,119 @@
+"""The language side of a step: merge embeddings, run the language model, sum the loss.
+
+A :class:`LanguageStep` is the one object the schedule asks for everything that touches
+the language model's inputs and loss; it holds the forward step function (the user's or
+:func:`default_forward_step`). Where the language model is one pipeline stage the
+schedule calls :meth:`LanguageStep.forward_step`, which runs that function whole; with
+language ``pipeline > 1`` the first stage calls :meth:`LanguageStep.first_stage_input`
+and the last stage :meth:`LanguageStep.loss` — the built-in split of
+``default_forward_step`` (a custom forward step cannot be split).
+
+It also keeps the auxiliary metrics the forward step returns in training mode (every
+metric besides ``correct`` and ``samples``) until the loop takes them with
+:meth:`LanguageStep.pop_aux` for the metrics record.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from mimotron.models.language import language_loss
+from mimotron.parallel.tensor_parallel import vocab_parallel_loss
+
+# (loss sum, loss tokens, metrics) of one micro-batch.
+LossOutput = tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]
+# (model, language batch, embeddings by module) -> LossOutput
+ForwardStepFunc = Callable[..., LossOutput]
+
+# Forward-step metrics that become train_accuracy rather than auxiliary losses.
+ACCURACY_KEYS = ("correct", "samples")
+
+
+def language_input(model: nn.Module, batch: dict[str, torch.Tensor],
+                   embeddings: dict[str, torch.Tensor | None]) -> torch.Tensor:
+    """Token embeddings with every modality's embeddings merged at its placeholders."""
+    tokens = batch["tokens"]
+    embeds = {m: e for m, e in embeddings.items() if e is not None}
+    present = {m: batch[f"has_{model.modality_of[m]}"] for m in embeds}
+    return model.merge_embeddings(tokens, model.language_model.embed_tokens(tokens), embeds,
+                                  present)
+
+
+def language_loss_step(model: nn.Module, batch: dict[str, torch.Tensor], logits: torch.Tensor
+                       ) -> LossOutput:
+    """Summed token loss of the language model's (possibly vocab-sharded) logits.
+
+    Returns:
+        ``(loss_sum, num_loss_tokens, {"correct": n, "samples": n})`` where ``correct``
+        counts samples whose every answer token is the argmax (= exact match of greedy
+        generation, see ``evaluate``); pad samples (index < 0) are not counted.
+    """
+    group = getattr(model.language_model, "tp_group", None)
+    if group is not None:
+        loss_sum, num_tokens, correct = vocab_parallel_loss(
+            logits, batch["labels"], batch["loss_mask"], group)
+    else:
+        loss_sum, num_tokens, correct = language_loss(logits, batch["labels"],
+                                                      batch["loss_mask"])
+    valid = batch["index"] >= 0
+    return loss_sum, num_tokens, {"correct": (correct & valid).sum(), "samples": valid.sum()}
+
+
+def default_forward_step(model: nn.Module, batch: dict[str, torch.Tensor],
+                         embeddings: dict[str, torch.Tensor | None]) -> LossOutput:
+    """Merge modality embeddings into the text, run the language model, sum the loss.
+
+    A custom ``forward_step_func`` has this signature; it runs where the language model
+    is one pipeline stage (with language ``pipeline > 1`` the built-in split of this
+    function, ``language_input`` / ``language_loss_step``, runs instead).
+    """
+    logits = model.language_model(language_input(model, batch, embeddings))
+    return language_loss_step(model, batch, logits)
+
+
+class LanguageStep:
+    """Input merging, forward step and loss of the language model, for the schedule.
+
+    Args:
+        forward_step_func: ``(model, batch, embeddings) -> (loss_sum, num_tokens,
+            metrics)``, run where the language model is a single stage.
+    """
+
+    def __init__(self, forward_step_func: ForwardStepFunc = default_forward_step) -> None:
+        self.forward_step_func = forward_step_func
+        self._aux: dict[str, list[torch.Tensor]] = {}
+
+    @classmethod
+    def of(cls, step: LanguageStep | ForwardStepFunc) -> LanguageStep:
+        """``step`` itself if it is a ``LanguageStep``, else one around the function."""
+        return step if isinstance(step, LanguageStep) else cls(step)
+
+    def forward_step(self, model: nn.Module, batch: dict[str, torch.Tensor],
+                     embeddings: dict[str, torch.Tensor | None]) -> LossOutput:
+        """The whole language step (single-stage language model, or colocated)."""
+        out = self.forward_step_func(model, batch, embeddings)
+        if model.training and isinstance(out, tuple) and len(out) == 3 \
+                and isinstance(out[2], dict):
+            for key, value in out[2].items():
+                if key not in ACCURACY_KEYS:
+                    self._aux.setdefault(key, []).append(value.detach().double().flatten())
+        return out
+
+    def first_stage_input(self, model: nn.Module, batch: dict[str, torch.Tensor],
+                          embeddings: dict[str, torch.Tensor | None]) -> torch.Tensor:
+        """The first stage's input of a pipelined language model (``language_input``)."""
+        return language_input(model, batch, embeddings)
+
+    def loss(self, model: nn.Module, batch: dict[str, torch.Tensor], logits: torch.Tensor
+             ) -> LossOutput:
+        """The last stage's loss of a pipelined language model (``language_loss_step``)."""
+        return language_loss_step(model, batch, logits)
+
+    def pop_aux(self) -> dict[str, torch.Tensor]:
+        """This step's auxiliary metrics summed over its micro-batches; resets them."""
+        out = {k: torch.stack(v).sum(0) for k, v in self._aux.items()}
+        self._aux.clear()
+        return out
