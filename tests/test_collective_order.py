@@ -7,6 +7,10 @@ peers did not, or in another order, would hang or — worse — pair unrelated t
 collective, the members compare fingerprints (sequence number, op, shapes, dtypes) and
 raise on any difference. The layouts below (encoder TP with DP next to a TP or DP
 language model, micro-batches small enough that slices are empty) train under that check.
+
+The step's scalars (token count, found-inf, grad norm and zero slots, loss sums) cost
+two world collectives per step; a non-colocated layout, which has no bridge traffic on
+the world group, is counted.
 """
 
 from __future__ import annotations
@@ -15,8 +19,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from mimotron.config import load_config
+from mimotron.runtime import init_runtime
 from mimotron.testing import RankError, run_ranks
-from tests.common import coloc, engine_run
+from mimotron.training.loop import setup_mimo
+from tests.common import BASE, DIGITS, coloc, engine_run, noncolocated, train_step
 
 SMALL_MB = ["train.micro_batch_size=4"]
 LAYOUTS = {
@@ -52,3 +59,34 @@ def test_colocated_collectives_line_up(detail_debug, name):
     results = run_ranks(4, engine_run, LAYOUTS[name] + SMALL_MB, 4, timeout_s=240)
     assert sum(r["empty_encoder_outputs"] for r in results) > 0  # empty slices were run
     assert all(not skipped for r in results for _, _, skipped, _ in r["steps"])
+
+
+WORLD_COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast",
+                     "reduce_scatter_tensor", "all_to_all", "barrier")
+
+
+def _world_collectives_per_step(rank: int, world: int, overrides: list[str]) -> list[int]:
+    run = setup_mimo(load_config(DIGITS, BASE + overrides), init_runtime())
+    calls: list[str] = []
+    for name in WORLD_COLLECTIVES:  # this forked rank only
+        original = getattr(dist, name)
+
+        def counting(*args, _original=original, _name=name, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            if kwargs.get("group") in (None, dist.group.WORLD):
+                calls.append(_name)
+            return _original(*args, **kwargs)
+
+        setattr(dist, name, counting)
+    per_step = []
+    for _ in range(3):
+        before = len(calls)
+        train_step(run)
+        per_step.append(len(calls) - before)
+    return per_step
+
+
+def test_a_step_costs_two_world_collectives():
+    # Token count before the schedule; found-inf, norm/zero slots and loss sums after.
+    layout = noncolocated({}, {}, {"data": 2}) + ["modules.language.parallel.shard_optimizer=true"]
+    results = run_ranks(4, _world_collectives_per_step, layout, timeout_s=240)
+    assert results == [[2, 2, 2]] * 4

@@ -376,6 +376,55 @@ def test_multirank_split_modules_match_one_process(inject_inf: bool) -> None:
     assert max(r["diff"] for r in results) < 1e-6
 
 
+def _separate_step(opt: MimoOptimizer) -> tuple[bool, float | None, int | None]:
+    """``step()`` spelled out with the public methods, each with its own collective."""
+    if opt.prepare_grads():
+        return False, None, None
+    norm, zeros = opt.get_grad_norm(), opt.count_zeros()
+    opt.clip_grad_norm(grad_norm=norm)
+    return opt.step_with_ready_grads(), norm, zeros
+
+
+def _rank_fused_vs_separate(rank: int, world_size: int) -> dict:
+    full = _full_modules()
+    fused_infos, parts_infos = (_split_infos(rank, full, dynamic=True) for _ in range(2))
+    fused = MimoOptimizer(fused_infos, OptimizerConfig(clip_grad=1.0))
+    parts = MimoOptimizer(parts_infos, OptimizerConfig(clip_grad=1.0))
+    mine = "A" if rank < 2 else "B"
+    out: dict = {"fused": [], "parts": [], "sums": []}
+    for step in range(4):
+        _set_grads(full, step, scale=1024.0)
+        for infos in (fused_infos, parts_infos):
+            for (_, p), (_, q) in zip(full[mine].named_parameters(), infos[mine].params,
+                                      strict=True):
+                q.grad = _piece(p.grad, rank).clone()  # unscaled in place
+            if step == 2 and rank == 3:  # an overflow on one rank: both paths skip
+                infos["B"].params[0][1].grad[1, 1] = float("inf")
+        addends = torch.tensor([rank + 0.25, 1.0], dtype=torch.float64)
+        *res, sums = fused.step_with_world_sums(addends)
+        out["fused"].append(tuple(res))
+        out["sums"].append(sums)
+        out["parts"].append(_separate_step(parts))
+    out["same_params"] = all(
+        torch.equal(a, b) for (_, a), (_, b) in zip(fused_infos[mine].params,
+                                                    parts_infos[mine].params, strict=True))
+    out["scales"] = [[float(i.loss_scaler.scale) for i in o.module_infos.values()]
+                     for o in (fused, parts)]
+    return out
+
+
+def test_fused_step_is_bitwise_the_separate_calls() -> None:
+    # One world collective (found-inf, norm and zero slots, caller's sums) gives exactly
+    # what prepare_grads / get_grad_norm / count_zeros / clip / step_with_ready_grads give.
+    results = run_ranks(4, _rank_fused_vs_separate, timeout_s=120)
+    for r in results:
+        assert r["fused"] == r["parts"]  # == on the float norms: bitwise
+        assert r["same_params"] and r["scales"][0] == r["scales"][1]
+        assert r["sums"] == [[0.25 + 1.25 + 2.25 + 3.25, 4.0]] * 4
+    assert [s[0] for s in results[0]["fused"]] == [True, True, False, True]
+    assert results[0]["fused"] == results[3]["fused"]
+
+
 def _dtensor_params(rank: int, full: nn.Linear, mesh: DeviceMesh) -> list:
     """weight Shard(0) over the mesh, bias Replicate."""
     coord = mesh.get_coordinate()[0]

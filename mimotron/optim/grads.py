@@ -68,13 +68,17 @@ def scale_(grads: list[torch.Tensor], factor: float) -> None:
             g.mul_(factor)
 
 
-def has_non_finite(grads: list[torch.Tensor]) -> bool:
-    """Whether any local gradient element is inf or NaN."""
+def non_finite_flag(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """``[1.0]`` when any local gradient element is inf or NaN, else ``[0.0]`` (float64).
+
+    Stays on device: the flag travels in the optimizer's one world collective, which is
+    the step's only host sync.
+    """
     if not grads:
-        return False
+        return torch.zeros(1, dtype=torch.float64, device=device)
     local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
-    # One host sync for the whole module instead of one per tensor.
-    return not bool(torch.stack([torch.isfinite(g).all() for g in local]).all())
+    finite = torch.stack([torch.isfinite(g).all() for g in local]).all()
+    return (~finite).to(device=device, dtype=torch.float64).reshape(1)
 
 
 def dim_ranks(mesh: Any, dim: int) -> set[int]:

@@ -5,8 +5,10 @@ use the norm over *all* parameters and every rank must take the same branch (ski
 step). The trick (docs/design.md, "Optimizer semantics"): modules are ordered by name
 and slot ``i`` of every world vector belongs to module ``i``. A module's ranks fill its
 slot with a value that is identical on all of them, every other rank puts 0 there, and a
-world all-reduce MAX gives every rank the whole vector. Found-inf is a world MAX, step
-success a world MIN.
+world MAX gives every rank the whole vector. Found-inf is a MAX slot of the same vector:
+:meth:`MimoOptimizer.step` agrees on found-inf, the norm and the zero count (and any
+sums the caller adds, such as the step's loss sums) in one world collective with one
+host sync. Success needs no vote: every rank skips or steps on the same found-inf.
 
 Collective discipline: world collectives are issued by every rank; a module's group
 collectives by every rank *in the module* (``ModuleOptimizerInfo.in_module``), whether
@@ -52,7 +54,7 @@ from mimotron.optim.grads import (
     collective_device,
     counted_local_grad,
     grads_of,
-    has_non_finite,
+    non_finite_flag,
     reduced_grads,
     scale_,
     sharded_outside,
@@ -145,54 +147,103 @@ class MimoOptimizer:
                     group["module"] = name
 
     # ---- collectives ------------------------------------------------------------------
-    def _world_reduce(self, values: list[float], op: dist.ReduceOp) -> torch.Tensor:
-        t = torch.tensor(values, dtype=torch.float64, device=self._device)
+    def _world_reduce(
+        self, max_slots: torch.Tensor, sum_slots: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """World MAX of ``max_slots`` and world SUM of ``sum_slots``: one collective.
+
+        One all-gather of every rank's row (``max_slots`` then ``sum_slots``, float64, the
+        same length on every rank) and a reduction of each column with its own op, on
+        the collective device, then the one host sync. Why a gather and not an
+        all-reduce: the flag and module slots need MAX (every rank of a module fills its
+        slot with the same value, the rest 0), per-rank addends such as the step's loss
+        sums need SUM, and encoding the sums for a MAX (one slot per DP replica, 0
+        elsewhere) would turn a NaN loss into 0 (gloo's max keeps the first operand).
+        MAX is exact in any order, so the slots are bitwise what a MAX all-reduce gives;
+        the sums add at most a handful of nonzero float64 addends that are short sums of
+        fp32 losses and integer counts, which is exact in any order too.
+
+        Returns:
+            ``(max_result, sum_result)`` on the CPU (``sum_result`` empty without sums).
+        """
+        dev, f64 = self._device, torch.float64
+        sums = sum_slots if sum_slots is not None else torch.zeros(0, dtype=f64, device=dev)
+        row = torch.cat([max_slots.to(device=dev, dtype=f64), sums.to(device=dev, dtype=f64)])
         if self._distributed:
-            dist.all_reduce(t, op=op, group=self._world)
-        return t.cpu()
+            rows = [torch.empty_like(row) for _ in range(dist.get_world_size(self._world))]
+            dist.all_gather(rows, row, group=self._world)
+            table = torch.stack(rows)
+        else:
+            table = row.unsqueeze(0)
+        n = max_slots.numel()
+        out = torch.cat([table[:, :n].amax(dim=0), table[:, n:].sum(dim=0)]).cpu()
+        return out[:n], out[n:]
 
     def _active(self) -> list[ModuleOptimizerInfo]:
         return [i for i in self.module_infos.values() if i.is_active]
 
     # ---- gradients --------------------------------------------------------------------
-    def prepare_grads(self) -> bool:
-        """Unscale, check for non-finite grads, agree on it world-wide.
+    def _unscale_and_check(self) -> torch.Tensor:
+        """Reduce-scatter sharded modules, unscale every module, flag non-finite grads.
 
         Every module's gradients are divided by the common loss scale
-        (:meth:`get_loss_scale` before this call's update: the factor backward applied to
-        all of them). Sharded modules reduce-scatter their gradients first (collective
-        over each one's DP group, in module order). Then every module's loss scaler is
-        updated, by its own rules, from the world flag.
+        (:meth:`get_loss_scale` before this step's update: the factor backward applied
+        to all of them). Sharded modules reduce-scatter their gradients first
+        (collective over each one's DP group, in module order).
 
         Returns:
-            found_inf, identical on every rank.
+            This rank's found-inf flag, ``[0.0]`` or ``[1.0]`` on the collective device.
         """
         for info in self._active():
             if info.zero is not None:
                 info.zero.reduce_grads()
         inv_scale = 1.0 / float(self.get_loss_scale())
-        found = False
+        flag = torch.zeros(1, dtype=torch.float64, device=self._device)
         for info in self._active():
             grads = reduced_grads(info.params)
             if inv_scale != 1.0:
                 scale_(grads, inv_scale)
-            found = found or has_non_finite(grads)
-        found_inf = bool(self._world_reduce([float(found)], dist.ReduceOp.MAX).item() > 0)
+            flag = torch.maximum(flag, non_finite_flag(grads, self._device))
+        return flag
+
+    def _update_scalers(self, found_inf: bool) -> None:
+        """Every module's scaler, by its own rules, from the one world flag."""
         for info in self.module_infos.values():
             info.loss_scaler.update(found_inf)
+
+    def prepare_grads(self) -> bool:
+        """Unscale, check for non-finite grads, agree on it world-wide (one collective).
+
+        See :meth:`_unscale_and_check`; then every module's loss scaler is updated, by
+        its own rules, from the world flag. :meth:`step` does this in the same world
+        collective as the grad norm.
+
+        Returns:
+            found_inf, identical on every rank.
+        """
+        flag, _ = self._world_reduce(self._unscale_and_check())
+        found_inf = bool(flag.item() > 0)
+        self._update_scalers(found_inf)
         return found_inf
 
-    def _global_stats(self) -> tuple[float, int]:
-        """(grad norm, zero count) over all modules: one world all-reduce of 2n slots."""
-        slots = [0.0] * (2 * len(self.module_infos))
+    def _stat_slots(self) -> torch.Tensor:
+        """This rank's ``[sq norm, zeros]`` slot pairs, module ``i`` at ``2i`` (0 if not in it).
+
+        Collective over each module's groups (ranks in the module); no world collective.
+        """
+        slots = torch.zeros(2 * len(self.module_infos), dtype=torch.float64, device=self._device)
         for i, (name, info) in enumerate(self.module_infos.items()):
             if info.in_module:
                 slots[2 * i : 2 * i + 2] = self._module_stats(name, info)
-        vec = self._world_reduce(slots, dist.ReduceOp.MAX).view(-1, 2)
-        return math.sqrt(vec[:, 0].sum().item()), int(round(vec[:, 1].sum().item()))
+        return slots
 
-    def _module_stats(self, name: str, info: ModuleOptimizerInfo) -> list[float]:
-        """[squared norm, zeros] of one module, identical on all of its ranks."""
+    def _global_stats(self) -> tuple[float, int]:
+        """(grad norm, zero count) over all modules: one world collective of 2n slots."""
+        slots, _ = self._world_reduce(self._stat_slots())
+        return _norm_and_zeros(slots)
+
+    def _module_stats(self, name: str, info: ModuleOptimizerInfo) -> torch.Tensor:
+        """[squared norm, zeros] of one module (float64), identical on all of its ranks."""
         pg = info.pg_collection or ProcessGroupCollection()
         mp, dp = pg.mp, pg.dp_cp if usable(pg.dp_cp) else pg.dp
         if info.zero is not None:
@@ -217,7 +268,7 @@ class MimoOptimizer:
         total = own + shared
         if usable(mp):
             dist.all_reduce(total, group=mp)
-        return total.tolist()
+        return total
 
     def get_grad_norm(self) -> float:
         """Global L2 norm of all modules' gradients (world collective)."""
@@ -260,30 +311,58 @@ class MimoOptimizer:
     def step(self) -> tuple[bool, float | None, int | None]:
         """Prepare, clip with the global norm, count zeros, and step every module.
 
-        Zeros are always counted: they come out of the same pass and the same world
-        all-reduce as the norm, so they cost nothing extra.
+        One world collective: see :meth:`step_with_world_sums`.
 
         Returns:
             ``(success, grad_norm, num_zeros)``, identical on every rank;
             ``(False, None, None)`` when any rank found a non-finite gradient.
         """
-        if self.prepare_grads():
-            return False, None, None
-        norm, zeros = self._global_stats()
-        self.clip_grad_norm(grad_norm=norm)
-        success = self.step_with_ready_grads()
+        success, norm, zeros, _ = self.step_with_world_sums()
         return success, norm, zeros
 
-    def step_with_ready_grads(self) -> bool:
-        """Step every active inner optimizer; world MIN of the local success.
+    def step_with_world_sums(
+        self, world_sums: torch.Tensor | None = None
+    ) -> tuple[bool, float | None, int | None, list[float]]:
+        """:meth:`step`, also summing ``world_sums`` over all ranks in its one collective.
 
-        A sharded module then all-gathers its parameters (collective over its DP group).
+        Found-inf, the norm and zero slots (computed on the unscaled gradients whether
+        or not they are finite, so both are known after one collective) and the sums
+        travel together; zeros are always counted, they come out of the same pass as
+        the norm. A rank with nothing to add passes zeros.
+
+        Args:
+            world_sums: this rank's float64 addends (e.g. the step's loss sums), the
+                same length on every rank; ``None`` = none.
+
+        Returns:
+            ``(success, grad_norm, num_zeros, sums)``, identical on every rank; the first
+            three are ``(False, None, None)`` when any rank found a non-finite gradient.
+        """
+        local = torch.cat([self._unscale_and_check(), self._stat_slots()])
+        reduced, sums = self._world_reduce(local, world_sums)
+        found_inf = bool(reduced[0].item() > 0)
+        self._update_scalers(found_inf)
+        if found_inf:
+            return False, None, None, sums.tolist()
+        norm, zeros = _norm_and_zeros(reduced[1:])
+        self.clip_grad_norm(grad_norm=norm)
+        return self.step_with_ready_grads(), norm, zeros, sums.tolist()
+
+    def step_with_ready_grads(self) -> bool:
+        """Step every active inner optimizer; a sharded module then all-gathers its params.
+
+        The all-gather is collective over each sharded module's DP group. No world
+        collective: the skip decision was agreed (found-inf) before this is called, and
+        an inner step that fails raises rather than returning a verdict to agree on.
+
+        Returns:
+            True.
         """
         for info in self._active():
             info.optimizer.step()
             if info.zero is not None:
                 info.zero.gather_params()
-        return bool(self._world_reduce([1.0], dist.ReduceOp.MIN).item() > 0)
+        return True
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients of every active module (model and fragment gradients)."""
@@ -501,6 +580,12 @@ class MimoOptimizer:
                 g["lr"] = lr
             for p, grad in zip(params, grads, strict=True):
                 p.grad = grad
+
+
+def _norm_and_zeros(slots: torch.Tensor) -> tuple[float, int]:
+    """(sqrt of the summed squared norms, summed zeros) of world-reduced slot pairs."""
+    pairs = slots.view(-1, 2)
+    return math.sqrt(pairs[:, 0].sum().item()), int(round(pairs[:, 1].sum().item()))
 
 
 def _index_names(module: str, info: ModuleOptimizerInfo) -> list[str]:

@@ -4,6 +4,11 @@
 ``(loss_dict, skipped_iter, grad_norm, num_zeros_in_grad)``. Every collective below is
 issued by every rank in the same order (world reductions use fixed-size vectors), so no
 rank takes a branch the others don't.
+
+The step's scalars cost two world collectives, each with one host sync: the loss-token
+count before the schedule (the loss is divided by it before backward), and the
+optimizer's after the gradient reduction, which carries found-inf, every module's norm
+and zero slots and the logged loss, token, correct and sample sums.
 """
 
 from __future__ import annotations
@@ -57,19 +62,24 @@ def count_global_tokens(microbatches: list[Microbatch], infra: MimoModelInfra,
     """Loss tokens of the whole global batch, known to every rank (one world reduction).
 
     Each language DP replica's leader contributes its slice's count; encoder-only ranks
-    contribute zero but still join, so they can scale their gradients identically.
+    contribute zero but still join, so they can scale their gradients identically. This
+    reduction cannot join the optimizer's: the loss is divided by the count before
+    backward. The count stays on device until the reduced value's one host sync.
     """
     local = 0.0
     if infra.is_loss_leader:
-        local = float(sum(mb[LANGUAGE]["loss_mask"].sum() for mb in microbatches))
-    t = torch.tensor([local], dtype=torch.float64, device=device)
+        local = sum(mb[LANGUAGE]["loss_mask"].sum() for mb in microbatches)
+    t = torch.as_tensor(local, dtype=torch.float64, device=device).reshape(1)
     dist.all_reduce(t)
     return float(t.item())
 
 
-def reduce_outputs(outputs: list[MicrobatchOutput], infra: MimoModelInfra, device: torch.device
-                   ) -> dict[str, float]:
-    """World sums of loss, token and sample counts over the language loss leaders."""
+def local_output_sums(outputs: list[MicrobatchOutput], infra: MimoModelInfra,
+                      device: torch.device) -> torch.Tensor:
+    """This rank's ``[loss, tokens, correct, samples]`` addends (zeros off the leaders).
+
+    Float64 on ``device``, no host sync; their world sums are :func:`named_sums`'s input.
+    """
     vec = torch.zeros(4, dtype=torch.float64, device=device)
     if infra.is_loss_leader:
         for out in outputs:
@@ -77,9 +87,25 @@ def reduce_outputs(outputs: list[MicrobatchOutput], infra: MimoModelInfra, devic
             vec[1] += out.num_tokens.double()
             vec[2] += out.metrics.get("correct", torch.tensor(0)).double()
             vec[3] += out.metrics.get("samples", torch.tensor(0)).double()
-    dist.all_reduce(vec)
-    loss_sum, tokens, correct, samples = vec.tolist()
+    return vec
+
+
+def named_sums(sums: list[float]) -> dict[str, float]:
+    """World sums of :func:`local_output_sums`, by name."""
+    loss_sum, tokens, correct, samples = sums
     return {"loss_sum": loss_sum, "tokens": tokens, "correct": correct, "samples": samples}
+
+
+def reduce_outputs(outputs: list[MicrobatchOutput], infra: MimoModelInfra, device: torch.device
+                   ) -> dict[str, float]:
+    """World sums of loss, token and sample counts over the language loss leaders.
+
+    One world reduction of its own; a training step folds these sums into the
+    optimizer's collective instead (``MimoOptimizer.step_with_world_sums``).
+    """
+    vec = local_output_sums(outputs, infra, device)
+    dist.all_reduce(vec)
+    return named_sums(vec.tolist())
 
 
 def autocast_factory(precision: str, device: torch.device) -> Callable[[], Any]:
@@ -164,12 +190,14 @@ def train_step_mimo(
     finalize_model_grads(parts, dict(pgs.items()), frozen)
     timers("grad-sync").stop(sync=True)
     timers("optimizer").start()
-    success, grad_norm, num_zeros = optimizer.step()
+    # The logged loss sums ride on the optimizer's one world collective (found-inf, norm).
+    success, grad_norm, num_zeros, reduced = optimizer.step_with_world_sums(
+        local_output_sums(outputs, infra, device))
     if success:
         for scheduler in schedulers.values():
             scheduler.step()
     timers("optimizer").stop(sync=True)
-    sums = reduce_outputs(outputs, infra, device)
+    sums = named_sums(reduced)
     loss = sums["loss_sum"] / max(num_tokens, 1.0)
     loss_dict = {"loss": loss, "num_tokens": num_tokens,
                  "accuracy": sums["correct"] / max(sums["samples"], 1.0),
