@@ -50,6 +50,7 @@ from mimotron.config_schema import (
     TrainConfig,
     WeightDecayStyle,
 )
+from mimotron.names import LANGUAGE
 
 __all__ = [
     "DATASETS",
@@ -189,22 +190,22 @@ def _check(ok: bool, name: str, value: Any, valid: str) -> None:
 
 
 def _validate_modules(cfg: MimoConfig) -> None:
-    if "language" not in cfg.modules:
+    if LANGUAGE not in cfg.modules:
         raise ValueError(
             f"modules: a module named 'language' is required (have {sorted(cfg.modules)}); "
             "add a [modules.language] table with kind = \"language\""
         )
     _check(
-        cfg.modules["language"].kind in LANGUAGE_KINDS,
+        cfg.modules[LANGUAGE].kind in LANGUAGE_KINDS,
         "modules.language.kind",
-        cfg.modules["language"].kind,
+        cfg.modules[LANGUAGE].kind,
         f"one of {LANGUAGE_KINDS}",
     )
     modalities: dict[str, str] = {}
     for name, mod in cfg.modules.items():
         p = f"modules.{name}"
         _check(mod.kind in MODULE_KINDS, f"{p}.kind", mod.kind, f"one of {MODULE_KINDS}")
-        if name != "language":
+        if name != LANGUAGE:
             _check(mod.is_encoder, f"{p}.kind", mod.kind, f"an encoder kind {ENCODER_KINDS}")
             if mod.modality in modalities:
                 raise ValueError(

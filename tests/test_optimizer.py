@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from mimotron.config import MimoConfig, ModuleConfig, load_config
 from mimotron.data.tokenizer import CharTokenizer
@@ -561,12 +561,14 @@ def test_engine_state_dict_round_trip_gives_identical_next_steps() -> None:
 
 def _rank_tp_duplicate(rank: int, world: int) -> tuple:
     group = dist.new_group([0, 1])
-    full = _full_modules()["B"]  # weight rows split over "tp"; bias replicated on both ranks
-    weight = nn.Parameter(full.weight.detach().chunk(2, dim=0)[rank].clone())
+    mesh = DeviceMesh.from_group(group, "cpu")
+    # As parallel.tensor_parallel leaves them: weight rows a DTensor sharded over "tp",
+    # the bias a plain tensor, whole on both ranks.
+    full = _full_modules()["B"]
+    weight = nn.Parameter(distribute_tensor(full.weight.detach(), mesh, [Shard(0)]))
     bias = nn.Parameter(full.bias.detach().clone())
-    bias.tensor_parallel_duplicate = True  # what parallel.tensor_parallel marks
     _set_grads({"B": full}, 0)
-    weight.grad = full.weight.grad.chunk(2, dim=0)[rank].clone()
+    weight.grad = distribute_tensor(full.weight.grad, mesh, [Shard(0)])
     bias.grad = full.bias.grad.clone()
     info = ModuleOptimizerInfo(
         optimizer=torch.optim.AdamW([weight, bias], **ADAM), is_active=True,

@@ -31,11 +31,10 @@ from mimotron.config import MimoConfig, config_from_dict
 from mimotron.data.tokenizer import CharTokenizer
 from mimotron.models.build import build_mimo_model
 from mimotron.models.mimo import MimoModel
+from mimotron.names import ENCODER_PREFIX, LANGUAGE, LANGUAGE_MODEL_PREFIX
 from mimotron.training.model_setup import padded_vocab_size
 
 CONFIG_FILE = "config.json"
-_LANGUAGE_PREFIX = "language_model."
-_ENCODER_PREFIX = "modality_submodules."
 
 
 def split_module(name: str) -> tuple[str, str]:
@@ -45,10 +44,10 @@ def split_module(name: str) -> tuple[str, str]:
     Raises:
         CheckpointError: a name outside both (not a ``MimoModel`` parameter).
     """
-    if name.startswith(_LANGUAGE_PREFIX):
-        return "language", name[len(_LANGUAGE_PREFIX) :]
-    if name.startswith(_ENCODER_PREFIX):
-        module, _, rest = name[len(_ENCODER_PREFIX) :].partition(".")
+    if name.startswith(LANGUAGE_MODEL_PREFIX):
+        return LANGUAGE, name[len(LANGUAGE_MODEL_PREFIX) :]
+    if name.startswith(ENCODER_PREFIX):
+        module, _, rest = name[len(ENCODER_PREFIX) :].partition(".")
         return module, rest
     raise CheckpointError(f"checkpoint entry model.{name} belongs to no MimoModel module")
 
@@ -144,6 +143,6 @@ def load_exported(
         file = out / f"{name}.safetensors"
         if not file.is_file():
             raise ValueError(f"export folder {str(out)!r} is invalid: {file.name} is missing")
-        part = model.language_model if name == "language" else model.modality_submodules[name]
+        part = model.language_model if name == LANGUAGE else model.modality_submodules[name]
         part.load_state_dict(load_file(str(file)), strict=True)
     return cfg, model.to(device)

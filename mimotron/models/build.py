@@ -15,6 +15,8 @@ from mimotron.models.encoders import AudioEncoder, ModalitySubmodule, Projector,
 from mimotron.models.init import init_parameters_
 from mimotron.models.language import LanguageModel
 from mimotron.models.mimo import MimoModel
+from mimotron.names import LANGUAGE
+from mimotron.names import module_prefix as parameter_prefix
 
 
 def module_prefix(cfg: MimoConfig, name: str) -> str:
@@ -28,7 +30,7 @@ def module_prefix(cfg: MimoConfig, name: str) -> str:
         ``"language_model."`` or ``"modality_submodules.<name>."``.
     """
     _module_cfg(cfg, name)
-    return "language_model." if name == "language" else f"modality_submodules.{name}."
+    return parameter_prefix(name)
 
 
 def _module_cfg(cfg: MimoConfig, name: str) -> ModuleConfig:
@@ -74,9 +76,9 @@ def _construct(
         )
     else:
         raise ValueError(f"modules.{name}.kind={mod.kind!r} cannot be built by mimotron.models")
-    if "language" not in cfg.modules:
+    if LANGUAGE not in cfg.modules:
         raise ValueError("an encoder's projector needs the 'language' module's hidden size")
-    lm_hidden = cfg.modules["language"].hidden_size
+    lm_hidden = cfg.modules[LANGUAGE].hidden_size
     projector = (
         Projector(mod.hidden_size, lm_hidden, mod.projector_hidden_size) if post_process else None
     )
@@ -146,7 +148,7 @@ def build_mimo_model(
     if missing:
         raise ValueError(f"placeholder_ids {placeholder_ids} lack encoder modules {missing}")
     encoders = {n: build_module(cfg, n, vocab_size) for n in cfg.encoder_names if n in wanted}
-    language = build_module(cfg, "language", vocab_size) if "language" in wanted else None
+    language = build_module(cfg, LANGUAGE, vocab_size) if LANGUAGE in wanted else None
     assert language is None or isinstance(language, LanguageModel)
     modality_of = {n: str(cfg.modules[n].modality) for n in cfg.encoder_names}
     return MimoModel(encoders, language, dict(placeholder_ids), modality_of)

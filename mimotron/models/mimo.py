@@ -14,6 +14,7 @@ A rank may hold only some modules (non-colocated layouts): ``language_model`` ma
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from mimotron.models.encoders import ModalitySubmodule
@@ -32,6 +33,9 @@ class MimoModel(nn.Module):
         placeholder_ids: module name -> the token id of its placeholder, for EVERY
             encoder module of the model (also those held elsewhere).
         modality_of: module name -> batch key of its input (``"image"``, ``"audio"``).
+        language_tp_group: the language model's tensor-parallel group when its logits
+            are vocabulary-sharded (TP > 1), so the loss can combine the shards;
+            ``None`` for TP 1 or where this rank holds no language model.
 
     Raises:
         ValueError: if a held module has no placeholder id or modality.
@@ -43,6 +47,7 @@ class MimoModel(nn.Module):
         language_model: LanguageModel | None,
         placeholder_ids: dict[str, int],
         modality_of: dict[str, str],
+        language_tp_group: dist.ProcessGroup | None = None,
     ) -> None:
         super().__init__()
         missing = [
@@ -57,6 +62,7 @@ class MimoModel(nn.Module):
         self.language_model = language_model
         self.placeholder_ids = dict(placeholder_ids)
         self.modality_of = dict(modality_of)
+        self.language_tp_group = language_tp_group
 
     def present_mask(self, name: str, batch: Batch) -> torch.Tensor:
         """Bool ``[B]``: which samples carry module ``name``'s modality."""

@@ -18,7 +18,6 @@ from mimotron.config import PRECISIONS, MimoConfig, ModuleConfig, OptimizerConfi
 from mimotron.optim.loss_scaler import ConstantLossScaler, DynamicLossScaler, LossScaler
 from mimotron.optim.mimo_optimizer import MimoOptimizer, ModuleOptimizerInfo
 from mimotron.optim.scheduler import OptimizerParamScheduler
-from mimotron.parallel.data_parallel import OPTIMIZER_REDUCES_GRAD
 from mimotron.parallel.groups import ProcessGroupCollection
 from mimotron.parallel.zero import ZeroShards
 
@@ -167,9 +166,6 @@ def get_mimo_optimizer(
         pg = pg_collections[name] if pg_collections is not None and name in pg_collections else None
         _check_groups(name, grid, pg)
         zero = _shards(name, mcfg, named, pg)
-        if zero is None:  # a model reused from a sharded run gets its DP sync back
-            for _, p in named:
-                p.__dict__.pop(OPTIMIZER_REDUCES_GRAD, None)
         stepped = zero.fragments if zero is not None else named
         oc = config.effective_optimizer(name)
         opt = build_torch_optimizer(stepped, oc) if named else None

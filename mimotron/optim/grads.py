@@ -4,9 +4,9 @@ Which local gradient a rank counts towards a module's norm, so that after the mo
 sums (``mp``, and ``dp`` for what is sharded over data parallelism) every element of
 every parameter is counted exactly once:
 
-* a plain tensor is counted where it lives, except a parameter that tensor parallelism
-  left replicated on every TP rank (marked ``tensor_parallel_duplicate`` by
-  ``mimotron.parallel.tensor_parallel``): only TP rank 0 counts it;
+* a plain tensor is counted on TP rank 0 only: tensor parallelism shards parameters as
+  DTensors (``mimotron.parallel.tensor_parallel``), so a plain one in a module with
+  TP > 1 is whole on every TP rank (norms, position embeddings, front ends);
 * a DTensor counts its local shard, except along a ``Replicate`` mesh dim inside ``mp``
   (coordinate 0 only);
 * shards over data parallelism (FSDP DTensors, ZeRO fragments) go to a separate sum
@@ -21,9 +21,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
-
-# Same attribute name as ``mimotron.parallel.tensor_parallel.DUPLICATE_ATTR``.
-TP_DUPLICATE_ATTR = "tensor_parallel_duplicate"
 
 
 def collective_device(group: dist.ProcessGroup | None) -> torch.device:
@@ -101,7 +98,9 @@ def counted_local_grad(p: torch.Tensor, mp_ranks: set[int], tp_rank: int) -> tor
     if g is None:
         return None
     if not isinstance(g, DTensor):
-        return None if getattr(p, TP_DUPLICATE_ATTR, False) and tp_rank != 0 else g
+        # Tensor parallelism shards parameters as DTensors; a plain one is whole on every
+        # TP rank (norms, position embeddings, front ends) and is counted on TP rank 0.
+        return g if tp_rank == 0 else None
     coord = g.device_mesh.get_coordinate()
     for dim, pl in enumerate(g.placements):
         if pl.is_replicate() and coord[dim] != 0 and dim_ranks(g.device_mesh, dim) <= mp_ranks:

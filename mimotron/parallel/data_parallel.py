@@ -13,7 +13,7 @@ group issues the same collectives with the same sizes.
 
 A module whose optimizer is sharded over its DP group (ZeRO-1, see
 :mod:`~mimotron.parallel.zero`) reduce-scatters its own gradients inside the optimizer
-step: its parameters carry ``OPTIMIZER_REDUCES_GRAD`` and are skipped here, so nothing is
+step: the caller names it in ``optimizer_reduced`` and it is skipped here, so nothing is
 reduced twice and each rank only ever receives the gradient rows it steps.
 """
 
@@ -29,8 +29,6 @@ from torch.distributed.tensor import DTensor
 from mimotron.parallel.groups import ProcessGroupCollection
 
 DEFAULT_BUCKET_BYTES = 32 * 2**20
-# Set (True) on parameters whose gradient the sharded optimizer reduce-scatters itself.
-OPTIMIZER_REDUCES_GRAD = "optimizer_reduces_grad"
 
 
 def trainable_params(module: nn.Module) -> list[nn.Parameter]:
@@ -86,11 +84,8 @@ def allreduce_gradients(
     group: dist.ProcessGroup | None,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
 ) -> None:
-    """SUM every trainable parameter's gradient over ``group`` (no-op for one rank).
-
-    Parameters marked ``OPTIMIZER_REDUCES_GRAD`` are left to their sharded optimizer.
-    """
-    params = [p for p in trainable_params(module) if not getattr(p, OPTIMIZER_REDUCES_GRAD, False)]
+    """SUM every trainable parameter's gradient over ``group`` (no-op for one rank)."""
+    params = trainable_params(module)
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
@@ -111,6 +106,7 @@ def finalize_model_grads(
     modules: dict[str, nn.Module],
     pg_collections: dict[str, ProcessGroupCollection],
     frozen: set[str] | None = None,
+    optimizer_reduced: set[str] | None = None,
 ) -> None:
     """Reduce each module's gradients over its own DP group, in sorted module order.
 
@@ -118,10 +114,12 @@ def finalize_model_grads(
         modules: the module parts this rank holds, keyed by module name.
         pg_collections: the process groups of each of those modules.
         frozen: modules that do not train (no gradient sync at all).
+        optimizer_reduced: modules whose sharded optimizer reduce-scatters their
+            gradients itself (ZeRO-1).
     """
-    frozen = frozen or set()
+    skipped = (frozen or set()) | (optimizer_reduced or set())
     for name in sorted(modules):
-        if name in frozen:
+        if name in skipped:
             continue
         align_grad_placements(modules[name])
         allreduce_gradients(modules[name], pg_collections[name].dp)

@@ -17,9 +17,10 @@ from datetime import timedelta
 from torch.distributed import ProcessGroup
 
 from mimotron.config import ParallelConfig
+from mimotron.names import GRID_AXES, LANGUAGE
 from mimotron.parallel.grid import HyperCommGrid
 
-BASE_DIMS = ("tp", "cp", "dp", "pp")
+BASE_DIMS = GRID_AXES
 EXPERT_VIEW = "expert"
 EXPERT_DIMS = ("expt_tp", "ep", "expt_dp", "pp")
 
@@ -166,7 +167,7 @@ class MultiModuleProcessGroupCollection:
     def __init__(
         self,
         module_pgs: dict[str, ProcessGroupCollection],
-        language_model_module_name: str = "language",
+        language_model_module_name: str = LANGUAGE,
     ) -> None:
         if not module_pgs:
             raise ValueError("module_pgs must hold at least one module; got none")
@@ -224,7 +225,7 @@ class MultiModuleProcessGroupCollection:
 
 
 def build_pg_collections(
-    grids: dict[str, HyperCommGrid], language_model_module_name: str = "language"
+    grids: dict[str, HyperCommGrid], language_model_module_name: str = LANGUAGE
 ) -> tuple[dict[str, ProcessGroupCollection], MultiModuleProcessGroupCollection]:
     """Create the groups of all modules' grids in one global order; collective.
 

@@ -16,9 +16,9 @@ import os
 from dataclasses import dataclass, field
 
 from mimotron.config import MimoConfig, ParallelConfig
+from mimotron.names import GRID_AXES, LANGUAGE
 
-GRID_DIMS = ("tp", "cp", "dp", "pp")
-LANGUAGE = "language"
+GRID_DIMS = GRID_AXES
 
 
 @dataclass(frozen=True)

@@ -5,8 +5,8 @@ Plans for the built-in blocks (Megatron's split): attention ``wq/wk/wv`` column-
 embedding row-wise over the vocabulary and its output head column-wise with *local*
 logits, so the loss (:func:`vocab_parallel_loss`) never gathers full logits; encoder
 projectors ``fc1`` column-wise and ``fc2`` row-wise. Everything else (norms, position
-embeddings, the patch/conv front ends) stays a plain replicated tensor; such parameters
-are marked ``tensor_parallel_duplicate`` so the global grad norm counts them once.
+embeddings, the patch/conv front ends) stays a plain tensor, whole on every TP rank; the
+global grad norm counts plain parameters on TP rank 0 only (``mimotron.optim.grads``).
 
 Weights are initialised on the full shape first (from ``(seed, name)``) and then
 sharded, so any TP degree starts from the same model as one process.
@@ -24,8 +24,6 @@ from torch.distributed.tensor.parallel import (
     RowwiseParallel,
     parallelize_module,
 )
-
-DUPLICATE_ATTR = "tensor_parallel_duplicate"
 
 
 def _block_plan(prefix: str, layers: nn.ModuleDict) -> dict[str, object]:
@@ -68,9 +66,6 @@ def apply_tensor_parallel(module: nn.Module, mesh: DeviceMesh, is_language: bool
                          f"tensor={tp}; the padded vocabulary must divide by the TP degree")
     plan = tensor_parallel_plan(module, is_language)
     parallelize_module(module, mesh, plan)
-    for p in module.parameters():
-        if not hasattr(p, "placements"):
-            setattr(p, DUPLICATE_ATTR, True)
     return module
 
 

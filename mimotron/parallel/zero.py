@@ -14,8 +14,8 @@ copy (weights are fp32 under autocast already). One step of a sharded module:
 1. ``reduce_grads``: per bucket, the gradients are laid out rank-major (rank ``r``'s
    rows of every parameter, each padded to ``ceil(rows / D)`` rows, then rank
    ``r + 1``'s) and reduce-scattered (SUM): each rank receives exactly the summed rows it
-   steps. The data-parallel all-reduce skips these parameters
-   (``OPTIMIZER_REDUCES_GRAD``).
+   steps. The data-parallel all-reduce skips the module (``finalize_model_grads``'s
+   ``optimizer_reduced``).
 2. the optimizer unscales, takes the norm (a fragment sum over the DP group), clips and
    steps the fragments;
 3. ``gather_params``: the same layout all-gathered, so every replica holds every row.
@@ -39,7 +39,6 @@ from torch.distributed.tensor import DTensor, Shard
 
 from mimotron.parallel.data_parallel import (
     DEFAULT_BUCKET_BYTES,
-    OPTIMIZER_REDUCES_GRAD,
     bucket_params,
 )
 
@@ -126,8 +125,6 @@ class ZeroShards:
         self._slots = {s.name: s for slots, _ in self._buckets for s in slots}
         self.fragments = [(s.name, nn.Parameter(s.fragment_view())) for s in self._slots.values()]
         self._fragment = dict(self.fragments)
-        for _, p in named_params:
-            setattr(p, OPTIMIZER_REDUCES_GRAD, True)
 
     def _slot(self, name: str, p: nn.Parameter, offset: int) -> _Slot:
         dim = shard_dim(p.shape)

@@ -31,12 +31,11 @@ import time
 import torch
 import torch.distributed as dist
 
+from mimotron.names import LANGUAGE
 from mimotron.parallel.layout import Layout, ModulePlacement
 from mimotron.pipeline.edges import Edge, slice_range
 from mimotron.pipeline.p2p import PendingSends, broadcast_tensor, exchange
 from mimotron.runtime import synchronize
-
-LANGUAGE = "language"
 
 
 def bridge_pairs(layout: Layout, edge: Edge, mbs: int) -> list[tuple[int, int, int, int]]:

@@ -24,9 +24,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mimotron.names import LANGUAGE
 from mimotron.parallel.layout import Layout
-
-LANGUAGE = "language"
 
 # Compute
 FORWARD = "F"

@@ -31,14 +31,27 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mimotron.names import LANGUAGE
 from mimotron.parallel.layout import Layout
-from mimotron.pipeline import plan as P
 from mimotron.pipeline.colocated import ColocatedTransport
 from mimotron.pipeline.communicator import MultiModulePipelineCommunicator
 from mimotron.pipeline.edges import Edge
+from mimotron.pipeline.plan import (
+    BACKWARD,
+    FORWARD,
+    RECV_BACKWARD,
+    RECV_FORWARD,
+    SEND_BACKWARD,
+    SEND_BACKWARD_RECV_FORWARD,
+    SEND_FORWARD,
+    SEND_FORWARD_RECV_BACKWARD,
+    Action,
+    Position,
+    build_1f1b_plan,
+    build_forward_only_plan,
+    pipeline_positions,
+)
 from mimotron.training.language_step import LanguageStep, LossOutput
-
-LANGUAGE = "language"
 
 # How activations move: in-process (colocated) or between ranks (split layouts).
 Transport = ColocatedTransport | MultiModulePipelineCommunicator
@@ -177,7 +190,7 @@ def _grad_or_zeros(t: torch.Tensor) -> torch.Tensor:
     return t.grad if t.grad is not None else torch.zeros_like(t)
 
 
-def _execute(plan: list[P.Action], runner: StageRunner, comm: Transport) -> None:
+def _execute(plan: list[Action], runner: StageRunner, comm: Transport) -> None:
     """Run a plan: compute actions on the runner, transfers on the transport.
 
     A colocated plan holds compute actions only (one position), so only split layouts'
@@ -193,22 +206,22 @@ def _execute(plan: list[P.Action], runner: StageRunner, comm: Transport) -> None
 
     for a in plan:
         k = a.microbatch
-        if a.kind == P.FORWARD:
+        if a.kind == FORWARD:
             outputs[k] = runner.forward(k, inputs.pop(k, None))
-        elif a.kind == P.BACKWARD:
+        elif a.kind == BACKWARD:
             in_grads[k] = runner.backward(k, out_grads.pop(k, None))
-        elif a.kind == P.RECV_FORWARD:
+        elif a.kind == RECV_FORWARD:
             inputs[k], _ = comm.communicate(recv_forward=k)
-        elif a.kind == P.SEND_FORWARD:
+        elif a.kind == SEND_FORWARD:
             comm.communicate(send_forward=fwd_send(k))
-        elif a.kind == P.RECV_BACKWARD:
+        elif a.kind == RECV_BACKWARD:
             _, out_grads[k] = comm.communicate(recv_backward=k)
-        elif a.kind == P.SEND_BACKWARD:
+        elif a.kind == SEND_BACKWARD:
             comm.communicate(send_backward=(k, in_grads.pop(k)))
-        elif a.kind == P.SEND_FORWARD_RECV_BACKWARD:
+        elif a.kind == SEND_FORWARD_RECV_BACKWARD:
             _, out_grads[a.other] = comm.communicate(send_forward=fwd_send(k),
                                                      recv_backward=a.other)
-        elif a.kind == P.SEND_BACKWARD_RECV_FORWARD:
+        elif a.kind == SEND_BACKWARD_RECV_FORWARD:
             inputs[a.other], _ = comm.communicate(send_backward=(k, in_grads.pop(k)),
                                                   recv_forward=a.other)
         else:
@@ -216,8 +229,8 @@ def _execute(plan: list[P.Action], runner: StageRunner, comm: Transport) -> None
     comm.finish(forward_only=runner.ctx.forward_only)
 
 
-def _my_position(ctx: StepContext) -> P.Position:
-    positions = P.pipeline_positions(ctx.layout)
+def _my_position(ctx: StepContext) -> Position:
+    positions = pipeline_positions(ctx.layout)
     if ctx.layout.colocated:
         return next(iter(positions.values()))
     (role,) = ctx.layout.roles(ctx.rank)
@@ -229,11 +242,11 @@ def _run(ctx: StepContext, pipelined: bool) -> list[MicrobatchOutput]:
     position = _my_position(ctx)
     num_mb = len(ctx.microbatches)
     if ctx.forward_only:
-        plan = P.build_forward_only_plan(num_mb, position)
+        plan = build_forward_only_plan(num_mb, position)
         with torch.no_grad():
             _execute(plan, runner, ctx.transport)
     else:
-        _execute(P.build_1f1b_plan(num_mb, position, pipelined), runner, ctx.transport)
+        _execute(build_1f1b_plan(num_mb, position, pipelined), runner, ctx.transport)
     return runner.outputs
 
 

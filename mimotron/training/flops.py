@@ -41,6 +41,7 @@ from collections.abc import Mapping
 
 from mimotron.config import MimoConfig, ModuleConfig
 from mimotron.models.blocks import default_ffn_hidden_size
+from mimotron.names import LANGUAGE
 
 
 def matmul_flops(m: int | float, n: int | float, k: int | float) -> float:
@@ -146,9 +147,9 @@ def model_flops_per_iteration(cfg: MimoConfig, vocab_size: int,
     Returns:
         Module name -> FLOPs; sum the values for the model total.
     """
-    lm = cfg.modules["language"]
+    lm = cfg.modules[LANGUAGE]
     samples = cfg.train.global_batch_size if num_samples is None else num_samples
-    out = {"language": training_multiplier(cfg, "language") * language_model_flops(
+    out = {LANGUAGE: training_multiplier(cfg, LANGUAGE) * language_model_flops(
         lm, vocab_size, samples, cfg.data.seq_length)}
     for name in cfg.encoder_names:
         fwd = encoder_flops(cfg.modules[name], lm.hidden_size, encoder_samples.get(name, 0.0))

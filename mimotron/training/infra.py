@@ -12,6 +12,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from mimotron.config import MimoConfig
+from mimotron.names import LANGUAGE
 from mimotron.parallel.grid import HyperCommGrid
 from mimotron.parallel.groups import (
     MultiModuleProcessGroupCollection,
@@ -20,8 +21,6 @@ from mimotron.parallel.groups import (
     build_pg_collections,
 )
 from mimotron.parallel.layout import Layout, RankRole, plan_layout
-
-LANGUAGE = "language"
 
 
 @dataclass

@@ -51,7 +51,7 @@ def language_loss_step(model: nn.Module, batch: dict[str, torch.Tensor], logits:
         counts samples whose every answer token is the argmax (= exact match of greedy
         generation, see ``evaluate``); pad samples (index < 0) are not counted.
     """
-    group = getattr(model.language_model, "tp_group", None)
+    group = model.language_tp_group
     if group is not None:
         loss_sum, num_tokens, correct = vocab_parallel_loss(
             logits, batch["labels"], batch["loss_mask"], group)

@@ -47,6 +47,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from mimotron.names import LANGUAGE
 from mimotron.runtime import compute_dtype, device_peak_flops, peak_memory_bytes
 from mimotron.training.flops import model_flops_per_iteration
 from mimotron.training.infra import MimoModelInfra
@@ -282,7 +283,7 @@ class LoopMonitor:
                                         resumed_at=ts.iteration)
         self.module_times = ModuleTimes(module_parts(model), global_state.runtime.device)
         self._counted = {r.module for r in infra.layout.roles(infra.rank)
-                         if r.module != "language" and r.tp == 0 and r.cp == 0
+                         if r.module != LANGUAGE and r.tp == 0 and r.cp == 0
                          and r.is_first_stage}
         self._modality_of = {n: str(m.modality) for n, m in cfg.modules.items()
                              if m.is_encoder}

@@ -16,9 +16,10 @@ from torch import nn
 from mimotron.config import MimoConfig
 from mimotron.models.build import build_module
 from mimotron.models.mimo import MimoModel
+from mimotron.names import LANGUAGE
 from mimotron.parallel.layout import stage_layers
 from mimotron.parallel.tensor_parallel import apply_tensor_parallel
-from mimotron.training.infra import LANGUAGE, MimoModelInfra
+from mimotron.training.infra import MimoModelInfra
 
 # The vocabulary is padded to a multiple of this (Megatron's make-vocab-divisible), the
 # same for every layout, so TP can split it and layouts share one model.
@@ -52,11 +53,12 @@ def build_rank_model(cfg: MimoConfig, infra: MimoModelInfra, vocab_size: int,
         if mod.parallel.tensor > 1:
             mesh = infra.grids[name].to_device_mesh(device.type, dims=["tp"])
             apply_tensor_parallel(parts[name], mesh, name == LANGUAGE)
-            if name == LANGUAGE:
-                parts[name].tp_group = infra.pg_collections[name].tp
     language = parts.pop(LANGUAGE, None)
     modality_of = {n: str(cfg.modules[n].modality) for n in cfg.encoder_names}
-    model = MimoModel(parts, language, dict(placeholder_ids), modality_of)
+    tp_group = None
+    if language is not None and cfg.modules[LANGUAGE].parallel.tensor > 1:
+        tp_group = infra.pg_collections[LANGUAGE].tp
+    model = MimoModel(parts, language, dict(placeholder_ids), modality_of, tp_group)
     freeze_modules(model, cfg)
     return model
 

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from mimotron.names import LANGUAGE
 from mimotron.parallel.data_parallel import finalize_model_grads, zero_grad_buffer_for_multimodule
 from mimotron.parallel.grid import HyperCommGrid
 from mimotron.parallel.groups import MultiModuleProcessGroupCollection
@@ -39,7 +40,7 @@ from mimotron.training.bridge_args import (
     resolve_pg_collection,
 )
 from mimotron.training.data_provider import Microbatch
-from mimotron.training.infra import LANGUAGE, MimoModelInfra
+from mimotron.training.infra import MimoModelInfra
 from mimotron.training.language_step import ForwardStepFunc, LanguageStep
 
 # Re-exported: the forward-step API has always been importable from here.
@@ -187,7 +188,8 @@ def train_step_mimo(
     timers("forward-backward").stop(sync=True)
     timers("grad-sync").start()
     frozen = {n for n, m in cfg.modules.items() if m.freeze}
-    finalize_model_grads(parts, dict(pgs.items()), frozen)
+    sharded = {n for n, info in optimizer.module_infos.items() if info.zero is not None}
+    finalize_model_grads(parts, dict(pgs.items()), frozen, sharded)
     timers("grad-sync").stop(sync=True)
     timers("optimizer").start()
     # The logged loss sums ride on the optimizer's one world collective (found-inf, norm).
