@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import io
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -52,6 +52,12 @@ from mimotron.checkpoint.state import (
     layout_signature,
     rederive_rng,
 )
+from mimotron.optim.scheduler import OptimizerParamScheduler
+
+if TYPE_CHECKING:
+    from mimotron.optim.mimo_optimizer import MimoOptimizer
+    from mimotron.training.infra import MimoModelInfra
+    from mimotron.training.state import GlobalState
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
@@ -115,8 +121,8 @@ def agree_on_problems(problems: list[str], what: str, group: Any = None) -> None
 def load_checkpoint(
     checkpoint: str | Path,
     model: nn.Module,
-    optimizer: Any,
-    schedulers: dict[str, Any],
+    optimizer: MimoOptimizer,
+    schedulers: dict[str, OptimizerParamScheduler],
     global_state: Any,
     infra: Any,
     process_group: Any = None,
@@ -187,7 +193,7 @@ def _after_load(
     here: dict[str, Any],
     same_layout: bool,
     fresh_scalers: dict[str, Any],
-    optimizer: Any,
+    optimizer: MimoOptimizer,
     global_state: Any,
 ) -> None:
     """Fix up what does not carry over (precision change, RNG on a new layout) and log."""
@@ -218,7 +224,8 @@ def _after_load(
 
 
 def maybe_load_checkpoint(
-    model: nn.Module, optimizer: Any, schedulers: dict[str, Any], global_state: Any, infra: Any
+    model: nn.Module, optimizer: MimoOptimizer, schedulers: dict[str, OptimizerParamScheduler],
+    global_state: GlobalState, infra: MimoModelInfra,
 ) -> int | None:
     """Apply ``checkpoint.load`` (``auto`` / ``none`` / a path) to a freshly set-up run.
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -25,6 +25,10 @@ from mimotron.checkpoint.files import CheckpointError
 from mimotron.checkpoint.load import log
 from mimotron.checkpoint.save import SaveHandle, make_stager, save_checkpoint
 from mimotron.checkpoint.signals import StopSignals
+from mimotron.optim.scheduler import OptimizerParamScheduler
+
+if TYPE_CHECKING:
+    from mimotron.optim.mimo_optimizer import MimoOptimizer
 
 
 class CheckpointManager:
@@ -46,8 +50,8 @@ class CheckpointManager:
     def __init__(
         self,
         model: nn.Module,
-        optimizer: Any,
-        schedulers: dict[str, Any],
+        optimizer: MimoOptimizer,
+        schedulers: dict[str, OptimizerParamScheduler],
         global_state: Any,
         infra: Any,
     ) -> None:

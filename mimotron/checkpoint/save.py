@@ -23,7 +23,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -44,6 +44,10 @@ from mimotron.checkpoint.files import (
 )
 from mimotron.checkpoint.load import log
 from mimotron.checkpoint.state import build_save_state, layout_signature
+from mimotron.optim.scheduler import OptimizerParamScheduler
+
+if TYPE_CHECKING:
+    from mimotron.optim.mimo_optimizer import MimoOptimizer
 
 
 @dataclass
@@ -93,8 +97,8 @@ class SaveHandle:
 def save_checkpoint(
     root: str | Path,
     model: nn.Module,
-    optimizer: Any,
-    schedulers: dict[str, Any],
+    optimizer: MimoOptimizer,
+    schedulers: dict[str, OptimizerParamScheduler],
     global_state: Any,
     infra: Any,
     *,

@@ -34,7 +34,7 @@ import hashlib
 import json
 import random
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -45,8 +45,14 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from mimotron.optim.scheduler import load_schedulers_state_dict
+from mimotron.optim.scheduler import OptimizerParamScheduler, load_schedulers_state_dict
 from mimotron.runtime import seed_everything
+
+if TYPE_CHECKING:
+    from mimotron.optim.mimo_optimizer import MimoOptimizer
+    from mimotron.training.infra import MimoModelInfra
+    from mimotron.training.state import GlobalState
+
 
 MODEL = "model."
 OPTIMIZER = "optimizer."
@@ -132,7 +138,7 @@ def rederive_rng(seed: int, iteration: int, rank: int) -> None:
 # ---- save -------------------------------------------------------------------------------
 
 
-def optimizer_save_state(optimizer: Any) -> dict[str, Any]:
+def optimizer_save_state(optimizer: MimoOptimizer) -> dict[str, Any]:
     """``MimoOptimizer.sharded_state_dict()`` minus param groups, objects as JSON text."""
     out: dict[str, Any] = {}
     for key, value in optimizer.sharded_state_dict().items():
@@ -149,7 +155,8 @@ def _optimizer_part(key: str) -> str:
 
 
 def build_save_state(
-    model: nn.Module, optimizer: Any, schedulers: dict[str, Any], global_state: Any, infra: Any
+    model: nn.Module, optimizer: MimoOptimizer, schedulers: dict[str, OptimizerParamScheduler],
+    global_state: GlobalState, infra: MimoModelInfra,
 ) -> dict[str, Any]:
     """The flat dict this rank hands to ``dcp.save`` (see the module docstring)."""
     cfg, ts, runtime = global_state.cfg, global_state.train_state, global_state.runtime
@@ -194,8 +201,8 @@ class LoadRequest:
 
 def build_load_request(
     model: nn.Module,
-    optimizer: Any,
-    schedulers: dict[str, Any],
+    optimizer: MimoOptimizer,
+    schedulers: dict[str, OptimizerParamScheduler],
     global_state: Any,
     metadata: Metadata,
     restore_rng_state: bool,
@@ -276,7 +283,8 @@ def _check_against(template: dict[str, Any], saved: dict[str, Any]) -> list[str]
 
 
 def apply_loaded(
-    req: LoadRequest, optimizer: Any, schedulers: dict[str, Any], global_state: Any
+    req: LoadRequest, optimizer: MimoOptimizer, schedulers: dict[str, OptimizerParamScheduler],
+    global_state: GlobalState,
 ) -> tuple[dict[str, Any], list[str]]:
     """Hand what DCP read to the optimizer, schedulers, train state and RNG.
 

@@ -8,7 +8,7 @@ one that knows the config and the model's shape.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -21,8 +21,11 @@ from mimotron.optim.scheduler import OptimizerParamScheduler
 from mimotron.parallel.groups import ProcessGroupCollection
 from mimotron.parallel.zero import ZeroShards
 
+if TYPE_CHECKING:
+    from mimotron.models.mimo import MimoModel
 
-def _submodule(mimo_model: Any, name: str, mcfg: ModuleConfig) -> nn.Module | None:
+
+def _submodule(mimo_model: MimoModel, name: str, mcfg: ModuleConfig) -> nn.Module | None:
     """The part of ``name`` on this rank, or None."""
     if mcfg.is_encoder:
         subs = getattr(mimo_model, "modality_submodules", None)
@@ -111,7 +114,7 @@ def build_torch_optimizer(
 
 
 def get_mimo_optimizer(
-    mimo_model: Any,
+    mimo_model: MimoModel,
     config: MimoConfig,
     grids: Mapping[str, Any] | None = None,
     pg_collections: Mapping[str, ProcessGroupCollection] | Any | None = None,

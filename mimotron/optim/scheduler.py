@@ -12,6 +12,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import torch
+
 from mimotron.config import DECAY_STYLES
 
 WD_STYLES = ("constant", "linear", "cosine")
@@ -41,7 +43,7 @@ class OptimizerParamScheduler:
 
     def __init__(
         self,
-        optimizer: Any,
+        optimizer: torch.optim.Optimizer,
         max_lr: float,
         min_lr: float,
         warmup_iters: int,

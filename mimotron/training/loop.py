@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
@@ -21,6 +21,7 @@ from mimotron.config import MimoConfig
 from mimotron.data import build_datasets
 from mimotron.data.tokenizer import CharTokenizer
 from mimotron.optim import build_schedulers, get_mimo_optimizer
+from mimotron.optim.scheduler import OptimizerParamScheduler
 from mimotron.parallel.grid import HyperCommGrid
 from mimotron.parallel.groups import MultiModuleProcessGroupCollection
 from mimotron.pipeline.edges import build_edges
@@ -42,14 +43,17 @@ from mimotron.training.profiling import StepProfiler, inject_fault
 from mimotron.training.state import GlobalState, TrainState
 from mimotron.training.step import module_parts, train_step_mimo
 
+if TYPE_CHECKING:
+    from mimotron.optim.mimo_optimizer import MimoOptimizer
+
 
 @dataclass
 class MimoRun:
     """Everything ``train_mimo`` needs, as built by ``setup_mimo``."""
 
     model: nn.Module
-    optimizer: Any
-    schedulers: dict[str, Any]
+    optimizer: MimoOptimizer
+    schedulers: dict[str, OptimizerParamScheduler]
     train_data_iterator: Iterator
     valid_data_iterator: Callable[[], Iterator] | None
     global_state: GlobalState
@@ -116,8 +120,8 @@ def _valid_factory(cfg: MimoConfig, infra: MimoModelInfra, runtime: Runtime, tas
 def train_mimo(
     forward_step_func: ForwardStepFunc,
     model: nn.Module,
-    optimizer: Any,
-    schedulers: dict[str, Any],
+    optimizer: MimoOptimizer,
+    schedulers: dict[str, OptimizerParamScheduler],
     train_data_iterator: Iterator,
     valid_data_iterator: Callable[[], Iterator] | None,
     global_state: GlobalState,

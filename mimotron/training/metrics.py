@@ -41,7 +41,7 @@ import time
 from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -55,6 +55,9 @@ from mimotron.training.interval import LAST, IntervalMeans, aux_value
 from mimotron.training.profiling import ModuleTimes
 from mimotron.training.state import GlobalState, TrainState
 from mimotron.training.step import module_parts
+
+if TYPE_CHECKING:
+    from mimotron.optim.mimo_optimizer import MimoOptimizer
 
 
 def _fmt_duration(seconds: float) -> str:
@@ -273,7 +276,7 @@ class LoopMonitor:
     """
 
     def __init__(self, global_state: GlobalState, infra: MimoModelInfra, model: nn.Module,
-                 optimizer: Any) -> None:
+                 optimizer: MimoOptimizer) -> None:
         cfg, ts = global_state.cfg, global_state.train_state
         self.state, self.infra, self.model, self.optimizer = global_state, infra, model, optimizer
         self.writer = None

@@ -8,8 +8,6 @@ Frozen modules (``modules.<m>.freeze``) are frozen here, before any optimizer ex
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import nn
 
@@ -63,7 +61,7 @@ def build_rank_model(cfg: MimoConfig, infra: MimoModelInfra, vocab_size: int,
     return model
 
 
-def freeze_modules(mimo_model: Any, config: MimoConfig) -> list[str]:
+def freeze_modules(mimo_model: MimoModel, cfg: MimoConfig) -> list[str]:
     """Stop gradients for every frozen module held on this rank (``requires_grad=False``).
 
     Autograd then neither computes nor stores anything for the module: its encoder
@@ -75,13 +73,13 @@ def freeze_modules(mimo_model: Any, config: MimoConfig) -> list[str]:
     Args:
         mimo_model: has ``modality_submodules`` (encoders) and ``language_model``;
             either may be missing or hold only some modules on this rank.
-        config: the run config (``modules.<m>.freeze``).
+        cfg: the run config (``modules.<m>.freeze``).
 
     Returns:
         The frozen modules this rank holds.
     """
     frozen = []
-    for name, mcfg in config.modules.items():
+    for name, mcfg in cfg.modules.items():
         if not mcfg.freeze:
             continue
         if mcfg.is_encoder:

@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from mimotron.names import LANGUAGE
+from mimotron.optim.scheduler import OptimizerParamScheduler
 from mimotron.parallel.data_parallel import finalize_model_grads, zero_grad_buffer_for_multimodule
 from mimotron.parallel.grid import HyperCommGrid
 from mimotron.parallel.groups import MultiModuleProcessGroupCollection
@@ -48,6 +49,9 @@ from mimotron.training.language_step import default_forward_step as default_forw
 from mimotron.training.language_step import language_input as language_input
 from mimotron.training.language_step import language_loss_step as language_loss_step
 from mimotron.training.state import GlobalState
+
+if TYPE_CHECKING:
+    from mimotron.optim.mimo_optimizer import MimoOptimizer
 
 
 def module_parts(model: nn.Module) -> dict[str, nn.Module]:
@@ -121,8 +125,8 @@ def train_step_mimo(
     forward_step_func: ForwardStepFunc | LanguageStep,
     data_iterator: Iterator[list[Microbatch]],
     model: nn.Module,
-    optimizer: Any,
-    schedulers: dict[str, Any],
+    optimizer: MimoOptimizer,
+    schedulers: dict[str, OptimizerParamScheduler],
     global_state: GlobalState,
     multimodule_communicator: Transport,
     multimodule_pg_collection: MultiModuleProcessGroupCollection | None = None,
