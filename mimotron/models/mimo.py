@@ -19,6 +19,7 @@ from torch import nn
 
 from mimotron.models.encoders import ModalitySubmodule
 from mimotron.models.language import LanguageModel, language_loss
+from mimotron.names import LANGUAGE
 
 Batch = dict[str, torch.Tensor]
 
@@ -189,3 +190,21 @@ class MimoModel(nn.Module):
         )
         logits = self.language_model(hidden)
         return language_loss(logits, batch["labels"], batch["loss_mask"])
+
+
+def module_part(model: MimoModel, name: str) -> nn.Module | None:
+    """Module ``name`` (an encoder or ``language``) as held by ``model`` on this rank.
+
+    Args:
+        model: a ``MimoModel`` (or anything with ``modality_submodules`` and
+            ``language_model``).
+        name: module name.
+
+    Returns:
+        The encoder submodule, the language model, or ``None`` where this rank does not
+        hold it.
+    """
+    if name == LANGUAGE:
+        return model.language_model
+    subs = model.modality_submodules
+    return subs[name] if name in subs else None  # noqa: SIM401 - ModuleDict has no get()

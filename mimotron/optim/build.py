@@ -8,29 +8,19 @@ one that knows the config and the model's shape.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from mimotron.config import PRECISIONS, MimoConfig, ModuleConfig, OptimizerConfig
+from mimotron.models.mimo import MimoModel, module_part
 from mimotron.optim.loss_scaler import ConstantLossScaler, DynamicLossScaler, LossScaler
 from mimotron.optim.mimo_optimizer import MimoOptimizer, ModuleOptimizerInfo
 from mimotron.optim.scheduler import OptimizerParamScheduler
 from mimotron.parallel.groups import ProcessGroupCollection
 from mimotron.parallel.zero import ZeroShards
-
-if TYPE_CHECKING:
-    from mimotron.models.mimo import MimoModel
-
-
-def _submodule(mimo_model: MimoModel, name: str, mcfg: ModuleConfig) -> nn.Module | None:
-    """The part of ``name`` on this rank, or None."""
-    if mcfg.is_encoder:
-        subs = getattr(mimo_model, "modality_submodules", None)
-        return subs[name] if subs is not None and name in subs else None
-    return getattr(mimo_model, "language_model", None)
 
 
 def _check_groups(name: str, grid: Any, pg: ProcessGroupCollection | None) -> None:
@@ -161,7 +151,7 @@ def get_mimo_optimizer(
     _check_config(config, precision)
     infos: dict[str, ModuleOptimizerInfo] = {}
     for name, mcfg in config.modules.items():
-        module = _submodule(mimo_model, name, mcfg)
+        module = module_part(mimo_model, name)
         named = [] if module is None or mcfg.freeze else [
             (n, p) for n, p in module.named_parameters() if p.requires_grad
         ]

@@ -417,9 +417,9 @@ class LoopMonitor:
         for group in self.optimizer.param_groups:
             lrs.setdefault(group.get("module", "model"), float(group["lr"]))
         scales = {name: float(info.loss_scaler.scale)
-                  for name, info in getattr(self.optimizer, "module_infos", {}).items()
+                  for name, info in self.optimizer.module_infos.items()
                   if info.is_active}
-        lm = getattr(self.model, "language_model", None)
+        lm = self.model.language_model
         modules = self.module_times.pop()
         for m in self.infra.module_names:
             modules.setdefault(m, {"forward": 0.0, "backward": 0.0})["communication"] = \

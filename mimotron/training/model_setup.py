@@ -13,7 +13,7 @@ from torch import nn
 
 from mimotron.config import MimoConfig
 from mimotron.models.build import build_module
-from mimotron.models.mimo import MimoModel
+from mimotron.models.mimo import MimoModel, module_part
 from mimotron.names import LANGUAGE
 from mimotron.parallel.layout import stage_layers
 from mimotron.parallel.tensor_parallel import apply_tensor_parallel
@@ -82,11 +82,7 @@ def freeze_modules(mimo_model: MimoModel, cfg: MimoConfig) -> list[str]:
     for name, mcfg in cfg.modules.items():
         if not mcfg.freeze:
             continue
-        if mcfg.is_encoder:
-            subs = getattr(mimo_model, "modality_submodules", None)
-            module = subs[name] if subs is not None and name in subs else None
-        else:
-            module = getattr(mimo_model, "language_model", None)
+        module = module_part(mimo_model, name)
         if module is not None:
             module.requires_grad_(False)
             frozen.append(name)
