@@ -73,6 +73,9 @@ def _optimizer(cfg: MimoConfig, model: torch.nn.Module) -> tuple[torch.optim.Ada
             continue
         opt, sched = cfg.effective_optimizer(name), cfg.effective_scheduler(name)
         assert opt.name == "adamw", "the reference implements AdamW only"
+        assert sched.decay_style in ("cosine", "linear", "constant"), sched.decay_style
+        assert sched.start_weight_decay is None and sched.end_weight_decay is None, (
+            "the reference implements a constant weight decay only")
         named = [(n, p) for n, p in model.named_parameters() if module_of(n) == name]
         decay = [p for n, p in named if not any(s in n for s in opt.no_decay)]
         no_decay = [p for n, p in named if any(s in n for s in opt.no_decay)]

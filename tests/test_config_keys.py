@@ -46,6 +46,7 @@ from mimotron.config import (
 from mimotron.parallel.layout import plan_layout, stage_layers
 from mimotron.runtime import init_runtime
 from mimotron.training.loop import run_training, setup_mimo
+from mimotron.training.metrics import TrainingDivergedError
 from mimotron.training.step import default_forward_step, train_step_mimo
 from tests.common import DIGITS, ONE_RANK, SMALL_MODEL
 
@@ -289,10 +290,8 @@ def _run(cfg: MimoConfig) -> Any:
                 mock.patch.object(manager_module, "save_checkpoint", save):
             try:
                 summary = run_training(cfg, init_runtime())
-            except Exception as exc:  # noqa: BLE001 - the failure is the observable
+            except TrainingDivergedError as exc:  # the intended effect of train.max_skipped
                 failure, summary = exc, {}
-        if isinstance(failure, ValueError):
-            raise failure
         files = sorted("tfevents" if "tfevents" in p.name else str(p)
                        for p in Path().rglob("*") if p.is_file())
         metrics = [sorted(json.loads(line)) + [json.loads(line).get("iteration")]

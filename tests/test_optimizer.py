@@ -33,6 +33,7 @@ from mimotron.parallel.groups import ProcessGroupCollection
 from mimotron.runtime import init_runtime
 from mimotron.testing import run_ranks
 from mimotron.training.loop import setup_mimo
+from mimotron.training.model_setup import freeze_modules
 from mimotron.training.step import default_forward_step, train_step_mimo
 
 SIZES = {"c": (3, 5), "a": (4, 3), "b": (6, 4)}  # module -> (in, out); unsorted on purpose
@@ -205,6 +206,12 @@ def test_fp16_scaling_unscales_and_found_inf_skips() -> None:
     assert all(torch.equal(a, p) for a, p in zip(before, _all_params(mods), strict=True))
 
 
+def _frozen(cfg: MimoConfig) -> nn.Module:
+    model = _FakeMimo()
+    freeze_modules(model, cfg)
+    return model
+
+
 class _FakeMimo(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -274,16 +281,18 @@ def test_get_mimo_optimizer_builds_per_module_optimizers() -> None:
     assert float(opt.get_loss_scale()) == cfg.optimizer.initial_loss_scale
 
     cfg.modules["vision"].freeze = True
-    opt = get_mimo_optimizer(_FakeMimo(), cfg)
+    with pytest.raises(ValueError, match="freeze_modules"):  # freezing is the model's job
+        get_mimo_optimizer(_FakeMimo(), cfg)
+    opt = get_mimo_optimizer(_frozen(cfg), cfg)
     assert not opt.module_infos["vision"].is_active and opt.module_infos["vision"].frozen
     assert [g["module"] for g in opt.param_groups] == ["language", "language"]
     with pytest.raises(ValueError):
-        get_mimo_optimizer(_FakeMimo(), cfg, precision="fp8")
+        get_mimo_optimizer(_frozen(cfg), cfg, precision="fp8")
     grid = SimpleNamespace(size=2, is_current_rank_in_grid=lambda: True)
     with pytest.raises(ValueError, match="pg_collections"):  # a 2-rank module needs its groups
-        get_mimo_optimizer(_FakeMimo(), cfg, grids={"language": grid})
+        get_mimo_optimizer(_frozen(cfg), cfg, grids={"language": grid})
     pgs = _NoGetMapping({"language": ProcessGroupCollection()})  # like the multi-module bundle
-    opt = get_mimo_optimizer(_FakeMimo(), cfg, grids={"language": grid}, pg_collections=pgs)
+    opt = get_mimo_optimizer(_frozen(cfg), cfg, grids={"language": grid}, pg_collections=pgs)
     assert opt.module_infos["language"].pg_collection is pgs["language"]
     with pytest.raises(ValueError):
         build_torch_optimizer([("w", nn.Parameter(torch.ones(1)))], OptimizerConfig(name="lion"))

@@ -26,6 +26,7 @@ from mimotron.optim import (
 from mimotron.runtime import init_runtime
 from mimotron.testing import run_ranks
 from mimotron.training.loop import run_training
+from mimotron.training.model_setup import freeze_modules
 
 
 def _opt(wd: float = 0.1) -> torch.optim.Optimizer:
@@ -143,7 +144,9 @@ def test_build_schedulers_per_module_overrides() -> None:
     )
     cfg.optimizer.lr = 0.1
     cfg.train.iters = 20
-    opt = get_mimo_optimizer(_model(), cfg)
+    model = _model()
+    freeze_modules(model, cfg)
+    opt = get_mimo_optimizer(model, cfg)
     scheds = build_schedulers(cfg, opt)
     assert sorted(scheds) == ["language", "vision"]  # frozen audio has no optimizer
     vis, lang = scheds["vision"], scheds["language"]

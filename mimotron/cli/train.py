@@ -14,6 +14,10 @@ collateral and say so in one line (exit code 3). The launcher stops every rank a
 command exits 1 naming the root cause, whatever order the ranks exited in: the first
 rank that recorded an error of its own, else a rank that died without a report (a
 signal), else the first collateral one; the other failed ranks are listed as collateral.
+Known limit: torch's launcher gives no time of death, so a rank killed by a signal is
+ordered after every recorded error; if a peer then fails with an error not recognised as
+a lost peer, that peer is named instead (the test harness, which sees deaths as they
+happen, has no such gap).
 Exit codes: 0 success, 1 training failed (or diverged), 2 invalid config, 3 (a rank's
 own code) stopped because a peer failed.
 """

@@ -144,6 +144,7 @@ def get_mimo_optimizer(
 
     Raises:
         ValueError: an unknown precision or optimizer name, every module frozen, a
+            frozen module whose parameters still require gradients, a
             multi-rank grid that contains this rank but has no process-group collection,
             or a sharded module whose parameters cannot be row-sharded.
     """
@@ -152,6 +153,12 @@ def get_mimo_optimizer(
     infos: dict[str, ModuleOptimizerInfo] = {}
     for name, mcfg in config.modules.items():
         module = module_part(mimo_model, name)
+        if mcfg.freeze and module is not None and any(p.requires_grad
+                                                      for p in module.parameters()):
+            raise ValueError(
+                f"modules.{name}.freeze=true but its parameters still require gradients: "
+                "call mimotron.training.model_setup.freeze_modules(model, cfg) when building "
+                "the model (build_rank_model does)")
         named = [] if module is None or mcfg.freeze else [
             (n, p) for n, p in module.named_parameters() if p.requires_grad
         ]

@@ -69,7 +69,7 @@ def non_finite_flag(grads: list[torch.Tensor], device: torch.device) -> torch.Te
     """``[1.0]`` when any local gradient element is inf or NaN, else ``[0.0]`` (float64).
 
     Stays on device: the flag travels in the optimizer's one world collective, which is
-    the step's only host sync.
+    the optimizer's only host sync.
     """
     if not grads:
         return torch.zeros(1, dtype=torch.float64, device=device)

@@ -75,8 +75,20 @@ def align_grad_placements(module: nn.Module) -> None:
     """
     for p in module.parameters():
         g = p.grad
-        if isinstance(g, DTensor) and tuple(g.placements) != tuple(p.placements):
+        if isinstance(g, DTensor) and not same_placements(g.placements, p.placements):
             p.grad = g.redistribute(p.device_mesh, p.placements)
+
+
+def same_placements(a: tuple, b: tuple) -> bool:
+    """Placements equal in type and value.
+
+    The type matters: some torch versions define ``_StridedShard(d) == Shard(d)`` (to
+    spare DTensor dispatch an all-gather), although their local tensors hold different
+    elements.
+    """
+    if len(a) != len(b):
+        return False
+    return all(type(x) is type(y) and x == y for x, y in zip(a, b, strict=True))
 
 
 def allreduce_gradients(

@@ -143,6 +143,9 @@ class ColocatedTransport:
     def finish(self, forward_only: bool = False) -> None:
         """Nothing is in flight between steps (the bridge is synchronous)."""
 
+    def set_timing(self, enabled: bool) -> None:
+        """Nothing to time (see :meth:`pop_transfer_seconds`)."""
+
     def pop_transfer_seconds(self) -> float:
         """Always 0: the bridge's collectives run inside autograd and count as compute."""
         return 0.0

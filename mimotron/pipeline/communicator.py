@@ -19,9 +19,11 @@ layouts need none of this: their transport is
 :class:`~mimotron.pipeline.colocated.ColocatedTransport`, chosen instead of this class
 once at setup; both share the layout helpers of :mod:`mimotron.pipeline.edges`.
 
-The wall time of every transfer (synchronised with the device) accumulates in
-``transfer_s``; the training loop reads it with :meth:`pop_transfer_seconds` for the
-per-module ``communication`` metric.
+While timing is on (:meth:`set_timing`, switched on by the training loop for training
+steps only), the wall time of every transfer, synchronised with the device, accumulates
+in ``transfer_s``; the loop reads it with :meth:`pop_transfer_seconds` for the
+per-module ``communication`` metric. Off (the default: evaluation, a library user's own
+loop) no transfer waits for the device.
 """
 
 from __future__ import annotations
@@ -89,6 +91,7 @@ class MultiModulePipelineCommunicator:
         self._pairs = {e.src: bridge_pairs(layout, e, micro_batch_size)
                        for e in edges if not e.colocated}
         self.transfer_s = 0.0
+        self._timing = False
 
     # ---- neighbours ----------------------------------------------------------------------
     def _stage_peer(self, delta: int) -> int:
@@ -215,9 +218,14 @@ class MultiModulePipelineCommunicator:
             self._rows.clear()  # No gradients go back in evaluation.
         assert not self._rows, f"gradients never sent for {sorted(self._rows)}"
 
+    def set_timing(self, enabled: bool) -> None:
+        """Time transfers (each then waits for the device) or not."""
+        self._timing = enabled
+
     def _add_time(self, t0: float) -> None:
-        synchronize(self.device)  # Device time, not launch time.
-        self.transfer_s += time.perf_counter() - t0
+        if self._timing:
+            synchronize(self.device)  # Device time, not launch time.
+            self.transfer_s += time.perf_counter() - t0
 
     def pop_transfer_seconds(self) -> float:
         """Seconds spent in transfers since the last call; resets the count."""

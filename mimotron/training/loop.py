@@ -176,6 +176,7 @@ def train_mimo(
         global_state, monitor)
     try:
         monitor.banner()
+        multimodule_communicator.set_timing(True)  # Training steps report transfer time.
         while ts.iteration < cfg.train.iters:
             profiler.before_step(ts.iteration + 1)
             # The loop fetches the step's data: the sample count and the fault hook need it.
@@ -228,10 +229,11 @@ def _evaluate_and_log(language: LanguageStep, valid_data_iterator: Callable[[], 
                       model: nn.Module, communicator: Transport, infra: MimoModelInfra,
                       global_state: GlobalState, monitor: LoopMonitor) -> dict[str, float]:
     cfg, runtime = global_state.cfg, global_state.runtime
+    communicator.set_timing(False)  # Evaluation's transfers are not training's.
     with monitor.excluded():  # Evaluation time is not step time.
         metrics = evaluate(language, valid_data_iterator(), model, communicator,
                            infra, cfg.train.precision, runtime.device)
-    communicator.pop_transfer_seconds()  # Evaluation's transfers are not training's.
+    communicator.set_timing(True)
     writer = monitor.writer
     record = {"iteration": global_state.train_state.iteration, **metrics}
     if writer is not None:
