@@ -25,10 +25,3 @@ def module_prefix(module: str) -> str:
     """The prefix of ``module``'s parameter names inside ``MimoModel``."""
     return LANGUAGE_MODEL_PREFIX if module == LANGUAGE else f"{ENCODER_PREFIX}{module}."
 
-
-def module_of_parameter(name: str) -> str:
-    """The module a ``MimoModel`` parameter name belongs to (``language`` or an encoder)."""
-    if name.startswith(LANGUAGE_MODEL_PREFIX):
-        return LANGUAGE
-    assert name.startswith(ENCODER_PREFIX), name
-    return name[len(ENCODER_PREFIX):].split(".", 1)[0]

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 from torch.distributed.tensor import DTensor
 
+from mimotron.checkpoint.export import split_module
 from mimotron.config import load_config
 from mimotron.pipeline import communicator as communicator_module
 from mimotron.pipeline.p2p import exchange
@@ -90,9 +91,7 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 def module_of(param_name: str) -> str:
     """``language_model.x`` -> ``language``; ``modality_submodules.vision.x`` -> ``vision``."""
-    if param_name.startswith("language_model."):
-        return "language"
-    return param_name.split(".")[1]
+    return split_module(param_name)[0]
 
 
 def _grad_square_norms(model: torch.nn.Module, skip_modules: set[str]) -> dict[str, float]:
