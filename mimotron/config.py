@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mimotron.config_numbers import check_numbers
 from mimotron.config_schema import (
     DATASETS,
     DECAY_STYLES,
@@ -155,6 +156,9 @@ class MimoConfig:
 
         Returns self so calls can be chained.
         """
+        # First: a non-finite float or an int beyond int64 would otherwise reach the
+        # per-field rules below with a misleading message, or pass them (eps = inf > 0).
+        check_numbers(self)
         _validate_modules(self)
         _validate_train(self)
         _validate_optim(self.optimizer, "optimizer")
@@ -348,16 +352,33 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     """
     raw: dict[str, Any] = {}
     if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ValueError(f"config file {str(path)!r} does not exist")
-        try:
-            raw = tomllib.loads(path.read_text())
-        except tomllib.TOMLDecodeError as exc:
-            raise ValueError(f"config file {str(path)!r} is not valid TOML: {exc}") from None
+        raw = _read_toml(Path(path))
     for item in overrides or []:
         apply_override(raw, item)
     return config_from_dict(raw).validate()
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    """The table of a TOML file; ValueError saying what is wrong with the path or text."""
+    name = repr(str(path))
+    if path.is_dir():
+        raise ValueError(f"config file {name} is a directory: expected a TOML file")
+    if not path.exists():
+        raise ValueError(f"config file {name} does not exist")
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise ValueError(f"config file {name} cannot be read: {exc.strerror or exc}") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data[: exc.start].count(b"\n") + 1
+        raise ValueError(f"config file {name} is not UTF-8 text (TOML must be): byte "
+                         f"0x{data[exc.start]:02x} on line {line}") from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"config file {name} is not valid TOML: {exc}") from None
 
 
 def parse_override(item: str) -> tuple[list[str], Any]:
@@ -450,7 +471,11 @@ def _coerce(hint: Any, value: Any, name: str) -> Any:
             raise ValueError(f"{name}={value!r} is invalid: expected a table")
         return dict(value)
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:
+            raise ValueError(f"{name}={value!r} is invalid: expected a finite number "
+                             "(not inf or nan)") from None
     if hint in (int, str, bool, float) and (
         not isinstance(value, hint) or (hint is int and isinstance(value, bool))
     ):

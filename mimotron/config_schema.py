@@ -291,6 +291,16 @@ class TrainConfig:
     """Stop after this many consecutive skipped (non-finite) steps (>= 1)."""
     pg_timeout_s: float = 300.0
     """Process-group timeout in seconds (> 0): no rank waits forever on a dead peer."""
+    overwrite: bool = False
+    """Allow a fresh start over a previous run: its files are moved aside, not clobbered.
+
+    A run starts fresh with checkpoint.load = ``none``, or ``auto`` finding no checkpoint.
+    If log.dir then holds a non-empty metrics.jsonl, or checkpoint.dir holds ``latest``
+    or ``iter_*`` folders, the run is refused before launch unless this is true; then
+    metrics.jsonl, tensorboard/, profile/ and the checkpoints are moved into
+    ``<log.dir>/previous-<time>/`` (checkpoints outside log.dir: into
+    ``<checkpoint.dir>/previous-<time>/``) and the move is printed.
+    """
 
 
 @dataclass
@@ -314,6 +324,10 @@ class CheckpointConfig:
     load: str = "auto"
     """``auto`` (resume from the latest checkpoint in dir, if any), ``none`` (start fresh)
     or a checkpoint path.
+
+    ``auto`` resumes from the checkpoint ``latest`` names; when ``latest`` is missing, from
+    the newest complete ``iter_*`` folder. Starting fresh over a previous run needs
+    train.overwrite.
     """
     async_save: bool = False
     """Save on a background thread (own process group) while training continues."""

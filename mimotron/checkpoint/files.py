@@ -18,6 +18,7 @@ import json
 import os
 import re
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -150,11 +151,17 @@ def resolve_load(spec: str, default_root: Path) -> Path | None:
     Raises:
         ValueError: an invalid value (names the field, the value and what is valid).
         CheckpointError: ``latest`` names a missing or incomplete checkpoint.
+
+    ``"auto"`` without ``latest`` (deleted, or lost with a crash) resumes from the newest
+    complete ``iter_*`` folder, if any, rather than starting a fresh run that would
+    overwrite them.
     """
     if spec == "none":
         return None
     if spec == "auto":
-        return resolve_checkpoint(default_root) if read_latest(default_root) is not None else None
+        if read_latest(default_root) is not None:
+            return resolve_checkpoint(default_root)
+        return _newest_complete(default_root)
     if not spec or not Path(spec).exists():
         raise ValueError(
             f'checkpoint.load={spec!r} is invalid: expected "auto", "none", a checkpoint '
@@ -164,6 +171,19 @@ def resolve_load(spec: str, default_root: Path) -> Path | None:
         return resolve_checkpoint(spec)
     except ValueError as exc:
         raise ValueError(f"checkpoint.load={spec!r} is invalid: {exc}") from None
+
+
+def _newest_complete(root: Path) -> Path | None:
+    """The newest complete ``iter_*`` folder of ``root`` (``latest`` is missing), or None."""
+    complete = {it: p for it, p in checkpoint_iterations(root).items() if is_complete(p)}
+    if not complete:
+        return None
+    path = complete[max(complete)]
+    # Every rank resolves the same path; one of them says so (RANK unset: one process).
+    if os.environ.get("RANK", "0") == "0":
+        print(f"mimotron: {Path(root) / LATEST} is missing; resuming from the newest "
+              f"complete checkpoint, {path}", file=sys.stderr, flush=True)
+    return path
 
 
 # ---- manifest ---------------------------------------------------------------------------

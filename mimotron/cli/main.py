@@ -1,13 +1,25 @@
-"""The ``mimotron`` command: ``train``, ``plan``, ``plot``, ``export``."""
+"""The ``mimotron`` command: ``train``, ``plan``, ``plot``, ``export``.
+
+Errors are one line each. ``mimotron --debug <command>`` (or ``MIMOTRON_DEBUG=1``) asks
+for full tracebacks instead: the flag sets ``MIMOTRON_DEBUG=1`` in the environment, so
+the ranks a launch starts inherit it. An exception no subcommand expected prints
+``mimotron <command>: <Type>: <message>`` and exits 1, unless debugging is on.
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+
+DEBUG_ENV = "MIMOTRON_DEBUG"
+EXIT_UNEXPECTED = 1
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="mimotron", description=__doc__)
+    p = argparse.ArgumentParser(prog="mimotron", description=__doc__.split("\n")[0])
+    p.add_argument("--debug", action="store_true",
+                   help=f"full tracebacks (sets {DEBUG_ENV}=1 for this command and its ranks)")
     sub = p.add_subparsers(dest="command", required=True)
     for name, help_ in (("train", "train a model (launches ranks as needed)"),
                         ("plan", "validate a config and print its rank map and memory estimate")):
@@ -26,6 +38,21 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the process exit code."""
     args = _parser().parse_args(argv)
+    if args.debug:
+        os.environ[DEBUG_ENV] = "1"
+    try:
+        return _dispatch(args)
+    except Exception as exc:  # noqa: BLE001 - one line unless asked for the traceback
+        if os.environ.get(DEBUG_ENV) == "1":
+            raise
+        message = " ".join(str(exc).split())  # One line, whatever the exception holds.
+        print(f"mimotron {args.command}: {type(exc).__name__}: {message} (run with --debug "
+              "for the traceback)", file=sys.stderr, flush=True)
+        return EXIT_UNEXPECTED
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    """Run the chosen subcommand; its exit code."""
     if args.command == "plan":
         from mimotron.cli.plan import run_plan
 

@@ -60,11 +60,11 @@ def run_train(config: str, overrides: list[str]) -> int:
         cfg = load_config(config, overrides)
         env_world = int(os.environ["WORLD_SIZE"]) if _under_launcher() else None
         layout = plan_layout(cfg, env_world_size=env_world)
-        if cfg.checkpoint.load != "none":
-            from mimotron.checkpoint import resolve_load
+        from mimotron.run_dir import prepare_run_dir
 
-            # A missing checkpoint path is a config error: catch it before any launch.
-            resolve_load(cfg.checkpoint.load, cfg.checkpoint_dir)
+        # Before any launch: a bad checkpoint.load, an unwritable directory, a previous
+        # run a fresh start would clobber (moved aside by one process with overwrite).
+        prepare_run_dir(cfg)
     except (ValueError, RuntimeError) as exc:  # RuntimeError: CheckpointError
         print(f"mimotron train: invalid config: {exc}", file=sys.stderr)
         return EXIT_CONFIG

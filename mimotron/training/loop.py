@@ -26,6 +26,7 @@ from mimotron.parallel.grid import HyperCommGrid
 from mimotron.parallel.groups import MultiModuleProcessGroupCollection
 from mimotron.pipeline.edges import build_edges
 from mimotron.pipeline.schedules import Transport, build_transport
+from mimotron.run_dir import guard_fresh_start
 from mimotron.runtime import Runtime, seed_everything
 from mimotron.training.bridge_args import resolve_module_parts, resolve_pg_collection
 from mimotron.training.data_provider import (
@@ -165,6 +166,7 @@ def train_mimo(
     multimodule_pg_collection = resolve_pg_collection(multimodule_pg_collection, mimo_infra)
     resolve_module_parts(module_to_grid_tuple, module_parts(model), mimo_infra)
     cfg, ts, runtime = global_state.cfg, global_state.train_state, global_state.runtime
+    guard_fresh_start(cfg, ts.iteration, runtime.world_size)  # Before anything is written.
     language = LanguageStep(forward_step_func)  # Also collects the auxiliary metrics.
     profiler = StepProfiler(cfg.profile, cfg.log_dir, runtime.rank, runtime.world_size)
     monitor = LoopMonitor(global_state, mimo_infra, model, optimizer)

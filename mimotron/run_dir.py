@@ -1,0 +1,202 @@
+"""A run directory holds one run: a fresh start never clobbers a previous one silently.
+
+A run *starts fresh* when ``checkpoint.load = "none"``, or ``"auto"`` finds no checkpoint
+to resume. Its metrics writer then truncates ``<log.dir>/metrics.jsonl`` and its first
+save moves ``latest`` back to iteration 1's neighbourhood, over whatever a previous run
+left there. So a fresh start over a *previous run* — a non-empty ``metrics.jsonl`` in
+log.dir, or ``latest`` / ``iter_*`` folders in checkpoint.dir — is refused with one line
+naming the directory, unless ``train.overwrite = true``; then the previous run's files
+(metrics.jsonl, tensorboard/, profile/, latest, iter_*) are moved, not deleted, into
+``<log.dir>/previous-<time>/`` (checkpoints keep their path relative to log.dir there;
+a checkpoint.dir outside log.dir gets its own ``previous-<time>/``), and the move is
+printed. Anything else in the directories (a job's own log file) stays where it is.
+
+Who moves, and when: files may only be moved before any rank can write. ``mimotron
+train`` calls :func:`prepare_run_dir` before it launches the ranks (no process group
+exists yet); under an external launcher every rank runs that call, and only ``RANK`` 0
+moves, while the others neither move nor refuse (with ``train.overwrite`` false all of
+them refuse alike, since nobody moves anything). No rank can write into the directory
+before every rank has joined the process group, which each does only after this call.
+Library users get :func:`guard_fresh_start` at the start of ``train_mimo``: every rank
+refuses alike; a single process moves the previous run aside itself, but several ranks
+cannot without a collective (one rank would move files another is about to open), so
+they are told to move it before starting the ranks.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+from mimotron.checkpoint.files import LATEST, checkpoint_iterations, resolve_load
+from mimotron.config import MimoConfig
+
+METRICS = "metrics.jsonl"
+LOG_ENTRIES = (METRICS, "tensorboard", "profile")
+"""What a run writes into log.dir (besides its checkpoints)."""
+PREVIOUS = "previous-"
+
+
+def is_mover() -> bool:
+    """Whether this process may move files: the one process, or RANK 0 of a launch."""
+    return os.environ.get("RANK", "0") == "0"
+
+
+def previous_run(cfg: MimoConfig) -> list[Path]:
+    """The files of a previous run a fresh start would overwrite (empty when none).
+
+    A previous run is a non-empty ``metrics.jsonl`` in log.dir or ``latest`` / ``iter_*``
+    in checkpoint.dir; its tensorboard/ and profile/ folders are listed with it.
+    """
+    metrics = cfg.log_dir / METRICS
+    logged = metrics.is_file() and metrics.stat().st_size > 0
+    root = cfg.checkpoint_dir
+    checkpoints = [p for _, p in sorted(checkpoint_iterations(root).items())]
+    if (root / LATEST).exists():
+        checkpoints.insert(0, root / LATEST)
+    if not logged and not checkpoints:
+        return []
+    logs = [cfg.log_dir / name for name in LOG_ENTRIES if (cfg.log_dir / name).exists()]
+    return logs + checkpoints
+
+
+def _refusal(cfg: MimoConfig, entries: list[Path]) -> str:
+    where = cfg.log_dir if (cfg.log_dir / METRICS) in entries else cfg.checkpoint_dir
+    shown = ", ".join(str(p) for p in entries[:3]) + (
+        f" and {len(entries) - 3} more" if len(entries) > 3 else "")
+    if cfg.checkpoint.load == "auto":
+        why = f"checkpoint.load='auto' found no checkpoint to resume in {cfg.checkpoint_dir}"
+        also = ""
+    else:
+        why = f"checkpoint.load={cfg.checkpoint.load!r}"
+        also = ", resume it with checkpoint.load=auto"
+    return (f"{where} holds a previous run ({shown}) that this fresh start ({why}) would "
+            f"overwrite: set train.overwrite=true to move it aside{also}, or use another "
+            "log.dir")
+
+
+def _inside(path: Path, root: Path) -> Path | None:
+    """``path`` relative to ``root`` when it lies inside it, else None."""
+    try:
+        return path.resolve().relative_to(root.resolve())
+    except ValueError:
+        return None
+
+
+def move_aside(cfg: MimoConfig, entries: list[Path]) -> Path:
+    """Move a previous run's files into ``<log.dir>/previous-<time>/``; print what moved.
+
+    Returns:
+        The folder they were moved into.
+
+    Raises:
+        ValueError: a file could not be moved (names it and why).
+    """
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    dest = cfg.log_dir / f"{PREVIOUS}{stamp}"
+    n = 1
+    while dest.exists() or (cfg.checkpoint_dir / dest.name).exists():
+        n += 1
+        dest = cfg.log_dir / f"{PREVIOUS}{stamp}-{n}"
+    moved: list[str] = []
+    folders: list[str] = []  # Where things went: dest, and for outside checkpoints theirs.
+    for entry in entries:
+        rel = _inside(entry, cfg.log_dir)
+        folder = dest if rel is not None else cfg.checkpoint_dir / dest.name
+        target = folder / (rel if rel is not None else entry.name)
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            entry.rename(target)
+        except OSError as exc:
+            raise ValueError(f"train.overwrite=true: cannot move {entry} to {target}: "
+                             f"{exc.strerror or exc}") from None
+        moved.append(str(rel if rel is not None else entry))
+        if str(folder) not in folders:
+            folders.append(str(folder))
+    print(f"mimotron: train.overwrite=true: moved the previous run ({', '.join(moved)}) to "
+          f"{' and '.join(folders)}", file=sys.stderr, flush=True)
+    return dest
+
+
+def _probe(path: Path, key: str, keep: bool) -> None:
+    """Create ``path`` if missing and create/delete a file in it; ValueError if not."""
+    missing = [p for p in (path, *path.parents) if not p.exists()]
+    probe = path / f".mimotron-write-test-{os.getpid()}"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe.touch(exist_ok=False)
+        probe.unlink()
+    except OSError as exc:
+        raise ValueError(f"{key}={str(path)!r} is not writable: {exc.strerror or exc} "
+                         "(it must be a directory this user can create files in)") from None
+    if not keep:  # Only checked: leave no empty folder behind (saves create it).
+        for p in missing:
+            try:
+                p.rmdir()
+            except OSError:
+                break
+
+
+def check_writable(cfg: MimoConfig) -> None:
+    """log.dir and checkpoint.dir can be written (each created if missing).
+
+    Raises:
+        ValueError: one line naming the key and the directory.
+    """
+    _probe(cfg.log_dir, "log.dir", keep=True)
+    _probe(cfg.checkpoint_dir, "checkpoint.dir", keep=False)
+
+
+def prepare_run_dir(cfg: MimoConfig) -> None:
+    """Before launch: writable directories, and no silent fresh start over a previous run.
+
+    Call before any process group exists, in every process that runs the command (see
+    the module docstring for who checks and who moves).
+
+    Raises:
+        ValueError: an unwritable directory, an invalid ``checkpoint.load``, or a
+            previous run without ``train.overwrite`` (one line each).
+        CheckpointError: ``latest`` names a missing or incomplete checkpoint.
+    """
+    mover = is_mover()
+    if mover:
+        check_writable(cfg)
+    if resolve_load(cfg.checkpoint.load, cfg.checkpoint_dir) is not None:
+        return  # Resuming: the run continues the directory's run.
+    if cfg.train.overwrite and not mover:
+        return  # RANK 0 moves; looking now could race with it.
+    entries = previous_run(cfg)
+    if not entries:
+        return
+    if not cfg.train.overwrite:
+        raise ValueError(_refusal(cfg, entries))
+    move_aside(cfg, entries)
+
+
+def guard_fresh_start(cfg: MimoConfig, iteration: int, world_size: int) -> None:
+    """Library side of the rule: call in ``train_mimo`` before anything is written.
+
+    Args:
+        cfg: the run's config.
+        iteration: the iteration the run starts at (0 = a fresh start).
+        world_size: ranks in the run (several cannot move files without a collective).
+
+    Raises:
+        ValueError: a fresh start over a previous run without ``train.overwrite``; or
+            with it, on several ranks.
+    """
+    if iteration > 0:
+        return
+    entries = previous_run(cfg)
+    if not entries:
+        return
+    if not cfg.train.overwrite:
+        raise ValueError(_refusal(cfg, entries))
+    if world_size > 1:
+        raise ValueError(
+            f"train.overwrite=true cannot move the previous run in {cfg.log_dir} aside once "
+            f"{world_size} ranks run: start with `mimotron train`, or call "
+            "mimotron.run_dir.prepare_run_dir(cfg) in one process before starting the ranks")
+    move_aside(cfg, entries)
