@@ -15,7 +15,9 @@ rejected with a ``ValueError`` naming the key:
 * ``step``: one training step (which pipeline schedule ran, loss, grad norm);
 * ``plan``: the layout plan and each module's layers per stage;
 * ``run``: a 2-3 iteration one-process ``train_mimo`` in a fresh directory: the files it
-  writes, the metrics records, the console lines, the checkpoint saves, an exception.
+  writes, the metrics records, the console lines, the checkpoint saves, an exception;
+* ``rerun``: the same run twice in one directory: whether the second one is refused, and
+  the files left.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import copy
 import dataclasses
 import io
 import json
+import re
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -169,6 +172,7 @@ PROBES: dict[str, tuple[list[str], str, list[str]]] = {
     "train.max_skipped": (["train.max_skipped=1"], "run",
                           [*RUN, *FP16, "optimizer.initial_loss_scale=1e30"]),
     "train.pg_timeout_s": (["train.pg_timeout_s=77"], "built", []),
+    "train.overwrite": (["train.overwrite=true"], "rerun", RUN),
     "eval.interval": (["eval.interval=1"], "run", RUN),
     "eval.iters": (["eval.iters=2"], "built", []),
     "checkpoint.dir": (["checkpoint.dir='ck'"], "run", SAVE),
@@ -301,7 +305,21 @@ def _run(cfg: MimoConfig) -> Any:
             sorted(summary.get("eval") or {}))
 
 
-OBSERVERS = {"built": _built, "step": _step, "plan": _plan, "run": _run}
+def _rerun(cfg: MimoConfig) -> Any:
+    with tempfile.TemporaryDirectory() as tmp, contextlib.chdir(tmp), \
+            contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        run_training(cfg, init_runtime())
+        try:
+            run_training(cfg, init_runtime())
+            refused = None
+        except ValueError as exc:  # a fresh start over the first run
+            refused = type(exc).__name__
+        files = sorted(re.sub(r"previous-[^/]+", "previous-*", str(p))
+                       for p in Path().rglob("*") if p.is_file())
+    return refused, files
+
+
+OBSERVERS = {"built": _built, "step": _step, "plan": _plan, "run": _run, "rerun": _rerun}
 
 
 def _observe(kind: str, overrides: list[str]) -> Any:
