@@ -163,7 +163,7 @@ def prepare_run_dir(cfg: MimoConfig) -> None:
     mover = is_mover()
     if mover:
         check_writable(cfg)
-    if resolve_load(cfg.checkpoint.load, cfg.checkpoint_dir) is not None:
+    if resolve_load(cfg.checkpoint.load, cfg.checkpoint_dir, quiet=True) is not None:
         return  # Resuming: the run continues the directory's run.
     if cfg.train.overwrite and not mover:
         return  # RANK 0 moves; looking now could race with it.
@@ -173,6 +173,27 @@ def prepare_run_dir(cfg: MimoConfig) -> None:
     if not cfg.train.overwrite:
         raise ValueError(_refusal(cfg, entries))
     move_aside(cfg, entries)
+
+
+def describe_run_dir(cfg: MimoConfig) -> str:
+    """What ``mimotron train`` would do with the run directory (for ``mimotron plan``).
+
+    Read-only: nothing is created or moved.
+
+    Raises:
+        ValueError: an invalid ``checkpoint.load`` (as ``mimotron train`` would).
+        CheckpointError: ``latest`` names a missing or incomplete checkpoint.
+    """
+    path = resolve_load(cfg.checkpoint.load, cfg.checkpoint_dir, quiet=True)
+    if path is not None:
+        return f"resumes from {path}"
+    entries = previous_run(cfg)
+    if not entries:
+        return f"starts fresh in {cfg.log_dir}"
+    if cfg.train.overwrite:
+        return (f"starts fresh in {cfg.log_dir}; train.overwrite=true moves the previous run "
+                f"({len(entries)} entries) into {cfg.log_dir}/{PREVIOUS}<time>/")
+    return "train would refuse: " + _refusal(cfg, entries)
 
 
 def guard_fresh_start(cfg: MimoConfig, iteration: int, world_size: int) -> None:

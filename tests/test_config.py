@@ -151,3 +151,24 @@ def test_parser_accepts_literal_values():
                             "modules": {"language": {"optimizer": {"decay_style": "linear"}}}})
     assert (cfg.train.precision, cfg.train.schedule) == ("bf16", "no_pipelining")
     assert cfg.modules["language"].optimizer == {"decay_style": "linear"}
+
+
+def test_validate_checks_numbers_of_a_config_built_in_code():
+    """The finiteness and int64 checks walk the dataclasses, so a config made in code (not
+    parsed) is covered too, per-module optimizer overrides included."""
+    cfg = load_config(DIGITS)
+    cfg.optimizer.eps = float("inf")
+    with pytest.raises(ValueError, match=r"^optimizer.eps=inf is invalid: expected a finite"):
+        cfg.validate()
+    cfg = load_config(DIGITS)
+    cfg.modules["vision"].optimizer["lr"] = float("nan")
+    with pytest.raises(ValueError, match=r"^modules.vision.optimizer.lr=nan is invalid"):
+        cfg.validate()
+    cfg = load_config(DIGITS)
+    cfg.train.seed = 2**64
+    with pytest.raises(ValueError, match=r"^train.seed=.* an integer in \[-9223372036854775808"):
+        cfg.validate()
+    cfg.train.seed = 2**63 - 1  # the largest seed: accepted
+    cfg.validate()
+    with pytest.raises(ValueError, match=r"^optimizer.lr=10{400} is invalid: expected a finite"):
+        load_config(DIGITS, ["optimizer.lr=1" + "0" * 400])

@@ -273,3 +273,14 @@ def test_item8_debug_flag_and_one_line_unexpected_errors(monkeypatch, capsys):
     with pytest.raises(RuntimeError, match="injected"):
         main(["--debug", "plan", DIGITS])
     assert os.environ["MIMOTRON_DEBUG"] == "1"
+
+
+def test_item8_plan_checks_what_train_checks_before_launch(tmp_path, capsys):
+    """Item 8: ``mimotron plan`` rejects a missing ``checkpoint.load`` path as ``train``
+    does (it printed a plan), and says what train would do with a previous run."""
+    assert main(["plan", DIGITS, f"checkpoint.load={tmp_path}/missing"]) == 2
+    assert "checkpoint.load=" in _one_line(capsys.readouterr().err)
+    (tmp_path / "metrics.jsonl").write_text('{"iteration": 1}\n')
+    assert main(["plan", DIGITS, f"log.dir={tmp_path}"]) == 0
+    assert "train would refuse" in capsys.readouterr().out
+    assert (tmp_path / "metrics.jsonl").is_file()

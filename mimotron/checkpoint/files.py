@@ -138,12 +138,13 @@ def resolve_checkpoint(path: str | Path) -> Path:
     )
 
 
-def resolve_load(spec: str, default_root: Path) -> Path | None:
+def resolve_load(spec: str, default_root: Path, quiet: bool = False) -> Path | None:
     """Resolve ``checkpoint.load``: ``"auto"``, ``"none"`` or a path.
 
     Args:
         spec: the config value.
         default_root: ``cfg.checkpoint_dir`` (where ``"auto"`` looks).
+        quiet: do not print that ``latest`` was missing (a check before the load).
 
     Returns:
         The checkpoint directory to load, or None to start fresh.
@@ -161,7 +162,7 @@ def resolve_load(spec: str, default_root: Path) -> Path | None:
     if spec == "auto":
         if read_latest(default_root) is not None:
             return resolve_checkpoint(default_root)
-        return _newest_complete(default_root)
+        return _newest_complete(default_root, quiet)
     if not spec or not Path(spec).exists():
         raise ValueError(
             f'checkpoint.load={spec!r} is invalid: expected "auto", "none", a checkpoint '
@@ -173,14 +174,14 @@ def resolve_load(spec: str, default_root: Path) -> Path | None:
         raise ValueError(f"checkpoint.load={spec!r} is invalid: {exc}") from None
 
 
-def _newest_complete(root: Path) -> Path | None:
+def _newest_complete(root: Path, quiet: bool) -> Path | None:
     """The newest complete ``iter_*`` folder of ``root`` (``latest`` is missing), or None."""
     complete = {it: p for it, p in checkpoint_iterations(root).items() if is_complete(p)}
     if not complete:
         return None
     path = complete[max(complete)]
     # Every rank resolves the same path; one of them says so (RANK unset: one process).
-    if os.environ.get("RANK", "0") == "0":
+    if not quiet and os.environ.get("RANK", "0") == "0":
         print(f"mimotron: {Path(root) / LATEST} is missing; resuming from the newest "
               f"complete checkpoint, {path}", file=sys.stderr, flush=True)
     return path

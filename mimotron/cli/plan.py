@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 
+from mimotron.checkpoint.files import CheckpointError
 from mimotron.config import load_config
 from mimotron.parallel.layout import plan_layout
 from mimotron.parallel.memory import estimate_memory, stage_parameter_counts
@@ -19,7 +20,10 @@ def run_plan(config: str, overrides: list[str]) -> int:
     try:
         cfg = load_config(config, overrides)
         layout = plan_layout(cfg)
-    except ValueError as exc:
+        from mimotron.run_dir import describe_run_dir
+
+        run_dir = describe_run_dir(cfg)  # checkpoint.load checked as train checks it
+    except (ValueError, CheckpointError) as exc:
         print(f"mimotron plan: invalid config: {exc}", file=sys.stderr)
         return 2
     from mimotron.data.tokenizer import CharTokenizer
@@ -44,4 +48,5 @@ def run_plan(config: str, overrides: list[str]) -> int:
                   f"{_mib(e.activations)} {_mib(e.total)}")
     print(f"\nmicro-batches per step: {cfg.num_microbatches} "
           f"(global batch {cfg.train.global_batch_size}, micro-batch {cfg.train.micro_batch_size})")
+    print(f"run directory: {run_dir}")
     return 0
