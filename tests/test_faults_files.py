@@ -280,3 +280,42 @@ def test_fp16_stop_with_a_finite_loss_blames_the_loss_scale_not_the_lr():
     with pytest.raises(TrainingDivergedError) as fp32:
         check_divergence(ts, 2.5, 3, "fp32")
     assert "loss scale" not in str(fp32.value) and "optimizer.lr" in str(fp32.value)
+
+
+def test_restricted_unpickler_reads_every_dtype_and_refuses_other_globals(tmp_path):
+    """Item 3: what DCP pickles (any dtype, layout, size, path) loads; nothing else does."""
+    import torch
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        StorageMeta,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    from mimotron.checkpoint.safe_metadata import load_metadata
+
+    dtypes = (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8,
+              torch.bool, torch.complex64)
+    md = {f"t{i}": TensorStorageMetadata(
+        TensorProperties(dtype=d, layout=torch.strided, memory_format=torch.channels_last),
+        torch.Size([2, 3]), [ChunkStorageMetadata(torch.Size([0, 0]), torch.Size([2, 3]))])
+        for i, d in enumerate(dtypes)}
+    md["b"] = BytesStorageMetadata()
+    metadata = Metadata(md, planner_data={"t0": ("t0",)},
+                        storage_data={MetadataIndex("t0", torch.Size([0, 0])):
+                                      _StorageInfo("__0_0.distcp", 0, 10)},
+                        storage_meta=StorageMeta(checkpoint_id=tmp_path, save_id="x"))
+    good = tmp_path / "good.metadata"
+    good.write_bytes(pickle.dumps(metadata))
+    assert load_metadata(good) == metadata
+    for payload in (pickle.dumps(getattr), pickle.dumps(torch.load),
+                    pickle.dumps(Metadata({"x": _Payload(tmp_path / "m")}))):
+        bad = tmp_path / "bad.metadata"
+        bad.write_bytes(payload)
+        with pytest.raises(CheckpointError, match=rf"{bad} refused: refusing to unpickle"):
+            load_metadata(bad)
+    assert not (tmp_path / "m").exists()

@@ -34,7 +34,7 @@ from mimotron.data.tokenizer import CharTokenizer
 from mimotron.models.build import build_mimo_model
 from mimotron.models.mimo import MimoModel
 from mimotron.names import ENCODER_PREFIX, LANGUAGE, LANGUAGE_MODEL_PREFIX
-from mimotron.paths import check_output_dir, new_file_mode
+from mimotron.outputs import check_output_dir, new_file_mode
 from mimotron.training.model_setup import padded_vocab_size
 
 CONFIG_FILE = "config.json"

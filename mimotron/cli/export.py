@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mimotron.cli.one_line import EXIT_FAILED, EXIT_USAGE, report_error
+from mimotron.outputs import EXIT_FAILED, EXIT_USAGE, report_error
 
 
 def run_export(checkpoint: str, out_dir: str) -> int:

@@ -20,8 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from mimotron.cli.one_line import EXIT_FAILED, EXIT_USAGE, report_error
-from mimotron.paths import check_output_dir
+from mimotron.outputs import EXIT_FAILED, EXIT_USAGE, check_output_dir, report_error
 from mimotron.training.metrics_file import METRICS_FILE, read_metrics_file
 
 Records = list[dict[str, Any]]
