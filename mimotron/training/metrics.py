@@ -103,8 +103,9 @@ def check_divergence(ts: TrainState, loss: float, max_skipped: int,
     ``ts`` is identical on every rank (skips are a world decision), so every rank raises
     at the same iteration and no rank waits on a collective the others left. The advice
     follows the cause: a non-finite loss means the model diverged (lower the lr); a
-    finite loss under fp16 means the gradients overflow even at the smallest loss scale,
-    which no lr fixes (change the precision or the loss-scale bounds).
+    finite loss under fp16 means the scaled gradients overflow (the scale is still coming
+    down from its start, or even its minimum is too high), which no lr fixes (change the
+    precision or the loss-scale settings).
 
     Args:
         ts: the run's train state.
@@ -127,10 +128,13 @@ def check_divergence(ts: TrainState, loss: float, max_skipped: int,
                   + (", or use precision bf16 or fp32 instead of fp16"
                      if precision == "fp16" else ""))
     elif precision == "fp16":
-        advice = ("The loss is finite, so the fp16 gradients overflow even at the minimum "
-                  "loss scale (a loss-scale problem, not the lr): use train.precision bf16 "
-                  "or fp32, or lower optimizer.initial_loss_scale / "
-                  "optimizer.min_loss_scale")
+        # Each skip halves the scale (after hysteresis): either it is still coming down
+        # from a too-high start, or the gradients overflow fp16 even at its minimum.
+        advice = ("The loss is finite, so the scaled fp16 gradients overflow: a loss scale "
+                  "problem, not divergence (a lower lr will not help). Use train.precision "
+                  "bf16 or fp32, or start from a lower optimizer.initial_loss_scale, allow "
+                  "a lower optimizer.min_loss_scale, or raise train.max_skipped so the "
+                  "scale can come down")
     else:
         advice = ("The loss is finite but the gradients are not: lower optimizer.lr or "
                   "optimizer.clip_grad, or check the data and the forward step")
