@@ -15,6 +15,7 @@ Output folder::
 from __future__ import annotations
 
 import json
+import os
 import warnings
 from pathlib import Path
 from typing import Any
@@ -26,12 +27,14 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from mimotron.checkpoint.files import CheckpointError, read_manifest, resolve_checkpoint
 from mimotron.checkpoint.load import SafeLoadPlanner, read_metadata, verify_share
+from mimotron.checkpoint.safe_metadata import SafeFileSystemReader
 from mimotron.checkpoint.state import META, MODEL
 from mimotron.config import MimoConfig, config_from_dict
 from mimotron.data.tokenizer import CharTokenizer
 from mimotron.models.build import build_mimo_model
 from mimotron.models.mimo import MimoModel
 from mimotron.names import ENCODER_PREFIX, LANGUAGE, LANGUAGE_MODEL_PREFIX
+from mimotron.outputs import check_output_dir, new_file_mode
 from mimotron.training.model_setup import padded_vocab_size
 
 CONFIG_FILE = "config.json"
@@ -77,7 +80,8 @@ def read_full_model(checkpoint: str | Path) -> tuple[dict[str, torch.Tensor], di
     with warnings.catch_warnings():
         # DCP warns that it runs without a process group: that is the point here.
         warnings.simplefilter("ignore", UserWarning)
-        dcp.load(template, checkpoint_id=str(path), planner=SafeLoadPlanner(), no_dist=True)
+        dcp.load(template, storage_reader=SafeFileSystemReader(str(path)),
+                 planner=SafeLoadPlanner(), no_dist=True)
     meta = json.loads(template.pop(META))
     return {k[len(MODEL) :]: v for k, v in template.items()}, meta
 
@@ -88,21 +92,25 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path) -> dict[str, 
     Args:
         checkpoint: a checkpoint root holding ``latest``, or one ``iter_NNNNNNN`` dir.
         out_dir: output folder (created; existing files of the same names are replaced).
+            Checked before the checkpoint is read. The files get the mode any new file
+            gets there (0o666 less the umask), the safetensors files too.
 
     Returns:
         Module name -> the file written.
 
     Raises:
-        ValueError: not a checkpoint path.
+        ValueError: not a checkpoint path, or ``out_dir`` cannot be written (names it).
         CheckpointError: missing, incomplete or corrupted (names the file).
     """
+    out = Path(out_dir)
+    check_output_dir(out)
     tensors, meta = read_full_model(checkpoint)
     per_module: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in tensors.items():
         module, rest = split_module(name)
         per_module.setdefault(module, {})[rest] = tensor.contiguous()
-    out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    mode = new_file_mode(out)
     written = {}
     for module, state in sorted(per_module.items()):
         file = out / f"{module}.safetensors"
@@ -111,6 +119,8 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path) -> dict[str, 
             str(file),
             metadata={"format": "mimotron", "module": module, "iteration": str(meta["iteration"])},
         )
+        # safetensors writes a 0600 temp file and renames it: give it the usual mode.
+        os.chmod(file, mode)
         written[module] = file
     (out / CONFIG_FILE).write_text(json.dumps(meta["config"], indent=1) + "\n")
     return written

@@ -8,6 +8,15 @@ found, and named, before anything is read from it; it also records the rank map 
 checkpoint was written with, so a loader knows before any collective whether per-rank
 state (RNG) maps onto its own layout.
 
+The manifest is about integrity (truncation, bit rot, a partial copy), not
+authenticity: it is not signed, and whoever can write a checkpoint file can rewrite the
+manifest to match. Safety against a crafted checkpoint comes from how files are read:
+DCP's ``.metadata`` with a restricted unpickler
+(:mod:`~mimotron.checkpoint.safe_metadata`), everything else with
+``torch.load(weights_only=True)``, so no checkpoint file can run code. A crafted file
+can still hold wrong weights: load checkpoints only from folders you trust to hold
+your own runs.
+
 Only rank 0 writes here; everything is plain files, so this module has no collectives.
 """
 

@@ -3,15 +3,17 @@
 Order on every rank, so no rank can be left waiting in a collective:
 
 1. resolve the path and read the manifest and DCP's ``.metadata`` (after checking its
-   SHA-256): plain files, no collectives;
+   SHA-256, with a restricted unpickler: see :mod:`~mimotron.checkpoint.safe_metadata`):
+   plain files, no collectives;
 2. build this rank's template (model, optimizer, schedules, meta, RNG when the rank map
    is unchanged) and check it against the checkpoint's keys and global shapes; check a
    share of the data files against the manifest (rank ``r`` of ``W`` checks files
    ``r, r+W, ...``);
 3. one ``all_gather_object`` of the problems found: if any rank found one, every rank
    raises the same error, naming the files or keys;
-4. one ``dcp.load``: each rank reads just its shards (DCP re-cuts DTensors), non-tensor
-   entries are read with ``weights_only=True``;
+4. one ``dcp.load``: each rank reads just its shards (DCP re-cuts DTensors); the
+   metadata again through the restricted unpickler, tensors and non-tensor entries with
+   ``weights_only=True``, so nothing in a checkpoint can run code;
 5. hand the results to the optimizer, schedulers, train state and RNG.
 
 When the rank map differs from the saved one (another TP/PP/DP split or placement),
@@ -29,7 +31,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata
@@ -45,6 +46,7 @@ from mimotron.checkpoint.files import (
     resolve_load,
     verify_file,
 )
+from mimotron.checkpoint.safe_metadata import SafeFileSystemReader, load_metadata
 from mimotron.checkpoint.state import (
     apply_loaded,
     build_load_request,
@@ -83,10 +85,14 @@ def log(rank: int, message: str) -> None:
 
 
 def read_metadata(path: Path, manifest: dict[str, Any]) -> Metadata:
-    """DCP's metadata, after its checksum matched (so a damaged file is never unpickled).
+    """DCP's metadata, after its checksum matched, with a restricted unpickler.
+
+    The checksum only finds damage (truncation, bit rot): whoever can write the file can
+    rewrite the manifest too. What keeps a crafted file from running code is
+    :class:`~mimotron.checkpoint.safe_metadata.MetadataUnpickler`.
 
     Raises:
-        CheckpointError: the file is missing, damaged or unreadable (names it).
+        CheckpointError: the file is missing, damaged, unreadable or refused (names it).
     """
     expected = manifest["files"].get(DCP_METADATA)
     if expected is None:
@@ -94,12 +100,7 @@ def read_metadata(path: Path, manifest: dict[str, Any]) -> Metadata:
     problem = verify_file(path, DCP_METADATA, expected)
     if problem:
         raise CheckpointError(problem)
-    try:
-        return FileSystemReader(str(path)).read_metadata()
-    except Exception as exc:  # noqa: BLE001 - any unpickling failure means a bad file
-        raise CheckpointError(
-            f"checkpoint file {path / DCP_METADATA} is unreadable: {exc}"
-        ) from exc
+    return load_metadata(path / DCP_METADATA)
 
 
 def verify_share(path: Path, manifest: dict[str, Any], rank: int, world_size: int) -> list[str]:
@@ -161,7 +162,7 @@ def load_checkpoint(
     try:
         dcp.load(
             req.state,
-            checkpoint_id=str(path),
+            storage_reader=SafeFileSystemReader(str(path)),
             planner=SafeLoadPlanner(),
             process_group=process_group,
         )

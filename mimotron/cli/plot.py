@@ -15,11 +15,13 @@ two runs share a name).
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 from pathlib import Path
 from typing import Any
+
+from mimotron.outputs import EXIT_FAILED, EXIT_USAGE, check_output_dir, report_error
+from mimotron.training.metrics_file import METRICS_FILE, read_metrics_file
 
 Records = list[dict[str, Any]]
 
@@ -27,25 +29,37 @@ Records = list[dict[str, Any]]
 def read_metrics(run_dir: Path) -> tuple[Records, Records]:
     """Split a run's metrics file into train records and eval records.
 
+    A torn final line (a run writing it right now, or one that crashed mid-write) is
+    skipped with a note on stderr.
+
     Raises:
-        ValueError: ``run_dir`` holds no ``metrics.jsonl``.
+        ValueError: ``run_dir`` holds no ``metrics.jsonl``, it holds no records, or a
+            line is not a record (:class:`MetricsFileError`, naming the file and line).
     """
-    path = run_dir / "metrics.jsonl"
+    path = run_dir / METRICS_FILE
     if not path.is_file():
         raise ValueError(f"{path} does not exist: pass a run directory (log.dir) of a run")
+    contents = read_metrics_file(path)
+    if contents.torn_line is not None:
+        print(f"mimotron plot: skipped the torn last line (line {contents.torn_line}) of "
+              f"{path}: a write in progress or interrupted", file=sys.stderr)
+    if not contents.records:
+        raise ValueError(f"no metrics in {path}: the run has not logged an iteration yet")
     train, evals = [], []
-    for line in path.read_text().splitlines():
-        if not line.strip():
-            continue
-        rec = json.loads(line)
+    for rec in contents.records:
         (evals if "eval_loss" in rec else train).append(rec)
     return train, evals
 
 
 def _series(records: Records, key: str) -> tuple[list[int], list[float]]:
     """(iterations, values) of ``key``, skipping missing and non-finite values."""
-    pts = [(r["iteration"], float(r[key])) for r in records
-           if isinstance(r.get(key), int | float) and math.isfinite(r[key])]
+    return _points([(r["iteration"], r.get(key)) for r in records])
+
+
+def _points(pairs: list[tuple[int, Any]]) -> tuple[list[int], list[float]]:
+    """The pairs whose value is a finite number (``null`` is how non-finite is written)."""
+    pts = [(it, float(v)) for it, v in pairs
+           if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)]
     return [p[0] for p in pts], [p[1] for p in pts]
 
 
@@ -60,18 +74,27 @@ def run_labels(run_dirs: list[str]) -> list[str]:
 
 
 def run_plot(run_dirs: list[str], out: str | None) -> int:
-    """Write the figures; exit 0, or 2 naming a missing metrics file."""
+    """Write the figures; exit 0, 2 naming a missing, empty or damaged metrics file (or
+    an output folder that cannot be made), 1 on any other failure (one line; the
+    traceback too when ``MIMOTRON_DEBUG=1``).
+    """
+    try:
+        return _plot(run_dirs, out)
+    except ValueError as exc:
+        return report_error("plot", exc, EXIT_USAGE, show_type=False)
+    except Exception as exc:  # noqa: BLE001 - one line, not a traceback (see report_error)
+        return report_error("plot", exc, EXIT_FAILED)
+
+
+def _plot(run_dirs: list[str], out: str | None) -> int:
     import matplotlib
 
     matplotlib.use("Agg")
 
-    try:
-        runs = {label: read_metrics(Path(d))
-                for label, d in zip(run_labels(run_dirs), run_dirs, strict=True)}
-    except ValueError as exc:
-        print(f"mimotron plot: {exc}", file=sys.stderr)
-        return 2
+    runs = {label: read_metrics(Path(d))
+            for label, d in zip(run_labels(run_dirs), run_dirs, strict=True)}
     out_dir = Path(out or run_dirs[0])
+    check_output_dir(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     written = [_plot_loss(runs, out_dir / "loss.png"), _plot_eval(runs, out_dir / "eval.png"),
                _plot_lr(runs, out_dir / "lr.png"),
@@ -114,12 +137,17 @@ def _plot_lr(runs: dict[str, tuple[Records, Records]], path: Path) -> Path:
     fig, ax = plt.subplots(figsize=(7, 4))
     styles = ("-", "--", ":", "-.")  # Modules often share a schedule: keep both visible.
     for name, (train, _) in runs.items():
-        for i, m in enumerate(sorted({m for r in train for m in r.get("lr", {})})):
-            pts = [(r["iteration"], r["lr"][m]) for r in train if m in r.get("lr", {})]
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], styles[i % len(styles)],
-                    label=f"{name} {m}")
+        for i, m in enumerate(sorted({m for r in train for m in _lr(r)})):
+            pts = _points([(r["iteration"], _lr(r)[m]) for r in train if m in _lr(r)])
+            ax.plot(*pts, styles[i % len(styles)], label=f"{name} {m}")
     ax.set(xlabel="iteration", ylabel="learning rate", title="Learning rate per module")
     return _save(fig, [ax], path)
+
+
+def _lr(record: dict[str, Any]) -> dict[str, Any]:
+    """A record's ``lr`` object (module -> value); empty when absent or malformed."""
+    lr = record.get("lr")
+    return lr if isinstance(lr, dict) else {}
 
 
 def _plot_throughput(runs: dict[str, tuple[Records, Records]], path: Path) -> Path:

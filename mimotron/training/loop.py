@@ -199,7 +199,7 @@ def train_mimo(
                                transfer_s=multimodule_communicator.pop_transfer_seconds())
             with monitor.excluded():  # Writing a trace is not step time.
                 profiler.after_step(ts.iteration)
-            check_divergence(ts, loss_dict["loss"], cfg.train.max_skipped)
+            check_divergence(ts, loss_dict["loss"], cfg.train.max_skipped, cfg.train.precision)
             if valid_data_iterator is not None and ts.iteration % cfg.eval.interval == 0 \
                     and ts.iteration < cfg.train.iters:
                 summary["eval"] = run_eval()

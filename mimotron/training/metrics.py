@@ -34,7 +34,6 @@ Both are averaged over the log interval like the loss.
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import sys
 import time
@@ -52,6 +51,12 @@ from mimotron.runtime import compute_dtype, device_peak_flops, peak_memory_bytes
 from mimotron.training.flops import model_flops_per_iteration
 from mimotron.training.infra import MimoModelInfra
 from mimotron.training.interval import LAST, IntervalMeans, aux_value
+from mimotron.training.metrics_file import (
+    METRICS_FILE,
+    encode_record,
+    read_metrics_file,
+    rewrite_records,
+)
 from mimotron.training.profiling import ModuleTimes
 from mimotron.training.state import GlobalState, TrainState
 from mimotron.training.step import module_parts
@@ -91,23 +96,49 @@ class TrainingDivergedError(RuntimeError):
     """Too many consecutive iterations had non-finite gradients (raised on every rank)."""
 
 
-def check_divergence(ts: TrainState, loss: float, max_skipped: int) -> None:
+def check_divergence(ts: TrainState, loss: float, max_skipped: int,
+                     precision: str = "fp32") -> None:
     """Stop after ``max_skipped`` consecutive skipped iterations, with a clear message.
 
     ``ts`` is identical on every rank (skips are a world decision), so every rank raises
-    at the same iteration and no rank waits on a collective the others left.
+    at the same iteration and no rank waits on a collective the others left. The advice
+    follows the cause: a non-finite loss means the model diverged (lower the lr); a
+    finite loss under fp16 means the scaled gradients overflow (the scale is still coming
+    down from its start, or even its minimum is too high), which no lr fixes (change the
+    precision or the loss-scale settings).
+
+    Args:
+        ts: the run's train state.
+        loss: the last iteration's loss.
+        max_skipped: ``train.max_skipped``.
+        precision: ``train.precision``.
 
     Raises:
         TrainingDivergedError: ``ts.consecutive_skips >= max_skipped``.
     """
     if ts.consecutive_skips < max_skipped:
         return
-    raise TrainingDivergedError(
-        f"training diverged at iteration {ts.iteration}: {ts.consecutive_skips} consecutive "
-        f"iterations had non-finite gradients and were skipped (last loss {loss}, "
-        f"{ts.nan_iters} iterations with a non-finite loss in all); stopping because "
-        f"train.max_skipped={max_skipped}. Lower optimizer.lr, use precision bf16 or fp32 "
-        "instead of fp16, or check the data")
+    what = (f"training diverged at iteration {ts.iteration}: {ts.consecutive_skips} "
+            f"consecutive iterations had non-finite gradients and were skipped (last loss "
+            f"{loss}, {ts.nan_iters} iterations with a non-finite loss in all); stopping "
+            f"because train.max_skipped={max_skipped}. ")
+    if not math.isfinite(loss):
+        advice = ("The loss itself is non-finite: lower optimizer.lr (or warm up longer), "
+                  "lower optimizer.clip_grad, or check the data"
+                  + (", or use precision bf16 or fp32 instead of fp16"
+                     if precision == "fp16" else ""))
+    elif precision == "fp16":
+        # Each skip halves the scale (after hysteresis): either it is still coming down
+        # from a too-high start, or the gradients overflow fp16 even at its minimum.
+        advice = ("The loss is finite, so the scaled fp16 gradients overflow: a loss scale "
+                  "problem, not divergence (a lower lr will not help). Use train.precision "
+                  "bf16 or fp32, or start from a lower optimizer.initial_loss_scale, allow "
+                  "a lower optimizer.min_loss_scale, or raise train.max_skipped so the "
+                  "scale can come down")
+    else:
+        advice = ("The loss is finite but the gradients are not: lower optimizer.lr or "
+                  "optimizer.clip_grad, or check the data and the forward step")
+    raise TrainingDivergedError(what + advice)
 
 
 class MetricsWriter:
@@ -115,12 +146,13 @@ class MetricsWriter:
 
     Args:
         log_dir: run directory; ``metrics.jsonl`` goes there (truncated when a run starts
-            from scratch, appended to on resume).
+            from scratch, appended to on resume). Non-finite numbers are written as
+            ``null`` (see :mod:`mimotron.training.metrics_file`).
         total_iters: for the ETA and progress display.
         tensorboard: also write TensorBoard scalars under ``log_dir/tensorboard``.
         progress: print to the console (banner, a line per log interval, summary); a
             progress bar is drawn when stdout is a terminal.
-        append: keep existing lines (resume).
+        append: keep existing lines (resume); a torn last line is dropped (and said).
         resumed_at: on resume, the checkpoint's iteration: lines logged after it (by a run
             that went on past its last checkpoint before it stopped) are dropped, so each
             iteration appears once.
@@ -130,11 +162,9 @@ class MetricsWriter:
                  progress: bool = True, append: bool = False, resumed_at: int | None = None
                  ) -> None:
         log_dir.mkdir(parents=True, exist_ok=True)
-        self.path = log_dir / "metrics.jsonl"
-        if append and resumed_at is not None and self.path.is_file():
-            kept = [line for line in self.path.read_text().splitlines()
-                    if line.strip() and json.loads(line).get("iteration", 0) <= resumed_at]
-            self.path.write_text("".join(line + "\n" for line in kept))
+        self.path = log_dir / METRICS_FILE
+        if append and self.path.is_file():
+            self._prepare_append(resumed_at)
         self._file = self.path.open("a" if append else "w")
         self.total_iters = total_iters
         self.progress = progress
@@ -145,9 +175,32 @@ class MetricsWriter:
 
             self._tb = SummaryWriter(str(log_dir / "tensorboard"))
 
+    def _prepare_append(self, resumed_at: int | None) -> None:
+        """Make the existing file safe to continue: whole records, up to ``resumed_at``.
+
+        A torn final line (a crash mid-write, a full disk) is dropped with one line on
+        stderr; lines after ``resumed_at`` (logged past the last checkpoint) are dropped
+        so each iteration appears once; the file is rewritten (atomically) when anything
+        changed or its last line lacks a newline, so the next record starts a fresh line.
+
+        Raises:
+            MetricsFileError: any other damage (names the file and line).
+        """
+        contents = read_metrics_file(self.path)
+        kept = [r for r in contents.records
+                if resumed_at is None or r["iteration"] <= resumed_at]
+        if contents.torn_line is not None:
+            print(f"metrics: dropped the torn last line (line {contents.torn_line}) of "
+                  f"{self.path}, left by an interrupted write (crash or full disk); the "
+                  f"{len(contents.records)} complete lines before it are intact",
+                  file=sys.stderr, flush=True)
+        if contents.torn_line is not None or not contents.terminated \
+                or len(kept) != len(contents.records):
+            rewrite_records(self.path, kept)
+
     def write(self, record: dict[str, Any]) -> None:
         """Append one record (flushed at once so a crash keeps what was logged)."""
-        self._file.write(json.dumps(record) + "\n")
+        self._file.write(encode_record(record))  # Non-finite numbers become null.
         self._file.flush()
         if self._tb is not None:
             step = record["iteration"]
