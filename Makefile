@@ -20,8 +20,10 @@ $(STAMP): pyproject.toml | $(PY)
 
 venv: $(STAMP)
 
+# The demo always trains from scratch: a previous demo run is moved aside, not lost
+# (runs/digits/previous-<time>/), instead of being refused as a silent clobber.
 demo: $(STAMP)
-	$(VENV)/bin/mimotron train configs/digits.toml
+	$(VENV)/bin/mimotron train configs/digits.toml train.overwrite=true
 	$(VENV)/bin/mimotron plot runs/digits
 
 test: $(STAMP)
