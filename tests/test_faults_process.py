@@ -20,8 +20,11 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from mimotron.checkpoint import read_latest
 from mimotron.checkpoint.files import write_manifest
+from mimotron.cli.lines import LineWriter
 from tests.test_launch import COLOCATED, DIGITS, ROOT, TINY, _env
 
 GUARD_S = 240  # Hang guard for one launch on a loaded machine.
@@ -178,7 +181,8 @@ def test_killing_the_launcher_ends_every_rank(tmp_path):
     ranks = _rank_pids(proc.pid, 2)
     proc.kill()
     proc.wait()
-    proc.stdout.close()
+    # The test keeps reading end of the output pipe open, as a terminal would stay: an
+    # orphan must not get away with dying of a broken pipe.
     deadline = time.monotonic() + 60
     try:
         while any(_alive(pid) for pid in ranks.values()):
@@ -188,6 +192,7 @@ def test_killing_the_launcher_ends_every_rank(tmp_path):
         for pid in ranks.values():  # Never leave orphans behind, even when failing.
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
+        proc.stdout.close()
 
 
 def test_a_rank_killed_from_outside_is_blamed(tmp_path):
@@ -257,6 +262,22 @@ def test_checkpoint_errors_are_one_line_without_tracebacks(tmp_path):
     out = _finish(debug)
     assert debug.returncode == 1, out[-4000:]
     assert "CheckpointError" in out and "Traceback (most recent call last)" in out
+
+
+def test_rank_output_is_written_in_whole_lines():
+    """Item 9: under ``PYTHONUNBUFFERED=1`` ``print`` writes a line's text and its newline
+    separately, so another rank can cut in; a rank's streams write whole lines only."""
+    read_end, write_end = os.pipe()
+    os.set_blocking(read_end, False)
+    with open(write_end, "w", buffering=1) as raw:
+        raw.reconfigure(write_through=True)  # What -u / PYTHONUNBUFFERED=1 sets up.
+        writer = LineWriter(raw)
+        print("half", end="", file=writer, flush=True)
+        with pytest.raises(BlockingIOError):  # Nothing yet: the line is not complete.
+            os.read(read_end, 100)
+        print(" a line\nand another", file=writer, flush=True)
+        assert os.read(read_end, 100) == b"half a line\nand another\n"
+    os.close(read_end)
 
 
 def test_lines_of_concurrent_ranks_never_interleave(tmp_path):
