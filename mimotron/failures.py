@@ -12,10 +12,14 @@ processes. A rank that dies without reporting (a signal, ``os._exit``) is record
 the parent that notices the death.
 
 Each record is classified: ``"error"`` (the rank's own failure), ``"peer"`` (a
-consequence of a peer vanishing: :func:`is_peer_loss`) or ``"died"`` (no report). The
-root cause (:func:`root_cause`) is the earliest ``"error"`` or ``"died"`` record; only
-when there is none is it the earliest ``"peer"`` record. The other failed ranks are
-named as collateral (:func:`consequence_note`).
+consequence of a peer vanishing: :func:`is_peer_loss`), ``"died"`` (no report) or
+``"stalled"`` (the launcher found the process stopped, e.g. by SIGSTOP, while its peers
+waited on it). The root cause (:func:`root_cause`) is the earliest record of any kind but
+``"peer"``; only when there is none is it the earliest ``"peer"`` record. The other
+failed ranks are named as collateral (:func:`consequence_note`).
+
+The CLI launcher polls its ranks every few milliseconds and records a death when it sees
+it, so deaths and errors are ordered as they happened (the harness does the same).
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 FAILURE_DIR_ENV = "MIMOTRON_FAILURE_DIR"
-KINDS = ("error", "peer", "died")
+KINDS = ("error", "peer", "died", "stalled")
 # Text of the errors a rank gets when a peer it waits on is gone (gloo, c10d stores).
 PEER_LOSS_MARKERS = (
     "Connection closed by peer", "Connection reset by peer", "Connection refused",
@@ -43,7 +47,8 @@ class FailureRecord:
     Attributes:
         seq: position in the total order of failures (0 = first).
         rank: the global rank that failed.
-        kind: ``"error"`` (its own), ``"peer"`` (a peer vanished) or ``"died"`` (no report).
+        kind: ``"error"`` (its own), ``"peer"`` (a peer vanished), ``"died"`` (no report)
+            or ``"stalled"`` (stopped while its peers waited).
         summary: one line: the exception, or how the process ended.
         exit_code: the exit code the rank meant to return, when it knew one.
     """
@@ -96,7 +101,7 @@ def record_failure(directory: str | os.PathLike | None, rank: int, kind: str, su
     Args:
         directory: the shared failure directory; None = do not record.
         rank: the failing global rank.
-        kind: one of ``"error"``, ``"peer"``, ``"died"``.
+        kind: one of :data:`KINDS`.
         summary: one line describing the failure.
         exit_code: the exit code the rank will return, if known.
 
@@ -152,10 +157,16 @@ def read_failures(directory: str | os.PathLike) -> list[FailureRecord]:
 
 
 def death_summary(exit_code: int | None) -> str:
-    """How a process that reported nothing ended, from its exit code."""
+    """How a process that reported nothing ended, from its exit code.
+
+    SIGKILL comes with a hint: nobody else sends it unasked, and the kernel's
+    out-of-memory killer does not tell the process.
+    """
     if exit_code is not None and exit_code < 0:
         with contextlib.suppress(ValueError):
-            return f"killed by signal {signal.Signals(-exit_code).name}"
+            name = signal.Signals(-exit_code).name
+            hint = "; out of memory? check `dmesg`" if name == "SIGKILL" else ""
+            return f"killed by signal {name}{hint}"
         return f"killed by signal {-exit_code}"
     return f"exited with code {exit_code} without reporting an error"
 

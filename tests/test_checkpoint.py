@@ -425,9 +425,10 @@ def test_sigterm_to_the_launcher_saves_on_every_rank_and_exits_0(tmp_path):
                                          f"checkpoint.dir={tmp_path}/ckpt"]
     returncode, out = _sigterm_after_two_lines(overrides, tmp_path)
     assert returncode == 0, out
-    assert "stopped by signal SIGTERM" in out
+    found = re.search(r"stopped by SIGTERM; saved iteration (\d+)", out)
+    assert found is not None, out
     stopped = read_latest(tmp_path / "ckpt")
-    assert stopped is not None and 2 <= stopped < 400, out
+    assert stopped == int(found[1]) and 2 <= stopped < 400, out
 
 
 # ---- export -----------------------------------------------------------------------------
@@ -529,14 +530,30 @@ def test_checkpoint_load_values(tmp_path):
         resolve_load("auto", tmp_path)
 
 
-def test_stop_signals_record_first_and_pass_on_second():
+def test_stop_signals_ignore_repeats_until_the_save_began():
     seen = []
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: seen.append(signum))
     try:
-        stop = StopSignals((signal.SIGTERM,)).install()
+        stop = StopSignals((signal.SIGTERM,), duplicate_window_s=0.0).install()
         os.kill(os.getpid(), signal.SIGTERM)
         assert stop.received == signal.SIGTERM and stop.name == "SIGTERM" and seen == []
-        os.kill(os.getpid(), signal.SIGTERM)  # insisting: the previous handler runs
+        os.kill(os.getpid(), signal.SIGTERM)  # a forwarded copy: still stopping cleanly
+        assert seen == [] and stop.installed
+        stop.saving = True
+        os.kill(os.getpid(), signal.SIGTERM)  # insisting during the save: passed on
         assert seen == [signal.SIGTERM] and not stop.installed
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def test_stop_signals_treat_quick_repeats_as_copies_even_while_saving():
+    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        stop = StopSignals((signal.SIGTERM,), duplicate_window_s=3600.0).install()
+        os.kill(os.getpid(), signal.SIGTERM)
+        stop.saving = True
+        os.kill(os.getpid(), signal.SIGTERM)  # within the window: the same request
+        assert stop.installed and stop.received == signal.SIGTERM
+        stop.restore()
     finally:
         signal.signal(signal.SIGTERM, previous)

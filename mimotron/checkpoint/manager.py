@@ -9,10 +9,14 @@ end when ``checkpoint.interval > 0``.
 Stopping must be a world decision: the signal may reach one rank only, and clocks differ.
 Each step every rank contributes its flags (signal received, time is up, a background
 save failed) to one MAX all-reduce, so all ranks stop, or fail, after the same iteration.
+A signal stop saves even at the last iteration and even with ``checkpoint.interval = 0``
+(the progress would be lost otherwise); once that save is complete, rank 0 leaves a stop
+record for the launcher (:func:`~mimotron.checkpoint.signals.write_stop_record`).
 """
 
 from __future__ import annotations
 
+import os
 import time
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -24,7 +28,8 @@ from torch import nn
 from mimotron.checkpoint.files import CheckpointError
 from mimotron.checkpoint.load import log
 from mimotron.checkpoint.save import SaveHandle, make_stager, save_checkpoint
-from mimotron.checkpoint.signals import StopSignals
+from mimotron.checkpoint.signals import StopSignals, write_stop_record
+from mimotron.failures import FAILURE_DIR_ENV
 from mimotron.optim.scheduler import OptimizerParamScheduler
 
 if TYPE_CHECKING:
@@ -66,7 +71,9 @@ class CheckpointManager:
         self._last_saved: int | None = iteration if iteration > 0 else None
         self.exit_reason: str | None = None
         self.saves: list[dict[str, Any]] = []
-        self._signals = StopSignals().install()
+        # Adopt the handlers the rank's entry point installed before set-up, if any: a
+        # signal that came while the run was being built still counts.
+        self._signals, self._owns_signals = StopSignals.adopt_or_install()
 
     @property
     def stopped(self) -> bool:
@@ -102,11 +109,13 @@ class CheckpointManager:
             reason = "exit_interval"
         if out_of_time:
             reason = "exit_duration_mins"
-        if signalled:
-            reason = self._signals.name or "signal"
         periodic = cfg.checkpoint.interval > 0 and ts.iteration % cfg.checkpoint.interval == 0
         if reason is not None and ts.iteration >= cfg.train.iters:
             reason = None  # The loop ends here anyway; finish() saves as configured.
+        if signalled:
+            # Even at the last iteration: the launcher reports what a signal stop saved.
+            reason = self._signals.name or "SIGTERM"
+            self._signals.saving = True  # From here on, an insisting signal aborts.
         if periodic or reason is not None:
             self.save()
         if reason is not None:
@@ -172,10 +181,14 @@ class CheckpointManager:
         ):
             self.save()
         self.wait()
+        if self._signals.saving and dist.get_rank() == 0:
+            write_stop_record(os.environ.get(FAILURE_DIR_ENV), self.exit_reason or "SIGTERM",
+                              self._state.train_state.iteration, self._last_saved)
 
     def close(self) -> None:
         """Restore the signal handlers. Never waits: on an error path peers may be gone."""
-        self._signals.restore()
+        if self._owns_signals:
+            self._signals.restore()
 
     def _fail_pending(self) -> None:
         """Some rank's background save failed: raise here too, with its message if local."""

@@ -1,21 +1,39 @@
 """SIGTERM / SIGINT as a request to stop cleanly, not an immediate death.
 
-Schedulers (SLURM, Kubernetes, torchrun's agent on shutdown) send SIGTERM and wait a
+Schedulers (Slurm, Kubernetes, torchrun's agent on shutdown) send SIGTERM and wait a
 grace period before SIGKILL. The handler only records the signal; the training loop
 finishes its step, agrees with every other rank that it is time to stop (a rank that got
-no signal must not be left waiting in a collective), saves and exits 0. A second signal
-restores the previous handler and re-sends itself, so a user pressing Ctrl-C twice still
-gets an immediate stop.
+no signal must not be left waiting in a collective), saves and exits 0.
+
+One stop request often arrives several times: Slurm's ``scancel`` signals every process
+of the job, so a rank gets its own SIGTERM *and* the launcher's forward; ``timeout`` and
+shell wrappers signal their child and then its whole process group. So repeats are
+ignored while the stop is on its way to the save. Only a signal that arrives after the
+stop's save began, and at least ``duplicate_window_s`` after the first (copies of one
+request arrive within milliseconds), restores the previous handler and re-sends itself:
+someone insists on stopping now, at the price of that save. (At a terminal, ``mimotron
+train``'s launcher also aborts on a second Ctrl-C: see :mod:`mimotron.cli.launch`.)
+
+When a rank stops on a signal it leaves a stop record (:func:`write_stop_record`) in the
+launcher's ``MIMOTRON_FAILURE_DIR``, so the launcher reports what happened: the
+iteration saved, or that nothing was.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
 import signal
 import threading
+import time
+from pathlib import Path
 from types import FrameType
 from typing import Any
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+DUPLICATE_WINDOW_S = 1.0
+STOP_RECORD = "stopped.json"
 
 
 class StopSignals:
@@ -23,6 +41,12 @@ class StopSignals:
 
     Args:
         signums: the signals to catch.
+        duplicate_window_s: repeats within this many seconds of the first signal are
+            copies of it, ignored even once the save began.
+
+    Attributes:
+        received: the first signal's number, or None.
+        saving: set by the checkpoint manager when the stop's save begins.
 
     Example:
         >>> stop = StopSignals().install()
@@ -30,10 +54,31 @@ class StopSignals:
         >>> stop.restore()
     """
 
-    def __init__(self, signums: tuple[int, ...] = STOP_SIGNALS) -> None:
+    def __init__(self, signums: tuple[int, ...] = STOP_SIGNALS,
+                 duplicate_window_s: float = DUPLICATE_WINDOW_S) -> None:
         self.signums = signums
+        self.duplicate_window_s = duplicate_window_s
         self.received: int | None = None
+        self.saving = False
+        self._first_at = 0.0
         self._previous: dict[int, Any] = {}
+
+    @classmethod
+    def adopt_or_install(cls) -> tuple[StopSignals, bool]:
+        """The instance already catching SIGTERM (e.g. installed before set-up), or a new one.
+
+        A signal that arrived while the run was being built must not be lost, so the
+        rank's entry point installs handlers first and the training loop adopts them.
+
+        Returns:
+            ``(instance, owned)``: ``owned`` is True when this call installed it (the
+            caller then restores it).
+        """
+        current = signal.getsignal(signal.SIGTERM)
+        owner = getattr(current, "__self__", None)
+        if isinstance(owner, StopSignals) and owner.installed:
+            return owner, False
+        return cls().install(), True
 
     @property
     def installed(self) -> bool:
@@ -65,9 +110,44 @@ class StopSignals:
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         del frame
+        now = time.monotonic()
         if self.received is None:
-            self.received = signum
+            self.received, self._first_at = signum, now
             return
-        # Second signal: the user insists. Let the previous behaviour happen now.
+        if not self.saving or now - self._first_at < self.duplicate_window_s:
+            return  # The same stop request again (a forward, a wrapper): already on it.
+        # After the save began, a later signal insists: let the previous behaviour happen.
         self.restore()
         signal.raise_signal(signum)
+
+
+def write_stop_record(directory: str | os.PathLike | None, signal_name: str, iteration: int,
+                      saved: int | None) -> None:
+    """Tell the launcher that the ranks stopped on a signal and what they saved.
+
+    Best effort (no directory: not launched by ``mimotron train``; the rank's own log line
+    says the same).
+
+    Args:
+        directory: the launcher's failure directory, or None.
+        signal_name: e.g. ``"SIGTERM"``.
+        iteration: the last iteration trained.
+        saved: the iteration of the checkpoint written on the way out, or None.
+    """
+    if directory is None:
+        return
+    path = Path(directory) / STOP_RECORD
+    tmp = path.with_suffix(f".tmp-{os.getpid()}")
+    with contextlib.suppress(OSError):
+        tmp.write_text(json.dumps({"signal": signal_name, "iteration": iteration,
+                                   "saved": saved}))
+        os.replace(tmp, path)
+
+
+def read_stop_record(directory: str | os.PathLike) -> dict[str, Any] | None:
+    """The ranks' stop record (:func:`write_stop_record`), or None when there is none."""
+    try:
+        record = json.loads((Path(directory) / STOP_RECORD).read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None

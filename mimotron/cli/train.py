@@ -1,23 +1,26 @@
 """``mimotron train``: validate, launch ranks if needed, train, summarise.
 
-Outside a launcher, a layout needing N > 1 ranks re-runs this command under torch's
-elastic launcher (``torchrun --standalone --nproc-per-node N``). Under ``torchrun``
+Outside a launcher, a layout needing N > 1 ranks re-runs this command on N local ranks
+(:mod:`mimotron.cli.launch`, in place of ``torchrun --standalone``). Under ``torchrun``
 (``TORCHELASTIC_RUN_ID`` or ``RANK`` set, single- or multi-node) each rank checks
 WORLD_SIZE against the layout and trains. A bad config exits 2 with one line, before any
-process group exists.
+process group exists. Every rank dies with its launcher (:mod:`mimotron.lifeline`).
+
+Signals: the first SIGTERM/SIGINT, whoever sends it to whichever process, stops the run
+after the current step with a save (:mod:`mimotron.checkpoint.signals`); the launcher
+then says which iteration was saved (exit 0) or that nothing was (exit 1).
 
 Failures: a rank that raises records its failure (:mod:`mimotron.failures`, in a
-directory the launcher passes down as ``MIMOTRON_FAILURE_DIR``), prints its traceback
-and aborts its process groups; its peers, blocked on it in a collective, fail fast (the
-connection closes) or at the latest after ``train.pg_timeout_s``, record themselves as
-collateral and say so in one line (exit code 3). The launcher stops every rank and this
-command exits 1 naming the root cause, whatever order the ranks exited in: the first
-rank that recorded an error of its own, else a rank that died without a report (a
-signal), else the first collateral one; the other failed ranks are listed as collateral.
-Known limit: torch's launcher gives no time of death, so a rank killed by a signal is
-ordered after every recorded error; if a peer then fails with an error not recognised as
-a lost peer, that peer is named instead (the test harness, which sees deaths as they
-happen, has no such gap).
+directory the launcher passes down as ``MIMOTRON_FAILURE_DIR``), prints one line (and
+its traceback when the error is a bug, not a checkpoint/disk/config error, or when
+``MIMOTRON_DEBUG=1``) and aborts its process groups; its peers, blocked on it in a
+collective, fail fast (the connection closes) or at the latest after
+``train.pg_timeout_s``, record themselves as collateral and say so in one line (exit
+code 3). The launcher records a rank that dies without a report (a signal, the OOM
+killer) when it sees it, and a rank it finds stopped (SIGSTOP) as stalled; once the root
+cause is known it kills the remaining ranks and this command exits 1 naming the root
+cause: the first rank that recorded an error of its own, died or stalled, else the first
+collateral one; the other failed ranks are listed as collateral.
 Exit codes: 0 success, 1 training failed (or diverged), 2 invalid config, 3 (a rank's
 own code) stopped because a peer failed.
 """
@@ -48,6 +51,7 @@ from mimotron.failures import (
 from mimotron.parallel.layout import plan_layout
 
 EXIT_FAILED, EXIT_CONFIG, EXIT_PEER_FAILED = 1, 2, 3
+DEBUG_ENV = "MIMOTRON_DEBUG"
 
 
 def _under_launcher() -> bool:
@@ -69,81 +73,138 @@ def run_train(config: str, overrides: list[str]) -> int:
         print(f"mimotron train: invalid config: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     if not _under_launcher() and layout.world_size > 1:
-        return _launch(config, overrides, layout.world_size)
+        return _launch(config, overrides, layout.world_size, cfg)
     return _train_this_rank(cfg)
 
 
-def _launch(config: str, overrides: list[str], world_size: int) -> int:
-    """Re-run ``mimotron train`` on ``world_size`` local ranks with torch's launcher."""
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import get_args_parser, run
+def _launch(config: str, overrides: list[str], world_size: int, cfg: MimoConfig) -> int:
+    """Re-run ``mimotron train`` on ``world_size`` local ranks; report how they ended."""
+    from mimotron.checkpoint.signals import read_stop_record
+    from mimotron.cli.launch import Launcher
+    from mimotron.cli.lines import whole_lines
 
-    args = get_args_parser().parse_args([
-        "--standalone", f"--nproc-per-node={world_size}", "--max-restarts=0",
-        "--monitor-interval=0.5", "-m", "mimotron", "train", config, *overrides,
-    ])
     # One thread per rank: ranks share the cores (torchrun sets this too, quietly).
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world_size)))
-    with tempfile.TemporaryDirectory(prefix="mimotron-failures-") as failure_dir:
-        previous = os.environ.get(FAILURE_DIR_ENV)
-        os.environ[FAILURE_DIR_ENV] = failure_dir  # The ranks inherit it.
-        try:
-            run(args)
-        except SignalException as exc:
-            # SIGTERM/SIGINT reached the launcher, which passed it on: the ranks finish
-            # their step, save (when checkpointing is configured) and stop.
-            print(f"mimotron train: stopped by signal {exc.sigval.name}; the ranks saved "
-                  "and exited (resume with checkpoint.load=auto)", file=sys.stderr)
-            return 0
-        except ChildFailedError as exc:
-            return _report_failure(exc.failures, read_failures(failure_dir), world_size)
-        finally:
-            if previous is None:
-                os.environ.pop(FAILURE_DIR_ENV, None)
-            else:
-                os.environ[FAILURE_DIR_ENV] = previous
+    argv = [sys.executable, "-m", "mimotron", "train", config, *overrides]
+    restore_streams = whole_lines()  # The launcher's lines share the ranks' terminal.
+    try:
+        with tempfile.TemporaryDirectory(prefix="mimotron-failures-") as failure_dir:
+            launcher = Launcher(argv, world_size, failure_dir, cfg.train.pg_timeout_s)
+            result = launcher.run()
+            stop = read_stop_record(failure_dir)
+            records = read_failures(failure_dir)
+        return _report(result, launcher.killed, stop, records, world_size, cfg)
+    finally:
+        restore_streams()
+
+
+def _report(result: Any, killed: set[int], stop: dict[str, Any] | None,
+            records: list[FailureRecord], world_size: int, cfg: MimoConfig) -> int:
+    """Say how a launch ended (a failure's root cause, a signal stop's save); exit code."""
+    from mimotron.checkpoint import CheckpointError, read_latest
+
+    latest = None
+    with contextlib.suppress(CheckpointError, OSError):  # Only for the report.
+        latest = read_latest(cfg.checkpoint_dir) if cfg.checkpoint_dir.is_dir() else None
+    where = f"latest checkpoint: iteration {latest}" if latest is not None else \
+        f"no checkpoint in {cfg.checkpoint_dir}"
+    if result.aborted:
+        _say(f"aborted by a second Ctrl-C: the ranks were killed without saving ({where})")
+        return EXIT_FAILED
+    failed = {r: c for r, c in result.failed.items() if r not in killed}
+    if failed or records:
+        code = _report_failure(result.exit_codes, records, world_size, killed)
+        if result.signal_name or stop is not None:
+            _say(f"stopped by {result.signal_name or stop['signal']}: not saved ({where})")
+        return code
+    if stop is not None:
+        return _report_stop(stop, cfg)
+    if result.signal_name:
+        _say(f"{result.signal_name} arrived after training finished; nothing left to stop")
     return 0
 
 
-def _report_failure(failures: dict[int, Any], records: list[FailureRecord],
-                    world_size: int) -> int:
+def _say(text: str) -> None:
+    print(f"mimotron train: {text}", file=sys.stderr, flush=True)
+
+
+def _report_stop(stop: dict[str, Any], cfg: MimoConfig) -> int:
+    """The ranks stopped on a signal: say what they saved; 0 only when they did."""
+    saved = stop.get("saved")
+    if saved is None:
+        _say(f"stopped by {stop.get('signal')} after iteration {stop.get('iteration')}: "
+             "not saved")
+        return EXIT_FAILED
+    _say(f"stopped by {stop.get('signal')}; saved iteration {saved} to {cfg.checkpoint_dir} "
+         "(resume with checkpoint.load=auto)")
+    return 0
+
+
+def _report_failure(exit_codes: dict[int, int], records: list[FailureRecord],
+                    world_size: int, killed: set[int]) -> int:
     """Name the root cause of a failed launch (see the module docstring); the exit code.
 
     Args:
-        failures: global rank -> torch's ``ProcessFailure`` for the ranks the launcher saw
-            exit non-zero (before it stopped the others).
-        records: the ranks' failure records, in failure order.
+        exit_codes: global rank -> exit code (negative: the signal that ended it).
+        records: the failure records (the ranks' own and the launcher's), in order.
         world_size: number of ranks.
+        killed: ranks the launcher killed once the cause was known (collateral).
     """
     records = first_per_rank(records)
     recorded = {r.rank for r in records}
-    # Ranks that exited without a record (a signal, a crash) come after every record: the
-    # launcher noticed them only when it polled.
-    unreported = sorted(set(failures) - recorded)
-    records += [FailureRecord(len(records) + i, rank, "died",
-                              death_summary(failures[rank].exitcode))
+    # The launcher records deaths as it sees them; this only covers a record lost to a
+    # full disk.
+    after = max((r.seq for r in records), default=-1) + 1
+    unreported = sorted(r for r, c in exit_codes.items()
+                        if c != 0 and r not in recorded and r not in killed)
+    records += [FailureRecord(after + i, rank, "died", death_summary(exit_codes[rank]))
                 for i, rank in enumerate(unreported)]
     root = root_cause(records)
-    if root is None:  # No rank recorded anything (e.g. the ranks ran an older mimotron).
-        rank = min(failures)
-        root = FailureRecord(0, rank, "died", death_summary(failures[rank].exitcode))
+    if root is None:
+        _say("the ranks were stopped without reporting an error")
+        return EXIT_FAILED
     stopped = sorted(set(range(world_size)) - {r.rank for r in records} - {root.rank})
     note = consequence_note(records, root, stopped=stopped)
-    code = root.exit_code
-    if code is None:
-        code = failures[root.rank].exitcode if root.rank in failures else EXIT_FAILED
-    if root.kind == "died":
+    code = root.exit_code if root.exit_code is not None else exit_codes.get(root.rank, 1)
+    if root.kind in ("died", "stalled"):
         what = f"({root.summary})"
     elif root.kind == "peer":
         what = f"(exit code {code}) after losing a peer; no rank reported its own error"
     else:
-        what = f"(exit code {code}); its error is printed above"
-    print(f"mimotron train: rank {root.rank} failed {what}{note}", file=sys.stderr)
+        what = f"(exit code {code}): {root.summary}"
+    _say(f"rank {root.rank} failed {what}{note}")
     return EXIT_CONFIG if code == EXIT_CONFIG and root.kind == "error" else EXIT_FAILED
 
 
+def _debug() -> bool:
+    """``MIMOTRON_DEBUG=1`` (``mimotron --debug``): full tracebacks from every rank."""
+    return os.environ.get(DEBUG_ENV, "") not in ("", "0")
+
+
+def _traceback(always: bool = False) -> str:
+    """The current exception's traceback, when it is a bug or debugging is on."""
+    return f"\n{traceback.format_exc()}" if always or _debug() else ""
+
+
 def _train_this_rank(cfg: MimoConfig) -> int:
+    from mimotron.checkpoint.signals import StopSignals
+    from mimotron.cli.lines import whole_lines
+    from mimotron.lifeline import die_with_parent, launched_parent
+
+    parent = launched_parent()
+    if parent is not None:
+        die_with_parent(parent)
+    restore_streams = whole_lines()  # Ranks share the terminal: never half a line.
+    # Before set-up, so a stop signal during it is kept; the loop adopts these handlers.
+    stop = StopSignals().install()
+    try:
+        return _train_rank(cfg)
+    finally:
+        stop.restore()
+        restore_streams()
+
+
+def _train_rank(cfg: MimoConfig) -> int:
     import torch
 
     from mimotron.runtime import init_runtime
@@ -161,7 +222,7 @@ def _train_this_rank(cfg: MimoConfig) -> int:
         # A user error found while building the run (e.g. a schedule the config allows
         # but the model cannot take).
         record_exception(failure_dir, runtime.rank, exc, EXIT_CONFIG)
-        print(f"{prefix}: invalid config: {exc}", file=sys.stderr, flush=True)
+        print(f"{prefix}: invalid config: {exc}{_traceback()}", file=sys.stderr, flush=True)
         _abort()
         return EXIT_CONFIG
     except TrainingDivergedError as exc:
@@ -171,25 +232,41 @@ def _train_this_rank(cfg: MimoConfig) -> int:
             print(f"mimotron train: {exc}", file=sys.stderr, flush=True)
         _shutdown()
         return EXIT_FAILED
+    except KeyboardInterrupt:
+        # A signal insisted while the stop's save was being written (see signals.py).
+        print(f"{prefix}: interrupted while saving; this save is incomplete",
+              file=sys.stderr, flush=True)
+        _abort()
+        return EXIT_FAILED
     except Exception as exc:  # noqa: BLE001 - report, abort peers, exit non-zero
-        # Record first: this rank's connections stay open until it aborts or exits, so
-        # no peer can fail "because of" it before the record exists.
-        peer = is_peer_loss(exc)
-        record_failure(failure_dir, runtime.rank, "peer" if peer else "error", one_line(exc),
-                       EXIT_PEER_FAILED if peer else EXIT_FAILED)
-        if not peer:
-            print(f"{prefix} failed: {type(exc).__name__}: {exc}\n{traceback.format_exc()}",
-                  file=sys.stderr, flush=True)
-            _abort()
-            return EXIT_FAILED
+        return _rank_failed(exc, runtime.rank, failure_dir)
+    _shutdown()
+    return 0
+
+
+def _rank_failed(exc: Exception, rank: int, failure_dir: str | None) -> int:
+    """Record, report (one line; a traceback for a bug) and abort; the exit code."""
+    from mimotron.checkpoint.files import CheckpointError
+
+    # Record first: this rank's connections stay open until it aborts or exits, so
+    # no peer can fail "because of" it before the record exists.
+    peer = is_peer_loss(exc)
+    record_failure(failure_dir, rank, "peer" if peer else "error", one_line(exc),
+                   EXIT_PEER_FAILED if peer else EXIT_FAILED)
+    prefix = f"mimotron train: rank {rank}"
+    if peer:
         # A peer died or timed out under us: one line; the peer's own report is the one
         # to read.
-        print(f"{prefix}: stopped because a peer failed ({one_line(exc)})",
+        print(f"{prefix}: stopped because a peer failed ({one_line(exc)}){_traceback()}",
               file=sys.stderr, flush=True)
         _abort()
         return EXIT_PEER_FAILED
-    _shutdown()
-    return 0
+    # Checkpoint, disk and directory errors are the environment's, not a bug: one line.
+    bug = not isinstance(exc, (CheckpointError, OSError))
+    print(f"{prefix} failed: {type(exc).__name__}: {exc}{_traceback(always=bug)}",
+          file=sys.stderr, flush=True)
+    _abort()
+    return EXIT_FAILED
 
 
 def _shutdown() -> None:

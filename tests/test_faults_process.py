@@ -1,0 +1,299 @@
+"""Process faults of issue 13: job-wide signals, a dead launcher, blame, one-line errors.
+
+Each test starts the real ``mimotron train`` launcher in its own session (so the test can
+signal its whole process group, as a terminal or a scheduler does) and injects one fault
+from outside: a signal to every process of the job (Slurm's ``scancel``), SIGINT through
+a forwarding wrapper (``timeout``), ``kill -9`` of the launcher, SIGKILL or SIGSTOP of
+one rank. The tests wait for files and processes by polling with hang guards; the
+subprocess timeouts are hang guards too, never speed checks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from mimotron.checkpoint import read_latest
+from mimotron.checkpoint.files import write_manifest
+from mimotron.cli.lines import LineWriter
+from tests.test_launch import COLOCATED, DIGITS, ROOT, TINY, _env
+
+GUARD_S = 240  # Hang guard for one launch on a loaded machine.
+
+
+def _start(args: list[str], wrapper: list[str] = (), **env: str) -> subprocess.Popen:
+    """``mimotron train`` (behind ``wrapper``) in a new session: its pid is the group id."""
+    return subprocess.Popen(
+        [*wrapper, sys.executable, "-m", "mimotron", "train", *args], cwd=ROOT,
+        env=_env(**env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True)
+
+
+def _finish(proc: subprocess.Popen, timeout_s: float = GUARD_S) -> str:
+    try:
+        return proc.communicate(timeout=timeout_s)[0]
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+
+
+def _iterations(log_dir: Path) -> list[int]:
+    path = log_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    lines = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    return [r["iteration"] for r in lines if "loss" in r]
+
+
+def _wait_for_iterations(log_dir: Path, count: int, proc: subprocess.Popen) -> None:
+    deadline = time.monotonic() + GUARD_S
+    while len(_iterations(log_dir)) < count:
+        assert proc.poll() is None, _finish(proc)
+        assert time.monotonic() < deadline, "no training progress"
+        time.sleep(0.02)
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (from /proc's children lists)."""
+    found, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        for task in Path(f"/proc/{parent}/task").glob("*"):
+            try:
+                children = [int(c) for c in (task / "children").read_text().split()]
+            except OSError:
+                continue
+            found += children
+            todo += children
+    return found
+
+
+def _rank_pids(pid: int, world_size: int) -> dict[int, int]:
+    """Global rank -> pid of the ranks below ``pid`` (read from their environment)."""
+    deadline = time.monotonic() + GUARD_S
+    while True:
+        ranks = {}
+        for child in _descendants(pid):
+            try:
+                env = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            rank = [e[5:] for e in env if e.startswith(b"RANK=")]
+            if rank:
+                ranks[int(rank[0])] = child
+        if len(ranks) == world_size:
+            return ranks
+        assert time.monotonic() < deadline, f"ranks not found: {ranks}"
+        time.sleep(0.02)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")  # A zombie no longer runs (nobody may reap it here).
+
+
+def _signal_job(pid: int, signum: int) -> None:
+    """What ``scancel`` does: signal the process group and every process of the job."""
+    everyone = _descendants(pid)
+    os.killpg(pid, signum)
+    for child in everyone:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child, signum)
+
+
+def _verdict(out: str) -> str:
+    found = re.search(r"mimotron train: rank \d failed \(.*", out)
+    assert found is not None, out[-4000:]
+    return found[0]
+
+
+def _stop_args(tmp_path: Path, ckpt: Path) -> list[str]:
+    return [COLOCATED, *TINY, "train.iters=400", "checkpoint.load=auto",
+            f"checkpoint.dir={ckpt}", f"log.dir={tmp_path}"]
+
+
+def test_job_wide_sigterm_saves_and_reports_the_saved_iteration(tmp_path):
+    """Item 1: SIGTERM to every process of the job (scancel) saves, says which iteration,
+    exits 0, and a resume continues from exactly that iteration."""
+    ckpt = tmp_path / "ckpt"
+    proc = _start(_stop_args(tmp_path, ckpt))
+    _wait_for_iterations(tmp_path, 2, proc)
+    _signal_job(proc.pid, signal.SIGTERM)
+    out = _finish(proc)
+    assert proc.returncode == 0, out[-4000:]
+    found = re.search(r"mimotron train: stopped by SIGTERM; saved iteration (\d+)", out)
+    assert found is not None, out[-4000:]
+    saved = int(found[1])
+    assert read_latest(ckpt) == saved >= 2
+    assert _iterations(tmp_path) == list(range(1, saved + 1))
+    resumed = subprocess.run(
+        [sys.executable, "-m", "mimotron", "train", *_stop_args(tmp_path, ckpt),
+         f"train.iters={saved + 2}"],
+        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=GUARD_S)
+    assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-4000:]
+    assert _iterations(tmp_path) == list(range(1, saved + 3))
+
+
+def test_sigint_through_a_forwarding_wrapper_saves(tmp_path):
+    """Item 1: SIGINT to a process group holding a wrapper that forwards it (``timeout``
+    signals its child and then its group again): the ranks still save, exit 0."""
+    ckpt = tmp_path / "ckpt"
+    proc = _start(_stop_args(tmp_path, ckpt), wrapper=["timeout", "-s", "INT", "900"])
+    _wait_for_iterations(tmp_path, 2, proc)
+    os.killpg(proc.pid, signal.SIGINT)
+    out = _finish(proc)
+    assert proc.returncode == 0, out[-4000:]
+    found = re.search(r"mimotron train: stopped by SIGINT; saved iteration (\d+)", out)
+    assert found is not None, out[-4000:]
+    assert read_latest(ckpt) == int(found[1]) >= 2
+
+
+def test_a_stop_that_cannot_save_says_not_saved_and_fails(tmp_path):
+    """Item 1: when the stop's save is impossible (the checkpoint folder became a file),
+    the launcher says "not saved" and exits non-zero, never "saved"."""
+    ckpt = tmp_path / "ckpt"
+    proc = _start(_stop_args(tmp_path, ckpt))
+    _wait_for_iterations(tmp_path, 2, proc)
+    ckpt.write_text("not a folder")
+    _signal_job(proc.pid, signal.SIGTERM)
+    out = _finish(proc)
+    assert proc.returncode != 0, out[-4000:]
+    assert "mimotron train: stopped by SIGTERM: not saved" in out, out[-4000:]
+    assert "saved iteration" not in out
+
+
+def test_killing_the_launcher_ends_every_rank(tmp_path):
+    """Item 4: ``kill -9`` of the launcher must not leave its ranks training as orphans."""
+    proc = _start([COLOCATED, *TINY, "train.iters=100000", f"log.dir={tmp_path}"])
+    _wait_for_iterations(tmp_path, 2, proc)
+    ranks = _rank_pids(proc.pid, 2)
+    proc.kill()
+    proc.wait()
+    # The test keeps reading end of the output pipe open, as a terminal would stay: an
+    # orphan must not get away with dying of a broken pipe.
+    deadline = time.monotonic() + 60
+    try:
+        while any(_alive(pid) for pid in ranks.values()):
+            assert time.monotonic() < deadline, f"orphaned ranks still running: {ranks}"
+            time.sleep(0.05)
+    finally:
+        for pid in ranks.values():  # Never leave orphans behind, even when failing.
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        proc.stdout.close()
+
+
+def test_a_rank_killed_from_outside_is_blamed(tmp_path):
+    """Item 7: SIGKILL of rank 2 of 4 from outside (the OOM killer) names rank 2, with a
+    hint instead of a claim that its error was printed."""
+    proc = _start([DIGITS, *TINY, "train.iters=100000", "train.pg_timeout_s=60",
+                   f"log.dir={tmp_path}"])
+    _wait_for_iterations(tmp_path, 2, proc)
+    os.kill(_rank_pids(proc.pid, 4)[2], signal.SIGKILL)
+    out = _finish(proc)
+    assert proc.returncode == 1, out[-4000:]
+    verdict = _verdict(out)
+    assert verdict.startswith("mimotron train: rank 2 failed (killed by signal SIGKILL; "
+                              "out of memory? check `dmesg`)"), verdict
+    assert "printed above" not in out
+    note = verdict.partition("`dmesg`)")[2]  # The blocked peers are named as collateral.
+    assert re.fullmatch(r" \(ranks [013], [013], [013] .*consequence.*\)", note), verdict
+
+
+def test_a_stopped_rank_is_named_as_stalled_within_the_timeout(tmp_path):
+    """Item 7: a rank stopped with SIGSTOP is found and named, and the job ends, within
+    about ``train.pg_timeout_s`` (the launch's hang guard is twice that)."""
+    timeout_s = 10
+    proc = _start([DIGITS, *TINY, "train.iters=100000", f"train.pg_timeout_s={timeout_s}",
+                   f"log.dir={tmp_path}"])
+    _wait_for_iterations(tmp_path, 2, proc)
+    stopped = _rank_pids(proc.pid, 4)[2]
+    os.kill(stopped, signal.SIGSTOP)
+    try:
+        out = _finish(proc, timeout_s=2 * timeout_s)
+    finally:
+        if _alive(stopped):
+            os.kill(stopped, signal.SIGKILL)
+    assert proc.returncode == 1, out[-4000:]
+    verdict = _verdict(out)
+    assert verdict.startswith("mimotron train: rank 2 failed (stalled: its process was "
+                              "stopped"), verdict
+
+
+def _fake_checkpoint(root: Path) -> Path:
+    """A checkpoint folder whose ``.metadata`` cannot be read: every rank fails to load."""
+    path = root / "iter_0000004"
+    path.mkdir(parents=True)
+    (path / ".metadata").write_bytes(b"x")
+    write_manifest(path, 4, {}, {})
+    return path
+
+
+def test_checkpoint_errors_are_one_line_without_tracebacks(tmp_path):
+    """Item 8: a checkpoint error prints one line per rank and no traceback (which
+    ``MIMOTRON_DEBUG=1`` brings back), and the verdict names the error."""
+    bad = _fake_checkpoint(tmp_path / "ckpt")
+    args = [COLOCATED, *TINY, "train.iters=3", f"checkpoint.load={bad}",
+            f"log.dir={tmp_path}"]
+    proc = _start(args)
+    out = _finish(proc)
+    assert proc.returncode == 1, out[-4000:]
+    assert "Traceback" not in out, out[-4000:]
+    assert "CheckpointError" in _verdict(out)
+    reports = [x for x in out.splitlines() if x.startswith("mimotron train: rank")]
+    assert 2 <= len(reports) <= 3, out[-4000:]  # rank lines (one may be killed) + verdict
+    one_rank = [DIGITS, *TINY, "train.iters=3", f"checkpoint.load={bad}",
+                f"log.dir={tmp_path}/one",
+                *[f"modules.{m}.parallel.{k}={v}" for m in ("vision", "audio", "language")
+                  for k, v in (("data", 1), ("rank_offset", 0))]]
+    debug = _start(one_rank, MIMOTRON_DEBUG="1")
+    out = _finish(debug)
+    assert debug.returncode == 1, out[-4000:]
+    assert "CheckpointError" in out and "Traceback (most recent call last)" in out
+
+
+def test_rank_output_is_written_in_whole_lines():
+    """Item 9: under ``PYTHONUNBUFFERED=1`` ``print`` writes a line's text and its newline
+    separately, so another rank can cut in; a rank's streams write whole lines only."""
+    read_end, write_end = os.pipe()
+    os.set_blocking(read_end, False)
+    with open(write_end, "w", buffering=1) as raw:
+        raw.reconfigure(write_through=True)  # What -u / PYTHONUNBUFFERED=1 sets up.
+        writer = LineWriter(raw)
+        print("half", end="", file=writer, flush=True)
+        with pytest.raises(BlockingIOError):  # Nothing yet: the line is not complete.
+            os.read(read_end, 100)
+        print(" a line\nand another", file=writer, flush=True)
+        assert os.read(read_end, 100) == b"half a line\nand another\n"
+    os.close(read_end)
+
+
+def test_lines_of_concurrent_ranks_never_interleave(tmp_path):
+    """Item 9: four ranks failing at once (each printing a traceback, under
+    ``PYTHONUNBUFFERED=1`` as in many containers) never cut each other's lines."""
+    proc = _start([DIGITS, *TINY, "train.iters=5", "train.pg_timeout_s=60",
+                   f"log.dir={tmp_path}"],
+                  MIMOTRON_FAIL_AT_ITER="2", MIMOTRON_FAIL_RANK="2", MIMOTRON_DEBUG="1",
+                  PYTHONUNBUFFERED="1")
+    out = _finish(proc)
+    assert proc.returncode == 1, out[-4000:]
+    starts = ("mimotron train:", "Traceback (most recent call last):", "iter ")
+    for line in out.splitlines():
+        for start in starts:
+            # A line that holds the start of another line was cut by it.
+            assert start not in line or line.startswith(start), repr(line)
+        assert line.count("mimotron train:") <= 1, repr(line)
+    assert _verdict(out).startswith("mimotron train: rank 2 failed (exit code 1): "
+                                    "InjectedFault")
