@@ -28,6 +28,7 @@ import threading
 import time
 
 LAUNCHER_PID_ENV = "MIMOTRON_LAUNCHER_PID"
+LAUNCHER_RUN_ID_PREFIX = "mimotron-"  # + the launcher pid: its TORCHELASTIC_RUN_ID
 _PR_SET_PDEATHSIG = 1  # From <linux/prctl.h>.
 
 
@@ -79,10 +80,14 @@ def launched_parent() -> int | None:
         The pid, or None when this process was not started by a launcher.
     """
     named = os.environ.get(LAUNCHER_PID_ENV)
-    if named:
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    # Only with the run id the same launcher set: a pid leaked into some other process's
+    # environment (a torchrun started from a rank's shell) names a stranger, and a rank
+    # whose parent is not that pid would kill itself at once.
+    if named and run_id == f"{LAUNCHER_RUN_ID_PREFIX}{named}":
         with contextlib.suppress(ValueError):
             return int(named)
-    if os.environ.get("TORCHELASTIC_RUN_ID"):
+    if run_id:
         return os.getppid()
     return None
 

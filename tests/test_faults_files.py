@@ -319,3 +319,34 @@ def test_restricted_unpickler_reads_every_dtype_and_refuses_other_globals(tmp_pa
         with pytest.raises(CheckpointError, match=rf"{bad} refused: refusing to unpickle"):
             load_metadata(bad)
     assert not (tmp_path / "m").exists()
+
+
+def test_restricted_unpickler_cannot_patch_an_admitted_class_or_function(tmp_path):
+    """Item 3: ``BUILD`` on an admitted class or function would set attributes on it for
+    the whole process (``pathlib.Path.exists = frozenset`` makes every path "missing");
+    only a DCP metadata object's state may be set."""
+    import pathlib
+
+    import torch.serialization
+
+    from mimotron.checkpoint.safe_metadata import load_metadata
+
+    exists, cache = pathlib.PosixPath.exists, dict(torch.serialization._get_layout.cache)
+    payloads = (  # PROTO 2, GLOBAL target, state (None, {name: value}), BUILD, STOP.
+        b"\x80\x02cpathlib\nPosixPath\nN}\x8c\x06existscbuiltins\nfrozenset\ns\x86b.",
+        b"\x80\x02ctorch.serialization\n_get_layout\nN}\x8c\x05cache}s\x86b.",
+        # A Metadata instance (NEWOBJ) may not have its class swapped either.
+        b"\x80\x02ctorch.distributed.checkpoint.metadata\nMetadata\n)\x81N}\x8c\x09"
+        b"__class__ccollections\nOrderedDict\ns\x86b.",
+    )
+    try:
+        for payload in payloads:
+            bad = tmp_path / "bad.metadata"
+            bad.write_bytes(payload)
+            with pytest.raises(CheckpointError, match=rf"{bad} refused: refusing to set"):
+                load_metadata(bad)
+        assert pathlib.PosixPath.exists is exists
+        assert torch.serialization._get_layout.cache == cache
+    finally:
+        pathlib.PosixPath.exists = exists
+        torch.serialization._get_layout.cache = cache

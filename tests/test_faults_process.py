@@ -297,3 +297,16 @@ def test_lines_of_concurrent_ranks_never_interleave(tmp_path):
         assert line.count("mimotron train:") <= 1, repr(line)
     assert _verdict(out).startswith("mimotron train: rank 2 failed (exit code 1): "
                                     "InjectedFault")
+
+
+def test_a_launcher_pid_leaked_into_another_launch_is_not_obeyed(monkeypatch):
+    """Item 4: ``MIMOTRON_LAUNCHER_PID`` inherited by a process another launcher started
+    (torchrun run from a rank's shell) must not make its ranks die with a stranger: a
+    rank whose parent is not the named pid kills itself at once."""
+    from mimotron.lifeline import launched_parent
+
+    monkeypatch.setenv("MIMOTRON_LAUNCHER_PID", "999999")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "some-torchrun-job")
+    assert launched_parent() == os.getppid()
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "mimotron-999999")  # What the launcher sets.
+    assert launched_parent() == 999999

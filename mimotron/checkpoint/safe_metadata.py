@@ -50,13 +50,36 @@ _ALLOWED = frozenset({
 _TORCH_VALUE_TYPES = (torch.dtype, torch.layout, torch.memory_format)
 
 
-class MetadataUnpickler(pickle.Unpickler):
-    """A ``pickle.Unpickler`` that resolves only DCP metadata classes and plain data.
+# The only objects whose state a pickle may set (``BUILD``): instances of DCP's metadata
+# dataclasses. ``BUILD`` on anything else would set attributes on whatever is on the
+# stack, e.g. a class or function the allow-list admits, monkeypatching it for the whole
+# process (``pathlib.Path.exists = frozenset``).
+_BUILDABLE = (
+    *((_DCP_METADATA, name) for name in (
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+        "TensorProperties", "MetadataIndex", "StorageMeta")),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+)
+
+
+def _buildable_types() -> tuple[type, ...]:
+    import importlib
+
+    return tuple(getattr(importlib.import_module(m), n) for m, n in _BUILDABLE)
+
+
+class MetadataUnpickler(pickle._Unpickler):  # noqa: SLF001 - the Python one, see BUILD
+    """An unpickler that resolves only DCP metadata classes and plain data.
 
     Every way a pickle can call something (``REDUCE``, ``NEWOBJ``, ``INST``, ``OBJ``,
     ``BUILD`` with ``__setstate__``, extension codes) first gets the callable from
-    :meth:`find_class`, so refusing a global there refuses every call of it.
+    :meth:`find_class`, so refusing a global there refuses every call of it. ``BUILD``
+    (set an object's state) is admitted only on instances of DCP's metadata dataclasses
+    and only for plain attribute names, which needs the pure-Python unpickler (the C one
+    has no hook for it); metadata files are small.
     """
+
+    dispatch = dict(pickle._Unpickler.dispatch)  # noqa: SLF001
 
     def find_class(self, module: str, name: str) -> Any:
         """The global ``module.name`` if it is allowed; else refuse (names it).
@@ -73,6 +96,20 @@ class MetadataUnpickler(pickle.Unpickler):
     def persistent_load(self, pid: Any) -> Any:
         """DCP metadata has no persistent ids; refuse any."""
         raise pickle.UnpicklingError(f"refusing persistent id {pid!r}")
+
+    def _load_build(self) -> None:
+        state, inst = self.stack[-1], self.stack[-2]
+        if type(inst) not in _buildable_types():
+            raise pickle.UnpicklingError(
+                f"refusing to set the state of {type(inst).__name__} {inst!r:.60}")
+        parts = state if isinstance(state, tuple) and len(state) == 2 else (state,)
+        names = [k for part in parts if isinstance(part, dict) for k in part]
+        if any(not isinstance(k, str) or k.startswith("__") for k in names):
+            raise pickle.UnpicklingError(
+                f"refusing to set attributes {names!r:.80} of {type(inst).__name__}")
+        super().load_build()
+
+    dispatch[pickle.BUILD[0]] = _load_build
 
 
 def load_metadata(file: Path) -> Metadata:

@@ -42,7 +42,7 @@ from mimotron.failures import (
     record_failure,
     root_cause,
 )
-from mimotron.lifeline import LAUNCHER_PID_ENV
+from mimotron.lifeline import LAUNCHER_PID_ENV, LAUNCHER_RUN_ID_PREFIX
 
 POLL_S = 0.05
 SETTLE_S = 5.0  # After a failure, how long to wait for the root cause to be recorded.
@@ -130,7 +130,7 @@ class Launcher:
             MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
             # The ranks join this launcher's store (as torchrun's ranks join its agent's).
             TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RESTART_COUNT="0",
-            TORCHELASTIC_RUN_ID=f"mimotron-{os.getpid()}",
+            TORCHELASTIC_RUN_ID=f"{LAUNCHER_RUN_ID_PREFIX}{os.getpid()}",
             **{FAILURE_DIR_ENV: self.failure_dir, LAUNCHER_PID_ENV: str(os.getpid())},
         )
         return env
