@@ -21,7 +21,7 @@ from torch import nn
 
 from mimotron.models.encoders import ModalitySubmodule, Projector
 from mimotron.models.hf.clip import ClipVisionTower, SiglipVisionTower
-from mimotron.models.hf.weights import load_hf_weights
+from mimotron.models.hf.weights import load_hf_weights, to_hf_tensors
 from mimotron.models.hf.whisper import WhisperEncoderTower
 from mimotron.models.init import init_parameters_
 from mimotron.testing import run_ranks
@@ -168,6 +168,9 @@ def test_two_pipeline_stages_equal_transformers(folders: dict[str, Path], case: 
         rest = [i for i in range(whole.num_layers) if i != 0]
         last = _tower(cls, folders[key], **kwargs, layer_ids=rest, pre_process=False)
         got = last(first(x))
+    read = load_hf_weights(last, folders[key], cls.weight_map)
+    assert not any(".layers.0." in n or n.startswith("layers.0.") or "embed" in n or "conv" in n
+                   for n in read)
     assert not any(n.startswith(("patch_embed", "conv1", "pos_embed")) for n, _ in
                    last.named_parameters())
     assert _rel(got, want) < 1e-5
@@ -216,6 +219,18 @@ def test_tensor_parallel_two_ranks_equal_transformers(folders: dict[str, Path], 
     for r in results:
         assert r["encoder"] < 1e-5 and r["submodule"] < 1e-5
         assert r["full"] > 0 and r["local"] * 2 == r["full"]
+
+
+def test_weight_names_round_trip_bitwise(folders: dict[str, Path]) -> None:
+    folder = folders["clip"]
+    tower = _tower(ClipVisionTower, folder, vision_feature_select_strategy="full",
+                   post_layernorm=True)
+    exported = to_hf_tensors(tower, ClipVisionTower.weight_map)
+    original = load_file(str(folder / "model.safetensors"))
+    assert sorted(exported) == sorted(original)
+    for name, tensor in original.items():
+        assert ClipVisionTower.weight_map.to_hf(ClipVisionTower.weight_map.from_hf(name)) == name
+        assert torch.equal(exported[name], tensor), name
 
 
 # ---- bad inputs -----------------------------------------------------------------------
@@ -270,6 +285,19 @@ def test_missing_folder_is_an_error_not_a_download(tmp_path: Path) -> None:
 def test_unsupported_config_names_the_key(cls: type, config: dict, key: str) -> None:
     with pytest.raises(ValueError, match=key):
         cls.from_hf_config(config)
+
+
+@pytest.mark.parametrize(("kwargs", "key"), [
+    ({"vision_feature_layer": [-2, -1]}, "vision_feature_layer"),
+    ({"vision_feature_layer": -5}, "vision_feature_layer"),
+    ({"vision_feature_select_strategy": "cls"}, "vision_feature_select_strategy"),
+    ({"vision_feature_layer": -2, "post_layernorm": True}, "post_layernorm"),
+])
+def test_bad_feature_options_name_the_key(folders: dict[str, Path], kwargs: dict, key: str
+                                          ) -> None:
+    args = ClipVisionTower.from_hf_config(json.loads((folders["clip"] / "config.json").read_text()))
+    with pytest.raises(ValueError, match=key):
+        ClipVisionTower(**args, **kwargs)
 
 
 def test_tensor_parallel_plan_names_only_existing_projections(folders: dict[str, Path]) -> None:

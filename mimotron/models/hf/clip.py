@@ -84,6 +84,9 @@ def used_layers(num_hidden_layers: int, vision_feature_layer: int) -> int:
     Raises:
         ValueError: the index selects no layer or is out of range.
     """
+    if isinstance(vision_feature_layer, bool) or not isinstance(vision_feature_layer, int):
+        raise ValueError(f"vision_feature_layer={vision_feature_layer!r} is not supported; "
+                         "expected one integer layer index")
     used = vision_feature_layer + (num_hidden_layers + 1 if vision_feature_layer < 0 else 0)
     if not 1 <= used <= num_hidden_layers:
         raise ValueError(

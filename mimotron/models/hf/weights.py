@@ -229,6 +229,26 @@ def load_hf_weights(tower: nn.Module, folder: str | Path, weight_map: WeightMap)
     return sorted(wanted.values())
 
 
+def to_hf_tensors(
+    tower: nn.Module, weight_map: WeightMap, prefix: str = ""
+) -> dict[str, torch.Tensor]:
+    """The tower's tensors under their checkpoint names (the way back, for export).
+
+    Args:
+        tower: a whole (unsharded, single-stage) tower.
+        weight_map: the family's names.
+        prefix: prepended to every name (``"vision_model."`` for a full ``CLIPModel``).
+
+    Returns:
+        Checkpoint name -> detached tensor in the checkpoint's shape.
+    """
+    out = {}
+    for ours, tensor in _targets(tower).items():
+        value = tensor.detach()
+        out[prefix + weight_map.to_hf(ours)] = value[0] if ours in weight_map.reshaped else value
+    return out
+
+
 def _read_into(target: torch.Tensor, hf_slice: object, reshaped: bool) -> None:
     """Copy the (rank-local part of the) checkpoint tensor into ``target``."""
     index = _local_index(target)
