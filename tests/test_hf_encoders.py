@@ -55,6 +55,7 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
             "pad_token_id": 1}
     full = transformers.CLIPModel(transformers.CLIPConfig(vision_config=VISION, text_config=text))
     out["clip_full"] = _save(full, root / "clip_full", max_shard_size="40KB")
+    assert (out["clip_full"] / "model.safetensors.index.json").is_file()  # sharded
     siglip = transformers.SiglipVisionModel(transformers.SiglipVisionConfig(
         **VISION, hidden_act="gelu_pytorch_tanh"))
     out["siglip"] = _save(siglip, root / "siglip")
