@@ -25,15 +25,25 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+# (projection, column-wise?) in the order the plan lists them.
+_PROJECTIONS = (("attn.wq", True), ("attn.wk", True), ("attn.wv", True), ("attn.wo", False),
+                ("mlp.w1", True), ("mlp.w3", True), ("mlp.w2", False))
+
 
 def _block_plan(prefix: str, layers: nn.ModuleDict) -> dict[str, object]:
+    """Plan entries for the projections each layer has.
+
+    The toy blocks have all of ``_PROJECTIONS``; the Hugging Face encoder layers
+    (:mod:`mimotron.models.hf.layers`) have no ``w3``. Biases follow their weights:
+    column-wise shards the bias, row-wise keeps it whole and adds it once.
+    """
     plan: dict[str, object] = {}
-    for idx in layers:
+    for idx, layer in layers.items():
+        names = {n for n, _ in layer.named_modules()}
         base = f"{prefix}layers.{idx}"
-        plan.update({f"{base}.attn.{n}": ColwiseParallel() for n in ("wq", "wk", "wv")})
-        plan[f"{base}.attn.wo"] = RowwiseParallel()
-        plan.update({f"{base}.mlp.{n}": ColwiseParallel() for n in ("w1", "w3")})
-        plan[f"{base}.mlp.w2"] = RowwiseParallel()
+        for name, column in _PROJECTIONS:
+            if name in names:
+                plan[f"{base}.{name}"] = ColwiseParallel() if column else RowwiseParallel()
     return plan
 
 

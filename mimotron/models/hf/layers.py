@@ -1,0 +1,163 @@
+"""Pre-LayerNorm encoder layers with biases, as in CLIP, SigLIP and the Whisper encoder.
+
+Names follow :mod:`mimotron.models.blocks` (``attn.wq/wk/wv/wo``, ``mlp.w1/w2``,
+``attn_norm``, ``mlp_norm``) so the tensor-parallel plan shards them like the toy blocks:
+``wq/wk/wv/w1`` column-wise (their biases sharded with them), ``wo/w2`` row-wise (their
+biases whole, added once). Attention derives the local head count from the width its
+projections return, so nothing here contradicts a sharded layer.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mimotron.models.blocks import residual_init_std
+
+
+def _quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.sigmoid(1.702 * x)
+
+
+def _gelu_new(x: torch.Tensor) -> torch.Tensor:
+    # transformers' NewGELUActivation, written out so results match it exactly.
+    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x.pow(3.0))))
+
+
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "gelu": F.gelu,
+    "quick_gelu": _quick_gelu,
+    "gelu_pytorch_tanh": _gelu_tanh,
+    "gelu_new": _gelu_new,
+}
+
+
+def check_activation(key: str, name: str) -> str:
+    """Return ``name`` if it is a supported activation, else raise ``ValueError``.
+
+    Args:
+        key: the config key it came from (named in the error).
+        name: activation name as ``transformers`` spells it.
+
+    Returns:
+        ``name``.
+
+    Raises:
+        ValueError: unsupported activation.
+    """
+    if name not in ACTIVATIONS:
+        raise ValueError(f"{key}={name!r} is not supported; expected one of {sorted(ACTIVATIONS)}")
+    return name
+
+
+class BiasedAttention(nn.Module):
+    """Bidirectional multi-head self-attention with biased q/k/v/o projections.
+
+    Args:
+        hidden_size: model width.
+        num_heads: heads; must divide ``hidden_size``.
+        num_layers: depth of the whole stack (scales the init of ``wo``).
+        key_bias: whether ``wk`` has a bias (Whisper's has none).
+
+    Raises:
+        ValueError: if ``num_heads`` does not divide ``hidden_size``.
+    """
+
+    def __init__(
+        self, hidden_size: int, num_heads: int, num_layers: int = 1, key_bias: bool = True
+    ) -> None:
+        super().__init__()
+        if num_heads < 1 or hidden_size % num_heads:
+            raise ValueError(
+                f"num_heads={num_heads} is invalid: expected a divisor of hidden_size={hidden_size}"
+            )
+        self.head_dim = hidden_size // num_heads
+        self.wq = nn.Linear(hidden_size, hidden_size)
+        self.wk = nn.Linear(hidden_size, hidden_size, bias=key_bias)
+        self.wv = nn.Linear(hidden_size, hidden_size)
+        self.wo = nn.Linear(hidden_size, hidden_size)
+        self.wo.init_std = residual_init_std(num_layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[batch, seq, hidden] -> [batch, seq, hidden]``."""
+        batch, seq = x.shape[0], x.shape[1]
+        q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        # Under column-wise TP the projections return num_heads / tp heads.
+        heads = q.shape[-1] // self.head_dim
+        q, k, v = (t.view(batch, seq, heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(q, k, v)
+        return self.wo(out.transpose(1, 2).reshape(batch, seq, heads * self.head_dim))
+
+
+class FeedForward(nn.Module):
+    """Two-layer MLP ``w2(act(w1 x))`` with biases (CLIP's ``fc1``/``fc2``).
+
+    Args:
+        hidden_size: model width.
+        ffn_hidden_size: inner width.
+        activation: a key of :data:`ACTIVATIONS`.
+        num_layers: depth of the whole stack (scales the init of ``w2``).
+    """
+
+    def __init__(
+        self, hidden_size: int, ffn_hidden_size: int, activation: str, num_layers: int = 1
+    ) -> None:
+        super().__init__()
+        self.act = ACTIVATIONS[check_activation("activation", activation)]
+        self.w1 = nn.Linear(hidden_size, ffn_hidden_size)
+        self.w2 = nn.Linear(ffn_hidden_size, hidden_size)
+        self.w2.init_std = residual_init_std(num_layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Apply the MLP to ``[..., hidden]``."""
+        return self.w2(self.act(self.w1(x)))
+
+
+class PreLNEncoderLayer(nn.Module):
+    """``x + attn(ln1(x))`` then ``x + mlp(ln2(x))``, LayerNorms with biases.
+
+    Args:
+        hidden: model width.
+        num_heads: attention heads.
+        ffn_hidden: MLP inner width.
+        activation: MLP activation (a key of :data:`ACTIVATIONS`).
+        eps: LayerNorm epsilon.
+        key_bias: whether the key projection has a bias.
+        clamp_fp16: clamp fp16 outputs to the finite range (as Whisper's layer does).
+        num_layers: depth of the whole stack (init scaling only).
+    """
+
+    def __init__(
+        self,
+        hidden: int,
+        num_heads: int,
+        ffn_hidden: int,
+        activation: str,
+        eps: float,
+        key_bias: bool = True,
+        clamp_fp16: bool = False,
+        num_layers: int = 1,
+    ) -> None:
+        super().__init__()
+        self.clamp_fp16 = clamp_fp16
+        self.attn_norm = nn.LayerNorm(hidden, eps=eps)
+        self.attn = BiasedAttention(hidden, num_heads, num_layers, key_bias=key_bias)
+        self.mlp_norm = nn.LayerNorm(hidden, eps=eps)
+        self.mlp = FeedForward(hidden, ffn_hidden, activation, num_layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Run the layer on ``[batch, seq, hidden]``."""
+        x = x + self.attn(self.attn_norm(x))
+        x = x + self.mlp(self.mlp_norm(x))
+        if self.clamp_fp16 and x.dtype == torch.float16:
+            limit = torch.finfo(torch.float16).max - 1000
+            x = x.clamp(-limit, limit)
+        return x
