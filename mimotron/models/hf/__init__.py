@@ -1,0 +1,28 @@
+"""Hugging Face checkpoints as mimotron modules: configs, weight names, sharded loading.
+
+Only local folders are read (``config.json`` + safetensors); nothing is downloaded.
+Language models: :mod:`mimotron.models.hf.llama` (Llama, Qwen2, Qwen3).
+"""
+
+from mimotron.models.hf.folder import hf_folder, read_hf_config, tensor_files
+from mimotron.models.hf.llama import (
+    SUPPORTED_MODEL_TYPES,
+    LlamaFamilySpec,
+    build_hf_language_model,
+    check_llama_folder,
+    load_llama_weights,
+)
+from mimotron.models.hf.llama_names import hf_to_ours, ours_to_hf
+
+__all__ = [
+    "SUPPORTED_MODEL_TYPES",
+    "LlamaFamilySpec",
+    "build_hf_language_model",
+    "check_llama_folder",
+    "hf_folder",
+    "hf_to_ours",
+    "load_llama_weights",
+    "ours_to_hf",
+    "read_hf_config",
+    "tensor_files",
+]
