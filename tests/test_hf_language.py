@@ -155,18 +155,25 @@ def test_tied_embeddings_need_one_stage(tmp_path: Path) -> None:
 _SHARDED = ("attn.wq", "attn.wk", "attn.wv", "attn.wo", "mlp.w1", "mlp.w2", "mlp.w3")
 
 
-def _tp_rank(rank: int, world_size: int, path: str, reference: torch.Tensor) -> dict:
+def _tp_rank(rank: int, world_size: int, path: str, reference: torch.Tensor,
+             reference_grads: dict[str, torch.Tensor]) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
     mesh = init_device_mesh("cpu", (world_size,))
     model = build_hf_language_model(path, tp_mesh=mesh).eval()
-    logits = _ours(model)  # this rank's vocabulary shard
+    logits = model(model.embed_tokens(TOKENS))  # this rank's vocabulary shard
     shard = logits.shape[-1]
     expected = reference[..., rank * shard:(rank + 1) * shard]
+    # The shards' losses sum to the full loss; TP's backward collectives do the rest.
+    _loss(logits, world_size).backward()
+    grad_errors = {}
+    for name, param in model.named_parameters():
+        grad = param.grad.full_tensor() if isinstance(param.grad, DTensor) else param.grad
+        ref = reference_grads[ours_to_hf(name)]
+        grad_errors[name] = ((grad - ref).abs().max() / ref.abs().max()).item()
     matrices = [model.embed.weight] + [
-        layer.get_submodule(n).weight for layer in model.layers.values()
-        for n in _SHARDED
+        layer.get_submodule(n).weight for layer in model.layers.values() for n in _SHARDED
     ]
     if not model.tie_word_embeddings:
         matrices.append(model.output.weight)
@@ -175,17 +182,26 @@ def _tp_rank(rank: int, world_size: int, path: str, reference: torch.Tensor) -> 
              for t in matrices}
     full = sum(m.numel() * m.element_size() for m in matrices)
     return {"error": (logits - expected).abs().max().item(), "scale": expected.abs().max().item(),
-            "local_bytes": sum(local.values()), "full_bytes": full,
+            "grad_errors": grad_errors, "local_bytes": sum(local.values()), "full_bytes": full,
             "tied": model.output.weight is model.embed.weight}
+
+
+def _loss(logits: torch.Tensor, parts: int = 1) -> torch.Tensor:
+    """Mean square of the full logits, from one of ``parts`` vocabulary shards."""
+    return (logits.float() ** 2).sum() / (logits.numel() * parts)
 
 
 @pytest.mark.parametrize("case", ["llama_gqa_biases", "tied"])
 def test_tensor_parallel_loads_only_its_slice_and_matches(tmp_path: Path, case: str) -> None:
     model_type, overrides = CASES[case]
-    reference = _hf_logits(_hf_model(tmp_path, model_type, **overrides))
-    results = run_ranks(2, _tp_rank, str(tmp_path), reference, timeout_s=120)
+    hf = _hf_model(tmp_path, model_type, **overrides)
+    logits = hf(TOKENS).logits
+    _loss(logits).backward()
+    grads = {n: p.grad for n, p in hf.named_parameters()}
+    results = run_ranks(2, _tp_rank, str(tmp_path), logits.detach(), grads, timeout_s=120)
     for res in results:
         assert res["error"] <= 1e-5 * res["scale"]
+        assert max(res["grad_errors"].values()) <= 1e-5, res["grad_errors"]
         assert 2 * res["local_bytes"] == res["full_bytes"]
         assert res["tied"] == (case == "tied")
 
@@ -293,3 +309,11 @@ def test_unsupported_config_is_an_error_naming_the_key(
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=words):
         build_hf_language_model(tmp_path)
+
+
+def test_model_not_built_from_the_config_is_an_error(tmp_path: Path) -> None:
+    _hf_model(tmp_path, "llama", num_key_value_heads=2)
+    spec = LlamaFamilySpec.from_hf_config(json.loads((tmp_path / "config.json").read_text()))
+    model = LanguageModel(**{**spec.model_kwargs(), "num_kv_heads": 4})
+    with pytest.raises(ValueError, match=r"does not match .*attn\.wk\.weight \[32, 32\]"):
+        load_llama_weights(model, tmp_path)
