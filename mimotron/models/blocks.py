@@ -84,25 +84,36 @@ def rope_cache(
     head_dim: int,
     base: float = 10000.0,
     device: torch.device | None = None,
+    inv_freq: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Cosines and sines of rotary position embeddings.
 
     Args:
         seq_len: number of positions.
         head_dim: per-head width; must be even.
-        base: frequency base.
+        base: frequency base (ignored when ``inv_freq`` is given).
         device: where the tables live.
+        inv_freq: ``[head_dim // 2]`` fp32 inverse frequencies to use instead of
+            ``base ** -(2i / head_dim)`` (scaled RoPE, see
+            :mod:`mimotron.models.rope_scaling`).
 
     Returns:
         ``(cos, sin)``, each ``[seq_len, head_dim // 2]`` in fp32.
 
     Raises:
-        ValueError: if ``head_dim`` is odd.
+        ValueError: if ``head_dim`` is odd or ``inv_freq`` has the wrong length.
     """
     if head_dim % 2:
         raise ValueError(f"rotary embeddings need an even head_dim, got {head_dim}")
-    exponents = torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim
-    inv_freq = base**-exponents
+    if inv_freq is None:
+        exponents = torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim
+        inv_freq = base**-exponents
+    elif inv_freq.shape != (head_dim // 2,):
+        raise ValueError(
+            f"inv_freq has shape {tuple(inv_freq.shape)}, expected ({head_dim // 2},)"
+        )
+    else:
+        inv_freq = inv_freq.to(device=device, dtype=torch.float32)
     angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
     return angles.cos(), angles.sin()
 
@@ -127,31 +138,73 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    """Multi-head self-attention with separate q/k/v/o projections and no biases.
+    """Multi-head self-attention with separate q/k/v/o projections.
+
+    The defaults are the toy model's attention (as many key/value heads as query heads,
+    ``head_dim = hidden / heads``, no biases, no q/k norm). The keyword options give the
+    Llama / Qwen2 / Qwen3 variants: grouped-query attention (``num_kv_heads`` key/value
+    heads, each shared by ``num_heads / num_kv_heads`` consecutive query heads, as
+    ``transformers``' ``repeat_kv``), an explicit ``head_dim``, q/k/v and output biases,
+    and a per-head RMSNorm of queries and keys before RoPE (Qwen3).
 
     Args:
         hidden_size: model width.
-        num_heads: total number of heads; ``hidden_size`` must be divisible by it.
+        num_heads: total number of query heads.
         causal: mask future positions (decoder) or not (encoder).
         num_layers: depth of the whole stack; scales the init of ``wo``.
+        num_kv_heads: total key/value heads (``None`` = ``num_heads``); must divide
+            ``num_heads``.
+        head_dim: per-head width (``None`` = ``hidden_size / num_heads``).
+        qkv_bias: biases on ``wq``, ``wk``, ``wv``.
+        out_bias: bias on ``wo``.
+        qk_norm: RMSNorm over ``head_dim`` of every query and key head (``q_norm``,
+            ``k_norm``).
+        norm_eps: epsilon of the q/k norms.
 
     Raises:
-        ValueError: if ``hidden_size`` is not divisible by ``num_heads``.
+        ValueError: on a head layout that does not fit (named in the message).
     """
 
-    def __init__(self, hidden_size: int, num_heads: int, causal: bool, num_layers: int = 1) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        causal: bool,
+        num_layers: int = 1,
+        *,
+        num_kv_heads: int | None = None,
+        head_dim: int | None = None,
+        qkv_bias: bool = False,
+        out_bias: bool = False,
+        qk_norm: bool = False,
+        norm_eps: float = 1e-6,
+    ) -> None:
         super().__init__()
-        if num_heads < 1 or hidden_size % num_heads:
+        if num_heads < 1 or (head_dim is None and hidden_size % num_heads):
             raise ValueError(
                 f"num_heads={num_heads} is invalid: expected a divisor of hidden_size={hidden_size}"
             )
-        self.head_dim = hidden_size // num_heads
+        kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        if kv_heads < 1 or num_heads % kv_heads:
+            raise ValueError(
+                f"num_kv_heads={kv_heads} is invalid: expected a divisor of num_heads={num_heads}"
+            )
+        if head_dim is not None and head_dim < 1:
+            raise ValueError(f"head_dim={head_dim} is invalid: expected >= 1")
+        self.head_dim = head_dim or hidden_size // num_heads
+        # Totals of the whole layer (validation and TP plans only): forward derives the
+        # local head counts from its projections' widths.
+        self.num_heads = num_heads
+        self.num_kv_heads = kv_heads
         self.causal = causal
-        self.wq = nn.Linear(hidden_size, hidden_size, bias=False)
-        self.wk = nn.Linear(hidden_size, hidden_size, bias=False)
-        self.wv = nn.Linear(hidden_size, hidden_size, bias=False)
-        self.wo = nn.Linear(hidden_size, hidden_size, bias=False)
+        q_width, kv_width = num_heads * self.head_dim, kv_heads * self.head_dim
+        self.wq = nn.Linear(hidden_size, q_width, bias=qkv_bias)
+        self.wk = nn.Linear(hidden_size, kv_width, bias=qkv_bias)
+        self.wv = nn.Linear(hidden_size, kv_width, bias=qkv_bias)
+        self.wo = nn.Linear(q_width, hidden_size, bias=out_bias)
         self.wo.init_std = residual_init_std(num_layers)
+        self.q_norm = RMSNorm(self.head_dim, norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, norm_eps) if qk_norm else None
 
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -167,34 +220,45 @@ class Attention(nn.Module):
         """
         batch, seq = x.shape[0], x.shape[1]
         q, k, v = self.wq(x), self.wk(x), self.wv(x)
-        # Local heads from the projection's width: under column-wise TP this is
-        # num_heads / tp, and nothing else in this module needs to know.
-        num_local_heads = q.shape[-1] // self.head_dim
-        q, k, v = (
-            t.view(batch, seq, num_local_heads, self.head_dim).transpose(1, 2) for t in (q, k, v)
-        )
+        # Local heads from the projections' widths: under column-wise TP these are
+        # num_heads / tp and num_kv_heads / tp, and nothing else here needs to know.
+        num_q = q.shape[-1] // self.head_dim
+        num_kv = k.shape[-1] // self.head_dim
+        q = q.view(batch, seq, num_q, self.head_dim)
+        k, v = (t.view(batch, seq, num_kv, self.head_dim) for t in (k, v))
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        if num_kv != num_q:
+            # Query head h reads key/value head h // group; contiguous TP shards of q and
+            # of k/v hold matching groups because tp divides num_kv_heads.
+            group = num_q // num_kv
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
-        out = out.transpose(1, 2).reshape(batch, seq, num_local_heads * self.head_dim)
+        out = out.transpose(1, 2).reshape(batch, seq, num_q * self.head_dim)
         return self.wo(out)
 
 
 class SwiGLU(nn.Module):
-    """Gated feed-forward ``w2(silu(w1 x) * w3 x)`` with no biases.
+    """Gated feed-forward ``w2(silu(w1 x) * w3 x)``.
 
     Args:
         hidden_size: model width.
         ffn_hidden_size: inner width; 0 picks :func:`default_ffn_hidden_size`.
         num_layers: depth of the whole stack; scales the init of ``w2``.
+        bias: biases on all three projections (Llama's ``mlp_bias``).
     """
 
-    def __init__(self, hidden_size: int, ffn_hidden_size: int = 0, num_layers: int = 1) -> None:
+    def __init__(
+        self, hidden_size: int, ffn_hidden_size: int = 0, num_layers: int = 1, bias: bool = False
+    ) -> None:
         super().__init__()
         inner = ffn_hidden_size or default_ffn_hidden_size(hidden_size)
-        self.w1 = nn.Linear(hidden_size, inner, bias=False)  # gate
-        self.w3 = nn.Linear(hidden_size, inner, bias=False)  # up
-        self.w2 = nn.Linear(inner, hidden_size, bias=False)  # down
+        self.w1 = nn.Linear(hidden_size, inner, bias=bias)  # gate
+        self.w3 = nn.Linear(hidden_size, inner, bias=bias)  # up
+        self.w2 = nn.Linear(inner, hidden_size, bias=bias)  # down
         self.w2.init_std = residual_init_std(num_layers)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -211,16 +275,47 @@ class TransformerBlock(nn.Module):
         ffn_hidden: SwiGLU inner width (0 = default).
         causal: causal attention (decoder) or bidirectional (encoder).
         num_layers: depth of the whole stack the block belongs to (init scaling only).
+        num_kv_heads: key/value heads (``None`` = ``num_heads``), see :class:`Attention`.
+        head_dim: per-head width (``None`` = ``hidden / num_heads``).
+        qkv_bias: biases on the q/k/v projections.
+        out_bias: bias on the attention output projection.
+        qk_norm: per-head RMSNorm of queries and keys.
+        mlp_bias: biases on the SwiGLU projections.
+        norm_eps: epsilon of every RMSNorm in the layer.
     """
 
     def __init__(
-        self, hidden: int, num_heads: int, ffn_hidden: int, causal: bool, num_layers: int = 1
+        self,
+        hidden: int,
+        num_heads: int,
+        ffn_hidden: int,
+        causal: bool,
+        num_layers: int = 1,
+        *,
+        num_kv_heads: int | None = None,
+        head_dim: int | None = None,
+        qkv_bias: bool = False,
+        out_bias: bool = False,
+        qk_norm: bool = False,
+        mlp_bias: bool = False,
+        norm_eps: float = 1e-6,
     ) -> None:
         super().__init__()
-        self.attn_norm = RMSNorm(hidden)
-        self.attn = Attention(hidden, num_heads, causal, num_layers=num_layers)
-        self.mlp_norm = RMSNorm(hidden)
-        self.mlp = SwiGLU(hidden, ffn_hidden, num_layers=num_layers)
+        self.attn_norm = RMSNorm(hidden, norm_eps)
+        self.attn = Attention(
+            hidden,
+            num_heads,
+            causal,
+            num_layers=num_layers,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            qkv_bias=qkv_bias,
+            out_bias=out_bias,
+            qk_norm=qk_norm,
+            norm_eps=norm_eps,
+        )
+        self.mlp_norm = RMSNorm(hidden, norm_eps)
+        self.mlp = SwiGLU(hidden, ffn_hidden, num_layers=num_layers, bias=mlp_bias)
 
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -234,7 +329,7 @@ def make_layers(
     layer_ids: list[int] | None,
     num_layers: int,
     build: type[nn.Module] | None = None,
-    **block_kwargs: int | bool,
+    **block_kwargs: int | float | bool | None,
 ) -> nn.ModuleDict:
     """Build the layers one pipeline stage holds, keyed by their *global* index.
 

@@ -2,7 +2,8 @@
 
 The model is split the way the MIMO engine needs it: ``embed_tokens`` (first stage) runs
 before modality embeddings are merged in, ``forward`` runs the layers on the merged
-hidden states and, on the last stage, the final norm and the (untied) output head.
+hidden states and, on the last stage, the final norm and the output head (untied
+unless ``tie_word_embeddings``, which needs both ends on one stage).
 """
 
 from __future__ import annotations
@@ -12,24 +13,44 @@ import torch.nn.functional as F
 from torch import nn
 
 from mimotron.models.blocks import RMSNorm, make_layers, rope_cache
+from mimotron.models.rope_scaling import rope_inv_freq, validate_rope_scaling
 
 
 class LanguageModel(nn.Module):
     """Causal transformer with rotary embeddings; pipeline-splittable by global layer.
 
+    The defaults are mimotron's toy decoder. The keyword-only options make it exactly a
+    Hugging Face Llama / Qwen2 / Qwen3 decoder (:mod:`mimotron.models.hf.llama` maps a
+    ``config.json`` onto them).
+
     Args:
         vocab_size: number of token ids.
         hidden_size: model width.
         num_layers: layers of the whole model.
-        num_heads: attention heads (``hidden_size / num_heads`` must be even for RoPE).
+        num_heads: attention (query) heads.
         ffn_hidden_size: SwiGLU width (0 = default).
         max_seq_len: longest sequence ``forward`` accepts.
         layer_ids: global layer indices this instance holds (``None`` = all).
         pre_process: hold the token embedding (first pipeline stage).
         post_process: hold the final norm and output head (last pipeline stage).
+        num_kv_heads: key/value heads for grouped-query attention (``None`` = all heads).
+        head_dim: per-head width (``None`` = ``hidden_size / num_heads``); must be even.
+        qkv_bias: biases on the q/k/v projections.
+        out_bias: bias on the attention output projection.
+        qk_norm: per-head RMSNorm of queries and keys (Qwen3).
+        mlp_bias: biases on the SwiGLU projections.
+        norm_eps: epsilon of every RMSNorm.
+        rope_theta: RoPE base.
+        rope_scaling: ``None`` = the toy model's RoPE formula; a dict (``{"rope_type":
+            "default" | "linear" | "llama3", ...}``) = ``transformers``' formula for that
+            type (:mod:`mimotron.models.rope_scaling`).
+        tie_word_embeddings: the output head shares the embedding matrix. Both live on
+            one stage only, so this needs ``pre_process`` and ``post_process`` (no
+            pipeline split of the language model).
 
     Raises:
-        ValueError: on a bad ``vocab_size``, ``max_seq_len`` or head layout.
+        ValueError: on a bad ``vocab_size``, ``max_seq_len``, head layout, RoPE scaling,
+            or tied embeddings on a pipeline stage without both ends.
     """
 
     def __init__(
@@ -43,24 +64,34 @@ class LanguageModel(nn.Module):
         layer_ids: list[int] | None = None,
         pre_process: bool = True,
         post_process: bool = True,
+        *,
+        num_kv_heads: int | None = None,
+        head_dim: int | None = None,
+        qkv_bias: bool = False,
+        out_bias: bool = False,
+        qk_norm: bool = False,
+        mlp_bias: bool = False,
+        norm_eps: float = 1e-6,
+        rope_theta: float = 10000.0,
+        rope_scaling: dict | None = None,
+        tie_word_embeddings: bool = False,
     ) -> None:
         super().__init__()
-        if vocab_size < 1 or max_seq_len < 1:
+        self._check_sizes(vocab_size, hidden_size, num_heads, head_dim, max_seq_len)
+        if tie_word_embeddings and not (pre_process and post_process):
             raise ValueError(
-                f"LanguageModel needs vocab_size >= 1 and max_seq_len >= 1, "
-                f"got vocab_size={vocab_size}, max_seq_len={max_seq_len}"
-            )
-        if num_heads < 1 or hidden_size % num_heads or (hidden_size // num_heads) % 2:
-            raise ValueError(
-                f"num_heads={num_heads} is invalid: expected a divisor of "
-                f"hidden_size={hidden_size} leaving an even head size (for rotary embeddings)"
+                "tie_word_embeddings=true needs the embedding and the output head on one "
+                "pipeline stage: use pipeline=1 for this language model (or untied weights)"
             )
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
-        self.head_dim = hidden_size // num_heads
+        self.head_dim = head_dim or hidden_size // num_heads
         self.max_seq_len = max_seq_len
         self.pre_process = pre_process
         self.post_process = post_process
+        self.rope_theta = float(rope_theta)
+        self.rope_scaling = None if rope_scaling is None else validate_rope_scaling(rope_scaling)
+        self.tie_word_embeddings = tie_word_embeddings
         self.embed = nn.Embedding(vocab_size, hidden_size) if pre_process else None
         self.layers = make_layers(
             layer_ids,
@@ -69,9 +100,57 @@ class LanguageModel(nn.Module):
             num_heads=num_heads,
             ffn_hidden=ffn_hidden_size,
             causal=True,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            qkv_bias=qkv_bias,
+            out_bias=out_bias,
+            qk_norm=qk_norm,
+            mlp_bias=mlp_bias,
+            norm_eps=norm_eps,
         )
-        self.final_norm = RMSNorm(hidden_size) if post_process else None
+        self.final_norm = RMSNorm(hidden_size, norm_eps) if post_process else None
         self.output = nn.Linear(hidden_size, vocab_size, bias=False) if post_process else None
+        if tie_word_embeddings:
+            self.tie_weights()
+
+    @staticmethod
+    def _check_sizes(
+        vocab_size: int, hidden_size: int, num_heads: int, head_dim: int | None, max_seq_len: int
+    ) -> None:
+        if vocab_size < 1 or max_seq_len < 1:
+            raise ValueError(
+                f"LanguageModel needs vocab_size >= 1 and max_seq_len >= 1, "
+                f"got vocab_size={vocab_size}, max_seq_len={max_seq_len}"
+            )
+        if head_dim is not None:
+            if head_dim < 2 or head_dim % 2 or num_heads < 1:
+                raise ValueError(
+                    f"head_dim={head_dim} with num_heads={num_heads} is invalid: expected an "
+                    "even head_dim (for rotary embeddings) and num_heads >= 1"
+                )
+        elif num_heads < 1 or hidden_size % num_heads or (hidden_size // num_heads) % 2:
+            raise ValueError(
+                f"num_heads={num_heads} is invalid: expected a divisor of "
+                f"hidden_size={hidden_size} leaving an even head size (for rotary embeddings)"
+            )
+
+    def tie_weights(self) -> None:
+        """Make the output head use the embedding's parameter (again, e.g. after TP sharding).
+
+        Raises:
+            ValueError: if this instance does not hold both the embedding and the head.
+        """
+        if self.embed is None or self.output is None:
+            raise ValueError("tie_weights needs a LanguageModel holding both embed and output")
+        self.output.weight = self.embed.weight
+
+    def rope(self, seq: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, sin)`` tables for ``seq`` positions on ``device``."""
+        if self.rope_scaling is None:
+            return rope_cache(seq, self.head_dim, base=self.rope_theta, device=device)
+        # transformers computes the frequencies on the CPU once; so do we (then move).
+        inv_freq = rope_inv_freq(self.head_dim, self.rope_theta, self.rope_scaling)
+        return rope_cache(seq, self.head_dim, device=device, inv_freq=inv_freq)
 
     def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         """Look up token embeddings ``[B, S] -> [B, S, hidden]`` (first stage only).
@@ -100,7 +179,7 @@ class LanguageModel(nn.Module):
             raise ValueError(f"sequence length {seq} exceeds max_seq_len={self.max_seq_len}")
         # Recomputed per call: tiny, and avoids buffers that meta-device builds and
         # checkpoints would have to special-case.
-        rope = rope_cache(seq, self.head_dim, device=hidden.device)
+        rope = self.rope(seq, hidden.device)
         for layer in self.layers.values():
             hidden = layer(hidden, rope)
         if self.final_norm is None or self.output is None:

@@ -64,18 +64,47 @@ def tensor_parallel_plan(module: nn.Module, is_language: bool) -> dict[str, obje
     return plan
 
 
+def _check_heads(layers: nn.ModuleDict, tp: int, prefix: str) -> None:
+    """Raise unless ``tp`` divides every layer's query and key/value head count.
+
+    Column-wise ``wk``/``wv`` then give each rank whole key/value heads, and the query
+    heads of a rank are exactly those that read its key/value heads (contiguous groups).
+    """
+    for idx, layer in layers.items():
+        attn = layer.attn
+        for key, heads in (("num_heads", attn.num_heads), ("num_kv_heads", attn.num_kv_heads)):
+            if heads % tp:
+                raise ValueError(
+                    f"tensor={tp} does not divide {key}={heads} of {prefix}layers.{idx}.attn; "
+                    f"the TP degree must divide the number of (key/value) heads"
+                )
+
+
 def apply_tensor_parallel(module: nn.Module, mesh: DeviceMesh, is_language: bool) -> nn.Module:
     """Shard a module part over a 1-D TP mesh in place; mark replicated parameters.
 
+    Biases follow their weights (column-wise layers shard theirs, row-wise layers keep
+    theirs whole and add it once). A language model with tied embeddings is re-tied
+    after sharding: the embedding (row-wise over the vocabulary) and the head
+    (column-wise over the vocabulary) shard the shared ``[vocab, hidden]`` matrix the
+    same way, ``Shard(0)``.
+
     Raises:
-        ValueError: the vocabulary does not divide by the TP degree.
+        ValueError: the vocabulary, or a layer's head or key/value head count, does not
+            divide by the TP degree.
     """
     tp = mesh.size()
     if is_language and module.embed is not None and module.embed.num_embeddings % tp:
         raise ValueError(f"vocabulary size {module.embed.num_embeddings} is not divisible by "
                          f"tensor={tp}; the padded vocabulary must divide by the TP degree")
+    if is_language:
+        _check_heads(module.layers, tp, "")
+    else:
+        _check_heads(module.encoder.layers, tp, "encoder.")
     plan = tensor_parallel_plan(module, is_language)
     parallelize_module(module, mesh, plan)
+    if is_language and getattr(module, "tie_word_embeddings", False):
+        module.tie_weights()
     return module
 
 

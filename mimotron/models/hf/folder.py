@@ -1,0 +1,96 @@
+"""A local Hugging Face model folder: its ``config.json`` and where each tensor is stored.
+
+Only local folders are read, never a hub id: a path that is not an existing directory
+is an error naming it, so a typo can never turn into a download. Weights must be
+safetensors, either one ``model.safetensors`` or shards listed by
+``model.safetensors.index.json`` (its ``weight_map``: tensor name -> shard file).
+Nothing here reads tensor data; :mod:`mimotron.models.hf.sharded_load` does, slice by
+slice.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from safetensors import safe_open
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def hf_folder(path: str | Path) -> Path:
+    """The folder as a ``Path``, checked to exist locally.
+
+    Args:
+        path: a local directory holding a Hugging Face checkpoint.
+
+    Returns:
+        The path.
+
+    Raises:
+        ValueError: if ``path`` is not an existing directory.
+    """
+    folder = Path(path)
+    if not folder.is_dir():
+        raise ValueError(
+            f"hf_path {str(path)!r} is not an existing directory; mimotron reads local "
+            "Hugging Face folders only (config.json + *.safetensors) and never downloads"
+        )
+    return folder
+
+
+def read_hf_config(path: str | Path) -> dict[str, Any]:
+    """The parsed ``config.json`` of a local Hugging Face folder.
+
+    Raises:
+        ValueError: missing folder, missing or unparsable ``config.json``.
+    """
+    file = hf_folder(path) / "config.json"
+    if not file.is_file():
+        raise ValueError(f"hf_path {str(path)!r} has no config.json")
+    try:
+        config = json.loads(file.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{file} is not valid JSON: {exc}") from exc
+    if not isinstance(config, dict):
+        raise ValueError(f"{file} must hold a JSON object, got {type(config).__name__}")
+    return config
+
+
+def tensor_files(path: str | Path) -> dict[str, Path]:
+    """Map every tensor name of the checkpoint to the safetensors file holding it.
+
+    Reads only file headers (the index, or the single file's tensor names).
+
+    Args:
+        path: the local folder.
+
+    Returns:
+        ``{tensor name: file}``.
+
+    Raises:
+        ValueError: no safetensors weights, an unreadable index, or an index that names
+            a shard file which is not there.
+    """
+    folder = hf_folder(path)
+    index = folder / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise ValueError(f"{index} is not a safetensors index with a weight_map") from exc
+        files = {name: folder / shard for name, shard in weight_map.items()}
+        absent = sorted({str(f.name) for f in files.values() if not f.is_file()})
+        if absent:
+            raise ValueError(f"{index} names shard files that are not in the folder: {absent}")
+        return files
+    single = folder / SINGLE_FILE
+    if single.is_file():
+        with safe_open(single, framework="pt") as handle:
+            return {name: single for name in handle.keys()}  # noqa: SIM118 - not a dict
+    raise ValueError(
+        f"hf_path {str(path)!r} has neither {SINGLE_FILE} nor {INDEX_FILE}; only "
+        "safetensors weights are read (convert pytorch_model.bin with transformers first)"
+    )
