@@ -80,6 +80,9 @@ class BiasedAttention(nn.Module):
                 f"num_heads={num_heads} is invalid: expected a divisor of hidden_size={hidden_size}"
             )
         self.head_dim = hidden_size // num_heads
+        # Total head counts, as ``blocks.Attention`` states them: the TP check reads them
+        # (encoders have no grouped-query attention, so key/value heads = query heads).
+        self.num_heads = self.num_kv_heads = num_heads
         self.wq = nn.Linear(hidden_size, hidden_size)
         self.wk = nn.Linear(hidden_size, hidden_size, bias=key_bias)
         self.wv = nn.Linear(hidden_size, hidden_size)
