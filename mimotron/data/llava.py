@@ -296,13 +296,12 @@ class LlavaDataset:
 
 def _verify_image(file: Path) -> None:
     """Open an image's header and check its data (PIL's ``verify``) without decoding."""
-    from PIL import Image, UnidentifiedImageError
+    from PIL import Image
 
     try:
         with Image.open(file) as image:
             image.verify()
-    except (OSError, UnidentifiedImageError, SyntaxError) as exc:
-        # PIL reports some broken PNG chunks as SyntaxError.
+    except Exception as exc:  # noqa: BLE001 - PIL raises OSError, SyntaxError, struct.error...
         raise ValueError(f"image file {str(file)!r} is unreadable: {exc}") from exc
 
 
@@ -310,9 +309,12 @@ def _open_image(file: Path) -> Any:
     """The decoded PIL image of ``file`` (read fully, file closed)."""
     from PIL import Image
 
-    with Image.open(file) as image:
-        image.load()  # decodes now, so the file can close
-        return image
+    try:
+        with Image.open(file) as image:
+            image.load()  # decodes now, so the file can close
+            return image
+    except Exception as exc:  # noqa: BLE001 - any decoding failure is an unreadable image
+        raise ValueError(f"image file {str(file)!r} is unreadable: {exc}") from exc
 
 
 def _map(fn: Callable[[Any], Any], items: Sequence[Any], num_workers: int) -> list[Any]:
