@@ -1,0 +1,262 @@
+"""A Hugging Face tokenizer folder as the run's tokenizer, with modality placeholders.
+
+:class:`HFTokenizer` loads a local tokenizer folder (``tokenizer.json`` and
+``tokenizer_config.json``, the chat template in either that file or
+``chat_template.jinja``) through ``transformers.AutoTokenizer`` with
+``local_files_only=True``: a folder that is not there is an error, never a download.
+
+**Placeholders.** Each modality has a placeholder token (``<image>``, ``<audio>``). One
+that the tokenizer lacks is added as a special token (so text never splits it and the
+chat template's ``<image>`` maps to one id); :attr:`HFTokenizer.num_added` says how many
+ids were appended. The language model's embedding then needs
+``max(its rows, HFTokenizer.vocab_size)`` rows: :func:`resize_embedding_rows` grows a
+weight deterministically.
+
+**New embedding rows** (the rule :func:`new_embedding_rows` implements): row ``r`` of the
+grown table is ``mean + noise_scale * std * z_r``, where ``mean`` and ``std`` are the
+per-dimension mean and standard deviation of the original rows and ``z_r`` is a standard
+normal vector drawn from a generator seeded by ``(seed, r)`` only. The mean keeps a new
+token's logits and hidden states in the range of the pretrained ones (the
+"mean-resizing" of Hewitt, 2021, that ``transformers`` also uses); the small noise keeps
+the new rows distinct, so a tied output head does not give them identical logits. Every
+row depends on nothing but ``(seed, r)`` and the original table, so a vocabulary shard
+can compute its own rows without the others (given the mean and std).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from mimotron.data.digits import sample_rng
+from mimotron.data.tokenizer import MODALITIES
+
+# Salt of the new-row generators: unrelated to the data streams' salts.
+_EMBEDDING_SALT = 0x656D6264
+
+DEFAULT_NOISE_SCALE = 0.01
+
+
+class HFTokenizer:
+    """A local Hugging Face tokenizer with one placeholder token per modality.
+
+    Args:
+        path: the tokenizer folder (``data.tokenizer``).
+        modalities: modalities that need a placeholder, in the order they are added.
+        placeholder_tokens: modality -> placeholder text; defaults to ``<image>`` and
+            ``<audio>``.
+        chat_template: a Jinja template that replaces the folder's own.
+
+    Raises:
+        ValueError: the folder does not exist, holds no fast tokenizer, has no chat
+            template, or a placeholder does not encode to exactly one id.
+    """
+
+    def __init__(
+        self,
+        path: str | Path,
+        modalities: Sequence[str] = MODALITIES,
+        placeholder_tokens: dict[str, str] | None = None,
+        chat_template: str | None = None,
+    ) -> None:
+        self.path = Path(path)
+        self.tokenizer = _load_fast_tokenizer(self.path)
+        if chat_template is not None:
+            self.tokenizer.chat_template = chat_template
+        if not isinstance(self.tokenizer.chat_template, str) or not self.tokenizer.chat_template:
+            raise ValueError(
+                f"data.tokenizer={str(self.path)!r} has no chat template: expected a "
+                "'chat_template' in tokenizer_config.json or a chat_template.jinja file"
+            )
+        unknown = [m for m in modalities if m not in MODALITIES]
+        if unknown:
+            raise ValueError(f"modalities={list(modalities)!r} is invalid: expected items of "
+                             f"{MODALITIES}")  # fmt: skip
+        texts = {m: f"<{m}>" for m in MODALITIES} | dict(placeholder_tokens or {})
+        self.modalities: tuple[str, ...] = tuple(modalities)
+        self._placeholder_text = {m: texts[m] for m in self.modalities}
+        self.base_vocab_size = len(self.tokenizer)
+        self._add_placeholders()
+        self.num_added = len(self.tokenizer) - self.base_vocab_size
+        self._placeholder_ids = {m: self._single_id(t) for m, t in self._placeholder_text.items()}
+        self.special_ids = frozenset(
+            i for i, tok in self.tokenizer.added_tokens_decoder.items() if tok.special
+        )
+
+    def _add_placeholders(self) -> None:
+        """Add the placeholders that are not yet single special tokens."""
+        from tokenizers import AddedToken  # Deferred like every Hugging Face import.
+
+        added_specials = {t.content for t in self.tokenizer.added_tokens_decoder.values()
+                          if t.special}  # fmt: skip
+        missing = [t for t in self._placeholder_text.values() if t not in added_specials]
+        if missing:
+            # normalized=False: the text is matched verbatim; special: never split.
+            self.tokenizer.add_tokens(
+                [AddedToken(t, special=True, normalized=False) for t in missing],
+                special_tokens=True,
+            )
+
+    def _single_id(self, text: str) -> int:
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        if len(ids) != 1:
+            raise ValueError(
+                f"placeholder {text!r} encodes to {len(ids)} ids {ids} with data.tokenizer="
+                f"{str(self.path)!r}: expected exactly one"
+            )
+        return int(ids[0])
+
+    # ---- ids ----------------------------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids, the added placeholders included (``len(tokenizer)``)."""
+        return len(self.tokenizer)
+
+    @property
+    def pad_id(self) -> int:
+        """The padding id: the tokenizer's pad token, else its eos token, else 0.
+
+        Padding never carries loss, so any id works; a real one keeps decoded batches
+        readable.
+        """
+        for token_id in (self.tokenizer.pad_token_id, self.tokenizer.eos_token_id):
+            if token_id is not None:
+                return int(token_id)
+        return 0
+
+    @property
+    def chat_template(self) -> str:
+        """The Jinja chat template in use."""
+        return str(self.tokenizer.chat_template)
+
+    def placeholder_id(self, modality: str) -> int:
+        """Id of the placeholder token of ``modality``.
+
+        Raises:
+            ValueError: the modality has no placeholder in this tokenizer.
+        """
+        if modality not in self._placeholder_ids:
+            raise ValueError(
+                f"modality={modality!r} is invalid: expected one of {self.modalities}"
+            )
+        return self._placeholder_ids[modality]
+
+    def placeholder_text(self, modality: str) -> str:
+        """The placeholder as it appears in conversation text, e.g. ``"<image>"``."""
+        self.placeholder_id(modality)  # validates the modality
+        return self._placeholder_text[modality]
+
+    # ---- text ---------------------------------------------------------------------------
+    def encode(self, text: str) -> list[int]:
+        """Ids of ``text`` without the tokenizer's own bos/eos."""
+        return [int(i) for i in self.tokenizer.encode(text, add_special_tokens=False)]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Text of ``ids``, special tokens (placeholders included) kept."""
+        return str(self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=False))
+
+    def render(self, messages: Sequence[dict[str, str]]) -> str:
+        """The chat template's text of ``messages`` (``role``/``content`` dicts)."""
+        return str(self.tokenizer.apply_chat_template(list(messages), tokenize=False))
+
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """Ids of ``text`` and each token's ``(start, end)`` character span."""
+        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        return list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]
+
+    def __repr__(self) -> str:
+        return (f"HFTokenizer({str(self.path)!r}, vocab_size={self.vocab_size}, "
+                f"num_added={self.num_added})")  # fmt: skip
+
+
+def _load_fast_tokenizer(path: Path) -> Any:
+    """``AutoTokenizer`` from a local folder; a fast tokenizer (offsets) is required."""
+    if not path.is_dir():
+        raise ValueError(
+            f"data.tokenizer={str(path)!r} is invalid: expected a local tokenizer folder "
+            "(tokenizer.json, tokenizer_config.json); nothing is downloaded"
+        )
+    from transformers import AutoTokenizer  # Deferred: importing transformers takes ~1 s.
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ValueError(
+            f"data.tokenizer={str(path)!r} could not be loaded as a Hugging Face tokenizer: "
+            f"{exc}"
+        ) from exc
+    if not getattr(tokenizer, "is_fast", False):
+        raise ValueError(
+            f"data.tokenizer={str(path)!r} loads a slow tokenizer: expected a fast one "
+            "(a tokenizer.json), whose character offsets locate the assistant replies"
+        )
+    return tokenizer
+
+
+def new_embedding_rows(
+    mean: torch.Tensor,
+    std: torch.Tensor,
+    rows: Sequence[int],
+    seed: int,
+    noise_scale: float = DEFAULT_NOISE_SCALE,
+) -> torch.Tensor:
+    """Initial values of embedding rows ``rows`` (the rule in the module docstring).
+
+    Args:
+        mean: per-dimension mean of the original rows, ``[H]``.
+        std: per-dimension standard deviation of the original rows, ``[H]``.
+        rows: the row ids to build (e.g. a vocabulary shard's new rows).
+        seed: the run's seed.
+        noise_scale: noise size relative to ``std``; 0 gives exactly the mean.
+
+    Returns:
+        ``[len(rows), H]`` in ``mean``'s dtype.
+    """
+    hidden = mean.numel()
+    noise = np.stack([sample_rng(seed, _EMBEDDING_SALT, int(r)).standard_normal(hidden)
+                      for r in rows]) if rows else np.zeros((0, hidden))  # fmt: skip
+    mean64, std64 = mean.detach().double().cpu(), std.detach().double().cpu()
+    out = mean64 + noise_scale * std64 * torch.from_numpy(noise)
+    return out.to(mean.dtype)
+
+
+def resize_embedding_rows(
+    weight: torch.Tensor,
+    new_vocab: int,
+    seed: int,
+    noise_scale: float = DEFAULT_NOISE_SCALE,
+) -> torch.Tensor:
+    """``weight`` ([V, H]) grown to ``new_vocab`` rows; the old rows are copied bitwise.
+
+    A table that already has ``new_vocab`` rows or more is returned unchanged (many
+    checkpoints pad their vocabulary past the tokenizer's).
+
+    Args:
+        weight: the original embedding (or untied output) table.
+        new_vocab: rows wanted (``HFTokenizer.vocab_size``).
+        seed: the run's seed; new rows depend only on ``(seed, row)`` and ``weight``.
+        noise_scale: see :func:`new_embedding_rows`.
+
+    Returns:
+        A new ``[max(V, new_vocab), H]`` tensor on ``weight``'s device and dtype (or
+        ``weight`` itself when nothing is added).
+
+    Raises:
+        ValueError: ``weight`` is not 2-D or has no rows.
+    """
+    if weight.dim() != 2 or weight.shape[0] < 1:
+        raise ValueError(
+            f"weight of shape {tuple(weight.shape)} is invalid: expected [vocab >= 1, hidden]"
+        )
+    old = weight.shape[0]
+    if new_vocab <= old:
+        return weight
+    rows64 = weight.detach().double()
+    # unbiased=False: a one-row table has std 0 (the new rows are then exactly the mean).
+    mean, std = rows64.mean(dim=0), rows64.std(dim=0, unbiased=False)
+    new = new_embedding_rows(mean, std, range(old, new_vocab), seed, noise_scale)
+    return torch.cat([weight.detach(), new.to(device=weight.device, dtype=weight.dtype)])

@@ -1,0 +1,106 @@
+"""Builders for the Hugging Face data tests: a local BPE tokenizer, PNGs, WAVs, JSONL.
+
+Everything is generated on the spot (nothing is downloaded): the tokenizer is trained
+with ``tokenizers`` on a few sentences, images are random pixels saved by PIL, audio is
+a tone written with the standard library's ``wave``.
+"""
+
+from __future__ import annotations
+
+import json
+import wave
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mimotron.data.bpe import CHATML_TEMPLATE, train_bpe_tokenizer
+
+SENTENCES = [
+    "what digit is in this picture", "the digit is seven", "listen to the tone",
+    "seven plus three is ten", "describe the image in one word", "a cat sits on a mat",
+    "which key was pressed", "the answer is nine", "you are a helpful assistant",
+] * 4  # fmt: skip
+
+# A small CLIP-style preprocessing: shortest edge 20, center crop 16.
+CLIP_CONFIG: dict[str, Any] = {
+    "image_processor_type": "CLIPImageProcessor", "do_resize": True,
+    "size": {"shortest_edge": 20}, "do_center_crop": True,
+    "crop_size": {"height": 16, "width": 16}, "resample": 3, "do_rescale": True,
+    "rescale_factor": 1 / 255, "do_normalize": True,
+    "image_mean": [0.48145466, 0.4578275, 0.40821073],
+    "image_std": [0.26862954, 0.26130258, 0.27577711], "do_convert_rgb": True,
+}  # fmt: skip
+
+# A small Whisper front end: 16 mel bins, 1 s clips at 16 kHz -> [16, 100].
+WHISPER_KWARGS: dict[str, Any] = {"feature_size": 16, "sampling_rate": 16000,
+                                  "hop_length": 160, "chunk_length": 1, "n_fft": 400}
+
+NUM_TOKENS = {"image": 4, "audio": 3}
+
+
+def make_tokenizer(folder: Path, chat_template: str = CHATML_TEMPLATE) -> Path:
+    """Train the test tokenizer into ``folder``."""
+    return train_bpe_tokenizer(SENTENCES, folder, vocab_size=320, chat_template=chat_template)
+
+
+def write_png(path: Path, height: int, width: int, seed: int, mode: str = "RGB") -> Path:
+    """Random pixels as a PNG of ``mode`` (``RGB``, ``RGBA`` or ``L``)."""
+    from PIL import Image
+
+    channels = {"RGB": (3,), "RGBA": (4,), "L": ()}[mode]
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, *channels),
+                                                   dtype=np.uint8)  # fmt: skip
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(pixels, mode=mode).save(path)
+    return path
+
+
+def tone(seconds: float, rate: int, freq: float, seed: int) -> np.ndarray:
+    """A tone with a little noise, int16."""
+    t = np.arange(int(seconds * rate)) / rate
+    noise = np.random.default_rng(seed).standard_normal(t.size) * 0.05
+    return (np.clip(0.5 * np.sin(2 * np.pi * freq * t) + noise, -1, 1) * 32767).astype(np.int16)
+
+
+def write_wav(path: Path, samples: np.ndarray, rate: int = 16000, channels: int = 1) -> Path:
+    """16-bit PCM WAV of interleaved ``samples``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with wave.open(str(path), "wb") as f:
+        f.setnchannels(channels)
+        f.setsampwidth(2)
+        f.setframerate(rate)
+        f.writeframes(samples.astype("<i2").tobytes())
+    return path
+
+
+def write_jsonl(path: Path, samples: list[Any]) -> Path:
+    """One JSON value per line (a ``str`` is written verbatim: a broken line)."""
+    lines = [s if isinstance(s, str) else json.dumps(s) for s in samples]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def good_samples(root: Path) -> list[dict[str, Any]]:
+    """Four samples (image, audio, both, text) with their files written under ``root``."""
+    write_png(root / "img" / "a.png", 24, 32, seed=1)
+    write_png(root / "img" / "b.png", 30, 18, seed=2, mode="RGBA")
+    write_wav(root / "wav" / "a.wav", tone(0.5, 16000, 440.0, seed=3))
+    write_wav(root / "wav" / "b.wav", tone(1.5, 16000, 880.0, seed=4))  # cut to 1 s
+    return [
+        {"id": "s0", "image": "img/a.png", "conversations": [
+            {"from": "human", "value": "<image>\nwhat digit is in this picture"},
+            {"from": "gpt", "value": "the digit is seven"}]},
+        {"id": "s1", "audio": "wav/a.wav", "conversations": [
+            {"from": "human", "value": "listen to the tone <audio>"},
+            {"from": "gpt", "value": "the answer is nine"},
+            {"from": "human", "value": "which key was pressed"},
+            {"from": "gpt", "value": "nine"}]},
+        {"id": "s2", "image": ["img/b.png"], "audio": "wav/b.wav", "conversations": [
+            {"from": "human", "value": "<image> <audio> seven plus three"},
+            {"from": "gpt", "value": "seven plus three is ten"}]},
+        {"id": "s3", "conversations": [
+            {"from": "system", "value": "you are a helpful assistant"},
+            {"from": "human", "value": "describe a cat"},
+            {"from": "gpt", "value": "a cat sits on a mat"}]},
+    ]  # fmt: skip
