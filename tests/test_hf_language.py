@@ -19,11 +19,10 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from mimotron.models.hf import (
+    LLAMA_WEIGHTS,
     LlamaFamilySpec,
     build_hf_language_model,
-    hf_to_ours,
     load_llama_weights,
-    ours_to_hf,
     tensor_files,
 )
 from mimotron.models.language import LanguageModel
@@ -113,13 +112,14 @@ def test_weight_names_map_both_ways(tmp_path: Path) -> None:
     ours = build_hf_language_model(tmp_path)
     hf_names = set(hf.state_dict())
     our_names = dict(ours.named_parameters())
-    assert {ours_to_hf(n) for n in our_names} == hf_names
-    assert {hf_to_ours(n) for n in hf_names} == set(our_names)
-    assert ours_to_hf("layers.1.attn.wq.weight") == "model.layers.1.self_attn.q_proj.weight"
-    assert hf_to_ours("model.layers.1.mlp.gate_proj.bias") == "layers.1.mlp.w1.bias"
-    for bad, fn in (("layers.1.attn.wx.weight", ours_to_hf), ("model.lm_head.weight", hf_to_ours)):
-        with pytest.raises(ValueError, match="name|weight"):
-            fn(bad)
+    names = LLAMA_WEIGHTS
+    assert {names.to_hf(n) for n in our_names} == hf_names
+    assert {names.from_hf(n) for n in hf_names} == set(our_names)
+    assert names.to_hf("layers.1.attn.wq.weight") == "model.layers.1.self_attn.q_proj.weight"
+    assert names.from_hf("model.layers.1.mlp.gate_proj.bias") == "layers.1.mlp.w1.bias"
+    with pytest.raises(ValueError, match="no Hugging Face name"):
+        names.to_hf("layers.1.attn.wx.weight")
+    assert names.from_hf("model.lm_head.weight") is None
 
 
 def test_sharded_checkpoint_with_index(tmp_path: Path) -> None:
@@ -170,7 +170,7 @@ def _tp_rank(rank: int, world_size: int, path: str, reference: torch.Tensor,
     grad_errors = {}
     for name, param in model.named_parameters():
         grad = param.grad.full_tensor() if isinstance(param.grad, DTensor) else param.grad
-        ref = reference_grads[ours_to_hf(name)]
+        ref = reference_grads[LLAMA_WEIGHTS.to_hf(name)]
         grad_errors[name] = ((grad - ref).abs().max() / ref.abs().max()).item()
     matrices = [model.embed.weight] + [
         layer.get_submodule(n).weight for layer in model.layers.values() for n in _SHARDED
@@ -315,5 +315,7 @@ def test_model_not_built_from_the_config_is_an_error(tmp_path: Path) -> None:
     _hf_model(tmp_path, "llama", num_key_value_heads=2)
     spec = LlamaFamilySpec.from_hf_config(json.loads((tmp_path / "config.json").read_text()))
     model = LanguageModel(**{**spec.model_kwargs(), "num_kv_heads": 4})
-    with pytest.raises(ValueError, match=r"does not match .*attn\.wk\.weight \[32, 32\]"):
+    with pytest.raises(ValueError, match=r"does not match the model: wrong shapes: "
+                       r"model\.layers\.0\.self_attn\.k_proj\.weight \[16, 32\] "
+                       r"\(expected \[32, 32\]\)"):
         load_llama_weights(model, tmp_path)

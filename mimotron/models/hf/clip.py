@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from mimotron.models.blocks import make_layers
-from mimotron.models.hf.hf_config import read_keys, reject_set, select_config
+from mimotron.models.hf.folder import read_keys, reject_set, select_config
 from mimotron.models.hf.layers import PreLNEncoderLayer, check_activation
 from mimotron.models.hf.weights import WeightMap
 

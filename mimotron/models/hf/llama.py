@@ -25,8 +25,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from mimotron.models.hf.folder import read_hf_config, tensor_files
-from mimotron.models.hf.llama_names import is_not_a_weight, ours_to_hf
-from mimotron.models.hf.sharded_load import check_checkpoint, load_parameters_
+from mimotron.models.hf.weights import WeightMap, check_checkpoint, load_hf_weights
 from mimotron.models.language import LanguageModel
 from mimotron.models.rope_scaling import validate_rope_scaling
 from mimotron.parallel.tensor_parallel import apply_tensor_parallel
@@ -42,6 +41,31 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
               "attention_bias": False},
 }
 SUPPORTED_MODEL_TYPES = tuple(_DEFAULTS)
+
+# Our names are LanguageModel's, local to the language model (inside MimoModel they
+# carry the "language_model." prefix); layers keep their global index in both, so the
+# mapping is the same for every pipeline stage. Llama, Qwen2 and Qwen3 share it.
+LLAMA_WEIGHTS = WeightMap(
+    rules=(
+        ("embed.", "model.embed_tokens."),
+        ("layers.{i}.attn_norm.", "model.layers.{i}.input_layernorm."),
+        ("layers.{i}.attn.wq.", "model.layers.{i}.self_attn.q_proj."),
+        ("layers.{i}.attn.wk.", "model.layers.{i}.self_attn.k_proj."),
+        ("layers.{i}.attn.wv.", "model.layers.{i}.self_attn.v_proj."),
+        ("layers.{i}.attn.wo.", "model.layers.{i}.self_attn.o_proj."),
+        ("layers.{i}.attn.q_norm.", "model.layers.{i}.self_attn.q_norm."),
+        ("layers.{i}.attn.k_norm.", "model.layers.{i}.self_attn.k_norm."),
+        ("layers.{i}.mlp_norm.", "model.layers.{i}.post_attention_layernorm."),
+        ("layers.{i}.mlp.w1.", "model.layers.{i}.mlp.gate_proj."),
+        ("layers.{i}.mlp.w3.", "model.layers.{i}.mlp.up_proj."),
+        ("layers.{i}.mlp.w2.", "model.layers.{i}.mlp.down_proj."),
+        ("final_norm.", "model.norm."),
+        ("output.", "lm_head."),
+    ),
+    # Older Llama conversions saved the RoPE frequencies; transformers skips them on
+    # load, and so do we.
+    ignored=(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$",),
+)
 
 
 @dataclass(frozen=True)
@@ -217,7 +241,7 @@ def expected_hf_tensors(spec: LlamaFamilySpec) -> tuple[dict[str, tuple[int, ...
     """
     with torch.device("meta"):
         full = LanguageModel(**spec.model_kwargs(max_seq_len=1))
-    shapes = {ours_to_hf(n): tuple(p.shape) for n, p in full.named_parameters()}
+    shapes = {LLAMA_WEIGHTS.to_hf(n): tuple(p.shape) for n, p in full.named_parameters()}
     optional = {"lm_head.weight"} if spec.tie_word_embeddings else set()
     return shapes, optional
 
@@ -231,8 +255,8 @@ def check_llama_folder(path: str | Path, spec: LlamaFamilySpec | None = None) ->
     """
     spec = spec or LlamaFamilySpec.from_hf_config(read_hf_config(path))
     shapes, optional = expected_hf_tensors(spec)
-    check_checkpoint(tensor_files(path), shapes, optional, ignore=is_not_a_weight,
-                     where=f"hf_path {str(path)!r}")
+    check_checkpoint(tensor_files(path), shapes, optional=optional,
+                     known=LLAMA_WEIGHTS.is_ignored, where=f"hf_path {str(path)!r}")
     return spec
 
 
@@ -259,13 +283,7 @@ def load_llama_weights(
             match the config.
     """
     spec = check_llama_folder(path, spec)
-    shapes, _ = expected_hf_tensors(spec)
-    names = {n: ours_to_hf(n) for n, _ in module.named_parameters()}
-    wrong = [f"{n} {list(p.shape)} (config: {list(shapes.get(names[n], ()))})"
-             for n, p in module.named_parameters() if shapes.get(names[n]) != tuple(p.shape)]
-    if wrong:
-        raise ValueError(f"the model does not match hf_path {str(path)!r}: {wrong}")
-    load_parameters_(module, tensor_files(path), names)
+    load_hf_weights(module, path, LLAMA_WEIGHTS)
     return spec
 
 

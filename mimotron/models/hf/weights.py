@@ -1,35 +1,43 @@
-"""Names of Hugging Face checkpoint tensors <-> our parameter names, and reading them.
+"""Hugging Face checkpoint tensors <-> our parameters: names, checks, sharded reads, export.
 
-A :class:`WeightMap` translates between the names inside one of our towers
-(``layers.3.attn.wq.weight``) and the names ``transformers`` writes
-(``encoder.layers.3.self_attn.q_proj.weight``), both ways, from one table of prefix
-rules. A checkpoint may hold the tower under a prefix (``vision_model.`` in a full
-``CLIPModel``, ``model.encoder.`` in ``WhisperForConditionalGeneration``) next to parts
-that are not ours (a text tower, a decoder): those are ignored, anything else that does
-not map is "unexpected".
+One implementation for every family (Llama-style decoders, CLIP / SigLIP, Whisper):
 
-:func:`load_hf_weights` reads a local folder (``model.safetensors``, or shards listed in
-``model.safetensors.index.json``) with ``safetensors.safe_open(...).get_slice``: only the
-tensors the module instance holds (one pipeline stage) and, for a DTensor parameter,
-only this rank's slice, so no rank ever materialises a tensor it does not keep. It does
-no collective, so a bad folder fails on every rank before any communication.
+- A :class:`WeightMap` translates between the names inside one of our modules
+  (``layers.3.attn.wq.weight``) and the names ``transformers`` writes
+  (``model.layers.3.self_attn.q_proj.weight``), both ways, from one table of prefix
+  rules. A checkpoint may hold the module under a prefix (``vision_model.`` in a full
+  ``CLIPModel``, ``model.encoder.`` in ``WhisperForConditionalGeneration``) next to parts
+  that are not ours (a text tower, a decoder, stored RoPE frequencies): those are
+  ignored, anything else that does not map is "unexpected".
+- :func:`check_checkpoint` compares a checkpoint's tensor names and shapes with what a
+  model expects, from file headers alone: every rank runs the same check on the same
+  files and fails the same way, with one error naming every missing, unexpected and
+  mis-shaped tensor, before it has read any data or joined any collective.
+- :func:`load_hf_weights` then fills each parameter (and buffer) of a module (one
+  pipeline stage, possibly TP-sharded) from ``safe_open(...).get_slice(name)[region]``,
+  where ``region`` (:func:`local_region`) is the part of the full tensor this rank
+  holds: everything for a plain tensor, this rank's chunk for a DTensor (DTensor's
+  ``torch.chunk`` rule). So a TP rank reads, and ever holds, only its shard, and a
+  pipeline stage never touches other stages' layers. Values are converted to the
+  target's dtype on copy (a bf16 checkpoint loads into fp32 parameters).
+- :func:`to_hf_tensors` is the way back, for export.
 """
 
 from __future__ import annotations
 
-import json
 import re
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from torch import nn
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
+from mimotron.models.hf.folder import tensor_files
+
+_SHOWN = 8  # names listed per kind of problem before "... and N more"
 
 
 def _pattern(template: str) -> re.Pattern[str]:
@@ -43,15 +51,16 @@ class WeightMap:
     Args:
         rules: ``(our_prefix, hf_prefix)`` pairs; ``{i}`` stands for a layer index.
             A name maps by the first rule whose prefix it starts with.
-        prefixes: where the tower may sit inside a checkpoint (``""`` = at the root),
+        prefixes: where the module may sit inside a checkpoint (``""`` = at the root),
             in order of preference.
-        ignored: regular expressions of checkpoint names (full, with prefix) that belong
-            to parts we do not build (text tower, decoder, pooling head).
+        ignored: regular expressions of checkpoint names (full, with prefix) that are
+            not weights of what we build (text tower, decoder, pooling head, stored RoPE
+            frequencies): skipped, never "unexpected".
         reshaped: our names whose tensor is the HF tensor with a leading 1 added.
     """
 
     rules: tuple[tuple[str, str], ...]
-    prefixes: tuple[str, ...]
+    prefixes: tuple[str, ...] = ("",)
     ignored: tuple[str, ...] = ()
     reshaped: frozenset[str] = frozenset()
     _ours: tuple[re.Pattern[str], ...] = field(init=False, repr=False, compare=False)
@@ -73,139 +82,142 @@ class WeightMap:
         return None
 
     def to_hf(self, name: str) -> str:
-        """The checkpoint name (without prefix) of our tower-local ``name``.
+        """The checkpoint name (without prefix) of our module-local ``name``.
 
         Raises:
-            KeyError: ``name`` is not a name of this family's towers.
+            ValueError: ``name`` is not a parameter name of this family.
         """
         hf = self._translate(name, self._ours, [h for _, h in self.rules])
         if hf is None:
-            raise KeyError(f"{name!r} has no Hugging Face name in this family")
+            raise ValueError(f"parameter {name!r} has no Hugging Face name in this family")
         return hf
 
     def from_hf(self, hf_name: str) -> str | None:
-        """Our tower-local name of checkpoint name ``hf_name`` (prefix removed), or None."""
+        """Our module-local name of checkpoint name ``hf_name`` (prefix removed), or None."""
         return self._translate(hf_name, self._hfs, [o for o, _ in self.rules])
 
     def is_ignored(self, hf_name: str) -> bool:
-        """Whether a full checkpoint name belongs to a part this family does not build."""
+        """Whether a full checkpoint name is not a weight of what this family builds."""
         return any(re.match(p, hf_name) for p in self.ignored)
 
+    def choose_prefix(self, names: Iterable[str]) -> str:
+        """The candidate prefix under which most checkpoint names map to ours."""
+        names = list(names)
 
-def _checkpoint_files(folder: Path) -> dict[str, Path]:
-    """Checkpoint name -> file holding it; raises ``ValueError`` for an unusable folder."""
-    if not folder.is_dir():
-        raise ValueError(
-            f"Hugging Face folder {str(folder)!r} does not exist (only local folders are "
-            "read; nothing is downloaded)"
-        )
-    index = folder / INDEX_FILE
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return {name: folder / file for name, file in weight_map.items()}
-    single = folder / SINGLE_FILE
-    if single.is_file():
-        with safe_open(str(single), framework="pt") as f:
-            return {name: single for name in f.keys()}  # noqa: SIM118 - not a dict
-    raise ValueError(
-        f"Hugging Face folder {str(folder)!r} has neither {SINGLE_FILE} nor {INDEX_FILE}"
-    )
+        def hits(prefix: str) -> int:
+            return sum(1 for n in names if n.startswith(prefix)
+                       and self.from_hf(n[len(prefix):]) is not None)
+        return max(self.prefixes, key=hits)  # max keeps the first of equal counts
+
+    def knows(self, hf_name: str, prefix: str) -> bool:
+        """Whether a full checkpoint name maps to ours under ``prefix`` or is ignored."""
+        return self.is_ignored(hf_name) or (
+            hf_name.startswith(prefix) and self.from_hf(hf_name[len(prefix):]) is not None)
 
 
-def _choose_prefix(names: list[str], weight_map: WeightMap) -> str:
-    """The candidate prefix under which most checkpoint names map to ours."""
-    def hits(prefix: str) -> int:
-        return sum(
-            1 for n in names if n.startswith(prefix) and weight_map.from_hf(n[len(prefix):])
-        )
-    return max(weight_map.prefixes, key=hits)  # max keeps the first of equal counts
+def _listing(names: Iterable[str]) -> str:
+    names = sorted(names)
+    shown = ", ".join(names[:_SHOWN])
+    return shown + (f", ... and {len(names) - _SHOWN} more" if len(names) > _SHOWN else "")
 
 
-def _targets(tower: nn.Module) -> dict[str, torch.Tensor]:
-    """Tower-local name -> parameter or buffer to fill (tied tensors once)."""
+def check_checkpoint(
+    files: Mapping[str, Path],
+    expected: Mapping[str, tuple[int, ...]],
+    *,
+    optional: Iterable[str] = (),
+    known: Callable[[str], bool] = lambda name: False,
+    where: str = "checkpoint",
+) -> None:
+    """Compare a checkpoint's tensor names and shapes with a model's (headers only).
+
+    Args:
+        files: tensor name -> file (see :func:`mimotron.models.hf.folder.tensor_files`).
+        expected: tensor name -> full shape, for every tensor that must be present.
+        optional: names that may be present or absent (e.g. a tied head).
+        known: names in the checkpoint that are fine although not expected (parts we
+            do not build, layers of other pipeline stages).
+        where: the checkpoint, as named in the error.
+
+    Raises:
+        ValueError: one message naming every missing, unexpected and mis-shaped tensor.
+    """
+    optional = set(optional)
+    present = set(files)
+    missing = set(expected) - present - optional
+    unexpected = {n for n in present - set(expected) - optional if not known(n)}
+    wrong = []
+    for file, names in _by_file(files, [n for n in expected if n in present]).items():
+        with safe_open(file, framework="pt") as handle:
+            for name in names:
+                shape = tuple(handle.get_slice(name).get_shape())
+                if shape != tuple(expected[name]):
+                    wrong.append(f"{name} {list(shape)} (expected {list(expected[name])})")
+    problems = []
+    if missing:
+        problems.append(f"missing tensors: {_listing(missing)}")
+    if unexpected:
+        problems.append(f"unexpected tensors: {_listing(unexpected)}")
+    if wrong:
+        problems.append(f"wrong shapes: {_listing(wrong)}")
+    if problems:
+        raise ValueError(f"{where} does not match the model: " + "; ".join(problems))
+
+
+def local_region(tensor: torch.Tensor) -> tuple[slice, ...]:
+    """The part of the full tensor that ``tensor`` holds on this rank, as slices.
+
+    Args:
+        tensor: a plain tensor (holds everything) or a DTensor with
+            ``Shard``/``Replicate`` placements.
+
+    Returns:
+        One slice per dimension of the full tensor.
+
+    Raises:
+        ValueError: on a placement other than ``Shard``/``Replicate``.
+    """
+    shape = list(tensor.shape)  # a DTensor's shape is the full (global) shape
+    starts = [0] * len(shape)
+    if isinstance(tensor, DTensor):
+        coords = tensor.device_mesh.get_coordinate()
+        assert coords is not None, "this rank is not part of the tensor's mesh"
+        for mesh_dim, placement in enumerate(tensor.placements):
+            if isinstance(placement, Replicate):
+                continue
+            if not isinstance(placement, Shard):
+                raise ValueError(f"cannot load a parameter placed as {placement}")
+            dim, parts = placement.dim, tensor.device_mesh.size(mesh_dim)
+            chunk = -(-shape[dim] // parts)  # torch.chunk: equal chunks, the last shorter
+            offset = min(coords[mesh_dim] * chunk, shape[dim])
+            shape[dim] = max(0, min(chunk, shape[dim] - offset))
+            starts[dim] += offset
+    return tuple(slice(s, s + n) for s, n in zip(starts, shape, strict=True))
+
+
+def _targets(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Module-local name -> parameter or buffer to fill (tied tensors once)."""
     out: dict[str, torch.Tensor] = {}
     seen: set[int] = set()
-    for name, t in [*tower.named_parameters(), *tower.named_buffers()]:
+    for name, t in [*module.named_parameters(), *module.named_buffers()]:
         if id(t) not in seen:
             seen.add(id(t))
             out[name] = t
     return out
 
 
-def _expected_hf_shape(name: str, tensor: torch.Tensor, weight_map: WeightMap) -> tuple[int, ...]:
-    shape = tuple(tensor.shape)  # a DTensor reports its global shape
-    return shape[1:] if name in weight_map.reshaped else shape
-
-
-def check_checkpoint(
-    tower: nn.Module, files: dict[str, Path], weight_map: WeightMap
-) -> dict[str, str]:
-    """Match a tower instance against a checkpoint; one ``ValueError`` names every fault.
-
-    Args:
-        tower: the tower instance (one pipeline stage or all of it).
-        files: checkpoint name -> file, from the folder.
-        weight_map: the family's names.
-
-    Returns:
-        Our tower-local name -> full checkpoint name, for every tensor the tower holds.
-
-    Raises:
-        ValueError: tensors missing from the checkpoint, checkpoint tensors that map to
-            nothing of the family, or tensors whose shape differs from ours.
-    """
-    prefix = _choose_prefix(list(files), weight_map)
-    unexpected = sorted(
-        n for n in files
-        if not (n.startswith(prefix) and weight_map.from_hf(n[len(prefix):]))
-        and not weight_map.is_ignored(n)
-    )
-    wanted = {ours: prefix + weight_map.to_hf(ours) for ours in _targets(tower)}
-    missing = sorted(hf for hf in wanted.values() if hf not in files)
-    misshaped = []
-    targets = _targets(tower)
-    by_file: dict[Path, list[str]] = {}
-    for ours, hf in wanted.items():
-        if hf in files:
-            by_file.setdefault(files[hf], []).append(ours)
-    for path, names in by_file.items():
-        with safe_open(str(path), framework="pt") as f:
-            for ours in names:
-                got = tuple(f.get_slice(wanted[ours]).get_shape())
-                expected = _expected_hf_shape(ours, targets[ours], weight_map)
-                if got != expected:
-                    misshaped.append(f"{wanted[ours]} {list(got)} (expected {list(expected)})")
-    faults = [
-        f"{label}: {', '.join(items)}"
-        for label, items in (("missing", missing), ("unexpected", unexpected),
-                             ("mis-shaped", misshaped))
-        if items
-    ]
-    if faults:
-        raise ValueError("Hugging Face checkpoint does not match the model: " + "; ".join(faults))
-    return wanted
-
-
-def _local_index(tensor: torch.Tensor) -> tuple[slice, ...] | None:
-    """This rank's slice of the global tensor (``None`` = all of it)."""
-    if not isinstance(tensor, DTensor):
-        return None
-    shape, offset = compute_local_shape_and_global_offset(
-        tensor.shape, tensor.device_mesh, tensor.placements
-    )
-    return tuple(slice(o, o + s) for o, s in zip(offset, shape, strict=True))
-
-
 @torch.no_grad()
-def load_hf_weights(tower: nn.Module, folder: str | Path, weight_map: WeightMap) -> list[str]:
-    """Fill ``tower``'s parameters and buffers from a local Hugging Face folder, in place.
+def load_hf_weights(module: nn.Module, folder: str | Path, weight_map: WeightMap) -> list[str]:
+    """Fill ``module``'s parameters and buffers from a local Hugging Face folder, in place.
 
-    Call it after the tower is built (and initialised) and after tensor parallelism is
-    applied: a DTensor parameter reads only its local slice. Only the tensors this
-    instance holds (its pipeline stage's layers) are read.
+    Call it after the module is built (and initialised) and after tensor parallelism is
+    applied: a DTensor reads only its local slice. Only the tensors this instance holds
+    (its pipeline stage's layers) are checked and read; other tensors the family names
+    are left alone. It does no collective, so a bad folder fails on every rank before
+    any communication.
 
     Args:
-        tower: the encoder tower instance (not the projector, which is ours).
+        module: the model instance (one pipeline stage or all of it).
         folder: the folder with ``config.json`` and the safetensors weights.
         weight_map: the family's names.
 
@@ -216,26 +228,47 @@ def load_hf_weights(tower: nn.Module, folder: str | Path, weight_map: WeightMap)
         ValueError: the folder is missing or unusable, or tensors are missing,
             unexpected or mis-shaped (all named in one message).
     """
-    files = _checkpoint_files(Path(folder))
-    wanted = check_checkpoint(tower, files, weight_map)
-    targets = _targets(tower)
-    by_file: dict[Path, list[str]] = {}
-    for ours, hf in wanted.items():
-        by_file.setdefault(files[hf], []).append(ours)
-    for path, names in by_file.items():
-        with safe_open(str(path), framework="pt") as f:
-            for ours in names:
-                _read_into(targets[ours], f.get_slice(wanted[ours]), ours in weight_map.reshaped)
-    return sorted(wanted.values())
+    files = tensor_files(folder)
+    prefix = weight_map.choose_prefix(files)
+    targets = _targets(module)
+    names = {ours: prefix + weight_map.to_hf(ours) for ours in targets}
+    expected = {names[ours]: _hf_shape(ours, t, weight_map) for ours, t in targets.items()}
+    check_checkpoint(files, expected, known=lambda n: weight_map.knows(n, prefix),
+                     where=f"hf_path {str(folder)!r}")
+    ours_of = {hf: ours for ours, hf in names.items()}
+    for file, hf_names in _by_file(files, names.values()).items():
+        with safe_open(file, framework="pt") as handle:
+            for hf in hf_names:
+                ours = ours_of[hf]
+                _read_into(targets[ours], handle.get_slice(hf), ours in weight_map.reshaped)
+    return sorted(names.values())
+
+
+def _hf_shape(ours: str, tensor: torch.Tensor, weight_map: WeightMap) -> tuple[int, ...]:
+    shape = tuple(tensor.shape)  # a DTensor reports its global shape
+    return shape[1:] if ours in weight_map.reshaped else shape
+
+
+def _read_into(target: torch.Tensor, hf_slice: object, reshaped: bool) -> None:
+    """Copy this rank's region of the checkpoint tensor into ``target``."""
+    region = local_region(target)
+    value = hf_slice[region[1:] if reshaped else region]  # type: ignore[index]
+    local = target.to_local() if isinstance(target, DTensor) else target
+    if reshaped:
+        value = value.reshape(local.shape)
+    if value.shape != local.shape:
+        raise RuntimeError(  # a bug in local_region, not a user error
+            f"read {tuple(value.shape)}, the tensor holds {tuple(local.shape)}")
+    local.copy_(value)
 
 
 def to_hf_tensors(
-    tower: nn.Module, weight_map: WeightMap, prefix: str = ""
+    module: nn.Module, weight_map: WeightMap, prefix: str = ""
 ) -> dict[str, torch.Tensor]:
-    """The tower's tensors under their checkpoint names (the way back, for export).
+    """The module's tensors under their checkpoint names (the way back, for export).
 
     Args:
-        tower: a whole (unsharded, single-stage) tower.
+        module: a whole (unsharded, single-stage) model.
         weight_map: the family's names.
         prefix: prepended to every name (``"vision_model."`` for a full ``CLIPModel``).
 
@@ -243,17 +276,15 @@ def to_hf_tensors(
         Checkpoint name -> detached tensor in the checkpoint's shape.
     """
     out = {}
-    for ours, tensor in _targets(tower).items():
+    for ours, tensor in _targets(module).items():
         value = tensor.detach()
         out[prefix + weight_map.to_hf(ours)] = value[0] if ours in weight_map.reshaped else value
     return out
 
 
-def _read_into(target: torch.Tensor, hf_slice: object, reshaped: bool) -> None:
-    """Copy the (rank-local part of the) checkpoint tensor into ``target``."""
-    index = _local_index(target)
-    value = hf_slice[:] if index is None else hf_slice[index]  # type: ignore[index]
-    local = target.to_local() if isinstance(target, DTensor) else target
-    if reshaped:
-        value = value.reshape(local.shape)
-    local.copy_(value.to(dtype=local.dtype, device=local.device))
+def _by_file(files: Mapping[str, Path], names: Iterable[str]) -> dict[Path, list[str]]:
+    """Group tensor names by the file holding them, so each file is opened once."""
+    grouped: dict[Path, list[str]] = {}
+    for name in names:
+        grouped.setdefault(files[name], []).append(name)
+    return grouped
