@@ -8,8 +8,11 @@ would change the function and that mimotron does not implement (sliding-window
 attention, an activation other than SiLU, RoPE types other than default / linear /
 llama3, attention dropout) is a ``ValueError`` naming the key, never silently dropped.
 
-:func:`load_llama_weights` fills a built model (one pipeline stage, plain or already
-TP-sharded) from the folder's safetensors, reading only what it holds;
+``LLAMA_WEIGHTS`` maps the names (one :class:`~mimotron.models.hf.weights.WeightMap`
+for all three model types). :func:`load_llama_weights` checks the folder against the
+whole model, then fills a built model (one pipeline stage, plain or already TP-sharded)
+from the folder's safetensors through the shared
+:func:`~mimotron.models.hf.weights.load_hf_weights`, reading only what it holds;
 :func:`build_hf_language_model` does build, shard and load in the order that never
 materialises more than a rank holds.
 """
@@ -280,7 +283,7 @@ def load_llama_weights(
 
     Raises:
         ValueError: a bad folder or checkpoint, or a module whose parameters do not
-            match the config.
+            match the checkpoint (not built from its config).
     """
     spec = check_llama_folder(path, spec)
     load_hf_weights(module, path, LLAMA_WEIGHTS)
