@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 FAILURE_DIR_ENV = "MIMOTRON_FAILURE_DIR"
-KINDS = ("error", "peer", "died", "stalled")
+KINDS = ("error", "peer", "died", "stalled", "aborted")
 # Text of the errors a rank gets when a peer it waits on is gone (gloo, c10d stores).
 PEER_LOSS_MARKERS = (
     "Connection closed by peer", "Connection reset by peer", "Connection refused",

@@ -174,6 +174,26 @@ def test_a_stop_that_cannot_save_says_not_saved_and_fails(tmp_path):
     assert "saved iteration" not in out
 
 
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_during_start_up_blames_no_rank(tmp_path, signum):
+    """Item 1: a job-wide signal while the ranks are still starting (importing torch,
+    reading the config) reached them before their handlers existed: SIGTERM killed them
+    ("rank 0 failed (killed by signal SIGTERM)"), SIGINT printed a KeyboardInterrupt
+    traceback per rank. Now they hold it until their handlers are in place and stop
+    before the first step; no rank is blamed and nothing is printed but the stop."""
+    proc = _start(_stop_args(tmp_path, tmp_path / "ckpt"))
+    _rank_pids(proc.pid, 2)  # The ranks exist: exec'd, with RANK in their environment.
+    name = signal.Signals(signum).name
+    _signal_job(proc.pid, signum)
+    out = _finish(proc)
+    assert proc.returncode == 1, out[-4000:]
+    assert f"mimotron train: stopped by {name} before training began: nothing to save" \
+        in out, out[-4000:]
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out, out[-4000:]
+    assert re.search(r"rank \d failed", out) is None, out[-4000:]
+    assert _iterations(tmp_path) == []
+
+
 def test_killing_the_launcher_ends_every_rank(tmp_path):
     """Item 4: ``kill -9`` of the launcher must not leave its ranks training as orphans."""
     proc = _start([COLOCATED, *TINY, "train.iters=100000", f"log.dir={tmp_path}"])
