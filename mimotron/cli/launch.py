@@ -14,9 +14,11 @@ what torch's elastic agent cannot do for this project:
   re-signals the ranks on every repeat and kills them after 30 s, whether or not they
   finished saving. Only a second Ctrl-C at a terminal (stdin a TTY, at least
   ``DUPLICATE_WINDOW_S`` after the first) kills the ranks at once, unsaved.
-* **Deaths in order.** Every 50 ms it polls the ranks; a rank that exited non-zero
-  without a failure record is recorded as ``"died"`` when seen, so the failure records'
-  order is the order of events (:mod:`mimotron.failures`).
+* **Deaths.** Every 50 ms it polls the ranks; a rank that exited non-zero without a
+  failure record is recorded as ``"died"`` when seen. So a death lands in the failure
+  records' order up to a poll late, possibly after a peer's error about it; a peer's error
+  recognised as a peer loss, or one naming a connection within a few seconds of the death,
+  does not hide it (:func:`mimotron.failures.root_cause`); any other error does.
 * **Stalls.** A rank whose process is stopped (state ``T``, e.g. SIGSTOP) for
   ``pg_timeout_s``, or while a peer already failed, is recorded as ``"stalled"``.
 * **Teardown.** Once a failure's root cause is known (or ``SETTLE_S`` after the first
