@@ -18,8 +18,14 @@ waited on it). The root cause (:func:`root_cause`) is the earliest record of any
 ``"peer"``; only when there is none is it the earliest ``"peer"`` record. The other
 failed ranks are named as collateral (:func:`consequence_note`).
 
-The CLI launcher polls its ranks every few milliseconds and records a death when it sees
-it, so deaths and errors are ordered as they happened (the harness does the same).
+A death is recorded only when the parent *sees* it (the CLI launcher polls every 50 ms, the
+harness likewise), so it can land after the error of a peer that lost the dead rank. That
+is harmless when the peer's error is recognised as a peer loss. When it is not (a message
+outside :data:`PEER_LOSS_MARKERS`), :func:`root_cause` still prefers the death if it was
+recorded within :data:`DEATH_WINDOW_S` of the error and the error's text names a
+connection, socket, peer or store (:func:`mentions_connection`). What remains open: an
+unrecognised error whose text names none of these, recorded before a peer's death was
+seen, is blamed instead of that death.
 """
 
 from __future__ import annotations
@@ -27,17 +33,27 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 FAILURE_DIR_ENV = "MIMOTRON_FAILURE_DIR"
-KINDS = ("error", "peer", "died", "stalled")
+KINDS = ("error", "peer", "died", "stalled", "aborted")
 # Text of the errors a rank gets when a peer it waits on is gone (gloo, c10d stores).
 PEER_LOSS_MARKERS = (
     "Connection closed by peer", "Connection reset by peer", "Connection refused",
     "Broken pipe", "Timed out", "timed out", "Socket Timeout", "failed on another rank",
 )
+
+
+# Words in an error's text that point at a lost connection rather than the rank itself.
+_CONNECTION_RE = re.compile(
+    r"\b(connection|connect|connected|disconnected|socket|peer|store|tcpstore|gloo|nccl|"
+    r"broken pipe|eof)\b", re.IGNORECASE)
+DEATH_WINDOW_S = 5.0
+"""A death recorded this long after a connection-like error is taken as its cause."""
 
 
 @dataclass(frozen=True)
@@ -51,6 +67,7 @@ class FailureRecord:
             or ``"stalled"`` (stopped while its peers waited).
         summary: one line: the exception, or how the process ended.
         exit_code: the exit code the rank meant to return, when it knew one.
+        at: wall-clock time (``time.time()``) the record was written, if known.
     """
 
     seq: int
@@ -58,6 +75,12 @@ class FailureRecord:
     kind: str
     summary: str
     exit_code: int | None = None
+    at: float | None = None
+
+
+def mentions_connection(text: str) -> bool:
+    """Whether an error's text names a connection, socket, peer or store problem."""
+    return _CONNECTION_RE.search(text) is not None
 
 
 def is_peer_loss(exc: BaseException) -> bool:
@@ -116,7 +139,7 @@ def record_failure(directory: str | os.PathLike | None, rank: int, kind: str, su
     try:
         seq = 0
         while True:
-            record = FailureRecord(seq, rank, kind, summary, exit_code)
+            record = FailureRecord(seq, rank, kind, summary, exit_code, time.time())
             tmp.write_text(json.dumps(asdict(record)))
             try:
                 os.link(tmp, root / f"{seq:06d}.json")  # Fails if the name is taken.
@@ -174,6 +197,10 @@ def death_summary(exit_code: int | None) -> str:
 def root_cause(records: list[FailureRecord]) -> FailureRecord | None:
     """The earliest own error or death; the earliest peer loss only if there is neither.
 
+    One exception, for deaths seen late (see the module docstring): when the earliest is
+    an ``"error"`` whose text mentions a connection (:func:`mentions_connection`) and a
+    ``"died"`` record follows within :data:`DEATH_WINDOW_S`, the death is the root cause.
+
     Args:
         records: failures, at most one per rank, in any order.
 
@@ -182,7 +209,14 @@ def root_cause(records: list[FailureRecord]) -> FailureRecord | None:
     """
     ordered = sorted(records, key=lambda r: r.seq)
     primary = [r for r in ordered if r.kind != "peer"]
-    return (primary or ordered or [None])[0]
+    first = (primary or ordered or [None])[0]
+    if first is None or first.kind != "error" or not mentions_connection(first.summary):
+        return first
+    for later in primary:
+        if later.kind == "died" and first.at is not None and later.at is not None \
+                and later.at - first.at <= DEATH_WINDOW_S:
+            return later
+    return first
 
 
 def first_per_rank(records: list[FailureRecord]) -> list[FailureRecord]:

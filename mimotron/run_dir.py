@@ -11,6 +11,11 @@ naming the directory, unless ``train.overwrite = true``; then the previous run's
 a checkpoint.dir outside log.dir gets its own ``previous-<time>/``), and the move is
 printed. Anything else in the directories (a job's own log file) stays where it is.
 
+An explicit ``checkpoint.load = <path>`` resumes, but into a checkpoint.dir that may hold
+*newer* ``iter_*`` folders (a rewind to an earlier checkpoint); its first save would move
+``latest`` below them. That is refused the same way, and with ``train.overwrite = true``
+the newer folders (and ``latest`` when it names one) are moved aside.
+
 Who moves, and when: files may only be moved before any rank can write. ``mimotron
 train`` calls :func:`prepare_run_dir` before it launches the ranks (no process group
 exists yet); under an external launcher every rank runs that call, and only ``RANK`` 0
@@ -25,12 +30,21 @@ they are told to move it before starting the ranks.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
 from pathlib import Path
 
-from mimotron.checkpoint.files import LATEST, checkpoint_iterations, resolve_load
+from mimotron.checkpoint.files import (
+    LATEST,
+    CheckpointError,
+    checkpoint_iterations,
+    parse_iteration,
+    read_latest,
+    read_manifest,
+    resolve_load,
+)
 from mimotron.config import MimoConfig
 
 METRICS = "metrics.jsonl"
@@ -163,8 +177,11 @@ def prepare_run_dir(cfg: MimoConfig) -> None:
     mover = is_mover()
     if mover:
         check_writable(cfg)
-    if resolve_load(cfg.checkpoint.load, cfg.checkpoint_dir, quiet=True) is not None:
-        return  # Resuming: the run continues the directory's run.
+    loaded = resolve_load(cfg.checkpoint.load, cfg.checkpoint_dir, quiet=True)
+    if loaded is not None:
+        if cfg.checkpoint.load != "auto":  # auto follows `latest`, rewound or not.
+            _check_newer(cfg, loaded, mover)
+        return  # Resuming: the run continues from the loaded checkpoint.
     if cfg.train.overwrite and not mover:
         return  # RANK 0 moves; looking now could race with it.
     entries = previous_run(cfg)
@@ -172,6 +189,43 @@ def prepare_run_dir(cfg: MimoConfig) -> None:
         return
     if not cfg.train.overwrite:
         raise ValueError(_refusal(cfg, entries))
+    move_aside(cfg, entries)
+
+
+def newer_checkpoints(cfg: MimoConfig, loaded: Path) -> list[Path]:
+    """``iter_*`` folders in checkpoint.dir newer than ``loaded`` (and ``latest`` if it
+    names one of them): the first save of a run resumed from ``loaded`` would move
+    ``latest`` back below them."""
+    start = parse_iteration(loaded)
+    if start is None:
+        with contextlib.suppress(CheckpointError):
+            start = int(read_manifest(loaded).get("iteration", 0))
+    root = cfg.checkpoint_dir
+    newer = {it: p for it, p in checkpoint_iterations(root).items()
+             if start is not None and it > start and p.resolve() != loaded.resolve()}
+    if not newer:
+        return []
+    entries = [p for _, p in sorted(newer.items())]
+    with contextlib.suppress(CheckpointError):
+        if read_latest(root) in newer:
+            entries.insert(0, root / LATEST)
+    return entries
+
+
+def _check_newer(cfg: MimoConfig, loaded: Path, mover: bool) -> None:
+    """An explicit ``checkpoint.load`` below newer checkpoints: refuse, or move them aside."""
+    if cfg.train.overwrite and not mover:
+        return  # RANK 0 moves; looking now could race with it.
+    entries = newer_checkpoints(cfg, loaded)
+    if not entries:
+        return
+    if not cfg.train.overwrite:
+        names = ", ".join(p.name for p in entries if p.name != LATEST)
+        raise ValueError(
+            f"checkpoint.load={cfg.checkpoint.load!r} resumes from {loaded.name}, but "
+            f"checkpoint.dir={str(cfg.checkpoint_dir)!r} holds newer checkpoints ({names}) "
+            "that its first save would put behind `latest`: set train.overwrite=true to "
+            "move them aside, or use another checkpoint.dir")
     move_aside(cfg, entries)
 
 

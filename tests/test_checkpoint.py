@@ -431,6 +431,50 @@ def test_sigterm_to_the_launcher_saves_on_every_rank_and_exits_0(tmp_path):
     assert stopped == int(found[1]) and 2 <= stopped < 400, out
 
 
+def _signal_after_the_stop_save(rank: int, world: int, overrides: list[str]) -> list[Any]:
+    """A stop save, then repeats of the signal: during the save's wait and after it."""
+
+    # No duplicate window: every repeat counts as insisting, as one >1 s later would.
+    stop = StopSignals(duplicate_window_s=0.0).install()
+    run = setup_mimo(load_config(DIGITS, overrides), init_runtime())
+    manager = CheckpointManager(*_pieces(run))  # Adopts ``stop``.
+    _steps(run, 1)
+    signal.raise_signal(signal.SIGTERM)
+    stopping = manager.after_step()  # Saves iteration 1 and stops.
+    manager.finish()
+    # The save is complete: a scheduler's repeat during the final eval, the summary or
+    # destroy_process_group must not kill the rank (before the fix it died of SIGTERM).
+    signal.raise_signal(signal.SIGTERM)
+    signal.raise_signal(signal.SIGINT)
+    manager.close()
+    stop.restore()
+    return [stopping, stop.saving_iteration,
+            read_latest(Path(run.global_state.cfg.checkpoint_dir))]
+
+
+def test_a_signal_after_the_stop_save_is_complete_is_ignored(tmp_path):
+    overrides = TRAIN + [f"log.dir={tmp_path}", f"checkpoint.dir={tmp_path}/ckpt"]
+    assert run_ranks(1, _signal_after_the_stop_save, overrides, timeout_s=120) == [
+        [True, 1, 1]]
+
+
+def test_a_signal_during_the_stop_save_aborts_and_says_which_save():
+    """Only a signal while the stop's save is written aborts (KeyboardInterrupt for SIGINT);
+    the handler notes the iteration and the signal for the rank's failure record."""
+
+    stop = StopSignals(duplicate_window_s=0.0).install()
+    try:
+        signal.raise_signal(signal.SIGTERM)  # The stop request.
+        signal.raise_signal(signal.SIGTERM)  # A copy before the save: ignored.
+        stop.begin_save(7)
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGINT)
+        assert (stop.received, stop.aborted_by, stop.saving_iteration) == (
+            signal.SIGTERM, signal.SIGINT, 7)
+    finally:
+        stop.restore()
+
+
 # ---- export -----------------------------------------------------------------------------
 
 

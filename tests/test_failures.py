@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from mimotron.checkpoint.files import CheckpointError
 from mimotron.failures import (
+    DEATH_WINDOW_S,
     FAILURE_DIR_ENV,
     FailureRecord,
     consequence_note,
@@ -66,6 +67,23 @@ def test_root_cause_prefers_own_errors_and_deaths_over_earlier_peer_losses():
     note = consequence_note([peer, error, died], error, stopped=[3])
     assert note == (" (rank 0 failed as a consequence: peer lost; rank 2 also failed, "
                     "later; rank 3 stopped as a consequence)")
+
+
+def test_a_death_seen_late_beats_a_connection_error_it_caused():
+    """Rank 2 was SIGKILLed; rank 0's error about the lost connection was not recognised as
+    a peer loss and was recorded before the launcher's poll saw the death. The death is
+    the root cause when it follows within DEATH_WINDOW_S and the error names a
+    connection; an unrelated error, or a death much later, keeps the first record."""
+    t = 1000.0
+    unrecognised = FailureRecord(0, 0, "error", "RuntimeError: [gloo] socket recv failed",
+                                 1, t)
+    died = FailureRecord(1, 2, "died", "killed by signal SIGKILL", None, t + 0.2)
+    assert root_cause([unrecognised, died]) == died
+    own = FailureRecord(0, 0, "error", "ValueError: bad batch shape", 1, t)
+    assert root_cause([own, died]) == own
+    late = FailureRecord(1, 2, "died", "killed by signal SIGKILL", None,
+                         t + DEATH_WINDOW_S + 1)
+    assert root_cause([unrecognised, late]) == unrecognised
 
 
 # ---- the harness ----------------------------------------------------------------------------

@@ -284,3 +284,27 @@ def test_item8_plan_checks_what_train_checks_before_launch(tmp_path, capsys):
     assert main(["plan", DIGITS, f"log.dir={tmp_path}"]) == 0
     assert "train would refuse" in capsys.readouterr().out
     assert (tmp_path / "metrics.jsonl").is_file()
+
+
+def test_item5_explicit_load_below_newer_checkpoints_refuses_or_moves_them(tmp_path, capsys):
+    """Item 5: ``checkpoint.load=<iter_4>`` into a checkpoint.dir holding iter_8 (and
+    ``latest`` = 8): its first save would move ``latest`` backwards. Refused with one line
+    naming the newer folder; with ``train.overwrite=true`` iter_8 and ``latest`` move
+    aside and iter_4 stays."""
+    from mimotron.run_dir import prepare_run_dir
+
+    ckpt = tmp_path / "ckpt"
+    older = _checkpoint(ckpt, 4)
+    _checkpoint(ckpt, 8)
+    write_latest(ckpt, 8)
+    args = [*TINY, f"log.dir={tmp_path}", f"checkpoint.dir={ckpt}", f"checkpoint.load={older}"]
+    with pytest.raises(ValueError, match=r"iter_0000008.*train\.overwrite=true"):
+        prepare_run_dir(load_config(DIGITS, args))
+    assert (ckpt / "iter_0000008").is_dir() and (ckpt / "latest").is_file()
+    prepare_run_dir(load_config(DIGITS, [*args, "train.overwrite=true"]))
+    assert sorted(p.name for p in ckpt.iterdir() if not p.name.startswith("previous-")) == [
+        "iter_0000004"]
+    (moved,) = [p for p in tmp_path.rglob("previous-*") if p.is_dir()]
+    assert (moved / "ckpt" / "iter_0000008").is_dir() or (moved / "iter_0000008").is_dir()
+    assert "moved" in capsys.readouterr().err
+    prepare_run_dir(load_config(DIGITS, args))  # nothing newer left: resumes quietly

@@ -148,16 +148,20 @@ def test_job_wide_sigterm_saves_and_reports_the_saved_iteration(tmp_path):
 
 def test_sigint_through_a_forwarding_wrapper_saves(tmp_path):
     """Item 1: SIGINT to a process group holding a wrapper that forwards it (``timeout``
-    signals its child and then its group again): the ranks still save, exit 0."""
+    signals its child and then its group again), so every rank gets two or three copies
+    within milliseconds: the ranks still save the last iteration they trained, exit 0.
+    (Checked on the files first: a rank that took a copy as "abort" saves nothing.)"""
     ckpt = tmp_path / "ckpt"
     proc = _start(_stop_args(tmp_path, ckpt), wrapper=["timeout", "-s", "INT", "900"])
     _wait_for_iterations(tmp_path, 2, proc)
     os.killpg(proc.pid, signal.SIGINT)
     out = _finish(proc)
+    trained = _iterations(tmp_path)
+    assert read_latest(ckpt) == trained[-1] >= 2, out[-4000:]
     assert proc.returncode == 0, out[-4000:]
     found = re.search(r"mimotron train: stopped by SIGINT; saved iteration (\d+)", out)
     assert found is not None, out[-4000:]
-    assert read_latest(ckpt) == int(found[1]) >= 2
+    assert int(found[1]) == trained[-1]
 
 
 def test_a_stop_that_cannot_save_says_not_saved_and_fails(tmp_path):
@@ -172,6 +176,26 @@ def test_a_stop_that_cannot_save_says_not_saved_and_fails(tmp_path):
     assert proc.returncode != 0, out[-4000:]
     assert "mimotron train: stopped by SIGTERM: not saved" in out, out[-4000:]
     assert "saved iteration" not in out
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_during_start_up_blames_no_rank(tmp_path, signum):
+    """Item 1: a job-wide signal while the ranks are still starting (importing torch,
+    reading the config) reached them before their handlers existed: SIGTERM killed them
+    ("rank 0 failed (killed by signal SIGTERM)"), SIGINT printed a KeyboardInterrupt
+    traceback per rank. Now they hold it until their handlers are in place and stop
+    before the first step; no rank is blamed and nothing is printed but the stop."""
+    proc = _start(_stop_args(tmp_path, tmp_path / "ckpt"))
+    _rank_pids(proc.pid, 2)  # The ranks exist: exec'd, with RANK in their environment.
+    name = signal.Signals(signum).name
+    _signal_job(proc.pid, signum)
+    out = _finish(proc)
+    assert proc.returncode == 1, out[-4000:]
+    assert f"mimotron train: stopped by {name} before training began: nothing to save" \
+        in out, out[-4000:]
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out, out[-4000:]
+    assert re.search(r"rank \d failed", out) is None, out[-4000:]
+    assert _iterations(tmp_path) == []
 
 
 def test_killing_the_launcher_ends_every_rank(tmp_path):
@@ -196,8 +220,11 @@ def test_killing_the_launcher_ends_every_rank(tmp_path):
 
 
 def test_a_rank_killed_from_outside_is_blamed(tmp_path):
-    """Item 7: SIGKILL of rank 2 of 4 from outside (the OOM killer) names rank 2, with a
-    hint instead of a claim that its error was printed."""
+    """Item 7 (a regression test): SIGKILL of rank 2 of 4 from outside (the OOM killer)
+    names rank 2, with a hint instead of a claim that its error was printed. Its peers'
+    errors are recognised peer losses here, so the blame does not depend on whether the
+    launcher saw the death before they reported; the late-death case with an
+    unrecognised error is the unit test in test_failures.py."""
     proc = _start([DIGITS, *TINY, "train.iters=100000", "train.pg_timeout_s=60",
                    f"log.dir={tmp_path}"])
     _wait_for_iterations(tmp_path, 2, proc)
@@ -209,12 +236,17 @@ def test_a_rank_killed_from_outside_is_blamed(tmp_path):
                               "out of memory? check `dmesg`)"), verdict
     assert "printed above" not in out
     note = verdict.partition("`dmesg`)")[2]  # The blocked peers are named as collateral.
-    assert re.fullmatch(r" \(ranks [013], [013], [013] .*consequence.*\)", note), verdict
+    # Which of them reported a peer loss before being stopped is scheduling: the note may
+    # split them into "failed as a consequence" and "stopped as a consequence".
+    parts = note.strip(" ()").split("; ")
+    assert all("consequence" in part for part in parts), verdict
+    assert sorted(int(r) for r in re.findall(r"\d", note)) == [0, 1, 3], verdict
 
 
-def test_a_stopped_rank_is_named_as_stalled_within_the_timeout(tmp_path):
-    """Item 7: a rank stopped with SIGSTOP is found and named, and the job ends, within
-    about ``train.pg_timeout_s`` (the launch's hang guard is twice that)."""
+def test_a_stopped_rank_is_named_as_stalled_after_the_timeout(tmp_path):
+    """Item 7: a rank stopped with SIGSTOP is named as stalled (not a peer that timed out
+    waiting on it), and the job ends instead of hanging; the verdict says how long it
+    was stopped: about ``train.pg_timeout_s``, when the launcher or its peers gave up."""
     timeout_s = 10
     proc = _start([DIGITS, *TINY, "train.iters=100000", f"train.pg_timeout_s={timeout_s}",
                    f"log.dir={tmp_path}"])
@@ -222,14 +254,18 @@ def test_a_stopped_rank_is_named_as_stalled_within_the_timeout(tmp_path):
     stopped = _rank_pids(proc.pid, 4)[2]
     os.kill(stopped, signal.SIGSTOP)
     try:
-        out = _finish(proc, timeout_s=2 * timeout_s)
+        out = _finish(proc, timeout_s=180)  # A hang guard only.
     finally:
         if _alive(stopped):
             os.kill(stopped, signal.SIGKILL)
     assert proc.returncode == 1, out[-4000:]
     verdict = _verdict(out)
-    assert verdict.startswith("mimotron train: rank 2 failed (stalled: its process was "
-                              "stopped"), verdict
+    found = re.match(r"mimotron train: rank 2 failed \(stalled: its process was stopped "
+                     r"\(SIGSTOP\?\) for (\d+) s", verdict)
+    assert found is not None, verdict
+    # Whole seconds, rounded; peers blocked on rank 2 a little before it was stopped may
+    # time out that much early.
+    assert int(found[1]) >= timeout_s - 1, verdict
 
 
 def _fake_checkpoint(root: Path) -> Path:

@@ -10,8 +10,11 @@ Stopping must be a world decision: the signal may reach one rank only, and clock
 Each step every rank contributes its flags (signal received, time is up, a background
 save failed) to one MAX all-reduce, so all ranks stop, or fail, after the same iteration.
 A signal stop saves even at the last iteration and even with ``checkpoint.interval = 0``
-(the progress would be lost otherwise); once that save is complete, rank 0 leaves a stop
-record for the launcher (:func:`~mimotron.checkpoint.signals.write_stop_record`).
+(the progress would be lost otherwise); once that save is complete, later signals are
+ignored and rank 0 leaves a stop record for the launcher
+(:func:`~mimotron.checkpoint.signals.write_stop_record`). A signal that came while the run
+was being built stops it before the first step (:meth:`CheckpointManager.stop_before_start`),
+with nothing to save.
 """
 
 from __future__ import annotations
@@ -70,6 +73,7 @@ class CheckpointManager:
         # A resumed run starts at a saved iteration: no need to write it again.
         self._last_saved: int | None = iteration if iteration > 0 else None
         self.exit_reason: str | None = None
+        self._before_start = False
         self.saves: list[dict[str, Any]] = []
         # Adopt the handlers the rank's entry point installed before set-up, if any: a
         # signal that came while the run was being built still counts.
@@ -115,7 +119,8 @@ class CheckpointManager:
         if signalled:
             # Even at the last iteration: the launcher reports what a signal stop saved.
             reason = self._signals.name or "SIGTERM"
-            self._signals.saving = True  # From here on, an insisting signal aborts.
+            # Until the save is complete, an insisting signal aborts it.
+            self._signals.begin_save(ts.iteration)
         if periodic or reason is not None:
             self.save()
         if reason is not None:
@@ -126,6 +131,32 @@ class CheckpointManager:
                 f"resume with checkpoint.load=auto from {cfg.checkpoint_dir}",
             )
         return reason is not None
+
+    def stop_before_start(self) -> bool:
+        """Whether a stop signal came while the run was built (world-agreed). Collective.
+
+        Call once before the first step. Then nothing was trained, so nothing is saved:
+        the stop is complete at once (later signals are ignored), and rank 0 leaves a
+        stop record that says so.
+
+        Returns:
+            True when the loop must not start.
+        """
+        flag = torch.tensor([float(self._signals.received is not None)],
+                            device=self._state.runtime.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if not bool(flag.item()):
+            return False
+        ts = self._state.train_state
+        self.exit_reason = self._signals.name or "SIGTERM"
+        self._before_start = True
+        self._signals.save_complete()
+        if dist.get_rank() == 0:
+            write_stop_record(os.environ.get(FAILURE_DIR_ENV), self.exit_reason,
+                              ts.iteration, None, began=False)
+        log(dist.get_rank(), f"stopping before iteration {ts.iteration + 1} "
+            f"({self.exit_reason} during set-up); nothing trained, nothing saved")
+        return True
 
     def save(self) -> None:
         """Save the current iteration (waits for a previous background save first)."""
@@ -175,13 +206,18 @@ class CheckpointManager:
 
     def finish(self) -> None:
         """After the loop: the final save (``checkpoint.interval > 0``), then wait for it."""
+        if self._before_start:
+            return  # Stopped before the first step: nothing new to save.
         if (
             self._cfg.checkpoint.interval > 0
             and self._last_saved != self._state.train_state.iteration
         ):
             self.save()
         self.wait()
-        if self._signals.saving and dist.get_rank() == 0:
+        if not self._signals.saving:
+            return
+        self._signals.save_complete()  # Saved: the run is on its way out; ignore signals.
+        if dist.get_rank() == 0:
             write_stop_record(os.environ.get(FAILURE_DIR_ENV), self.exit_reason or "SIGTERM",
                               self._state.train_state.iteration, self._last_saved)
 

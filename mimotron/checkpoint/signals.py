@@ -8,11 +8,20 @@ no signal must not be left waiting in a collective), saves and exits 0.
 One stop request often arrives several times: Slurm's ``scancel`` signals every process
 of the job, so a rank gets its own SIGTERM *and* the launcher's forward; ``timeout`` and
 shell wrappers signal their child and then its whole process group. So repeats are
-ignored while the stop is on its way to the save. Only a signal that arrives after the
-stop's save began, and at least ``duplicate_window_s`` after the first (copies of one
-request arrive within milliseconds), restores the previous handler and re-sends itself:
-someone insists on stopping now, at the price of that save. (At a terminal, ``mimotron
-train``'s launcher also aborts on a second Ctrl-C: see :mod:`mimotron.cli.launch`.)
+ignored while the stop is on its way to the save. Only a signal that arrives while the
+stop's save is being written, and at least ``duplicate_window_s`` after the first (copies
+of one request arrive within milliseconds), restores the previous handler and re-sends
+itself: someone insists on stopping now, at the price of that save (the rank notes the
+iteration it was saving in :attr:`StopSignals.saving_iteration`). Once that save is
+complete (:meth:`StopSignals.save_complete`) every later signal is ignored: the run is on
+its way out with its progress saved, and dying in the final evaluation or shutdown would
+only make the launcher report a failure.
+
+Under ``mimotron train``'s launcher a rank starts with SIGTERM and SIGINT *blocked*
+(inherited through ``exec``), so a signal that arrives while it imports torch or reads
+its config stays pending; :func:`unblock_stop_signals`, called right after the handlers
+are installed, delivers it to them. (At a terminal, the launcher also aborts on a second
+Ctrl-C: see :mod:`mimotron.cli.launch`.)
 
 When a rank stops on a signal it leaves a stop record (:func:`write_stop_record`) in the
 launcher's ``MIMOTRON_FAILURE_DIR``, so the launcher reports what happened: the
@@ -46,7 +55,12 @@ class StopSignals:
 
     Attributes:
         received: the first signal's number, or None.
-        saving: set by the checkpoint manager when the stop's save begins.
+        saving: True while the stop's save is being written (:meth:`begin_save` to
+            :meth:`save_complete`): only then does an insisting signal abort.
+        saved: the stop's save is complete (or there was nothing to save): every later
+            signal is ignored.
+        saving_iteration: the iteration the stop's save writes, once it began.
+        aborted_by: the signal that aborted the save, or None.
 
     Example:
         >>> stop = StopSignals().install()
@@ -60,6 +74,9 @@ class StopSignals:
         self.duplicate_window_s = duplicate_window_s
         self.received: int | None = None
         self.saving = False
+        self.saved = False
+        self.saving_iteration: int | None = None
+        self.aborted_by: int | None = None
         self._first_at = 0.0
         self._previous: dict[int, Any] = {}
 
@@ -108,6 +125,14 @@ class StopSignals:
         """The received signal's name (``SIGTERM``), or ``""``."""
         return signal.Signals(self.received).name if self.received is not None else ""
 
+    def begin_save(self, iteration: int) -> None:
+        """The stop's save of ``iteration`` begins: from now on an insisting signal aborts."""
+        self.saving, self.saving_iteration = True, iteration
+
+    def save_complete(self) -> None:
+        """The stop's save is written (or there is none): ignore every later signal."""
+        self.saving, self.saved = False, True
+
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         del frame
         now = time.monotonic()
@@ -115,14 +140,38 @@ class StopSignals:
             self.received, self._first_at = signum, now
             return
         if not self.saving or now - self._first_at < self.duplicate_window_s:
-            return  # The same stop request again (a forward, a wrapper): already on it.
-        # After the save began, a later signal insists: let the previous behaviour happen.
+            # The same stop request again (a forward, a wrapper), or the save is already
+            # complete and the run on its way out: nothing to do.
+            return
+        # While the save is written, a later signal insists: the previous behaviour.
+        self.aborted_by = signum
         self.restore()
         signal.raise_signal(signum)
 
 
+def block_stop_signals() -> set[int]:
+    """Block SIGTERM/SIGINT in the calling thread (children it starts inherit the mask).
+
+    Returns:
+        The stop signals that were blocked before (to pass to :func:`unblock_stop_signals`
+        when restoring a previous state).
+    """
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    return {s for s in STOP_SIGNALS if s in before}
+
+
+def unblock_stop_signals(keep: set[int] | frozenset[int] = frozenset()) -> None:
+    """Unblock SIGTERM/SIGINT (but ``keep``); pending ones are delivered to the handlers now.
+
+    Args:
+        keep: stop signals to leave blocked (those :func:`block_stop_signals` found
+            blocked already).
+    """
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, [s for s in STOP_SIGNALS if s not in keep])
+
+
 def write_stop_record(directory: str | os.PathLike | None, signal_name: str, iteration: int,
-                      saved: int | None) -> None:
+                      saved: int | None, began: bool = True) -> None:
     """Tell the launcher that the ranks stopped on a signal and what they saved.
 
     Best effort (no directory: not launched by ``mimotron train``; the rank's own log line
@@ -133,6 +182,7 @@ def write_stop_record(directory: str | os.PathLike | None, signal_name: str, ite
         signal_name: e.g. ``"SIGTERM"``.
         iteration: the last iteration trained.
         saved: the iteration of the checkpoint written on the way out, or None.
+        began: False when the signal came before the first step (nothing to save).
     """
     if directory is None:
         return
@@ -140,7 +190,7 @@ def write_stop_record(directory: str | os.PathLike | None, signal_name: str, ite
     tmp = path.with_suffix(f".tmp-{os.getpid()}")
     with contextlib.suppress(OSError):
         tmp.write_text(json.dumps({"signal": signal_name, "iteration": iteration,
-                                   "saved": saved}))
+                                   "saved": saved, "began": began}))
         os.replace(tmp, path)
 
 

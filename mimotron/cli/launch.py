@@ -7,13 +7,18 @@ what torch's elastic agent cannot do for this project:
 
 * **Signals.** The first SIGTERM or SIGINT is passed on to every rank once; the ranks
   finish their step, save and exit 0 (:mod:`mimotron.checkpoint.signals`). Repeats are
-  not passed on (under Slurm each rank gets its own copy anyway). torch's agent instead
+  not passed on (under Slurm each rank gets its own copy anyway). The ranks start with
+  SIGTERM/SIGINT blocked and unblock them once their handlers are installed, so a signal
+  during their start-up is kept, not fatal; a rank still starting when the signal comes
+  gets it once, when it has been started. torch's agent instead
   re-signals the ranks on every repeat and kills them after 30 s, whether or not they
   finished saving. Only a second Ctrl-C at a terminal (stdin a TTY, at least
   ``DUPLICATE_WINDOW_S`` after the first) kills the ranks at once, unsaved.
-* **Deaths in order.** Every 50 ms it polls the ranks; a rank that exited non-zero
-  without a failure record is recorded as ``"died"`` when seen, so the failure records'
-  order is the order of events (:mod:`mimotron.failures`).
+* **Deaths.** Every 50 ms it polls the ranks; a rank that exited non-zero without a
+  failure record is recorded as ``"died"`` when seen. So a death lands in the failure
+  records' order up to a poll late, possibly after a peer's error about it; a peer's error
+  recognised as a peer loss, or one naming a connection within a few seconds of the death,
+  does not hide it (:func:`mimotron.failures.root_cause`); any other error does.
 * **Stalls.** A rank whose process is stopped (state ``T``, e.g. SIGSTOP) for
   ``pg_timeout_s``, or while a peer already failed, is recorded as ``"stalled"``.
 * **Teardown.** Once a failure's root cause is known (or ``SETTLE_S`` after the first
@@ -34,7 +39,11 @@ import time
 from dataclasses import dataclass, field
 from types import FrameType
 
-from mimotron.checkpoint.signals import DUPLICATE_WINDOW_S
+from mimotron.checkpoint.signals import (
+    DUPLICATE_WINDOW_S,
+    block_stop_signals,
+    unblock_stop_signals,
+)
 from mimotron.failures import (
     FAILURE_DIR_ENV,
     death_summary,
@@ -97,6 +106,7 @@ class Launcher:
         self._stopped_since: dict[int, float] = {}
         self._failed_at: float | None = None
         self._killed: set[int] = set()  # Ranks this launcher killed in teardown.
+        self._forwarded: set[int] = set()  # Ranks the stop signal was passed on to.
 
     def run(self) -> LaunchResult:
         """Start the ranks and wait for all of them; SIGTERM/SIGINT are handled meanwhile."""
@@ -106,8 +116,16 @@ class Launcher:
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM,
                                                                    signal.SIGINT)}
         try:
-            for rank in range(self.world_size):
-                self._procs.append(subprocess.Popen(self.argv, env=self._env(rank, store.port)))
+            # The ranks start with the stop signals blocked (the mask survives exec) and
+            # unblock them once their handlers are in place: a signal during their
+            # start-up waits for the handler instead of killing them.
+            kept = block_stop_signals()
+            try:
+                for rank in range(self.world_size):
+                    self._procs.append(subprocess.Popen(self.argv,
+                                                        env=self._env(rank, store.port)))
+            finally:
+                unblock_stop_signals(keep=kept)
             if self.result.signal_name:  # A signal came while the ranks were starting.
                 self._forward(signal.Signals[self.result.signal_name])
             while len(self.result.exit_codes) < self.world_size:
@@ -184,8 +202,10 @@ class Launcher:
                 proc.kill()
 
     def _forward(self, signum: int) -> None:
-        for proc in self._procs:
-            if proc.poll() is None:
+        """Pass the stop signal on to each started rank that did not get it yet."""
+        for rank, proc in enumerate(self._procs):
+            if rank not in self._forwarded and proc.poll() is None:
+                self._forwarded.add(rank)
                 proc.send_signal(signum)
 
     @property

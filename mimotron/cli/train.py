@@ -8,7 +8,12 @@ process group exists. Every rank dies with its launcher (:mod:`mimotron.lifeline
 
 Signals: the first SIGTERM/SIGINT, whoever sends it to whichever process, stops the run
 after the current step with a save (:mod:`mimotron.checkpoint.signals`); the launcher
-then says which iteration was saved (exit 0) or that nothing was (exit 1).
+then says which iteration was saved (exit 0) or that nothing was (exit 1). Once that save
+is complete, later signals are ignored; one during the save aborts it (recorded as
+"aborted during the save of iteration N"). A signal while the ranks start stops them
+before the first step ("before training began: nothing to save", exit 1): the launcher
+starts them with the signals blocked, and a rank unblocks them once its handlers are in
+place. A failure after a complete stop save is reported with the save.
 
 Failures: a rank that raises records its failure (:mod:`mimotron.failures`, in a
 directory the launcher passes down as ``MIMOTRON_FAILURE_DIR``), prints one line (and
@@ -111,11 +116,22 @@ def _report(result: Any, killed: set[int], stop: dict[str, Any] | None,
     if result.aborted:
         _say(f"aborted by a second Ctrl-C: the ranks were killed without saving ({where})")
         return EXIT_FAILED
+    signal_name = result.signal_name or (stop or {}).get("signal") or "a signal"
+    aborted = [r for r in records if r.kind == "aborted"]
+    if aborted:  # A second signal insisted while the stop's save was written.
+        _say(f"stopped by {signal_name}, then {aborted[0].summary}: not saved ({where})")
+        return EXIT_FAILED
     failed = {r: c for r, c in result.failed.items() if r not in killed}
     if failed or records:
-        code = _report_failure(result.exit_codes, records, world_size, killed)
+        verdict, code = _failure_verdict(result.exit_codes, records, world_size, killed)
+        if stop is not None and stop.get("saved") is not None:
+            # The stop's save was complete; something failed on the way out after it.
+            _say(f"stopped by {signal_name}; saved iteration {stop['saved']} to "
+                 f"{cfg.checkpoint_dir}, then {verdict}")
+            return code
+        _say(verdict)
         if result.signal_name or stop is not None:
-            _say(f"stopped by {result.signal_name or stop['signal']}: not saved ({where})")
+            _say(f"stopped by {signal_name}: not saved ({where})")
         return code
     if stop is not None:
         return _report_stop(stop, cfg)
@@ -131,6 +147,9 @@ def _say(text: str) -> None:
 def _report_stop(stop: dict[str, Any], cfg: MimoConfig) -> int:
     """The ranks stopped on a signal: say what they saved; 0 only when they did."""
     saved = stop.get("saved")
+    if stop.get("began") is False:
+        _say(f"stopped by {stop.get('signal')} before training began: nothing to save")
+        return EXIT_FAILED
     if saved is None:
         _say(f"stopped by {stop.get('signal')} after iteration {stop.get('iteration')}: "
              "not saved")
@@ -140,9 +159,12 @@ def _report_stop(stop: dict[str, Any], cfg: MimoConfig) -> int:
     return 0
 
 
-def _report_failure(exit_codes: dict[int, int], records: list[FailureRecord],
-                    world_size: int, killed: set[int]) -> int:
-    """Name the root cause of a failed launch (see the module docstring); the exit code.
+def _failure_verdict(exit_codes: dict[int, int], records: list[FailureRecord],
+                     world_size: int, killed: set[int]) -> tuple[str, int]:
+    """Name the root cause of a failed launch (see the module docstring).
+
+    Returns:
+        ``(verdict, exit code)``: the verdict starts with ``rank R failed (``.
 
     Args:
         exit_codes: global rank -> exit code (negative: the signal that ended it).
@@ -161,19 +183,18 @@ def _report_failure(exit_codes: dict[int, int], records: list[FailureRecord],
                 for i, rank in enumerate(unreported)]
     root = root_cause(records)
     if root is None:
-        _say("the ranks were stopped without reporting an error")
-        return EXIT_FAILED
+        return "the ranks were stopped without reporting an error", EXIT_FAILED
     stopped = sorted(set(range(world_size)) - {r.rank for r in records} - {root.rank})
     note = consequence_note(records, root, stopped=stopped)
     code = root.exit_code if root.exit_code is not None else exit_codes.get(root.rank, 1)
-    if root.kind in ("died", "stalled"):
+    if root.kind in ("died", "stalled", "aborted"):
         what = f"({root.summary})"
     elif root.kind == "peer":
         what = f"(exit code {code}) after losing a peer; no rank reported its own error"
     else:
         what = f"(exit code {code}): {root.summary}"
-    _say(f"rank {root.rank} failed {what}{note}")
-    return EXIT_CONFIG if code == EXIT_CONFIG and root.kind == "error" else EXIT_FAILED
+    return (f"rank {root.rank} failed {what}{note}",
+            EXIT_CONFIG if code == EXIT_CONFIG and root.kind == "error" else EXIT_FAILED)
 
 
 def _debug() -> bool:
@@ -187,7 +208,7 @@ def _traceback(always: bool = False) -> str:
 
 
 def _train_this_rank(cfg: MimoConfig) -> int:
-    from mimotron.checkpoint.signals import StopSignals
+    from mimotron.checkpoint.signals import StopSignals, unblock_stop_signals
     from mimotron.cli.lines import whole_lines
     from mimotron.lifeline import die_with_parent, launched_parent
 
@@ -197,14 +218,18 @@ def _train_this_rank(cfg: MimoConfig) -> int:
     restore_streams = whole_lines()  # Ranks share the terminal: never half a line.
     # Before set-up, so a stop signal during it is kept; the loop adopts these handlers.
     stop = StopSignals().install()
+    # The launcher starts ranks with the stop signals blocked (a signal during the imports
+    # and config checks above must neither kill a rank nor raise KeyboardInterrupt);
+    # unblocking delivers a pending one to the handlers just installed.
+    unblock_stop_signals()
     try:
-        return _train_rank(cfg)
+        return _train_rank(cfg, stop)
     finally:
         stop.restore()
         restore_streams()
 
 
-def _train_rank(cfg: MimoConfig) -> int:
+def _train_rank(cfg: MimoConfig, stop: Any) -> int:
     import torch
 
     from mimotron.runtime import init_runtime
@@ -234,14 +259,25 @@ def _train_rank(cfg: MimoConfig) -> int:
         return EXIT_FAILED
     except KeyboardInterrupt:
         # A signal insisted while the stop's save was being written (see signals.py).
-        print(f"{prefix}: interrupted while saving; this save is incomplete",
-              file=sys.stderr, flush=True)
+        summary = _abort_summary(stop)
+        record_failure(failure_dir, runtime.rank, "aborted", summary, EXIT_FAILED)
+        print(f"{prefix}: {summary}; this save is incomplete", file=sys.stderr, flush=True)
         _abort()
         return EXIT_FAILED
     except Exception as exc:  # noqa: BLE001 - report, abort peers, exit non-zero
         return _rank_failed(exc, runtime.rank, failure_dir)
     _shutdown()
     return 0
+
+
+def _abort_summary(stop: Any) -> str:
+    """What a KeyboardInterrupt in the training loop interrupted (for the failure record)."""
+    import signal
+
+    name = signal.Signals(stop.aborted_by or signal.SIGINT).name
+    if stop.saving_iteration is None:
+        return f"interrupted by a second {name}"
+    return f"aborted during the save of iteration {stop.saving_iteration} by a second {name}"
 
 
 def _rank_failed(exc: Exception, rank: int, failure_dir: str | None) -> int:

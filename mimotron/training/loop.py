@@ -179,7 +179,9 @@ def train_mimo(
     try:
         monitor.banner()
         multimodule_communicator.set_timing(True)  # Training steps report transfer time.
-        while ts.iteration < cfg.train.iters:
+        # A stop signal during set-up: stop before the first step (nothing to save).
+        started = not checkpoints.stop_before_start()
+        while started and ts.iteration < cfg.train.iters:
             profiler.before_step(ts.iteration + 1)
             # The loop fetches the step's data: the sample count and the fault hook need it.
             global_state.timers("data").start()
