@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -55,10 +56,17 @@ def split_module(name: str) -> tuple[str, str]:
     raise CheckpointError(f"checkpoint entry model.{name} belongs to no MimoModel module")
 
 
-def read_full_model(checkpoint: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def read_full_model(
+    checkpoint: str | Path, check_meta: Callable[[dict[str, Any]], None] | None = None
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Every model tensor of a checkpoint at full shape, and its ``meta``; one process.
 
     Every file is checked against the manifest first.
+
+    Args:
+        checkpoint: a checkpoint root holding ``latest``, or one ``iter_NNNNNNN`` dir.
+        check_meta: called with the ``meta`` before any tensor is read, so a problem it
+            can see there (a folder the export needs is gone) costs no tensor read.
 
     Returns:
         ``({"<name inside MimoModel>": tensor}, meta)``.
@@ -73,17 +81,26 @@ def read_full_model(checkpoint: str | Path) -> tuple[dict[str, torch.Tensor], di
     problems = verify_share(path, manifest, 0, 1)
     if problems:
         raise CheckpointError(f"cannot export {path}:\n  " + "\n  ".join(problems))
-    template: dict[str, Any] = {META: ""}
+    box: dict[str, Any] = {META: ""}
+    _dcp_read(path, box)
+    meta = json.loads(box[META])
+    if check_meta is not None:
+        check_meta(meta)
+    template: dict[str, Any] = {}
     for key, md in metadata.state_dict_metadata.items():
         if key.startswith(MODEL) and isinstance(md, TensorStorageMetadata):
             template[key] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+    _dcp_read(path, template)
+    return {k[len(MODEL) :]: v for k, v in template.items()}, meta
+
+
+def _dcp_read(path: Path, template: dict[str, Any]) -> None:
+    """Fill ``template`` from the checkpoint at ``path``, in this one process."""
     with warnings.catch_warnings():
         # DCP warns that it runs without a process group: that is the point here.
         warnings.simplefilter("ignore", UserWarning)
         dcp.load(template, storage_reader=SafeFileSystemReader(str(path)),
                  planner=SafeLoadPlanner(), no_dist=True)
-    meta = json.loads(template.pop(META))
-    return {k[len(MODEL) :]: v for k, v in template.items()}, meta
 
 
 def export_checkpoint(checkpoint: str | Path, out_dir: str | Path) -> dict[str, Path]:
@@ -105,11 +122,25 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path) -> dict[str, 
     out = Path(out_dir)
     check_output_dir(out)
     tensors, meta = read_full_model(checkpoint)
+    out.mkdir(parents=True, exist_ok=True)
+    written = write_module_files(split_by_module(tensors), out, meta["iteration"])
+    (out / CONFIG_FILE).write_text(json.dumps(meta["config"], indent=1) + "\n")
+    return written
+
+
+def split_by_module(tensors: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
+    """``{"<name inside MimoModel>": t}`` -> ``{module: {"<name inside the module>": t}}``."""
     per_module: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in tensors.items():
         module, rest = split_module(name)
         per_module.setdefault(module, {})[rest] = tensor.contiguous()
-    out.mkdir(parents=True, exist_ok=True)
+    return per_module
+
+
+def write_module_files(
+    per_module: dict[str, dict[str, torch.Tensor]], out: Path, iteration: int
+) -> dict[str, Path]:
+    """Write ``out/<module>.safetensors`` per module (the folder exists); the files."""
     mode = new_file_mode(out)
     written = {}
     for module, state in sorted(per_module.items()):
@@ -117,12 +148,11 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path) -> dict[str, 
         save_file(
             state,
             str(file),
-            metadata={"format": "mimotron", "module": module, "iteration": str(meta["iteration"])},
+            metadata={"format": "mimotron", "module": module, "iteration": str(iteration)},
         )
         # safetensors writes a 0600 temp file and renames it: give it the usual mode.
         os.chmod(file, mode)
         written[module] = file
-    (out / CONFIG_FILE).write_text(json.dumps(meta["config"], indent=1) + "\n")
     return written
 
 

@@ -1,10 +1,16 @@
-"""``mimotron export CHECKPOINT OUT_DIR``: full model as safetensors per module + config.
+"""``mimotron export [--format mimotron|hf] CHECKPOINT OUT_DIR``: a checkpoint's full model.
+
+``--format mimotron`` (the default): one safetensors file per module plus the run
+config (:mod:`mimotron.checkpoint.export`). ``--format hf``: every module loaded from a
+Hugging Face folder as a folder ``transformers`` loads, the others as with the default
+(:mod:`mimotron.checkpoint.hf_export`).
 
 Runs in this one process, without ``torch.distributed``. The output folder is checked
 first, before the checkpoint is read. Exit code 0 on success; 2 when the path is not a
-checkpoint or the output folder cannot be written; 1 when the checkpoint is incomplete,
-damaged or refused (a crafted ``.metadata``), or writing fails. Every failure is one
-line (with the traceback first when ``MIMOTRON_DEBUG=1``).
+checkpoint, the output folder cannot be written, or (``hf``) a folder the export needs
+is gone; 1 when the checkpoint is incomplete, damaged or refused (a crafted
+``.metadata``), or writing fails. Every failure is one line (with the traceback first
+when ``MIMOTRON_DEBUG=1``).
 """
 
 from __future__ import annotations
@@ -13,20 +19,45 @@ from pathlib import Path
 
 from mimotron.outputs import EXIT_FAILED, EXIT_USAGE, report_error
 
+FORMATS = ("mimotron", "hf")
 
-def run_export(checkpoint: str, out_dir: str) -> int:
-    """Export ``checkpoint`` (a root holding ``latest`` or an ``iter_NNNNNNN`` dir)."""
+
+def run_export(checkpoint: str, out_dir: str, format: str = "mimotron") -> int:  # noqa: A002
+    """Export ``checkpoint`` (a root holding ``latest`` or an ``iter_NNNNNNN`` dir).
+
+    Args:
+        checkpoint: the checkpoint path.
+        out_dir: the output folder.
+        format: one of :data:`FORMATS`.
+
+    Returns:
+        The process exit code.
+    """
     from mimotron.checkpoint import CheckpointError, export_checkpoint
+    from mimotron.checkpoint.hf_export import export_hf_checkpoint
 
     try:
-        written = export_checkpoint(checkpoint, out_dir)
+        if format == "hf":
+            written = export_hf_checkpoint(checkpoint, out_dir)
+        else:
+            written = export_checkpoint(checkpoint, out_dir)
+            written["config"] = Path(out_dir) / "config.json"
     except ValueError as exc:
         return report_error("export", exc, EXIT_USAGE, show_type=False)
     except CheckpointError as exc:
         return report_error("export", exc, EXIT_FAILED, show_type=False)
     except Exception as exc:  # noqa: BLE001 - CheckpointError, OSError, ...: one line
         return report_error("export", exc, EXIT_FAILED)
-    for module, path in written.items():
-        print(f"{module}: {path} ({path.stat().st_size / 1e6:.2f} MB)")
-    print(f"config: {Path(out_dir) / 'config.json'}")
+    for label, path in written.items():
+        if path.name.endswith(".json"):
+            print(f"{label}: {path}")
+        else:
+            print(f"{label}: {path} ({_size(path) / 1e6:.2f} MB)")
     return 0
+
+
+def _size(path: Path) -> int:
+    """Bytes of a file, or of the files in a folder."""
+    if path.is_dir():
+        return sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+    return path.stat().st_size

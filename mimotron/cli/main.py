@@ -29,9 +29,15 @@ def _parser() -> argparse.ArgumentParser:
     s = sub.add_parser("plot", help="PNG curves from one or more runs' metrics.jsonl")
     s.add_argument("run_dirs", nargs="+", help="run directories (each holding metrics.jsonl)")
     s.add_argument("--out", default=None, help="output directory (default: the first run dir)")
-    s = sub.add_parser("export", help="full model of a checkpoint as safetensors per module")
+    s = sub.add_parser("export", help="full model of a checkpoint as safetensors per module, "
+                                      "or as Hugging Face folders")
     s.add_argument("checkpoint", help="checkpoint dir holding 'latest', or an iter_NNNNNNN dir")
-    s.add_argument("out_dir", help="output directory (<module>.safetensors + config.json)")
+    s.add_argument("out_dir", help="output directory (mimotron: <module>.safetensors + "
+                                   "config.json; hf: <module>/ per hf_path module)")
+    s.add_argument("--format", choices=("mimotron", "hf"), default="mimotron",
+                   help="mimotron (default): safetensors per module; hf: a folder per module "
+                        "loaded from hf_path that transformers' from_pretrained loads, with "
+                        "the original names, plus the tokenizer")
     return p
 
 
@@ -64,7 +70,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "export":
         from mimotron.cli.export import run_export
 
-        return run_export(args.checkpoint, args.out_dir)
+        return run_export(args.checkpoint, args.out_dir, args.format)
     from mimotron.cli.plot import run_plot
 
     return run_plot(args.run_dirs, args.out)

@@ -1,0 +1,399 @@
+"""Export a checkpoint as Hugging Face folders: ``mimotron export --format hf``.
+
+Every module that was loaded from a Hugging Face folder (``modules.<m>.hf_path`` in the
+run config the checkpoint records) becomes ``OUT_DIR/<m>/``, a folder that
+``transformers`` ``from_pretrained`` loads as the same architecture as the original:
+
+- ``model.safetensors``: the original folder's tensors under their original names, with
+  every tensor the module trained replaced by the checkpoint's value (names translated
+  by the family's :class:`~mimotron.models.hf.weights.WeightMap`), each in the dtype the
+  original stored it in. Tensors mimotron never built are copied unchanged from the
+  original: CLIP layers past the LLaVA feature layer, a full ``CLIPModel``'s text tower,
+  Whisper's decoder and its fixed positions (a non-persistent buffer). So the round trip
+  folder -> mimotron -> checkpoint -> export, without an optimizer step, gives back the
+  original tensors bit for bit. A tied output head is not written (``transformers`` ties
+  it on load).
+- ``config.json``: the original's, unchanged unless the vocabulary changed (placeholder
+  tokens added): then ``vocab_size`` is the exported embedding's rows.
+- the original folder's other files (``generation_config.json``,
+  ``preprocessor_config.json``, ...); weight files are never copied.
+- for the language module, the tokenizer of ``data.tokenizer``, with the modality
+  placeholders training added.
+
+The language model's embedding may carry padding rows beyond the real vocabulary (a
+multiple for tensor parallelism); they are dropped. The real vocabulary is the
+checkpoint meta's ``vocab_size_unpadded`` when recorded, else ``max(config.json
+vocab_size, tokenizer length with placeholders)``, else every row is kept.
+
+Modules without ``hf_path`` (toy kinds) and the projectors of HF encoders are written as
+by the default export, ``OUT_DIR/<m>.safetensors``; the run config goes to
+``OUT_DIR/mimotron_config.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from mimotron.checkpoint.export import read_full_model, split_by_module, write_module_files
+from mimotron.data.tokenizer import MODALITIES
+from mimotron.models.hf.clip import CLIP_WEIGHTS, SIGLIP_WEIGHTS
+from mimotron.models.hf.folder import INDEX_FILE, SINGLE_FILE, read_hf_config, tensor_files
+from mimotron.models.hf.llama import LLAMA_WEIGHTS, SUPPORTED_MODEL_TYPES, LlamaFamilySpec
+from mimotron.models.hf.weights import WeightMap
+from mimotron.models.hf.whisper import WHISPER_WEIGHTS
+from mimotron.names import LANGUAGE
+from mimotron.outputs import check_output_dir, new_file_mode
+
+HF_PATH = "hf_path"
+"""Key of ``modules.<m>`` naming the Hugging Face folder a module was loaded from."""
+TOKENIZER = "tokenizer"
+"""Key of ``data`` naming the Hugging Face tokenizer folder."""
+VOCAB_SIZE_UNPADDED = "vocab_size_unpadded"
+"""Key of the checkpoint ``meta``: the language model's real vocabulary (no padding rows)."""
+TOWER_PREFIX = "encoder."
+"""Where an encoder module's Hugging Face tower sits inside it (the rest: its projector)."""
+EMBED, HEAD = "embed.weight", "output.weight"  # the language model's vocabulary tensors
+CONFIG_FILE = "config.json"
+RUN_CONFIG_FILE = "mimotron_config.json"
+# Files of an original folder that hold weights: never copied (stale values, or a second
+# copy transformers might prefer).
+_WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json", ".bin", ".bin.index.json",
+                    ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
+
+
+@dataclass(frozen=True)
+class HFFamily:
+    """A Hugging Face architecture family mimotron builds, as export needs it.
+
+    Attributes:
+        name: the family, for messages.
+        model_types: ``config.json`` ``model_type`` values of the family (tower alone or
+            the full model holding it).
+        weight_map: our names <-> the checkpoint's.
+        language: a decoder (vocabulary rows, tied head) rather than an encoder tower.
+    """
+
+    name: str
+    model_types: tuple[str, ...]
+    weight_map: WeightMap
+    language: bool = False
+
+
+FAMILIES: tuple[HFFamily, ...] = (
+    HFFamily("llama", SUPPORTED_MODEL_TYPES, LLAMA_WEIGHTS, language=True),
+    HFFamily("clip", ("clip_vision_model", "clip"), CLIP_WEIGHTS),
+    HFFamily("siglip", ("siglip_vision_model", "siglip"), SIGLIP_WEIGHTS),
+    HFFamily("whisper", ("whisper",), WHISPER_WEIGHTS),
+)
+
+
+def family_of(config: Mapping[str, Any], where: str) -> HFFamily:
+    """The family of a parsed ``config.json``, by its ``model_type``.
+
+    Raises:
+        ValueError: a ``model_type`` no family has (names ``where`` and what is valid).
+    """
+    model_type = config.get("model_type")
+    for family in FAMILIES:
+        if model_type in family.model_types:
+            return family
+    valid = sorted(t for f in FAMILIES for t in f.model_types)
+    raise ValueError(f"{where} config.json model_type={model_type!r} cannot be exported; "
+                     f"expected one of {valid}")
+
+
+def check_hf_folder(path: str | os.PathLike[str] | None, module: str) -> Path:
+    """The recorded ``hf_path`` of ``module``, checked to still be there.
+
+    Raises:
+        ValueError: the folder is gone (export copies its config and untrained tensors).
+    """
+    if path is None or not Path(path).is_dir():
+        raise ValueError(
+            f"modules.{module}.hf_path={str(path)!r} is not an existing directory: the Hugging "
+            "Face export copies config.json and the untrained tensors from the folder the "
+            "module was loaded from; restore it there"
+        )
+    return Path(path)
+
+
+def hf_paths(run_config: Mapping[str, Any]) -> dict[str, str]:
+    """Module -> ``hf_path`` of every module of a run config that has one."""
+    modules = run_config.get("modules") or {}
+    return {name: str(mod[HF_PATH]) for name, mod in modules.items()
+            if isinstance(mod, Mapping) and mod.get(HF_PATH)}
+
+
+def export_hf_checkpoint(checkpoint: str | Path, out_dir: str | Path) -> dict[str, Path]:
+    """Write a checkpoint's modules as Hugging Face folders (see the module docstring).
+
+    The output folder is checked before the checkpoint is read; the recorded
+    ``hf_path`` folders and the tokenizer before any tensor is read.
+
+    Args:
+        checkpoint: a checkpoint root holding ``latest``, or one ``iter_NNNNNNN`` dir.
+        out_dir: the output folder (created; files of the same names are replaced).
+
+    Returns:
+        What was written, by label: ``<m>`` -> ``OUT_DIR/<m>`` (a Hugging Face folder)
+        or ``OUT_DIR/<m>.safetensors`` (no ``hf_path``); ``<m> projector`` ->
+        ``OUT_DIR/<m>.safetensors`` for the projector of an HF encoder; ``run config``.
+
+    Raises:
+        ValueError: not a checkpoint path, an unwritable ``out_dir``, no module with an
+            ``hf_path``, or a recorded folder that is gone or unusable (names it).
+        CheckpointError: missing, incomplete or corrupted (names the file).
+    """
+    out = Path(out_dir)
+    check_output_dir(out)
+    found: dict[str, Any] = {}
+
+    def check(meta: dict[str, Any]) -> None:
+        paths = hf_paths(meta["config"])
+        if not paths:
+            raise ValueError("export --format hf: no module of this checkpoint has an hf_path "
+                             "(modules.<m>.hf_path); use --format mimotron")
+        for module, path in paths.items():
+            config = read_hf_config(check_hf_folder(path, module))
+            family_of(config, f"modules.{module}.hf_path={path!r}")
+        found["tokenizer"] = _run_tokenizer(meta["config"]) if LANGUAGE in paths else None
+
+    tensors, meta = read_full_model(checkpoint, check_meta=check)
+    paths, iteration = hf_paths(meta["config"]), int(meta["iteration"])
+    out.mkdir(parents=True, exist_ok=True)
+    written: dict[str, Path] = {}
+    plain: dict[str, dict[str, torch.Tensor]] = {}
+    for module, state in sorted(split_by_module(tensors).items()):
+        if module not in paths:
+            plain[module] = state
+            continue
+        tower, rest = _split_tower(module, state)
+        written[module] = export_hf_module(
+            tower, paths[module], out / module, module=module,
+            vocab_size=meta.get(VOCAB_SIZE_UNPADDED) if module == LANGUAGE else None,
+            tokenizer=found["tokenizer"] if module == LANGUAGE else None,
+            metadata={"module": module, "iteration": str(iteration)})
+        if rest:
+            written[f"{module} projector"] = write_module_files({module: rest}, out,
+                                                                iteration)[module]
+    written.update(write_module_files(plain, out, iteration))
+    (out / RUN_CONFIG_FILE).write_text(json.dumps(meta["config"], indent=1) + "\n")
+    written["run config"] = out / RUN_CONFIG_FILE
+    return written
+
+
+def _split_tower(
+    module: str, state: dict[str, torch.Tensor]
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """``(the Hugging Face part under its own names, the rest)`` of a module's tensors."""
+    if module == LANGUAGE:
+        return state, {}
+    tower = {n[len(TOWER_PREFIX):]: t for n, t in state.items() if n.startswith(TOWER_PREFIX)}
+    rest = {n: t for n, t in state.items() if not n.startswith(TOWER_PREFIX)}
+    return tower, rest
+
+
+def _run_tokenizer(run_config: Mapping[str, Any]) -> Any:
+    """The run's Hugging Face tokenizer with its placeholders, or ``None`` if it had none.
+
+    The placeholders are added as training adds them: one per modality of the encoder
+    modules, in :data:`~mimotron.data.tokenizer.MODALITIES` order.
+    """
+    path = (run_config.get("data") or {}).get(TOKENIZER)
+    if not path:
+        return None
+    from mimotron.data.hf_tokenizer import HFTokenizer  # Deferred: imports transformers.
+
+    used = {mod.get("modality") for name, mod in (run_config.get("modules") or {}).items()
+            if name != LANGUAGE and isinstance(mod, Mapping)}
+    return HFTokenizer(path, modalities=[m for m in MODALITIES if m in used])
+
+
+def export_hf_module(
+    tensors: Mapping[str, torch.Tensor],
+    hf_path: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    *,
+    module: str,
+    vocab_size: int | None = None,
+    tokenizer: Any = None,
+    metadata: Mapping[str, str] | None = None,
+) -> Path:
+    """Write one module as a Hugging Face folder ``out_dir`` (see the module docstring).
+
+    Args:
+        tensors: the module's full (unsharded) tensors under our module-local names
+            (``layers.0.attn.wq.weight``: the language model's, or an encoder's tower's
+            without the ``encoder.`` prefix).
+        hf_path: the folder the module was loaded from.
+        out_dir: the folder to write (created; files of the same names are replaced).
+        module: the module's name, for messages.
+        vocab_size: language only: the real vocabulary; rows beyond it are padding and
+            dropped. ``None``: ``max(config vocab_size, len(tokenizer))`` with a
+            tokenizer, else every row.
+        tokenizer: language only: an :class:`~mimotron.data.hf_tokenizer.HFTokenizer`
+            to write next to the weights, or ``None``.
+        metadata: extra safetensors header entries (strings).
+
+    Returns:
+        ``out_dir``.
+
+    Raises:
+        ValueError: the folder is gone or not a supported family, or the tensors do not
+            belong to its checkpoint (names every mismatch).
+    """
+    folder = check_hf_folder(hf_path, module)
+    config = read_hf_config(folder)
+    family = family_of(config, f"modules.{module}.hf_path={str(hf_path)!r}")
+    ours = dict(tensors)
+    dropped: set[str] = set()
+    if family.language:
+        if LlamaFamilySpec.from_hf_config(config).tie_word_embeddings and EMBED in ours:
+            ours.pop(HEAD, None)
+            dropped.add(HEAD)
+        if vocab_size is None and tokenizer is not None:
+            vocab_size = max(int(config["vocab_size"]), int(tokenizer.vocab_size))
+        ours, config = _fit_vocab(ours, config, vocab_size, module)
+    files = tensor_files(folder)
+    weights = _merge(ours, dropped, files, family.weight_map, module)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    _remove_weight_files(out)
+    _copy_files(folder, out)
+    if config != read_hf_config(folder):
+        (out / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    if tokenizer is not None:
+        _write_tokenizer(tokenizer, out)
+    # transformers refuses a safetensors file without format=pt in its header.
+    save_file(weights, str(out / SINGLE_FILE), metadata={**(metadata or {}), "format": "pt"})
+    mode = new_file_mode(out)
+    for file in out.iterdir():
+        if file.is_file():
+            os.chmod(file, mode)  # copies keep the source's mode, safetensors writes 0600
+    return out
+
+
+def _fit_vocab(
+    ours: dict[str, torch.Tensor], config: dict[str, Any], vocab_size: int | None, module: str
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Drop the padding rows of the embedding / head; ``vocab_size`` set to the rows."""
+    present = [n for n in (EMBED, HEAD) if n in ours]
+    if not present:
+        return ours, config
+    rows = int(ours[present[0]].shape[0])
+    keep = rows if vocab_size is None else int(vocab_size)
+    if not 0 < keep <= rows:
+        raise ValueError(
+            f"module {module!r}: a vocabulary of {keep} (the checkpoint meta's "
+            f"{VOCAB_SIZE_UNPADDED}, else max(config.json vocab_size, tokenizer length)) does "
+            f"not fit its embedding of {rows} rows: expected 1..{rows}")
+    ours = {n: (t[:keep] if n in present else t) for n, t in ours.items()}
+    if keep != config.get("vocab_size"):
+        config = {**config, "vocab_size": keep}
+    return ours, config
+
+
+def _merge(
+    ours: Mapping[str, torch.Tensor],
+    dropped: set[str],
+    files: Mapping[str, Path],
+    weight_map: WeightMap,
+    module: str,
+) -> dict[str, torch.Tensor]:
+    """The original checkpoint with our tensors in place (original names and dtypes)."""
+    prefix = weight_map.choose_prefix(files)
+    renamed: dict[str, torch.Tensor] = {}
+    unnamed = []
+    for name, tensor in ours.items():
+        try:
+            hf = prefix + weight_map.to_hf(name)
+        except ValueError:
+            unnamed.append(name)
+            continue
+        renamed[hf] = tensor[0] if name in weight_map.reshaped else tensor
+    skip = set(renamed) | {prefix + weight_map.to_hf(n) for n in dropped}
+    absent = sorted(set(renamed) - set(files))
+    problems = []
+    if unnamed:
+        problems.append(f"parameters with no Hugging Face name: {_few(unnamed)}")
+    if absent:
+        problems.append(f"tensors the folder does not hold: {_few(absent)}")
+    out: dict[str, torch.Tensor] = {}
+    grouped: dict[Path, list[str]] = {}
+    for name, file in files.items():
+        grouped.setdefault(file, []).append(name)
+    wrong = []
+    for file, names in grouped.items():
+        with safe_open(file, framework="pt") as handle:
+            for name in names:
+                if name not in skip:
+                    out[name] = handle.get_tensor(name)
+                elif name in renamed:
+                    value, like = renamed[name], handle.get_slice(name)
+                    shape, vocab = tuple(like.get_shape()), _is_vocab(name, prefix, weight_map)
+                    if tuple(value.shape) != shape and not (vocab and value.shape[1:] == shape[1:]):
+                        wrong.append(f"{name} {list(value.shape)} (folder {list(shape)})")
+                    out[name] = value.to(_dtype(like.get_dtype())).contiguous()
+    if wrong:
+        problems.append(f"wrong shapes: {_few(wrong)}")
+    if problems:
+        raise ValueError(f"module {module!r} does not match its hf_path checkpoint: "
+                         + "; ".join(problems))
+    return out
+
+
+def _is_vocab(hf_name: str, prefix: str, weight_map: WeightMap) -> bool:
+    return weight_map.from_hf(hf_name[len(prefix):]) in (EMBED, HEAD)
+
+
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
+           "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32}
+
+
+def _dtype(safetensors_dtype: str) -> torch.dtype:
+    """A safetensors header dtype (``"BF16"``) as a torch dtype."""
+    if safetensors_dtype not in _DTYPES:
+        raise ValueError(f"a Hugging Face tensor of dtype {safetensors_dtype} cannot be "
+                         f"exported; expected one of {sorted(_DTYPES)}")
+    return _DTYPES[safetensors_dtype]
+
+
+def _few(names: Sequence[str], shown: int = 8) -> str:
+    names = sorted(names)
+    more = f", ... and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more
+
+
+def _is_weight_file(name: str) -> bool:
+    return name.endswith(_WEIGHT_SUFFIXES) or name in (SINGLE_FILE, INDEX_FILE)
+
+
+def _remove_weight_files(out: Path) -> None:
+    """Weight files of an earlier export into ``out`` (a stale shard index would win)."""
+    for file in out.iterdir():
+        if file.is_file() and _is_weight_file(file.name):
+            file.unlink()
+
+
+def _copy_files(source: Path, out: Path) -> None:
+    """Copy the top-level non-weight files of ``source`` (config, generation config, ...)."""
+    for file in sorted(source.iterdir()):
+        if file.is_file() and not _is_weight_file(file.name):
+            shutil.copyfile(file, out / file.name)
+
+
+def _write_tokenizer(tokenizer: Any, out: Path) -> None:
+    """The tokenizer folder's files, then (placeholders added) the tokenizer as trained."""
+    _copy_files(Path(tokenizer.path), out)
+    if tokenizer.num_added:
+        tokenizer.tokenizer.save_pretrained(str(out))
