@@ -327,6 +327,10 @@ def _validate_data(cfg: MimoConfig) -> None:
     if d.dataset == "llava":
         _validate_llava(cfg)
         return  # The dataset checks each sample's length against seq_length.
+    for key in ("path", "root", "tokenizer", "skip_bad_samples", "system_prompt"):
+        # Never silently ignored: these only mean something for a file dataset.
+        _check(not getattr(d, key), f"data.{key}", getattr(d, key),
+               f"unset with data.dataset={d.dataset!r} (it is read by 'llava' only)")
     # Prompt = <bos> + placeholders of every encoder + separator; answers need room too.
     placeholders = sum(m.num_output_tokens for m in cfg.modules.values())
     need = placeholders + 2 + 30 if d.dataset == "digits" else placeholders + 4

@@ -28,8 +28,7 @@ from pathlib import Path
 
 from mimotron.config import TOY_AUDIO_RATE, MimoConfig
 from mimotron.data.hf_tokenizer import HFTokenizer
-from mimotron.data.llava import LlavaTask, llava_tasks
-from mimotron.data.llava import LlavaDataset
+from mimotron.data.llava import LlavaDataset, LlavaTask, llava_tasks
 from mimotron.data.media import AudioFeatures, ImageProcessor
 from mimotron.data.tokenizer import MODALITIES, CharTokenizer
 

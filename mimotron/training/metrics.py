@@ -18,8 +18,8 @@ own loss), ``train_accuracy`` (interval mean) and ``train_accuracy_last``, auxil
 losses by name (interval mean, and ``<name>_last``), ``interval_iters`` /
 ``interval_skipped_iters`` (iterations the record covers / left out of its means),
 ``skipped_iters`` / ``nan_iters`` (run totals), ``skipped_samples`` (bad samples the
-dataset left out, only for a dataset that checks them: ``llava``), ``peak_memory_bytes`` (max over ranks)
-and ``peak_memory_bytes_per_rank``, ``model_flops_per_iteration`` and
+dataset left out, only for a dataset that checks them: ``llava``), ``peak_memory_bytes``
+(max over ranks) and ``peak_memory_bytes_per_rank``, ``model_flops_per_iteration`` and
 ``model_flops_per_module`` (:mod:`mimotron.training.flops`),
 ``tflops_per_second_per_rank``, ``mfu`` (only where the device's peak is known),
 ``time_s`` (the step's timers) and ``module_time_s`` {module: {forward, backward,
@@ -276,6 +276,9 @@ def format_banner(global_state: GlobalState, infra: MimoModelInfra,
                  f"micro-batch(es) of {cfg.train.micro_batch_size}, seq length "
                  f"{cfg.data.seq_length}; log every {cfg.log.interval}, eval every "
                  f"{cfg.eval.interval}; metrics -> {cfg.log_dir / 'metrics.jsonl'}")
+    if cfg.data.num_workers:
+        lines.append(f"data: training samples loaded ahead by {cfg.data.num_workers} "
+                     "background worker(s)")
     if global_state.skipped_samples:
         lines.append(f"data: {global_state.skipped_samples} bad sample(s) of {cfg.data.path} "
                      "skipped (data.skip_bad_samples)")
