@@ -323,6 +323,14 @@ def _validate_data(cfg: MimoConfig) -> None:
         probs,
         "non-negative mixture weights p_image/p_audio/p_both/p_text with a positive sum",
     )
+    _check(d.num_workers >= 0, "data.num_workers", d.num_workers, "an integer >= 0")
+    if d.dataset == "llava":
+        _validate_llava(cfg)
+        return  # The dataset checks each sample's length against seq_length.
+    for key in ("path", "root", "tokenizer", "skip_bad_samples", "system_prompt"):
+        # Never silently ignored: these only mean something for a file dataset.
+        _check(not getattr(d, key), f"data.{key}", getattr(d, key),
+               f"unset with data.dataset={d.dataset!r} (it is read by 'llava' only)")
     # Prompt = <bos> + placeholders of every encoder + separator; answers need room too.
     placeholders = sum(m.num_output_tokens for m in cfg.modules.values())
     need = placeholders + 2 + 30 if d.dataset == "digits" else placeholders + 4
@@ -332,6 +340,34 @@ def _validate_data(cfg: MimoConfig) -> None:
         d.seq_length,
         f">= {need} ({placeholders} placeholder tokens plus prompt and the longest answer)",
     )
+
+
+# Sample rate of the WAV files a toy audio encoder reads in a LLaVA run (Whisper's rate).
+TOY_AUDIO_RATE = 16000
+
+
+def _validate_llava(cfg: MimoConfig) -> None:
+    """Files and folders a LLaVA run reads; the samples are checked when the data is built."""
+    d = cfg.data
+    _check(bool(d.path) and Path(d.path).is_file(), "data.path", d.path,
+           "an existing LLaVA JSON or JSONL file")
+    _check(not d.root or Path(d.root).is_dir(), "data.root", d.root,
+           "an existing folder (or empty: the folder of data.path)")
+    _check(bool(d.tokenizer) and Path(d.tokenizer).is_dir(), "data.tokenizer", d.tokenizer,
+           "an existing local Hugging Face tokenizer folder (nothing is downloaded)")
+    for name, m in cfg.modules.items():
+        hf_path = getattr(m, "hf_path", "")  # Set by Hugging Face modules only.
+        if hf_path and m.modality is not None:
+            file = Path(hf_path) / "preprocessor_config.json"
+            _check(file.is_file(), f"modules.{name}.hf_path", hf_path,
+                   "a folder with a preprocessor_config.json (the input preprocessing)")
+        elif m.kind == "vit":
+            _check(m.in_channels == 3, f"modules.{name}.in_channels", m.in_channels,
+                   "3 with data.dataset='llava' (images are read as RGB)")
+        elif m.kind == "audio":
+            _check(TOY_AUDIO_RATE % m.num_frames == 0, f"modules.{name}.num_frames",
+                   m.num_frames, f"a divisor of {TOY_AUDIO_RATE} with data.dataset='llava' "
+                   "(frames per 1 s clip at 16 kHz)")
 
 
 # ---- loading ----------------------------------------------------------------------------

@@ -22,7 +22,7 @@ Precision = Literal["fp32", "bf16", "fp16"]
 DecayStyle = Literal["cosine", "linear", "constant"]
 WeightDecayStyle = Literal["constant", "linear", "cosine"]
 OptimizerName = Literal["adamw", "adam", "sgd"]
-DatasetName = Literal["digits", "mock"]
+DatasetName = Literal["digits", "mock", "llava"]
 Schedule = Literal["1f1b", "no_pipelining"]
 
 ENCODER_KINDS: tuple[str, ...] = get_args(EncoderKind)
@@ -231,8 +231,9 @@ class DataConfig:
     """The training data: which task, how long a sample is, how it is split and mixed."""
 
     dataset: DatasetName = "digits"
-    """``digits`` (sklearn digits images + synthesised DTMF audio) or ``mock`` (random
-    tensors for tests).
+    """``digits`` (sklearn digits images + synthesised DTMF audio), ``mock`` (random
+    tensors for tests) or ``llava`` (a LLaVA-format JSON / JSONL file: ``path``,
+    ``tokenizer``).
     """
     seq_length: int = 64
     """Tokens per sample, placeholders included; too small for the prompt and answer is an error."""
@@ -255,6 +256,24 @@ class DataConfig:
     """Digits: largest random image shift in pixels (>= 0), train split only; 0 disables it."""
     mock_num_samples: int = 256
     """Mock: samples in the dataset (>= 2), split by train_fraction."""
+    path: str = ""
+    """LLaVA: the JSON list or JSONL file of samples (required with ``dataset = "llava"``)."""
+    root: str = ""
+    """LLaVA: folder the image/audio paths are relative to; empty = the folder of ``path``."""
+    tokenizer: str = ""
+    """LLaVA: a local Hugging Face tokenizer folder with a chat template (required with
+    ``dataset = "llava"``); ``<image>`` / ``<audio>`` placeholders are added if missing.
+    """
+    skip_bad_samples: bool = False
+    """LLaVA: leave bad samples out (counted in the banner and ``skipped_samples`` of the
+    metrics) instead of stopping with an error naming the first one.
+    """
+    num_workers: int = 0
+    """Background threads that load training samples ahead of the step (>= 0); 0 loads
+    them in the step. The sample order does not depend on it.
+    """
+    system_prompt: str = ""
+    """LLaVA: a system message put first in conversations that have none; empty = none."""
 
 
 @dataclass

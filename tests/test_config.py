@@ -136,7 +136,7 @@ def test_choice_tuples_come_from_the_literal_types():
         ({"modules": {"v": {"kind": "clip"}}},
          "modules.v.kind='clip' is invalid: expected one of ('vit', 'audio', 'language')"),
         ({"data": {"dataset": ["digits"]}},
-         "data.dataset=['digits'] is invalid: expected one of ('digits', 'mock')"),
+         "data.dataset=['digits'] is invalid: expected one of ('digits', 'mock', 'llava')"),
     ],
 )
 def test_parser_rejects_values_outside_a_literal(raw, message):

@@ -160,6 +160,14 @@ PROBES: dict[str, tuple[list[str], str, list[str]]] = {
     "data.p_text": (["data.p_text=5.0"], "built", []),
     "data.image_shift": (["data.image_shift=3"], "built", []),
     "data.mock_num_samples": (["data.mock_num_samples=64"], "built", [*MOCK, "eval.iters=0"]),
+    # The llava keys are refused with the synthetic datasets (their effect on a llava run
+    # is asserted by tests/test_llava_training.py); num_workers shows in the banner.
+    "data.path": (["data.path='x.jsonl'"], "error:built", []),
+    "data.root": (["data.root='x'"], "error:built", []),
+    "data.tokenizer": (["data.tokenizer='x'"], "error:built", []),
+    "data.skip_bad_samples": (["data.skip_bad_samples=true"], "error:built", []),
+    "data.system_prompt": (["data.system_prompt='x'"], "error:built", []),
+    "data.num_workers": (["data.num_workers=2"], "run", ["log.progress=true"]),
     "train.iters": (["train.iters=12"], "built", []),
     "train.global_batch_size": (["train.global_batch_size=32"], "built", []),
     "train.micro_batch_size": (["train.micro_batch_size=4"], "built", []),

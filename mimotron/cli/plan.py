@@ -23,12 +23,13 @@ def run_plan(config: str, overrides: list[str]) -> int:
         from mimotron.run_dir import describe_run_dir
 
         run_dir = describe_run_dir(cfg)  # checkpoint.load checked as train checks it
+        from mimotron.data.llava_setup import check_data
+
+        tokenizer = check_data(cfg)  # The tokenizer and (llava) every sample, as train.
     except (ValueError, CheckpointError) as exc:
         print(f"mimotron plan: invalid config: {exc}", file=sys.stderr)
         return 2
-    from mimotron.data.tokenizer import CharTokenizer
-
-    vocab = padded_vocab_size(CharTokenizer().vocab_size)
+    vocab = padded_vocab_size(tokenizer.vocab_size)
     print(layout.format_rank_map())
     print()
     print(f"{'module':<10} {'kind':<9} {'params':>10}  tp pp dp  stages (params)")

@@ -69,6 +69,10 @@ def run_train(config: str, overrides: list[str]) -> int:
         cfg = load_config(config, overrides)
         env_world = int(os.environ["WORLD_SIZE"]) if _under_launcher() else None
         layout = plan_layout(cfg, env_world_size=env_world)
+        if not _under_launcher():  # Every sample checked once, before any rank starts.
+            from mimotron.data.llava_setup import check_data
+
+            check_data(cfg)
         from mimotron.run_dir import prepare_run_dir
 
         # Before any launch: a bad checkpoint.load, an unwritable directory, a previous

@@ -22,6 +22,8 @@ sample is a text-only sum (see :func:`~mimotron.data.digits.modality_kind_map`).
 
 from __future__ import annotations
 
+from typing import Any
+
 from mimotron.config import MimoConfig
 from mimotron.data.collate import (
     Batch,
@@ -161,10 +163,8 @@ def _mock_tasks(
     return train, validation
 
 
-def build_datasets(
-    cfg: MimoConfig, tokenizer: CharTokenizer
-) -> tuple[DigitsTask | MockTask, DigitsTask | MockTask]:
-    """Train and validation tasks for ``cfg.data.dataset`` (``digits`` or ``mock``).
+def build_datasets(cfg: MimoConfig, tokenizer: Any) -> tuple[Any, Any]:
+    """Train and validation tasks for ``cfg.data.dataset`` (``digits``, ``mock``, ``llava``).
 
     Placeholder counts and input shapes come from the configured encoder modules; a
     modality without an encoder is never produced (rule in the module docstring). Each
@@ -173,20 +173,32 @@ def build_datasets(
 
     Args:
         cfg: the run config (``data``, ``train.seed`` and ``modules`` are used).
-        tokenizer: the character tokenizer shared with the model.
+        tokenizer: the tokenizer shared with the model: a ``CharTokenizer`` for
+            ``digits`` / ``mock``, an ``HFTokenizer`` for ``llava``
+            (:func:`~mimotron.data.llava_setup.build_tokenizer` builds the right one).
 
     Returns:
         ``(train_task, validation_task)``.
 
     Raises:
-        ValueError: unknown dataset, encoder shapes the digits task cannot provide, or a
-            ``data.seq_length`` too small for the longest sample.
+        ValueError: unknown dataset, encoder shapes the digits task cannot provide, a
+            ``data.seq_length`` too small for the longest sample, or (llava) a bad
+            sample, naming its id and line.
     """
+    if cfg.data.dataset == "llava":
+        from mimotron.data.hf_tokenizer import HFTokenizer
+        from mimotron.data.llava_setup import build_llava_tasks
+
+        if not isinstance(tokenizer, HFTokenizer):
+            raise ValueError("data.dataset='llava' needs the Hugging Face tokenizer of "
+                             "data.tokenizer (llava_setup.build_tokenizer), not "
+                             f"{type(tokenizer).__name__}")
+        return build_llava_tasks(cfg, tokenizer)
     inputs = encoder_inputs(cfg)
     if cfg.data.dataset == "digits":
         return _digits_tasks(cfg, tokenizer, inputs)
     if cfg.data.dataset == "mock":
         return _mock_tasks(cfg, tokenizer, inputs)
     raise ValueError(
-        f"data.dataset={cfg.data.dataset!r} is invalid: expected 'digits' or 'mock'"
+        f"data.dataset={cfg.data.dataset!r} is invalid: expected 'digits', 'mock' or 'llava'"
     )

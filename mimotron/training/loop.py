@@ -19,6 +19,9 @@ from torch import nn
 from mimotron.checkpoint import CheckpointManager, maybe_load_checkpoint
 from mimotron.config import MimoConfig
 from mimotron.data import build_datasets
+from mimotron.data.hf_tokenizer import HFTokenizer
+from mimotron.data.llava_setup import build_tokenizer
+from mimotron.data.prefetch import PrefetchingReader
 from mimotron.data.tokenizer import CharTokenizer
 from mimotron.optim import build_schedulers, get_mimo_optimizer
 from mimotron.optim.scheduler import OptimizerParamScheduler
@@ -60,7 +63,9 @@ class MimoRun:
     global_state: GlobalState
     infra: MimoModelInfra
     communicator: Transport
-    tokenizer: CharTokenizer
+    tokenizer: CharTokenizer | HFTokenizer
+    data_reader: PrefetchingReader | None = None
+    """The training data's background loader (``data.num_workers > 0``); close it after."""
 
 
 def setup_mimo(cfg: MimoConfig, runtime: Runtime) -> MimoRun:
@@ -68,9 +73,12 @@ def setup_mimo(cfg: MimoConfig, runtime: Runtime) -> MimoRun:
 
     Collective: every rank of the world must call it.
     """
+    # Data first: every bad sample is found before the first collective (build_infra),
+    # the same way on every rank; building it draws nothing from the seeded generators.
+    tokenizer = build_tokenizer(cfg)
+    train_task, valid_task = build_datasets(cfg, tokenizer)
     seed_everything(cfg.train.seed)
     infra = build_infra(cfg, runtime.rank, runtime.world_size)
-    tokenizer = CharTokenizer()
     placeholders = {n: tokenizer.placeholder_id(cfg.modules[n].modality) for n in cfg.encoder_names}
     model = build_rank_model(cfg, infra, padded_vocab_size(tokenizer.vocab_size), placeholders,
                              runtime.device)
@@ -82,18 +90,22 @@ def setup_mimo(cfg: MimoConfig, runtime: Runtime) -> MimoRun:
         infra.layout, runtime.rank, cfg.train.micro_batch_size,
         build_edges(infra.layout, model.modality_of),
         {n: pg.tp for n, pg in infra.pg_collections.items()}, runtime.device)
-    train_task, valid_task = build_datasets(cfg, tokenizer)
     state = GlobalState(cfg, runtime)
+    state.skipped_samples = getattr(train_task, "num_skipped", None)
     # Before the data iterator: the restored consumed_samples is the data position.
     maybe_load_checkpoint(model, optimizer, schedulers, state, infra)
+    stream = train_task.stream(cfg.train.seed)
+    # 0 workers: the stream itself, exactly today's synchronous path.
+    reader = PrefetchingReader(stream, cfg.data.num_workers) if cfg.data.num_workers else None
     provider = MicrobatchProvider(infra.layout, runtime.rank, cfg.train.micro_batch_size,
-                                  cfg.data.seq_length, train_task.stream(cfg.train.seed).samples,
+                                  cfg.data.seq_length,
+                                  reader.samples if reader is not None else stream.samples,
                                   _collate_kwargs(train_task))
     train_iter = train_iterator(provider, state.train_state.consumed_samples,
                                 cfg.train.global_batch_size)
     valid_iter = _valid_factory(cfg, infra, runtime, valid_task)
     return MimoRun(model, optimizer, schedulers, train_iter, valid_iter, state, infra,
-                   communicator, tokenizer)
+                   communicator, tokenizer, reader)
 
 
 def _collate_kwargs(task: Any) -> dict[str, Any]:
@@ -250,6 +262,10 @@ def run_training(cfg: MimoConfig, runtime: Runtime,
                  forward_step_func: ForwardStepFunc = default_forward_step) -> dict[str, Any]:
     """Set up and train one run on this rank (what ``mimotron train`` runs per rank)."""
     run = setup_mimo(cfg, runtime)
-    return train_mimo(forward_step_func, run.model, run.optimizer, run.schedulers,
-                      run.train_data_iterator, run.valid_data_iterator, run.global_state,
-                      run.infra, run.communicator)
+    try:
+        return train_mimo(forward_step_func, run.model, run.optimizer, run.schedulers,
+                          run.train_data_iterator, run.valid_data_iterator, run.global_state,
+                          run.infra, run.communicator)
+    finally:
+        if run.data_reader is not None:
+            run.data_reader.close()

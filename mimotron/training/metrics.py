@@ -17,8 +17,9 @@ iteration over the log interval, with evaluation excluded. And more:
 own loss), ``train_accuracy`` (interval mean) and ``train_accuracy_last``, auxiliary
 losses by name (interval mean, and ``<name>_last``), ``interval_iters`` /
 ``interval_skipped_iters`` (iterations the record covers / left out of its means),
-``skipped_iters`` / ``nan_iters`` (run totals), ``peak_memory_bytes`` (max over ranks)
-and ``peak_memory_bytes_per_rank``, ``model_flops_per_iteration`` and
+``skipped_iters`` / ``nan_iters`` (run totals), ``skipped_samples`` (bad samples the
+dataset left out, only for a dataset that checks them: ``llava``), ``peak_memory_bytes``
+(max over ranks) and ``peak_memory_bytes_per_rank``, ``model_flops_per_iteration`` and
 ``model_flops_per_module`` (:mod:`mimotron.training.flops`),
 ``tflops_per_second_per_rank``, ``mfu`` (only where the device's peak is known),
 ``time_s`` (the step's timers) and ``module_time_s`` {module: {forward, backward,
@@ -275,6 +276,12 @@ def format_banner(global_state: GlobalState, infra: MimoModelInfra,
                  f"micro-batch(es) of {cfg.train.micro_batch_size}, seq length "
                  f"{cfg.data.seq_length}; log every {cfg.log.interval}, eval every "
                  f"{cfg.eval.interval}; metrics -> {cfg.log_dir / 'metrics.jsonl'}")
+    if cfg.data.num_workers:
+        lines.append(f"data: training samples loaded ahead by {cfg.data.num_workers} "
+                     "background worker(s)")
+    if global_state.skipped_samples:
+        lines.append(f"data: {global_state.skipped_samples} bad sample(s) of {cfg.data.path} "
+                     "skipped (data.skip_bad_samples)")
     return "\n".join(lines)
 
 
@@ -448,6 +455,8 @@ class LoopMonitor:
             name = f"aux_{key}" if key in record or key + LAST in record else key
             record[name] = aux_value(aux[key], counted) if key in aux else None
             record[name + LAST] = aux_value(aux_last[key], 1) if key in aux_last else None
+        if self.state.skipped_samples is not None:  # Datasets that check their samples.
+            record["skipped_samples"] = self.state.skipped_samples
         record.update(skipped_iters=ts.skipped_iters, nan_iters=ts.nan_iters,
                       peak_memory_bytes=max(gathered["peak"]),
                       peak_memory_bytes_per_rank=gathered["peak"])

@@ -85,6 +85,9 @@ class GlobalState:
     timers: Timers = field(init=False)
     train_state: TrainState = field(default_factory=TrainState)
     start_time: float = field(default_factory=time.monotonic)
+    skipped_samples: int | None = None
+    """Bad samples the dataset left out (``data.skip_bad_samples``); ``None``: a dataset
+    without such checks. The same on every rank (each checks the same file)."""
 
     def __post_init__(self) -> None:
         self.timers = Timers(self.runtime.device)

@@ -1,0 +1,124 @@
+"""The run's tokenizer and LLaVA data, built from the config (``data.dataset = "llava"``).
+
+**Tokenizer.** The synthetic datasets (``digits``, ``mock``) use the character tokenizer;
+``llava`` loads the Hugging Face tokenizer folder ``data.tokenizer``
+(:class:`~mimotron.data.hf_tokenizer.HFTokenizer`) with one placeholder per modality the
+configured encoders consume.
+
+**Placeholders per sample** are each encoder's ``num_output_tokens`` (what the model
+scatters into the placeholder positions), as for the synthetic datasets.
+
+**Preprocessing.** An encoder module loaded from a Hugging Face folder
+(``modules.<m>.hf_path``) preprocesses with that folder's ``preprocessor_config.json``
+(CLIP / SigLIP image processor, Whisper feature extractor). A toy encoder gets
+parameters derived from its own sizes: a ``vit`` reads RGB images resized to
+``image_size`` squared and normalised with mean = std = 0.5 (no crop); an ``audio``
+encoder reads 16 kHz WAV clips of 1 s as Whisper log-mel features with ``num_freq_bins``
+mel bins and ``num_frames`` frames.
+
+**Checked before any collective.** :func:`build_llava_tasks` reads and checks every
+sample (:class:`~mimotron.data.llava.LlavaDataset`): ``mimotron train`` and
+``mimotron plan`` call :func:`check_data` before launching anything, and ``setup_mimo``
+builds the data before its first collective.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from mimotron.config import TOY_AUDIO_RATE, MimoConfig
+from mimotron.data.hf_tokenizer import HFTokenizer
+from mimotron.data.llava import LlavaDataset, LlavaTask, llava_tasks
+from mimotron.data.media import AudioFeatures, ImageProcessor
+from mimotron.data.tokenizer import MODALITIES, CharTokenizer
+
+# Toy vision preprocessing: a plain square resize, normalised to [-1, 1] (SigLIP's rule).
+_TOY_MEAN_STD = (0.5, 0.5, 0.5)
+
+
+def encoder_modalities(cfg: MimoConfig) -> dict[str, str]:
+    """``{modality: encoder module name}`` of the configured encoders."""
+    return {m.modality: name for name, m in cfg.modules.items()
+            if m.is_encoder and m.modality is not None}  # fmt: skip
+
+
+def build_tokenizer(cfg: MimoConfig) -> CharTokenizer | HFTokenizer:
+    """The run's tokenizer: characters for the synthetic datasets, ``data.tokenizer`` for llava.
+
+    Raises:
+        ValueError: the tokenizer folder is missing or unusable (see ``HFTokenizer``).
+    """
+    if cfg.data.dataset != "llava":
+        return CharTokenizer()
+    present = encoder_modalities(cfg)
+    return HFTokenizer(cfg.data.tokenizer, modalities=[m for m in MODALITIES if m in present])
+
+
+def image_processor(cfg: MimoConfig, module: str) -> ImageProcessor:
+    """The preprocessing of encoder ``module``'s images (rule in the module docstring)."""
+    m = cfg.modules[module]
+    hf_path = getattr(m, "hf_path", "")  # Hugging Face modules only.
+    if hf_path:
+        return ImageProcessor.from_pretrained(hf_path)
+    size = (("height", m.image_size), ("width", m.image_size))
+    return ImageProcessor(size=size, crop_size=size, do_center_crop=False,
+                          image_mean=_TOY_MEAN_STD, image_std=_TOY_MEAN_STD)  # fmt: skip
+
+
+def audio_features(cfg: MimoConfig, module: str) -> AudioFeatures:
+    """The log-mel extraction of encoder ``module``'s audio (rule in the module docstring)."""
+    m = cfg.modules[module]
+    hf_path = getattr(m, "hf_path", "")
+    if hf_path:
+        return AudioFeatures(hf_path)
+    return AudioFeatures(feature_size=m.num_freq_bins, sampling_rate=TOY_AUDIO_RATE,
+                         hop_length=TOY_AUDIO_RATE // m.num_frames, chunk_length=1,
+                         n_fft=400)  # fmt: skip
+
+
+def data_root(cfg: MimoConfig) -> Path:
+    """``data.root``, or the folder of ``data.path`` when it is empty."""
+    return Path(cfg.data.root) if cfg.data.root else Path(cfg.data.path).parent
+
+
+def build_llava_tasks(cfg: MimoConfig, tokenizer: HFTokenizer) -> tuple[LlavaTask, LlavaTask]:
+    """Train and validation splits of ``data.path``, every sample checked.
+
+    Args:
+        cfg: the run config (``data``, the encoder modules).
+        tokenizer: the run's Hugging Face tokenizer (:func:`build_tokenizer`).
+
+    Returns:
+        ``(train_task, validation_task)``; ``task.num_skipped`` counts the bad samples
+        left out with ``data.skip_bad_samples``.
+
+    Raises:
+        ValueError: the first bad sample (file, line or item, sample id, reason) unless
+            skipped; no usable sample; an empty split.
+    """
+    d = cfg.data
+    encoders = encoder_modalities(cfg)
+    num_tokens = {mod: cfg.modules[name].num_output_tokens for mod, name in encoders.items()}
+    images = image_processor(cfg, encoders["image"]) if "image" in encoders else None
+    audio = audio_features(cfg, encoders["audio"]) if "audio" in encoders else None
+    dataset = LlavaDataset(d.path, data_root(cfg), tokenizer, d.seq_length, num_tokens,
+                           image_processor=images, audio_features=audio,
+                           skip_bad_samples=d.skip_bad_samples,
+                           system_prompt=d.system_prompt or None,
+                           num_workers=d.num_workers)  # fmt: skip
+    return llava_tasks(dataset, d.train_fraction)
+
+
+def check_data(cfg: MimoConfig) -> CharTokenizer | HFTokenizer:
+    """Build the tokenizer and check every sample (llava); for the CLI, before any launch.
+
+    Returns:
+        The run's tokenizer (its vocabulary sizes the model).
+
+    Raises:
+        ValueError: what :func:`build_tokenizer` or :func:`build_llava_tasks` raise.
+    """
+    tokenizer = build_tokenizer(cfg)
+    if isinstance(tokenizer, HFTokenizer):
+        build_llava_tasks(cfg, tokenizer)
+    return tokenizer

@@ -1,0 +1,127 @@
+"""Training on LLaVA-format data: the digits task exported as JSONL + PNG + WAV, a BPE
+tokenizer trained locally, the toy encoders (``vit``, ``audio``), 1 and 2 ranks.
+
+Everything is generated into a temporary folder: :func:`write_llava_task` writes the
+data, :func:`train_bpe_tokenizer` the Hugging Face tokenizer folder.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from mimotron.data.bpe import train_bpe_tokenizer
+from mimotron.data.llava_export import conversation_texts, write_llava_task
+from mimotron.testing import run_ranks
+from tests.common import BASE, DIGITS, ONE_RANK, coloc, colocated, train_steps
+
+NUM_ITERS = 4
+
+
+@pytest.fixture(scope="module")
+def llava(tmp_path_factory):
+    """The exported task (48 samples) and its tokenizer; overrides that select them."""
+    base = tmp_path_factory.mktemp("llava_train")
+    path = write_llava_task(base / "data", num_samples=48, seed=3)
+    tokenizer = train_bpe_tokenizer(conversation_texts(path), base / "tok", vocab_size=300)
+    overrides = [
+        "data.dataset='llava'", f"data.path='{path}'", f"data.tokenizer='{tokenizer}'",
+        "data.seq_length=96", "modules.vision.in_channels=3", "optimizer.lr=3e-3",
+    ]  # fmt: skip
+    return {"path": path, "base": base, "overrides": overrides}
+
+
+def test_llava_training_is_finite_decreasing_and_layout_independent(llava):
+    """Loss falls on 1 rank; DP 2 and encoders DP 2 + language TP 2 train on the same batches."""
+    over = llava["overrides"]
+    one = run_ranks(1, train_steps, [*over, *ONE_RANK], NUM_ITERS)[0]
+    losses = [s[0] for s in one]
+    assert all(math.isfinite(x) for x in losses), losses
+    assert losses[-1] < losses[0], losses
+    dp2 = run_ranks(2, train_steps, [*over, *colocated(2)], NUM_ITERS)
+    # Encoders DP 2, the language model TP 2 on the same two ranks.
+    hetero = run_ranks(2, train_steps, [*over, *coloc({"data": 2}, {"data": 2},
+                                                      {"data": 1, "tensor": 2})], NUM_ITERS)
+    for result in (dp2[0], hetero[0]):
+        # Same samples in the same global batches: same token counts and losses.
+        assert [s[3] for s in result] == [s[3] for s in one]
+        assert [s[0] for s in result] == pytest.approx(losses, rel=1e-5, abs=1e-5)
+
+
+def _cli(args: list[str], cwd: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    return subprocess.run([sys.executable, "-m", "mimotron", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+
+
+def _with_bad_sample(llava, name: str) -> str:
+    """A copy of the data file whose line 3 names an image that does not exist."""
+    lines = llava["path"].read_text().splitlines()
+    bad = json.loads(lines[2]) | {"id": "broken-3", "image": "images/missing.png"}
+    bad["conversations"][0]["value"] = "<image>" + bad["conversations"][0]["value"].replace(
+        "<image>", "")
+    lines[2] = json.dumps(bad)
+    out = llava["path"].parent / name
+    out.write_text("\n".join(lines) + "\n")
+    return str(out)
+
+
+def test_bad_sample_is_one_line_naming_id_and_line_before_launch(llava, tmp_path):
+    """Without skipping, plan and a 2-rank train stop with exit 2 before any rank starts."""
+    path = _with_bad_sample(llava, "bad.jsonl")
+    over = [*BASE, *llava["overrides"], f"data.path='{path}'", *colocated(2),
+            f"log.dir='{tmp_path / 'run'}'"]  # fmt: skip
+    for command in ("plan", "train"):
+        proc = _cli([command, str(DIGITS), *over], str(tmp_path))
+        assert proc.returncode == 2, proc.stderr
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1, proc.stderr
+        assert "line 3" in lines[0] and "broken-3" in lines[0] and "not found" in lines[0]
+    assert not (tmp_path / "run").exists()  # No rank ran.
+
+
+def test_skipped_bad_sample_is_counted_in_metrics_and_banner(llava, tmp_path):
+    """With data.skip_bad_samples the run trains and every record says 1 sample skipped."""
+    path = _with_bad_sample(llava, "bad_skip.jsonl")
+    run_dir = tmp_path / "run"
+    over = [*BASE, *llava["overrides"], f"data.path='{path}'", *ONE_RANK,
+            "data.skip_bad_samples=true", "data.num_workers=2", "train.iters=2",
+            "log.interval=1", f"log.dir='{run_dir}'"]  # fmt: skip
+    proc = _cli(["train", str(DIGITS), *over], str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if "loss" in r and "eval_loss" not in r]
+    assert len(train) == 2 and all(r["skipped_samples"] == 1 for r in train)
+    assert "1 bad sample(s)" in proc.stdout + proc.stderr
+
+
+def _first_batches(rank: int, world: int, overrides: list[str], num_steps: int) -> list:
+    from mimotron.config import load_config
+    from mimotron.runtime import init_runtime
+    from mimotron.training.loop import setup_mimo
+
+    run = setup_mimo(load_config(DIGITS, BASE + overrides), init_runtime())
+    try:
+        return [next(run.train_data_iterator) for _ in range(num_steps)]
+    finally:
+        if run.data_reader is not None:
+            run.data_reader.close()
+
+
+def test_background_workers_give_the_same_batches(llava):
+    """data.num_workers=3 loads ahead on threads; the batches equal the synchronous ones."""
+    import torch
+
+    base = [*llava["overrides"], *ONE_RANK]
+    sync = run_ranks(1, _first_batches, base, 3)[0]
+    ahead = run_ranks(1, _first_batches, [*base, "data.num_workers=3"], 3)[0]
+    for a, b in zip(sync, ahead, strict=True):
+        for mb_a, mb_b in zip(a, b, strict=True):
+            for module in mb_a:
+                for key, value in mb_a[module].items():
+                    assert torch.equal(value, mb_b[module][key]), (module, key)
