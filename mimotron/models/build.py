@@ -23,7 +23,6 @@ from mimotron.models.mimo import MimoModel
 from mimotron.names import LANGUAGE
 from mimotron.names import module_prefix as parameter_prefix
 
-
 # The vocabulary is padded to a multiple of this (Megatron's make-vocab-divisible), the
 # same for every layout, so TP can split it and layouts share one model.
 VOCAB_MULTIPLE = 64
