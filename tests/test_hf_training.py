@@ -14,14 +14,14 @@ refused by config validation / the layout plan, before any process group exists.
 from __future__ import annotations
 
 import math
-import subprocess
-import sys
+import re
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors import safe_open
 
+from mimotron.cli.main import main
 from mimotron.config import load_config
 from mimotron.parallel.layout import plan_layout
 from mimotron.testing import run_ranks
@@ -134,26 +134,35 @@ def test_hf_modules_train_like_one_process(hf_dirs: dict[str, Path]) -> None:
         assert not torch.equal(want, ref.initial[name]) or "embed_positions" in name
 
 
-def _plan(overrides: list[str]) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "mimotron", "plan", str(DIGITS), *BASE, *overrides]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+def _plan(overrides: list[str], capsys: pytest.CaptureFixture) -> tuple[int, str, str]:
+    """``mimotron plan`` in-process (it validates before anything is launched)."""
+    code = main(["plan", str(DIGITS), *BASE, *overrides])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
 
 
-def test_plan_reports_hf_modules(hf_dirs: dict[str, Path]) -> None:
-    proc = _plan(_hf_overrides(hf_dirs) + noncolocated({"tensor": 2}, {}, {"pipeline": 2}))
-    assert proc.returncode == 0, proc.stderr
-    assert "language" in proc.stdout
+def test_plan_reports_hf_modules(hf_dirs: dict[str, Path], capsys: pytest.CaptureFixture
+                                 ) -> None:
+    code, out, err = _plan(_hf_overrides(hf_dirs)
+                           + noncolocated({"tensor": 2}, {}, {"pipeline": 2}), capsys)
+    assert code == 0, err
+    # The parameter counts are the checkpoints' (vocabulary 64) plus the projectors.
+    lm_params = 64 * 64 * 2 + 2 * (64 * 64 * 2 + 64 * 32 * 2 + 3 * 64 * 128 + 2 * 64) + 64
+    assert re.search(rf"^language +language +{lm_params:,} ", out, re.M), out
+    assert "memory estimate per rank" in out
 
 
-def test_missing_folder_is_an_error_before_launch(tmp_path: Path) -> None:
+def test_missing_folder_is_an_error_before_launch(tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture) -> None:
     missing = tmp_path / "nowhere"
     with pytest.raises(ValueError, match=r"modules\.language.*hf_path.*not an existing"):
         load_config(DIGITS, BASE + [f"modules.language.hf_path='{missing}'"])
-    proc = _plan([f"modules.language.hf_path='{missing}'"])
-    assert proc.returncode == 2 and "never downloads" in proc.stderr
+    code, _, err = _plan([f"modules.language.hf_path='{missing}'"], capsys)
+    assert code == 2 and "never downloads" in err
 
 
-def test_size_contradicting_config_json_is_an_error(hf_dirs: dict[str, Path]) -> None:
+def test_size_contradicting_config_json_is_an_error(hf_dirs: dict[str, Path],
+                                                    capsys: pytest.CaptureFixture) -> None:
     over = _hf_overrides(hf_dirs)
     with pytest.raises(ValueError, match=r"modules\.language\.hidden_size=96 contradicts "
                                          r"config\.json.*gives 64"):
@@ -161,18 +170,19 @@ def test_size_contradicting_config_json_is_an_error(hf_dirs: dict[str, Path]) ->
     # Even a value equal to the toy default contradicts when the TOML sets it.
     with pytest.raises(ValueError, match=r"modules\.language\.hidden_size=128 contradicts"):
         load_config(DIGITS, BASE + over + ["modules.language.hidden_size=128"])
-    proc = _plan(over + ["modules.language.num_layers=3"])
-    assert proc.returncode == 2 and "num_layers=3 contradicts" in proc.stderr
+    code, _, err = _plan(over + ["modules.language.num_layers=3"], capsys)
+    assert code == 2 and "num_layers=3 contradicts" in err
 
 
-def test_tensor_not_dividing_kv_heads_is_an_error(tmp_path: Path) -> None:
+def test_tensor_not_dividing_kv_heads_is_an_error(tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture) -> None:
     paths = _save_models(tmp_path, kv_heads=1)
     over = _hf_overrides(paths) + noncolocated({}, {}, {"tensor": 2})
     cfg = load_config(DIGITS, BASE + over)  # the config alone is valid
     with pytest.raises(ValueError, match=r"tensor=2 is invalid.*num_kv_heads.*=1"):
         plan_layout(cfg)
-    proc = _plan(over)
-    assert proc.returncode == 2 and "num_kv_heads" in proc.stderr
+    code, _, err = _plan(over, capsys)
+    assert code == 2 and "num_kv_heads" in err
 
 
 def test_pipeline_with_tied_embeddings_is_an_error(tmp_path: Path) -> None:
