@@ -3,7 +3,8 @@
 Small randomly initialised ``transformers`` models (a CLIP vision tower, a Whisper
 model, a Llama decoder) are saved into a temporary folder and named by
 ``modules.<m>.hf_path``. The engine trains them on a heterogeneous layout (vision TP 2 |
-audio | language PP 2) and must match the plain one-process reference loop
+audio | language PP 2, and
+vision PP 2 | audio | language TP 2) and must match the plain one-process reference loop
 (tests/reference.py: full model, backward, ``clip_grad_norm_``, ``torch.optim.AdamW``)
 in losses, grad norms and final weights. The Llama vocabulary (40) is smaller than the
 padded model vocabulary (64), so the embedding and the untied head carry rows that are
@@ -91,10 +92,18 @@ def _rel(got: float, want: float) -> float:
     return abs(got - want) / max(abs(want), 1e-12)
 
 
-def test_hf_modules_train_like_one_process(hf_dirs: dict[str, Path]) -> None:
+# Encoder TP slices + a language pipeline; an encoder pipeline + vocabulary-parallel TP
+# (rank 1 of the language holds rows 32..63: 32..39 from the checkpoint, the rest new).
+LAYOUTS = {
+    "vision-tp2|audio|language-pp2": noncolocated({"tensor": 2}, {}, {"pipeline": 2}),
+    "vision-pp2|audio|language-tp2": noncolocated({"pipeline": 2}, {}, {"tensor": 2}),
+}
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_hf_modules_train_like_one_process(hf_dirs: dict[str, Path], layout: str) -> None:
     shared = _hf_overrides(hf_dirs)
-    layout = noncolocated({"tensor": 2}, {}, {"pipeline": 2})
-    overrides = shared + layout
+    overrides = shared + LAYOUTS[layout]
     world = plan_layout(load_config(DIGITS, BASE + overrides)).world_size
     assert world == 5
     results = run_ranks(world, engine_run, overrides, NUM_ITERS, timeout_s=300)
