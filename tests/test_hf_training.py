@@ -24,6 +24,7 @@ from safetensors import safe_open
 
 from mimotron.cli.main import main
 from mimotron.config import load_config
+from mimotron.data.hf_tokenizer import resize_embedding_rows
 from mimotron.parallel.layout import plan_layout
 from mimotron.testing import run_ranks
 from tests.common import BASE, DIGITS, engine_run, noncolocated
@@ -117,6 +118,11 @@ def test_hf_modules_train_like_one_process(hf_dirs: dict[str, Path], layout: str
     assert torch.equal(ref.initial["language_model.embed.weight"][:HF_VOCAB], embed)
     assert torch.equal(ref.initial["language_model.output.weight"][:HF_VOCAB], head)
     assert ref.initial["language_model.embed.weight"].shape[0] == 64
+    # The extra rows follow the tokenizer-resize rule (mean + seeded noise x std).
+    for ours, table in (("embed", embed), ("output", head)):
+        want = resize_embedding_rows(table, 64, seed=load_config(DIGITS, BASE).train.seed)
+        torch.testing.assert_close(ref.initial[f"language_model.{ours}.weight"], want,
+                                   rtol=1e-6, atol=1e-7)
     assert not torch.equal(ref.initial["language_model.embed.weight"][HF_VOCAB:],
                            ref.initial["language_model.output.weight"][HF_VOCAB:])
 
