@@ -217,11 +217,13 @@ def _validate_modules(cfg: MimoConfig) -> None:
                     f"encoded by modules.{modalities[mod.modality]}; one encoder per modality"
                 )
             modalities[mod.modality] = name
+        _validate_hf_keys(name, mod)
         for key in ("hidden_size", "num_layers", "num_heads"):
             val = getattr(mod, key)
             _check(isinstance(val, int) and val >= 1, f"{p}.{key}", val, "an integer >= 1")
         _check(
-            mod.hidden_size % mod.num_heads == 0,
+            # A checkpoint's head_dim need not be hidden_size / num_heads (Qwen3).
+            bool(mod.hf_path) or mod.hidden_size % mod.num_heads == 0,
             f"{p}.num_heads",
             mod.num_heads,
             f"a divisor of hidden_size={mod.hidden_size}",
@@ -241,6 +243,23 @@ def _validate_modules(cfg: MimoConfig) -> None:
                 f"a positive divisor of num_frames={mod.num_frames}",
             )
         _validate_parallel(mod.parallel, f"{p}.parallel")
+
+
+def _validate_hf_keys(name: str, mod: ModuleConfig) -> None:
+    """Options that only apply with ``hf_path`` are rejected elsewhere; sizes come from it."""
+    from mimotron.models.hf.resolve import HF_ONLY_KEYS, resolve_hf_module
+
+    defaults = ModuleConfig()
+    for kind, keys in HF_ONLY_KEYS.items():
+        for key in keys:
+            value = getattr(mod, key)
+            if value != getattr(defaults, key) and (not mod.hf_path or mod.kind != kind):
+                raise ValueError(
+                    f"modules.{name}.{key}={value!r} is invalid: it only applies to a "
+                    f"kind={kind!r} module with hf_path set; remove it"
+                )
+    if mod.hf_path:
+        resolve_hf_module(name, mod)
 
 
 def _validate_parallel(par: ParallelConfig, p: str) -> None:
@@ -454,6 +473,11 @@ def config_from_dict(raw: dict[str, Any]) -> MimoConfig:
         if not isinstance(table, dict):
             raise ValueError(f"modules.{name} is invalid: expected a table")
         cfg.modules[name] = _build(ModuleConfig, table, f"modules.{name}.")
+        if cfg.modules[name].hf_path and cfg.modules[name].kind in MODULE_KINDS:
+            from mimotron.models.hf.resolve import resolve_hf_module
+
+            # The keys the table set: one equal to the default still contradicts.
+            resolve_hf_module(name, cfg.modules[name], explicit=set(table))
         _check_override_keys(cfg.modules[name].optimizer, f"modules.{name}.optimizer")
     return cfg
 

@@ -24,6 +24,8 @@ WeightDecayStyle = Literal["constant", "linear", "cosine"]
 OptimizerName = Literal["adamw", "adam", "sgd"]
 DatasetName = Literal["digits", "mock", "llava"]
 Schedule = Literal["1f1b", "no_pipelining"]
+FeatureSelectStrategy = Literal["default", "full"]
+DownsampleMode = Literal["avg", "stack"]
 
 ENCODER_KINDS: tuple[str, ...] = get_args(EncoderKind)
 LANGUAGE_KINDS: tuple[str, ...] = get_args(LanguageKind)
@@ -191,6 +193,33 @@ class ModuleConfig:
     """audio only: spectrogram frames."""
     num_audio_tokens: int = 4
     """audio only: tokens the encoder emits per sample, dividing num_frames."""
+    hf_path: str = ""
+    """A local Hugging Face folder (``config.json`` + safetensors) to build and load the
+    module from; ``""`` = mimotron's own randomly initialised model.
+
+    The family comes from config.json's ``model_type``: ``language`` takes Llama, Qwen2
+    or Qwen3, ``vit`` CLIP or SigLIP (a vision tower or a full model), ``audio`` Whisper.
+    The sizes (hidden_size, num_layers, num_heads, ffn_hidden_size and the input shape
+    keys) are read from config.json; setting one to another value is an error. Each rank
+    reads only its stage's tensors and TP slices; the projector keeps mimotron's init.
+    A folder that is not there is an error before launch, never a download.
+    """
+    vision_feature_layer: int = -2
+    """vit with hf_path only: the tower's hidden state fed to the projector, as in LLaVA
+    (-1 = last layer, -2 = the one before); later layers are not built.
+    """
+    vision_feature_select_strategy: FeatureSelectStrategy = "default"
+    """vit with hf_path only: ``default`` drops the class token (CLIP), ``full`` keeps every
+    token (SigLIP, which has no class token, needs ``full``).
+    """
+    downsample_factor: int = 1
+    """audio with hf_path only: k consecutive Whisper output frames become one token
+    (>= 1, dividing max_source_positions); num_audio_tokens follows.
+    """
+    downsample_mode: DownsampleMode = "avg"
+    """audio with hf_path only: ``avg`` averages the k frames, ``stack`` concatenates them
+    (projector input k x hidden_size).
+    """
     freeze: bool = False
     """Freeze the module: no gradients, no optimizer state, no gradient sync; not every
     module may be frozen.
@@ -220,7 +249,12 @@ class ModuleConfig:
     def num_output_tokens(self) -> int:
         """Embeddings an encoder emits per sample (placeholders in the text)."""
         if self.kind == "vit":
-            return (self.image_size // self.patch_size) ** 2
+            patches = (self.image_size // self.patch_size) ** 2
+            if self.hf_path and self.vision_feature_select_strategy == "full":
+                from mimotron.models.hf.resolve import has_class_token
+
+                return patches + int(has_class_token(self.hf_path))
+            return patches
         if self.kind == "audio":
             return self.num_audio_tokens
         return 0

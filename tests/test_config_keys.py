@@ -136,6 +136,18 @@ PROBES: dict[str, tuple[list[str], str, list[str]]] = {
     "modules.<m>.num_frames": (["modules.audio.num_frames=8"], "built", MOCK),
     "modules.<m>.num_audio_tokens": (["modules.audio.num_audio_tokens=8"], "built", []),
     "modules.<m>.freeze": (["modules.vision.freeze=true"], "built", []),
+    # The hf_path keys' effects (a loaded model, its sizes, its options) need Hugging
+    # Face folders: tests/test_hf_training.py. Here: a folder that is not there, and
+    # the HF-only options on a module without hf_path, are refused.
+    "modules.<m>.hf_path": (["modules.language.hf_path='no-such-hf-folder'"], "error:built",
+                            []),
+    "modules.<m>.vision_feature_layer": (["modules.vision.vision_feature_layer=-1"],
+                                         "error:built", []),
+    "modules.<m>.vision_feature_select_strategy": (
+        ["modules.vision.vision_feature_select_strategy='full'"], "error:built", []),
+    "modules.<m>.downsample_factor": (["modules.audio.downsample_factor=2"], "error:built", []),
+    "modules.<m>.downsample_mode": (["modules.audio.downsample_mode='stack'"], "error:built",
+                                    []),
     "modules.<m>.parallel.tensor": (_par("tensor=2"), "plan", NONCOLOCATED),
     "modules.<m>.parallel.pipeline": (_par("pipeline=2"), "plan", NONCOLOCATED),
     "modules.<m>.parallel.data": (_par("data=2"), "plan", NONCOLOCATED),

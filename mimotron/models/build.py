@@ -12,11 +12,42 @@ from torch import nn
 
 from mimotron.config import MimoConfig, ModuleConfig
 from mimotron.models.encoders import AudioEncoder, ModalitySubmodule, Projector, VisionEncoder
+from mimotron.models.hf.clip import ClipVisionTower, SiglipVisionTower
+from mimotron.models.hf.llama import LLAMA_WEIGHTS, check_llama_folder
+from mimotron.models.hf.resolve import hf_family, language_spec, tower_kwargs
+from mimotron.models.hf.weights import load_hf_weights
+from mimotron.models.hf.whisper import WhisperEncoderTower
 from mimotron.models.init import init_parameters_
 from mimotron.models.language import LanguageModel
 from mimotron.models.mimo import MimoModel
 from mimotron.names import LANGUAGE
 from mimotron.names import module_prefix as parameter_prefix
+
+# The vocabulary is padded to a multiple of this (Megatron's make-vocab-divisible), the
+# same for every layout, so TP can split it and layouts share one model.
+VOCAB_MULTIPLE = 64
+
+
+def padded_vocab_size(vocab_size: int, multiple: int = VOCAB_MULTIPLE) -> int:
+    """Round the tokenizer's vocabulary up to a multiple of ``multiple``."""
+    return -(-vocab_size // multiple) * multiple
+
+
+def model_vocab_size(cfg: MimoConfig, vocab_size: int) -> int:
+    """The language model's vocabulary: the tokenizer's, or a checkpoint's if larger.
+
+    Args:
+        cfg: run config.
+        vocab_size: the tokenizer's vocabulary (padded or not).
+
+    Returns:
+        ``max(vocab_size, config.json vocab_size)`` padded to ``VOCAB_MULTIPLE``; rows
+        past the checkpoint's are initialised by :mod:`mimotron.models.hf.vocab`.
+    """
+    lm = cfg.modules.get(LANGUAGE)
+    if lm is not None and lm.hf_path:
+        vocab_size = max(vocab_size, language_spec(lm).vocab_size)
+    return padded_vocab_size(vocab_size)
 
 
 def module_prefix(cfg: MimoConfig, name: str) -> str:
@@ -50,6 +81,8 @@ def _construct(
     """Instantiate module ``name`` (uninitialised values) on the current default device."""
     mod = _module_cfg(cfg, name)
     stage = {"layer_ids": layer_ids, "pre_process": pre_process, "post_process": post_process}
+    if mod.hf_path:
+        return _construct_hf(cfg, name, vocab_size, stage)
     common = {
         "hidden_size": mod.hidden_size,
         "num_layers": mod.num_layers,
@@ -76,13 +109,62 @@ def _construct(
         )
     else:
         raise ValueError(f"modules.{name}.kind={mod.kind!r} cannot be built by mimotron.models")
+    return ModalitySubmodule(encoder, _projector(cfg, mod, mod.hidden_size, post_process))
+
+
+def _projector(cfg: MimoConfig, mod: ModuleConfig, width: int, post_process: bool
+               ) -> Projector | None:
     if LANGUAGE not in cfg.modules:
         raise ValueError("an encoder's projector needs the 'language' module's hidden size")
     lm_hidden = cfg.modules[LANGUAGE].hidden_size
-    projector = (
-        Projector(mod.hidden_size, lm_hidden, mod.projector_hidden_size) if post_process else None
-    )
-    return ModalitySubmodule(encoder, projector)
+    return Projector(width, lm_hidden, mod.projector_hidden_size) if post_process else None
+
+
+def _construct_hf(cfg: MimoConfig, name: str, vocab_size: int, stage: dict) -> nn.Module:
+    """A Hugging Face family module (weights not loaded) with mimotron's projector."""
+    mod = cfg.modules[name]
+    if mod.kind == "language":
+        spec = language_spec(mod).replace(vocab_size=model_vocab_size(cfg, vocab_size))
+        return LanguageModel(**spec.model_kwargs(cfg.data.seq_length), **stage)
+    kwargs = tower_kwargs(mod)
+    if mod.kind == "audio":
+        encoder: nn.Module = WhisperEncoderTower(**kwargs, **stage)
+        stacked = mod.downsample_mode == "stack"
+        width = mod.hidden_size * (mod.downsample_factor if stacked else 1)
+    else:
+        tower = ClipVisionTower if hf_family(mod) == "clip" else SiglipVisionTower
+        encoder = tower(**kwargs, **stage)
+        width = mod.hidden_size
+    return ModalitySubmodule(encoder, _projector(cfg, mod, width, stage["post_process"]))
+
+
+def load_hf_module(cfg: MimoConfig, name: str, module: nn.Module) -> nn.Module:
+    """Fill a built HF module's checkpoint parameters from its ``hf_path``, in place.
+
+    The projector is not in the checkpoint and is left alone; a vocabulary larger than
+    the checkpoint's gets its extra rows from :mod:`mimotron.models.hf.vocab`.
+
+    Args:
+        cfg: run config.
+        name: module name (its ``hf_path`` is set).
+        module: from :func:`build_module` / ``_construct`` (one stage, plain or TP).
+
+    Returns:
+        ``module``.
+
+    Raises:
+        ValueError: a checkpoint that does not match the module (tensors named).
+    """
+    mod = cfg.modules[name]
+    if mod.kind == "language":
+        assert isinstance(module, LanguageModel)
+        spec = check_llama_folder(mod.hf_path, language_spec(mod))
+        rows = {n: spec.vocab_size for n in ("embed.weight", "output.weight")}
+        load_hf_weights(module, mod.hf_path, LLAMA_WEIGHTS, rows=rows, seed=cfg.train.seed)
+        return module
+    assert isinstance(module, ModalitySubmodule)
+    load_hf_weights(module.encoder, mod.hf_path, module.encoder.weight_map)
+    return module
 
 
 def build_module(
@@ -103,9 +185,10 @@ def build_module(
         layer_ids: global layers to hold (``None`` = all).
         pre_process: hold the input embedding (first stage).
         post_process: hold the final norm and the head / projector (last stage).
-        init: run :func:`init_parameters_`; ``False`` leaves PyTorch's default values
-            (for shape-only builds, e.g. under ``torch.device("meta")``, where init is
-            skipped anyway).
+        init: run :func:`init_parameters_` (and, for an ``hf_path`` module, then load
+            the checkpoint over everything but the projector); ``False`` leaves
+            PyTorch's default values (for shape-only builds, e.g. under
+            ``torch.device("meta")``, where init is skipped anyway).
 
     Returns:
         A :class:`LanguageModel` or a :class:`ModalitySubmodule`, initialised from
@@ -117,7 +200,10 @@ def build_module(
     module = _construct(cfg, name, vocab_size, layer_ids, pre_process, post_process)
     if not init:
         return module
-    return init_parameters_(module, cfg.train.seed, prefix=module_prefix(cfg, name))
+    init_parameters_(module, cfg.train.seed, prefix=module_prefix(cfg, name))
+    if cfg.modules[name].hf_path and not any(p.is_meta for p in module.parameters()):
+        load_hf_module(cfg, name, module)
+    return module
 
 
 def build_mimo_model(

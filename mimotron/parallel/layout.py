@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from mimotron.config import MimoConfig, ParallelConfig
+from mimotron.config import MimoConfig, ModuleConfig, ParallelConfig
 from mimotron.names import GRID_AXES, LANGUAGE
 
 GRID_DIMS = GRID_AXES
@@ -217,7 +217,10 @@ def _check_module_shape(cfg: MimoConfig, name: str, colocated: bool) -> None:
             f"{p}.pipeline={par.pipeline} is invalid: colocated modules need pipeline=1 "
             "(use non-colocated blocks for pipeline parallelism)"
         )
-    for key, total in (("num_heads", mod.num_heads), ("hidden_size", mod.hidden_size)):
+    sizes = [("num_heads", mod.num_heads), ("hidden_size", mod.hidden_size)]
+    if mod.hf_path:
+        sizes += _hf_shape_keys(name, mod)
+    for key, total in sizes:
         if total % par.tensor:
             raise ValueError(
                 f"{p}.tensor={par.tensor} is invalid: it must divide modules.{name}.{key}={total}"
@@ -245,6 +248,19 @@ def _check_module_shape(cfg: MimoConfig, name: str, colocated: bool) -> None:
             f"{p}.expert={par.expert} is invalid: expert x expert_tensor x pipeline "
             f"({expert}) must divide the module's {par.size} ranks"
         )
+
+
+def _hf_shape_keys(name: str, mod: ModuleConfig) -> list[tuple[str, int]]:
+    """A checkpoint's key/value heads (checked like num_heads); tied embeddings need PP 1."""
+    from mimotron.models.hf.resolve import head_counts, tied_embeddings
+
+    if mod.parallel.pipeline > 1 and tied_embeddings(mod):
+        raise ValueError(
+            f"modules.{name}.parallel.pipeline={mod.parallel.pipeline} is invalid: "
+            f"hf_path {mod.hf_path!r} ties its output head to the embedding "
+            "(tie_word_embeddings), which needs both on one stage; use pipeline=1"
+        )
+    return [("num_kv_heads (config.json)", head_counts(mod)[1])]
 
 
 def _check_dp_compatible(src: ModulePlacement, dst: ModulePlacement) -> None:

@@ -4,29 +4,35 @@ Every module part is built with its pipeline stage's *global* layer indices and
 initialised from ``(seed, full parameter name)`` on the full shape, then sharded by its
 TP plan — so every layout starts from exactly the weights of the one-process model.
 Frozen modules (``modules.<m>.freeze``) are frozen here, before any optimizer exists.
+A module with ``hf_path`` is built on the meta device, sharded, allocated and then
+filled from its folder (:func:`build_hf_part`): only its projector is drawn from
+``(seed, name)``, and no rank ever allocates or reads more than it holds.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from mimotron.config import MimoConfig
-from mimotron.models.build import build_module
+from mimotron.models.build import (
+    VOCAB_MULTIPLE,
+    build_module,
+    load_hf_module,
+    module_prefix,
+    padded_vocab_size,
+)
+from mimotron.models.init import init_parameters_
 from mimotron.models.mimo import MimoModel, module_part
 from mimotron.names import LANGUAGE
 from mimotron.parallel.layout import stage_layers
 from mimotron.parallel.tensor_parallel import apply_tensor_parallel
 from mimotron.training.infra import MimoModelInfra
 
-# The vocabulary is padded to a multiple of this (Megatron's make-vocab-divisible), the
-# same for every layout, so TP can split it and layouts share one model.
-VOCAB_MULTIPLE = 64
-
-
-def padded_vocab_size(vocab_size: int, multiple: int = VOCAB_MULTIPLE) -> int:
-    """Round the tokenizer's vocabulary up to a multiple of ``multiple``."""
-    return -(-vocab_size // multiple) * multiple
+__all__ = ["VOCAB_MULTIPLE", "build_rank_model", "freeze_modules", "padded_vocab_size"]
 
 
 def build_rank_model(cfg: MimoConfig, infra: MimoModelInfra, vocab_size: int,
@@ -45,11 +51,15 @@ def build_rank_model(cfg: MimoConfig, infra: MimoModelInfra, vocab_size: int,
         mod = cfg.modules[name]
         layers = stage_layers(mod.num_layers, mod.parallel.pipeline,
                               mod.parallel.layers_per_stage)[role.pp]
-        parts[name] = build_module(cfg, name, vocab_size, layer_ids=layers,
-                                   pre_process=role.is_first_stage,
-                                   post_process=role.is_last_stage).to(device)
-        if mod.parallel.tensor > 1:
-            mesh = infra.grids[name].to_device_mesh(device.type, dims=["tp"])
+        mesh = (infra.grids[name].to_device_mesh(device.type, dims=["tp"])
+                if mod.parallel.tensor > 1 else None)
+        stage = {"layer_ids": layers, "pre_process": role.is_first_stage,
+                 "post_process": role.is_last_stage}
+        if mod.hf_path:
+            parts[name] = build_hf_part(cfg, name, vocab_size, stage, mesh, device)
+            continue
+        parts[name] = build_module(cfg, name, vocab_size, **stage).to(device)
+        if mesh is not None:
             apply_tensor_parallel(parts[name], mesh, name == LANGUAGE)
     language = parts.pop(LANGUAGE, None)
     modality_of = {n: str(cfg.modules[n].modality) for n in cfg.encoder_names}
@@ -59,6 +69,28 @@ def build_rank_model(cfg: MimoConfig, infra: MimoModelInfra, vocab_size: int,
     model = MimoModel(parts, language, dict(placeholder_ids), modality_of, tp_group)
     freeze_modules(model, cfg)
     return model
+
+
+def build_hf_part(cfg: MimoConfig, name: str, vocab_size: int, stage: dict[str, Any],
+                  mesh: DeviceMesh | None, device: torch.device) -> nn.Module:
+    """One rank's part of an ``hf_path`` module, never allocating more than it holds.
+
+    Build on the meta device -> apply the TP plan (still meta) -> allocate this rank's
+    shards on ``device`` -> initialise the projector from ``(seed, name)`` as every
+    module is -> read this stage's tensors and TP slices from the folder. It does no
+    collective, so a bad folder fails on every rank alike.
+    """
+    with torch.device("meta"):
+        part = build_module(cfg, name, vocab_size, **stage, init=False)
+    if mesh is not None:
+        apply_tensor_parallel(part, mesh, name == LANGUAGE)
+    part.to_empty(device=device)
+    if getattr(part, "tie_word_embeddings", False):
+        part.tie_weights()  # to_empty allocates each reference separately
+    projector = getattr(part, "projector", None)
+    if projector is not None:
+        init_parameters_(projector, cfg.train.seed, prefix=f"{module_prefix(cfg, name)}projector.")
+    return load_hf_module(cfg, name, part)
 
 
 def freeze_modules(mimo_model: MimoModel, cfg: MimoConfig) -> list[str]:

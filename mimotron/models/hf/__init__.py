@@ -9,7 +9,10 @@ index (pipeline-splittable) and names the TP plans know. Only local folders are 
 :mod:`mimotron.models.hf.whisper` (Whisper encoder). All families share one folder
 reader (:mod:`mimotron.models.hf.folder`) and one name map, checker, sharded reader and
 export path (:mod:`mimotron.models.hf.weights`); each family only states its
-:class:`~mimotron.models.hf.weights.WeightMap`.
+:class:`~mimotron.models.hf.weights.WeightMap`. A run config reaches them through
+``modules.<m>.hf_path``: :mod:`mimotron.models.hf.resolve` reads a module's family and
+sizes at config validation, :mod:`mimotron.models.build` builds and loads it, and
+:mod:`mimotron.models.hf.vocab` fills embedding rows past the checkpoint's vocabulary.
 """
 
 from mimotron.models.hf.folder import hf_folder, read_hf_config, tensor_files

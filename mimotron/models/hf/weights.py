@@ -36,6 +36,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from mimotron.models.hf.folder import tensor_files
+from mimotron.models.hf.vocab import read_rows
 
 _SHOWN = 8  # names listed per kind of problem before "... and N more"
 
@@ -207,7 +208,8 @@ def _targets(module: nn.Module) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def load_hf_weights(module: nn.Module, folder: str | Path, weight_map: WeightMap) -> list[str]:
+def load_hf_weights(module: nn.Module, folder: str | Path, weight_map: WeightMap, *,
+                    rows: Mapping[str, int] | None = None, seed: int = 0) -> list[str]:
     """Fill ``module``'s parameters and buffers from a local Hugging Face folder, in place.
 
     Call it after the module is built (and initialised) and after tensor parallelism is
@@ -220,6 +222,10 @@ def load_hf_weights(module: nn.Module, folder: str | Path, weight_map: WeightMap
         module: the model instance (one pipeline stage or all of it).
         folder: the folder with ``config.json`` and the safetensors weights.
         weight_map: the family's names.
+        rows: our name -> rows the checkpoint stores, for tables (embedding, output
+            head) the model holds more rows of; rows past those get
+            :mod:`mimotron.models.hf.vocab`'s deterministic values.
+        seed: the run seed, for those rows.
 
     Returns:
         The checkpoint names read, sorted.
@@ -232,7 +238,10 @@ def load_hf_weights(module: nn.Module, folder: str | Path, weight_map: WeightMap
     prefix = weight_map.choose_prefix(files)
     targets = _targets(module)
     names = {ours: prefix + weight_map.to_hf(ours) for ours in targets}
+    rows = {k: v for k, v in (rows or {}).items() if k in targets}
     expected = {names[ours]: _hf_shape(ours, t, weight_map) for ours, t in targets.items()}
+    for ours, count in rows.items():
+        expected[names[ours]] = (count, *expected[names[ours]][1:])
     check_checkpoint(files, expected, known=lambda n: weight_map.knows(n, prefix),
                      where=f"hf_path {str(folder)!r}")
     ours_of = {hf: ours for ours, hf in names.items()}
@@ -240,7 +249,10 @@ def load_hf_weights(module: nn.Module, folder: str | Path, weight_map: WeightMap
         with safe_open(file, framework="pt") as handle:
             for hf in hf_names:
                 ours = ours_of[hf]
-                _read_into(targets[ours], handle.get_slice(hf), ours in weight_map.reshaped)
+                if ours in rows:
+                    _read_rows(targets[ours], handle.get_slice(hf), rows[ours], seed)
+                else:
+                    _read_into(targets[ours], handle.get_slice(hf), ours in weight_map.reshaped)
     return sorted(names.values())
 
 
@@ -260,6 +272,13 @@ def _read_into(target: torch.Tensor, hf_slice: object, reshaped: bool) -> None:
         raise RuntimeError(  # a bug in local_region, not a user error
             f"read {tuple(value.shape)}, the tensor holds {tuple(local.shape)}")
     local.copy_(value)
+
+
+def _read_rows(target: torch.Tensor, hf_slice: object, num_rows: int, seed: int) -> None:
+    """Fill a table with more rows than the checkpoint's (see :mod:`.vocab`)."""
+    region = local_region(target)
+    local = target.to_local() if isinstance(target, DTensor) else target
+    read_rows(local, region[0].start, hf_slice, num_rows, seed, region[1:])
 
 
 def to_hf_tensors(

@@ -1,0 +1,153 @@
+"""A ``[modules.<m>]`` table with ``hf_path``: its family and sizes, read from config.json.
+
+Config validation calls :func:`resolve_hf_module` for every module with an ``hf_path``:
+it reads the folder's ``config.json`` (headers only, no tensor data), picks the family
+from ``model_type`` (``language`` -> Llama / Qwen2 / Qwen3, ``vit`` -> CLIP / SigLIP,
+``audio`` -> Whisper) and writes the checkpoint's sizes into the module's size keys, so
+everything that reads them before any model exists (layout checks, the data's input
+shapes and placeholder counts, ``mimotron plan``, FLOP and memory estimates) sees the
+real model. A size key that contradicts ``config.json`` is a ``ValueError`` naming both
+values. Nothing is cached: a config file is re-read when asked (it is small).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from mimotron.models.hf.clip import ClipVisionTower, SiglipVisionTower, used_layers
+from mimotron.models.hf.folder import read_hf_config
+from mimotron.models.hf.llama import SUPPORTED_MODEL_TYPES, LlamaFamilySpec
+from mimotron.models.hf.whisper import WhisperEncoderTower
+
+if TYPE_CHECKING:
+    from mimotron.config_schema import ModuleConfig
+
+# model_type -> family, per module kind.
+_FAMILIES: dict[str, dict[str, str]] = {
+    "language": {t: "llama" for t in SUPPORTED_MODEL_TYPES},
+    "vit": {"clip": "clip", "clip_vision_model": "clip", "siglip": "siglip",
+            "siglip_vision_model": "siglip"},
+    "audio": {"whisper": "whisper"},
+}
+# Keys that only mean something for one kind with hf_path, and their defaults.
+HF_ONLY_KEYS: dict[str, tuple[str, ...]] = {
+    "vit": ("vision_feature_layer", "vision_feature_select_strategy"),
+    "audio": ("downsample_factor", "downsample_mode"),
+}
+
+
+def hf_family(mod: ModuleConfig, where: str = "module") -> str:
+    """``"llama"``, ``"clip"``, ``"siglip"`` or ``"whisper"``: the family of ``mod.hf_path``.
+
+    Raises:
+        ValueError: missing folder or config.json, or a ``model_type`` the kind cannot take.
+    """
+    config = read_hf_config(mod.hf_path)
+    families = _FAMILIES.get(mod.kind, {})
+    model_type = config.get("model_type")
+    if model_type not in families:
+        raise ValueError(
+            f"{where}.hf_path={mod.hf_path!r} holds model_type={model_type!r}, which "
+            f"kind={mod.kind!r} cannot load; expected one of {sorted(families)}"
+        )
+    return families[model_type]
+
+
+def language_spec(mod: ModuleConfig) -> LlamaFamilySpec:
+    """The decoder spec of a ``language`` module's ``hf_path``."""
+    return LlamaFamilySpec.from_hf_config(read_hf_config(mod.hf_path))
+
+
+def tower_kwargs(mod: ModuleConfig) -> dict[str, Any]:
+    """Constructor arguments of an encoder tower (architecture + the module's options)."""
+    family = hf_family(mod)
+    config = read_hf_config(mod.hf_path)
+    if family == "whisper":
+        return {**WhisperEncoderTower.from_hf_config(config),
+                "downsample_factor": mod.downsample_factor,
+                "downsample_mode": mod.downsample_mode}
+    cls = ClipVisionTower if family == "clip" else SiglipVisionTower
+    return {**cls.from_hf_config(config), "vision_feature_layer": mod.vision_feature_layer,
+            "vision_feature_select_strategy": mod.vision_feature_select_strategy}
+
+
+def has_class_token(path: str) -> bool:
+    """Whether the vision tower at ``path`` has a class token (CLIP does, SigLIP not)."""
+    return read_hf_config(path).get("model_type") in ("clip", "clip_vision_model")
+
+
+def head_counts(mod: ModuleConfig) -> tuple[int, int]:
+    """``(num_heads, num_kv_heads)`` of an HF module (encoders: kv = query heads)."""
+    if mod.kind == "language":
+        spec = language_spec(mod)
+        return spec.num_heads, spec.num_kv_heads
+    return mod.num_heads, mod.num_heads
+
+
+def tied_embeddings(mod: ModuleConfig) -> bool:
+    """Whether an HF language model ties its output head to the embedding."""
+    return mod.kind == "language" and language_spec(mod).tie_word_embeddings
+
+
+def hf_sizes(mod: ModuleConfig) -> dict[str, int]:
+    """The module's size keys as the folder's config.json gives them.
+
+    Raises:
+        ValueError: as :func:`hf_family`, or an unsupported / inconsistent config.json.
+    """
+    if mod.kind == "language":
+        spec = language_spec(mod)
+        return {"hidden_size": spec.hidden_size, "num_layers": spec.num_layers,
+                "num_heads": spec.num_heads, "ffn_hidden_size": spec.intermediate_size}
+    args = tower_kwargs(mod)
+    if mod.kind == "audio":
+        positions = int(args["max_source_positions"])
+        if mod.downsample_factor < 1 or positions % mod.downsample_factor:
+            raise ValueError(f"downsample_factor={mod.downsample_factor} is invalid: expected a "
+                             f"divisor of max_source_positions={positions}")
+        return {"hidden_size": args["d_model"], "num_layers": args["encoder_layers"],
+                "num_heads": args["encoder_attention_heads"],
+                "ffn_hidden_size": args["encoder_ffn_dim"],
+                "num_freq_bins": args["num_mel_bins"], "num_frames": 2 * positions,
+                "num_audio_tokens": positions // mod.downsample_factor}
+    return {"hidden_size": args["hidden_size"],
+            "num_layers": used_layers(args["num_hidden_layers"], mod.vision_feature_layer),
+            "num_heads": args["num_attention_heads"], "ffn_hidden_size": args["intermediate_size"],
+            "image_size": args["image_size"], "patch_size": args["patch_size"],
+            "in_channels": args["num_channels"]}
+
+
+def resolve_hf_module(name: str, mod: ModuleConfig, explicit: Iterable[str] | None = None
+                      ) -> None:
+    """Check ``mod``'s size keys against its ``hf_path`` and fill them in, in place.
+
+    Args:
+        name: the module name (for messages).
+        mod: a module config with ``hf_path`` set.
+        explicit: keys the TOML table set; ``None`` = every key whose value differs from
+            its default (a config built in code).
+
+    Raises:
+        ValueError: missing folder, a family the kind cannot take, an invalid option, or
+            a size key contradicting config.json (both values named).
+    """
+    where = f"modules.{name}"
+    try:
+        hf_family(mod, where)
+        sizes = hf_sizes(mod)
+    except ValueError as exc:
+        message = str(exc)
+        raise ValueError(message if message.startswith(where) else f"{where}: {message}") from exc
+    defaults = {f.name: f.default for f in dataclasses.fields(mod)}
+    given = set(explicit) if explicit is not None else {
+        k for k in sizes if getattr(mod, k) != defaults[k]}
+    for key, value in sizes.items():
+        current = getattr(mod, key)
+        if key in given and current != value:
+            raise ValueError(
+                f"{where}.{key}={current!r} contradicts config.json in hf_path "
+                f"{mod.hf_path!r}, which gives {value}; remove the key or set it to {value}"
+            )
+        setattr(mod, key, int(value))

@@ -1,0 +1,217 @@
+"""Hugging Face folders as modules through the config: training parity and bad inputs.
+
+Small randomly initialised ``transformers`` models (a CLIP vision tower, a Whisper
+model, a Llama decoder) are saved into a temporary folder and named by
+``modules.<m>.hf_path``. The engine trains them on a heterogeneous layout (vision TP 2 |
+audio | language PP 2, and
+vision PP 2 | audio | language TP 2) and must match the plain one-process reference loop
+(tests/reference.py: full model, backward, ``clip_grad_norm_``, ``torch.optim.AdamW``)
+in losses, grad norms and final weights. The Llama vocabulary (40) is smaller than the
+padded model vocabulary (64), so the embedding and the untied head carry rows that are
+not in the checkpoint (initialised by :mod:`mimotron.models.hf.vocab`). Bad configs are
+refused by config validation / the layout plan, before any process group exists.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from mimotron.cli.main import main
+from mimotron.config import load_config
+from mimotron.data.hf_tokenizer import resize_embedding_rows
+from mimotron.parallel.layout import plan_layout
+from mimotron.testing import run_ranks
+from tests.common import BASE, DIGITS, engine_run, noncolocated
+from tests.reference import reference_run
+
+NUM_ITERS = 10
+HF_VOCAB = 40  # below the padded model vocabulary (64): 24 rows are not in the checkpoint
+
+
+def _save_models(root: Path, kv_heads: int = 2, tied: bool = False) -> dict[str, Path]:
+    from transformers import (
+        CLIPVisionConfig,
+        CLIPVisionModel,
+        LlamaConfig,
+        LlamaForCausalLM,
+        WhisperConfig,
+        WhisperModel,
+    )
+
+    torch.manual_seed(0)
+    paths = {m: root / m for m in ("vision", "audio", "language")}
+    # The digits task's inputs: 1 x 8 x 8 images, 129 x 16 spectrograms.
+    CLIPVisionModel(CLIPVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+        num_channels=1, image_size=8, patch_size=2)).save_pretrained(paths["vision"])
+    WhisperModel(WhisperConfig(
+        d_model=32, encoder_layers=2, encoder_attention_heads=4, encoder_ffn_dim=64,
+        decoder_layers=1, decoder_attention_heads=4, decoder_ffn_dim=64, num_mel_bins=129,
+        max_source_positions=8, max_target_positions=16, vocab_size=64, pad_token_id=0,
+        bos_token_id=1, eos_token_id=2, decoder_start_token_id=1,
+    )).save_pretrained(paths["audio"])
+    LlamaForCausalLM(LlamaConfig(
+        vocab_size=HF_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=128,
+        tie_word_embeddings=tied)).save_pretrained(paths["language"])
+    return paths
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return _save_models(tmp_path_factory.mktemp("hf"))
+
+
+def _hf_overrides(paths: dict[str, Path]) -> list[str]:
+    return [f"modules.vision.hf_path='{paths['vision']}'",
+            f"modules.audio.hf_path='{paths['audio']}'",
+            f"modules.language.hf_path='{paths['language']}'",
+            "modules.audio.downsample_factor=2",
+            # configs/digits.toml and BASE size the toy modules; these match the folders.
+            "modules.vision.hidden_size=32", "modules.vision.num_layers=2",
+            "modules.audio.hidden_size=32", "modules.audio.num_layers=2",
+            "modules.language.hidden_size=64",
+            "train.iters=10"]
+
+
+def test_config_reads_sizes_from_the_folders(hf_dirs: dict[str, Path]) -> None:
+    cfg = load_config(DIGITS, BASE + _hf_overrides(hf_dirs))
+    vision, audio, lm = (cfg.modules[m] for m in ("vision", "audio", "language"))
+    # vision_feature_layer -2 of 3 layers: 2 layers built; the class token is dropped.
+    assert (vision.num_layers, vision.num_heads, vision.num_output_tokens) == (2, 4, 16)
+    assert (audio.num_freq_bins, audio.num_frames, audio.num_output_tokens) == (129, 16, 4)
+    assert (lm.num_layers, lm.ffn_hidden_size) == (2, 128)
+
+
+def _rel(got: float, want: float) -> float:
+    return abs(got - want) / max(abs(want), 1e-12)
+
+
+# Encoder TP slices + a language pipeline; an encoder pipeline + vocabulary-parallel TP
+# (rank 1 of the language holds rows 32..63: 32..39 from the checkpoint, the rest new).
+LAYOUTS = {
+    "vision-tp2|audio|language-pp2": noncolocated({"tensor": 2}, {}, {"pipeline": 2}),
+    "vision-pp2|audio|language-tp2": noncolocated({"pipeline": 2}, {}, {"tensor": 2}),
+}
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_hf_modules_train_like_one_process(hf_dirs: dict[str, Path], layout: str) -> None:
+    shared = _hf_overrides(hf_dirs)
+    overrides = shared + LAYOUTS[layout]
+    world = plan_layout(load_config(DIGITS, BASE + overrides)).world_size
+    assert world == 5
+    results = run_ranks(world, engine_run, overrides, NUM_ITERS, timeout_s=300)
+    ref = reference_run(tuple(shared), NUM_ITERS)
+
+    # The reference starts from the checkpoints: rows [0, 40) of the embedding and head
+    # are the folder's, the rest are new; the projectors are mimotron's own.
+    with safe_open(hf_dirs["language"] / "model.safetensors", framework="pt") as f:
+        embed = f.get_tensor("model.embed_tokens.weight")
+        head = f.get_tensor("lm_head.weight")
+    assert torch.equal(ref.initial["language_model.embed.weight"][:HF_VOCAB], embed)
+    assert torch.equal(ref.initial["language_model.output.weight"][:HF_VOCAB], head)
+    assert ref.initial["language_model.embed.weight"].shape[0] == 64
+    # The extra rows follow the tokenizer-resize rule (mean + seeded noise x std).
+    for ours, table in (("embed", embed), ("output", head)):
+        want = resize_embedding_rows(table, 64, seed=load_config(DIGITS, BASE).train.seed)
+        torch.testing.assert_close(ref.initial[f"language_model.{ours}.weight"], want,
+                                   rtol=1e-6, atol=1e-7)
+    assert not torch.equal(ref.initial["language_model.embed.weight"][HF_VOCAB:],
+                           ref.initial["language_model.output.weight"][HF_VOCAB:])
+
+    for rank, res in enumerate(results):
+        for it, (loss, norm, skipped, tokens) in enumerate(res["steps"]):
+            where = f"rank {rank} iteration {it}"
+            assert skipped is False and tokens == ref.num_tokens[it], where
+            assert _rel(loss, ref.losses[it]) <= 1e-4, f"{where}: {loss} vs {ref.losses[it]}"
+            assert _rel(norm, ref.grad_norms[it]) <= 1e-4, f"{where}: {norm}"
+    assert ref.losses[-1] < ref.losses[0]  # a real learning rate: the model moved
+    merged: dict[str, torch.Tensor] = {}
+    for res in results:
+        merged.update(res["weights"])
+    assert set(merged) == set(ref.weights)
+    for name, want in ref.weights.items():
+        if name.endswith("attn.wk.bias"):
+            # Its gradient is zero in exact arithmetic (a key bias adds the same q.b to
+            # every score of a query; softmax ignores it), so Adam turns round-off into
+            # +-lr steps: not comparable. Its loss effect is nil, covered by the losses.
+            continue
+        err = (merged[name] - want).norm() / max(float(want.norm()), 1e-12)
+        assert float(err) <= 1e-4, f"{name}: relative error {float(err)}"
+        assert not math.isnan(float(err))
+        assert not torch.equal(want, ref.initial[name]) or "embed_positions" in name
+
+
+def _plan(overrides: list[str], capsys: pytest.CaptureFixture) -> tuple[int, str, str]:
+    """``mimotron plan`` in-process (it validates before anything is launched)."""
+    code = main(["plan", str(DIGITS), *BASE, *overrides])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_plan_reports_hf_modules(hf_dirs: dict[str, Path], capsys: pytest.CaptureFixture
+                                 ) -> None:
+    code, out, err = _plan(_hf_overrides(hf_dirs)
+                           + noncolocated({"tensor": 2}, {}, {"pipeline": 2}), capsys)
+    assert code == 0, err
+    # The parameter counts are the checkpoints' (vocabulary 64) plus the projectors.
+    lm_params = 64 * 64 * 2 + 2 * (64 * 64 * 2 + 64 * 32 * 2 + 3 * 64 * 128 + 2 * 64) + 64
+    assert re.search(rf"^language +language +{lm_params:,} ", out, re.M), out
+    assert "memory estimate per rank" in out
+
+
+def test_missing_folder_is_an_error_before_launch(tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture) -> None:
+    missing = tmp_path / "nowhere"
+    with pytest.raises(ValueError, match=r"modules\.language.*hf_path.*not an existing"):
+        load_config(DIGITS, BASE + [f"modules.language.hf_path='{missing}'"])
+    code, _, err = _plan([f"modules.language.hf_path='{missing}'"], capsys)
+    assert code == 2 and "never downloads" in err
+
+
+def test_size_contradicting_config_json_is_an_error(hf_dirs: dict[str, Path],
+                                                    capsys: pytest.CaptureFixture) -> None:
+    over = _hf_overrides(hf_dirs)
+    with pytest.raises(ValueError, match=r"modules\.language\.hidden_size=96 contradicts "
+                                         r"config\.json.*gives 64"):
+        load_config(DIGITS, BASE + over + ["modules.language.hidden_size=96"])
+    # Even a value equal to the toy default contradicts when the TOML sets it.
+    with pytest.raises(ValueError, match=r"modules\.language\.hidden_size=128 contradicts"):
+        load_config(DIGITS, BASE + over + ["modules.language.hidden_size=128"])
+    code, _, err = _plan(over + ["modules.language.num_layers=3"], capsys)
+    assert code == 2 and "num_layers=3 contradicts" in err
+
+
+def test_tensor_not_dividing_kv_heads_is_an_error(tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture) -> None:
+    paths = _save_models(tmp_path, kv_heads=1)
+    over = _hf_overrides(paths) + noncolocated({}, {}, {"tensor": 2})
+    cfg = load_config(DIGITS, BASE + over)  # the config alone is valid
+    with pytest.raises(ValueError, match=r"tensor=2 is invalid.*num_kv_heads.*=1"):
+        plan_layout(cfg)
+    code, _, err = _plan(over, capsys)
+    assert code == 2 and "num_kv_heads" in err
+
+
+def test_pipeline_with_tied_embeddings_is_an_error(tmp_path: Path) -> None:
+    paths = _save_models(tmp_path, tied=True)
+    over = _hf_overrides(paths) + noncolocated({}, {}, {"pipeline": 2})
+    with pytest.raises(ValueError, match=r"pipeline=2 is invalid.*tie_word_embeddings"):
+        plan_layout(load_config(DIGITS, BASE + over))
+
+
+def test_hf_only_keys_without_hf_path_are_errors() -> None:
+    for item in ("modules.vision.vision_feature_layer=-1",
+                 "modules.vision.vision_feature_select_strategy='full'",
+                 "modules.audio.downsample_factor=2", "modules.audio.downsample_mode='stack'",
+                 "modules.language.downsample_factor=2"):
+        key = item.split("=")[0].rsplit(".", 1)[1]
+        with pytest.raises(ValueError, match=f"{key}=.*only applies"):
+            load_config(DIGITS, BASE + [item])
