@@ -24,9 +24,10 @@ builds the data before its first collective.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 
-from mimotron.config import TOY_AUDIO_RATE, MimoConfig
+from mimotron.config import TOY_AUDIO_RATE, MimoConfig, ModuleConfig
 from mimotron.data.hf_tokenizer import HFTokenizer
 from mimotron.data.llava import LlavaDataset, LlavaTask, llava_tasks
 from mimotron.data.media import AudioFeatures, ImageProcessor
@@ -42,6 +43,25 @@ def encoder_modalities(cfg: MimoConfig) -> dict[str, str]:
             if m.is_encoder and m.modality is not None}  # fmt: skip
 
 
+def run_hf_tokenizer(path: str | Path, kinds: Iterable[str | None]) -> HFTokenizer:
+    """The run's Hugging Face tokenizer: one placeholder per encoder modality.
+
+    Training (:func:`build_tokenizer`) and ``mimotron export --format hf`` (from the
+    config a checkpoint records) both build the tokenizer here, so the placeholders are
+    added in the same order and get the same ids: one for each modality an encoder kind
+    of ``kinds`` consumes, in :data:`~mimotron.data.tokenizer.MODALITIES` order.
+
+    Args:
+        path: the tokenizer folder (``data.tokenizer``).
+        kinds: the ``kind`` of every module (``language`` and unknown kinds add nothing).
+
+    Raises:
+        ValueError: the tokenizer folder is missing or unusable (see ``HFTokenizer``).
+    """
+    present = {ModuleConfig(kind=kind).modality for kind in kinds}  # type: ignore[arg-type]
+    return HFTokenizer(path, modalities=[m for m in MODALITIES if m in present])
+
+
 def build_tokenizer(cfg: MimoConfig) -> CharTokenizer | HFTokenizer:
     """The run's tokenizer: characters for the synthetic datasets, ``data.tokenizer`` for llava.
 
@@ -50,8 +70,7 @@ def build_tokenizer(cfg: MimoConfig) -> CharTokenizer | HFTokenizer:
     """
     if cfg.data.dataset != "llava":
         return CharTokenizer()
-    present = encoder_modalities(cfg)
-    return HFTokenizer(cfg.data.tokenizer, modalities=[m for m in MODALITIES if m in present])
+    return run_hf_tokenizer(cfg.data.tokenizer, [m.kind for m in cfg.modules.values()])
 
 
 def image_processor(cfg: MimoConfig, module: str) -> ImageProcessor:
