@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -33,7 +34,7 @@ from mimotron.cli.main import main as cli_main
 from mimotron.config import load_config
 from mimotron.data.bpe import train_bpe_tokenizer
 from mimotron.data.llava_export import conversation_texts, write_llava_task
-from mimotron.data.llava_setup import build_tokenizer
+from mimotron.data.llava_setup import build_tokenizer, check_data
 from mimotron.models.build import build_module
 from mimotron.models.hf import tensor_files
 from mimotron.models.hf.clip import CLIP_WEIGHTS
@@ -258,3 +259,28 @@ def test_train_export_from_pretrained_same_forward(trained: dict[str, Any]) -> N
         with safe_open(out / f"{module}.safetensors", framework="pt") as handle:
             for name in handle.keys():  # noqa: SIM118
                 assert torch.equal(handle.get_tensor(name), ours[module].state_dict()[name])
+
+
+@pytest.mark.parametrize("module", ["vision", "audio"])
+def test_processor_shape_contradicting_the_tower_is_an_error(
+    trained: dict[str, Any], module: str, tmp_path: Path
+) -> None:
+    """A preprocessor_config.json whose output the tower cannot take: refused before launch."""
+    folder = tmp_path / module
+    shutil.copytree(trained["paths"][module], folder)
+    if module == "vision":
+        transformers.CLIPImageProcessor(size={"shortest_edge": 24},
+                                        crop_size={"height": 24, "width": 24}
+                                        ).save_pretrained(folder)  # fmt: skip
+        want = "(3, 24, 24)"
+    else:
+        transformers.WhisperFeatureExtractor(
+            feature_size=MELS, sampling_rate=16000, hop_length=160, chunk_length=2, n_fft=400,
+        ).save_pretrained(folder)  # fmt: skip
+        want = f"({MELS}, 200)"
+    cfg = load_config(trained["config"], [f"modules.{module}.hf_path='{folder}'"])
+    with pytest.raises(ValueError) as err:
+        check_data(cfg)
+    message = str(err.value)
+    assert len(message.splitlines()) == 1, message
+    assert f"modules.{module}.hf_path" in message and want in message, message

@@ -95,6 +95,35 @@ def audio_features(cfg: MimoConfig, module: str) -> AudioFeatures:
                          n_fft=400)  # fmt: skip
 
 
+def check_input_shapes(cfg: MimoConfig, images: ImageProcessor | None,
+                       audio: AudioFeatures | None) -> None:  # fmt: skip
+    """Check that the preprocessing gives the inputs the encoders take.
+
+    A Hugging Face folder's ``preprocessor_config.json`` can disagree with its
+    ``config.json`` (another crop size, another clip length); the tower would then fail
+    on its first batch, on its own ranks only. Found here, before any launch.
+
+    Raises:
+        ValueError: names the module, its ``hf_path`` (or the toy keys) and both shapes.
+    """
+    encoders = encoder_modalities(cfg)
+    checks = []
+    if images is not None:
+        m = cfg.modules[encoders["image"]]
+        checks.append((encoders["image"], images.output_shape,
+                       (m.in_channels, m.image_size, m.image_size)))  # fmt: skip
+    if audio is not None:
+        m = cfg.modules[encoders["audio"]]
+        checks.append((encoders["audio"], audio.output_shape, (m.num_freq_bins, m.num_frames)))
+    for name, got, want in checks:
+        if tuple(got) != want:
+            hf_path = cfg.modules[name].hf_path
+            source = (f"modules.{name}.hf_path={hf_path!r}: preprocessor_config.json"
+                      if hf_path else f"modules.{name}'s preprocessing")
+            raise ValueError(f"{source} gives inputs of shape {tuple(got)}, but the encoder "
+                             f"takes {want}; make the preprocessing produce {want}")
+
+
 def data_root(cfg: MimoConfig) -> Path:
     """``data.root``, or the folder of ``data.path`` when it is empty."""
     return Path(cfg.data.root) if cfg.data.root else Path(cfg.data.path).parent
@@ -120,6 +149,7 @@ def build_llava_tasks(cfg: MimoConfig, tokenizer: HFTokenizer) -> tuple[LlavaTas
     num_tokens = {mod: cfg.modules[name].num_output_tokens for mod, name in encoders.items()}
     images = image_processor(cfg, encoders["image"]) if "image" in encoders else None
     audio = audio_features(cfg, encoders["audio"]) if "audio" in encoders else None
+    check_input_shapes(cfg, images, audio)
     dataset = LlavaDataset(d.path, data_root(cfg), tokenizer, d.seq_length, num_tokens,
                            image_processor=images, audio_features=audio,
                            skip_bad_samples=d.skip_bad_samples,
