@@ -11,7 +11,8 @@ PNG + WAV. A TOML file names them all (``modules.<m>.hf_path``, ``data.dataset =
 three ranks) with checkpoints, then exports it. Every exported module must load in
 ``transformers`` with no missing or unexpected keys, hold exactly the trained tensors,
 and give our trained module's forward; the exported tokenizer gives the placeholders
-the ids training used.
+the ids training used. A ``preprocessor_config.json`` whose output the tower cannot take
+is refused before launch.
 """
 
 from __future__ import annotations
