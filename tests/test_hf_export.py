@@ -103,8 +103,9 @@ def _mimo(language: LanguageModel | None, towers: dict[str, nn.Module]) -> MimoM
 
 
 def _run_config(paths: dict[str, Path], tokenizer: Path | None = None) -> dict[str, Any]:
-    modality = {"language": "text", "vision": "image", "audio": "audio"}
-    modules = {n: {"modality": modality[n], "hf_path": str(p)} for n, p in paths.items()}
+    # The kinds, as training records them (cfg.to_dict()); the placeholders follow them.
+    kind = {"language": "language", "vision": "vit", "audio": "audio"}
+    modules = {n: {"kind": kind[n], "hf_path": str(p)} for n, p in paths.items()}
     return {"modules": modules, "data": {"tokenizer": str(tokenizer) if tokenizer else None}}
 
 
@@ -283,7 +284,7 @@ def test_export_errors_are_one_line(round_trip, folders, tmp_path, capsys):
                           "existing directory"), err
     assert not (tmp_path / "out" / "vision").exists()  # refused before any tensor is read
 
-    meta = {"config": {"modules": {"vision": {"modality": "image"}}, "data": {}}}
+    meta = {"config": {"modules": {"vision": {"kind": "vit"}}, "data": {}}}
     plain = _checkpoint(tmp_path / "plain", _mimo(None, {"vision": _tower(
         ClipVisionTower, folders["clip"], **LLAVA)}), meta)
     assert cli_main(["export", "--format", "hf", str(plain), str(tmp_path / "out2")]) == 2

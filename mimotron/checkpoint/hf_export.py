@@ -45,7 +45,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from mimotron.checkpoint.export import read_full_model, split_by_module, write_module_files
-from mimotron.data.tokenizer import MODALITIES
+from mimotron.checkpoint.state import VOCAB_SIZE_UNPADDED
 from mimotron.models.hf.clip import CLIP_WEIGHTS, SIGLIP_WEIGHTS
 from mimotron.models.hf.folder import INDEX_FILE, SINGLE_FILE, read_hf_config, tensor_files
 from mimotron.models.hf.llama import LLAMA_WEIGHTS, SUPPORTED_MODEL_TYPES, LlamaFamilySpec
@@ -58,8 +58,6 @@ HF_PATH = "hf_path"
 """Key of ``modules.<m>`` naming the Hugging Face folder a module was loaded from."""
 TOKENIZER = "tokenizer"
 """Key of ``data`` naming the Hugging Face tokenizer folder."""
-VOCAB_SIZE_UNPADDED = "vocab_size_unpadded"
-"""Key of the checkpoint ``meta``: the language model's real vocabulary (no padding rows)."""
 TOWER_PREFIX = "encoder."
 """Where an encoder module's Hugging Face tower sits inside it (the rest: its projector)."""
 EMBED, HEAD = "embed.weight", "output.weight"  # the language model's vocabulary tensors
@@ -206,17 +204,17 @@ def _split_tower(
 def _run_tokenizer(run_config: Mapping[str, Any]) -> Any:
     """The run's Hugging Face tokenizer with its placeholders, or ``None`` if it had none.
 
-    The placeholders are added as training adds them: one per modality of the encoder
-    modules, in :data:`~mimotron.data.tokenizer.MODALITIES` order.
+    Built by the function training builds it with
+    (:func:`~mimotron.data.llava_setup.run_hf_tokenizer`), from the module kinds the run
+    config records, so the placeholders get the ids training gave them.
     """
     path = (run_config.get("data") or {}).get(TOKENIZER)
     if not path:
         return None
-    from mimotron.data.hf_tokenizer import HFTokenizer  # Deferred: imports transformers.
+    from mimotron.data.llava_setup import run_hf_tokenizer  # Deferred: loads transformers.
 
-    used = {mod.get("modality") for name, mod in (run_config.get("modules") or {}).items()
-            if name != LANGUAGE and isinstance(mod, Mapping)}
-    return HFTokenizer(path, modalities=[m for m in MODALITIES if m in used])
+    modules = (run_config.get("modules") or {}).values()
+    return run_hf_tokenizer(path, [m.get("kind") for m in modules if isinstance(m, Mapping)])
 
 
 def export_hf_module(

@@ -8,7 +8,8 @@ One flat dict per rank; DCP matches entries by key, so keys never depend on the 
 ``optimizer.<m>.state.<param>.<key>``     optimizer state (``MimoOptimizer``'s names)
 ``optimizer.<m>.loss_scaler``             JSON text (every module, on every rank)
 ``scheduler.<m>``                         JSON text, where module ``m`` has a schedule
-``meta``                                  JSON text: iteration, train state, config
+``meta``                                  JSON text: iteration, train state, config,
+                                          ``vocab_size_unpadded`` (when known)
 ``rng.<rank>.state|torch|device``         this rank's RNG state (per-rank keys)
 ========================================  ==============================================
 
@@ -58,6 +59,9 @@ MODEL = "model."
 OPTIMIZER = "optimizer."
 SCHEDULER = "scheduler."
 META = "meta"
+VOCAB_SIZE_UNPADDED = "vocab_size_unpadded"
+"""Key of ``meta``: the language model's real vocabulary (its embedding's rows past it are
+padding); written when the run knows it (``GlobalState.vocab_size_unpadded``)."""
 RNG = "rng."
 # Wrapper modules (torch.compile, activation checkpointing, FSDP1) add these name parts;
 # dropping them keeps names identical whether or not a module is wrapped.
@@ -164,14 +168,15 @@ def build_save_state(
     state.update(optimizer_save_state(optimizer))
     for name, scheduler in schedulers.items():
         state[SCHEDULER + name] = json.dumps(scheduler.state_dict())
-    state[META] = json.dumps(
-        {
-            "iteration": ts.iteration,
-            "train_state": ts.state_dict(),
-            "config": cfg.to_dict(),
-            "torch_version": torch.__version__,
-        }
-    )
+    meta: dict[str, Any] = {
+        "iteration": ts.iteration,
+        "train_state": ts.state_dict(),
+        "config": cfg.to_dict(),
+        "torch_version": torch.__version__,
+    }
+    if global_state.vocab_size_unpadded is not None:
+        meta[VOCAB_SIZE_UNPADDED] = int(global_state.vocab_size_unpadded)
+    state[META] = json.dumps(meta)
     for key, value in capture_rng(runtime.device).items():
         state[f"{RNG}{runtime.rank}.{key}"] = value
     return state

@@ -24,9 +24,10 @@ builds the data before its first collective.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 
-from mimotron.config import TOY_AUDIO_RATE, MimoConfig
+from mimotron.config import TOY_AUDIO_RATE, MimoConfig, ModuleConfig
 from mimotron.data.hf_tokenizer import HFTokenizer
 from mimotron.data.llava import LlavaDataset, LlavaTask, llava_tasks
 from mimotron.data.media import AudioFeatures, ImageProcessor
@@ -42,6 +43,25 @@ def encoder_modalities(cfg: MimoConfig) -> dict[str, str]:
             if m.is_encoder and m.modality is not None}  # fmt: skip
 
 
+def run_hf_tokenizer(path: str | Path, kinds: Iterable[str | None]) -> HFTokenizer:
+    """The run's Hugging Face tokenizer: one placeholder per encoder modality.
+
+    Training (:func:`build_tokenizer`) and ``mimotron export --format hf`` (from the
+    config a checkpoint records) both build the tokenizer here, so the placeholders are
+    added in the same order and get the same ids: one for each modality an encoder kind
+    of ``kinds`` consumes, in :data:`~mimotron.data.tokenizer.MODALITIES` order.
+
+    Args:
+        path: the tokenizer folder (``data.tokenizer``).
+        kinds: the ``kind`` of every module (``language`` and unknown kinds add nothing).
+
+    Raises:
+        ValueError: the tokenizer folder is missing or unusable (see ``HFTokenizer``).
+    """
+    present = {ModuleConfig(kind=kind).modality for kind in kinds}  # type: ignore[arg-type]
+    return HFTokenizer(path, modalities=[m for m in MODALITIES if m in present])
+
+
 def build_tokenizer(cfg: MimoConfig) -> CharTokenizer | HFTokenizer:
     """The run's tokenizer: characters for the synthetic datasets, ``data.tokenizer`` for llava.
 
@@ -50,8 +70,7 @@ def build_tokenizer(cfg: MimoConfig) -> CharTokenizer | HFTokenizer:
     """
     if cfg.data.dataset != "llava":
         return CharTokenizer()
-    present = encoder_modalities(cfg)
-    return HFTokenizer(cfg.data.tokenizer, modalities=[m for m in MODALITIES if m in present])
+    return run_hf_tokenizer(cfg.data.tokenizer, [m.kind for m in cfg.modules.values()])
 
 
 def image_processor(cfg: MimoConfig, module: str) -> ImageProcessor:
@@ -74,6 +93,35 @@ def audio_features(cfg: MimoConfig, module: str) -> AudioFeatures:
     return AudioFeatures(feature_size=m.num_freq_bins, sampling_rate=TOY_AUDIO_RATE,
                          hop_length=TOY_AUDIO_RATE // m.num_frames, chunk_length=1,
                          n_fft=400)  # fmt: skip
+
+
+def check_input_shapes(cfg: MimoConfig, images: ImageProcessor | None,
+                       audio: AudioFeatures | None) -> None:  # fmt: skip
+    """Check that the preprocessing gives the inputs the encoders take.
+
+    A Hugging Face folder's ``preprocessor_config.json`` can disagree with its
+    ``config.json`` (another crop size, another clip length); the tower would then fail
+    on its first batch, on its own ranks only. Found here, before any launch.
+
+    Raises:
+        ValueError: names the module, its ``hf_path`` (or the toy keys) and both shapes.
+    """
+    encoders = encoder_modalities(cfg)
+    checks = []
+    if images is not None:
+        m = cfg.modules[encoders["image"]]
+        checks.append((encoders["image"], images.output_shape,
+                       (m.in_channels, m.image_size, m.image_size)))  # fmt: skip
+    if audio is not None:
+        m = cfg.modules[encoders["audio"]]
+        checks.append((encoders["audio"], audio.output_shape, (m.num_freq_bins, m.num_frames)))
+    for name, got, want in checks:
+        if tuple(got) != want:
+            hf_path = cfg.modules[name].hf_path
+            source = (f"modules.{name}.hf_path={hf_path!r}: preprocessor_config.json"
+                      if hf_path else f"modules.{name}'s preprocessing")
+            raise ValueError(f"{source} gives inputs of shape {tuple(got)}, but the encoder "
+                             f"takes {want}; make the preprocessing produce {want}")
 
 
 def data_root(cfg: MimoConfig) -> Path:
@@ -101,6 +149,7 @@ def build_llava_tasks(cfg: MimoConfig, tokenizer: HFTokenizer) -> tuple[LlavaTas
     num_tokens = {mod: cfg.modules[name].num_output_tokens for mod, name in encoders.items()}
     images = image_processor(cfg, encoders["image"]) if "image" in encoders else None
     audio = audio_features(cfg, encoders["audio"]) if "audio" in encoders else None
+    check_input_shapes(cfg, images, audio)
     dataset = LlavaDataset(d.path, data_root(cfg), tokenizer, d.seq_length, num_tokens,
                            image_processor=images, audio_features=audio,
                            skip_bad_samples=d.skip_bad_samples,

@@ -33,6 +33,23 @@ def padded_vocab_size(vocab_size: int, multiple: int = VOCAB_MULTIPLE) -> int:
     return -(-vocab_size // multiple) * multiple
 
 
+def unpadded_vocab_size(cfg: MimoConfig, vocab_size: int) -> int:
+    """The language model's real vocabulary: the tokenizer's, or a checkpoint's if larger.
+
+    Args:
+        cfg: run config.
+        vocab_size: the tokenizer's vocabulary (its added placeholders included).
+
+    Returns:
+        ``max(vocab_size, config.json vocab_size)`` for a language model with
+        ``hf_path``, else ``vocab_size``; no padding.
+    """
+    lm = cfg.modules.get(LANGUAGE)
+    if lm is not None and lm.hf_path:
+        vocab_size = max(vocab_size, language_spec(lm).vocab_size)
+    return vocab_size
+
+
 def model_vocab_size(cfg: MimoConfig, vocab_size: int) -> int:
     """The language model's vocabulary: the tokenizer's, or a checkpoint's if larger.
 
@@ -41,13 +58,10 @@ def model_vocab_size(cfg: MimoConfig, vocab_size: int) -> int:
         vocab_size: the tokenizer's vocabulary (padded or not).
 
     Returns:
-        ``max(vocab_size, config.json vocab_size)`` padded to ``VOCAB_MULTIPLE``; rows
-        past the checkpoint's are initialised by :mod:`mimotron.models.hf.vocab`.
+        :func:`unpadded_vocab_size` padded to ``VOCAB_MULTIPLE``; rows past the
+        checkpoint's are initialised by :mod:`mimotron.models.hf.vocab`.
     """
-    lm = cfg.modules.get(LANGUAGE)
-    if lm is not None and lm.hf_path:
-        vocab_size = max(vocab_size, language_spec(lm).vocab_size)
-    return padded_vocab_size(vocab_size)
+    return padded_vocab_size(unpadded_vocab_size(cfg, vocab_size))
 
 
 def module_prefix(cfg: MimoConfig, name: str) -> str:

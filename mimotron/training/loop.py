@@ -23,6 +23,7 @@ from mimotron.data.hf_tokenizer import HFTokenizer
 from mimotron.data.llava_setup import build_tokenizer
 from mimotron.data.prefetch import PrefetchingReader
 from mimotron.data.tokenizer import CharTokenizer
+from mimotron.models.build import unpadded_vocab_size
 from mimotron.optim import build_schedulers, get_mimo_optimizer
 from mimotron.optim.scheduler import OptimizerParamScheduler
 from mimotron.parallel.grid import HyperCommGrid
@@ -92,6 +93,7 @@ def setup_mimo(cfg: MimoConfig, runtime: Runtime) -> MimoRun:
         {n: pg.tp for n, pg in infra.pg_collections.items()}, runtime.device)
     state = GlobalState(cfg, runtime)
     state.skipped_samples = getattr(train_task, "num_skipped", None)
+    state.vocab_size_unpadded = unpadded_vocab_size(cfg, tokenizer.vocab_size)
     # Before the data iterator: the restored consumed_samples is the data position.
     maybe_load_checkpoint(model, optimizer, schedulers, state, infra)
     stream = train_task.stream(cfg.train.seed)

@@ -88,6 +88,9 @@ class GlobalState:
     skipped_samples: int | None = None
     """Bad samples the dataset left out (``data.skip_bad_samples``); ``None``: a dataset
     without such checks. The same on every rank (each checks the same file)."""
+    vocab_size_unpadded: int | None = None
+    """The language model's real vocabulary (no padding rows), recorded in checkpoints so
+    an export drops exactly the padding; ``None``: unknown (not recorded)."""
 
     def __post_init__(self) -> None:
         self.timers = Timers(self.runtime.device)
