@@ -28,10 +28,11 @@ demo: $(STAMP)
 
 # The same task on the real path: LLaVA JSONL + PNG + WAV, Hugging Face model folders and
 # a BPE tokenizer written under runs/digits_llava/assets (kept once complete), then
-# trained from scratch as a user with real checkpoints would (configs/digits_llava.toml).
+# trained as a user with real checkpoints would (configs/digits_llava.toml). Always from
+# scratch: checkpoint.load=none, and the previous run is moved aside as for `demo`.
 demo-llava: $(STAMP)
 	$(PY) -m mimotron.demo.llava_assets runs/digits_llava/assets
-	$(VENV)/bin/mimotron train configs/digits_llava.toml train.overwrite=true
+	$(VENV)/bin/mimotron train configs/digits_llava.toml train.overwrite=true checkpoint.load=none
 	$(VENV)/bin/mimotron plot runs/digits_llava
 
 test: $(STAMP)

@@ -32,6 +32,8 @@ from typing import Any
 
 from mimotron.data.tokenizer import number_to_words
 
+FORMAT = 2
+"""Version of what is written; a folder written by another version is rewritten."""
 MARKER = "assets.complete.json"
 """Written last; holds the generation arguments (a complete, matching folder is kept)."""
 DEFAULT_DIR = "runs/digits_llava/assets"
@@ -85,12 +87,15 @@ def _save_audio(folder: Path) -> None:
     frames = WHISPER_FEATURES["chunk_length"] * WHISPER_FEATURES["sampling_rate"] // (
         WHISPER_FEATURES["hop_length"])
     # Whisper's decoder is saved (a real Whisper folder has one) but never built.
+    # init_std 0.2, not transformers' 0.02: with 0.02 the random convolutions leave the
+    # tone at ~1e-5 of the output's energy (the sinusoidal positions dominate), and the
+    # demo does not learn to hear the key within its 10 minutes.
     WhisperModel(WhisperConfig(
         d_model=64, encoder_layers=1, encoder_attention_heads=4, encoder_ffn_dim=256,
         decoder_layers=1, decoder_attention_heads=4, decoder_ffn_dim=64,
         num_mel_bins=WHISPER_FEATURES["feature_size"], max_source_positions=frames // 2,
         max_target_positions=16, vocab_size=64, pad_token_id=0, bos_token_id=1,
-        eos_token_id=2, decoder_start_token_id=1)).save_pretrained(folder)
+        eos_token_id=2, decoder_start_token_id=1, init_std=0.2)).save_pretrained(folder)
     WhisperFeatureExtractor(**WHISPER_FEATURES).save_pretrained(folder)
 
 
@@ -137,7 +142,8 @@ def write_llava_assets(out_dir: str | Path, num_samples: int = NUM_SAMPLES, seed
     if num_samples < 2:
         raise ValueError(f"num_samples={num_samples!r} is invalid: expected an integer >= 2")
     out = Path(out_dir)
-    wanted = {"num_samples": num_samples, "seed": seed, "vocab_size": vocab_size}
+    wanted = {"format": FORMAT, "num_samples": num_samples, "seed": seed,
+              "vocab_size": vocab_size}
     if _read_marker(out) == wanted:
         return False
     (out / MARKER).unlink(missing_ok=True)  # incomplete until written again
