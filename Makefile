@@ -6,7 +6,7 @@ TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: venv demo test lint plan docs clean
+.PHONY: venv demo demo-llava test lint plan docs clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +25,15 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/mimotron train configs/digits.toml train.overwrite=true
 	$(VENV)/bin/mimotron plot runs/digits
+
+# The same task on the real path: LLaVA JSONL + PNG + WAV, Hugging Face model folders and
+# a BPE tokenizer written under runs/digits_llava/assets (kept once complete), then
+# trained as a user with real checkpoints would (configs/digits_llava.toml). Always from
+# scratch: checkpoint.load=none, and the previous run is moved aside as for `demo`.
+demo-llava: $(STAMP)
+	$(PY) -m mimotron.demo.llava_assets runs/digits_llava/assets
+	$(VENV)/bin/mimotron train configs/digits_llava.toml train.overwrite=true checkpoint.load=none
+	$(VENV)/bin/mimotron plot runs/digits_llava
 
 test: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
