@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import tomllib
 import typing
 from pathlib import Path
 from typing import Any
@@ -64,7 +65,12 @@ def test_item5_shipped_configs_and_schema_resume_by_default():
     shipped = sorted(ROOT.glob("configs/*.toml")) + sorted(ROOT.glob("examples/**/*.toml"))
     assert shipped
     for path in shipped:
-        assert load_config(path).checkpoint.load == "auto", path
+        # Read as TOML, not validated: configs/digits_llava.toml names Hugging Face folders
+        # that only `make demo-llava` creates. A file that leaves the key out gets the
+        # schema's default, checked above.
+        with open(path, "rb") as f:
+            raw = tomllib.load(f)
+        assert raw.get("checkpoint", {}).get("load", "auto") == "auto", path
 
 
 def test_item5_rerun_refuses_then_overwrite_moves_the_previous_run_aside(tmp_path, capsys):
