@@ -79,6 +79,9 @@ def test_every_contract_field_and_an_eval_line(split_run):
         assert rec["consumed_samples"] == rec["iteration"] * 16
     assert len(evals) == 1 and evals[0]["iteration"] == ITERS
     assert {"eval_loss", "eval_accuracy"} <= set(evals[0])
+    kinds = {k for k in evals[0] if k.startswith("eval_accuracy_")}
+    assert kinds and kinds <= {"eval_accuracy_image", "eval_accuracy_audio", "eval_accuracy_text"}
+    assert all(0.0 <= evals[0][k] <= 1.0 for k in kinds)
 
 
 def test_throughput_and_lr_agree_with_step_time_and_scheduler(split_run):

@@ -14,13 +14,19 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from mimotron.pipeline.schedules import StepContext, Transport, forward_backward_no_pipelining
+from mimotron.pipeline.schedules import (
+    MicrobatchOutput,
+    StepContext,
+    Transport,
+    forward_backward_no_pipelining,
+)
 from mimotron.training.data_provider import Microbatch
 from mimotron.training.infra import MimoModelInfra
-from mimotron.training.language_step import ForwardStepFunc, LanguageStep
-from mimotron.training.step import autocast_factory, reduce_outputs
+from mimotron.training.language_step import ForwardStepFunc, LanguageStep, input_kinds
+from mimotron.training.step import autocast_factory, local_output_sums
 
 
 def evaluate(
@@ -35,11 +41,14 @@ def evaluate(
     """Token-weighted eval loss and exact-match accuracy over ``steps``.
 
     Returns:
-        ``{"eval_loss": ..., "eval_accuracy": ..., "eval_samples": ...}`` on every rank.
+        ``{"eval_loss": ..., "eval_accuracy": ..., "eval_samples": ...}`` on every rank,
+        and ``eval_accuracy_<kind>`` for each modality (samples whose input holds it) and
+        ``text`` (samples with no media) that the validation split holds.
     """
     was_training = model.training
     model.eval()
-    totals = {"loss_sum": 0.0, "tokens": 0.0, "correct": 0.0, "samples": 0.0}
+    kinds = input_kinds(model)
+    totals = torch.zeros(4 + 2 * len(kinds), dtype=torch.float64, device=device)
     for microbatches in steps:
         ctx = StepContext(
             model=model, layout=infra.layout, rank=infra.rank, microbatches=microbatches,
@@ -47,14 +56,31 @@ def evaluate(
             forward_only=True,
             autocast=autocast_factory(precision, device))
         outputs = forward_backward_no_pipelining(ctx)
-        for key, value in reduce_outputs(outputs, infra, device).items():
-            totals[key] += value
+        totals += torch.cat([local_output_sums(outputs, infra, device),
+                             _kind_sums(outputs, kinds, infra, device)])
     model.train(was_training)
-    return {
-        "eval_loss": totals["loss_sum"] / max(totals["tokens"], 1.0),
-        "eval_accuracy": totals["correct"] / max(totals["samples"], 1.0),
-        "eval_samples": totals["samples"],
-    }
+    dist.all_reduce(totals)  # one world reduction for the whole evaluation
+    sums = totals.tolist()
+    loss_sum, tokens, correct, samples = sums[:4]
+    metrics = {"eval_loss": loss_sum / max(tokens, 1.0),
+               "eval_accuracy": correct / max(samples, 1.0), "eval_samples": samples}
+    for i, kind in enumerate(kinds):
+        kind_correct, kind_samples = sums[4 + 2 * i: 6 + 2 * i]
+        if kind_samples:  # a kind the validation split does not hold has no accuracy
+            metrics[f"eval_accuracy_{kind}"] = kind_correct / kind_samples
+    return metrics
+
+
+def _kind_sums(outputs: list[MicrobatchOutput], kinds: list[str], infra: MimoModelInfra,
+               device: torch.device) -> torch.Tensor:
+    """This rank's ``[correct, samples]`` per input kind (zeros off the loss leaders)."""
+    vec = torch.zeros(2 * len(kinds), dtype=torch.float64, device=device)
+    if infra.is_loss_leader:
+        for out in outputs:
+            for i, kind in enumerate(kinds):
+                vec[2 * i] += out.metrics[f"correct_{kind}"].double()
+                vec[2 * i + 1] += out.metrics[f"samples_{kind}"].double()
+    return vec
 
 
 @torch.no_grad()

@@ -59,7 +59,33 @@ def language_loss_step(model: nn.Module, batch: dict[str, torch.Tensor], logits:
         loss_sum, num_tokens, correct = language_loss(logits, batch["labels"],
                                                       batch["loss_mask"])
     valid = batch["index"] >= 0
-    return loss_sum, num_tokens, {"correct": (correct & valid).sum(), "samples": valid.sum()}
+    metrics = {"correct": (correct & valid).sum(), "samples": valid.sum()}
+    if not model.training:
+        metrics.update(input_kind_counts(model, batch, correct & valid, valid))
+    return loss_sum, num_tokens, metrics
+
+
+def input_kinds(model: nn.Module) -> list[str]:
+    """The eval accuracy breakdown's names: every modality, and ``"text"`` (none)."""
+    return [*sorted(set(model.modality_of.values())), "text"]
+
+
+def input_kind_counts(model: nn.Module, batch: dict[str, torch.Tensor], correct: torch.Tensor,
+                      valid: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``correct_<kind>`` / ``samples_<kind>`` for :func:`input_kinds` (evaluation only).
+
+    A sample counts for every modality its input holds, and for ``text`` if it holds none:
+    a task whose audio never gets heard shows up as a low ``eval_accuracy_audio``.
+    """
+    any_media = torch.zeros_like(valid)
+    out: dict[str, torch.Tensor] = {}
+    for kind in input_kinds(model)[:-1]:
+        has = batch[f"has_{kind}"].bool() & valid
+        any_media |= has
+        out[f"correct_{kind}"], out[f"samples_{kind}"] = (correct & has).sum(), has.sum()
+    text = valid & ~any_media
+    out["correct_text"], out["samples_text"] = (correct & text).sum(), text.sum()
+    return out
 
 
 def default_forward_step(model: nn.Module, batch: dict[str, torch.Tensor],

@@ -101,18 +101,6 @@ def named_sums(sums: list[float]) -> dict[str, float]:
     return {"loss_sum": loss_sum, "tokens": tokens, "correct": correct, "samples": samples}
 
 
-def reduce_outputs(outputs: list[MicrobatchOutput], infra: MimoModelInfra, device: torch.device
-                   ) -> dict[str, float]:
-    """World sums of loss, token and sample counts over the language loss leaders.
-
-    One world reduction of its own; a training step folds these sums into the
-    optimizer's collective instead (``MimoOptimizer.step_with_world_sums``).
-    """
-    vec = local_output_sums(outputs, infra, device)
-    dist.all_reduce(vec)
-    return named_sums(vec.tolist())
-
-
 def autocast_factory(precision: str, device: torch.device) -> Callable[[], Any]:
     """Mixed-precision context: compute in bf16/fp16, weights and optimizer in fp32."""
     if precision == "fp32":
