@@ -81,6 +81,27 @@ def test_samples_hold_tokens_labels_and_preprocessed_media(env, tmp_path):
     assert batch["has_audio"].tolist() == [False, True, True, False]
 
 
+@pytest.mark.parametrize("parts", [("image",), ("audio",), ("text",), ("text", "image")])
+def test_restricted_loading_keeps_presence_and_loads_only_its_parts(env, tmp_path, parts):
+    path = write_jsonl(tmp_path / "d.jsonl", env["samples"])
+    full, part = dataset(env, path), dataset(env, path)
+    part.restrict_loading(parts)
+    args = (96, full.pad_id, full.image_shape, full.audio_shape)
+    whole = collate([full.load(i) for i in range(4)], *args)
+    cut = collate([part.load(i) for i in range(4)], *args)
+    for key in ("has_image", "has_audio", "index"):
+        assert torch.equal(cut[key], whole[key]), key
+    for key in ("tokens", "labels", "loss_mask"):  # text or nothing (padding only)
+        assert torch.equal(cut[key], whole[key] if "text" in parts else torch.zeros_like(
+            whole[key])), key
+    for key in ("image", "audio"):
+        assert torch.equal(cut[key], whole[key] if key in parts else torch.zeros_like(
+            whole[key])), key
+    assert [part.load(i)["kind"] for i in range(4)] == ["image", "audio", "both", "text"]
+    with pytest.raises(ValueError, match=r"parts \['video'\] are invalid"):
+        part.restrict_loading(["text", "video"])
+
+
 def test_pixels_equal_transformers_clip_processor(env, tmp_path):
     from PIL import Image
 

@@ -15,6 +15,8 @@ key            type                 meaning
 ``answer``     str                  the expected answer text (no ``<eos>``)
 ``index``      int                  the sample's index in its task
 ``kind``       str                  ``image`` / ``audio`` / ``both`` / ``text``
+``has_image``  bool (optional)      presence when ``image`` is not loaded on this rank
+``has_audio``  bool (optional)      likewise for ``audio``
 =============  ===================  ==================================================
 
 A **batch** (what :func:`collate` returns) holds only tensors, all with the batch on
@@ -82,10 +84,16 @@ def build_text_sample(
 
 
 def _stack_optional(
-    items: list[torch.Tensor | None], shape: tuple[int, ...], key: str
+    samples: Sequence[Sample], shape: tuple[int, ...], key: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stack present tensors, zeros where absent; also the presence mask."""
+    """Stack present tensors, zeros where absent; also the presence mask.
+
+    A sample's ``has_<key>`` flag, where it has one, is the presence (a rank that does
+    not load a modality still knows which samples hold it); otherwise presence is the
+    tensor not being ``None``.
+    """
     zeros = torch.zeros(shape)
+    items: list[torch.Tensor | None] = [s[key] for s in samples]
     present = []
     for i, item in enumerate(items):
         if item is not None and tuple(item.shape) != tuple(shape):
@@ -93,7 +101,7 @@ def _stack_optional(
                 f"sample {i} has {key} of shape {tuple(item.shape)}: expected {tuple(shape)} "
                 f"(the {key}_shape passed to collate)"
             )
-        present.append(item is not None)
+        present.append(bool(samples[i].get(f"has_{key}", item is not None)))
     stacked = torch.stack([zeros if item is None else item for item in items]) if items else (
         torch.zeros((0, *shape))
     )
@@ -145,12 +153,8 @@ def collate(
         else:
             rows = torch.zeros(0, seq_length)
         batch[key] = rows.to(dtype)
-    batch["image"], batch["has_image"] = _stack_optional(
-        [s["image"] for s in samples], tuple(image_shape), "image"
-    )
-    batch["audio"], batch["has_audio"] = _stack_optional(
-        [s["audio"] for s in samples], tuple(audio_shape), "audio"
-    )
+    batch["image"], batch["has_image"] = _stack_optional(samples, tuple(image_shape), "image")
+    batch["audio"], batch["has_audio"] = _stack_optional(samples, tuple(audio_shape), "audio")
     batch["index"] = torch.tensor([int(s["index"]) for s in samples], dtype=torch.long)
     return batch
 

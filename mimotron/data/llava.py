@@ -22,15 +22,17 @@ breaks after the check (e.g. a JPEG corrupt past its header) is an error when lo
 
 **Samples** are pure functions of their index (no augmentation): the
 :mod:`~mimotron.data.collate` format with ``image`` Float[3, H, W] (the tower's
-preprocessing), ``audio`` Float[mel bins, frames] (Whisper's log-mel), ``answer`` (the
-last assistant reply) and ``sample_id``.
+preprocessing), ``audio`` Float[mel bins, frames] (Whisper's log-mel), explicit
+``has_image`` / ``has_audio`` flags, ``answer`` (the last assistant reply) and
+``sample_id``. :meth:`LlavaDataset.restrict_loading` makes a rank load only the parts
+its modules use (the training loop does, from the layout).
 """
 
 from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -159,6 +161,7 @@ class LlavaDataset:
         self.pad_id = tokenizer.pad_id
         self.image_shape = image_processor.output_shape if image_processor else _ABSENT_SHAPE
         self.audio_shape = audio_features.output_shape if audio_features else _ABSENT_SHAPE
+        self.load_parts: frozenset[str] = frozenset(("text", *self.modalities))
         raw = read_raw_samples(self.path)
         checked = _map(self._check, raw, num_workers)
         self.records: list[LlavaRecord] = [r for r in checked if isinstance(r, LlavaRecord)]
@@ -259,7 +262,30 @@ class LlavaDataset:
                 raise _Bad(str(exc)) from None
 
     # ---- loading ------------------------------------------------------------------------
+    def restrict_loading(self, parts: Collection[str]) -> None:
+        """From now on load only ``parts`` of each sample: ``"text"`` and/or modalities.
+
+        A rank that holds the vision tower alone needs the images but not the tokens,
+        nor the audio features; a language-model rank needs the tokens and which samples
+        hold which media, not the media. What is left out: the tokens (``text``) become
+        empty (``collate`` pads them), a media tensor becomes ``None`` with an explicit
+        ``has_<modality>`` flag, so the batch's presence masks stay exact. Which samples
+        exist, their order and everything that is loaded are unchanged.
+
+        Raises:
+            ValueError: a part that is neither ``"text"`` nor one of the dataset's
+                modalities.
+        """
+        known = ("text", *self.modalities)
+        unknown = sorted(set(parts) - set(known))
+        if unknown:
+            raise ValueError(f"parts {unknown} are invalid: expected some of {list(known)}")
+        self.load_parts = frozenset(parts)
+
     def _encode(self, record: LlavaRecord) -> dict[str, torch.Tensor]:
+        if "text" not in self.load_parts:
+            empty = torch.zeros(0, dtype=torch.long)
+            return {"tokens": empty, "labels": empty, "loss_mask": empty.float()}
         with self._tokenizer_lock:
             encoded = encode_conversation(self.tokenizer, record.messages, self.num_tokens)
         return shifted_sample(encoded, self.pad_id, self.seq_length)
@@ -277,19 +303,21 @@ class LlavaDataset:
         try:
             sample: dict[str, Any] = self._encode(record)
             image = audio = None
-            if record.images:
+            if record.images and "image" in self.load_parts:
                 assert self.image_processor is not None
                 image = self.image_processor(_open_image(record.images[0]))
-            if record.audios:
+            if record.audios and "audio" in self.load_parts:
                 assert self.audio_features is not None
                 audio = self.audio_features(record.audios[0])
         except (OSError, ValueError) as exc:
             bad = BadSample(record.location, record.sample_id, f"failed to load: {exc}")
             raise ValueError(bad.describe(self.path)) from exc
+        has = (bool(record.images), bool(record.audios))
         kind = {(True, True): "both", (True, False): "image", (False, True): "audio",
-                (False, False): "text"}[(image is not None, audio is not None)]  # fmt: skip
+                (False, False): "text"}[has]  # fmt: skip
         answer = [m["content"] for m in record.messages if m["role"] == "assistant"][-1]
-        sample.update(image=image, audio=audio, answer=answer, index=index, kind=kind,
+        sample.update(image=image, audio=audio, has_image=has[0], has_audio=has[1],
+                      answer=answer, index=index, kind=kind,
                       sample_id=record.sample_id)  # fmt: skip
         return sample
 

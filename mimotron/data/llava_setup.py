@@ -32,6 +32,7 @@ from mimotron.data.hf_tokenizer import HFTokenizer
 from mimotron.data.llava import LlavaDataset, LlavaTask, llava_tasks
 from mimotron.data.media import AudioFeatures, ImageProcessor
 from mimotron.data.tokenizer import MODALITIES, CharTokenizer
+from mimotron.parallel.layout import Layout
 
 # Toy vision preprocessing: a plain square resize, normalised to [-1, 1] (SigLIP's rule).
 _TOY_MEAN_STD = (0.5, 0.5, 0.5)
@@ -156,6 +157,27 @@ def build_llava_tasks(cfg: MimoConfig, tokenizer: HFTokenizer) -> tuple[LlavaTas
                            system_prompt=d.system_prompt or None,
                            num_workers=d.num_workers)  # fmt: skip
     return llava_tasks(dataset, d.train_fraction)
+
+
+def restrict_to_rank(task: object, cfg: MimoConfig, layout: Layout, rank: int) -> None:
+    """Make a LLaVA task load only what ``rank``'s modules use (other tasks: nothing).
+
+    The language model needs the tokens; an encoder's first pipeline stage needs its
+    modality's media (later stages receive activations). A rank holding the vision tower
+    alone so never tokenises nor computes log-mels, and a language rank never decodes
+    an image: with every module on its own ranks, each sample is decoded once per DP
+    replica instead of once per rank. The samples and their order do not change.
+    """
+    if not isinstance(task, LlavaTask):
+        return
+    parts: set[str] = set()
+    for role in layout.roles(rank):
+        module = cfg.modules[role.module]
+        if not module.is_encoder:
+            parts.add("text")
+        elif role.is_first_stage and module.modality in task.dataset.modalities:
+            parts.add(str(module.modality))
+    task.dataset.restrict_loading(parts)
 
 
 def check_data(cfg: MimoConfig) -> CharTokenizer | HFTokenizer:

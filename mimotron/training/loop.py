@@ -20,7 +20,7 @@ from mimotron.checkpoint import CheckpointManager, maybe_load_checkpoint
 from mimotron.config import MimoConfig
 from mimotron.data import build_datasets
 from mimotron.data.hf_tokenizer import HFTokenizer
-from mimotron.data.llava_setup import build_tokenizer
+from mimotron.data.llava_setup import build_tokenizer, restrict_to_rank
 from mimotron.data.prefetch import PrefetchingReader
 from mimotron.data.tokenizer import CharTokenizer
 from mimotron.models.build import unpadded_vocab_size
@@ -80,6 +80,7 @@ def setup_mimo(cfg: MimoConfig, runtime: Runtime) -> MimoRun:
     train_task, valid_task = build_datasets(cfg, tokenizer)
     seed_everything(cfg.train.seed)
     infra = build_infra(cfg, runtime.rank, runtime.world_size)
+    restrict_to_rank(train_task, cfg, infra.layout, runtime.rank)  # shared by both splits
     placeholders = {n: tokenizer.placeholder_id(cfg.modules[n].modality) for n in cfg.encoder_names}
     model = build_rank_model(cfg, infra, padded_vocab_size(tokenizer.vocab_size), placeholders,
                              runtime.device)
