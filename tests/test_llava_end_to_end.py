@@ -29,7 +29,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from mimotron.checkpoint.export import read_full_model, split_by_module
+from mimotron.checkpoint.export import load_exported, read_full_model, split_by_module
 from mimotron.checkpoint.hf_export import VOCAB_SIZE_UNPADDED
 from mimotron.cli.main import main as cli_main
 from mimotron.config import load_config
@@ -285,3 +285,10 @@ def test_processor_shape_contradicting_the_tower_is_an_error(
     message = str(err.value)
     assert len(message.splitlines()) == 1, message
     assert f"modules.{module}.hf_path" in message and want in message, message
+
+
+def test_mimotron_format_export_of_a_hf_run_is_refused_on_load(trained: dict[str, Any]) -> None:
+    out = trained["root"] / "export-mimotron"
+    assert cli_main(["export", str(trained["checkpoint"]), str(out)]) == 0
+    with pytest.raises(ValueError, match=r"modules \[.*'language'.*--format hf"):
+        load_exported(out)

@@ -175,6 +175,14 @@ def load_exported(
     if not (out / CONFIG_FILE).is_file():
         raise ValueError(f"export folder {str(out)!r} is invalid: {CONFIG_FILE} is missing")
     cfg = config_from_dict(json.loads((out / CONFIG_FILE).read_text())).validate()
+    hf_modules = [n for n, m in cfg.modules.items() if m.hf_path]
+    if hf_modules or cfg.data.dataset == "llava":
+        # Their architecture and vocabulary live in the Hugging Face folders and the
+        # tokenizer, not in this folder: rebuilding them here would guess.
+        what = f"modules {hf_modules} from Hugging Face folders" if hf_modules else "LLaVA data"
+        raise ValueError(f"export folder {str(out)!r} holds a run trained with {what}: export "
+                         "its checkpoint with `mimotron export --format hf` and load each "
+                         "module with transformers' from_pretrained instead")
     tokenizer = CharTokenizer()
     placeholders = {n: tokenizer.placeholder_id(cfg.modules[n].modality) for n in cfg.encoder_names}
     # The same (padded) vocabulary as training (see setup_mimo).
