@@ -144,7 +144,7 @@ def test_dense_default_builds_the_same_model() -> None:
 
 def test_layer_freq_and_parameter_counts() -> None:
     cfg = load_config(DIGITS, BASE + MOE[:-1] + ["modules.language.num_layers=4",
-                                                 "modules.language.moe_layer_freq=2"])
+                                                 "modules.language.moe_layer_freq=2", "eval.iters=1"])
     model = build_mimo_model(cfg, 64, {"vision": 1, "audio": 2})
     kinds = {i: type(lay.mlp).__name__ for i, lay in model.language_model.layers.items()}
     assert kinds == {"0": "MoEFeedForward", "1": "SwiGLU", "2": "MoEFeedForward",
@@ -186,3 +186,31 @@ def test_config_validation_names_the_field(override: str, field: str) -> None:
     with pytest.raises(ValueError, match=field.replace("[", r"\[")) as err:
         load_config(DIGITS, BASE + extra + [override])
     assert "\n" not in str(err.value)
+
+
+def _train_records(rank: int, world: int, overrides: list[str]) -> list[dict]:
+    import json
+
+    from mimotron.runtime import init_runtime
+    from mimotron.training.loop import setup_mimo, train_mimo
+    from mimotron.training.step import default_forward_step
+
+    cfg = load_config(DIGITS, BASE + overrides)
+    run = setup_mimo(cfg, init_runtime())
+    train_mimo(default_forward_step, run.model, run.optimizer, run.schedulers,
+               run.train_data_iterator, run.valid_data_iterator, run.global_state, run.infra,
+               run.communicator)
+    lines = (cfg.log_dir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if "loss" in r]
+
+
+def test_metrics_log_aux_losses_and_expert_load(tmp_path) -> None:
+    over = MOE + ONE_RANK + ["train.iters=2", "log.interval=2", f"log.dir={tmp_path}",
+                             "modules.language.moe_layer_freq=2", "eval.iters=1"]
+    (rec,) = run_ranks(1, _train_records, over, timeout_s=120)[0]
+    assert 0.0 < rec["moe_aux_loss"] < 4.0 and rec["moe_z_loss"] > 0
+    assert set(rec["moe_load_min"]) == {"0"} and rec["moe_dropped_tokens"] == 0
+    # 2 iterations x 16 samples x 64 positions x top_k 2 choices over 4 experts.
+    total = 2 * 16 * load_config(DIGITS, BASE).data.seq_length * 2
+    assert rec["moe_load_min"]["0"] * 4 <= total <= rec["moe_load_max"]["0"] * 4
+    assert 0 <= rec["moe_load_cv"]["0"] < 2
