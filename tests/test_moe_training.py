@@ -144,7 +144,7 @@ def test_dense_default_builds_the_same_model() -> None:
 
 def test_layer_freq_and_parameter_counts() -> None:
     cfg = load_config(DIGITS, BASE + MOE[:-1] + ["modules.language.num_layers=4",
-                                                 "modules.language.moe_layer_freq=2", "eval.iters=1"])
+                                                 "modules.language.moe_layer_freq=2"])
     model = build_mimo_model(cfg, 64, {"vision": 1, "audio": 2})
     kinds = {i: type(lay.mlp).__name__ for i, lay in model.language_model.layers.items()}
     assert kinds == {"0": "MoEFeedForward", "1": "SwiGLU", "2": "MoEFeedForward",
