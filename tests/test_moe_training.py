@@ -214,3 +214,18 @@ def test_metrics_log_aux_losses_and_expert_load(tmp_path) -> None:
     total = 2 * 16 * load_config(DIGITS, BASE).data.seq_length * 2
     assert rec["moe_load_min"]["0"] * 4 <= total <= rec["moe_load_max"]["0"] * 4
     assert 0 <= rec["moe_load_cv"]["0"] < 2
+
+
+def test_plan_memory_splits_expert_and_dense_parameters() -> None:
+    from mimotron.parallel.layout import plan_layout
+    from mimotron.parallel.memory import estimate_memory
+
+    cfg = load_config(DIGITS, BASE + MOE + noncolocated({}, {}, {"tensor": 2}))
+    model = build_mimo_model(cfg, 64, {"vision": 1, "audio": 2})
+    named = [(n, p.numel()) for n, p in model.language_model.named_parameters()]
+    experts = sum(c for n, c in named if ".mlp.experts." in n)
+    whole = sum(c for n, c in named if ".mlp." in n) - experts
+    dense = sum(c for _, c in named) - experts - whole
+    lm = [e for items in estimate_memory(cfg, plan_layout(cfg), 64).values() for e in items
+          if e.module == "language"]
+    assert len(lm) == 2 and all(e.num_params == dense // 2 + whole + experts for e in lm)
