@@ -23,7 +23,7 @@ from mimotron.models.build import build_mimo_model, count_parameters
 from mimotron.models.moe import MoEFeedForward
 from mimotron.testing import run_ranks
 from mimotron.training.flops import language_model_flops
-from tests.common import BASE, DIGITS, ONE_RANK, engine_run, module_of, noncolocated
+from tests.common import BASE, DIGITS, ONE_RANK, coloc, engine_run, module_of, noncolocated
 from tests.reference import VOCAB_MULTIPLE, _clip, _data, _optimizer, lr_at
 
 NUM_ITERS = 10
@@ -85,6 +85,8 @@ LAYOUTS = {
     # Both MoE layers on the first language stage, the loss on the second.
     "language-pp2": noncolocated({}, {}, {"pipeline": 2})
     + ["modules.language.parallel.layers_per_stage=[1, 1]"],
+    # Colocated; dense part TP 2 (routers and experts whole on both TP ranks) x DP 2.
+    "coloc-language-tp2dp2": coloc({"data": 4}, {"data": 4}, {"tensor": 2, "data": 2}),
 }
 
 
