@@ -61,6 +61,13 @@ def test_logits_match_transformers(family: str, tmp_path: Path) -> None:
         got = ours(ours.embed_tokens(tokens))
         expected = reference(input_ids=tokens).logits
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    # FLOPs and the plan's memory read the same MoE layout from config.json.
+    from mimotron.config import ModuleConfig
+    from mimotron.models.build import moe_options
+
+    opts = moe_options(ModuleConfig(kind="language", hf_path=str(path)))
+    assert opts is not None and opts.num_experts == 4 and opts.top_k == 2
+    assert opts.moe_layer_ids(3) == {"qwen2_moe": [0, 2], "qwen3_moe": [1]}[family]
     # The way back (export) gives the per-expert tensors of the folder.
     from safetensors.torch import load_file
 

@@ -131,7 +131,13 @@ def _construct(
 
 
 def moe_options(mod: ModuleConfig) -> MoEOptions | None:
-    """The module's mixture-of-experts options, ``None`` for a dense module."""
+    """The module's mixture-of-experts options, ``None`` for a dense module.
+
+    From the ``moe_*`` keys, or for a language ``hf_path`` from its config.json
+    (Qwen2-MoE / Qwen3-MoE).
+    """
+    if mod.hf_path and mod.kind == "language":
+        return language_spec(mod).moe
     if mod.num_experts == 0:
         return None
     freq = mod.moe_layer_freq
