@@ -545,7 +545,8 @@ def _coerce(hint: Any, value: Any, name: str) -> Any:
             return None
         # The first alternative that takes the value (``int | list[int]``); else its error.
         for alt in args[1:]:
-            if isinstance(value, typing.get_origin(alt) or alt):
+            cls = typing.get_origin(alt) or alt
+            if isinstance(cls, type) and isinstance(value, cls):
                 return _coerce(alt, value, name)
         return _coerce(args[0], value, name)
     if origin is list:
