@@ -24,12 +24,19 @@ INT_MIN, INT_MAX = -(2**63), 2**63 - 1
 """The integer range every int field must fit (int64: torch seeds, tensor sizes)."""
 
 
-def _base(hint: Any) -> tuple[Any, bool]:
-    """``(element type, is a list)`` of a field's type hint, ``Optional`` removed."""
+def _base(hint: Any, value: Any = None) -> tuple[Any, bool]:
+    """``(element type, is a list)`` of a field's type hint, ``Optional`` removed.
+
+    A union of several types (``int | list[int]``) is read as the alternative the value
+    has (its first one otherwise).
+    """
     origin = typing.get_origin(hint)
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(hint) if a is not type(None)]
-        return _base(args[0]) if len(args) == 1 else (None, False)
+        classes = [(a, typing.get_origin(a) or a) for a in args]
+        chosen = next((a for a, c in classes if isinstance(c, type) and isinstance(value, c)),
+                      args[0])
+        return _base(chosen, value)
     if origin is list:
         (item,) = typing.get_args(hint)
         return item, True
@@ -57,7 +64,7 @@ def check_value(hint: Any, value: Any, name: str) -> None:
     Raises:
         ValueError: ``<name>=<value> is invalid: expected ...`` (one line).
     """
-    kind, is_list = _base(hint)
+    kind, is_list = _base(hint, value)
     if kind not in (int, float):
         return
     items = value if is_list and isinstance(value, list) else [value]

@@ -6,8 +6,13 @@ import sys
 
 from mimotron.checkpoint.files import CheckpointError
 from mimotron.config import load_config
+from mimotron.models.build import moe_options
 from mimotron.parallel.layout import plan_layout
-from mimotron.parallel.memory import estimate_memory, stage_parameter_counts
+from mimotron.parallel.memory import (
+    estimate_memory,
+    stage_expert_counts,
+    stage_parameter_counts,
+)
 from mimotron.training.model_setup import padded_vocab_size
 
 
@@ -38,6 +43,14 @@ def run_plan(config: str, overrides: list[str]) -> int:
         p = mod.parallel
         print(f"{name:<10} {mod.kind:<9} {sum(stages):>10,}  {p.tensor:>2} {p.pipeline:>2} "
               f"{p.data:>2}  {stages}{'  (frozen)' if mod.freeze else ''}")
+        moe = stage_expert_counts(cfg, name, vocab)
+        if moe:
+            experts, whole = sum(e for e, _ in moe), sum(w for _, w in moe)
+            opts = moe_options(mod)
+            assert opts is not None
+            print(f"{'':<10} mixture of experts: {opts.num_experts} experts, top_k {opts.top_k}; "
+                  f"routed expert params {experts:,}, router + shared {whole:,}, dense "
+                  f"{sum(stages) - experts - whole:,}")
     print()
     print(f"memory estimate per rank (MiB, precision {cfg.train.precision}):")
     print(f"{'rank':>4}  {'module':<10} {'weights':>8} {'grads':>8} {'optim':>8} {'activ':>8} "

@@ -7,6 +7,8 @@ alone, or one pipeline stage of it, holds exactly the values of the full model.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
@@ -20,6 +22,7 @@ from mimotron.models.hf.whisper import WhisperEncoderTower
 from mimotron.models.init import init_parameters_
 from mimotron.models.language import LanguageModel
 from mimotron.models.mimo import MimoModel
+from mimotron.models.moe import MoEOptions
 from mimotron.names import LANGUAGE
 from mimotron.names import module_prefix as parameter_prefix
 
@@ -104,7 +107,8 @@ def _construct(
         "ffn_hidden_size": mod.ffn_hidden_size,
     }
     if mod.kind == "language":
-        return LanguageModel(vocab_size, max_seq_len=cfg.data.seq_length, **common, **stage)
+        return LanguageModel(vocab_size, max_seq_len=cfg.data.seq_length, moe=moe_options(mod),
+                             **common, **stage)
     if mod.kind == "vit":
         encoder: nn.Module = VisionEncoder(
             image_size=mod.image_size,
@@ -126,6 +130,26 @@ def _construct(
     return ModalitySubmodule(encoder, _projector(cfg, mod, mod.hidden_size, post_process))
 
 
+def moe_options(mod: ModuleConfig) -> MoEOptions | None:
+    """The module's mixture-of-experts options, ``None`` for a dense module.
+
+    From the ``moe_*`` keys, or for a language ``hf_path`` from its config.json
+    (Qwen2-MoE / Qwen3-MoE).
+    """
+    if mod.hf_path and mod.kind == "language":
+        return language_spec(mod).moe
+    if mod.num_experts == 0:
+        return None
+    freq = mod.moe_layer_freq
+    return MoEOptions(
+        num_experts=mod.num_experts, top_k=mod.top_k,
+        ffn_hidden_size=mod.moe_ffn_hidden_size or mod.ffn_hidden_size,
+        num_shared_experts=mod.num_shared_experts, shared_expert_gate=mod.moe_shared_expert_gate,
+        router_score=mod.moe_router_score, norm_topk_prob=mod.moe_norm_topk_prob,
+        aux_loss_coeff=mod.moe_aux_loss_coeff, z_loss_coeff=mod.moe_z_loss_coeff,
+        layer_freq=freq if isinstance(freq, int) else tuple(freq))
+
+
 def _projector(cfg: MimoConfig, mod: ModuleConfig, width: int, post_process: bool
                ) -> Projector | None:
     if LANGUAGE not in cfg.modules:
@@ -139,6 +163,10 @@ def _construct_hf(cfg: MimoConfig, name: str, vocab_size: int, stage: dict) -> n
     mod = cfg.modules[name]
     if mod.kind == "language":
         spec = language_spec(mod).replace(vocab_size=model_vocab_size(cfg, vocab_size))
+        if spec.moe is not None:  # MoE layout from config.json, loss weights from ours
+            spec = spec.replace(moe=dataclasses.replace(
+                spec.moe, aux_loss_coeff=mod.moe_aux_loss_coeff,
+                z_loss_coeff=mod.moe_z_loss_coeff))
         return LanguageModel(**spec.model_kwargs(cfg.data.seq_length), **stage)
     kwargs = tower_kwargs(mod)
     if mod.kind == "audio":

@@ -3,7 +3,9 @@
 Used by ``mimotron plan`` and the memory benchmark. Parameter counts come from building
 each pipeline stage on the ``meta`` device, so they match the real model exactly; the
 tensor-parallel share divides every stage's count by the TP degree (norm weights are
-replicated, a small overcount we accept).
+replicated, a small overcount we accept); an MoE stage's routed experts are divided by
+``expert x expert_tensor`` instead, and its routers and shared experts (whole on every
+rank) are not divided.
 """
 
 from __future__ import annotations
@@ -56,6 +58,46 @@ def stage_parameter_counts(cfg: MimoConfig, name: str, vocab_size: int) -> list[
     return counts
 
 
+def stage_expert_counts(cfg: MimoConfig, name: str, vocab_size: int
+                        ) -> list[tuple[int, int]]:
+    """Per pipeline stage ``(routed expert params, router + shared expert params)``.
+
+    Both are part of :func:`stage_parameter_counts`. Routed experts are split over
+    ``expert x expert_tensor`` ranks; the routers and shared experts are whole on every
+    rank of the module (not tensor parallel). ``[]`` for a dense module.
+    """
+    from mimotron.models.build import build_module, moe_options
+    from mimotron.models.moe import moe_layers
+
+    mod = cfg.modules[name]
+    if mod.kind != "language" or moe_options(mod) is None:
+        return []
+    par = mod.parallel
+    out = []
+    for s, layers in enumerate(stage_layers(mod.num_layers, par.pipeline, par.layers_per_stage)):
+        with torch.device("meta"):
+            part = build_module(cfg, name, vocab_size, layer_ids=layers, pre_process=s == 0,
+                                post_process=False, init=False)
+        experts = whole = 0
+        for layer in moe_layers(part).values():
+            routed = sum(p.numel() for p in layer.experts.parameters())
+            experts += routed
+            whole += sum(p.numel() for p in layer.parameters()) - routed
+        out.append((experts, whole))
+    return out
+
+
+def rank_parameter_count(cfg: MimoConfig, name: str, stage_count: int,
+                         expert_split: tuple[int, int] | None) -> int:
+    """Parameters one rank of a module stage holds: the dense part / TP, MoE parts apart."""
+    par = cfg.modules[name].parallel
+    if expert_split is None:
+        return stage_count // par.tensor
+    experts, whole = expert_split
+    dense = stage_count - experts - whole
+    return dense // par.tensor + whole + experts // (par.expert * par.expert_tensor)
+
+
 def activation_bytes(cfg: MimoConfig, name: str) -> int:
     """Rough activations kept for backward per rank and micro-batch (fp32 or compute dtype).
 
@@ -82,6 +124,7 @@ def estimate_memory(
 ) -> dict[int, list[MemoryEstimate]]:
     """Per-rank estimates, one entry per module the rank holds."""
     counts = {n: stage_parameter_counts(cfg, n, vocab_size) for n in cfg.modules}
+    experts = {n: stage_expert_counts(cfg, n, vocab_size) for n in cfg.modules}
     master = 4
     compute = BYTES[cfg.train.precision] if cfg.train.precision != "fp32" else 0
     out: dict[int, list[MemoryEstimate]] = {}
@@ -89,7 +132,8 @@ def estimate_memory(
         out[rank] = []
         for role in layout.roles(rank):
             mod = cfg.modules[role.module]
-            n = counts[role.module][role.pp] // mod.parallel.tensor
+            split = experts[role.module][role.pp] if experts[role.module] else None
+            n = rank_parameter_count(cfg, role.module, counts[role.module][role.pp], split)
             frozen = mod.freeze
             opt_shard = mod.parallel.data if mod.parallel.shard_optimizer else 1
             out[rank].append(
