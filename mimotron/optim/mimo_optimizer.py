@@ -61,6 +61,7 @@ from mimotron.optim.grads import (
     usable,
 )
 from mimotron.optim.loss_scaler import ConstantLossScaler, LossScaler
+from mimotron.parallel.expert_parallel import is_expert_param
 from mimotron.parallel.groups import ProcessGroupCollection
 from mimotron.parallel.zero import ZeroShards
 
@@ -243,7 +244,11 @@ class MimoOptimizer:
         return _norm_and_zeros(slots)
 
     def _module_stats(self, name: str, info: ModuleOptimizerInfo) -> torch.Tensor:
-        """[squared norm, zeros] of one module (float64), identical on all of its ranks."""
+        """[squared norm, zeros] of one module (float64), identical on all of its ranks.
+
+        Expert-parallel shards are summed over ``tp_ep_pp`` (every expert shard of every
+        stage once; ``expt_dp`` replicas are equal and not added), the rest over ``mp``.
+        """
         pg = info.pg_collection or ProcessGroupCollection()
         mp, dp = pg.mp, pg.dp_cp if usable(pg.dp_cp) else pg.dp
         if info.zero is not None:
@@ -253,21 +258,26 @@ class MimoOptimizer:
         tp_rank = dist.get_rank(pg.tp) if usable(pg.tp) else 0
         own = torch.zeros(2, dtype=torch.float64, device=self._device)
         shared = torch.zeros(2, dtype=torch.float64, device=self._device)
+        expert = torch.zeros(2, dtype=torch.float64, device=self._device)
         any_shared = info.zero is not None
         for _, p in info.params:
+            if is_expert_param(p):
+                _add_stats(expert, p.grad.to_local() if p.grad is not None else None)
+                continue
             over_dp = info.zero is not None or sharded_outside(p, mp_ranks, dp_ranks, name)
             any_shared = any_shared or over_dp
-            local = counted_local_grad(p, mp_ranks, tp_rank)
-            if local is not None:
-                target = shared if over_dp else own
-                target[0] += torch.linalg.vector_norm(local, dtype=torch.float64).to(own) ** 2
-                target[1] += local.numel() - torch.count_nonzero(local).to(own)
+            _add_stats(shared if over_dp else own, counted_local_grad(p, mp_ranks, tp_rank))
         # Placements (and sharding) are the same on all DP replicas: they agree here.
         if any_shared and usable(dp):
             dist.all_reduce(shared, group=dp)
         total = own + shared
         if usable(mp):
             dist.all_reduce(total, group=mp)
+        if pg.tp_ep_pp is not None:
+            # Every rank of a module with an expert view joins, experts held or not.
+            if usable(pg.tp_ep_pp):
+                dist.all_reduce(expert, group=pg.tp_ep_pp)
+            total = total + expert
         return total
 
     def get_grad_norm(self) -> float:
@@ -580,6 +590,13 @@ class MimoOptimizer:
                 g["lr"] = lr
             for p, grad in zip(params, grads, strict=True):
                 p.grad = grad
+
+
+def _add_stats(target: torch.Tensor, local: torch.Tensor | None) -> None:
+    """Add a local gradient's squared norm and zero count to ``target`` (in place)."""
+    if local is not None:
+        target[0] += torch.linalg.vector_norm(local, dtype=torch.float64).to(target) ** 2
+        target[1] += local.numel() - torch.count_nonzero(local).to(target)
 
 
 def _norm_and_zeros(slots: torch.Tensor) -> tuple[float, int]:

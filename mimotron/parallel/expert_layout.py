@@ -1,0 +1,108 @@
+"""Expert layouts from the config alone: validation and the ``mimotron plan`` expert table.
+
+Pure functions (no process group), called by :func:`mimotron.parallel.layout.plan_layout`
+before any process starts, so an invalid expert layout fails with one line naming the
+field on every rank alike and in ``mimotron plan``.
+
+A module's expert view is ``[expert_tensor, expert, expt_dp, pipeline]`` over its ranks
+(``expert_tensor`` fastest, ``pipeline`` shared with the base grid,
+:func:`mimotron.parallel.groups.build_module_grid`); the rank at ``ep`` coordinate ``r``
+holds the global experts ``[r * E / expert, (r + 1) * E / expert)`` of every MoE layer
+of its stage.
+"""
+
+from __future__ import annotations
+
+from mimotron.config import MimoConfig, ModuleConfig
+
+
+def num_experts_of(mod: ModuleConfig) -> int:
+    """``modules.<m>.num_experts`` (0 = dense)."""
+    return int(getattr(mod, "num_experts", 0) or 0)
+
+
+def check_expert_layout(cfg: MimoConfig, name: str) -> None:
+    """Raise for an expert layout no rank can build.
+
+    Raises:
+        ValueError: one line naming the field and what would be valid.
+    """
+    mod = cfg.modules[name]
+    par, p = mod.parallel, f"modules.{name}.parallel"
+    experts = num_experts_of(mod)
+    top_k = int(getattr(mod, "top_k", 1) or 1)
+    if experts and top_k > experts:
+        raise ValueError(f"modules.{name}.top_k={top_k} is invalid: it must be at most "
+                         f"modules.{name}.num_experts={experts}")
+    if par.expert_tensor > 1:
+        raise ValueError(f"{p}.expert_tensor={par.expert_tensor} is not supported yet; use 1 "
+                         "(experts are whole on each expert-parallel rank)")
+    if par.expert <= 1:
+        return
+    if not experts:
+        raise ValueError(f"{p}.expert={par.expert} is invalid: modules.{name}.num_experts is 0 "
+                         "(a dense module has no experts to spread); use expert = 1")
+    if experts % par.expert:
+        raise ValueError(f"{p}.expert={par.expert} is invalid: it must divide "
+                         f"modules.{name}.num_experts={experts}")
+    per_stage = par.expert * par.expert_tensor * par.pipeline
+    if par.size % per_stage:
+        raise ValueError(f"{p}.expert={par.expert} is invalid: expert x expert_tensor x "
+                         f"pipeline ({per_stage}) must divide the module's {par.size} ranks")
+    if mod.hf_path:
+        raise ValueError(f"{p}.expert={par.expert} with hf_path is not supported yet; use "
+                         "expert = 1")
+    if par.shard_optimizer:
+        raise ValueError(f"{p}.shard_optimizer=true with expert={par.expert} is not "
+                         "supported yet; use shard_optimizer = false")
+
+
+def expert_coordinate(local_rank: int, mod: ModuleConfig) -> dict[str, int]:
+    """Expert-view coordinates of a module-local rank (``expert_tensor`` fastest)."""
+    par = mod.parallel
+    expt_dp = par.size // (par.expert * par.expert_tensor * par.pipeline)
+    coord = {}
+    for dim, size in (("expt_tp", par.expert_tensor), ("ep", par.expert),
+                      ("expt_dp", expt_dp), ("pp", par.pipeline)):
+        coord[dim] = local_rank % size
+        local_rank //= size
+    return coord
+
+
+def expert_parameter_split(cfg: MimoConfig, name: str, vocab_size: int) -> tuple[int, int]:
+    """``(expert, dense)`` parameter counts of a whole module (built on the meta device)."""
+    import torch
+
+    from mimotron.models.build import build_module
+
+    with torch.device("meta"):
+        mod = build_module(cfg, name, vocab_size, init=False)
+    expert = sum(p.numel() for n, p in mod.named_parameters() if ".experts." in f".{n}")
+    return expert, sum(p.numel() for p in mod.parameters()) - expert
+
+
+def format_expert_layout(cfg: MimoConfig, vocab_size: int) -> str:
+    """Which global experts each rank holds, per MoE module; empty without MoE modules.
+
+    Also the module's expert vs dense parameters (fp32 MiB): each rank holds
+    ``1 / expert`` of the expert parameters and its stage's share of the dense ones.
+    """
+    lines = []
+    for name, mod in cfg.modules.items():
+        experts = num_experts_of(mod)
+        if not experts:
+            continue
+        par = mod.parallel
+        per = experts // par.expert
+        num_expert, num_dense = expert_parameter_split(cfg, name, vocab_size)
+        lines.append(f"experts of {name}: {experts} per MoE layer, expert={par.expert}, "
+                     f"{per} per rank; expert params {num_expert:,} "
+                     f"({num_expert * 4 / 2**20:.2f} MiB, {num_expert // par.expert:,} per "
+                     f"expert-parallel rank before pipeline split), dense params "
+                     f"{num_dense:,} ({num_dense * 4 / 2**20:.2f} MiB)")
+        for local in range(par.size):
+            c = expert_coordinate(local, mod)
+            start = c["ep"] * per
+            lines.append(f"  rank {par.rank_offset + local:>3}  ep {c['ep']}  expt_dp "
+                         f"{c['expt_dp']}  pp {c['pp']}  experts {start}-{start + per - 1}")
+    return "\n".join(lines)
