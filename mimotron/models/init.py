@@ -70,6 +70,10 @@ def _std_for(owner: nn.Module, local_name: str, shape: torch.Size) -> float | No
     """The normal std for a parameter, ``None`` for a constant (see module docstring)."""
     if local_name == "bias" or isinstance(owner, _NORMS):
         return None
+    # Modules holding several stacked matrices (MoE experts) give one std per parameter.
+    per_parameter = getattr(owner, "init_stds", None)
+    if per_parameter is not None and local_name in per_parameter:
+        return float(per_parameter[local_name])
     if isinstance(owner, _CONVS):
         fan_in = math.prod(shape[1:])
         return 1.0 / math.sqrt(fan_in)
