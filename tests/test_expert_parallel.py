@@ -15,6 +15,8 @@ Also checked: forward outputs, input and routing-weight gradients, and the byte 
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -22,9 +24,13 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from mimotron.cli.plan import run_plan
+from mimotron.config import load_config
 from mimotron.models.moe import GroupedExperts
 from mimotron.parallel.expert_parallel import ExchangeBytes, exchange, shard_experts
+from mimotron.parallel.layout import plan_layout
 from mimotron.testing import run_ranks
+from tests.common import BASE, DIGITS, colocated, par
 
 E, H, F_, K, T = 4, 8, 6, 2, 5
 
@@ -170,3 +176,42 @@ def test_byte_counter_counts_every_token_copy_once(results):
         b2 = [results[r]["bytes2"] for r in pair]
         assert [b.rows for b in b2] == [3 * K, 2 * K]
         assert sum(b.dispatch for b in b2) == sum(b.combine for b in b2) == T * K * row
+
+
+# ---- layouts, from the config alone -----------------------------------------------------
+
+MOE_CFG = ["modules.language.num_experts=4", "modules.language.top_k=2"]
+
+
+def _plan(overrides: list[str]) -> None:
+    plan_layout(load_config(DIGITS, BASE + overrides))
+
+
+@pytest.mark.parametrize("overrides, field", [
+    (colocated(3) + par("language", expert=3), "modules.language.parallel.expert=3"),
+    (colocated(2) + par("language", expert=4), "modules.language.parallel.expert=4"),
+    (colocated(2) + par("vision", expert=2), "modules.vision.parallel.expert=2"),
+    (colocated(2) + par("language", expert=2, expert_tensor=2),
+     "modules.language.parallel.expert_tensor=2"),
+    (colocated(2) + par("language", expert=2, shard_optimizer="true"),
+     "modules.language.parallel.shard_optimizer"),
+])
+def test_invalid_expert_layouts_are_rejected_naming_the_field(overrides, field):
+    with pytest.raises(ValueError, match=re.escape(field)):
+        _plan(MOE_CFG + ["train.micro_batch_size=12", "train.global_batch_size=24"]
+              + overrides)
+
+
+def test_top_k_above_num_experts_is_rejected():
+    with pytest.raises(ValueError, match="top_k=5"):
+        _plan(MOE_CFG + ["modules.language.top_k=5"])
+
+
+def test_plan_shows_which_experts_live_on_which_rank(capsys):
+    code = run_plan(str(DIGITS), BASE + MOE_CFG + colocated(4) + par("language", expert=2))
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "experts of language: 4 per MoE layer, expert=2, 2 per rank" in out
+    assert "rank   0  ep 0  expt_dp 0  pp 0  experts 0-1" in out
+    assert "rank   3  ep 1  expt_dp 1  pp 0  experts 2-3" in out
+    assert "expert params" in out and "dense params" in out

@@ -2,8 +2,9 @@
 
 Used by ``mimotron plan`` and the memory benchmark. Parameter counts come from building
 each pipeline stage on the ``meta`` device, so they match the real model exactly; the
-tensor-parallel share divides every stage's count by the TP degree (norm weights are
-replicated, a small overcount we accept).
+tensor-parallel share divides every stage's dense count by the TP degree (norm weights
+are replicated, a small overcount we accept); MoE experts are divided by the
+expert-parallel degree instead.
 """
 
 from __future__ import annotations
@@ -36,6 +37,15 @@ class MemoryEstimate:
 
 def stage_parameter_counts(cfg: MimoConfig, name: str, vocab_size: int) -> list[int]:
     """Parameter count of each pipeline stage of a module (built on the meta device)."""
+    return [total for total, _ in stage_expert_counts(cfg, name, vocab_size)]
+
+
+def stage_expert_counts(cfg: MimoConfig, name: str, vocab_size: int) -> list[tuple[int, int]]:
+    """``(all, expert)`` parameter counts of each pipeline stage (meta device).
+
+    Expert parameters (MoE ``experts.w1/w2/w3``) are split over the expert-parallel
+    degree, not the tensor-parallel one.
+    """
     from mimotron.models.build import build_module
 
     par = cfg.modules[name].parallel
@@ -52,7 +62,8 @@ def stage_parameter_counts(cfg: MimoConfig, name: str, vocab_size: int) -> list[
                 post_process=s == len(stages) - 1,
                 init=False,
             )
-        counts.append(sum(p.numel() for p in mod.parameters()))
+        expert = sum(p.numel() for n, p in mod.named_parameters() if ".experts." in f".{n}")
+        counts.append((sum(p.numel() for p in mod.parameters()), expert))
     return counts
 
 
@@ -81,7 +92,7 @@ def estimate_memory(
     cfg: MimoConfig, layout: Layout, vocab_size: int
 ) -> dict[int, list[MemoryEstimate]]:
     """Per-rank estimates, one entry per module the rank holds."""
-    counts = {n: stage_parameter_counts(cfg, n, vocab_size) for n in cfg.modules}
+    counts = {n: stage_expert_counts(cfg, n, vocab_size) for n in cfg.modules}
     master = 4
     compute = BYTES[cfg.train.precision] if cfg.train.precision != "fp32" else 0
     out: dict[int, list[MemoryEstimate]] = {}
@@ -89,7 +100,8 @@ def estimate_memory(
         out[rank] = []
         for role in layout.roles(rank):
             mod = cfg.modules[role.module]
-            n = counts[role.module][role.pp] // mod.parallel.tensor
+            total, expert = counts[role.module][role.pp]
+            n = (total - expert) // mod.parallel.tensor + expert // mod.parallel.expert
             frozen = mod.freeze
             opt_shard = mod.parallel.data if mod.parallel.shard_optimizer else 1
             out[rank].append(
