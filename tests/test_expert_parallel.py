@@ -193,8 +193,6 @@ def _plan(overrides: list[str]) -> None:
     (colocated(2) + par("vision", expert=2), "modules.vision.parallel.expert=2"),
     (colocated(2) + par("language", expert=2, expert_tensor=2),
      "modules.language.parallel.expert_tensor=2"),
-    (colocated(2) + par("language", expert=2, shard_optimizer="true"),
-     "modules.language.parallel.shard_optimizer"),
 ])
 def test_invalid_expert_layouts_are_rejected_naming_the_field(overrides, field):
     with pytest.raises(ValueError, match=re.escape(field)):

@@ -48,6 +48,8 @@ CASES: dict[str, list[str]] = {
     + par("language", expert=2),
     "ep2-dp2-colocated": colocated(4) + par("language", expert=2),
     "ep2-tp2": noncolocated({}, {}, {"tensor": 2}) + par("language", expert=2),
+    # ZeRO-1: dense rows over dp (4), expert rows over expt_dp (2).
+    "ep2-dp2-colocated-zero": colocated(4) + par("language", expert=2, shard_optimizer="true"),
 }
 
 
@@ -101,8 +103,12 @@ def _expert_grads(rank: int, world: int, overrides: list[str]) -> dict:
     return {**out, "expert_grads": captured}
 
 
-def _assert_module_norms(results: list[dict], ref: ReferenceRun) -> None:
-    """Per-module grad norms as stepped (full gradients; every copy agrees)."""
+def _assert_module_norms(results: list[dict], ref: ReferenceRun, modules: set[str]) -> None:
+    """Per-module grad norms as stepped (full gradients; every copy agrees).
+
+    ZeRO-sharded modules step fragments and are left out (global norm and weights cover
+    them).
+    """
     for it in range(NUM_ITERS):
         merged: dict[str, float] = {}
         for res in results:
@@ -111,7 +117,7 @@ def _assert_module_norms(results: list[dict], ref: ReferenceRun) -> None:
         norms: dict[str, float] = {}
         for pname, sq in merged.items():
             norms[module_of(pname)] = norms.get(module_of(pname), 0.0) + sq
-        assert set(norms) == set(ref.module_norms[it])
+        assert set(norms) == modules
         for module, sq in norms.items():
             want = ref.module_norms[it][module]
             assert abs(sq**0.5 - want) <= LOSS_REL * want, f"iteration {it}: {module}"
@@ -127,7 +133,8 @@ def _run(name: str) -> list[dict]:
 def test_expert_parallel_layout_matches_plain_loop(name, reference):
     results = _run(name)
     assert_steps_match(results, reference)
-    _assert_module_norms(results, reference)
+    zero = "language" if "zero" in name else None
+    _assert_module_norms(results, reference, {"vision", "audio", "language"} - {zero})
     assert_weights_match(results, reference)
     assert any(r["expert_grads"] for r in results), "no expert-parallel shard found"
     if name == "ep2-dp2-colocated":

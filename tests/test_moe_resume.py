@@ -3,9 +3,11 @@
 Expert parameters are DTensors ``Shard(0)`` over the ``ep`` axis with the global shape
 ``[E, ...]`` under their layout-independent names, and so is their Adam state; DCP
 reshards both. The straight run (every module colocated on 4 ranks, language EP 2 x
-expt_dp 2) saves at iteration 5 and goes on to 10; resumes from its iteration-5
-checkpoint with EP 1 (one rank) and EP 4 (4 ranks) must continue its losses and grad
-norms within 1e-4 — the first resumed step included, which needs the optimizer state.
+expt_dp 2, its optimizer state sharded: dense rows over DP 4, expert rows over expt_dp 2)
+saves at iteration 5 and goes on to 10; resumes from its iteration-5 checkpoint with
+EP 1 (one rank, unsharded) and EP 4 (4 ranks, expert rows over expt_dp 1) must continue
+its losses and grad norms within 1e-4 — the first resumed step included, which needs
+the optimizer state.
 """
 
 from __future__ import annotations
@@ -30,7 +32,9 @@ COMMON = BASE + MOE + [
     "eval.iters=1", "log.interval=1", "log.progress=false", "checkpoint.load=auto",
     f"train.iters={STOP_AT}",
 ]
-RESUMED = {"ep1": (colocated(1), 1), "ep4": (colocated(4) + par("language", expert=4), 4)}
+ZERO = ["modules.language.parallel.shard_optimizer=true"]
+RESUMED = {"ep1": (colocated(1), 1),
+           "ep4-zero": (colocated(4) + par("language", expert=4) + ZERO, 4)}
 
 
 def _run(rank: int, world: int, overrides: list[str]) -> None:
@@ -45,7 +49,7 @@ def _records(log_dir: Path) -> list[dict[str, Any]]:
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory) -> Path:
     tmp = tmp_path_factory.mktemp("moe_resume")
-    run_ranks(4, _run, COMMON + colocated(4) + par("language", expert=2) + [
+    run_ranks(4, _run, COMMON + colocated(4) + par("language", expert=2) + ZERO + [
         f"log.dir={tmp}", f"checkpoint.dir={tmp}/ckpt", f"checkpoint.interval={SAVE_AT}",
     ], timeout_s=240)
     return tmp
@@ -58,8 +62,9 @@ def test_experts_are_saved_in_global_shape_by_their_shards(straight):
     name = "model.language_model.layers.0.mlp.experts.w1"
     assert tuple(tensors[name].size)[0] == 4  # all experts, global indices
     assert len(tensors[name].chunks) == 2  # one shard per EP rank, expt_dp copies once
+    # ZeRO-1: each of the 4 ranks writes its rows of its EP shard's Adam state.
     assert len(tensors[f"optimizer.language.state.{name[len('model.language_model.'):]}"
-                       ".exp_avg"].chunks) == 2
+                       ".exp_avg"].chunks) == 4
 
 
 @pytest.mark.parametrize("name", sorted(RESUMED))

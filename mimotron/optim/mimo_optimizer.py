@@ -63,7 +63,7 @@ from mimotron.optim.grads import (
 from mimotron.optim.loss_scaler import ConstantLossScaler, LossScaler
 from mimotron.parallel.expert_parallel import is_expert_param
 from mimotron.parallel.groups import ProcessGroupCollection
-from mimotron.parallel.zero import ZeroShards
+from mimotron.parallel.zero import ExpertSplitShards, ZeroShards
 
 _PREFIX = "optimizer"
 # ``optimizer.<module>.has_state``: True when saved; the loading placeholder is False, so
@@ -100,7 +100,7 @@ class ModuleOptimizerInfo:
     params: list[tuple[str, nn.Parameter]] = field(default_factory=list)
     loss_scaler: LossScaler = field(default_factory=ConstantLossScaler)
     frozen: bool = False
-    zero: ZeroShards | None = None
+    zero: ZeroShards | ExpertSplitShards | None = None
     clip_grad: float | None = None
 
     @property
@@ -259,10 +259,15 @@ class MimoOptimizer:
         own = torch.zeros(2, dtype=torch.float64, device=self._device)
         shared = torch.zeros(2, dtype=torch.float64, device=self._device)
         expert = torch.zeros(2, dtype=torch.float64, device=self._device)
+        expert_rows = torch.zeros(2, dtype=torch.float64, device=self._device)
+        expert_fragments = getattr(info.zero, "expert_names", set())
         any_shared = info.zero is not None
-        for _, p in info.params:
+        for pname, p in info.params:
             if is_expert_param(p):
                 _add_stats(expert, p.grad.to_local() if p.grad is not None else None)
+                continue
+            if pname in expert_fragments:  # ZeRO rows of expert shards: over expt_dp
+                _add_stats(expert_rows, p.grad)
                 continue
             over_dp = info.zero is not None or sharded_outside(p, mp_ranks, dp_ranks, name)
             any_shared = any_shared or over_dp
@@ -273,6 +278,9 @@ class MimoOptimizer:
         total = own + shared
         if usable(mp):
             dist.all_reduce(total, group=mp)
+        if expert_fragments and usable(info.zero.expert_group):
+            dist.all_reduce(expert_rows, group=info.zero.expert_group)
+        expert += expert_rows
         if pg.tp_ep_pp is not None:
             # Every rank of a module with an expert view joins, experts held or not.
             if usable(pg.tp_ep_pp):

@@ -52,9 +52,6 @@ def check_expert_layout(cfg: MimoConfig, name: str) -> None:
     if mod.hf_path:
         raise ValueError(f"{p}.expert={par.expert} with hf_path is not supported yet; use "
                          "expert = 1")
-    if par.shard_optimizer:
-        raise ValueError(f"{p}.shard_optimizer=true with expert={par.expert} is not "
-                         "supported yet; use shard_optimizer = false")
 
 
 def expert_coordinate(local_rank: int, mod: ModuleConfig) -> dict[str, int]:
