@@ -242,7 +242,28 @@ def _validate_modules(cfg: MimoConfig) -> None:
                 mod.num_audio_tokens,
                 f"a positive divisor of num_frames={mod.num_frames}",
             )
+        _validate_moe(mod, p)
         _validate_parallel(mod.parallel, f"{p}.parallel")
+
+
+def _validate_moe(mod: ModuleConfig, p: str) -> None:
+    """The mixture-of-experts keys (``num_experts`` > 0 turns them on)."""
+    from mimotron.models.moe import check_layer_freq, check_moe_options
+
+    check_moe_options(mod.num_experts, mod.top_k, mod.moe_router_score,
+                      mod.num_shared_experts, prefix=f"{p}.")
+    if mod.num_experts == 0:
+        return
+    _check(mod.kind in LANGUAGE_KINDS and not mod.hf_path, f"{p}.num_experts", mod.num_experts,
+           "0: experts are built for the language module without hf_path only")
+    _check(mod.moe_ffn_hidden_size >= 0, f"{p}.moe_ffn_hidden_size", mod.moe_ffn_hidden_size,
+           "an integer >= 0")
+    _check(not mod.moe_shared_expert_gate or mod.num_shared_experts >= 1,
+           f"{p}.moe_shared_expert_gate", mod.moe_shared_expert_gate,
+           "false without shared experts (num_shared_experts >= 1)")
+    for key in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
+        _check(getattr(mod, key) >= 0, f"{p}.{key}", getattr(mod, key), "a number >= 0")
+    check_layer_freq(mod.moe_layer_freq, mod.num_layers, prefix=f"{p}.")
 
 
 def _validate_hf_keys(name: str, mod: ModuleConfig) -> None:
@@ -520,7 +541,13 @@ def _coerce(hint: Any, value: Any, name: str) -> Any:
         return value
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(hint) if a is not type(None)]
-        return None if value is None else _coerce(args[0], value, name)
+        if value is None:
+            return None
+        # The first alternative that takes the value (``int | list[int]``); else its error.
+        for alt in args[1:]:
+            if isinstance(value, typing.get_origin(alt) or alt):
+                return _coerce(alt, value, name)
+        return _coerce(args[0], value, name)
     if origin is list:
         if not isinstance(value, list):
             raise ValueError(f"{name}={value!r} is invalid: expected a list")

@@ -26,6 +26,7 @@ DatasetName = Literal["digits", "mock", "llava"]
 Schedule = Literal["1f1b", "no_pipelining"]
 FeatureSelectStrategy = Literal["default", "full"]
 DownsampleMode = Literal["avg", "stack"]
+RouterScore = Literal["softmax", "sigmoid"]
 
 ENCODER_KINDS: tuple[str, ...] = get_args(EncoderKind)
 LANGUAGE_KINDS: tuple[str, ...] = get_args(LanguageKind)
@@ -219,6 +220,46 @@ class ModuleConfig:
     downsample_mode: DownsampleMode = "avg"
     """audio with hf_path only: ``avg`` averages the k frames, ``stack`` concatenates them
     (projector input k x hidden_size).
+    """
+    num_experts: int = 0
+    """Routed experts of each mixture-of-experts layer (>= 0); 0 = a dense model (every
+    other ``moe_*`` key and top_k are then ignored). Only the ``language`` module, without
+    hf_path, takes experts.
+
+    Routing is dropless (every token reaches its top_k experts, no capacity factor).
+    """
+    top_k: int = 2
+    """Experts each token is routed to (1 <= top_k <= num_experts)."""
+    moe_ffn_hidden_size: int = 0
+    """Width of each routed expert's SwiGLU; 0 = ffn_hidden_size (or its default)."""
+    num_shared_experts: int = 0
+    """Always-on shared experts (>= 0), fused into one SwiGLU num_shared_experts x
+    moe_ffn_hidden_size wide and added to the routed output (DeepSeek / Qwen2-MoE).
+    """
+    moe_shared_expert_gate: bool = False
+    """Multiply the shared experts' output by sigmoid(Linear(hidden, 1)) (Qwen2-MoE);
+    needs num_shared_experts >= 1.
+    """
+    moe_layer_freq: int | list[int] = 1
+    """Which layers are MoE: 1 = every layer, N = layers whose index is a multiple of N,
+    or a list of 0/1 with one entry per layer (num_layers entries).
+    """
+    moe_router_score: RouterScore = "softmax"
+    """Router scores: ``softmax`` (Mixtral, Qwen) or ``sigmoid`` (DeepSeek-V3 style) of
+    the router logits, in fp32.
+    """
+    moe_norm_topk_prob: bool = True
+    """Renormalise each token's top_k weights to sum to one (Mixtral; Qwen3-MoE's
+    norm_topk_prob); false keeps the raw scores (Qwen2-MoE).
+    """
+    moe_aux_loss_coeff: float = 0.01
+    """Weight (>= 0) of the load-balancing loss E x sum_e f_e P_e (1 when balanced),
+    computed per sample and MoE layer and weighted by the sample's loss tokens like the
+    cross-entropy; logged as moe_aux_loss.
+    """
+    moe_z_loss_coeff: float = 0.0
+    """Weight (>= 0) of the router z-loss mean(logsumexp(logits)^2); 0 = off. Logged as
+    moe_z_loss when on.
     """
     freeze: bool = False
     """Freeze the module: no gradients, no optimizer state, no gradient sync; not every

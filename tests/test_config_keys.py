@@ -115,6 +115,9 @@ def _table_probes() -> dict[str, tuple[list[str], str, list[str]]]:
     return out
 
 
+MOE = ["modules.language.num_experts=4"]
+
+
 def _par(item: str) -> list[str]:
     return [f"modules.language.parallel.{item}"]
 
@@ -148,6 +151,23 @@ PROBES: dict[str, tuple[list[str], str, list[str]]] = {
     "modules.<m>.downsample_factor": (["modules.audio.downsample_factor=2"], "error:built", []),
     "modules.<m>.downsample_mode": (["modules.audio.downsample_mode='stack'"], "error:built",
                                     []),
+    # Mixture of experts: parameters (built) or routing / aux losses (one step's numbers).
+    "modules.<m>.num_experts": (["modules.language.num_experts=4"], "built", []),
+    "modules.<m>.top_k": (["modules.language.top_k=1"], "step", MOE),
+    "modules.<m>.moe_ffn_hidden_size": (["modules.language.moe_ffn_hidden_size=32"], "built",
+                                        MOE),
+    "modules.<m>.num_shared_experts": (["modules.language.num_shared_experts=1"], "built", MOE),
+    "modules.<m>.moe_shared_expert_gate": (["modules.language.moe_shared_expert_gate=true"],
+                                           "built",
+                                           [*MOE, "modules.language.num_shared_experts=1"]),
+    "modules.<m>.moe_layer_freq": (["modules.language.moe_layer_freq=2"], "built", MOE),
+    "modules.<m>.moe_router_score": (["modules.language.moe_router_score='sigmoid'"], "step",
+                                     MOE),
+    "modules.<m>.moe_norm_topk_prob": (["modules.language.moe_norm_topk_prob=false"], "step",
+                                       MOE),
+    "modules.<m>.moe_aux_loss_coeff": (["modules.language.moe_aux_loss_coeff=1.0"], "step",
+                                       MOE),
+    "modules.<m>.moe_z_loss_coeff": (["modules.language.moe_z_loss_coeff=0.1"], "step", MOE),
     "modules.<m>.parallel.tensor": (_par("tensor=2"), "plan", NONCOLOCATED),
     "modules.<m>.parallel.pipeline": (_par("pipeline=2"), "plan", NONCOLOCATED),
     "modules.<m>.parallel.data": (_par("data=2"), "plan", NONCOLOCATED),

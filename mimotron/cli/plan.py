@@ -8,7 +8,11 @@ from mimotron.checkpoint.files import CheckpointError
 from mimotron.config import load_config
 from mimotron.parallel.expert_layout import format_expert_layout
 from mimotron.parallel.layout import plan_layout
-from mimotron.parallel.memory import estimate_memory, stage_parameter_counts
+from mimotron.parallel.memory import (
+    estimate_memory,
+    stage_expert_counts,
+    stage_parameter_counts,
+)
 from mimotron.training.model_setup import padded_vocab_size
 
 
@@ -39,10 +43,16 @@ def run_plan(config: str, overrides: list[str]) -> int:
         p = mod.parallel
         print(f"{name:<10} {mod.kind:<9} {sum(stages):>10,}  {p.tensor:>2} {p.pipeline:>2} "
               f"{p.data:>2}  {stages}{'  (frozen)' if mod.freeze else ''}")
-    experts = format_expert_layout(cfg, vocab)
-    if experts:
+        moe = stage_expert_counts(cfg, name, vocab)
+        if moe:
+            experts, whole = sum(e for e, _ in moe), sum(w for _, w in moe)
+            print(f"{'':<10} mixture of experts: {mod.num_experts} experts, top_k {mod.top_k}; "
+                  f"routed expert params {experts:,}, router + shared {whole:,}, dense "
+                  f"{sum(stages) - experts - whole:,}")
+    experts_table = format_expert_layout(cfg)
+    if experts_table:
         print()
-        print(experts)
+        print(experts_table)
     print()
     print(f"memory estimate per rank (MiB, precision {cfg.train.precision}):")
     print(f"{'rank':>4}  {'module':<10} {'weights':>8} {'grads':>8} {'optim':>8} {'activ':>8} "

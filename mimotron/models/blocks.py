@@ -15,6 +15,7 @@ carry an ``init_std`` attribute scaled by the depth of the stack; see
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -282,6 +283,8 @@ class TransformerBlock(nn.Module):
         qk_norm: per-head RMSNorm of queries and keys.
         mlp_bias: biases on the SwiGLU projections.
         norm_eps: epsilon of every RMSNorm in the layer.
+        mlp: a feed-forward module to use instead of the SwiGLU (an MoE block,
+            :class:`~mimotron.models.moe.MoEFeedForward`); ``None`` = the SwiGLU.
     """
 
     def __init__(
@@ -299,6 +302,7 @@ class TransformerBlock(nn.Module):
         qk_norm: bool = False,
         mlp_bias: bool = False,
         norm_eps: float = 1e-6,
+        mlp: nn.Module | None = None,
     ) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(hidden, norm_eps)
@@ -315,7 +319,8 @@ class TransformerBlock(nn.Module):
             norm_eps=norm_eps,
         )
         self.mlp_norm = RMSNorm(hidden, norm_eps)
-        self.mlp = SwiGLU(hidden, ffn_hidden, num_layers=num_layers, bias=mlp_bias)
+        self.mlp = mlp if mlp is not None else SwiGLU(hidden, ffn_hidden, num_layers=num_layers,
+                                                      bias=mlp_bias)
 
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -329,6 +334,7 @@ def make_layers(
     layer_ids: list[int] | None,
     num_layers: int,
     build: type[nn.Module] | None = None,
+    mlp_factory: Callable[[int], nn.Module | None] | None = None,
     **block_kwargs: int | float | bool | None,
 ) -> nn.ModuleDict:
     """Build the layers one pipeline stage holds, keyed by their *global* index.
@@ -341,6 +347,8 @@ def make_layers(
         layer_ids: global indices to build; ``None`` = all of ``range(num_layers)``.
         num_layers: layers in the whole stack.
         build: block class (default :class:`TransformerBlock`).
+        mlp_factory: global layer index -> the layer's feed-forward module, or ``None``
+            for the block's own (how MoE layers are placed, ``moe_layer_freq``).
         **block_kwargs: passed to the block constructor, plus ``num_layers``.
 
     Returns:
@@ -356,4 +364,9 @@ def make_layers(
             f"layer_ids={ids} is invalid: expected distinct indices in [0, {num_layers})"
         )
     cls = build or TransformerBlock
-    return nn.ModuleDict({str(i): cls(**block_kwargs, num_layers=num_layers) for i in sorted(ids)})
+    layers = {}
+    for i in sorted(ids):
+        mlp = mlp_factory(i) if mlp_factory is not None else None
+        extra = {} if mlp is None else {"mlp": mlp}
+        layers[str(i)] = cls(**block_kwargs, **extra, num_layers=num_layers)
+    return nn.ModuleDict(layers)

@@ -20,6 +20,7 @@ from mimotron.models.hf.whisper import WhisperEncoderTower
 from mimotron.models.init import init_parameters_
 from mimotron.models.language import LanguageModel
 from mimotron.models.mimo import MimoModel
+from mimotron.models.moe import MoEOptions
 from mimotron.names import LANGUAGE
 from mimotron.names import module_prefix as parameter_prefix
 
@@ -104,7 +105,8 @@ def _construct(
         "ffn_hidden_size": mod.ffn_hidden_size,
     }
     if mod.kind == "language":
-        return LanguageModel(vocab_size, max_seq_len=cfg.data.seq_length, **common, **stage)
+        return LanguageModel(vocab_size, max_seq_len=cfg.data.seq_length, moe=moe_options(mod),
+                             **common, **stage)
     if mod.kind == "vit":
         encoder: nn.Module = VisionEncoder(
             image_size=mod.image_size,
@@ -124,6 +126,20 @@ def _construct(
     else:
         raise ValueError(f"modules.{name}.kind={mod.kind!r} cannot be built by mimotron.models")
     return ModalitySubmodule(encoder, _projector(cfg, mod, mod.hidden_size, post_process))
+
+
+def moe_options(mod: ModuleConfig) -> MoEOptions | None:
+    """The module's mixture-of-experts options, ``None`` for a dense module."""
+    if mod.num_experts == 0:
+        return None
+    freq = mod.moe_layer_freq
+    return MoEOptions(
+        num_experts=mod.num_experts, top_k=mod.top_k,
+        ffn_hidden_size=mod.moe_ffn_hidden_size or mod.ffn_hidden_size,
+        num_shared_experts=mod.num_shared_experts, shared_expert_gate=mod.moe_shared_expert_gate,
+        router_score=mod.moe_router_score, norm_topk_prob=mod.moe_norm_topk_prob,
+        aux_loss_coeff=mod.moe_aux_loss_coeff, z_loss_coeff=mod.moe_z_loss_coeff,
+        layer_freq=freq if isinstance(freq, int) else tuple(freq))
 
 
 def _projector(cfg: MimoConfig, mod: ModuleConfig, width: int, post_process: bool

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mimotron.models.blocks import RMSNorm, make_layers, rope_cache
+from mimotron.models.moe import MoEOptions, check_layer_freq
 from mimotron.models.rope_scaling import rope_inv_freq, validate_rope_scaling
 
 
@@ -47,6 +48,8 @@ class LanguageModel(nn.Module):
         tie_word_embeddings: the output head shares the embedding matrix. Both live on
             one stage only, so this needs ``pre_process`` and ``post_process`` (no
             pipeline split of the language model).
+        moe: mixture-of-experts options (:class:`~mimotron.models.moe.MoEOptions`): the
+            layers it selects get an MoE block as ``mlp``; ``None`` = dense model.
 
     Raises:
         ValueError: on a bad ``vocab_size``, ``max_seq_len``, head layout, RoPE scaling,
@@ -75,6 +78,7 @@ class LanguageModel(nn.Module):
         rope_theta: float = 10000.0,
         rope_scaling: dict | None = None,
         tie_word_embeddings: bool = False,
+        moe: MoEOptions | None = None,
     ) -> None:
         super().__init__()
         self._check_sizes(vocab_size, hidden_size, num_heads, head_dim, max_seq_len)
@@ -93,9 +97,13 @@ class LanguageModel(nn.Module):
         self.rope_scaling = None if rope_scaling is None else validate_rope_scaling(rope_scaling)
         self.tie_word_embeddings = tie_word_embeddings
         self.embed = nn.Embedding(vocab_size, hidden_size) if pre_process else None
+        if moe is not None:
+            check_layer_freq(moe.layer_freq, num_layers)
+        self.moe = moe
         self.layers = make_layers(
             layer_ids,
             num_layers,
+            mlp_factory=None if moe is None else moe.factory(hidden_size, num_layers),
             hidden=hidden_size,
             num_heads=num_heads,
             ffn_hidden=ffn_hidden_size,

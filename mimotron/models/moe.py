@@ -54,6 +54,7 @@ takes and resets them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
@@ -366,6 +367,79 @@ def check_moe_options(num_experts: int, top_k: int, router_score: str,
     if num_shared_experts < 0:
         raise ValueError(f"{prefix}num_shared_experts={num_shared_experts} is invalid: "
                          "expected >= 0")
+
+
+@dataclass(frozen=True)
+class MoEOptions:
+    """How a stack's MoE layers are built and placed (the ``modules.<m>`` MoE keys).
+
+    Attributes:
+        num_experts: routed experts per MoE layer (>= 1).
+        top_k: experts per token.
+        ffn_hidden_size: routed expert width (0 = the SwiGLU default).
+        num_shared_experts: shared expert width multiple (0 = none).
+        shared_ffn_hidden_size: explicit shared expert width (0 = from the multiple).
+        shared_expert_gate: Qwen2-MoE's sigmoid gate on the shared expert.
+        router_score: ``softmax`` or ``sigmoid``.
+        norm_topk_prob: renormalise the top-k weights.
+        aux_loss_coeff: load-balancing loss weight.
+        z_loss_coeff: router z-loss weight.
+        layer_freq: 1 = every layer, N = layers with ``index % N == 0``, or one 0/1 per
+            layer.
+    """
+
+    num_experts: int
+    top_k: int = 2
+    ffn_hidden_size: int = 0
+    num_shared_experts: int = 0
+    shared_ffn_hidden_size: int = 0
+    shared_expert_gate: bool = False
+    router_score: str = "softmax"
+    norm_topk_prob: bool = True
+    aux_loss_coeff: float = 0.0
+    z_loss_coeff: float = 0.0
+    layer_freq: int | tuple[int, ...] = 1
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether global layer ``index`` is an MoE layer."""
+        if isinstance(self.layer_freq, int):
+            return index % self.layer_freq == 0
+        return bool(self.layer_freq[index])
+
+    def moe_layer_ids(self, num_layers: int) -> list[int]:
+        """The MoE layers' global indices in a stack of ``num_layers``."""
+        return [i for i in range(num_layers) if self.is_moe_layer(i)]
+
+    def build(self, hidden_size: int, num_layers: int) -> MoEFeedForward:
+        """One MoE block for a stack of width ``hidden_size`` and depth ``num_layers``."""
+        return MoEFeedForward(
+            hidden_size, self.num_experts, self.top_k, self.ffn_hidden_size, num_layers,
+            num_shared_experts=self.num_shared_experts,
+            shared_ffn_hidden_size=self.shared_ffn_hidden_size,
+            shared_expert_gate=self.shared_expert_gate, router_score=self.router_score,
+            norm_topk_prob=self.norm_topk_prob, aux_loss_coeff=self.aux_loss_coeff,
+            z_loss_coeff=self.z_loss_coeff)
+
+    def factory(self, hidden_size: int, num_layers: int
+                ) -> Callable[[int], MoEFeedForward | None]:
+        """``make_layers``' ``mlp_factory``: an MoE block for MoE layers, else ``None``."""
+        return lambda i: self.build(hidden_size, num_layers) if self.is_moe_layer(i) else None
+
+
+def check_layer_freq(layer_freq: int | list[int] | tuple[int, ...], num_layers: int,
+                     prefix: str = "") -> None:
+    """Validate ``moe_layer_freq`` (one-line ``ValueError`` naming the field)."""
+    if isinstance(layer_freq, bool) or not isinstance(layer_freq, int | list | tuple):
+        raise ValueError(f"{prefix}moe_layer_freq={layer_freq!r} is invalid: expected an "
+                         "integer >= 1 or a list of 0/1 per layer")
+    if isinstance(layer_freq, int):
+        if layer_freq < 1:
+            raise ValueError(f"{prefix}moe_layer_freq={layer_freq} is invalid: expected an "
+                             "integer >= 1 or a list of 0/1 per layer")
+        return
+    if len(layer_freq) != num_layers or any(v not in (0, 1) for v in layer_freq):
+        raise ValueError(f"{prefix}moe_layer_freq={list(layer_freq)} is invalid: expected "
+                         f"{num_layers} entries of 0 or 1 (one per layer)")
 
 
 def moe_layers(module: nn.Module) -> dict[str, MoEFeedForward]:

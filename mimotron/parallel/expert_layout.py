@@ -66,24 +66,8 @@ def expert_coordinate(local_rank: int, mod: ModuleConfig) -> dict[str, int]:
     return coord
 
 
-def expert_parameter_split(cfg: MimoConfig, name: str, vocab_size: int) -> tuple[int, int]:
-    """``(expert, dense)`` parameter counts of a whole module (built on the meta device)."""
-    import torch
-
-    from mimotron.models.build import build_module
-
-    with torch.device("meta"):
-        mod = build_module(cfg, name, vocab_size, init=False)
-    expert = sum(p.numel() for n, p in mod.named_parameters() if ".experts." in f".{n}")
-    return expert, sum(p.numel() for p in mod.parameters()) - expert
-
-
-def format_expert_layout(cfg: MimoConfig, vocab_size: int) -> str:
-    """Which global experts each rank holds, per MoE module; empty without MoE modules.
-
-    Also the module's expert vs dense parameters (fp32 MiB): each rank holds
-    ``1 / expert`` of the expert parameters and its stage's share of the dense ones.
-    """
+def format_expert_layout(cfg: MimoConfig) -> str:
+    """Which global experts each rank holds, per MoE module; empty without MoE modules."""
     lines = []
     for name, mod in cfg.modules.items():
         experts = num_experts_of(mod)
@@ -91,12 +75,8 @@ def format_expert_layout(cfg: MimoConfig, vocab_size: int) -> str:
             continue
         par = mod.parallel
         per = experts // par.expert
-        num_expert, num_dense = expert_parameter_split(cfg, name, vocab_size)
         lines.append(f"experts of {name}: {experts} per MoE layer, expert={par.expert}, "
-                     f"{per} per rank; expert params {num_expert:,} "
-                     f"({num_expert * 4 / 2**20:.2f} MiB, {num_expert // par.expert:,} per "
-                     f"expert-parallel rank before pipeline split), dense params "
-                     f"{num_dense:,} ({num_dense * 4 / 2**20:.2f} MiB)")
+                     f"{per} per rank")
         for local in range(par.size):
             c = expert_coordinate(local, mod)
             start = c["ep"] * per

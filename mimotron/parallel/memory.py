@@ -2,9 +2,10 @@
 
 Used by ``mimotron plan`` and the memory benchmark. Parameter counts come from building
 each pipeline stage on the ``meta`` device, so they match the real model exactly; the
-tensor-parallel share divides every stage's dense count by the TP degree (norm weights
-are replicated, a small overcount we accept); MoE experts are divided by the
-expert-parallel degree instead.
+tensor-parallel share divides every stage's count by the TP degree (norm weights are
+replicated, a small overcount we accept); an MoE stage's routed experts are divided by
+``expert x expert_tensor`` instead, and its routers and shared experts (whole on every
+rank) are not divided.
 """
 
 from __future__ import annotations
@@ -37,15 +38,6 @@ class MemoryEstimate:
 
 def stage_parameter_counts(cfg: MimoConfig, name: str, vocab_size: int) -> list[int]:
     """Parameter count of each pipeline stage of a module (built on the meta device)."""
-    return [total for total, _ in stage_expert_counts(cfg, name, vocab_size)]
-
-
-def stage_expert_counts(cfg: MimoConfig, name: str, vocab_size: int) -> list[tuple[int, int]]:
-    """``(all, expert)`` parameter counts of each pipeline stage (meta device).
-
-    Expert parameters (MoE ``experts.w1/w2/w3``) are split over the expert-parallel
-    degree, not the tensor-parallel one.
-    """
     from mimotron.models.build import build_module
 
     par = cfg.modules[name].parallel
@@ -62,9 +54,48 @@ def stage_expert_counts(cfg: MimoConfig, name: str, vocab_size: int) -> list[tup
                 post_process=s == len(stages) - 1,
                 init=False,
             )
-        expert = sum(p.numel() for n, p in mod.named_parameters() if ".experts." in f".{n}")
-        counts.append((sum(p.numel() for p in mod.parameters()), expert))
+        counts.append(sum(p.numel() for p in mod.parameters()))
     return counts
+
+
+def stage_expert_counts(cfg: MimoConfig, name: str, vocab_size: int
+                        ) -> list[tuple[int, int]]:
+    """Per pipeline stage ``(routed expert params, router + shared expert params)``.
+
+    Both are part of :func:`stage_parameter_counts`. Routed experts are split over
+    ``expert x expert_tensor`` ranks; the routers and shared experts are whole on every
+    rank of the module (not tensor parallel). ``[]`` for a dense module.
+    """
+    from mimotron.models.build import build_module
+    from mimotron.models.moe import moe_layers
+
+    mod = cfg.modules[name]
+    if mod.num_experts == 0:
+        return []
+    par = mod.parallel
+    out = []
+    for s, layers in enumerate(stage_layers(mod.num_layers, par.pipeline, par.layers_per_stage)):
+        with torch.device("meta"):
+            part = build_module(cfg, name, vocab_size, layer_ids=layers, pre_process=s == 0,
+                                post_process=False, init=False)
+        experts = whole = 0
+        for layer in moe_layers(part).values():
+            routed = sum(p.numel() for p in layer.experts.parameters())
+            experts += routed
+            whole += sum(p.numel() for p in layer.parameters()) - routed
+        out.append((experts, whole))
+    return out
+
+
+def rank_parameter_count(cfg: MimoConfig, name: str, stage_count: int,
+                         expert_split: tuple[int, int] | None) -> int:
+    """Parameters one rank of a module stage holds: the dense part / TP, MoE parts apart."""
+    par = cfg.modules[name].parallel
+    if expert_split is None:
+        return stage_count // par.tensor
+    experts, whole = expert_split
+    dense = stage_count - experts - whole
+    return dense // par.tensor + whole + experts // (par.expert * par.expert_tensor)
 
 
 def activation_bytes(cfg: MimoConfig, name: str) -> int:
@@ -92,7 +123,8 @@ def estimate_memory(
     cfg: MimoConfig, layout: Layout, vocab_size: int
 ) -> dict[int, list[MemoryEstimate]]:
     """Per-rank estimates, one entry per module the rank holds."""
-    counts = {n: stage_expert_counts(cfg, n, vocab_size) for n in cfg.modules}
+    counts = {n: stage_parameter_counts(cfg, n, vocab_size) for n in cfg.modules}
+    experts = {n: stage_expert_counts(cfg, n, vocab_size) for n in cfg.modules}
     master = 4
     compute = BYTES[cfg.train.precision] if cfg.train.precision != "fp32" else 0
     out: dict[int, list[MemoryEstimate]] = {}
@@ -100,8 +132,8 @@ def estimate_memory(
         out[rank] = []
         for role in layout.roles(rank):
             mod = cfg.modules[role.module]
-            total, expert = counts[role.module][role.pp]
-            n = (total - expert) // mod.parallel.tensor + expert // mod.parallel.expert
+            split = experts[role.module][role.pp] if experts[role.module] else None
+            n = rank_parameter_count(cfg, role.module, counts[role.module][role.pp], split)
             frozen = mod.freeze
             opt_shard = mod.parallel.data if mod.parallel.shard_optimizer else 1
             out[rank].append(

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mimotron.models.moe import set_aux_loss_weights
 from mimotron.names import LANGUAGE
 from mimotron.parallel.layout import Layout
 from mimotron.pipeline.colocated import ColocatedTransport
@@ -123,12 +124,31 @@ class StageRunner:
 
     # ---- forward -------------------------------------------------------------------------
     def forward(self, k: int, received: Any) -> Any:
+        if self.colocated or self.module == LANGUAGE:
+            self._set_moe_weights(k)
         with self.ctx.autocast():
             if self.colocated:
                 return self._forward_colocated(k)
             if self.module == LANGUAGE:
                 return self._forward_language(k, received)
             return self._forward_encoder(k, received)
+
+    def _set_moe_weights(self, k: int) -> None:
+        """Per-sample aux-loss weights of micro-batch ``k`` for this stage's MoE layers.
+
+        ``d objective / d aux_b = n_b · loss_scale / global_loss_tokens`` (see
+        :mod:`mimotron.models.moe`); every language stage knows its samples' loss masks,
+        so a stage before the loss injects its own aux gradient.
+        """
+        lm = self.ctx.model.language_model
+        if getattr(lm, "moe", None) is None:
+            return
+        weights = None
+        if not self.ctx.forward_only:
+            mask = self.ctx.microbatches[k][LANGUAGE]["loss_mask"]
+            weights = mask.flatten(1).float().sum(1) * (self.ctx.loss_scale
+                                                          / self.ctx.loss_divisor)
+        set_aux_loss_weights(lm, weights)
 
     def _forward_colocated(self, k: int) -> None:
         mb, model = self.ctx.microbatches[k], self.ctx.model

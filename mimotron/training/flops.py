@@ -15,6 +15,8 @@ q, k, v, o projections  ``4 · 2·N·h·h``
 attention scores+context ``2 · 2·samples·S·S·h`` (``Q Kᵀ`` and ``A V``; the full ``S×S``
                         square is counted, causal or not, as PaLM and Megatron do)
 SwiGLU MLP              ``3 · 2·N·h·f`` (gate, up, down)
+MoE layer (instead)     ``2·N·h·E`` (router) + ``top_k · 3·2·N·h·f_e`` (the experts a
+                        token visits) + ``3·2·N·h·f_s`` (shared experts)
 LM output head          ``2·N·h·V`` (the embedding lookup is free)
 ViT patch embedding     ``2·N·(C·p²)·h`` (a stride-``p`` conv = a matmul per patch)
 audio front end         ``2·samples·T·F·h·3`` (k=3 conv over ``T`` frames, ``F`` bins) +
@@ -86,7 +88,31 @@ def language_model_flops(mod: ModuleConfig, vocab_size: int, num_samples: float,
     layers = mod.num_layers * transformer_layer_flops(num_samples, seq_length,
                                                       mod.hidden_size, mod.ffn_hidden_size)
     head = matmul_flops(num_samples * seq_length, vocab_size, mod.hidden_size)
-    return layers + head
+    return layers + head + moe_flops_delta(mod, num_samples * seq_length)
+
+
+def moe_flops_delta(mod: ModuleConfig, num_tokens: float) -> float:
+    """Forward FLOPs the MoE layers add over dense SwiGLU layers (0 for a dense model).
+
+    An MoE layer costs the router ``2·N·h·E``, the ``top_k`` experts each token visits
+    ``top_k · 3·2·N·h·f_e`` and the shared experts ``3·2·N·h·f_s`` instead of the dense
+    SwiGLU's ``3·2·N·h·f``: experts a token does not visit cost nothing (dropless
+    routing computes exactly the chosen ones).
+    """
+    if mod.num_experts == 0:
+        return 0.0
+    from mimotron.models.build import moe_options
+
+    moe = moe_options(mod)
+    assert moe is not None
+    h = mod.hidden_size
+    dense_f = mod.ffn_hidden_size or default_ffn_hidden_size(h)
+    expert_f = moe.ffn_hidden_size or default_ffn_hidden_size(h)
+    shared_f = moe.num_shared_experts * expert_f
+    per_layer = (matmul_flops(num_tokens, mod.num_experts, h)
+                 + 3 * matmul_flops(num_tokens, mod.top_k * expert_f + shared_f, h)
+                 - 3 * matmul_flops(num_tokens, dense_f, h))
+    return len(moe.moe_layer_ids(mod.num_layers)) * per_layer
 
 
 def encoder_flops(mod: ModuleConfig, lm_hidden_size: int, num_samples: float) -> float:

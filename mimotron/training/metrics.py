@@ -24,7 +24,9 @@ dataset left out, only for a dataset that checks them: ``llava``), ``peak_memory
 ``tflops_per_second_per_rank``, ``mfu`` (only where the device's peak is known),
 ``time_s`` (the step's timers) and ``module_time_s`` {module: {forward, backward,
 communication}} — seconds per iteration, the max over the ranks holding the module (see
-:mod:`mimotron.training.profiling` for what they cover).
+:mod:`mimotron.training.profiling` for what they cover). An MoE language model adds
+``moe_aux_loss``, ``moe_z_loss`` (when on), per-layer ``moe_load_min`` / ``moe_load_max`` /
+``moe_load_cv`` and ``moe_dropped_tokens`` (:mod:`mimotron.training.moe_metrics`).
 
 **Auxiliary losses.** A forward step may return extra metrics beside ``correct`` and
 ``samples``: a 2-element tensor ``[sum, count]`` is logged as the global sum over the
@@ -58,6 +60,7 @@ from mimotron.training.metrics_file import (
     read_metrics_file,
     rewrite_records,
 )
+from mimotron.training.moe_metrics import add_moe_sums, local_moe_sums, moe_record
 from mimotron.training.profiling import ModuleTimes
 from mimotron.training.state import GlobalState, TrainState
 from mimotron.training.step import module_parts
@@ -455,6 +458,7 @@ class LoopMonitor:
             name = f"aux_{key}" if key in record or key + LAST in record else key
             record[name] = aux_value(aux[key], counted) if key in aux else None
             record[name + LAST] = aux_value(aux_last[key], 1) if key in aux_last else None
+        record.update(moe_record(gathered["moe"], cfg.modules[LANGUAGE].moe_z_loss_coeff > 0))
         if self.state.skipped_samples is not None:  # Datasets that check their samples.
             record["skipped_samples"] = self.state.skipped_samples
         record.update(skipped_iters=ts.skipped_iters, nan_iters=ts.nan_iters,
@@ -488,10 +492,12 @@ class LoopMonitor:
                 self._transfer_s
         self._transfer_s = 0.0
         aux = self._interval.aux_sums()
+        role = self.infra.roles.get(LANGUAGE)
+        moe = local_moe_sums(lm, role is not None and role.tp == 0)
         local = {"peak": peak_memory_bytes(rt.device), "lr": lrs, "loss_scale": scales,
                  "modules": modules, "timers": self.state.timers.pop_all(),
                  "counts": {m: float(c) for m, c in self._counts.items()}, "aux": aux,
-                 "vocab": getattr(lm, "vocab_size", None)}
+                 "moe": moe, "vocab": getattr(lm, "vocab_size", None)}
         self._counts.clear()
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, local)
@@ -558,7 +564,7 @@ def _combine(gathered: list[dict[str, Any]]) -> dict[str, Any]:
     """Merge per-rank measurements: max of times, sums of counts and auxiliary sums."""
     out: dict[str, Any] = {"peak": [g["peak"] for g in gathered], "lr": {}, "loss_scale": {},
                            "timers": {}, "modules": {}, "counts": defaultdict(float),
-                           "aux": ({}, {}), "vocab": None}
+                           "aux": ({}, {}), "moe": {}, "vocab": None}
     for g in gathered:
         for m, lr in g["lr"].items():
             out["lr"][m] = max(out["lr"].get(m, lr), lr)
@@ -572,6 +578,7 @@ def _combine(gathered: list[dict[str, Any]]) -> dict[str, Any]:
                 slot[k] = max(slot.get(k, 0.0), v)
         for m, c in g["counts"].items():
             out["counts"][m] += c
+        add_moe_sums(out["moe"], g.get("moe", {}))
         for sums, mine in zip(out["aux"], g["aux"], strict=True):
             for k, v in mine.items():
                 acc = sums.setdefault(k, [0.0] * len(v))
