@@ -20,6 +20,13 @@ gradients are reduce-scattered in :meth:`MimoOptimizer.prepare_grads`, its squar
 and zero count are summed over the DP group (fragments are disjoint, so nothing is
 counted twice), and its parameters are all-gathered after the inner step.
 
+Expert parallelism (:mod:`mimotron.parallel.expert_parallel`): a module's expert shards
+(DTensors ``Shard(0)`` over its ``ep`` axis) are summed over ``tp_ep_pp`` — every
+expert shard of every stage once, while their ``expt_dp`` replicas (equal after the
+``expt_dp`` reduction) and TP peers are not added — and the rest over ``mp`` as usual;
+both sums are identical on all of the module's ranks, so the world MAX slot still holds
+the module's value. Under ZeRO-1 the expert rows are summed over ``expt_dp`` first.
+
 Per-module settings (Megatron semantics):
 
 * **Clipping**: every module clips against the *global* grad norm (all modules) with its
