@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cache
 
 import torch
@@ -42,6 +42,8 @@ class ReferenceRun:
         num_tokens: loss tokens per global batch.
         weights: parameter name (as inside ``MimoModel``) -> final value.
         initial: parameter name -> initial value.
+        num_zeros: zero gradient entries before clipping, per iteration (a parameter
+            without a gradient counts all its entries).
     """
 
     losses: list[float]
@@ -50,6 +52,7 @@ class ReferenceRun:
     num_tokens: list[float]
     weights: dict[str, torch.Tensor]
     initial: dict[str, torch.Tensor]
+    num_zeros: list[int] = field(default_factory=list)
 
 
 def lr_at(step: int, max_lr: float, min_lr: float, warmup: int, decay: int, style: str
@@ -147,6 +150,8 @@ def reference_run(overrides: tuple[str, ...], num_iters: int,
         loss_sum, num_tokens, _ = model(batch)
         objective = loss_sum if extra is None else loss_sum + extra(batch)
         (objective / num_tokens).backward()
+        out.num_zeros.append(sum(p.numel() if p.grad is None else int((p.grad == 0).sum())
+                                 for p in params))
         out.grad_norms.append(_clip(optimizer, params))
         out.module_norms.append(_module_norms(model))
         for group, schedule in zip(optimizer.param_groups, schedules, strict=True):

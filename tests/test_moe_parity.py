@@ -11,7 +11,8 @@ that picked expert ``e``, ``P_e`` its mean softmax score) and ``z_b`` the mean s
 logsumexp of the logits. Per layout, one forked run of 10 iterations checks: losses,
 global grad norms (a double-counted expert shard would show here), per-module grad
 norms as stepped, final weights (1e-4 relative), and that expert gradients are
-identical on the ``expt_dp`` replicas after the reduction.
+identical on the ``expt_dp`` replicas after the reduction, and the zero-gradient count
+(``count_zeros``) equals the reference's exactly.
 
 Layouts (tiny model: hidden 32, 2 layers, 4 experts, top-2):
 
@@ -98,9 +99,18 @@ def _expert_grads(rank: int, world: int, overrides: list[str]) -> dict:
                 captured[name] = p.grad.to_local().clone()
         return original(model, skip)
 
+    zeros: list[int] = []
+    step = common.train_step
+
+    def counting_step(run: object) -> tuple:
+        result = step(run)
+        zeros.append(result[3])
+        return result
+
     common._grad_square_norms = capture  # this forked rank only
+    common.train_step = counting_step
     out = engine_run(rank, world, overrides, NUM_ITERS)
-    return {**out, "expert_grads": captured}
+    return {**out, "expert_grads": captured, "num_zeros": zeros}
 
 
 def _assert_module_norms(results: list[dict], ref: ReferenceRun, modules: set[str]) -> None:
@@ -137,6 +147,9 @@ def test_expert_parallel_layout_matches_plain_loop(name, reference):
     _assert_module_norms(results, reference, {"vision", "audio", "language"} - {zero})
     assert_weights_match(results, reference)
     assert any(r["expert_grads"] for r in results), "no expert-parallel shard found"
+    # count_zeros counts every expert shard once, like the norm (exact integers).
+    for r in results:
+        assert r["num_zeros"] == reference.num_zeros
     if name == "ep2-dp2-colocated":
         # expert view [expt_tp 1, ep 2, expt_dp 2]: ranks r and r + 2 hold the same experts.
         for rank in (0, 1):
