@@ -16,10 +16,13 @@ identical on the ``expt_dp`` replicas after the reduction, and the zero-gradient
 
 Layouts (tiny model: hidden 32, 2 layers, 4 experts, top-2):
 
+* ``ep2``: every module on 2 ranks (DP 2), language EP 2 (expt_dp 1);
 * ``ep2-pp2-noncolocated``: vision | audio | language PP 2 x DP 2 with EP 2 per stage
   (EP 2, EP with PP, EP fed by encoders through the non-colocated bridge);
 * ``ep2-dp2-colocated``: every module on 4 ranks, language EP 2 x expt_dp 2;
-* ``ep2-tp2``: vision | audio | language TP 2 with EP 2 over the TP peers.
+* ``ep2-tp2``: vision | audio | language TP 2 with EP 2 over the TP peers;
+* ``ep2-dp2-colocated-zero``: as ``ep2-dp2-colocated`` with ZeRO-1 (dense rows over
+  DP 4, expert rows over expt_dp 2).
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ MOE = [
     f"modules.language.moe_aux_loss_coeff={AUX}", f"modules.language.moe_z_loss_coeff={Z}",
 ]
 CASES: dict[str, list[str]] = {
+    "ep2": colocated(2) + par("language", expert=2),
     "ep2-pp2-noncolocated": noncolocated({}, {}, {"pipeline": 2, "data": 2})
     + par("language", expert=2),
     "ep2-dp2-colocated": colocated(4) + par("language", expert=2),
