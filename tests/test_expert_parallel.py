@@ -191,8 +191,10 @@ def _plan(overrides: list[str]) -> None:
     (colocated(3) + par("language", expert=3), "modules.language.parallel.expert=3"),
     (colocated(2) + par("language", expert=4), "modules.language.parallel.expert=4"),
     (colocated(2) + par("vision", expert=2), "modules.vision.parallel.expert=2"),
+    (colocated(3) + par("language", expert_tensor=3),  # expert width 176
+     "modules.language.parallel.expert_tensor=3"),
     (colocated(2) + par("language", expert=2, expert_tensor=2),
-     "modules.language.parallel.expert_tensor=2"),
+     "modules.language.parallel.expert=2"),
 ])
 def test_invalid_expert_layouts_are_rejected_naming_the_field(overrides, field):
     with pytest.raises(ValueError, match=re.escape(field)):

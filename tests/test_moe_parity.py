@@ -21,6 +21,10 @@ Layouts (tiny model: hidden 32, 2 layers, 4 experts, top-2):
   (EP 2, EP with PP, EP fed by encoders through the non-colocated bridge);
 * ``ep2-dp2-colocated``: every module on 4 ranks, language EP 2 x expt_dp 2;
 * ``ep2-tp2``: vision | audio | language TP 2 with EP 2 over the TP peers;
+* ``ep2-etp2``: every module on 4 ranks, language EP 2 x expert TP 2 (the expert TP
+  peers are DP replicas with different tokens);
+* ``ep2-etp2-tp2``: colocated, language TP 2 x DP 2 with EP 2 x expert TP 2 (the
+  expert TP peers are the dense TP peers);
 * ``ep2-dp2-colocated-zero``: as ``ep2-dp2-colocated`` with ZeRO-1 (dense rows over
   DP 4, expert rows over expt_dp 2).
 """
@@ -36,7 +40,7 @@ from torch.distributed.tensor import DTensor
 from mimotron.config import load_config
 from mimotron.parallel.layout import plan_layout
 from mimotron.testing import run_ranks
-from tests.common import BASE, DIGITS, colocated, engine_run, module_of, noncolocated, par
+from tests.common import BASE, DIGITS, coloc, colocated, engine_run, module_of, noncolocated, par
 from tests.reference import ReferenceRun, reference_run
 from tests.test_parity import LOSS_REL, assert_steps_match, assert_weights_match
 
@@ -53,6 +57,10 @@ CASES: dict[str, list[str]] = {
     + par("language", expert=2),
     "ep2-dp2-colocated": colocated(4) + par("language", expert=2),
     "ep2-tp2": noncolocated({}, {}, {"tensor": 2}) + par("language", expert=2),
+    # Expert TP 2: expt_tp peers are DP ranks (different tokens), then dense TP peers.
+    "ep2-etp2": colocated(4) + par("language", expert=2, expert_tensor=2),
+    "ep2-etp2-tp2": coloc({"data": 4}, {"data": 4}, {"tensor": 2, "data": 2})
+    + par("language", expert=2, expert_tensor=2),
     # ZeRO-1: dense rows over dp (4), expert rows over expt_dp (2).
     "ep2-dp2-colocated-zero": colocated(4) + par("language", expert=2, shard_optimizer="true"),
 }

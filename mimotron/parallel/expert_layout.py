@@ -8,7 +8,7 @@ A module's expert view is ``[expert_tensor, expert, expt_dp, pipeline]`` over it
 (``expert_tensor`` fastest, ``pipeline`` shared with the base grid,
 :func:`mimotron.parallel.groups.build_module_grid`); the rank at ``ep`` coordinate ``r``
 holds the global experts ``[r * E / expert, (r + 1) * E / expert)`` of every MoE layer
-of its stage.
+of its stage (with ``expert_tensor > 1``, its ``expt_tp`` slice of their width).
 """
 
 from __future__ import annotations
@@ -19,6 +19,14 @@ from mimotron.config import MimoConfig, ModuleConfig
 def num_experts_of(mod: ModuleConfig) -> int:
     """``modules.<m>.num_experts`` (0 = dense)."""
     return int(getattr(mod, "num_experts", 0) or 0)
+
+
+def expert_width(mod: ModuleConfig) -> int:
+    """``F`` of a routed expert: ``moe_ffn_hidden_size``, else the dense width."""
+    from mimotron.models.blocks import default_ffn_hidden_size
+
+    width = getattr(mod, "moe_ffn_hidden_size", 0) or mod.ffn_hidden_size
+    return width or default_ffn_hidden_size(mod.hidden_size)
 
 
 def check_expert_layout(cfg: MimoConfig, name: str) -> None:
@@ -34,14 +42,19 @@ def check_expert_layout(cfg: MimoConfig, name: str) -> None:
     if experts and top_k > experts:
         raise ValueError(f"modules.{name}.top_k={top_k} is invalid: it must be at most "
                          f"modules.{name}.num_experts={experts}")
-    if par.expert_tensor > 1:
-        raise ValueError(f"{p}.expert_tensor={par.expert_tensor} is not supported yet; use 1 "
-                         "(experts are whole on each expert-parallel rank)")
-    if par.expert <= 1:
+    if par.expert <= 1 and par.expert_tensor <= 1:
         return
     if not experts:
-        raise ValueError(f"{p}.expert={par.expert} is invalid: modules.{name}.num_experts is 0 "
-                         "(a dense module has no experts to spread); use expert = 1")
+        key = "expert" if par.expert > 1 else "expert_tensor"
+        raise ValueError(f"{p}.{key}={getattr(par, key)} is invalid: modules.{name}."
+                         "num_experts is 0 (a dense module has no experts to spread); use 1")
+    width = expert_width(mod)
+    if width % par.expert_tensor:
+        raise ValueError(f"{p}.expert_tensor={par.expert_tensor} is invalid: it must divide "
+                         f"the expert width {width} (modules.{name}.moe_ffn_hidden_size)")
+    if par.expert_tensor > 1 and par.shard_optimizer:
+        raise ValueError(f"{p}.shard_optimizer=true with expert_tensor={par.expert_tensor} "
+                         "is not supported yet; use shard_optimizer = false")
     if experts % par.expert:
         raise ValueError(f"{p}.expert={par.expert} is invalid: it must divide "
                          f"modules.{name}.num_experts={experts}")
@@ -50,8 +63,8 @@ def check_expert_layout(cfg: MimoConfig, name: str) -> None:
         raise ValueError(f"{p}.expert={par.expert} is invalid: expert x expert_tensor x "
                          f"pipeline ({per_stage}) must divide the module's {par.size} ranks")
     if mod.hf_path:
-        raise ValueError(f"{p}.expert={par.expert} with hf_path is not supported yet; use "
-                         "expert = 1")
+        raise ValueError(f"{p}.expert={par.expert} x expert_tensor={par.expert_tensor} with "
+                         "hf_path is not supported yet; use 1")
 
 
 def expert_coordinate(local_rank: int, mod: ModuleConfig) -> dict[str, int]:
@@ -80,6 +93,8 @@ def format_expert_layout(cfg: MimoConfig) -> str:
         for local in range(par.size):
             c = expert_coordinate(local, mod)
             start = c["ep"] * per
+            cols = (f"  F cols {c['expt_tp'] + 1}/{par.expert_tensor}"
+                    if par.expert_tensor > 1 else "")
             lines.append(f"  rank {par.rank_offset + local:>3}  ep {c['ep']}  expt_dp "
-                         f"{c['expt_dp']}  pp {c['pp']}  experts {start}-{start + per - 1}")
+                         f"{c['expt_dp']}  pp {c['pp']}  experts {start}-{start + per - 1}{cols}")
     return "\n".join(lines)

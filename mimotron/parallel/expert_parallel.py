@@ -17,6 +17,9 @@ initialisation (drawn on the full shape first).
    the outputs are combined with the routing weights (the ``LocalDispatcher`` sum).
 
 Gradients flow back through the same exchanges in reverse (:class:`_AllToAll`).
+With ``expert_tensor > 1`` the experts are also split along their width over ``expt_tp``
+and the received rows are gathered / partial outputs reduce-scattered within it between
+steps 1 and 3 (:mod:`mimotron.parallel.expert_tensor`).
 
 **Ranks with identical tokens.** Dense tensor-parallel peers hold the same tokens (the
 EP group may even consist of them: ``tensor = 2, expert = 2``). Each TP peer therefore
@@ -42,7 +45,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from mimotron.parallel.expert_tensor import gather_counts, gather_rows, reduce_scatter_rows
+
 EP_AXIS = "ep"
+ETP_AXIS = "expt_tp"
 EXPERT_PARAMS = ("w1", "w2", "w3")
 
 
@@ -185,6 +191,8 @@ class ExpertParallelDispatcher:
         tp_group: the dense TP group whose peers hold identical tokens; ``None``/one rank
             when tokens differ on every rank of ``ep_group``.
         counter: optional byte counter for benchmarks.
+        expt_tp_group: the expert tensor-parallel group when experts are split along
+            ``F`` (:mod:`mimotron.parallel.expert_tensor`); ``None`` = whole experts.
 
     Raises:
         ValueError: ``num_experts`` not divisible by the EP size.
@@ -192,7 +200,8 @@ class ExpertParallelDispatcher:
 
     def __init__(self, ep_group: dist.ProcessGroup, num_experts: int,
                  tp_group: dist.ProcessGroup | None = None,
-                 counter: ExchangeBytes | None = None) -> None:
+                 counter: ExchangeBytes | None = None,
+                 expt_tp_group: dist.ProcessGroup | None = None) -> None:
         size = dist.get_world_size(ep_group)
         if num_experts % size:
             raise ValueError(f"num_experts={num_experts} must be divisible by the expert-"
@@ -202,6 +211,7 @@ class ExpertParallelDispatcher:
         self.ep_size = size
         self.num_local = num_experts // size
         self.tp_group = tp_group if _usable(tp_group) else None
+        self.etp_group = expt_tp_group if _usable(expt_tp_group) else None
         self.counter = counter
 
     def __call__(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
@@ -236,14 +246,23 @@ class ExpertParallelDispatcher:
         send = per_expert.view(self.ep_size, self.num_local).sum(1).tolist()
         recv = recv_counts.sum(1).tolist()
         dispatched = exchange(x[order // k], send, recv, self.group, self.counter, "dispatch")
-        # Received rows are grouped by source rank, then local expert: regroup by expert.
+        table = recv_counts  # row blocks: [source rank, local expert]
+        if self.etp_group is not None:
+            # Expert TP peers compute partial outputs for each other's rows as well.
+            tables = gather_counts(recv_counts, self.etp_group)  # [peer, source, expert]
+            peer_rows = tables.sum(dim=(1, 2)).tolist()
+            dispatched = gather_rows(dispatched, peer_rows, self.etp_group)
+            table = tables.reshape(-1, self.num_local)
+        # Rows are grouped by (peer,) source rank, then local expert: regroup by expert.
         local_ids = torch.repeat_interleave(
-            torch.arange(self.num_local, device=x.device).repeat(self.ep_size),
-            recv_counts.reshape(-1).to(x.device))
+            torch.arange(self.num_local, device=x.device).repeat(table.shape[0]),
+            table.reshape(-1).to(x.device))
         perm = torch.argsort(local_ids, stable=True)
-        grouped = experts(dispatched[perm], recv_counts.sum(0).tolist())
-        back = exchange(grouped[torch.argsort(perm)], recv, send, self.group, self.counter,
-                        "combine")
+        grouped = experts(dispatched[perm], table.sum(0).tolist())
+        out = grouped[torch.argsort(perm)]
+        if self.etp_group is not None:
+            out = reduce_scatter_rows(out, peer_rows, self.etp_group)
+        back = exchange(out, recv, send, self.group, self.counter, "combine")
         per_copy = back[torch.argsort(order)].view(tokens, k, -1)
         return (per_copy * weights.unsqueeze(-1).to(per_copy.dtype)).sum(dim=1)
 
@@ -264,33 +283,43 @@ def expert_modules(module: nn.Module) -> list[tuple[str, nn.Module]]:
 
 def shard_experts(module: nn.Module, mesh: DeviceMesh, tp_group: dist.ProcessGroup | None,
                   counter: ExchangeBytes | None = None) -> int:
-    """Shard every MoE block's experts over a 1-D ``ep`` mesh and set its dispatcher.
+    """Shard every MoE block's experts over the ``ep`` (and ``expt_tp``) axes; set dispatchers.
 
     Parameters were initialised on the full shape (layout independent); each rank keeps
-    its ``Shard(0)`` rows (its experts) without any collective.
+    its ``Shard(0)`` rows (its experts), and with an ``expt_tp`` axis its ``F`` columns
+    (``w1``/``w3`` dim 1, ``w2`` dim 2), without any collective.
 
     Args:
         module: a module part (encoder or language stage) after initialisation.
-        mesh: 1-D mesh over the EP group (axis name ``ep``).
+        mesh: mesh over the EP group (axis ``ep``), or 2-D ``("ep", "expt_tp")``.
         tp_group: the module's dense TP group (peers with identical tokens).
         counter: optional byte counter shared by every layer's dispatcher.
 
     Returns:
         The number of MoE blocks sharded.
     """
-    size, rank = mesh.size(), mesh.get_local_rank()
+    names = tuple(mesh.mesh_dim_names or (EP_AXIS,))
+    etp = ETP_AXIS in names
     blocks = expert_modules(module)
     for _, block in blocks:
         experts = block.experts
         for pname in EXPERT_PARAMS:
             p = getattr(experts, pname)
-            local = p.detach().chunk(size, dim=0)[rank].clone()
-            shard = DTensor.from_local(local, mesh, [Shard(0)], run_check=False,
-                                       shape=p.shape, stride=p.stride())
+            f_dim = 2 if pname == "w2" else 1
+            local = p.detach().chunk(mesh.size(names.index(EP_AXIS)), dim=0)[
+                mesh.get_local_rank(EP_AXIS)]
+            placements = [Shard(0)]
+            if etp:
+                local = local.chunk(mesh.size(names.index(ETP_AXIS)), dim=f_dim)[
+                    mesh.get_local_rank(ETP_AXIS)]
+                placements.append(Shard(f_dim))
+            shard = DTensor.from_local(local.contiguous().clone(), mesh, placements,
+                                       run_check=False, shape=p.shape, stride=p.stride())
             setattr(experts, pname, nn.Parameter(shard, requires_grad=p.requires_grad))
         num_experts = getattr(experts, "num_experts", experts.w1.shape[0])
-        block.dispatcher = ExpertParallelDispatcher(mesh.get_group(), num_experts, tp_group,
-                                                    counter)
+        block.dispatcher = ExpertParallelDispatcher(
+            mesh.get_group(EP_AXIS), num_experts, tp_group, counter,
+            mesh.get_group(ETP_AXIS) if etp else None)
     return len(blocks)
 
 

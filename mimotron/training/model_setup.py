@@ -3,9 +3,10 @@
 Every module part is built with its pipeline stage's *global* layer indices and
 initialised from ``(seed, full parameter name)`` on the full shape, then sharded by its
 TP plan — so every layout starts from exactly the weights of the one-process model.
-MoE experts of a module with ``parallel.expert > 1`` are then sharded over its ``ep``
-axis (:func:`mimotron.parallel.expert_parallel.shard_experts`), which also installs
-the expert-parallel dispatcher on every MoE block.
+MoE experts of a module with ``parallel.expert > 1`` (or ``expert_tensor > 1``) are
+then sharded over its ``ep`` (and ``expt_tp``) axes
+(:func:`mimotron.parallel.expert_parallel.shard_experts`), which also installs the
+expert-parallel dispatcher on every MoE block.
 Frozen modules (``modules.<m>.freeze``) are frozen here, before any optimizer exists.
 A module with ``hf_path`` is built on the meta device, sharded, allocated and then
 filled from its folder (:func:`build_hf_part`): only its projector is drawn from
@@ -66,8 +67,9 @@ def build_rank_model(cfg: MimoConfig, infra: MimoModelInfra, vocab_size: int,
         parts[name] = build_module(cfg, name, vocab_size, **stage).to(device)
         if mesh is not None:
             apply_tensor_parallel(parts[name], mesh, name == LANGUAGE)
-        if mod.parallel.expert > 1:
-            apply_expert_parallel(parts[name], infra, name, device)
+        if mod.parallel.expert > 1 or mod.parallel.expert_tensor > 1:
+            apply_expert_parallel(parts[name], infra, name, device,
+                                  mod.parallel.expert_tensor > 1)
     language = parts.pop(LANGUAGE, None)
     modality_of = {n: str(cfg.modules[n].modality) for n in cfg.encoder_names}
     tp_group = None
@@ -79,13 +81,14 @@ def build_rank_model(cfg: MimoConfig, infra: MimoModelInfra, vocab_size: int,
 
 
 def apply_expert_parallel(part: nn.Module, infra: MimoModelInfra, name: str,
-                          device: torch.device) -> None:
-    """Shard a module part's experts over its ``ep`` axis and set the EP dispatchers.
+                          device: torch.device, expert_tensor: bool = False) -> None:
+    """Shard a module part's experts over its ``ep`` (and ``expt_tp``) axes; set dispatchers.
 
     The part was initialised on the full shape, so every EP degree starts from the
-    one-process weights. The mesh reuses the ``ep`` groups the grid already created.
+    one-process weights. The mesh reuses the groups the grid already created.
     """
-    mesh = infra.grids[name].to_device_mesh(device.type, dims=["ep"], view=EXPERT_VIEW)
+    dims = ["expt_tp", "ep"] if expert_tensor else ["ep"]
+    mesh = infra.grids[name].to_device_mesh(device.type, dims=dims, view=EXPERT_VIEW)
     shard_experts(part, mesh, infra.pg_collections[name].tp)
 
 
