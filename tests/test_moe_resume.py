@@ -5,7 +5,8 @@ Expert parameters are DTensors ``Shard(0)`` over the ``ep`` axis with the global
 reshards both. The straight run (every module colocated on 4 ranks, language EP 2 x
 expt_dp 2, its optimizer state sharded: dense rows over DP 4, expert rows over expt_dp 2)
 saves at iteration 5 and goes on to 10; resumes from its iteration-5 checkpoint with
-EP 1 (one rank, unsharded) and EP 4 (4 ranks, expert rows over expt_dp 1) must continue
+EP 1 (one rank, unsharded), EP 4 (4 ranks, expert rows over expt_dp 1) and EP 2 x
+expert TP 2 (experts also split along their width) must continue
 its losses and grad norms within 1e-4 — the first resumed step included, which needs
 the optimizer state.
 """
@@ -34,7 +35,8 @@ COMMON = BASE + MOE + [
 ]
 ZERO = ["modules.language.parallel.shard_optimizer=true"]
 RESUMED = {"ep1": (colocated(1), 1),
-           "ep4-zero": (colocated(4) + par("language", expert=4) + ZERO, 4)}
+           "ep4-zero": (colocated(4) + par("language", expert=4) + ZERO, 4),
+           "ep2-etp2": (colocated(4) + par("language", expert=2, expert_tensor=2), 4)}
 
 
 def _run(rank: int, world: int, overrides: list[str]) -> None:
