@@ -198,8 +198,9 @@ class ModuleConfig:
     """A local Hugging Face folder (``config.json`` + safetensors) to build and load the
     module from; ``""`` = mimotron's own randomly initialised model.
 
-    The family comes from config.json's ``model_type``: ``language`` takes Llama, Qwen2
-    or Qwen3, ``vit`` CLIP or SigLIP (a vision tower or a full model), ``audio`` Whisper.
+    The family comes from config.json's ``model_type``: ``language`` takes Llama, Qwen2,
+    Qwen3, Qwen2-MoE or Qwen3-MoE, ``vit`` CLIP or SigLIP (a vision tower or a full
+    model), ``audio`` Whisper.
     The sizes (hidden_size, num_layers, num_heads, ffn_hidden_size and the input shape
     keys) are read from config.json; setting one to another value is an error. Each rank
     reads only its stage's tensors and TP slices; the projector keeps mimotron's init.
@@ -224,7 +225,8 @@ class ModuleConfig:
     num_experts: int = 0
     """Routed experts of each mixture-of-experts layer (>= 0); 0 = a dense model (every
     other ``moe_*`` key and top_k are then ignored). Only the ``language`` module, without
-    hf_path, takes experts.
+    hf_path, takes experts; a Qwen2-MoE / Qwen3-MoE hf_path brings its own MoE layers
+    (from config.json) and uses only moe_aux_loss_coeff and moe_z_loss_coeff.
 
     Routing is dropless (every token reaches its top_k experts, no capacity factor).
     """

@@ -6,6 +6,7 @@ import sys
 
 from mimotron.checkpoint.files import CheckpointError
 from mimotron.config import load_config
+from mimotron.models.build import moe_options
 from mimotron.parallel.expert_layout import format_expert_layout
 from mimotron.parallel.layout import plan_layout
 from mimotron.parallel.memory import (
@@ -46,7 +47,9 @@ def run_plan(config: str, overrides: list[str]) -> int:
         moe = stage_expert_counts(cfg, name, vocab)
         if moe:
             experts, whole = sum(e for e, _ in moe), sum(w for _, w in moe)
-            print(f"{'':<10} mixture of experts: {mod.num_experts} experts, top_k {mod.top_k}; "
+            opts = moe_options(mod)
+            assert opts is not None
+            print(f"{'':<10} mixture of experts: {opts.num_experts} experts, top_k {opts.top_k}; "
                   f"routed expert params {experts:,}, router + shared {whole:,}, dense "
                   f"{sum(stages) - experts - whole:,}")
     experts_table = format_expert_layout(cfg)

@@ -20,12 +20,22 @@ from mimotron.models.encoders import AudioEncoder, ModalitySubmodule, Projector,
 from mimotron.models.init import init_parameters_, parameter_seed
 from mimotron.models.language import LanguageModel, language_loss
 from mimotron.models.mimo import MimoModel
+from mimotron.models.moe import (
+    GroupedExperts,
+    LocalDispatcher,
+    MoEFeedForward,
+    MoEOptions,
+)
 
 __all__ = [
     "Attention",
     "AudioEncoder",
+    "GroupedExperts",
     "LanguageModel",
+    "LocalDispatcher",
     "MimoModel",
+    "MoEFeedForward",
+    "MoEOptions",
     "ModalitySubmodule",
     "Projector",
     "RMSNorm",

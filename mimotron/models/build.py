@@ -7,6 +7,8 @@ alone, or one pipeline stage of it, holds exactly the values of the full model.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
@@ -129,7 +131,13 @@ def _construct(
 
 
 def moe_options(mod: ModuleConfig) -> MoEOptions | None:
-    """The module's mixture-of-experts options, ``None`` for a dense module."""
+    """The module's mixture-of-experts options, ``None`` for a dense module.
+
+    From the ``moe_*`` keys, or for a language ``hf_path`` from its config.json
+    (Qwen2-MoE / Qwen3-MoE).
+    """
+    if mod.hf_path and mod.kind == "language":
+        return language_spec(mod).moe
     if mod.num_experts == 0:
         return None
     freq = mod.moe_layer_freq
@@ -155,6 +163,10 @@ def _construct_hf(cfg: MimoConfig, name: str, vocab_size: int, stage: dict) -> n
     mod = cfg.modules[name]
     if mod.kind == "language":
         spec = language_spec(mod).replace(vocab_size=model_vocab_size(cfg, vocab_size))
+        if spec.moe is not None:  # MoE layout from config.json, loss weights from ours
+            spec = spec.replace(moe=dataclasses.replace(
+                spec.moe, aux_loss_coeff=mod.moe_aux_loss_coeff,
+                z_loss_coeff=mod.moe_z_loss_coeff))
         return LanguageModel(**spec.model_kwargs(cfg.data.seq_length), **stage)
     kwargs = tower_kwargs(mod)
     if mod.kind == "audio":

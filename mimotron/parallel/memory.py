@@ -66,11 +66,11 @@ def stage_expert_counts(cfg: MimoConfig, name: str, vocab_size: int
     ``expert x expert_tensor`` ranks; the routers and shared experts are whole on every
     rank of the module (not tensor parallel). ``[]`` for a dense module.
     """
-    from mimotron.models.build import build_module
+    from mimotron.models.build import build_module, moe_options
     from mimotron.models.moe import moe_layers
 
     mod = cfg.modules[name]
-    if mod.num_experts == 0:
+    if mod.kind != "language" or moe_options(mod) is None:
         return []
     par = mod.parallel
     out = []

@@ -99,18 +99,19 @@ def moe_flops_delta(mod: ModuleConfig, num_tokens: float) -> float:
     SwiGLU's ``3·2·N·h·f``: experts a token does not visit cost nothing (dropless
     routing computes exactly the chosen ones).
     """
-    if mod.num_experts == 0:
+    if mod.num_experts == 0 and not (mod.hf_path and mod.kind == "language"):
         return 0.0
     from mimotron.models.build import moe_options
 
     moe = moe_options(mod)
-    assert moe is not None
+    if moe is None:
+        return 0.0
     h = mod.hidden_size
     dense_f = mod.ffn_hidden_size or default_ffn_hidden_size(h)
     expert_f = moe.ffn_hidden_size or default_ffn_hidden_size(h)
-    shared_f = moe.num_shared_experts * expert_f
-    per_layer = (matmul_flops(num_tokens, mod.num_experts, h)
-                 + 3 * matmul_flops(num_tokens, mod.top_k * expert_f + shared_f, h)
+    shared_f = moe.shared_ffn_hidden_size or moe.num_shared_experts * expert_f
+    per_layer = (matmul_flops(num_tokens, moe.num_experts, h)
+                 + 3 * matmul_flops(num_tokens, moe.top_k * expert_f + shared_f, h)
                  - 3 * matmul_flops(num_tokens, dense_f, h))
     return len(moe.moe_layer_ids(mod.num_layers)) * per_layer
 

@@ -30,6 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from mimotron.models.hf.folder import read_hf_config, tensor_files
 from mimotron.models.hf.weights import WeightMap, check_checkpoint, load_hf_weights
 from mimotron.models.language import LanguageModel
+from mimotron.models.moe import MoEOptions
 from mimotron.models.rope_scaling import validate_rope_scaling
 from mimotron.parallel.tensor_parallel import apply_tensor_parallel
 
@@ -42,7 +43,17 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen2": {"num_key_value_heads": 32, "head_dim": None, "max_position_embeddings": 32768},
     "qwen3": {"num_key_value_heads": 32, "head_dim": 128, "max_position_embeddings": 32768,
               "attention_bias": False},
+    # Mixture-of-experts variants: the same decoders with an MoE block as the MLP.
+    "qwen2_moe": {"num_key_value_heads": 16, "head_dim": None, "max_position_embeddings": 32768,
+                  "qkv_bias": True, "num_experts": 60, "num_experts_per_tok": 4,
+                  "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632,
+                  "norm_topk_prob": False, "decoder_sparse_step": 1},
+    "qwen3_moe": {"num_key_value_heads": 4, "head_dim": None, "max_position_embeddings": 32768,
+                  "attention_bias": False, "num_experts": 128, "num_experts_per_tok": 8,
+                  "moe_intermediate_size": 768, "norm_topk_prob": False,
+                  "decoder_sparse_step": 1},
 }
+_MOE_TYPES = ("qwen2_moe", "qwen3_moe")
 SUPPORTED_MODEL_TYPES = tuple(_DEFAULTS)
 
 # Our names are LanguageModel's, local to the language model (inside MimoModel they
@@ -62,8 +73,20 @@ LLAMA_WEIGHTS = WeightMap(
         ("layers.{i}.mlp.w1.", "model.layers.{i}.mlp.gate_proj."),
         ("layers.{i}.mlp.w3.", "model.layers.{i}.mlp.up_proj."),
         ("layers.{i}.mlp.w2.", "model.layers.{i}.mlp.down_proj."),
+        ("layers.{i}.mlp.router.", "model.layers.{i}.mlp.gate."),
+        ("layers.{i}.mlp.shared_experts.w1.", "model.layers.{i}.mlp.shared_expert.gate_proj."),
+        ("layers.{i}.mlp.shared_experts.w3.", "model.layers.{i}.mlp.shared_expert.up_proj."),
+        ("layers.{i}.mlp.shared_experts.w2.", "model.layers.{i}.mlp.shared_expert.down_proj."),
+        ("layers.{i}.mlp.shared_expert_gate.", "model.layers.{i}.mlp.shared_expert_gate."),
+        # Per-expert checkpoint tensors (stacked below); this rule only recognises them.
+        ("layers.{i}.mlp.experts.", "model.layers.{i}.mlp.experts."),
         ("final_norm.", "model.norm."),
         ("output.", "lm_head."),
+    ),
+    stacked=(
+        ("layers.{i}.mlp.experts.w1", "model.layers.{i}.mlp.experts.{e}.gate_proj.weight"),
+        ("layers.{i}.mlp.experts.w3", "model.layers.{i}.mlp.experts.{e}.up_proj.weight"),
+        ("layers.{i}.mlp.experts.w2", "model.layers.{i}.mlp.experts.{e}.down_proj.weight"),
     ),
     # Older Llama conversions saved the RoPE frequencies; transformers skips them on
     # load, and so do we.
@@ -88,6 +111,7 @@ class LlamaFamilySpec:
         tie_word_embeddings: the head shares the embedding matrix.
         max_position_embeddings: the config's context length (the default
             ``max_seq_len``).
+        moe: the mixture-of-experts layers (Qwen2-MoE / Qwen3-MoE), ``None`` = dense.
     """
 
     model_type: str
@@ -107,6 +131,7 @@ class LlamaFamilySpec:
     qk_norm: bool
     tie_word_embeddings: bool
     max_position_embeddings: int
+    moe: MoEOptions | None = None
 
     @classmethod
     def from_hf_config(cls, config: dict[str, Any]) -> LlamaFamilySpec:
@@ -156,13 +181,15 @@ class LlamaFamilySpec:
             norm_eps=float(get("rms_norm_eps", 1e-6)),
             rope_theta=theta,
             rope_scaling=scaling,
-            # Qwen2 always has q/k/v biases and never an output bias.
-            qkv_bias=True if model_type == "qwen2" else attention_bias,
-            out_bias=False if model_type == "qwen2" else attention_bias,
+            # Qwen2 always has q/k/v biases and never an output bias (Qwen2-MoE: qkv_bias).
+            qkv_bias=True if model_type == "qwen2" else bool(get("qkv_bias", False))
+            if model_type == "qwen2_moe" else attention_bias,
+            out_bias=False if model_type in ("qwen2", "qwen2_moe") else attention_bias,
             mlp_bias=bool(get("mlp_bias", False)) if model_type == "llama" else False,
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             tie_word_embeddings=bool(get("tie_word_embeddings", False)),
             max_position_embeddings=int(get("max_position_embeddings")),
+            moe=_moe(model_type, get, int(config["num_hidden_layers"])),
         )
 
     def model_kwargs(self, max_seq_len: int | None = None) -> dict[str, Any]:
@@ -191,11 +218,35 @@ class LlamaFamilySpec:
             "rope_theta": self.rope_theta,
             "rope_scaling": dict(self.rope_scaling),
             "tie_word_embeddings": self.tie_word_embeddings,
+            "moe": self.moe,
         }
 
     def replace(self, **changes: Any) -> LlamaFamilySpec:
         """A copy with some fields changed (e.g. a resized ``vocab_size``)."""
         return dataclasses.replace(self, **changes)
+
+
+def _moe(model_type: str, get: Any, num_layers: int) -> MoEOptions | None:
+    """Qwen2-MoE / Qwen3-MoE's MoE block as :class:`MoEOptions` (``None``: dense).
+
+    Layer ``i`` is sparse when it is not in ``mlp_only_layers`` and ``(i + 1) %
+    decoder_sparse_step == 0`` (transformers' rule); routing is softmax, top-k, and
+    ``norm_topk_prob`` renormalisation; Qwen2-MoE adds one gated shared expert.
+    """
+    if model_type not in _MOE_TYPES:
+        return None
+    # transformers 5 writes Qwen3-MoE's expert count as num_local_experts.
+    num_experts = int(get("num_local_experts") or get("num_experts"))
+    if num_experts == 0:
+        return None
+    step, dense = int(get("decoder_sparse_step")), set(get("mlp_only_layers", []) or [])
+    shared = int(get("shared_expert_intermediate_size", 0)) if model_type == "qwen2_moe" else 0
+    return MoEOptions(
+        num_experts=num_experts, top_k=int(get("num_experts_per_tok")),
+        ffn_hidden_size=int(get("moe_intermediate_size")), shared_ffn_hidden_size=shared,
+        shared_expert_gate=shared > 0, router_score="softmax",
+        norm_topk_prob=bool(get("norm_topk_prob")),
+        layer_freq=tuple(int(i not in dense and (i + 1) % step == 0) for i in range(num_layers)))
 
 
 def _refuse_unsupported(config: dict[str, Any]) -> None:
@@ -244,7 +295,8 @@ def expected_hf_tensors(spec: LlamaFamilySpec) -> tuple[dict[str, tuple[int, ...
     """
     with torch.device("meta"):
         full = LanguageModel(**spec.model_kwargs(max_seq_len=1))
-    shapes = {LLAMA_WEIGHTS.to_hf(n): tuple(p.shape) for n, p in full.named_parameters()}
+    shapes = {hf: shape for n, p in full.named_parameters()
+              for hf, shape in LLAMA_WEIGHTS.hf_shapes(n, tuple(p.shape)).items()}
     optional = {"lm_head.weight"} if spec.tie_word_embeddings else set()
     return shapes, optional
 

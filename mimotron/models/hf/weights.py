@@ -58,12 +58,16 @@ class WeightMap:
             not weights of what we build (text tower, decoder, pooling head, stored RoPE
             frequencies): skipped, never "unexpected".
         reshaped: our names whose tensor is the HF tensor with a leading 1 added.
+        stacked: ``(our_name, hf_name)`` templates of stacked parameters (MoE experts):
+            our tensor's row ``e`` is the checkpoint tensor ``hf_name`` with ``{e}`` = e
+            (``{i}`` = layer index in both).
     """
 
     rules: tuple[tuple[str, str], ...]
     prefixes: tuple[str, ...] = ("",)
     ignored: tuple[str, ...] = ()
     reshaped: frozenset[str] = frozenset()
+    stacked: tuple[tuple[str, str], ...] = ()
     _ours: tuple[re.Pattern[str], ...] = field(init=False, repr=False, compare=False)
     _hfs: tuple[re.Pattern[str], ...] = field(init=False, repr=False, compare=False)
 
@@ -96,6 +100,19 @@ class WeightMap:
     def from_hf(self, hf_name: str) -> str | None:
         """Our module-local name of checkpoint name ``hf_name`` (prefix removed), or None."""
         return self._translate(hf_name, self._hfs, [o for o, _ in self.rules])
+
+    def hf_shapes(self, ours: str, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
+        """Checkpoint names (without prefix) and shapes of our tensor ``ours``.
+
+        One name for a plain tensor; one per row of a stacked one (``stacked``).
+        """
+        for our_template, hf_template in self.stacked:
+            match = re.fullmatch(re.escape(our_template).replace(r"\{i\}", r"(\d+)"), ours)
+            if match:
+                name = hf_template.replace("{i}", match.group(1)) if match.groups() \
+                    else hf_template
+                return {name.replace("{e}", str(e)): tuple(shape[1:]) for e in range(shape[0])}
+        return {self.to_hf(ours): tuple(shape[1:]) if ours in self.reshaped else tuple(shape)}
 
     def is_ignored(self, hf_name: str) -> bool:
         """Whether a full checkpoint name is not a weight of what this family builds."""
@@ -237,28 +254,51 @@ def load_hf_weights(module: nn.Module, folder: str | Path, weight_map: WeightMap
     files = tensor_files(folder)
     prefix = weight_map.choose_prefix(files)
     targets = _targets(module)
-    names = {ours: prefix + weight_map.to_hf(ours) for ours in targets}
+    # hf name -> (our name, row of a stacked tensor or None); shapes are global (DTensor).
+    expected: dict[str, tuple[int, ...]] = {}
+    ours_of: dict[str, tuple[str, int | None]] = {}
+    for ours, t in targets.items():
+        stacked = _is_stacked(ours, weight_map)
+        for e, (hf, shape) in enumerate(weight_map.hf_shapes(ours, tuple(t.shape)).items()):
+            expected[prefix + hf] = shape
+            ours_of[prefix + hf] = (ours, e if stacked else None)
     rows = {k: v for k, v in (rows or {}).items() if k in targets}
-    expected = {names[ours]: _hf_shape(ours, t, weight_map) for ours, t in targets.items()}
     for ours, count in rows.items():
-        expected[names[ours]] = (count, *expected[names[ours]][1:])
+        hf = prefix + weight_map.to_hf(ours)
+        expected[hf] = (count, *expected[hf][1:])
     check_checkpoint(files, expected, known=lambda n: weight_map.knows(n, prefix),
                      where=f"hf_path {str(folder)!r}")
-    ours_of = {hf: ours for ours, hf in names.items()}
-    for file, hf_names in _by_file(files, names.values()).items():
+    # A stacked tensor sharded over experts reads only the rows this rank holds.
+    wanted = [hf for hf, (ours, e) in ours_of.items()
+              if e is None or _holds_row(targets[ours], e)]
+    for file, hf_names in _by_file(files, wanted).items():
         with safe_open(file, framework="pt") as handle:
             for hf in hf_names:
-                ours = ours_of[hf]
+                ours, e = ours_of[hf]
                 if ours in rows:
                     _read_rows(targets[ours], handle.get_slice(hf), rows[ours], seed)
+                elif e is not None:
+                    _read_row(targets[ours], handle.get_slice(hf), e)
                 else:
                     _read_into(targets[ours], handle.get_slice(hf), ours in weight_map.reshaped)
-    return sorted(names.values())
+    return sorted(ours_of)
 
 
-def _hf_shape(ours: str, tensor: torch.Tensor, weight_map: WeightMap) -> tuple[int, ...]:
-    shape = tuple(tensor.shape)  # a DTensor reports its global shape
-    return shape[1:] if ours in weight_map.reshaped else shape
+def _is_stacked(ours: str, weight_map: WeightMap) -> bool:
+    return any(re.fullmatch(re.escape(o).replace(r"\{i\}", r"\d+"), ours)
+               for o, _ in weight_map.stacked)
+
+
+def _holds_row(target: torch.Tensor, row: int) -> bool:
+    first = local_region(target)[0]
+    return first.start <= row < first.stop
+
+
+def _read_row(target: torch.Tensor, hf_slice: object, row: int) -> None:
+    """Copy checkpoint tensor ``hf_slice`` into global row ``row`` of a stacked tensor."""
+    region = local_region(target)
+    local = target.to_local() if isinstance(target, DTensor) else target
+    local[row - region[0].start].copy_(hf_slice[region[1:]])  # type: ignore[index]
 
 
 def _read_into(target: torch.Tensor, hf_slice: object, reshaped: bool) -> None:
@@ -297,7 +337,11 @@ def to_hf_tensors(
     out = {}
     for ours, tensor in _targets(module).items():
         value = tensor.detach()
-        out[prefix + weight_map.to_hf(ours)] = value[0] if ours in weight_map.reshaped else value
+        names = list(weight_map.hf_shapes(ours, tuple(value.shape)))
+        if _is_stacked(ours, weight_map):
+            out.update({prefix + hf: value[e] for e, hf in enumerate(names)})
+        else:
+            out[prefix + names[0]] = value[0] if ours in weight_map.reshaped else value
     return out
 
 
