@@ -44,6 +44,9 @@ def check_expert_layout(cfg: MimoConfig, name: str) -> None:
                          f"modules.{name}.num_experts={experts}")
     if par.expert <= 1 and par.expert_tensor <= 1:
         return
+    if mod.hf_path:  # its experts come from config.json; the meta-device load path lacks EP
+        raise ValueError(f"{p}.expert={par.expert} x expert_tensor={par.expert_tensor} with "
+                         "hf_path is not supported yet; use 1")
     if not experts:
         key = "expert" if par.expert > 1 else "expert_tensor"
         raise ValueError(f"{p}.{key}={getattr(par, key)} is invalid: modules.{name}."
@@ -62,9 +65,6 @@ def check_expert_layout(cfg: MimoConfig, name: str) -> None:
     if par.size % per_stage:
         raise ValueError(f"{p}.expert={par.expert} is invalid: expert x expert_tensor x "
                          f"pipeline ({per_stage}) must divide the module's {par.size} ranks")
-    if mod.hf_path:
-        raise ValueError(f"{p}.expert={par.expert} x expert_tensor={par.expert_tensor} with "
-                         "hf_path is not supported yet; use 1")
 
 
 def expert_coordinate(local_rank: int, mod: ModuleConfig) -> dict[str, int]:
