@@ -322,8 +322,3 @@ def shard_experts(module: nn.Module, mesh: DeviceMesh, tp_group: dist.ProcessGro
             mesh.get_group(ETP_AXIS) if etp else None)
     return len(blocks)
 
-
-def expert_layout(num_experts: int, expert: int) -> list[tuple[int, int]]:
-    """Global expert range ``[start, end)`` held at each ``ep`` coordinate."""
-    per = num_experts // expert
-    return [(r * per, (r + 1) * per) for r in range(expert)]
