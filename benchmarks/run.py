@@ -8,6 +8,7 @@ Cases (each measures two sides A/B interleaved, >= 5 repetitions, medians and mi
                  raw gloo send/recv of the same tensors
 * ``checkpoint`` DCP save vs ``torch.save`` of the same tensors; async blocking time
 * ``memory``     peak RSS per rank vs ``mimotron plan``'s analytic estimate
+* ``experts``    bytes the expert-parallel token exchange sends vs the analytic minimum
 
 ``--json OUT`` writes every figure and raw measurement, ``--markdown OUT`` the README's
 *Performance* section; ``--case NAME`` (repeatable) selects cases and ``--size tiny``
@@ -33,7 +34,7 @@ from typing import Any  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks import bridge, checkpoint, memory, overhead, pipeline  # noqa: E402
+from benchmarks import bridge, checkpoint, experts, memory, overhead, pipeline  # noqa: E402
 from benchmarks.common import SIZES, CaseResult, Options, machine_info, warm_imports  # noqa: E402
 
 CASES: dict[str, Callable[[Options], CaseResult]] = {
@@ -42,6 +43,7 @@ CASES: dict[str, Callable[[Options], CaseResult]] = {
     "bridge": bridge.run_case,
     "checkpoint": checkpoint.run_case,
     "memory": memory.run_case,
+    "experts": experts.run_case,
 }
 
 

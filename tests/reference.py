@@ -16,7 +16,8 @@ the model classes (``build_mimo_model``).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from functools import cache
 
 import torch
@@ -41,6 +42,8 @@ class ReferenceRun:
         num_tokens: loss tokens per global batch.
         weights: parameter name (as inside ``MimoModel``) -> final value.
         initial: parameter name -> initial value.
+        num_zeros: zero gradient entries before clipping, per iteration (a parameter
+            without a gradient counts all its entries).
     """
 
     losses: list[float]
@@ -49,6 +52,7 @@ class ReferenceRun:
     num_tokens: list[float]
     weights: dict[str, torch.Tensor]
     initial: dict[str, torch.Tensor]
+    num_zeros: list[int] = field(default_factory=list)
 
 
 def lr_at(step: int, max_lr: float, min_lr: float, warmup: int, decay: int, style: str
@@ -112,8 +116,18 @@ def _data(cfg_key: tuple[str, ...]) -> tuple:
     return tokenizer, task
 
 
-def reference_run(overrides: tuple[str, ...], num_iters: int) -> ReferenceRun:
-    """Train ``num_iters`` iterations of the ``BASE + overrides`` config in one process."""
+def reference_run(overrides: tuple[str, ...], num_iters: int,
+                  extra_objective: Callable[[torch.nn.Module], Callable[[dict], torch.Tensor]]
+                  | None = None) -> ReferenceRun:
+    """Train ``num_iters`` iterations of the ``BASE + overrides`` config in one process.
+
+    Args:
+        overrides: config overrides after ``BASE``.
+        num_iters: iterations.
+        extra_objective: given the model (before training), returns a function of the
+            global batch, called after each forward, whose result is added to the loss
+            sum before the division by the token count (e.g. MoE auxiliary losses).
+    """
     cfg = load_config(DIGITS, BASE + list(overrides))
     tokenizer, task = _data(tuple(overrides))
     vocab = -(-tokenizer.vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
@@ -128,12 +142,16 @@ def reference_run(overrides: tuple[str, ...], num_iters: int) -> ReferenceRun:
     stream = task.stream(cfg.train.seed)
     gbs = cfg.train.global_batch_size
     out = ReferenceRun([], [], [], [], {}, initial)
+    extra = extra_objective(model) if extra_objective is not None else None
     for k in range(num_iters):
         batch = collate(stream.samples(k * gbs, gbs), task.seq_length, pad_id=task.pad_id,
                         image_shape=task.image_shape, audio_shape=task.audio_shape)
         optimizer.zero_grad(set_to_none=True)
         loss_sum, num_tokens, _ = model(batch)
-        (loss_sum / num_tokens).backward()
+        objective = loss_sum if extra is None else loss_sum + extra(batch)
+        (objective / num_tokens).backward()
+        out.num_zeros.append(sum(p.numel() if p.grad is None else int((p.grad == 0).sum())
+                                 for p in params))
         out.grad_norms.append(_clip(optimizer, params))
         out.module_norms.append(_module_norms(model))
         for group, schedule in zip(optimizer.param_groups, schedules, strict=True):

@@ -7,6 +7,7 @@ import sys
 from mimotron.checkpoint.files import CheckpointError
 from mimotron.config import load_config
 from mimotron.models.build import moe_options
+from mimotron.parallel.expert_layout import format_expert_layout
 from mimotron.parallel.layout import plan_layout
 from mimotron.parallel.memory import (
     estimate_memory,
@@ -51,6 +52,10 @@ def run_plan(config: str, overrides: list[str]) -> int:
             print(f"{'':<10} mixture of experts: {opts.num_experts} experts, top_k {opts.top_k}; "
                   f"routed expert params {experts:,}, router + shared {whole:,}, dense "
                   f"{sum(stages) - experts - whole:,}")
+    experts_table = format_expert_layout(cfg)
+    if experts_table:
+        print()
+        print(experts_table)
     print()
     print(f"memory estimate per rank (MiB, precision {cfg.train.precision}):")
     print(f"{'rank':>4}  {'module':<10} {'weights':>8} {'grads':>8} {'optim':>8} {'activ':>8} "

@@ -19,8 +19,9 @@ from mimotron.models.mimo import MimoModel, module_part
 from mimotron.optim.loss_scaler import ConstantLossScaler, DynamicLossScaler, LossScaler
 from mimotron.optim.mimo_optimizer import MimoOptimizer, ModuleOptimizerInfo
 from mimotron.optim.scheduler import OptimizerParamScheduler
+from mimotron.parallel.expert_parallel import is_expert_param
 from mimotron.parallel.groups import ProcessGroupCollection
-from mimotron.parallel.zero import ZeroShards
+from mimotron.parallel.zero import ExpertSplitShards, ZeroShards
 
 
 def _check_groups(name: str, grid: Any, pg: ProcessGroupCollection | None) -> None:
@@ -35,13 +36,22 @@ def _check_groups(name: str, grid: Any, pg: ProcessGroupCollection | None) -> No
 
 
 def _shards(name: str, mcfg: ModuleConfig, named: list[tuple[str, nn.Parameter]],
-            pg: ProcessGroupCollection | None) -> ZeroShards | None:
-    """Row shards for ``shard_optimizer`` modules with a DP group larger than one."""
+            pg: ProcessGroupCollection | None) -> ZeroShards | ExpertSplitShards | None:
+    """Row shards for ``shard_optimizer`` modules with a DP group larger than one.
+
+    Expert-parallel shards split their local rows over ``expt_dp`` instead
+    (:class:`~mimotron.parallel.zero.ExpertSplitShards`).
+    """
     if not (named and mcfg.parallel.shard_optimizer and pg is not None):
         return None
     if pg.dp is None or dist.get_world_size(pg.dp) < 2:
         return None  # one replica: sharding would change nothing
+    experts = [(n, p) for n, p in named if is_expert_param(p)]
+    dense = [(n, p) for n, p in named if not is_expert_param(p)]
     try:
+        if experts:
+            return ExpertSplitShards(ZeroShards(dense, pg.dp),
+                                     ZeroShards(experts, pg.expt_dp, ep_group=pg.ep))
         return ZeroShards(named, pg.dp)
     except ValueError as exc:
         raise ValueError(f"modules.{name}.parallel.shard_optimizer=true: {exc}") from None

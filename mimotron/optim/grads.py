@@ -10,7 +10,9 @@ every parameter is counted exactly once:
 * a DTensor counts its local shard, except along a ``Replicate`` mesh dim inside ``mp``
   (coordinate 0 only);
 * shards over data parallelism (FSDP DTensors, ZeRO fragments) go to a separate sum
-  that is all-reduced over ``dp``.
+  that is all-reduced over ``dp``;
+* expert-parallel shards are summed apart, over ``tp_ep_pp``
+  (:meth:`~mimotron.optim.mimo_optimizer.MimoOptimizer._module_stats`).
 """
 
 from __future__ import annotations

@@ -20,6 +20,13 @@ gradients are reduce-scattered in :meth:`MimoOptimizer.prepare_grads`, its squar
 and zero count are summed over the DP group (fragments are disjoint, so nothing is
 counted twice), and its parameters are all-gathered after the inner step.
 
+Expert parallelism (:mod:`mimotron.parallel.expert_parallel`): a module's expert shards
+(DTensors ``Shard(0)`` over its ``ep`` axis) are summed over ``tp_ep_pp`` — every
+expert shard of every stage once, while their ``expt_dp`` replicas (equal after the
+``expt_dp`` reduction) and TP peers are not added — and the rest over ``mp`` as usual;
+both sums are identical on all of the module's ranks, so the world MAX slot still holds
+the module's value. Under ZeRO-1 the expert rows are summed over ``expt_dp`` first.
+
 Per-module settings (Megatron semantics):
 
 * **Clipping**: every module clips against the *global* grad norm (all modules) with its
@@ -61,8 +68,9 @@ from mimotron.optim.grads import (
     usable,
 )
 from mimotron.optim.loss_scaler import ConstantLossScaler, LossScaler
+from mimotron.parallel.expert_parallel import is_expert_param
 from mimotron.parallel.groups import ProcessGroupCollection
-from mimotron.parallel.zero import ZeroShards
+from mimotron.parallel.zero import ExpertSplitShards, ZeroShards
 
 _PREFIX = "optimizer"
 # ``optimizer.<module>.has_state``: True when saved; the loading placeholder is False, so
@@ -99,7 +107,7 @@ class ModuleOptimizerInfo:
     params: list[tuple[str, nn.Parameter]] = field(default_factory=list)
     loss_scaler: LossScaler = field(default_factory=ConstantLossScaler)
     frozen: bool = False
-    zero: ZeroShards | None = None
+    zero: ZeroShards | ExpertSplitShards | None = None
     clip_grad: float | None = None
 
     @property
@@ -243,7 +251,11 @@ class MimoOptimizer:
         return _norm_and_zeros(slots)
 
     def _module_stats(self, name: str, info: ModuleOptimizerInfo) -> torch.Tensor:
-        """[squared norm, zeros] of one module (float64), identical on all of its ranks."""
+        """[squared norm, zeros] of one module (float64), identical on all of its ranks.
+
+        Expert-parallel shards are summed over ``tp_ep_pp`` (every expert shard of every
+        stage once; ``expt_dp`` replicas are equal and not added), the rest over ``mp``.
+        """
         pg = info.pg_collection or ProcessGroupCollection()
         mp, dp = pg.mp, pg.dp_cp if usable(pg.dp_cp) else pg.dp
         if info.zero is not None:
@@ -253,21 +265,34 @@ class MimoOptimizer:
         tp_rank = dist.get_rank(pg.tp) if usable(pg.tp) else 0
         own = torch.zeros(2, dtype=torch.float64, device=self._device)
         shared = torch.zeros(2, dtype=torch.float64, device=self._device)
+        expert = torch.zeros(2, dtype=torch.float64, device=self._device)
+        expert_rows = torch.zeros(2, dtype=torch.float64, device=self._device)
+        expert_fragments = getattr(info.zero, "expert_names", set())
         any_shared = info.zero is not None
-        for _, p in info.params:
+        for pname, p in info.params:
+            if is_expert_param(p):
+                _add_stats(expert, p.grad.to_local() if p.grad is not None else None)
+                continue
+            if pname in expert_fragments:  # ZeRO rows of expert shards: over expt_dp
+                _add_stats(expert_rows, p.grad)
+                continue
             over_dp = info.zero is not None or sharded_outside(p, mp_ranks, dp_ranks, name)
             any_shared = any_shared or over_dp
-            local = counted_local_grad(p, mp_ranks, tp_rank)
-            if local is not None:
-                target = shared if over_dp else own
-                target[0] += torch.linalg.vector_norm(local, dtype=torch.float64).to(own) ** 2
-                target[1] += local.numel() - torch.count_nonzero(local).to(own)
+            _add_stats(shared if over_dp else own, counted_local_grad(p, mp_ranks, tp_rank))
         # Placements (and sharding) are the same on all DP replicas: they agree here.
         if any_shared and usable(dp):
             dist.all_reduce(shared, group=dp)
         total = own + shared
         if usable(mp):
             dist.all_reduce(total, group=mp)
+        if expert_fragments and usable(info.zero.expert_group):
+            dist.all_reduce(expert_rows, group=info.zero.expert_group)
+        expert += expert_rows
+        if pg.tp_ep_pp is not None:
+            # Every rank of a module with an expert view joins, experts held or not.
+            if usable(pg.tp_ep_pp):
+                dist.all_reduce(expert, group=pg.tp_ep_pp)
+            total = total + expert
         return total
 
     def get_grad_norm(self) -> float:
@@ -580,6 +605,13 @@ class MimoOptimizer:
                 g["lr"] = lr
             for p, grad in zip(params, grads, strict=True):
                 p.grad = grad
+
+
+def _add_stats(target: torch.Tensor, local: torch.Tensor | None) -> None:
+    """Add a local gradient's squared norm and zero count to ``target`` (in place)."""
+    if local is not None:
+        target[0] += torch.linalg.vector_norm(local, dtype=torch.float64).to(target) ** 2
+        target[1] += local.numel() - torch.count_nonzero(local).to(target)
 
 
 def _norm_and_zeros(slots: torch.Tensor) -> tuple[float, int]:

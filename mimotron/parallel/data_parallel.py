@@ -11,6 +11,10 @@ collective; a parameter that received no gradient on this rank (e.g. an encoder 
 modality was absent from this rank's slice) contributes zeros, so every rank of the
 group issues the same collectives with the same sizes.
 
+Expert-parallel shards (MoE experts under ``parallel.expert > 1``) are summed over the
+module's ``expt_dp`` group, not ``dp``: the ranks of one ``dp`` group hold different
+experts, and the ranks holding the same experts together saw every token routed to them.
+
 A module whose optimizer is sharded over its DP group (ZeRO-1, see
 :mod:`~mimotron.parallel.zero`) reduce-scatters its own gradients inside the optimizer
 step: the caller names it in ``optimizer_reduced`` and it is skipped here, so nothing is
@@ -26,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from mimotron.parallel.expert_parallel import is_expert_param
 from mimotron.parallel.groups import ProcessGroupCollection
 
 DEFAULT_BUCKET_BYTES = 32 * 2**20
@@ -95,9 +100,17 @@ def allreduce_gradients(
     module: nn.Module,
     group: dist.ProcessGroup | None,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    params: list[nn.Parameter] | None = None,
 ) -> None:
-    """SUM every trainable parameter's gradient over ``group`` (no-op for one rank)."""
-    params = trainable_params(module)
+    """SUM trainable parameters' gradients over ``group`` (no-op for one rank).
+
+    Args:
+        module: the module part.
+        group: the group to sum over.
+        bucket_bytes: upper bound of one collective.
+        params: the parameters to reduce; ``None`` = every trainable one of ``module``.
+    """
+    params = trainable_params(module) if params is None else params
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
@@ -122,6 +135,9 @@ def finalize_model_grads(
 ) -> None:
     """Reduce each module's gradients over its own DP group, in sorted module order.
 
+    Expert-parallel shards (:func:`~mimotron.parallel.expert_parallel.is_expert_param`)
+    are summed over the module's ``expt_dp`` group instead, after the dense ones.
+
     Args:
         modules: the module parts this rank holds, keyed by module name.
         pg_collections: the process groups of each of those modules.
@@ -134,7 +150,16 @@ def finalize_model_grads(
         if name in skipped:
             continue
         align_grad_placements(modules[name])
-        allreduce_gradients(modules[name], pg_collections[name].dp)
+        pg = pg_collections[name]
+        params = trainable_params(modules[name])
+        experts = [p for p in params if is_expert_param(p)]
+        if not experts:
+            allreduce_gradients(modules[name], pg.dp, params=params)
+            continue
+        # Expert shards are replicated over expt_dp only (each EP rank holds other experts).
+        dense = [p for p in params if not is_expert_param(p)]
+        allreduce_gradients(modules[name], pg.dp, params=dense)
+        allreduce_gradients(modules[name], pg.expt_dp, params=experts)
 
 
 def zero_grad_buffer_for_multimodule(modules: dict[str, nn.Module]) -> None:

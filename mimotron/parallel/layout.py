@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from mimotron.config import MimoConfig, ModuleConfig, ParallelConfig
 from mimotron.names import GRID_AXES, LANGUAGE
+from mimotron.parallel.expert_layout import check_expert_layout
 
 GRID_DIMS = GRID_AXES
 
@@ -242,12 +243,7 @@ def _check_module_shape(cfg: MimoConfig, name: str, colocated: bool) -> None:
         raise ValueError(
             f"{p}.context={par.context} is invalid: context parallelism is not supported; use 1"
         )
-    expert = par.expert * par.expert_tensor * par.pipeline
-    if par.size % expert:
-        raise ValueError(
-            f"{p}.expert={par.expert} is invalid: expert x expert_tensor x pipeline "
-            f"({expert}) must divide the module's {par.size} ranks"
-        )
+    check_expert_layout(cfg, name)
 
 
 def _hf_shape_keys(name: str, mod: ModuleConfig) -> list[tuple[str, int]]:

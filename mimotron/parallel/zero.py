@@ -70,6 +70,11 @@ class _Slot:
     offset: int  # elements before this parameter in one rank's segment of the bucket
 
     @property
+    def local(self) -> torch.Tensor:
+        """The parameter's local tensor (itself unless an expert DTensor), its storage."""
+        return _local(self.param)
+
+    @property
     def padded_numel(self) -> int:
         return self.chunk * self.row_numel
 
@@ -79,11 +84,11 @@ class _Slot:
 
     def rows_view(self) -> torch.Tensor:
         """The whole parameter as ``[rows, row_numel]`` (a view: writes reach the model)."""
-        return self.param.detach().view(self.rows, self.row_numel)
+        return self.local.detach().view(self.rows, self.row_numel)
 
     def fragment_view(self) -> torch.Tensor:
         """This rank's rows of the parameter, in the parameter's layout (a view)."""
-        return self.param.detach().narrow(self.dim, self.start, self.end - self.start)
+        return self.local.detach().narrow(self.dim, self.start, self.end - self.start)
 
 
 class ZeroShards:
@@ -92,12 +97,18 @@ class ZeroShards:
     Args:
         named_params: the module's trainable ``(name, parameter)`` pairs, identical (names,
             shapes, order) on every rank of ``group``.
-        group: the module's data-parallel group (more than one rank).
+        group: the module's data-parallel group (more than one rank), or ``expt_dp`` for
+            expert shards.
         bucket_bytes: upper bound of one reduce-scatter / all-gather.
+        ep_group: set when the parameters are expert-parallel shards (DTensors
+            ``Shard(0)`` over this group): the rows of their LOCAL tensors are split over
+            ``group`` (one rank allowed), and the state checkpoints as DTensors
+            ``[Shard(0), Shard(dim)]`` over an ``(ep, group)`` mesh, nested like the
+            sharding itself, in the parameter's global shape.
 
     Raises:
-        ValueError: a DTensor (tensor-parallel or FSDP) parameter, a 0-dim or
-            non-contiguous parameter, or a group of one rank.
+        ValueError: a DTensor (tensor-parallel or FSDP) parameter that is not an expert
+            shard, a 0-dim or non-contiguous parameter, or a group of one rank.
     """
 
     def __init__(
@@ -105,9 +116,11 @@ class ZeroShards:
         named_params: list[tuple[str, nn.Parameter]],
         group: dist.ProcessGroup,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        ep_group: dist.ProcessGroup | None = None,
     ) -> None:
-        _check_params(named_params)
-        if dist.get_world_size(group) < 2:
+        self.ep_group = ep_group
+        _check_params(named_params, expert=ep_group is not None)
+        if dist.get_world_size(group) < 2 and ep_group is None:
             raise ValueError("a sharded optimizer needs a data-parallel group of 2 or more ranks")
         self.group = group
         self.num_shards = dist.get_world_size(group)
@@ -127,11 +140,12 @@ class ZeroShards:
         self._fragment = dict(self.fragments)
 
     def _slot(self, name: str, p: nn.Parameter, offset: int) -> _Slot:
-        dim = shard_dim(p.shape)
-        rows = p.shape[dim]
+        local = _local(p)
+        dim = shard_dim(local.shape)
+        rows = local.shape[dim]
         start, end = chunk_range(rows, self.num_shards, self.shard_rank)
-        return _Slot(name, p, dim, rows, p.numel() // rows, math.ceil(rows / self.num_shards),
-                     start, end, offset)
+        return _Slot(name, p, dim, rows, local.numel() // rows,
+                     math.ceil(rows / self.num_shards), start, end, offset)
 
     # ---- the step --------------------------------------------------------------------
     def reduce_grads(self) -> None:
@@ -145,9 +159,9 @@ class ZeroShards:
             parts = []
             for s in slots:
                 g = s.param.grad
-                rows = (torch.zeros(s.rows, s.row_numel, dtype=s.param.dtype,
-                                    device=s.param.device)
-                        if g is None else g.detach().reshape(s.rows, s.row_numel))
+                rows = (torch.zeros(s.rows, s.row_numel, dtype=s.local.dtype,
+                                    device=s.local.device)
+                        if g is None else _local(g).detach().reshape(s.rows, s.row_numel))
                 rows = F.pad(rows, (0, 0, 0, s.chunk * d - s.rows))
                 parts.append(rows.reshape(d, s.padded_numel))
             send = torch.cat(parts, dim=1).reshape(-1)
@@ -210,11 +224,11 @@ class ZeroShards:
         s, frag = self._slots[name], self._fragment[name]
         if value.shape == frag.shape:
             return value
-        if value.shape == s.param.shape:
+        if value.shape == s.local.shape:
             return value.narrow(s.dim, s.start, s.end - s.start).clone()
         raise ValueError(
             f"optimizer state of {name!r} has shape {tuple(value.shape)}: expected this "
-            f"rank's shard {tuple(frag.shape)} or the full {tuple(s.param.shape)}; a state "
+            f"rank's shard {tuple(frag.shape)} or the full {tuple(s.local.shape)}; a state "
             "saved with another data-parallel degree loads through sharded_state_dict (DCP)"
         )
 
@@ -225,14 +239,89 @@ class ZeroShards:
             return value
         s = self._slots[name]
         if self._mesh is None:
-            self._mesh = DeviceMesh.from_group(self.group, s.param.device.type)
-        return DTensor.from_local(value, self._mesh, [Shard(s.dim)], run_check=False,
+            self._mesh = self._state_mesh(s.local.device.type)
+        placements = [Shard(s.dim)] if self.ep_group is None else [Shard(0), Shard(s.dim)]
+        return DTensor.from_local(value, self._mesh, placements, run_check=False,
                                   shape=s.param.shape, stride=s.param.stride())
 
+    def _state_mesh(self, device_type: str) -> DeviceMesh:
+        """The mesh the state is sharded over: ``group``, or ``(ep, group)`` for experts."""
+        if self.ep_group is None:
+            return DeviceMesh.from_group(self.group, device_type)
+        # Grid ranks are linear in their coordinates: rank(e, d) = ep[e] + dp[d] - me.
+        me = dist.get_rank()
+        ep_ranks = dist.get_process_group_ranks(self.ep_group)
+        dp_ranks = dist.get_process_group_ranks(self.group)
+        mesh = torch.tensor([[e + d - me for d in dp_ranks] for e in ep_ranks])
+        return DeviceMesh.from_group([self.ep_group, self.group], device_type, mesh=mesh,
+                                     mesh_dim_names=("ep", "expt_dp"))
 
-def _check_params(named_params: list[tuple[str, nn.Parameter]]) -> None:
+
+class ExpertSplitShards:
+    """ZeRO-1 of an expert-parallel module: dense rows over ``dp``, expert rows over ``expt_dp``.
+
+    The same interface as :class:`ZeroShards` (what ``MimoOptimizer`` calls), delegating
+    by parameter name. ``group`` is the dense part's group; ``expert_names`` and
+    ``expert_group`` tell the grad norm which fragments to sum over ``expt_dp`` (and
+    then over the EP ranks) instead.
+
+    Args:
+        dense: the dense parameters' shards over the module's DP group.
+        expert: the expert shards' rows over ``expt_dp`` (``ZeroShards(..., ep_group=...)``).
+    """
+
+    def __init__(self, dense: ZeroShards, expert: ZeroShards) -> None:
+        self.dense, self.expert = dense, expert
+        self.group = dense.group
+        self.expert_group = expert.group
+        self.fragments = dense.fragments + expert.fragments
+        self.expert_names = {n for n, _ in expert.fragments}
+
+    def _part(self, name: str) -> ZeroShards:
+        return self.expert if name in self.expert_names else self.dense
+
+    def reduce_grads(self) -> None:
+        """Reduce-scatter both parts (dense over ``dp``, then experts over ``expt_dp``)."""
+        self.dense.reduce_grads()
+        self.expert.reduce_grads()
+
+    def gather_params(self) -> None:
+        """All-gather both parts' rows into the model parameters."""
+        self.dense.gather_params()
+        self.expert.gather_params()
+
+    def zero_model_grads(self, set_to_none: bool = True) -> None:
+        """Clear the model gradients of both parts."""
+        self.dense.zero_model_grads(set_to_none)
+        self.expert.zero_model_grads(set_to_none)
+
+    def repoint(self) -> None:
+        """Re-view both parts' fragments into the current parameter storage."""
+        self.dense.repoint()
+        self.expert.repoint()
+
+    def local_state(self, name: str, value: Any) -> Any:
+        """See :meth:`ZeroShards.local_state`."""
+        return self._part(name).local_state(name, value)
+
+    def to_dtensor(self, name: str, value: Any) -> Any:
+        """See :meth:`ZeroShards.to_dtensor`."""
+        return self._part(name).to_dtensor(name, value)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local tensor (sharing its storage), or the tensor itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _check_params(named_params: list[tuple[str, nn.Parameter]], expert: bool = False) -> None:
     for name, p in named_params:
-        if isinstance(p, DTensor):
+        if expert and not (isinstance(p, DTensor) and len(p.placements) == 1
+                           and p.placements[0] == Shard(0)):
+            raise ValueError(f"parameter {name!r} is not an expert-parallel shard")
+        if expert:
+            p = p.to_local()
+        elif isinstance(p, DTensor):
             raise ValueError(
                 f"parameter {name!r} is a DTensor: shard_optimizer does not compose with "
                 "tensor parallelism or FSDP yet; set parallel.shard_optimizer = false"

@@ -3,6 +3,10 @@
 Every module part is built with its pipeline stage's *global* layer indices and
 initialised from ``(seed, full parameter name)`` on the full shape, then sharded by its
 TP plan — so every layout starts from exactly the weights of the one-process model.
+MoE experts of a module with ``parallel.expert > 1`` (or ``expert_tensor > 1``) are
+then sharded over its ``ep`` (and ``expt_tp``) axes
+(:func:`mimotron.parallel.expert_parallel.shard_experts`), which also installs the
+expert-parallel dispatcher on every MoE block.
 Frozen modules (``modules.<m>.freeze``) are frozen here, before any optimizer exists.
 A module with ``hf_path`` is built on the meta device, sharded, allocated and then
 filled from its folder (:func:`build_hf_part`): only its projector is drawn from
@@ -28,6 +32,8 @@ from mimotron.models.build import (
 from mimotron.models.init import init_parameters_
 from mimotron.models.mimo import MimoModel, module_part
 from mimotron.names import LANGUAGE
+from mimotron.parallel.expert_parallel import shard_experts
+from mimotron.parallel.groups import EXPERT_VIEW
 from mimotron.parallel.layout import stage_layers
 from mimotron.parallel.tensor_parallel import apply_tensor_parallel
 from mimotron.training.infra import MimoModelInfra
@@ -61,6 +67,9 @@ def build_rank_model(cfg: MimoConfig, infra: MimoModelInfra, vocab_size: int,
         parts[name] = build_module(cfg, name, vocab_size, **stage).to(device)
         if mesh is not None:
             apply_tensor_parallel(parts[name], mesh, name == LANGUAGE)
+        if mod.parallel.expert > 1 or mod.parallel.expert_tensor > 1:
+            apply_expert_parallel(parts[name], infra, name, device,
+                                  mod.parallel.expert_tensor > 1)
     language = parts.pop(LANGUAGE, None)
     modality_of = {n: str(cfg.modules[n].modality) for n in cfg.encoder_names}
     tp_group = None
@@ -69,6 +78,18 @@ def build_rank_model(cfg: MimoConfig, infra: MimoModelInfra, vocab_size: int,
     model = MimoModel(parts, language, dict(placeholder_ids), modality_of, tp_group)
     freeze_modules(model, cfg)
     return model
+
+
+def apply_expert_parallel(part: nn.Module, infra: MimoModelInfra, name: str,
+                          device: torch.device, expert_tensor: bool = False) -> None:
+    """Shard a module part's experts over its ``ep`` (and ``expt_tp``) axes; set dispatchers.
+
+    The part was initialised on the full shape, so every EP degree starts from the
+    one-process weights. The mesh reuses the groups the grid already created.
+    """
+    dims = ["expt_tp", "ep"] if expert_tensor else ["ep"]
+    mesh = infra.grids[name].to_device_mesh(device.type, dims=dims, view=EXPERT_VIEW)
+    shard_experts(part, mesh, infra.pg_collections[name].tp)
 
 
 def build_hf_part(cfg: MimoConfig, name: str, vocab_size: int, stage: dict[str, Any],
