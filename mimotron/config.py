@@ -166,6 +166,7 @@ class MimoConfig:
         _validate_warmup(self, self.scheduler, "scheduler")
         for name in self.modules:
             _validate_optim(self.effective_optimizer(name), f"modules.{name}.optimizer")
+            _validate_expert_optim(self, name)
             _validate_scheduler(self.effective_scheduler(name), f"modules.{name}.optimizer")
             _validate_warmup(self, self.effective_scheduler(name), f"modules.{name}.optimizer")
         _validate_data(self)
@@ -315,11 +316,24 @@ def _validate_train(cfg: MimoConfig) -> None:
     _check(t.exit_interval >= 0, "train.exit_interval", t.exit_interval, "an integer >= 0")
 
 
+def _validate_expert_optim(cfg: MimoConfig, name: str) -> None:
+    """The expert weight decay is a constant (a module without experts ignores both keys)."""
+    o, s = cfg.effective_optimizer(name), cfg.effective_scheduler(name)
+    scheduled = s.start_weight_decay is not None or s.end_weight_decay is not None
+    _check(o.expert_weight_decay is None or not scheduled,
+           f"modules.{name}.optimizer.expert_weight_decay", o.expert_weight_decay,
+           "unset while a weight-decay schedule (start/end_weight_decay) is set")
+
+
 def _validate_optim(o: OptimizerConfig, p: str) -> None:
     _check(o.name in OPTIMIZERS, f"{p}.name", o.name, f"one of {OPTIMIZERS}")
     _check(o.lr > 0, f"{p}.lr", o.lr, "a positive number")
     _check(0 <= o.min_lr <= o.lr, f"{p}.min_lr", o.min_lr, f"0 <= min_lr <= lr ({o.lr})")
     _check(o.weight_decay >= 0, f"{p}.weight_decay", o.weight_decay, "a number >= 0")
+    _check(o.expert_lr is None or o.expert_lr > 0, f"{p}.expert_lr", o.expert_lr,
+           "a positive number (or unset: lr)")
+    _check(o.expert_weight_decay is None or o.expert_weight_decay >= 0,
+           f"{p}.expert_weight_decay", o.expert_weight_decay, "a number >= 0 (or unset)")
     _check(
         len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas),
         f"{p}.betas",

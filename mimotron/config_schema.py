@@ -114,6 +114,15 @@ class OptimizerConfig:
     modules; a per-module value clips that module against the same global norm with its
     own threshold.
     """
+    expert_lr: float | None = None
+    """Peak learning rate of the routed experts of MoE layers (> 0; unset = ``lr``). The
+    experts follow the module's schedule scaled by ``expert_lr / lr`` (their ``min_lr``
+    too), in param groups of their own.
+    """
+    expert_weight_decay: float | None = None
+    """Weight decay of the routed experts (>= 0; unset = ``weight_decay``); not with a
+    weight-decay schedule (scheduler.start_weight_decay / end_weight_decay).
+    """
     no_decay: list[str] = field(default_factory=lambda: ["norm", "bias"])
     """Parameter-name substrings whose parameters get no weight decay."""
     initial_loss_scale: float = 2.0**16

@@ -81,15 +81,26 @@ def _optimizer(cfg: MimoConfig, model: torch.nn.Module) -> tuple[torch.optim.Ada
         assert sched.start_weight_decay is None and sched.end_weight_decay is None, (
             "the reference implements a constant weight decay only")
         named = [(n, p) for n, p in model.named_parameters() if module_of(n) == name]
-        decay = [p for n, p in named if not any(s in n for s in opt.no_decay)]
-        no_decay = [p for n, p in named if any(s in n for s in opt.no_decay)]
         min_lr = opt.min_lr if sched.min_lr is None else sched.min_lr
-        schedule = (opt.lr, min_lr, sched.warmup_iters, sched.decay_iters or cfg.train.iters,
-                    sched.decay_style)
-        for params, wd in ((decay, opt.weight_decay), (no_decay, 0.0)):
-            groups.append({"params": params, "weight_decay": wd, "betas": tuple(opt.betas),
-                           "eps": opt.eps, "lr": 0.0, "clip": opt.clip_grad, "module": name})
-            schedules.append(schedule)
+        decay_iters = sched.decay_iters or cfg.train.iters
+        split = opt.expert_lr is not None or opt.expert_weight_decay is not None
+        experts = [(n, p) for n, p in named if split and ".experts." in n]
+        dense = [(n, p) for n, p in named if (n, p) not in experts]
+        # Routed experts with their own peak lr: the same schedule, scaled end to end.
+        scale = 1.0 if opt.expert_lr is None else opt.expert_lr / opt.lr
+        expert_wd = opt.weight_decay if opt.expert_weight_decay is None else (
+            opt.expert_weight_decay)
+        for part, wd_on, mult in ((dense, opt.weight_decay, 1.0), (experts, expert_wd, scale)):
+            decay = [p for n, p in part if not any(s in n for s in opt.no_decay)]
+            no_decay = [p for n, p in part if any(s in n for s in opt.no_decay)]
+            schedule = (opt.lr * mult, min_lr * mult, sched.warmup_iters, decay_iters,
+                        sched.decay_style)
+            for params, wd in ((decay, wd_on), (no_decay, 0.0)):
+                if params:
+                    groups.append({"params": params, "weight_decay": wd, "eps": opt.eps,
+                                   "betas": tuple(opt.betas), "lr": 0.0,
+                                   "clip": opt.clip_grad, "module": name})
+                    schedules.append(schedule)
     return torch.optim.AdamW(groups), schedules
 
 

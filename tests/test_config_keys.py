@@ -230,6 +230,13 @@ PROBES: dict[str, tuple[list[str], str, list[str]]] = {
     "profile.end": (["profile.end=2"], "run", PROFILE),
     "profile.ranks": (["profile.ranks=[1]"], "error:run", PROFILE),
     **_table_probes(),
+    # Expert param groups exist only on a module with experts (the language model).
+    "optimizer.expert_lr": (["optimizer.expert_lr=0.01"], "built", MOE),
+    "optimizer.expert_weight_decay": (["optimizer.expert_weight_decay=0.3"], "built", MOE),
+    "modules.<m>.optimizer.expert_lr": (["modules.language.optimizer.expert_lr=0.01"], "built",
+                                        MOE),
+    "modules.<m>.optimizer.expert_weight_decay": (
+        ["modules.language.optimizer.expert_weight_decay=0.3"], "built", MOE),
 }
 
 

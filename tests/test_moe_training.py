@@ -120,6 +120,23 @@ def test_engine_matches_plain_loop(layout: str, ref: dict) -> None:
     assert seen == set(ref["weights"])
 
 
+def test_expert_lr_and_weight_decay_are_param_groups_of_their_own() -> None:
+    """``optimizer.expert_lr`` / ``expert_weight_decay``: the plain loop's expert groups."""
+    overrides = MOE + ["optimizer.weight_decay=0.1", "optimizer.expert_lr=4e-3",
+                       "optimizer.expert_weight_decay=0.0"]
+    want = reference(overrides, NUM_ITERS)
+    base = reference(MOE + ["optimizer.weight_decay=0.1"], NUM_ITERS)
+    res = run_ranks(1, engine_run, overrides, NUM_ITERS, timeout_s=300)[0]
+    for it, (loss, norm, _, _) in enumerate(res["steps"]):
+        assert _rel(loss, want["losses"][it]) <= REL, (it, loss, want["losses"][it])
+        assert _rel(norm, want["norms"][it]) <= REL, (it, norm, want["norms"][it])
+    name = "language_model.layers.0.mlp.experts.w1"
+    got = res["weights"][name]
+    assert float((got - want["weights"][name]).norm() / want["weights"][name].norm()) <= REL
+    # Not vacuous: the experts moved differently than with the module's lr and decay.
+    assert float((got - base["weights"][name]).norm() / base["weights"][name].norm()) > 1e-3
+
+
 def test_aux_loss_changes_the_router_gradient() -> None:
     """Without the aux terms the reference's router would train differently (test can fail)."""
     cfg = load_config(DIGITS, BASE + MOE)

@@ -92,25 +92,43 @@ def build_torch_optimizer(
     """AdamW / Adam / SGD over two groups: decayed, and ``no_decay`` (weight decay 0).
 
     Groups carry ``wd_mult`` (1 or 0) so a weight-decay schedule skips no-decay groups.
+    With ``expert_lr`` or ``expert_weight_decay`` set, the routed experts get two groups
+    of their own, with ``lr_mult = expert_lr / lr`` (the scheduler scales their lr).
 
     Raises:
         ValueError: an unknown optimizer name or no parameters.
     """
     if not named_params:
         raise ValueError("cannot build an optimizer over no parameters")
-    decay = [p for n, p in named_params if not any(s in n for s in cfg.no_decay)]
-    no_decay = [p for n, p in named_params if any(s in n for s in cfg.no_decay)]
-    groups = [
-        {"params": ps, "weight_decay": wd, "wd_mult": mult}
-        for ps, wd, mult in ((decay, cfg.weight_decay, 1.0), (no_decay, 0.0, 0.0))
-        if ps
-    ]
+    groups = _decay_groups([(n, p) for n, p in named_params if not is_routed_expert(n)], cfg)
+    experts = [(n, p) for n, p in named_params if is_routed_expert(n)]
+    if experts and (cfg.expert_lr is not None or cfg.expert_weight_decay is not None):
+        lr_mult = 1.0 if cfg.expert_lr is None else cfg.expert_lr / cfg.lr
+        wd = cfg.weight_decay if cfg.expert_weight_decay is None else cfg.expert_weight_decay
+        groups += [{**g, "lr_mult": lr_mult} for g in _decay_groups(experts, cfg, wd)]
+    else:
+        groups = _decay_groups(named_params, cfg)
     if cfg.name in ("adamw", "adam"):
         cls = torch.optim.AdamW if cfg.name == "adamw" else torch.optim.Adam
         return cls(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
     if cfg.name == "sgd":
         return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum)
     raise ValueError(f"optimizer.name={cfg.name!r} is invalid: expected adamw, adam or sgd")
+
+
+def is_routed_expert(name: str) -> bool:
+    """A routed expert's stacked weights (``...mlp.experts.w1``), whatever the layout."""
+    return ".experts." in f".{name}"
+
+
+def _decay_groups(named: list[tuple[str, nn.Parameter]], cfg: OptimizerConfig,
+                  weight_decay: float | None = None) -> list[dict[str, Any]]:
+    """Decayed and ``no_decay`` groups; ``wd_mult`` (1 or 0) for a weight-decay schedule."""
+    wd = cfg.weight_decay if weight_decay is None else weight_decay
+    decay = [p for n, p in named if not any(s in n for s in cfg.no_decay)]
+    no_decay = [p for n, p in named if any(s in n for s in cfg.no_decay)]
+    return [{"params": ps, "weight_decay": w, "wd_mult": mult}
+            for ps, w, mult in ((decay, wd, 1.0), (no_decay, 0.0, 0.0)) if ps]
 
 
 def get_mimo_optimizer(

@@ -124,7 +124,7 @@ class OptimizerParamScheduler:
         lr = self.get_lr(self.num_steps)
         wd = self.get_wd(self.num_steps)
         for group, mult in zip(self.optimizer.param_groups, self._wd_mults, strict=True):
-            group["lr"] = lr
+            group["lr"] = lr * group.get("lr_mult", 1.0)  # expert groups (expert_lr)
             if wd is not None:
                 group["weight_decay"] = wd * mult
 

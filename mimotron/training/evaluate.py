@@ -75,11 +75,12 @@ def _kind_sums(outputs: list[MicrobatchOutput], kinds: list[str], infra: MimoMod
                device: torch.device) -> torch.Tensor:
     """This rank's ``[correct, samples]`` per input kind (zeros off the loss leaders)."""
     vec = torch.zeros(2 * len(kinds), dtype=torch.float64, device=device)
+    zero = torch.zeros((), device=device)
     if infra.is_loss_leader:
         for out in outputs:
-            for i, kind in enumerate(kinds):
-                vec[2 * i] += out.metrics[f"correct_{kind}"].double()
-                vec[2 * i + 1] += out.metrics[f"samples_{kind}"].double()
+            for i, kind in enumerate(kinds):  # a custom forward step may report none
+                vec[2 * i] += out.metrics.get(f"correct_{kind}", zero).double()
+                vec[2 * i + 1] += out.metrics.get(f"samples_{kind}", zero).double()
     return vec
 
 
