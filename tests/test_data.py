@@ -394,3 +394,13 @@ def test_task_stream_helper(train_task):
         b = SampleStream(task, 9).samples(5, 12)
         for x, y in zip(a, b, strict=True):
             _assert_same_sample(x, y)
+
+
+def test_digit_images_are_scikit_learns_digits_read_without_importing_it():
+    """The bundled file is read directly (importing sklearn cost every rank ~3 s)."""
+    from sklearn.datasets import load_digits
+
+    images, labels = load_digit_images()
+    want = load_digits()
+    assert torch.equal(images, torch.from_numpy(want.images.astype(np.float32) / 16.0)[:, None])
+    assert torch.equal(labels, torch.from_numpy(want.target.astype(np.int64)))
