@@ -122,10 +122,10 @@ def test_engine_matches_plain_loop(layout: str, ref: dict) -> None:
 
 def test_expert_lr_and_weight_decay_are_param_groups_of_their_own() -> None:
     """``optimizer.expert_lr`` / ``expert_weight_decay``: the plain loop's expert groups."""
-    overrides = MOE + ["optimizer.weight_decay=0.1", "optimizer.expert_lr=4e-3",
-                       "optimizer.expert_weight_decay=0.0"]
+    overrides = MOE + ONE_RANK + ["optimizer.weight_decay=0.1", "optimizer.expert_lr=4e-3",
+                                  "optimizer.expert_weight_decay=0.0"]
     want = reference(overrides, NUM_ITERS)
-    base = reference(MOE + ["optimizer.weight_decay=0.1"], NUM_ITERS)
+    base = reference(MOE + ONE_RANK + ["optimizer.weight_decay=0.1"], NUM_ITERS)
     res = run_ranks(1, engine_run, overrides, NUM_ITERS, timeout_s=300)[0]
     for it, (loss, norm, _, _) in enumerate(res["steps"]):
         assert _rel(loss, want["losses"][it]) <= REL, (it, loss, want["losses"][it])
