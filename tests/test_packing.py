@@ -175,6 +175,7 @@ def _reference_packer(task: object, stream: object, gbs: int):
     return batch_at
 
 
+@cache
 def _packed_reference():
     cfg, task, _ = _setup()
     return reference_run(tuple(PACKING), NUM_ITERS,
@@ -183,7 +184,7 @@ def _packed_reference():
 
 @pytest.mark.parametrize("name,layout,world", [
     ("colocated-dp2", colocated(2), 2),
-    ("vision|audio|language-dp2", noncolocated({}, {}, {"data": 2}), 4),
+    ("vision-dp2|audio|language-pp2", noncolocated({"data": 2}, {}, {"pipeline": 2}), 5),
 ])
 def test_packed_training_matches_plain_loop(name, layout, world):
     """10 packed iterations: losses, grad norms, token counts and weights (1e-4 rel)."""
