@@ -369,7 +369,8 @@ class LoopMonitor:
         self._last_iter = ts.iteration
         self._interval_start = time.perf_counter()
         self._excluded_s = 0.0
-        self._run = {"iters": 0, "step_s": 0.0, "flops": 0.0, "flops_iters": 0}
+        self._run = {"iters": 0, "step_s": 0.0, "flops": 0.0, "flops_iters": 0,
+                     "real_tokens": 0.0}
         self._last: dict[str, Any] = {}
         self.start_time = time.monotonic()
 
@@ -485,6 +486,7 @@ class LoopMonitor:
         record["module_time_s"] = {m: {k: v / num_iters for k, v in t.items()}
                                    for m, t in gathered["modules"].items()}
         self._run["iters"] += num_iters
+        self._run["real_tokens"] += real * num_iters
         self._run["step_s"] += step_time * num_iters
         self._last = record
         if self.writer is not None:
@@ -545,6 +547,7 @@ class LoopMonitor:
         """Complete the summary, print the table (logging rank), close sinks and hooks.
 
         Adds ``wall_time_s``, ``skipped_iters``, ``nan_iters``, ``tokens_per_second``,
+        ``real_tokens_per_second`` (non-padding tokens),
         ``samples_per_second`` and ``step_time_s`` (means over the logged run),
         ``peak_memory_bytes`` (max over ranks at the last log), and
         ``tflops_per_second_per_rank`` / ``mfu`` when known.
@@ -557,7 +560,8 @@ class LoopMonitor:
             step = self._run["step_s"] / self._run["iters"]
             summary.update(step_time_s=step, samples_per_second=cfg.train.global_batch_size / step,
                            tokens_per_second=cfg.train.global_batch_size * cfg.data.seq_length
-                           / step)
+                           / step,
+                           real_tokens_per_second=self._run["real_tokens"] / self._run["step_s"])
             if self._run["flops_iters"]:
                 flops = self._run["flops"] / self._run["flops_iters"]
                 summary["tflops_per_second_per_rank"] = flops / step / rt.world_size / 1e12
