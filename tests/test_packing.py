@@ -146,10 +146,15 @@ def test_resume_and_real_token_count():
     assert "doc_ids" not in plain["language"]
 
 
-def test_packing_with_moe_is_a_one_line_error():
-    with pytest.raises(ValueError, match=r"data\.packing=True is invalid with "
-                                         r"modules\.language\.num_experts=4") as err:
-        load_config(DIGITS, BASE + ["data.packing=true", "modules.language.num_experts=4"])
+@pytest.mark.parametrize("extra,message", [
+    (["modules.language.num_experts=4"],
+     r"data\.packing=True is invalid with modules\.language\.num_experts=4"),
+    (["data.dataset='llava'"], r"data\.packing=True is invalid: expected false with "
+                               r"data\.dataset='llava'"),
+])
+def test_packing_with_an_unsupported_feature_is_a_one_line_error(extra, message):
+    with pytest.raises(ValueError, match=message) as err:
+        load_config(DIGITS, BASE + ["data.packing=true", *extra])
     assert "\n" not in str(err.value)
 
 
