@@ -8,7 +8,10 @@ written here (consecutive samples while they fit).
 
 from __future__ import annotations
 
+import json
+import tempfile
 from functools import cache
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,8 +22,10 @@ from mimotron.data import CharTokenizer, build_datasets, collate
 from mimotron.data.packing import collate_packed, pack_rows, real_tokens
 from mimotron.models.build import build_mimo_model
 from mimotron.parallel.layout import plan_layout
+from mimotron.runtime import init_runtime
 from mimotron.testing import run_ranks
 from mimotron.training.data_provider import MicrobatchProvider
+from mimotron.training.loop import run_training
 from mimotron.training.packed_provider import PackedMicrobatchProvider, PackedTrainIterator
 from tests.common import BASE, DIGITS, colocated, engine_run, noncolocated
 from tests.reference import VOCAB_MULTIPLE, reference_run
@@ -197,3 +202,26 @@ def test_packed_training_matches_plain_loop(name, layout, world):
     ref = _packed_reference()
     assert_steps_match(results, ref)
     assert_weights_match(results, ref)
+
+
+def _train_and_read_metrics(rank: int, world: int, overrides: list[str]) -> list[dict]:
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = load_config(DIGITS, [*BASE, *colocated(1), *overrides, f"log.dir='{tmp}'",
+                                   "train.iters=2", "log.interval=1", "log.progress=false",
+                                   "checkpoint.interval=0"])
+        run_training(cfg, init_runtime())
+        lines = next(Path(tmp).rglob("metrics.jsonl")).read_text().splitlines()
+    return [json.loads(x) for x in lines if "real_tokens_per_second" in json.loads(x)]
+
+
+def test_loop_counts_consumed_samples_and_real_tokens():
+    """A packed run's records: consumed_samples is the stream position; padding reported."""
+    records = run_ranks(1, _train_and_read_metrics, ["data.packing=true"], timeout_s=300)[0]
+    cfg, task, _ = _setup()
+    rows, nxt = pack_rows(task.stream(cfg.train.seed).samples, 0, 16, task.seq_length)
+    real = sum(s["tokens"].numel() for r in rows for s in r)
+    first = records[0]
+    assert first["consumed_samples"] == nxt > 16
+    assert first["padding_fraction"] == pytest.approx(1 - real / (16 * task.seq_length))
+    assert first["real_tokens_per_second"] == pytest.approx(
+        first["tokens_per_second"] * (1 - first["padding_fraction"]))
