@@ -194,7 +194,9 @@ def _packed_reference():
 
 @pytest.mark.parametrize("name,layout,world", [
     ("colocated-dp2", colocated(2), 2),
-    ("vision-dp2|audio|language-pp2", noncolocated({"data": 2}, {}, {"pipeline": 2}), 5),
+    # Heterogeneous: encoder DP 2 feeding a TP 2 x PP 2 language model (7 ranks).
+    ("vision-dp2|audio|language-tp2pp2",
+     noncolocated({"data": 2}, {}, {"tensor": 2, "pipeline": 2}), 7),
 ])
 def test_packed_training_matches_plain_loop(name, layout, world):
     """10 packed iterations: losses, grad norms, token counts and weights (1e-4 rel)."""
