@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from mimotron.config import load_config
 from mimotron.data import CharTokenizer, build_datasets, collate
 from mimotron.data.packing import collate_packed, pack_rows, real_tokens
+from mimotron.data.prefetch import PrefetchingReader
 from mimotron.models.build import build_mimo_model
 from mimotron.parallel.layout import plan_layout
 from mimotron.runtime import init_runtime
@@ -140,6 +141,15 @@ def test_resume_and_real_token_count():
                 for key in w[name]:
                     assert torch.equal(g[name][key], w[name][key]), (name, key)
     assert all(c > 16 for c in counts), f"packed steps consumed only {counts} samples"
+    # Background loading (data.num_workers) reads the same rows.
+    with PrefetchingReader(task.stream(0), num_workers=2) as reader:
+        loaded = PackedTrainIterator(PackedMicrobatchProvider(
+            layout, 0, cfg.train.micro_batch_size, task.seq_length, reader.samples,
+            _kwargs(task)), 0, 16)
+        for want in steps:
+            got = next(loaded)
+            assert all(torch.equal(g[n][k], w[n][k]) for g, w in zip(got, want, strict=True)
+                       for n in w for k in w[n])
     # Real tokens: the sum of the documents' lengths, packed or padded.
     rows, batch = _packed_rows()
     lengths = sum(s["tokens"].numel() for r in rows for s in r)
