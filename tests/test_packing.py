@@ -25,9 +25,12 @@ from mimotron.models.build import build_mimo_model
 from mimotron.parallel.layout import plan_layout
 from mimotron.runtime import init_runtime
 from mimotron.testing import run_ranks
-from mimotron.training.data_provider import MicrobatchProvider
+from mimotron.training.data_provider import (
+    MicrobatchProvider,
+    PackedMicrobatchProvider,
+    PackedTrainIterator,
+)
 from mimotron.training.loop import run_training
-from mimotron.training.packed_provider import PackedMicrobatchProvider, PackedTrainIterator
 from tests.common import BASE, DIGITS, colocated, engine_run, noncolocated
 from tests.reference import VOCAB_MULTIPLE, reference_run
 from tests.test_parity import assert_steps_match, assert_weights_match

@@ -35,6 +35,8 @@ from mimotron.runtime import Runtime, seed_everything
 from mimotron.training.bridge_args import resolve_module_parts, resolve_pg_collection
 from mimotron.training.data_provider import (
     MicrobatchProvider,
+    PackedMicrobatchProvider,
+    PackedTrainIterator,
     make_pad_sample,
     padded_reader,
     train_iterator,
@@ -44,10 +46,6 @@ from mimotron.training.infra import MimoModelInfra, build_infra
 from mimotron.training.language_step import ForwardStepFunc, LanguageStep, default_forward_step
 from mimotron.training.metrics import LoopMonitor, check_divergence
 from mimotron.training.model_setup import build_rank_model, padded_vocab_size
-from mimotron.training.packed_provider import (
-    PackedMicrobatchProvider,
-    PackedTrainIterator,
-)
 from mimotron.training.profiling import StepProfiler, inject_fault
 from mimotron.training.state import GlobalState, TrainState
 from mimotron.training.step import module_parts, train_step_mimo
