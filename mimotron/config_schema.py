@@ -360,6 +360,13 @@ class DataConfig:
     """
     system_prompt: str = ""
     """LLaVA: a system message put first in conversations that have none; empty = none."""
+    packing: bool = False
+    """Pack several training samples into each row of ``seq_length`` (consecutive samples
+    while they fit, at most one image and one tone per row); attention stays within each
+    sample and positions restart per sample. A global batch is then
+    ``global_batch_size`` rows. Not with an MoE language model (its aux loss is per row)
+    nor with ``dataset = "llava"`` (its ranks load only their parts of each sample).
+    """
 
 
 @dataclass

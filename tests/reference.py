@@ -129,7 +129,9 @@ def _data(cfg_key: tuple[str, ...]) -> tuple:
 
 def reference_run(overrides: tuple[str, ...], num_iters: int,
                   extra_objective: Callable[[torch.nn.Module], Callable[[dict], torch.Tensor]]
-                  | None = None) -> ReferenceRun:
+                  | None = None,
+                  batch_at: Callable[[object, object, int, int], dict] | None = None
+                  ) -> ReferenceRun:
     """Train ``num_iters`` iterations of the ``BASE + overrides`` config in one process.
 
     Args:
@@ -138,6 +140,8 @@ def reference_run(overrides: tuple[str, ...], num_iters: int,
         extra_objective: given the model (before training), returns a function of the
             global batch, called after each forward, whose result is added to the loss
             sum before the division by the token count (e.g. MoE auxiliary losses).
+        batch_at: ``(task, stream, iteration, global_batch_size) -> batch``, the global
+            batch of an iteration (``None``: ``collate`` of the stream's next samples).
     """
     cfg = load_config(DIGITS, BASE + list(overrides))
     tokenizer, task = _data(tuple(overrides))
@@ -155,8 +159,9 @@ def reference_run(overrides: tuple[str, ...], num_iters: int,
     out = ReferenceRun([], [], [], [], {}, initial)
     extra = extra_objective(model) if extra_objective is not None else None
     for k in range(num_iters):
-        batch = collate(stream.samples(k * gbs, gbs), task.seq_length, pad_id=task.pad_id,
-                        image_shape=task.image_shape, audio_shape=task.audio_shape)
+        batch = batch_at(task, stream, k, gbs) if batch_at is not None else collate(
+            stream.samples(k * gbs, gbs), task.seq_length, pad_id=task.pad_id,
+            image_shape=task.image_shape, audio_shape=task.audio_shape)
         optimizer.zero_grad(set_to_none=True)
         loss_sum, num_tokens, _ = model(batch)
         objective = loss_sum if extra is None else loss_sum + extra(batch)

@@ -200,6 +200,7 @@ PROBES: dict[str, tuple[list[str], str, list[str]]] = {
     "data.skip_bad_samples": (["data.skip_bad_samples=true"], "error:built", []),
     "data.system_prompt": (["data.system_prompt='x'"], "error:built", []),
     "data.num_workers": (["data.num_workers=2"], "run", ["log.progress=true"]),
+    "data.packing": (["data.packing=true"], "built", []),  # the first training batch
     "train.iters": (["train.iters=12"], "built", []),
     "train.global_batch_size": (["train.global_batch_size=32"], "built", []),
     "train.micro_batch_size": (["train.micro_batch_size=4"], "built", []),

@@ -208,13 +208,16 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, norm_eps) if qk_norm else None
 
     def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+        mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Attend over the sequence.
 
         Args:
             x: ``[batch, seq, hidden]``.
             rope: ``(cos, sin)`` for the sequence, or ``None`` for no rotary embedding.
+            mask: bool ``[batch, 1, seq, seq]`` (True = may attend) replacing the causal
+                mask (packed documents, :func:`~mimotron.data.packing.document_mask`).
 
         Returns:
             ``[batch, seq, hidden]``.
@@ -237,7 +240,10 @@ class Attention(nn.Module):
             # of k/v hold matching groups because tp divides num_kv_heads.
             group = num_q // num_kv
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
+        if mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         out = out.transpose(1, 2).reshape(batch, seq, num_q * self.head_dim)
         return self.wo(out)
 
@@ -323,10 +329,11 @@ class TransformerBlock(nn.Module):
                                                       bias=mlp_bias)
 
     def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+        mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Run the layer on ``[batch, seq, hidden]``; ``rope`` as in :class:`Attention`."""
-        x = x + self.attn(self.attn_norm(x), rope)
+        """Run the layer on ``[batch, seq, hidden]``; ``rope``/``mask`` as in :class:`Attention`."""
+        x = x + self.attn(self.attn_norm(x), rope, mask)
         return x + self.mlp(self.mlp_norm(x))
 
 

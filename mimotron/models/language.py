@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mimotron.data.packing import document_mask
 from mimotron.models.blocks import RMSNorm, make_layers, rope_cache
 from mimotron.models.moe import MoEOptions, check_layer_freq
 from mimotron.models.rope_scaling import rope_inv_freq, validate_rope_scaling
@@ -170,11 +171,16 @@ class LanguageModel(nn.Module):
             raise ValueError("embed_tokens called on a LanguageModel built with pre_process=False")
         return self.embed(tokens)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, doc_ids: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Run this stage's layers (and, on the last stage, the norm and output head).
 
         Args:
             hidden: ``[B, S, hidden]`` embeddings (merged) or a previous stage's output.
+            doc_ids: packed rows only (``data.packing``): ``[B, S]`` document of each
+                position; attention is then causal within each document only.
+            position_ids: with ``doc_ids``: ``[B, S]`` RoPE positions (restarting at 0
+                for every document).
 
         Returns:
             Logits ``[B, S, vocab]`` on the last stage, else hidden states ``[B, S, hidden]``.
@@ -188,8 +194,16 @@ class LanguageModel(nn.Module):
         # Recomputed per call: tiny, and avoids buffers that meta-device builds and
         # checkpoints would have to special-case.
         rope = self.rope(seq, hidden.device)
+        mask = None
+        if doc_ids is not None:
+            # Packed rows: per-row positions select rows of the tables ([B, 1, S, d/2]
+            # broadcasts over heads), and the mask keeps documents apart.
+            pos = position_ids if position_ids is not None else torch.arange(
+                seq, device=hidden.device).expand_as(doc_ids)
+            rope = (rope[0][pos].unsqueeze(1), rope[1][pos].unsqueeze(1))
+            mask = document_mask(doc_ids)
         for layer in self.layers.values():
-            hidden = layer(hidden, rope)
+            hidden = layer(hidden, rope) if mask is None else layer(hidden, rope, mask)
         if self.final_norm is None or self.output is None:
             return hidden
         return self.output(self.final_norm(hidden))

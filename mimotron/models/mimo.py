@@ -104,7 +104,8 @@ class MimoModel(nn.Module):
             token_embeds: ``[B, S, H]`` text embeddings.
             modality_embeds: module name -> ``[n_present, T, H]``, rows in batch order of
                 the samples where ``present[name]`` is True (``[0, T, H]`` if none).
-            present: module name -> bool ``[B]``.
+            present: module name -> bool ``[B]`` (``[B, K]`` for packed rows: several
+                items per row, in the order of their placeholders).
 
         Returns:
             ``[B, S, H]``; gradients flow into both ``token_embeds`` and the modality
@@ -149,7 +150,9 @@ class MimoModel(nn.Module):
                 f"got {tuple(embeds.shape)}"
             )
         counts = mask.sum(dim=1)
-        expected = present.long() * embeds.shape[1]
+        # Packed rows (data.packing) carry a [B, K] mask: one entry per document's item.
+        per_row = present.long() if present.dim() == 1 else present.long().sum(dim=1)
+        expected = per_row * embeds.shape[1]
         bad = (counts != expected).nonzero().flatten()
         if bad.numel():
             i = int(bad[0])
@@ -188,7 +191,10 @@ class MimoModel(nn.Module):
             embeds,
             present,
         )
-        logits = self.language_model(hidden)
+        # Packed rows (data.packing) carry their documents; see mimotron.data.packing.
+        packed = ({"doc_ids": batch["doc_ids"], "position_ids": batch["position_ids"]}
+                  if "doc_ids" in batch else {})
+        logits = self.language_model(hidden, **packed)
         return language_loss(logits, batch["labels"], batch["loss_mask"])
 
 

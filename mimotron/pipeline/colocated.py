@@ -75,6 +75,8 @@ class ColocatedBridge(torch.autograd.Function):
     def forward(ctx, rows: torch.Tensor, mask: torch.Tensor, geo: BridgeGeometry
                 ) -> torch.Tensor:  # noqa: ANN001
         """``rows``: this rank's encoder output; ``mask``: presence over its src slice."""
+        if mask.dim() > 1:  # packed rows (data.packing): [rows, K] -> items per row
+            mask = mask.flatten(1).sum(1)
         masks = [torch.empty_like(mask) for _ in range(geo.world_size)]
         dist.all_gather(masks, mask.contiguous())
         counts = [int(m.sum()) for m in masks]

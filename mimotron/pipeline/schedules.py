@@ -52,7 +52,7 @@ from mimotron.pipeline.plan import (
     build_forward_only_plan,
     pipeline_positions,
 )
-from mimotron.training.language_step import LanguageStep, LossOutput
+from mimotron.training.language_step import LanguageStep, LossOutput, packing_args
 
 # How activations move: in-process (colocated) or between ranks (split layouts).
 Transport = ColocatedTransport | MultiModulePipelineCommunicator
@@ -176,7 +176,7 @@ class StageRunner:
             return None
         hidden = (self.ctx.language.first_stage_input(model, batch, received or {})
                   if role.is_first_stage else received)
-        out = model.language_model(hidden)
+        out = model.language_model(hidden, **packing_args(batch))
         if role.is_last_stage:
             self._saved[k] = (received, None)
             self._record_loss(k, self.ctx.language.loss(model, batch, out))

@@ -5,6 +5,13 @@ Global batch ``k`` is the samples at stream positions ``[k*G, (k+1)*G)``; micro-
 takes the contiguous slice ``[d*m/D, (d+1)*m/D)`` of each micro-batch. A rank builds
 only the samples its modules need (the union of its modules' slices), collates once and
 slices per module, so an encoder-only rank never tokenises text it does not use.
+
+**Packed rows** (``data.packing``, :class:`PackedMicrobatchProvider`): the rows of a step
+are packed from the global stream position ``start`` by
+:func:`~mimotron.data.packing.pack_rows`, identically on every rank; the rules above then
+hold with rows in place of samples (global batch = ``global_batch_size`` rows). The next
+step starts at the first sample not packed, which is what ``consumed_samples`` records,
+so a resume continues with the rows a straight run would have built.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ from typing import Any
 import torch
 
 from mimotron.data.collate import collate, slice_batch
+from mimotron.data.packing import collate_packed, pack_rows
 from mimotron.parallel.layout import Layout
 from mimotron.pipeline.edges import slice_range
 
@@ -74,6 +82,64 @@ def train_iterator(provider: MicrobatchProvider, start: int, global_batch_size: 
     while True:
         yield provider.step(pos, num_mb)
         pos += global_batch_size
+
+
+class PackedMicrobatchProvider(MicrobatchProvider):
+    """Builds this rank's slices of every micro-batch of a packed step.
+
+    Constructed as :class:`~mimotron.training.data_provider.MicrobatchProvider`
+    (``micro_batch_size`` counts rows).
+    """
+
+    def packed_step(self, start: int, num_microbatches: int
+                    ) -> tuple[list[Microbatch], int, int]:
+        """The step whose first sample is at ``start``.
+
+        Returns:
+            ``(micro-batches, next start, real tokens of the whole global batch)``.
+        """
+        rows, next_start = pack_rows(self.sample_at, start, num_microbatches * self.mbs,
+                                     self.seq_length)
+        real = sum(int(s["tokens"].numel()) for row in rows for s in row)
+        span = self.span
+        out: list[Microbatch] = []
+        for j in range(num_microbatches):
+            if span is None:
+                out.append({})
+                continue
+            lo, hi = span
+            mb_rows = rows[j * self.mbs + lo: j * self.mbs + hi]
+            batch = collate_packed(mb_rows, self.seq_length, **self.collate_kwargs)
+            out.append({name: slice_batch(batch, s - lo, e - lo)
+                        for name, (s, e) in self.slices.items()})
+        return out, next_start, real
+
+
+class PackedTrainIterator(Iterator[list[Microbatch]]):
+    """Endless packed steps from stream position ``start`` (resume = consumed samples).
+
+    After each ``next``, ``step_samples`` is the number of stream samples that step
+    consumed and ``step_real_tokens`` its non-padding tokens (the same on every rank).
+
+    Args:
+        provider: the packed provider.
+        start: the first step's stream position.
+        global_batch_size: rows per step.
+    """
+
+    def __init__(self, provider: PackedMicrobatchProvider, start: int,
+                 global_batch_size: int) -> None:
+        self.provider = provider
+        self.position = start
+        self.num_microbatches = global_batch_size // provider.mbs
+        self.step_samples = 0
+        self.step_real_tokens = 0
+
+    def __next__(self) -> list[Microbatch]:
+        mbs, nxt, real = self.provider.packed_step(self.position, self.num_microbatches)
+        self.step_samples, self.step_real_tokens = nxt - self.position, real
+        self.position = nxt
+        return mbs
 
 
 def padded_reader(task: Any, pad_sample: Any) -> Any:

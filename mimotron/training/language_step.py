@@ -42,6 +42,17 @@ def language_input(model: nn.Module, batch: dict[str, torch.Tensor],
                                   present)
 
 
+def packing_args(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The language model's document arguments of a packed batch (``{}`` unpacked).
+
+    They travel with every stage's micro-batch (not as module state), so tensor- and
+    pipeline-parallel stages all mask the same documents.
+    """
+    if "doc_ids" not in batch:
+        return {}
+    return {"doc_ids": batch["doc_ids"], "position_ids": batch["position_ids"]}
+
+
 def language_loss_step(model: nn.Module, batch: dict[str, torch.Tensor], logits: torch.Tensor
                        ) -> LossOutput:
     """Summed token loss of the language model's (possibly vocab-sharded) logits.
@@ -96,7 +107,8 @@ def default_forward_step(model: nn.Module, batch: dict[str, torch.Tensor],
     is one pipeline stage (with language ``pipeline > 1`` the built-in split of this
     function, ``language_input`` / ``language_loss_step``, runs instead).
     """
-    logits = model.language_model(language_input(model, batch, embeddings))
+    logits = model.language_model(language_input(model, batch, embeddings),
+                                  **packing_args(batch))
     return language_loss_step(model, batch, logits)
 
 

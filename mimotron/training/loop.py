@@ -35,6 +35,8 @@ from mimotron.runtime import Runtime, seed_everything
 from mimotron.training.bridge_args import resolve_module_parts, resolve_pg_collection
 from mimotron.training.data_provider import (
     MicrobatchProvider,
+    PackedMicrobatchProvider,
+    PackedTrainIterator,
     make_pad_sample,
     padded_reader,
     train_iterator,
@@ -100,12 +102,14 @@ def setup_mimo(cfg: MimoConfig, runtime: Runtime) -> MimoRun:
     stream = train_task.stream(cfg.train.seed)
     # 0 workers: the stream itself, exactly today's synchronous path.
     reader = PrefetchingReader(stream, cfg.data.num_workers) if cfg.data.num_workers else None
-    provider = MicrobatchProvider(infra.layout, runtime.rank, cfg.train.micro_batch_size,
-                                  cfg.data.seq_length,
-                                  reader.samples if reader is not None else stream.samples,
-                                  _collate_kwargs(train_task))
-    train_iter = train_iterator(provider, state.train_state.consumed_samples,
-                                cfg.train.global_batch_size)
+    provider_type = PackedMicrobatchProvider if cfg.data.packing else MicrobatchProvider
+    provider = provider_type(infra.layout, runtime.rank, cfg.train.micro_batch_size,
+                             cfg.data.seq_length,
+                             reader.samples if reader is not None else stream.samples,
+                             _collate_kwargs(train_task))
+    iterator_type = PackedTrainIterator if cfg.data.packing else train_iterator
+    train_iter = iterator_type(provider, state.train_state.consumed_samples,
+                               cfg.train.global_batch_size)
     valid_iter = _valid_factory(cfg, infra, runtime, valid_task)
     return MimoRun(model, optimizer, schedulers, train_iter, valid_iter, state, infra,
                    communicator, tokenizer, reader)
@@ -209,7 +213,9 @@ def train_mimo(
                 global_state, multimodule_communicator, multimodule_pg_collection,
                 mimo_infra, module_to_grid_tuple, cfg.num_microbatches, cfg.data.seq_length,
                 cfg.train.micro_batch_size)
-            _advance(ts, loss_dict["loss"], skipped, cfg.train.global_batch_size)
+            # Packed steps consume a varying number of stream samples (data.packing).
+            _advance(ts, loss_dict["loss"], skipped,
+                     getattr(train_data_iterator, "step_samples", cfg.train.global_batch_size))
             summary["loss"] = loss_dict["loss"]
             monitor.after_step(loss_dict, skipped, grad_norm, num_zeros,
                                aux=language.pop_aux(),
@@ -234,10 +240,10 @@ def train_mimo(
     return monitor.finish(summary)
 
 
-def _advance(ts: TrainState, loss: float, skipped: bool, global_batch_size: int) -> None:
+def _advance(ts: TrainState, loss: float, skipped: bool, num_samples: int) -> None:
     """Count the finished iteration in the train state (identical on every rank)."""
     ts.iteration += 1
-    ts.consumed_samples += global_batch_size
+    ts.consumed_samples += num_samples
     ts.skipped_iters += int(skipped)
     ts.consecutive_skips = ts.consecutive_skips + 1 if skipped else 0
     if not math.isfinite(loss):

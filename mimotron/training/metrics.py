@@ -27,6 +27,8 @@ communication}} — seconds per iteration, the max over the ranks holding the mo
 :mod:`mimotron.training.profiling` for what they cover). An MoE language model adds
 ``moe_aux_loss``, ``moe_z_loss`` (when on), per-layer ``moe_load_min`` / ``moe_load_max`` /
 ``moe_load_cv`` and ``moe_dropped_tokens`` (:mod:`mimotron.training.moe_metrics`).
+``real_tokens_per_second`` counts only non-padding tokens and ``padding_fraction`` is the
+share of padding positions in the logged iterations (packed or not, ``data.packing``).
 
 **Auxiliary losses.** A forward step may return extra metrics beside ``correct`` and
 ``samples``: a 2-element tensor ``[sum, count]`` is logged as the global sum over the
@@ -49,6 +51,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from mimotron.data.packing import real_tokens
 from mimotron.names import LANGUAGE
 from mimotron.runtime import compute_dtype, device_peak_flops, peak_memory_bytes
 from mimotron.training.flops import model_flops_per_iteration
@@ -64,6 +67,9 @@ from mimotron.training.moe_metrics import add_moe_sums, local_moe_sums, moe_reco
 from mimotron.training.profiling import ModuleTimes
 from mimotron.training.state import GlobalState, TrainState
 from mimotron.training.step import module_parts
+
+# The language ranks' count of non-padding tokens, beside the encoders' sample counts.
+REAL_TOKENS = "__real_tokens__"
 
 if TYPE_CHECKING:
     from mimotron.optim.mimo_optimizer import MimoOptimizer
@@ -351,6 +357,10 @@ class LoopMonitor:
         self._counted = {r.module for r in infra.layout.roles(infra.rank)
                          if r.module != LANGUAGE and r.tp == 0 and r.cp == 0
                          and r.is_first_stage}
+        # One language rank per DP replica (TP 0, first stage) counts its rows' tokens.
+        lm_role = infra.roles.get(LANGUAGE)
+        self._counts_tokens = (lm_role is not None and lm_role.tp == 0 and lm_role.cp == 0
+                               and lm_role.is_first_stage)
         self._modality_of = {n: str(m.modality) for n, m in cfg.modules.items()
                              if m.is_encoder}
         self._counts: dict[str, Any] = defaultdict(float)  # Summed lazily (tensors).
@@ -359,7 +369,8 @@ class LoopMonitor:
         self._last_iter = ts.iteration
         self._interval_start = time.perf_counter()
         self._excluded_s = 0.0
-        self._run = {"iters": 0, "step_s": 0.0, "flops": 0.0, "flops_iters": 0}
+        self._run = {"iters": 0, "step_s": 0.0, "flops": 0.0, "flops_iters": 0,
+                     "real_tokens": 0.0}
         self._last: dict[str, Any] = {}
         self.start_time = time.monotonic()
 
@@ -378,6 +389,8 @@ class LoopMonitor:
                 present = (batch[key].sum() if key in batch
                            else batch[self._modality_of[module]].shape[0])
                 self._counts[module] = self._counts[module] + present
+            if self._counts_tokens and LANGUAGE in mb:
+                self._counts[REAL_TOKENS] = self._counts[REAL_TOKENS] + real_tokens(mb[LANGUAGE])
 
     @contextlib.contextmanager
     def excluded(self) -> Iterator[None]:
@@ -464,11 +477,16 @@ class LoopMonitor:
         record.update(skipped_iters=ts.skipped_iters, nan_iters=ts.nan_iters,
                       peak_memory_bytes=max(gathered["peak"]),
                       peak_memory_bytes_per_rank=gathered["peak"])
+        real = gathered["counts"].pop(REAL_TOKENS, 0.0) / num_iters
+        record["real_tokens_per_second"] = real / step_time
+        record["padding_fraction"] = 1.0 - real / (cfg.train.global_batch_size
+                                                   * cfg.data.seq_length)
         record.update(self._flops(gathered["vocab"], gathered["counts"], num_iters, step_time))
         record["time_s"] = {k: v / num_iters for k, v in gathered["timers"].items()}
         record["module_time_s"] = {m: {k: v / num_iters for k, v in t.items()}
                                    for m, t in gathered["modules"].items()}
         self._run["iters"] += num_iters
+        self._run["real_tokens"] += real * num_iters
         self._run["step_s"] += step_time * num_iters
         self._last = record
         if self.writer is not None:
@@ -529,6 +547,7 @@ class LoopMonitor:
         """Complete the summary, print the table (logging rank), close sinks and hooks.
 
         Adds ``wall_time_s``, ``skipped_iters``, ``nan_iters``, ``tokens_per_second``,
+        ``real_tokens_per_second`` (non-padding tokens),
         ``samples_per_second`` and ``step_time_s`` (means over the logged run),
         ``peak_memory_bytes`` (max over ranks at the last log), and
         ``tflops_per_second_per_rank`` / ``mfu`` when known.
@@ -541,7 +560,8 @@ class LoopMonitor:
             step = self._run["step_s"] / self._run["iters"]
             summary.update(step_time_s=step, samples_per_second=cfg.train.global_batch_size / step,
                            tokens_per_second=cfg.train.global_batch_size * cfg.data.seq_length
-                           / step)
+                           / step,
+                           real_tokens_per_second=self._run["real_tokens"] / self._run["step_s"])
             if self._run["flops_iters"]:
                 flops = self._run["flops"] / self._run["flops_iters"]
                 summary["tflops_per_second_per_rank"] = flops / step / rt.world_size / 1e12

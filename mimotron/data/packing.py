@@ -1,0 +1,163 @@
+"""Sequence packing: several samples concatenated into one row of ``seq_length``.
+
+**Which samples share a row.** The training stream is read in its global order
+(:class:`~mimotron.data.digits.SampleStream`) and packed greedily: a row takes
+consecutive samples while they fit in ``seq_length`` tokens. The packing is a pure
+function of the sample sequence from the batch's first position, so every rank, in every
+layout, builds the same rows; a global batch is ``global_batch_size`` rows and the next
+one starts at the first sample not packed (the resume position, ``consumed_samples``).
+
+**Batch format.** As :func:`~mimotron.data.collate.collate`, except that a row may hold
+several media items of a modality: ``image`` is Float[B, K, ...] and ``has_image``
+Bool[B, K] (``K`` = the most images a row of this batch holds; the row's images in
+document order, zeros and False after them), likewise ``audio``. Boolean indexing with
+the mask lists the present items row by row, document by document — the order of their
+placeholders in the rows, so each document's embeddings land on its own placeholders.
+Added: ``doc_ids`` Long[B, S] (the document of each position, 0, 1, ... within a row;
+padding is -1) and ``position_ids`` Long[B, S] (the position inside the document: RoPE
+restarts at 0 for every document). Labels never cross a document boundary: a sample's
+last label is padding with loss mask 0, so the loss and its token count are the
+unpacked ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from mimotron.data.collate import Batch, Sample, collate
+
+# Keys whose presence in a sample decides a row's modalities.
+_MEDIA = ("image", "audio")
+
+
+def has_media(sample: Sample, key: str) -> bool:
+    """Whether ``sample`` carries modality ``key`` (its ``has_<key>`` flag, else the tensor)."""
+    return bool(sample.get(f"has_{key}", sample.get(key) is not None))
+
+
+def fits(row: Sequence[Sample], sample: Sample, seq_length: int) -> bool:
+    """Whether ``sample`` can join ``row`` (the row's tokens plus its fit ``seq_length``)."""
+    used = sum(int(s["tokens"].numel()) for s in row)
+    return used + int(sample["tokens"].numel()) <= seq_length
+
+
+def pack_rows(read: Callable[[int, int], list[Sample]], start: int, num_rows: int,
+              seq_length: int, chunk: int = 64) -> tuple[list[list[Sample]], int]:
+    """Greedily pack ``num_rows`` rows from stream position ``start``.
+
+    Args:
+        read: ``f(start, count) -> samples`` over the global stream.
+        start: position of the first sample.
+        num_rows: rows to fill.
+        seq_length: tokens per row.
+        chunk: samples read per call (the result does not depend on it).
+
+    Returns:
+        ``(rows, next_start)``: the rows (lists of samples, in stream order) and the
+        position of the first sample not packed.
+    """
+    rows: list[list[Sample]] = []
+    row: list[Sample] = []
+    pos, buffer = start, []
+    while True:
+        if not buffer:
+            buffer = list(read(pos, chunk))
+        sample = buffer[0]
+        if row and not fits(row, sample, seq_length):
+            rows.append(row)
+            row = []
+            if len(rows) == num_rows:
+                return rows, pos
+        row.append(buffer.pop(0))
+        pos += 1
+
+
+def _concat(row: Sequence[Sample]) -> Sample:
+    """One text sample holding a row's documents back to back, with document ids and positions."""
+    out: Sample = {key: torch.cat([s[key] for s in row]) for key in ("tokens", "labels",
+                                                                      "loss_mask")}
+    out["doc_ids"] = torch.cat([torch.full((s["tokens"].numel(),), d, dtype=torch.long)
+                                for d, s in enumerate(row)])
+    out["position_ids"] = torch.cat([torch.arange(s["tokens"].numel()) for s in row])
+    for key in _MEDIA:
+        out[key], out[f"has_{key}"] = None, False  # stacked per row by _stack_media
+    out["index"] = int(row[0]["index"])
+    return out
+
+
+def _stack_media(rows: Sequence[Sequence[Sample]], key: str, shape: tuple[int, ...]
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[B, K, *shape]`` media of each row in document order, and the ``[B, K]`` mask."""
+    owners = [[s for s in row if has_media(s, key)] for row in rows]
+    num = max([len(o) for o in owners] + [1])
+    stacked = torch.zeros((len(rows), num, *shape), dtype=torch.float32)
+    present = torch.zeros((len(rows), num), dtype=torch.bool)
+    for i, docs in enumerate(owners):
+        for j, s in enumerate(docs):
+            present[i, j] = True
+            item = s.get(key)
+            if item is not None:  # a rank that does not load the modality keeps zeros
+                if tuple(item.shape) != tuple(shape):
+                    raise ValueError(f"sample index {s.get('index')} has {key} of shape "
+                                     f"{tuple(item.shape)}: expected {tuple(shape)}")
+                stacked[i, j] = item
+    return stacked, present
+
+
+def collate_packed(rows: Sequence[Sequence[Sample]], seq_length: int, pad_id: int = 0,
+                   image_shape: tuple[int, ...] = (1, 8, 8),
+                   audio_shape: tuple[int, ...] = (129, 16)) -> Batch:
+    """Collate packed rows (see the module docstring for the batch format).
+
+    Args:
+        rows: rows from :func:`pack_rows`.
+        seq_length: tokens per row.
+        pad_id: id used for padding ``tokens`` and ``labels``.
+        image_shape: shape of one image.
+        audio_shape: shape of one spectrogram.
+
+    Returns:
+        The batch: ``collate``'s keys (media per row ``[B, K, ...]``) plus ``doc_ids`` and
+        ``position_ids``.
+    """
+    merged = [_concat(row) for row in rows]
+    batch = collate(merged, seq_length, pad_id, image_shape, audio_shape)
+    for key, shape in (("image", image_shape), ("audio", audio_shape)):
+        batch[key], batch[f"has_{key}"] = _stack_media(rows, key, tuple(shape))
+    for key, fill in (("doc_ids", -1), ("position_ids", 0)):
+        out = torch.full((len(merged), seq_length), fill, dtype=torch.long)
+        for i, s in enumerate(merged):
+            out[i, : s[key].numel()] = s[key]
+        batch[key] = out
+    return batch
+
+
+def document_mask(doc_ids: torch.Tensor) -> torch.Tensor:
+    """Block-diagonal causal attention mask ``[B, 1, S, S]`` (True = may attend).
+
+    Position ``q`` sees ``k <= q`` of its own document only; padding (-1) forms one
+    document of its own, so no query row is empty.
+    """
+    seq = doc_ids.shape[-1]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=doc_ids.device).tril()
+    same = doc_ids.unsqueeze(-1) == doc_ids.unsqueeze(-2)
+    return (same & causal).unsqueeze(1)
+
+
+def real_tokens(batch: Batch) -> torch.Tensor:
+    """Non-padding positions of a training batch (a 0-dim long tensor, no sync).
+
+    Packed rows count their documents' positions (``doc_ids >= 0``); an unpacked row
+    counts up to its ``<eos>``, one past the last loss position (a training sample's
+    loss ends by predicting ``<eos>``, see :func:`~mimotron.data.collate.build_text_sample`).
+    """
+    if "doc_ids" in batch:
+        return (batch["doc_ids"] >= 0).sum()
+    mask = batch["loss_mask"] != 0
+    seq = mask.shape[-1]
+    positions = torch.arange(1, seq + 1, device=mask.device)
+    # Index of the last scored position + 1, then + 1 for the <eos> itself.
+    last = (mask * positions).amax(dim=-1)
+    return torch.where(last > 0, (last + 1).clamp(max=seq), 0).sum()
