@@ -9,6 +9,7 @@ norms as stepped, final weights, 1e-4 relative); the rejected combinations name 
 from __future__ import annotations
 
 import math
+from functools import cache
 
 import pytest
 
@@ -44,6 +45,12 @@ def sp_engine_run(rank: int, world: int, overrides: list[str], num_iters: int) -
 
     language_module.scatter_sequence = recording_scatter  # this forked rank only
     return {**engine_run(rank, world, overrides, num_iters), "sharded_seq": shapes}
+
+
+@cache
+def _reference() -> ReferenceRun:
+    """The plain loop, shared by every case (SP does not change the model or the data)."""
+    return reference_run(tuple(PARITY), NUM_ITERS)
 
 
 def _rel(got: float, want: float) -> float:
@@ -90,7 +97,7 @@ def test_sequence_parallel_matches_plain_loop(name):
     overrides = PARITY + CASES[name] + SP
     world = plan_layout(load_config(DIGITS, BASE + overrides)).world_size
     results = run_ranks(world, sp_engine_run, overrides, NUM_ITERS, timeout_s=300)
-    ref = reference_run(tuple(PARITY), NUM_ITERS)
+    ref = _reference()
     _check_steps(results, ref)
     _check_module_norms(results, ref)
     _check_weights(results, ref)
@@ -115,3 +122,20 @@ INVALID = [
 def test_sequence_parallel_rejections_name_the_field(overrides, needle):
     with pytest.raises(ValueError, match=needle):
         plan_layout(load_config(DIGITS, BASE + overrides))
+
+
+def test_activation_estimate_accounts_for_sequence_parallelism():
+    from mimotron.parallel.memory import activation_bytes
+
+    def estimate(language: dict, *extra: str) -> int:
+        cfg = load_config(DIGITS, BASE + noncolocated({}, {}, language) + list(extra))
+        samples = cfg.train.micro_batch_size  # language DP 1
+        logits = 3 * samples * SEQ * 4 * 64  # the same with and without SP
+        return activation_bytes(cfg, "language") - logits
+
+    tp1, plain, sp = estimate({}), estimate({"tensor": 2}), estimate({"tensor": 2}, *SP)
+    # TP 2: the norm regions' 10 stay whole, the TP regions' 24 halve (10 + 12 of 34);
+    # SP halves all but the 4 of the gathered linear inputs, which the DTensor plans save
+    # whole (4 + 15).
+    assert plain * 34 == tp1 * 22
+    assert sp * 22 == plain * 19

@@ -146,7 +146,16 @@ class _GatherSequence(torch.autograd.Function):
 
 
 def scatter_sequence(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """Keep this TP rank's sequence chunk of a replicated ``[B, S, H]`` (autograd-aware)."""
+    """Keep this TP rank's sequence chunk of a replicated ``[B, S, H]`` (autograd-aware).
+
+    Raises:
+        ValueError: the TP degree does not divide ``S`` (every rank raises alike, before
+            any collective of the forward).
+    """
+    size = dist.get_world_size(group)
+    if x.shape[1] % size:
+        raise ValueError(f"sequence length {x.shape[1]} is not divisible by tensor={size}: "
+                         "sequence parallelism needs data.seq_length divisible by tensor")
     return _ScatterSequence.apply(x, group)
 
 
