@@ -71,7 +71,9 @@ class ParallelConfig:
     Blocks either all coincide (colocated) or are disjoint and tile ``[0, world)``.
     """
     sequence_parallel: bool = False
-    """Sequence parallelism; not implemented, so true is rejected."""
+    """Sequence parallelism (language model only, needs tensor > 1 and data.seq_length
+    divisible by tensor): norm regions hold seq / tensor positions per rank.
+    """
     shard_optimizer: bool = False
     """ZeRO-1: shard the module's optimizer state over its DP group.
 

@@ -247,7 +247,7 @@ def test_a_stopped_rank_is_named_as_stalled_after_the_timeout(tmp_path):
     """Item 7: a rank stopped with SIGSTOP is named as stalled (not a peer that timed out
     waiting on it), and the job ends instead of hanging; the verdict says how long it
     was stopped: about ``train.pg_timeout_s``, when the launcher or its peers gave up."""
-    timeout_s = 10
+    timeout_s = 6
     proc = _start([DIGITS, *TINY, "train.iters=100000", f"train.pg_timeout_s={timeout_s}",
                    f"log.dir={tmp_path}"])
     _wait_for_iterations(tmp_path, 2, proc)

@@ -128,7 +128,7 @@ INVALID = [
                  id="context"),
     pytest.param(_par("vision", rank_offset=-1), "rank_offset=-1", id="negative-offset"),
     pytest.param(["modules.language.parallel.sequence_parallel=true"],
-                 "sequence parallelism is not implemented", id="sequence-parallel"),
+                 "sequence parallelism needs tensor > 1", id="sequence-parallel"),
     pytest.param(_par("vision", data=1, rank_offset=0) + _par("audio", data=1, rank_offset=1)
                  + _par("language", pipeline=2, rank_offset=2)
                  + ["modules.language.parallel.layers_per_stage=[2]"],

@@ -44,6 +44,9 @@ def run_plan(config: str, overrides: list[str]) -> int:
         p = mod.parallel
         print(f"{name:<10} {mod.kind:<9} {sum(stages):>10,}  {p.tensor:>2} {p.pipeline:>2} "
               f"{p.data:>2}  {stages}{'  (frozen)' if mod.freeze else ''}")
+        if p.sequence_parallel:
+            print(f"{'':<10} sequence parallel: norm regions hold seq / {p.tensor} "
+                  f"= {cfg.data.seq_length // p.tensor} positions per rank")
         moe = stage_expert_counts(cfg, name, vocab)
         if moe:
             experts, whole = sum(e for e, _ in moe), sum(w for _, w in moe)

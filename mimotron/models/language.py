@@ -9,6 +9,7 @@ unless ``tie_word_embeddings``, which needs both ends on one stage).
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -16,6 +17,7 @@ from mimotron.data.packing import document_mask
 from mimotron.models.blocks import RMSNorm, make_layers, rope_cache
 from mimotron.models.moe import MoEOptions, check_layer_freq
 from mimotron.models.rope_scaling import rope_inv_freq, validate_rope_scaling
+from mimotron.parallel.sequence_parallel import gather_sequence, scatter_sequence
 
 
 class LanguageModel(nn.Module):
@@ -121,6 +123,8 @@ class LanguageModel(nn.Module):
         self.output = nn.Linear(hidden_size, vocab_size, bias=False) if post_process else None
         if tie_word_embeddings:
             self.tie_weights()
+        # The TP group when sequence parallelism is on (set by apply_tensor_parallel).
+        self.sequence_parallel_group: dist.ProcessGroup | None = None
 
     @staticmethod
     def _check_sizes(
@@ -202,10 +206,15 @@ class LanguageModel(nn.Module):
                 seq, device=hidden.device).expand_as(doc_ids)
             rope = (rope[0][pos].unsqueeze(1), rope[1][pos].unsqueeze(1))
             mask = document_mask(doc_ids)
+        group = self.sequence_parallel_group
+        if group is not None:
+            # Sequence parallelism: layers and norms hold seq / tp; stages exchange whole
+            # sequences (mimotron.parallel.sequence_parallel).
+            hidden = scatter_sequence(hidden, group)
         for layer in self.layers.values():
             hidden = layer(hidden, rope) if mask is None else layer(hidden, rope, mask)
         if self.final_norm is None or self.output is None:
-            return hidden
+            return hidden if group is None else gather_sequence(hidden, group)
         return self.output(self.final_norm(hidden))
 
 

@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor
 
 from mimotron.parallel.expert_parallel import is_expert_param
 from mimotron.parallel.groups import ProcessGroupCollection
+from mimotron.parallel.sequence_parallel import reduce_sequence_parallel_grads
 
 DEFAULT_BUCKET_BYTES = 32 * 2**20
 
@@ -147,6 +148,9 @@ def finalize_model_grads(
     """
     skipped = (frozen or set()) | (optimizer_reduced or set())
     for name in sorted(modules):
+        if name not in (frozen or set()):
+            # Sequence-parallel norm weights: partial over TP, summed before anything else.
+            reduce_sequence_parallel_grads(modules[name], pg_collections[name].tp)
         if name in skipped:
             continue
         align_grad_placements(modules[name])

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from mimotron.config import MimoConfig, ModuleConfig, ParallelConfig
 from mimotron.names import GRID_AXES, LANGUAGE
 from mimotron.parallel.expert_layout import check_expert_layout
+from mimotron.parallel.sequence_parallel import check_sequence_parallel
 
 GRID_DIMS = GRID_AXES
 
@@ -236,9 +237,7 @@ def _check_module_shape(cfg: MimoConfig, name: str, colocated: bool) -> None:
             f"{p}.layers_per_stage={par.layers_per_stage} is invalid: it must sum to "
             f"modules.{name}.num_layers={mod.num_layers}"
         )
-    if par.sequence_parallel:
-        raise ValueError(f"{p}.sequence_parallel=true is invalid: sequence parallelism is not "
-                         "implemented; use false (tensor parallelism works without it)")
+    check_sequence_parallel(cfg, name)
     if par.context > 1:
         raise ValueError(
             f"{p}.context={par.context} is invalid: context parallelism is not supported; use 1"

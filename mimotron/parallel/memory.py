@@ -103,7 +103,13 @@ def activation_bytes(cfg: MimoConfig, name: str) -> int:
 
     Per transformer layer and token about ``34 * hidden`` bytes in 16-bit precision
     (Korthikanti et al., without recomputation), attention scores excluded since SDPA
-    does not store them; divided by TP, and by DP through the micro-batch slice.
+    does not store them; divided by DP through the micro-batch slice. With TP ``t`` only
+    the TP regions' ``24`` divide by ``t``: the ``10`` of the norm regions (norm inputs,
+    the linears' inputs, dropout masks) is whole on every rank. Sequence parallelism
+    (:mod:`mimotron.parallel.sequence_parallel`) divides the norm regions' ``6`` too;
+    the ``4`` of the column-parallel linears' inputs stays whole, because the DTensor
+    plans gather the input before the linear, which saves the gathered tensor (Megatron
+    saves the shard and gathers again in backward, reaching ``34 / t``).
     """
     mod = cfg.modules[name]
     par = mod.parallel
@@ -111,7 +117,8 @@ def activation_bytes(cfg: MimoConfig, name: str) -> int:
     tokens = cfg.data.seq_length if mod.kind == "language" else mod.num_output_tokens
     layers = -(-mod.num_layers // par.pipeline)
     scale = BYTES[cfg.train.precision] / 2
-    per_layer = 34 * mod.hidden_size * tokens * samples * scale / par.tensor
+    whole, split = (4, 30) if par.sequence_parallel else (10, 24)
+    per_layer = mod.hidden_size * tokens * samples * scale * (whole + split / par.tensor)
     logits = 0
     if mod.kind == "language":
         logits = 3 * samples * tokens * 4 * 64  # vocab ~ 64 classes: logits, softmax, grad

@@ -25,6 +25,11 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from mimotron.parallel.sequence_parallel import (
+    mark_sequence_parallel_params,
+    sequence_parallel_plan,
+)
+
 # (projection, column-wise?) in the order the plan lists them.
 _PROJECTIONS = (("attn.wq", True), ("attn.wk", True), ("attn.wv", True), ("attn.wo", False),
                 ("mlp.w1", True), ("mlp.w3", True), ("mlp.w2", False))
@@ -47,8 +52,13 @@ def _block_plan(prefix: str, layers: nn.ModuleDict) -> dict[str, object]:
     return plan
 
 
-def tensor_parallel_plan(module: nn.Module, is_language: bool) -> dict[str, object]:
-    """The DTensor plan for one built-in module part (encoder submodule or LM stage)."""
+def tensor_parallel_plan(module: nn.Module, is_language: bool,
+                         sequence_parallel: bool = False) -> dict[str, object]:
+    """The DTensor plan for one built-in module part (encoder submodule or LM stage).
+
+    ``sequence_parallel`` (language only) swaps in the entries of
+    :func:`~mimotron.parallel.sequence_parallel.sequence_parallel_plan`.
+    """
     if is_language:
         plan = _block_plan("", module.layers)
         if module.embed is not None:
@@ -56,6 +66,8 @@ def tensor_parallel_plan(module: nn.Module, is_language: bool) -> dict[str, obje
             plan["embed"] = RowwiseParallel(input_layouts=Replicate())
         if module.output is not None:
             plan["output"] = ColwiseParallel()  # local logits: [.., vocab / tp]
+        if sequence_parallel:
+            plan.update(sequence_parallel_plan(module.layers, module.output is not None))
         return plan
     plan = _block_plan("encoder.", module.encoder.layers)
     if module.projector is not None:
@@ -80,8 +92,13 @@ def _check_heads(layers: nn.ModuleDict, tp: int, prefix: str) -> None:
                 )
 
 
-def apply_tensor_parallel(module: nn.Module, mesh: DeviceMesh, is_language: bool) -> nn.Module:
+def apply_tensor_parallel(module: nn.Module, mesh: DeviceMesh, is_language: bool,
+                          sequence_parallel: bool = False) -> nn.Module:
     """Shard a module part over a 1-D TP mesh in place; mark replicated parameters.
+
+    With ``sequence_parallel`` (a language model part only) the residual stream and the
+    norms hold ``seq / tp`` per rank (:mod:`mimotron.parallel.sequence_parallel`): the
+    part gets ``sequence_parallel_group`` and its sharded norms' weights are marked.
 
     Biases follow their weights (column-wise layers shard theirs, row-wise layers keep
     theirs whole and add it once). A language model with tied embeddings is re-tied
@@ -101,8 +118,11 @@ def apply_tensor_parallel(module: nn.Module, mesh: DeviceMesh, is_language: bool
         _check_heads(module.layers, tp, "")
     else:
         _check_heads(module.encoder.layers, tp, "encoder.")
-    plan = tensor_parallel_plan(module, is_language)
+    plan = tensor_parallel_plan(module, is_language, sequence_parallel)
     parallelize_module(module, mesh, plan)
+    if sequence_parallel:
+        module.sequence_parallel_group = mesh.get_group()
+        mark_sequence_parallel_params(module)
     if is_language and getattr(module, "tie_word_embeddings", False):
         module.tie_weights()
     return module

@@ -66,7 +66,8 @@ def build_rank_model(cfg: MimoConfig, infra: MimoModelInfra, vocab_size: int,
             continue
         parts[name] = build_module(cfg, name, vocab_size, **stage).to(device)
         if mesh is not None:
-            apply_tensor_parallel(parts[name], mesh, name == LANGUAGE)
+            apply_tensor_parallel(parts[name], mesh, name == LANGUAGE,
+                                  mod.parallel.sequence_parallel)
         if mod.parallel.expert > 1 or mod.parallel.expert_tensor > 1:
             apply_expert_parallel(parts[name], infra, name, device,
                                   mod.parallel.expert_tensor > 1)

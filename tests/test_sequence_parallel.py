@@ -1,0 +1,141 @@
+"""Sequence parallelism in the language model trains like the plain PyTorch loop.
+
+Every layout class the validator accepts with ``sequence_parallel = true`` (non-colocated
+TP 2, non-colocated TP 2 x PP 2, colocated TP 2 x DP 2) is compared over 10 iterations
+with :func:`tests.reference.reference_run` (losses, global grad norm, per-module grad
+norms as stepped, final weights, 1e-4 relative); the rejected combinations name the field.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import cache
+
+import pytest
+
+import mimotron.models.language as language_module
+from mimotron.config import load_config
+from mimotron.parallel.layout import plan_layout
+from mimotron.testing import run_ranks
+from tests.common import BASE, DIGITS, coloc, engine_run, module_of, noncolocated
+from tests.reference import ReferenceRun, reference_run
+
+NUM_ITERS = 10
+PARITY = ["train.iters=10"]
+REL = 1e-4
+SP = ["modules.language.parallel.sequence_parallel=true"]
+SEQ = 64  # data.seq_length of configs/digits.toml
+
+CASES = {
+    "language-tp2-sp": noncolocated({}, {}, {"tensor": 2}),
+    "language-tp2pp2-sp": noncolocated({}, {}, {"tensor": 2, "pipeline": 2}),
+    "coloc-language-tp2dp2-sp": coloc({"data": 4}, {"data": 4}, {"tensor": 2, "data": 2}),
+}
+
+
+def sp_engine_run(rank: int, world: int, overrides: list[str], num_iters: int) -> dict:
+    """:func:`engine_run`, also recording the sequence length each language layer stack ran."""
+    shapes: list[int] = []
+    scatter = language_module.scatter_sequence
+
+    def recording_scatter(x, group):  # noqa: ANN001, ANN202
+        out = scatter(x, group)
+        shapes.append(out.shape[1])
+        return out
+
+    language_module.scatter_sequence = recording_scatter  # this forked rank only
+    return {**engine_run(rank, world, overrides, num_iters), "sharded_seq": shapes}
+
+
+@cache
+def _reference() -> ReferenceRun:
+    """The plain loop, shared by every case (SP does not change the model or the data)."""
+    return reference_run(tuple(PARITY), NUM_ITERS)
+
+
+def _rel(got: float, want: float) -> float:
+    return abs(got - want) / max(abs(want), 1e-12)
+
+
+def _check_steps(results: list[dict], ref: ReferenceRun) -> None:
+    for rank, res in enumerate(results):
+        for it, (loss, norm, skipped, tokens) in enumerate(res["steps"]):
+            where = f"rank {rank} iteration {it}"
+            assert skipped is False and tokens == ref.num_tokens[it], where
+            assert _rel(loss, ref.losses[it]) <= REL, f"{where}: loss {loss} vs {ref.losses[it]}"
+            assert _rel(norm, ref.grad_norms[it]) <= REL, (
+                f"{where}: grad norm {norm} vs {ref.grad_norms[it]}")
+
+
+def _check_module_norms(results: list[dict], ref: ReferenceRun) -> None:
+    """Per-module grad norms as stepped; every copy of a gradient agrees (norm weights too)."""
+    for it in range(NUM_ITERS):
+        merged: dict[str, float] = {}
+        for rank, res in enumerate(results):
+            for pname, sq in res["grad_sq"][it].items():
+                assert merged.setdefault(pname, sq) == sq, f"it {it}: {pname} differs on {rank}"
+        norms: dict[str, float] = {}
+        for pname, sq in merged.items():
+            norms[module_of(pname)] = norms.get(module_of(pname), 0.0) + sq
+        for module, want in ref.module_norms[it].items():
+            assert _rel(math.sqrt(norms[module]), want) <= REL, f"it {it}: module {module}"
+
+
+def _check_weights(results: list[dict], ref: ReferenceRun) -> None:
+    merged = {}
+    for res in results:
+        merged.update(res["weights"])
+    assert sorted(merged) == sorted(ref.weights)
+    for pname, want in ref.weights.items():
+        err = float((merged[pname] - want).norm() / want.norm().clamp_min(1e-12))
+        assert err <= REL, f"{pname}: relative L2 {err:.2e}"
+        assert not (merged[pname] == ref.initial[pname]).all(), f"{pname} did not train"
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_sequence_parallel_matches_plain_loop(name):
+    overrides = PARITY + CASES[name] + SP
+    world = plan_layout(load_config(DIGITS, BASE + overrides)).world_size
+    results = run_ranks(world, sp_engine_run, overrides, NUM_ITERS, timeout_s=300)
+    ref = _reference()
+    _check_steps(results, ref)
+    _check_module_norms(results, ref)
+    _check_weights(results, ref)
+    # The language ranks really ran their layers on seq / tp positions.
+    sharded = [s for res in results for s in res["sharded_seq"]]
+    assert sharded and set(sharded) == {SEQ // 2}
+
+
+INVALID = [
+    pytest.param(SP, "modules.language.parallel.sequence_parallel=true is invalid with "
+                 "modules.language.parallel.tensor=1", id="no-tp"),
+    pytest.param(noncolocated({}, {}, {"tensor": 2}) + SP + ["data.seq_length=66"]
+                 + ["modules.language.parallel.tensor=4"],
+                 "data.seq_length=66 is invalid", id="seq-not-divisible"),
+    pytest.param(noncolocated({"tensor": 2}, {}, {})
+                 + ["modules.vision.parallel.sequence_parallel=true"],
+                 "modules.vision.parallel.sequence_parallel=true is invalid", id="encoder"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "needle"), INVALID)
+def test_sequence_parallel_rejections_name_the_field(overrides, needle):
+    with pytest.raises(ValueError, match=needle):
+        plan_layout(load_config(DIGITS, BASE + overrides))
+
+
+def test_activation_estimate_accounts_for_sequence_parallelism():
+    from mimotron.parallel.memory import activation_bytes
+
+    def estimate(language: dict, *extra: str) -> int:
+        cfg = load_config(DIGITS, BASE + noncolocated({}, {}, language) + list(extra))
+        samples = cfg.train.micro_batch_size  # language DP 1
+        logits = 3 * samples * SEQ * 4 * 64  # the same with and without SP
+        return activation_bytes(cfg, "language") - logits
+
+    tp1, plain, sp = estimate({}), estimate({"tensor": 2}), estimate({"tensor": 2}, *SP)
+    # TP 2: the norm regions' 10 stay whole, the TP regions' 24 halve (10 + 12 of 34);
+    # SP halves all but the 4 of the gathered linear inputs, which the DTensor plans save
+    # whole (4 + 15).
+    assert plain * 34 == tp1 * 22
+    assert sp * 22 == plain * 19
