@@ -87,7 +87,7 @@ def _rank_main(
 def warm_up_imports() -> None:
     """Import and cache, once in the parent, what every forked rank would load itself.
 
-    scikit-learn and the digits array (the demo data), torch's lazily imported optimizer
+    the digits array (the demo data), torch's lazily imported optimizer
     machinery (``torch._dynamo``, pulled in by the first ``AdamW``), and DTensor.
     """
     import torch.distributed.tensor  # noqa: F401

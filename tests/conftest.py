@@ -2,7 +2,7 @@
 
 Multi-rank tests fork their ranks from this process, so whatever is imported or cached
 here is inherited for free. Without it every forked rank pays, on its own, for importing
-scikit-learn and loading the digits, for torch's lazily imported optimizer/compiler
+loading the digits, for torch's lazily imported optimizer/compiler
 modules (first ``AdamW``), and for DTensor's first dispatch — seconds per rank.
 """
 
