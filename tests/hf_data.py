@@ -104,3 +104,16 @@ def good_samples(root: Path) -> list[dict[str, Any]]:
             {"from": "human", "value": "describe a cat"},
             {"from": "gpt", "value": "a cat sits on a mat"}]},
     ]  # fmt: skip
+
+
+def folder_tensors(folder: Path) -> dict[str, Any]:
+    """Every tensor of a Hugging Face folder (single or sharded safetensors), by name."""
+    from safetensors import safe_open
+
+    from mimotron.models.hf import tensor_files
+
+    out = {}
+    for name, file in tensor_files(folder).items():
+        with safe_open(file, framework="pt") as handle:
+            out[name] = handle.get_tensor(name)
+    return out

@@ -37,14 +37,14 @@ from mimotron.checkpoint.state import META, model_state
 from mimotron.cli.main import main as cli_main
 from mimotron.data.hf_tokenizer import HFTokenizer, resize_embedding_rows
 from mimotron.models.encoders import ModalitySubmodule, Projector
-from mimotron.models.hf import LlamaFamilySpec, build_hf_language_model, tensor_files
+from mimotron.models.hf import LlamaFamilySpec, build_hf_language_model
 from mimotron.models.hf.clip import ClipVisionTower
 from mimotron.models.hf.weights import load_hf_weights
 from mimotron.models.hf.whisper import WhisperEncoderTower
 from mimotron.models.language import LanguageModel
 from mimotron.models.mimo import MimoModel
 from mimotron.testing import run_ranks
-from tests.hf_data import WHISPER_KWARGS, make_tokenizer
+from tests.hf_data import WHISPER_KWARGS, folder_tensors, make_tokenizer
 
 transformers = pytest.importorskip("transformers")
 
@@ -122,14 +122,6 @@ def _checkpoint(root: Path, model: nn.Module, meta: dict[str, Any]) -> Path:
     return root
 
 
-def _tensors(folder: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for name, file in tensor_files(folder).items():
-        with safe_open(file, framework="pt") as handle:
-            out[name] = handle.get_tensor(name)
-    return out
-
-
 def _assert_bitwise(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
     assert sorted(got) == sorted(want)
     different = [n for n in want if got[n].dtype != want[n].dtype
@@ -162,7 +154,7 @@ def test_round_trip_gives_the_original_tensors_bitwise(round_trip, folders, tmp_
         assert written[module] == out / module
         # Names, values and dtypes; CLIP's unbuilt last layer and Whisper's decoder and
         # fixed positions come from the original folder.
-        _assert_bitwise(_tensors(out / module), _tensors(folders[key]))
+        _assert_bitwise(folder_tensors(out / module), folder_tensors(folders[key]))
         assert (out / module / "config.json").read_bytes() == \
             (folders[key] / "config.json").read_bytes()
     assert (out / "language" / "generation_config.json").is_file()
@@ -192,9 +184,9 @@ def test_round_trip_from_a_tp2_checkpoint_with_tied_embeddings(folders, tmp_path
     meta = {"config": _run_config({"language": folders["qwen"]})}
     run_ranks(2, _save_tp, tmp_path / "ckpt", folders["qwen"], meta)
     export_hf_checkpoint(tmp_path / "ckpt", tmp_path / "out")
-    got = _tensors(tmp_path / "out" / "language")
+    got = folder_tensors(tmp_path / "out" / "language")
     assert "lm_head.weight" not in got
-    _assert_bitwise(got, _tensors(folders["qwen"]))
+    _assert_bitwise(got, folder_tensors(folders["qwen"]))
 
 
 def test_padding_rows_beyond_vocab_size_unpadded_are_dropped(folders, tmp_path):
@@ -203,7 +195,7 @@ def test_padding_rows_beyond_vocab_size_unpadded_are_dropped(folders, tmp_path):
     for name in ("embed.weight", "output.weight"):
         state[name] = torch.cat([state[name], torch.full((8, HIDDEN), 9.0)])
     export_hf_module(state, folders["llama"], tmp_path / "lm", module="language", vocab_size=96)
-    _assert_bitwise(_tensors(tmp_path / "lm"), _tensors(folders["llama"]))
+    _assert_bitwise(folder_tensors(tmp_path / "lm"), folder_tensors(folders["llama"]))
     assert json.loads((tmp_path / "lm" / "config.json").read_text())["vocab_size"] == 96
 
 
@@ -303,7 +295,7 @@ def test_vocab_size_unpadded_in_the_meta_wins(folders, tmp_path):
     meta = {"config": _run_config({"language": folders["qwen"]}), VOCAB_SIZE_UNPADDED: base + 3}
     _checkpoint(tmp_path / "ckpt", MimoModel({}, language, {}, {}), meta)
     export_hf_checkpoint(tmp_path / "ckpt", tmp_path / "out")
-    got = _tensors(tmp_path / "out" / "language")
+    got = folder_tensors(tmp_path / "out" / "language")
     assert torch.equal(got["model.embed_tokens.weight"], language.embed.weight[:base + 3])
     assert json.loads((tmp_path / "out" / "language" / "config.json").read_text())[
         "vocab_size"] == base + 3

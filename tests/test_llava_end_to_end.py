@@ -37,10 +37,10 @@ from mimotron.data.bpe import train_bpe_tokenizer
 from mimotron.data.llava_export import conversation_texts, write_llava_task
 from mimotron.data.llava_setup import build_tokenizer, check_data
 from mimotron.models.build import build_module
-from mimotron.models.hf import tensor_files
 from mimotron.models.hf.clip import CLIP_WEIGHTS
 from mimotron.models.hf.llama import LLAMA_WEIGHTS
 from mimotron.models.hf.whisper import WHISPER_WEIGHTS
+from tests.hf_data import folder_tensors
 
 transformers = pytest.importorskip("transformers")
 
@@ -151,14 +151,6 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             "paths": paths, "base_vocab": base_vocab}
 
 
-def _tensors(folder: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for name, file in tensor_files(folder).items():
-        with safe_open(file, framework="pt") as handle:
-            out[name] = handle.get_tensor(name)
-    return out
-
-
 def _assert_close(got: torch.Tensor, want: torch.Tensor, rel: float = 1e-5) -> None:
     assert got.shape == want.shape, (got.shape, want.shape)
     err = float((got - want).abs().max())
@@ -172,7 +164,7 @@ def _assert_holds(folder: Path, module: torch.nn.Module, weight_map: Any,
     A language model's vocabulary tables are compared on their first ``vocab`` rows (the
     rest is padding); its tied head is the embedding.
     """
-    got = _tensors(folder)
+    got = folder_tensors(folder)
     prefix = weight_map.choose_prefix(got)
     state = module.state_dict()
     if vocab is not None:
@@ -217,7 +209,7 @@ def test_train_export_from_pretrained_same_forward(trained: dict[str, Any]) -> N
                                                                  output_loading_info=True)
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
     assert lm.config.vocab_size == vocab
-    assert "lm_head.weight" not in _tensors(out / "language")  # tied: transformers ties it
+    assert "lm_head.weight" not in folder_tensors(out / "language")  # tied: transformers ties it
     _assert_holds(out / "language", ours["language"], LLAMA_WEIGHTS, vocab)
     tokens = torch.arange(2 * 20).view(2, 20) * 37 % vocab
     tokens[0, 2] = tokenizer.placeholder_id("image")
