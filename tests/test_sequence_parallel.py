@@ -19,6 +19,7 @@ from mimotron.parallel.layout import plan_layout
 from mimotron.testing import run_ranks
 from tests.common import BASE, DIGITS, coloc, engine_run, module_of, noncolocated
 from tests.reference import ReferenceRun, reference_run
+from tests.test_parity import assert_steps_match
 
 NUM_ITERS = 10
 PARITY = ["train.iters=10"]
@@ -57,16 +58,6 @@ def _rel(got: float, want: float) -> float:
     return abs(got - want) / max(abs(want), 1e-12)
 
 
-def _check_steps(results: list[dict], ref: ReferenceRun) -> None:
-    for rank, res in enumerate(results):
-        for it, (loss, norm, skipped, tokens) in enumerate(res["steps"]):
-            where = f"rank {rank} iteration {it}"
-            assert skipped is False and tokens == ref.num_tokens[it], where
-            assert _rel(loss, ref.losses[it]) <= REL, f"{where}: loss {loss} vs {ref.losses[it]}"
-            assert _rel(norm, ref.grad_norms[it]) <= REL, (
-                f"{where}: grad norm {norm} vs {ref.grad_norms[it]}")
-
-
 def _check_module_norms(results: list[dict], ref: ReferenceRun) -> None:
     """Per-module grad norms as stepped; every copy of a gradient agrees (norm weights too)."""
     for it in range(NUM_ITERS):
@@ -98,7 +89,7 @@ def test_sequence_parallel_matches_plain_loop(name):
     world = plan_layout(load_config(DIGITS, BASE + overrides)).world_size
     results = run_ranks(world, sp_engine_run, overrides, NUM_ITERS, timeout_s=300)
     ref = _reference()
-    _check_steps(results, ref)
+    assert_steps_match(results, ref)
     _check_module_norms(results, ref)
     _check_weights(results, ref)
     # The language ranks really ran their layers on seq / tp positions.
