@@ -24,11 +24,13 @@ import mimotron.models.blocks as blocks_module
 from mimotron.config import load_config
 from mimotron.data.packing import document_mask
 from mimotron.models.blocks import Attention, rope_cache
+from mimotron.models.language import language_loss
 from mimotron.models.mimo import MimoModel
 from mimotron.parallel.context_attention import context_attention_mask
 from mimotron.parallel.context_parallel import load_balanced_positions
 from mimotron.parallel.layout import plan_layout
 from mimotron.testing import run_ranks
+from mimotron.training.language_step import context_parallel_counts
 from tests import common as common_module
 from tests.common import BASE, DIGITS, coloc, engine_run, noncolocated
 from tests.reference import ReferenceRun, reference_run
@@ -205,3 +207,32 @@ def test_activation_estimate_divides_by_context():
     assert cp2 * 2 == plain
     tp2_sp, cp2_tp2_sp = estimate({"tensor": 2}, *SP), estimate({"context": 2, "tensor": 2}, *SP)
     assert cp2_tp2_sp * 2 == tp2_sp and tp2_sp < plain
+
+
+def _cp_counts(rank: int, world: int) -> dict:
+    """Loss pieces, token count and exact match of one CP rank vs the whole sequence."""
+    torch.manual_seed(0)
+    logits = torch.randn(4, 8, 5)
+    labels = logits.argmax(-1)
+    labels[1, 1] = (labels[1, 1] + 1) % 5  # wrong only at a position of CP rank 0
+    labels[2, 3] = (labels[2, 3] + 1) % 5  # wrong only at a position of CP rank 1
+    mask = torch.ones(4, 8)
+    mask[:, 0] = 0
+    mask[3] = 0  # nothing scored: never correct
+    whole_loss, whole_tokens, whole_correct = language_loss(logits, labels, mask)
+    pos = load_balanced_positions(8, world, rank)
+    loss, _, local_correct = language_loss(logits[:, pos], labels[:, pos], mask[:, pos])
+    tokens, correct = context_parallel_counts(dist.group.WORLD, mask, mask[:, pos],
+                                              local_correct)
+    dist.all_reduce(loss)
+    return {"loss": (float(loss), float(whole_loss)), "tokens": (float(tokens),
+            float(whole_tokens)), "correct": (correct.tolist(), whole_correct.tolist())}
+
+
+def test_cp_loss_pieces_sum_and_exact_match_is_reduced():
+    """Partial loss sums add up; counts and per-sample exact match are the whole sequence's."""
+    for res in run_ranks(2, _cp_counts, timeout_s=120):
+        got, want = res["loss"]
+        assert abs(got - want) <= 1e-5 * want
+        assert res["tokens"][0] == res["tokens"][1] == 21.0
+        assert res["correct"][0] == res["correct"][1] == [True, False, False, False]
