@@ -14,7 +14,9 @@ field; the memory estimate divides the language activations by the CP degree.
 
 from __future__ import annotations
 
+import json
 from functools import cache
+from pathlib import Path
 
 import pytest
 import torch
@@ -29,8 +31,10 @@ from mimotron.models.mimo import MimoModel
 from mimotron.parallel.context_attention import context_attention_mask
 from mimotron.parallel.context_parallel import load_balanced_positions
 from mimotron.parallel.layout import plan_layout
+from mimotron.runtime import init_runtime
 from mimotron.testing import run_ranks
 from mimotron.training.language_step import context_parallel_counts
+from mimotron.training.loop import run_training
 from tests import common as common_module
 from tests.common import BASE, DIGITS, coloc, engine_run, noncolocated
 from tests.reference import ReferenceRun, reference_run
@@ -236,3 +240,37 @@ def test_cp_loss_pieces_sum_and_exact_match_is_reduced():
         assert abs(got - want) <= 1e-5 * want
         assert res["tokens"][0] == res["tokens"][1] == 21.0
         assert res["correct"][0] == res["correct"][1] == [True, False, False, False]
+
+
+def _train(rank: int, world: int, overrides: list[str]) -> None:
+    run_training(load_config(DIGITS, overrides), init_runtime())
+
+
+def _records(log_dir: Path) -> dict[int, dict]:
+    lines = [json.loads(x) for x in (log_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["iteration"]: r for r in lines if "loss" in r}
+
+
+def test_checkpoints_resume_across_context_parallel_degrees(tmp_path):
+    """CP 1 -> CP 2 (language ZeRO over dp x cp) -> CP 1, following the one-process run."""
+    common = [*BASE, "train.iters=6", "log.interval=1", "log.progress=false",
+              "checkpoint.load=auto", "eval.iters=1"]
+    one_rank = coloc({"data": 1}, {"data": 1}, {"data": 1})
+    cp2 = noncolocated({}, {}, {"context": 2}) + [
+        "modules.language.parallel.shard_optimizer=true"]
+    run_ranks(1, _train, common + one_rank + [
+        f"log.dir={tmp_path}/ref", f"checkpoint.dir={tmp_path}/ref/ckpt",
+        "checkpoint.interval=2", "train.exit_interval=6"], timeout_s=120)
+    run_ranks(4, _train, common + cp2 + [
+        f"log.dir={tmp_path}/cp2", f"checkpoint.dir={tmp_path}/cp2/ckpt",
+        f"checkpoint.load={tmp_path}/ref/ckpt/iter_0000002", "checkpoint.interval=2",
+        "train.exit_interval=4"], timeout_s=240)
+    run_ranks(1, _train, common + one_rank + [
+        f"log.dir={tmp_path}/cp1", f"checkpoint.dir={tmp_path}/cp1/ckpt",
+        f"checkpoint.load={tmp_path}/cp2/ckpt", "train.exit_interval=6"], timeout_s=120)
+    ref, cp2_run, cp1_run = (_records(tmp_path / d) for d in ("ref", "cp2", "cp1"))
+    assert sorted(cp2_run) == [3, 4] and sorted(cp1_run) == [5, 6]
+    for it, rec in {**cp2_run, **cp1_run}.items():
+        assert rec["consumed_samples"] == ref[it]["consumed_samples"]
+        assert rec["loss"] == pytest.approx(ref[it]["loss"], rel=1e-4), it
+        assert rec["grad_norm"] == pytest.approx(ref[it]["grad_norm"], rel=1e-4), it
