@@ -200,6 +200,18 @@ def test_context_parallel_rejections_name_the_field(overrides, needle):
         plan_layout(load_config(DIGITS, BASE + overrides))
 
 
+def test_plan_prints_context_parallel_ranks(capsys):
+    from mimotron.cli.plan import run_plan
+
+    overrides = BASE + noncolocated({}, {}, {"context": 2, "tensor": 2}) + SP
+    assert run_plan(str(DIGITS), overrides) == 0
+    out = capsys.readouterr().out
+    # Rank map: language ranks 2-5 are tp 0/1 x cp 0/1.
+    assert "   5  language    1  1  0  0" in out
+    assert "each of 2 CP ranks holds seq / 2 = 32 positions" in out
+    assert "norm regions hold 32 / 2 = 16 positions per rank" in out
+
+
 def test_activation_estimate_divides_by_context():
     from mimotron.parallel.memory import activation_bytes
 
