@@ -274,6 +274,7 @@ class MultiModulePipelineCommunicator:
             self._rows.clear()  # No gradients go back in evaluation.
             self._routed.clear()
         assert not self._rows, f"gradients never sent for {sorted(self._rows)}"
+        assert not self._routed, f"gradients never received for {sorted(self._routed)}"
 
     def set_timing(self, enabled: bool) -> None:
         """Time transfers (each then waits for the device) or not."""
