@@ -258,15 +258,18 @@ def _train(rank: int, world: int, overrides: list[str]) -> None:
     run_training(load_config(DIGITS, overrides), init_runtime())
 
 
-def _records(log_dir: Path) -> dict[int, dict]:
+def _records(log_dir: Path, key: str = "loss") -> dict[int, dict]:
     lines = [json.loads(x) for x in (log_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["iteration"]: r for r in lines if "loss" in r}
+    return {r["iteration"]: r for r in lines if key in r}
 
 
 def test_checkpoints_resume_across_context_parallel_degrees(tmp_path):
-    """CP 1 -> CP 2 (language ZeRO over dp x cp) -> CP 1, following the one-process run."""
+    """CP 1 -> CP 2 (language ZeRO over dp x cp) -> CP 1, following the one-process run.
+
+    The CP 2 run also evaluates (iteration 4): eval loss and accuracy as one process's.
+    """
     common = [*BASE, "train.iters=6", "log.interval=1", "log.progress=false",
-              "checkpoint.load=auto", "eval.iters=1"]
+              "checkpoint.load=auto", "eval.iters=1", "eval.interval=4"]
     one_rank = coloc({"data": 1}, {"data": 1}, {"data": 1})
     cp2 = noncolocated({}, {}, {"context": 2}) + [
         "modules.language.parallel.shard_optimizer=true"]
@@ -286,3 +289,8 @@ def test_checkpoints_resume_across_context_parallel_degrees(tmp_path):
         assert rec["consumed_samples"] == ref[it]["consumed_samples"]
         assert rec["loss"] == pytest.approx(ref[it]["loss"], rel=1e-4), it
         assert rec["grad_norm"] == pytest.approx(ref[it]["grad_norm"], rel=1e-4), it
+    got, want = _records(tmp_path / "cp2", "eval_loss")[4], _records(tmp_path / "ref",
+                                                                      "eval_loss")[4]
+    assert got["eval_loss"] == pytest.approx(want["eval_loss"], rel=1e-4)
+    assert (got["eval_accuracy"], got["eval_samples"]) == (want["eval_accuracy"],
+                                                           want["eval_samples"])
