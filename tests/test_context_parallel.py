@@ -3,13 +3,14 @@
 Non-colocated layouts with ``modules.language.parallel.context = 2`` are compared over 10
 iterations with :func:`tests.reference.reference_run` (losses, global grad norm, token
 counts, per-module grad norms as stepped, final weights at 1e-4 relative, replicas
-bitwise equal): CP 2 fed by vision DP 2 (fan-in: encoder DP 2, language DP 1), CP 2 x
-TP 2 with sequence parallelism, CP 2 x PP 2 with the language optimizer sharded over
-``dp x cp``, and packed rows with CP 2. Each run also checks that attention ran on
-``S / 2`` local positions and that encoder leaders sent each CP rank only the rows of
-its placeholders. Unit tests: each CP rank's attention output (and input gradient)
-equals its rows of full attention, causal and with documents; rejected layouts name the
-field; the memory estimate divides the language activations by the CP degree.
+bitwise equal): CP 2 fed by vision DP 2 (fan-in: encoder DP 2, language DP 1), language
+DP 2 x CP 2 (fan-out), CP 2 x TP 2 with sequence parallelism, CP 2 x PP 2 with the
+language optimizer sharded over ``dp x cp``, and packed rows with CP 2. Each run also
+checks that attention ran on ``S / 2`` local positions and that encoder leaders sent
+each CP rank only the rows of its placeholders. Unit tests: each CP rank's attention
+output (and input gradient) equals its rows of full attention, causal and with
+documents; partial loss sums and the exact-match reduction; rejected layouts name the
+field; ``mimotron plan`` and the memory estimate; checkpoints resume across CP degrees.
 """
 
 from __future__ import annotations
@@ -55,6 +56,8 @@ SP = ["modules.language.parallel.sequence_parallel=true"]
 CASES = {
     # Fan-in: vision DP 2 feeds a language DP 1 x CP 2 (5 ranks).
     "vision-dp2|language-cp2": noncolocated({"data": 2}, {}, {"context": 2}),
+    # Fan-out: vision and audio DP 1 feed a language DP 2 x CP 2 (6 ranks, dp x cp = 4).
+    "language-dp2cp2": noncolocated({}, {}, {"data": 2, "context": 2}),
     "language-cp2tp2-sp": noncolocated({}, {}, {"context": 2, "tensor": 2}) + SP,
     "language-cp2pp2-zero": noncolocated({}, {}, {"context": 2, "pipeline": 2})
     + ["modules.language.parallel.shard_optimizer=true"],
@@ -106,7 +109,8 @@ def _check_bridge_rows(results: list[dict], overrides: list[str]) -> None:
     """
     layout = plan_layout(load_config(DIGITS, BASE + overrides))
     language = layout.modules["language"]
-    first_stage = {language.rank_at(tp=0, cp=r, dp=0, pp=0) for r in range(2)}
+    first_stage = {language.rank_at(tp=0, cp=r, dp=d, pp=0)
+                   for r in range(2) for d in range(language.parallel.data)}
     received = dict.fromkeys(first_stage, 0)
     for rank, res in enumerate(results):
         if layout.roles(rank)[0].module == "language":
