@@ -58,7 +58,12 @@ class ParallelConfig:
     connected modules must divide one another.
     """
     context: int = 1
-    """Context-parallel degree; only 1 is supported (anything else is rejected)."""
+    """Context-parallel degree of the language model (>= 1; encoders use 1).
+
+    Each CP rank holds seq_length / context positions (a head and a tail chunk, causal
+    load balancing); data.seq_length must be a multiple of 2 x context. Non-colocated
+    layouts only (for now); not with MoE or hf_path.
+    """
     expert: int = 1
     """Expert-parallel degree (>= 1); expert x expert_tensor x pipeline must divide the
     module's ranks.
