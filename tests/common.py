@@ -49,7 +49,8 @@ def noncolocated(vision: dict, audio: dict, language: dict) -> list[str]:
     for name, degrees in (("vision", vision), ("audio", audio), ("language", language)):
         degrees = {"data": 1, **degrees}
         out += par(name, rank_offset=offset, **degrees)
-        offset += degrees["data"] * degrees.get("tensor", 1) * degrees.get("pipeline", 1)
+        offset += (degrees["data"] * degrees.get("tensor", 1) * degrees.get("pipeline", 1)
+                   * degrees.get("context", 1))
     return out
 
 

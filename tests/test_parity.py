@@ -164,7 +164,7 @@ def checked_modules(overrides: list[str]) -> set[str]:
 def assert_module_norms_match(results: list[dict], ref: ReferenceRun, modules: set[str]
                               ) -> None:
     """Per-module grad norms as stepped; every copy of a parameter's gradient agrees."""
-    for it in range(NUM_ITERS):
+    for it in range(len(ref.module_norms)):
         merged: dict[str, float] = {}
         for rank, res in enumerate(results):
             for pname, sq in res["grad_sq"][it].items():

@@ -18,8 +18,11 @@ import math
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+
+from mimotron.parallel.context_attention import gather_kv
 
 # GPT-2's std, used for embeddings and (divided by sqrt(2 * num_layers)) for projections
 # that write onto the residual stream, so a pre-norm stack starts near the identity.
@@ -206,6 +209,10 @@ class Attention(nn.Module):
         self.wo.init_std = residual_init_std(num_layers)
         self.q_norm = RMSNorm(self.head_dim, norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, norm_eps) if qk_norm else None
+        # Context parallelism (set by LanguageModel.set_context_parallel): x holds this
+        # rank's positions only; keys/values are all-gathered over this group and the
+        # caller's mask compares global positions (mimotron.parallel.context_attention).
+        self.context_parallel_group: dist.ProcessGroup | None = None
 
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -217,7 +224,9 @@ class Attention(nn.Module):
             x: ``[batch, seq, hidden]``.
             rope: ``(cos, sin)`` for the sequence, or ``None`` for no rotary embedding.
             mask: bool ``[batch, 1, seq, seq]`` (True = may attend) replacing the causal
-                mask (packed documents, :func:`~mimotron.data.packing.document_mask`).
+                mask (packed documents, :func:`~mimotron.data.packing.document_mask`);
+                under context parallelism ``[*, 1, seq, c * seq]`` against the gathered
+                keys (required then).
 
         Returns:
             ``[batch, seq, hidden]``.
@@ -235,6 +244,10 @@ class Attention(nn.Module):
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        if self.context_parallel_group is not None:
+            # After RoPE (keys carry their global positions), before the GQA repeat
+            # (gather the fewer key/value heads).
+            k, v = gather_kv(k, v, self.context_parallel_group)
         if num_kv != num_q:
             # Query head h reads key/value head h // group; contiguous TP shards of q and
             # of k/v hold matching groups because tp divides num_kv_heads.

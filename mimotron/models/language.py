@@ -17,6 +17,8 @@ from mimotron.data.packing import document_mask
 from mimotron.models.blocks import RMSNorm, make_layers, rope_cache
 from mimotron.models.moe import MoEOptions, check_layer_freq
 from mimotron.models.rope_scaling import rope_inv_freq, validate_rope_scaling
+from mimotron.parallel.context_attention import context_attention_mask
+from mimotron.parallel.context_parallel import load_balanced_positions
 from mimotron.parallel.sequence_parallel import gather_sequence, scatter_sequence
 
 
@@ -125,6 +127,48 @@ class LanguageModel(nn.Module):
             self.tie_weights()
         # The TP group when sequence parallelism is on (set by apply_tensor_parallel).
         self.sequence_parallel_group: dist.ProcessGroup | None = None
+        # The CP group under context parallelism (set_context_parallel).
+        self.context_parallel_group: dist.ProcessGroup | None = None
+
+    def set_context_parallel(self, group: dist.ProcessGroup | None) -> None:
+        """Run this stage on a context-parallel group's load-balanced positions.
+
+        ``forward`` then takes this rank's positions only (``[B, S / c, H]``, see
+        :mod:`mimotron.parallel.context_parallel`) and every attention layer all-gathers
+        its keys and values over ``group`` (:mod:`mimotron.parallel.context_attention`).
+        ``None`` (or a group of one) switches it off.
+        """
+        if group is not None and dist.get_world_size(group) == 1:
+            group = None
+        self.context_parallel_group = group
+        for layer in self.layers.values():
+            layer.attn.context_parallel_group = group
+
+    def context_positions(self, seq_len: int, device: torch.device) -> torch.Tensor | None:
+        """Global positions this rank holds of a ``seq_len`` sequence (``None`` without CP)."""
+        group = self.context_parallel_group
+        if group is None:
+            return None
+        return load_balanced_positions(seq_len, dist.get_world_size(group),
+                                       dist.get_rank(group), device)
+
+    def _context_rope_and_mask(
+        self, seq: int, rope: tuple[torch.Tensor, torch.Tensor], doc_ids: torch.Tensor | None,
+        position_ids: torch.Tensor | None,
+    ) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """RoPE rows at this CP rank's global positions, and its mask vs the gathered keys."""
+        group = self.context_parallel_group
+        assert group is not None
+        cp_size, cp_rank = dist.get_world_size(group), dist.get_rank(group)
+        pos = load_balanced_positions(seq, cp_size, cp_rank, rope[0].device)
+        if doc_ids is None:
+            rope = (rope[0][pos], rope[1][pos])
+        else:
+            # Packed rows: each position's RoPE index restarts per document.
+            rows = (position_ids if position_ids is not None
+                    else torch.arange(seq, device=doc_ids.device).expand_as(doc_ids))[:, pos]
+            rope = (rope[0][rows].unsqueeze(1), rope[1][rows].unsqueeze(1))
+        return rope, context_attention_mask(seq, cp_size, cp_rank, rope[0].device, doc_ids)
 
     @staticmethod
     def _check_sizes(
@@ -180,11 +224,13 @@ class LanguageModel(nn.Module):
         """Run this stage's layers (and, on the last stage, the norm and output head).
 
         Args:
-            hidden: ``[B, S, hidden]`` embeddings (merged) or a previous stage's output.
+            hidden: ``[B, S, hidden]`` embeddings (merged) or a previous stage's output;
+                under context parallelism ``[B, S / c, hidden]``, this rank's positions.
             doc_ids: packed rows only (``data.packing``): ``[B, S]`` document of each
-                position; attention is then causal within each document only.
+                position; attention is then causal within each document only. Whole
+                (``S`` positions) under context parallelism too.
             position_ids: with ``doc_ids``: ``[B, S]`` RoPE positions (restarting at 0
-                for every document).
+                for every document); whole under context parallelism too.
 
         Returns:
             Logits ``[B, S, vocab]`` on the last stage, else hidden states ``[B, S, hidden]``.
@@ -193,13 +239,17 @@ class LanguageModel(nn.Module):
             ValueError: if ``S`` exceeds ``max_seq_len``.
         """
         seq = hidden.shape[1]
+        if self.context_parallel_group is not None:
+            seq *= dist.get_world_size(self.context_parallel_group)
         if seq > self.max_seq_len:
             raise ValueError(f"sequence length {seq} exceeds max_seq_len={self.max_seq_len}")
         # Recomputed per call: tiny, and avoids buffers that meta-device builds and
         # checkpoints would have to special-case.
         rope = self.rope(seq, hidden.device)
         mask = None
-        if doc_ids is not None:
+        if self.context_parallel_group is not None:
+            rope, mask = self._context_rope_and_mask(seq, rope, doc_ids, position_ids)
+        elif doc_ids is not None:
             # Packed rows: per-row positions select rows of the tables ([B, 1, S, d/2]
             # broadcasts over heads), and the mask keeps documents apart.
             pos = position_ids if position_ids is not None else torch.arange(

@@ -136,6 +136,47 @@ class MimoModel(nn.Module):
             merged = merged.masked_scatter(mask.unsqueeze(-1), embeds.to(merged.dtype))
         return merged
 
+    def merge_context_embeddings(
+        self,
+        tokens: torch.Tensor,
+        token_embeds: torch.Tensor,
+        modality_rows: dict[str, torch.Tensor],
+    ) -> torch.Tensor:
+        """Context parallelism's merge: this CP rank's encoder rows at its placeholders.
+
+        Args:
+            tokens: ``[B, S / c]`` token ids at this rank's positions.
+            token_embeds: ``[B, S / c, H]`` their embeddings.
+            modality_rows: module name -> ``[n_local, H]``: the encoder rows of the
+                placeholders among this rank's positions, in row-major order (the row
+                contract of :mod:`mimotron.parallel.context_parallel`).
+
+        Returns:
+            ``[B, S / c, H]``; gradients flow into both inputs.
+
+        Raises:
+            ValueError: if a module's row count differs from its local placeholder count,
+                or placeholders of a module without rows occur.
+        """
+        merged = token_embeds
+        for name, pid in self.placeholder_ids.items():
+            mask = tokens == pid
+            rows = modality_rows.get(name)
+            if rows is None:
+                if bool(mask.any()):
+                    raise ValueError(
+                        f"tokens hold placeholders of module {name!r} (id {pid}) but no "
+                        f"embeddings for it were given (have {sorted(modality_rows)})")
+                continue
+            num_local = int(mask.sum())
+            if rows.dim() != 2 or rows.shape[0] != num_local:
+                raise ValueError(
+                    f"module {name!r}: expected [{num_local}, H] rows for this context-"
+                    f"parallel rank's placeholders, got {tuple(rows.shape)}")
+            # Row-major order of the local placeholders = the order of the rows.
+            merged = merged.masked_scatter(mask.unsqueeze(-1), rows.to(merged.dtype))
+        return merged
+
     def _check_counts(
         self, name: str, mask: torch.Tensor, embeds: torch.Tensor, present: torch.Tensor
     ) -> None:

@@ -19,6 +19,7 @@ from mimotron.models.mimo import MimoModel, module_part
 from mimotron.optim.loss_scaler import ConstantLossScaler, DynamicLossScaler, LossScaler
 from mimotron.optim.mimo_optimizer import MimoOptimizer, ModuleOptimizerInfo
 from mimotron.optim.scheduler import OptimizerParamScheduler
+from mimotron.parallel.data_parallel import replica_group
 from mimotron.parallel.expert_parallel import is_expert_param
 from mimotron.parallel.groups import ProcessGroupCollection
 from mimotron.parallel.zero import ExpertSplitShards, ZeroShards
@@ -44,15 +45,17 @@ def _shards(name: str, mcfg: ModuleConfig, named: list[tuple[str, nn.Parameter]]
     """
     if not (named and mcfg.parallel.shard_optimizer and pg is not None):
         return None
-    if pg.dp is None or dist.get_world_size(pg.dp) < 2:
+    # dp, or dp x cp for a context-parallel module (its gradients' replica group).
+    group = replica_group(pg)
+    if group is None or dist.get_world_size(group) < 2:
         return None  # one replica: sharding would change nothing
     experts = [(n, p) for n, p in named if is_expert_param(p)]
     dense = [(n, p) for n, p in named if not is_expert_param(p)]
     try:
         if experts:
-            return ExpertSplitShards(ZeroShards(dense, pg.dp),
+            return ExpertSplitShards(ZeroShards(dense, group),
                                      ZeroShards(experts, pg.expt_dp, ep_group=pg.ep))
-        return ZeroShards(named, pg.dp)
+        return ZeroShards(named, group)
     except ValueError as exc:
         raise ValueError(f"modules.{name}.parallel.shard_optimizer=true: {exc}") from None
 

@@ -28,6 +28,9 @@ from __future__ import annotations
 
 import torch
 
+from mimotron.config import MimoConfig
+from mimotron.names import LANGUAGE
+
 
 def check_context_split(seq_len: int, cp_size: int) -> None:
     """Raise ``ValueError`` unless ``seq_len`` splits into ``2 * cp_size`` equal chunks.
@@ -42,6 +45,42 @@ def check_context_split(seq_len: int, cp_size: int) -> None:
             f"{cp_size}: context parallelism cuts the sequence into 2 x context = "
             f"{2 * cp_size} equal chunks, so seq_length must be a multiple of {2 * cp_size}"
         )
+
+
+def check_context_parallel(cfg: MimoConfig, name: str, colocated: bool) -> None:
+    """Raise (before any collective) unless module ``name`` can run its ``context`` degree.
+
+    Raises:
+        ValueError: one line naming the field: CP on an encoder (their inputs are short;
+            CP applies to the language model only), in a colocated layout (its bridge is
+            not built yet), with MoE or an ``hf_path`` checkpoint (not covered by the
+            parity tests), a ``data.seq_length`` that does not split into ``2 x context``
+            chunks, or one whose CP chunk ``tensor`` does not divide under sequence
+            parallelism.
+    """
+    mod = cfg.modules[name]
+    par, p = mod.parallel, f"modules.{name}.parallel.context"
+    if par.context == 1:
+        return
+    if par.context < 1:
+        raise ValueError(f"{p}={par.context} is invalid: expected a positive degree")
+    if name != LANGUAGE:
+        raise ValueError(f"{p}={par.context} is invalid: encoders' inputs are short, context "
+                         f"parallelism applies to modules.{LANGUAGE} only; use 1")
+    if colocated:
+        raise ValueError(f"{p}={par.context} is invalid in a colocated layout (every module on "
+                         "the same ranks): use non-colocated blocks (rank_offset) or context=1")
+    if mod.num_experts > 0 or mod.hf_path:
+        what = f"num_experts={mod.num_experts}" if mod.num_experts > 0 else "hf_path"
+        raise ValueError(f"{p}={par.context} is invalid with modules.{name}.{what}: context "
+                         "parallelism supports the built-in dense language model only; use 1")
+    seq = cfg.data.seq_length
+    check_context_split(seq, par.context)
+    if par.sequence_parallel and (seq // par.context) % par.tensor:
+        raise ValueError(
+            f"data.seq_length={seq} is invalid with {p}={par.context} and modules.{name}."
+            f"parallel.sequence_parallel=true: each CP rank's {seq // par.context} positions "
+            f"must be divisible by modules.{name}.parallel.tensor={par.tensor}")
 
 
 def load_balanced_positions(seq_len: int, cp_size: int, cp_rank: int,

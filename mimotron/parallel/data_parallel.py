@@ -1,5 +1,8 @@
 """Data parallelism per module: SUM-reduce gradients over the module's own DP group.
 
+Under context parallelism the group is ``dp x cp`` (:func:`replica_group`): each CP rank
+holds the whole module and backpropagated the loss of its positions only.
+
 The loss each rank backpropagates is already divided by the *global* loss-token count
 (broadcast to every rank, encoder-only ranks included, before the schedule runs), so a
 SUM over DP replicas gives exactly the single-device mean over tokens. FSDP's default
@@ -128,6 +131,19 @@ def allreduce_gradients(
             offset += n
 
 
+def replica_group(pg: ProcessGroupCollection) -> dist.ProcessGroup | None:
+    """The group over which a module's parameters are replicated and gradients summed.
+
+    ``dp``, or ``dp_cp`` under context parallelism: CP ranks hold the same parameters
+    and each backpropagated the loss of its own positions, so their partial gradients
+    add up exactly like those of DP replicas.
+    """
+    cp = pg.cp
+    if isinstance(cp, dist.ProcessGroup) and dist.get_world_size(cp) > 1:
+        return pg.dp_cp
+    return pg.dp
+
+
 def finalize_model_grads(
     modules: dict[str, nn.Module],
     pg_collections: dict[str, ProcessGroupCollection],
@@ -135,6 +151,8 @@ def finalize_model_grads(
     optimizer_reduced: set[str] | None = None,
 ) -> None:
     """Reduce each module's gradients over its own DP group, in sorted module order.
+
+    The DP group is :func:`replica_group`'s: ``dp_cp`` for a context-parallel module.
 
     Expert-parallel shards (:func:`~mimotron.parallel.expert_parallel.is_expert_param`)
     are summed over the module's ``expt_dp`` group instead, after the dense ones.
@@ -158,11 +176,11 @@ def finalize_model_grads(
         params = trainable_params(modules[name])
         experts = [p for p in params if is_expert_param(p)]
         if not experts:
-            allreduce_gradients(modules[name], pg.dp, params=params)
+            allreduce_gradients(modules[name], replica_group(pg), params=params)
             continue
         # Expert shards are replicated over expt_dp only (each EP rank holds other experts).
         dense = [p for p in params if not is_expert_param(p)]
-        allreduce_gradients(modules[name], pg.dp, params=dense)
+        allreduce_gradients(modules[name], replica_group(pg), params=dense)
         allreduce_gradients(modules[name], pg.expt_dp, params=experts)
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from mimotron.config import MimoConfig, ModuleConfig, ParallelConfig
 from mimotron.names import GRID_AXES, LANGUAGE
+from mimotron.parallel.context_parallel import check_context_parallel
 from mimotron.parallel.expert_layout import check_expert_layout
 from mimotron.parallel.sequence_parallel import check_sequence_parallel
 
@@ -238,10 +239,7 @@ def _check_module_shape(cfg: MimoConfig, name: str, colocated: bool) -> None:
             f"modules.{name}.num_layers={mod.num_layers}"
         )
     check_sequence_parallel(cfg, name)
-    if par.context > 1:
-        raise ValueError(
-            f"{p}.context={par.context} is invalid: context parallelism is not supported; use 1"
-        )
+    check_context_parallel(cfg, name, colocated)
     check_expert_layout(cfg, name)
 
 

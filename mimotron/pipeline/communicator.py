@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from mimotron.names import LANGUAGE
+from mimotron.parallel.context_parallel import placeholder_selection
 from mimotron.parallel.layout import Layout, ModulePlacement
 from mimotron.pipeline.edges import Edge, slice_range
 from mimotron.pipeline.p2p import PendingSends, broadcast_tensor, exchange
@@ -42,6 +43,18 @@ from mimotron.runtime import synchronize
 
 def bridge_pairs(layout: Layout, edge: Edge, mbs: int) -> list[tuple[int, int, int, int]]:
     """``(src leader, dst leader, start, end)`` for each replica pair sharing samples."""
+    return [(s, d, lo, hi) for s, d, lo, hi, cp in bridge_routes(layout, edge, mbs) if cp == 0]
+
+
+def bridge_routes(layout: Layout, edge: Edge, mbs: int
+                  ) -> list[tuple[int, int, int, int, int]]:
+    """``(src leader, dst leader, start, end, dst cp rank)`` of every bridge transfer.
+
+    One route per replica pair sharing samples and per context-parallel coordinate of
+    the destination (its first stage's TP-0 rank at that coordinate): a CP rank
+    receives only the rows of the placeholders among its positions. Routes of one
+    pair are consecutive, in CP order; without CP they are :func:`bridge_pairs`.
+    """
     src, dst = layout.modules[edge.src], layout.modules[edge.dst]
     out = []
     for i in range(src.parallel.data):
@@ -50,13 +63,15 @@ def bridge_pairs(layout: Layout, edge: Edge, mbs: int) -> list[tuple[int, int, i
             b0, b1 = slice_range(mbs, dst.parallel.data, j)
             lo, hi = max(a0, b0), min(a1, b1)
             if lo < hi:
-                out.append((_leader(src, i, last=True), _leader(dst, j, last=False), lo, hi))
+                for r in range(dst.parallel.context):
+                    out.append((_leader(src, i, last=True), _leader(dst, j, last=False, cp=r),
+                                lo, hi, r))
     return out
 
 
-def _leader(mod: ModulePlacement, dp_rank: int, last: bool) -> int:
+def _leader(mod: ModulePlacement, dp_rank: int, last: bool, cp: int = 0) -> int:
     """The rank that talks across a boundary for one DP replica (TP 0, edge stage)."""
-    return mod.rank_at(dp=dp_rank, pp=mod.parallel.pipeline - 1 if last else 0)
+    return mod.rank_at(cp=cp, dp=dp_rank, pp=mod.parallel.pipeline - 1 if last else 0)
 
 
 class MultiModulePipelineCommunicator:
@@ -88,8 +103,12 @@ class MultiModulePipelineCommunicator:
         self.tp_group = tp_groups.get(self.module) if self.module else None
         # Rows exchanged per bridge pair, remembered from forward for the gradients.
         self._rows: dict[tuple[int, str], list[int]] = {}
-        self._pairs = {e.src: bridge_pairs(layout, e, micro_batch_size)
+        self._pairs = {e.src: bridge_routes(layout, e, micro_batch_size)
                        for e in edges if not e.colocated}
+        # The language model's CP degree; > 1: encoder leaders route rows per CP rank and
+        # remember, per micro-batch, (output shape, [(offset, n, selection)]) for backward.
+        self.cp = layout.modules[LANGUAGE].parallel.context if LANGUAGE in layout.modules else 1
+        self._routed: dict[int, tuple[torch.Size, list[tuple[int, int, torch.Tensor]]]] = {}
         self.transfer_s = 0.0
         self._timing = False
 
@@ -108,18 +127,32 @@ class MultiModulePipelineCommunicator:
         return slice_range(self.mbs, dp, self.role.dp)[0]
 
     # ---- forward direction -------------------------------------------------------------
-    def _forward_sends(self, output: torch.Tensor, mask: torch.Tensor | None
+    def _forward_sends(self, k: int, output: torch.Tensor, mask: torch.Tensor | None,
+                       placeholders: tuple[torch.Tensor, int] | None = None
                        ) -> list[tuple[int, torch.Tensor]]:
         if not self.role.is_last_stage:
             return [(self._stage_peer(+1), output)]
         if self.role.tp != 0:
             return []
         start, offset, sends = self._my_start(), 0, []
-        for s_rank, d_rank, lo, hi in self._pairs[self.module]:
-            if s_rank == self.rank:
-                n = int(mask[lo - start:hi - start].sum())
-                sends.append((d_rank, output[offset:offset + n]))
+        routed: list[tuple[int, int, torch.Tensor]] = []
+        for s_rank, d_rank, lo, hi, cp in self._pairs[self.module]:
+            if s_rank != self.rank:
+                continue
+            n = int(mask[lo - start:hi - start].sum())
+            block = output[offset:offset + n]
+            if self.cp == 1:
+                sends.append((d_rank, block))
+            else:
+                assert placeholders is not None, "a CP bridge needs the slice's tokens"
+                tokens, pid = placeholders
+                sel = placeholder_selection(tokens[lo - start:hi - start], pid, self.cp, cp)
+                sends.append((d_rank, block.reshape(-1, block.shape[-1])[sel]))
+                routed.append((offset, n, sel))
+            if cp == self.cp - 1:  # a pair's routes are consecutive: next pair's rows
                 offset += n
+        if self.cp > 1:
+            self._routed[k] = (output.shape, routed)
         return sends
 
     def _forward_sources(self) -> list[tuple[str | None, int]]:
@@ -129,7 +162,7 @@ class MultiModulePipelineCommunicator:
         if self.module != LANGUAGE or self.role.tp != 0:
             return []
         return [(src, s_rank) for src, pairs in self._pairs.items()
-                for s_rank, d_rank, _, _ in pairs if d_rank == self.rank]
+                for s_rank, d_rank, *_ in pairs if d_rank == self.rank]
 
     def _assemble_forward(self, k: int, sources, tensors) -> torch.Tensor | dict:
         if not self.role.is_first_stage:
@@ -156,7 +189,7 @@ class MultiModulePipelineCommunicator:
         sends = []
         for src, pairs in self._pairs.items():
             rows, offset, i = self._rows.pop((k, src)), 0, 0
-            for s_rank, d_rank, _, _ in pairs:
+            for s_rank, d_rank, *_ in pairs:
                 if d_rank == self.rank:
                     sends.append((s_rank, grads[src][offset:offset + rows[i]]))
                     offset += rows[i]
@@ -168,23 +201,37 @@ class MultiModulePipelineCommunicator:
             return [self._stage_peer(+1)]
         if self.role.tp != 0:
             return []
-        return [d for s, d, _, _ in self._pairs[self.module] if s == self.rank]
+        return [d for s, d, *_ in self._pairs[self.module] if s == self.rank]
 
-    def _assemble_backward(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+    def _assemble_backward(self, k: int, tensors: list[torch.Tensor]) -> torch.Tensor:
         if not self.role.is_last_stage:
             return tensors[0]
-        t = (tensors[0] if len(tensors) == 1 else torch.cat(tensors)) if tensors else None
+        if self.cp > 1 and self.role.tp == 0:
+            t = self._scatter_pieces(k, tensors)
+        else:
+            t = (tensors[0] if len(tensors) == 1 else torch.cat(tensors)) if tensors else None
         return broadcast_tensor(t, self._tp_leader, self.tp_group, self.device)
 
+    def _scatter_pieces(self, k: int, pieces: list[torch.Tensor]) -> torch.Tensor:
+        """The encoder output's gradient from the CP ranks' row pieces (disjoint rows)."""
+        shape, routed = self._routed.pop(k)
+        grad = torch.zeros(shape, dtype=pieces[0].dtype if pieces else torch.float32,
+                           device=self.device)
+        for (offset, n, sel), piece in zip(routed, pieces, strict=True):
+            grad[offset:offset + n].view(-1, shape[-1])[sel] = piece
+        return grad
+
     # ---- the four transfers, alone or paired ------------------------------------------
-    def communicate(self, *, send_forward: tuple[int, torch.Tensor, torch.Tensor | None] | None
-                    = None, send_backward: tuple[int, torch.Tensor | dict] | None = None,
+    def communicate(self, *, send_forward: tuple | None = None,
+                    send_backward: tuple[int, torch.Tensor | dict] | None = None,
                     recv_forward: int | None = None, recv_backward: int | None = None
                     ) -> tuple[torch.Tensor | dict | None, torch.Tensor | None]:
         """Post the sends, then do the receives, in one exchange.
 
         Args:
-            send_forward: ``(microbatch, output, modality mask of this rank's slice)``.
+            send_forward: ``(microbatch, output, modality mask of this rank's slice)``,
+                and on encoder ranks ``(tokens of the slice, placeholder id)`` as a fourth
+                element (used when the language model is context parallel).
             send_backward: ``(microbatch, input gradient(s))``.
             recv_forward: micro-batch whose input to receive.
             recv_backward: micro-batch whose output gradient to receive.
@@ -195,7 +242,7 @@ class MultiModulePipelineCommunicator:
         t0 = time.perf_counter()
         sends: list[tuple[int, torch.Tensor]] = []
         if send_forward is not None:
-            sends += self._forward_sends(send_forward[1], send_forward[2])
+            sends += self._forward_sends(*send_forward)
         if send_backward is not None:
             sends += self._backward_sends(*send_backward)
         fwd_src = self._forward_sources() if recv_forward is not None else []
@@ -205,7 +252,7 @@ class MultiModulePipelineCommunicator:
         if recv_forward is not None:
             fwd = self._assemble_forward(recv_forward, fwd_src, got[:len(fwd_src)])
         if recv_backward is not None:
-            bwd = self._assemble_backward(got[len(fwd_src):])
+            bwd = self._assemble_backward(recv_backward, got[len(fwd_src):])
         self._add_time(t0)
         return fwd, bwd
 
@@ -216,6 +263,7 @@ class MultiModulePipelineCommunicator:
         self._add_time(t0)
         if forward_only:
             self._rows.clear()  # No gradients go back in evaluation.
+            self._routed.clear()
         assert not self._rows, f"gradients never sent for {sorted(self._rows)}"
 
     def set_timing(self, enabled: bool) -> None:

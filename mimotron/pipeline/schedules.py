@@ -122,6 +122,18 @@ class StageRunner:
             return None
         return self.ctx.microbatches[k][m][f"has_{model.modality_of[m]}"]
 
+    def placeholder_tokens(self, k: int) -> tuple[torch.Tensor, int] | None:
+        """``(tokens of this encoder rank's slice, placeholder id)`` for micro-batch ``k``.
+
+        The bridge into a context-parallel language model routes each encoder row to the
+        CP rank holding its placeholder (:func:`~mimotron.parallel.context_parallel.
+        placeholder_selection`); ``None`` off encoder ranks.
+        """
+        model, m = self.ctx.model, self.module
+        if m is None or m == LANGUAGE:
+            return None
+        return self.ctx.microbatches[k][m]["tokens"], model.placeholder_ids[m]
+
     # ---- forward -------------------------------------------------------------------------
     def forward(self, k: int, received: Any) -> Any:
         if self.colocated or self.module == LANGUAGE:
@@ -223,7 +235,7 @@ def _execute(plan: list[Action], runner: StageRunner, comm: Transport) -> None:
     in_grads: dict[int, Any] = {}
 
     def fwd_send(k: int) -> tuple:
-        return (k, outputs.pop(k), runner.modality_mask(k))
+        return (k, outputs.pop(k), runner.modality_mask(k), runner.placeholder_tokens(k))
 
     for a in plan:
         k = a.microbatch

@@ -54,6 +54,17 @@ class MimoModelInfra:
         return r is not None and r.tp == 0 and r.cp == 0 and r.is_last_stage
 
     @property
+    def is_loss_partial(self) -> bool:
+        """A rank whose loss sum is a partial sum of its replica's (tp 0, last stage, any cp).
+
+        Without context parallelism this is :attr:`is_loss_leader`; with it, each CP rank
+        scores its own positions and every one's loss sum is added into the world sum,
+        while token, correct and sample counts (whole sequences) come from cp 0 only.
+        """
+        r = self.roles.get(LANGUAGE)
+        return r is not None and r.tp == 0 and r.is_last_stage
+
+    @property
     def is_logging_rank(self) -> bool:
         """The single rank that prints and writes metrics (language dp 0 leader)."""
         r = self.roles.get(LANGUAGE)

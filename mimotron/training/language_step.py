@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from mimotron.models.language import language_loss
@@ -34,9 +35,19 @@ ACCURACY_KEYS = ("correct", "samples")
 
 def language_input(model: nn.Module, batch: dict[str, torch.Tensor],
                    embeddings: dict[str, torch.Tensor | None]) -> torch.Tensor:
-    """Token embeddings with every modality's embeddings merged at its placeholders."""
+    """Token embeddings with every modality's embeddings merged at its placeholders.
+
+    Under context parallelism only this rank's positions are embedded (``[B, S / c, H]``)
+    and ``embeddings`` hold the ``[n_local, H]`` rows of the placeholders among them
+    (:meth:`~mimotron.models.mimo.MimoModel.merge_context_embeddings`).
+    """
     tokens = batch["tokens"]
     embeds = {m: e for m, e in embeddings.items() if e is not None}
+    lm = model.language_model
+    positions = lm.context_positions(tokens.shape[1], tokens.device)
+    if positions is not None:
+        local = tokens[:, positions]
+        return model.merge_context_embeddings(local, lm.embed_tokens(local), embeds)
     present = {m: batch[f"has_{model.modality_of[m]}"] for m in embeds}
     return model.merge_embeddings(tokens, model.language_model.embed_tokens(tokens), embeds,
                                   present)
@@ -57,23 +68,49 @@ def language_loss_step(model: nn.Module, batch: dict[str, torch.Tensor], logits:
                        ) -> LossOutput:
     """Summed token loss of the language model's (possibly vocab-sharded) logits.
 
+    Under context parallelism ``logits`` are this rank's positions: ``loss_sum`` is
+    this rank's partial sum (the step adds every CP rank's), while the token count and
+    ``correct`` cover the whole sequence (:func:`context_parallel_counts`).
+
     Returns:
         ``(loss_sum, num_loss_tokens, {"correct": n, "samples": n})`` where ``correct``
         counts samples whose every answer token is the argmax (= exact match of greedy
         generation, see ``evaluate``); pad samples (index < 0) are not counted.
     """
+    labels, loss_mask = batch["labels"], batch["loss_mask"]
+    positions = model.language_model.context_positions(labels.shape[1], labels.device)
+    if positions is not None:
+        labels, loss_mask = labels[:, positions], loss_mask[:, positions]
     group = model.language_tp_group
     if group is not None:
-        loss_sum, num_tokens, correct = vocab_parallel_loss(
-            logits, batch["labels"], batch["loss_mask"], group)
+        loss_sum, num_tokens, correct = vocab_parallel_loss(logits, labels, loss_mask, group)
     else:
-        loss_sum, num_tokens, correct = language_loss(logits, batch["labels"],
-                                                      batch["loss_mask"])
+        loss_sum, num_tokens, correct = language_loss(logits, labels, loss_mask)
+    if positions is not None:
+        num_tokens, correct = context_parallel_counts(
+            model.language_model.context_parallel_group, batch["loss_mask"], loss_mask, correct)
     valid = batch["index"] >= 0
     metrics = {"correct": (correct & valid).sum(), "samples": valid.sum()}
     if not model.training:
         metrics.update(input_kind_counts(model, batch, correct & valid, valid))
     return loss_sum, num_tokens, metrics
+
+
+def context_parallel_counts(group: dist.ProcessGroup, whole_mask: torch.Tensor,
+                            local_mask: torch.Tensor, local_correct: torch.Tensor
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token count and per-sample exact match of the whole sequence, from one CP rank.
+
+    The count comes from the whole ``[B, S]`` loss mask every CP rank keeps. A sample is
+    right when no CP rank saw a wrong scored position: this rank's wrong flags (scored
+    positions exist and not all are right) are summed over the CP group — one small
+    collective that every CP rank of the last stage issues for every micro-batch.
+    """
+    local_scored = (local_mask != 0).any(dim=1)
+    wrong = (local_scored & ~local_correct).to(torch.int64)
+    dist.all_reduce(wrong, op=dist.ReduceOp.SUM, group=group)
+    correct = (wrong == 0) & (whole_mask != 0).any(dim=1)
+    return whole_mask.float().sum(), correct
 
 
 def input_kinds(model: nn.Module) -> list[str]:

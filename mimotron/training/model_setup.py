@@ -72,6 +72,8 @@ def build_rank_model(cfg: MimoConfig, infra: MimoModelInfra, vocab_size: int,
             apply_expert_parallel(parts[name], infra, name, device,
                                   mod.parallel.expert_tensor > 1)
     language = parts.pop(LANGUAGE, None)
+    if language is not None and cfg.modules[LANGUAGE].parallel.context > 1:
+        language.set_context_parallel(infra.pg_collections[LANGUAGE].cp)
     modality_of = {n: str(cfg.modules[n].modality) for n in cfg.encoder_names}
     tp_group = None
     if language is not None and cfg.modules[LANGUAGE].parallel.tensor > 1:

@@ -84,11 +84,15 @@ def local_output_sums(outputs: list[MicrobatchOutput], infra: MimoModelInfra,
     """This rank's ``[loss, tokens, correct, samples]`` addends (zeros off the leaders).
 
     Float64 on ``device``, no host sync; their world sums are :func:`named_sums`'s input.
+    Under context parallelism every CP rank adds its partial loss sum; the counts (of
+    whole sequences) come from the replica's loss leader (cp 0) only.
     """
     vec = torch.zeros(4, dtype=torch.float64, device=device)
-    if infra.is_loss_leader:
+    if infra.is_loss_partial:
         for out in outputs:
             vec[0] += out.loss_sum.double()
+    if infra.is_loss_leader:
+        for out in outputs:
             vec[1] += out.num_tokens.double()
             vec[2] += out.metrics.get("correct", torch.tensor(0)).double()
             vec[3] += out.metrics.get("samples", torch.tensor(0)).double()
