@@ -155,6 +155,7 @@ def test_route_rejects_rows_that_do_not_match_the_placeholders() -> None:
 
 
 PARITY_ITERS = 10
+# Language CP 2 x DP 2 fed by vision DP 4 (fan-in) and audio TP 2 x DP 2.
 PARITY = ["train.iters=10", *coloc({"data": 4}, {"tensor": 2, "data": 2},
                                    {"context": 2, "data": 2})]
 
