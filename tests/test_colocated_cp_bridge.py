@@ -24,6 +24,8 @@ per-module grad norms, final weights at 1e-4 relative, replicas bitwise equal.
 
 from __future__ import annotations
 
+from functools import cache
+
 import pytest
 import torch
 
@@ -37,7 +39,7 @@ from mimotron.pipeline.colocated_cp import cp_bridge_geometry, plan_route
 from mimotron.pipeline.edges import build_edges, slice_range
 from mimotron.testing import run_ranks
 from tests.common import BASE, DIGITS, coloc, engine_run
-from tests.reference import reference_run
+from tests.reference import ReferenceRun, reference_run
 from tests.test_parity import (
     assert_module_norms_match,
     assert_steps_match,
@@ -155,9 +157,21 @@ def test_route_rejects_rows_that_do_not_match_the_placeholders() -> None:
 
 
 PARITY_ITERS = 10
-# Language CP 2 x DP 2 fed by vision DP 4 (fan-in) and audio TP 2 x DP 2.
-PARITY = ["train.iters=10", *coloc({"data": 4}, {"tensor": 2, "data": 2},
-                                   {"context": 2, "data": 2})]
+PARITY = ["train.iters=10"]
+PARITY_LAYOUTS = {
+    # language CP 2 x DP 2 fed by vision DP 4 (fan-in) and audio TP 2 x DP 2
+    "vision-dp4-audio-tp2dp2-language-cp2dp2": coloc(
+        {"data": 4}, {"tensor": 2, "data": 2}, {"context": 2, "data": 2}),
+    # language CP 2 x TP 2: its TP copies return their (identical) gradients once
+    "vision-dp4-audio-tp2dp2-language-cp2tp2": coloc(
+        {"data": 4}, {"tensor": 2, "data": 2}, {"context": 2, "tensor": 2, "data": 1}),
+}
+
+
+@cache
+def _reference() -> ReferenceRun:
+    """The plain loop, shared by the cases (CP and the layout change neither model nor data)."""
+    return reference_run(tuple(PARITY), PARITY_ITERS)
 
 
 def _recording_engine_run(rank: int, world: int, overrides: list[str], num_iters: int
@@ -175,14 +189,16 @@ def _recording_engine_run(rank: int, world: int, overrides: list[str], num_iters
     return {**engine_run(rank, world, overrides, num_iters), "bridge_shapes": shapes}
 
 
-def test_colocated_context_parallel_matches_plain_loop() -> None:
-    cfg = load_config(DIGITS, BASE + PARITY)
+@pytest.mark.parametrize("name", list(PARITY_LAYOUTS))
+def test_colocated_context_parallel_matches_plain_loop(name: str) -> None:
+    overrides = PARITY + PARITY_LAYOUTS[name]
+    cfg = load_config(DIGITS, BASE + overrides)
     layout = plan_layout(cfg)  # the validator accepts CP in a colocated placement
     assert layout.colocated and layout.world_size == WORLD
-    results = run_ranks(WORLD, _recording_engine_run, PARITY, PARITY_ITERS, timeout_s=300)
-    ref = reference_run(tuple(PARITY[:1]), PARITY_ITERS)
+    results = run_ranks(WORLD, _recording_engine_run, overrides, PARITY_ITERS, timeout_s=300)
+    ref = _reference()
     assert_steps_match(results, ref)
-    assert_module_norms_match(results, ref, checked_modules(PARITY))
+    assert_module_norms_match(results, ref, checked_modules(overrides))
     assert_weights_match(results, ref)
     # The CP bridge ran on every rank for both encoders and returned [n_local, H] rows.
     hidden = cfg.modules["language"].hidden_size
