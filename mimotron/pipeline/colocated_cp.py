@@ -145,7 +145,10 @@ def plan_route(geo: CPBridgeGeometry, src_tokens: torch.Tensor, dst_tokens: torc
     Raises:
         ValueError: the encoder output does not have one row per placeholder token.
     """
-    me, world = geo.rank, range(geo.world_size)
+    me, world, device = geo.rank, range(geo.world_size), src_tokens.device
+    # Index bookkeeping on the host: the splits are host ints anyway, and one copy of
+    # each slice's tokens replaces a device sync per destination.
+    src_tokens, dst_tokens = src_tokens.cpu(), dst_tokens.cpu()
     src = _Placeholders(src_tokens, placeholder_id, geo.src_slices[me][0], geo.cp_size)
     if num_flat_rows != src.sample.numel():
         raise ValueError(
@@ -161,18 +164,19 @@ def plan_route(geo: CPBridgeGeometry, src_tokens: torch.Tensor, dst_tokens: torc
                                 geo.dst_cp[me]).numel()) for r in geo.readers]
     offsets = [sum(per_replica[:e]) for e in range(len(per_replica))]
     reader, grad_sender = me in geo.readers, geo.grad_senders[me]
-    empty = torch.zeros(0, dtype=torch.long, device=src_tokens.device)
+    empty = torch.zeros(0, dtype=torch.long)
     # Gradients go back to every rank of a replica (its TP copies all run the encoder).
     segment = [(offsets[e], offsets[e] + per_replica[e]) for e in geo.src_dp]
-    back = [torch.arange(lo, hi, device=src_tokens.device) for lo, hi in segment]
+    back = [torch.arange(lo, hi) for lo, hi in segment]
     return Route(
-        fwd_send_index=torch.cat([empty, *to]) if reader else empty,
+        fwd_send_index=(torch.cat([empty, *to]) if reader else empty).to(device),
         fwd_send_splits=[int(t.numel()) if reader else 0 for t in to],
         fwd_recv_splits=[per_replica[geo.src_dp[p]] if p in geo.readers else 0 for p in world],
-        bwd_send_index=torch.cat([empty, *back]) if grad_sender else empty,
+        bwd_send_index=(torch.cat([empty, *back]) if grad_sender else empty).to(device),
         bwd_send_splits=[int(t.numel()) if grad_sender else 0 for t in back],
         bwd_recv_splits=[int(to[q].numel()) if geo.grad_senders[q] else 0 for q in world],
-        bwd_recv_index=torch.cat([empty, *(to[q] for q in world if geo.grad_senders[q])]),
+        bwd_recv_index=torch.cat([empty, *(to[q] for q in world if geo.grad_senders[q])]
+                                 ).to(device),
         num_flat_rows=num_flat_rows,
     )
 
