@@ -171,7 +171,7 @@ PROBES: dict[str, tuple[list[str], str, list[str]]] = {
     "modules.<m>.parallel.tensor": (_par("tensor=2"), "plan", NONCOLOCATED),
     "modules.<m>.parallel.pipeline": (_par("pipeline=2"), "plan", NONCOLOCATED),
     "modules.<m>.parallel.data": (_par("data=2"), "plan", NONCOLOCATED),
-    "modules.<m>.parallel.context": (_par("context=2"), "error:plan", NONCOLOCATED),
+    "modules.<m>.parallel.context": (_par("context=2"), "plan", NONCOLOCATED),
     "modules.<m>.parallel.expert": (_par("expert=2"), "error:plan", NONCOLOCATED),
     "modules.<m>.parallel.expert_tensor": (_par("expert_tensor=2"), "error:plan",
                                            NONCOLOCATED),

@@ -44,9 +44,13 @@ def run_plan(config: str, overrides: list[str]) -> int:
         p = mod.parallel
         print(f"{name:<10} {mod.kind:<9} {sum(stages):>10,}  {p.tensor:>2} {p.pipeline:>2} "
               f"{p.data:>2}  {stages}{'  (frozen)' if mod.freeze else ''}")
+        if p.context > 1:
+            print(f"{'':<10} context parallel: each of {p.context} CP ranks holds seq / "
+                  f"{p.context} = {cfg.data.seq_length // p.context} positions (2 chunks)")
         if p.sequence_parallel:
-            print(f"{'':<10} sequence parallel: norm regions hold seq / {p.tensor} "
-                  f"= {cfg.data.seq_length // p.tensor} positions per rank")
+            local = cfg.data.seq_length // p.context
+            print(f"{'':<10} sequence parallel: norm regions hold {local} / {p.tensor} "
+                  f"= {local // p.tensor} positions per rank")
         moe = stage_expert_counts(cfg, name, vocab)
         if moe:
             experts, whole = sum(e for e, _ in moe), sum(w for _, w in moe)

@@ -245,6 +245,9 @@ class Attention(nn.Module):
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if self.context_parallel_group is not None:
+            if mask is None:
+                raise ValueError("context-parallel attention needs a mask over global "
+                                 "positions (context_attention_mask); got mask=None")
             # After RoPE (keys carry their global positions), before the GQA repeat
             # (gather the fewer key/value heads).
             k, v = gather_kv(k, v, self.context_parallel_group)

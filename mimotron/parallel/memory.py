@@ -109,12 +109,16 @@ def activation_bytes(cfg: MimoConfig, name: str) -> int:
     (:mod:`mimotron.parallel.sequence_parallel`) divides the norm regions' ``6`` too;
     the ``4`` of the column-parallel linears' inputs stays whole, because the DTensor
     plans gather the input before the linear, which saves the gathered tensor (Megatron
-    saves the shard and gathers again in backward, reaching ``34 / t``).
+    saves the shard and gathers again in backward, reaching ``34 / t``). Context
+    parallelism (:mod:`mimotron.parallel.context_parallel`) holds ``seq / context``
+    positions per rank, so it divides all of it (logits included); the all-gathered
+    keys and values it adds (``2 x seq x kv_width`` per layer) are transient, not saved.
     """
     mod = cfg.modules[name]
     par = mod.parallel
     samples = cfg.train.micro_batch_size // par.data
-    tokens = cfg.data.seq_length if mod.kind == "language" else mod.num_output_tokens
+    tokens = (cfg.data.seq_length // par.context if mod.kind == "language"
+              else mod.num_output_tokens)
     layers = -(-mod.num_layers // par.pipeline)
     scale = BYTES[cfg.train.precision] / 2
     whole, split = (4, 30) if par.sequence_parallel else (10, 24)

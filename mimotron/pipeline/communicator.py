@@ -12,6 +12,15 @@ rank holds one stage of one module). Its neighbours:
   slices, fan-out splits them, and one rule covers both. The receiving leader broadcasts
   to its TP group; gradients go back the same way.
 
+Into a context-parallel language model (``context = c > 1``) each pair becomes ``c``
+routes (:func:`bridge_routes`), one per CP coordinate of the destination replica: the
+encoder leader sends CP rank ``r`` only the ``[n_r, H]`` rows of the placeholders among
+its positions (:func:`~mimotron.parallel.context_parallel.placeholder_selection`, the
+row contract; it needs the tokens of the encoder's slice, which the schedule passes),
+and in backward scatters the returned pieces, which are disjoint, into a zero
+``[N * T, H]`` gradient. With ``c = 1`` the routes are the pairs and the same tensors
+travel as before.
+
 Encoder outputs hold one row per sample that carries the modality, so a pair may
 exchange zero rows (a text-only slice): then only a header travels and every rank stays
 in lock-step. Shapes travel with each tensor (:mod:`mimotron.pipeline.p2p`). Colocated

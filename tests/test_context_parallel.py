@@ -1,0 +1,238 @@
+"""Context parallelism in the language model trains like the plain PyTorch loop.
+
+Non-colocated layouts with ``modules.language.parallel.context = 2`` are compared over 10
+iterations with :func:`tests.reference.reference_run` (losses, global grad norm, token
+counts, per-module grad norms as stepped, final weights at 1e-4 relative, replicas
+bitwise equal): CP 2 fed by vision DP 2 (fan-in: encoder DP 2, language DP 1), CP 2 x
+TP 2 with sequence parallelism, CP 2 x PP 2 with the language optimizer sharded over
+``dp x cp``, and packed rows with CP 2. Each run also checks that attention ran on
+``S / 2`` local positions and that encoder leaders sent each CP rank only the rows of
+its placeholders. Unit tests: each CP rank's attention output (and input gradient)
+equals its rows of full attention, causal and with documents; rejected layouts name the
+field; the memory estimate divides the language activations by the CP degree.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import mimotron.models.blocks as blocks_module
+from mimotron.config import load_config
+from mimotron.data.packing import document_mask
+from mimotron.models.blocks import Attention, rope_cache
+from mimotron.models.language import language_loss
+from mimotron.models.mimo import MimoModel
+from mimotron.parallel.context_attention import context_attention_mask
+from mimotron.parallel.context_parallel import load_balanced_positions
+from mimotron.parallel.layout import plan_layout
+from mimotron.testing import run_ranks
+from mimotron.training.language_step import context_parallel_counts
+from tests import common as common_module
+from tests.common import BASE, DIGITS, coloc, engine_run, noncolocated
+from tests.reference import ReferenceRun, reference_run
+from tests.test_packing import _packed_reference
+from tests.test_parity import (
+    assert_module_norms_match,
+    assert_steps_match,
+    assert_weights_match,
+    checked_modules,
+)
+
+NUM_ITERS = 10
+PARITY = ["train.iters=10"]
+SEQ = 64  # data.seq_length of configs/digits.toml
+HIDDEN = 64  # modules.language.hidden_size in tests.common.SMALL_MODEL
+SP = ["modules.language.parallel.sequence_parallel=true"]
+
+CASES = {
+    # Fan-in: vision DP 2 feeds a language DP 1 x CP 2 (5 ranks).
+    "vision-dp2|language-cp2": noncolocated({"data": 2}, {}, {"context": 2}),
+    "language-cp2tp2-sp": noncolocated({}, {}, {"context": 2, "tensor": 2}) + SP,
+    "language-cp2pp2-zero": noncolocated({}, {}, {"context": 2, "pipeline": 2})
+    + ["modules.language.parallel.shard_optimizer=true"],
+}
+
+
+def cp_engine_run(rank: int, world: int, overrides: list[str], num_iters: int) -> dict:
+    """:func:`engine_run`, also recording attention's local keys, encoder rows and sends."""
+    local_keys: list[int] = []
+    encoded_rows: list[int] = []
+    sends: list[tuple[int, tuple[int, ...]]] = []
+    gather, exchange = blocks_module.gather_kv, common_module.exchange
+    encode = MimoModel.encode
+
+    def recording_encode(self, name, batch):  # noqa: ANN001, ANN202
+        out = encode(self, name, batch)
+        encoded_rows.append(out.shape[0] * out.shape[1])
+        return out
+
+    def recording_gather(k, v, group):  # noqa: ANN001, ANN202
+        local_keys.append(k.shape[-2])
+        return gather(k, v, group)
+
+    def recording_exchange(out: list, *args: object) -> list:
+        sends.extend((peer, tuple(t.shape)) for peer, t in out)
+        return exchange(out, *args)
+
+    # This forked rank only. engine_run installs its own counting wrapper around
+    # tests.common.exchange, so ours goes below it.
+    blocks_module.gather_kv = recording_gather
+    common_module.exchange = recording_exchange
+    MimoModel.encode = recording_encode
+    result = engine_run(rank, world, overrides, num_iters)
+    return {**result, "local_keys": local_keys, "sends": sends, "encoded_rows": encoded_rows}
+
+
+@cache
+def _reference() -> ReferenceRun:
+    """The plain loop, shared by every unpacked case (CP does not change the model or data)."""
+    return reference_run(tuple(PARITY), NUM_ITERS)
+
+
+def _check_bridge_rows(results: list[dict], overrides: list[str]) -> None:
+    """Each encoder leader sent every output row exactly once, split over the CP ranks.
+
+    The pieces are ``[n, H]`` rows (not ``[N, T, H]`` blocks), both CP ranks receive rows,
+    and the rows sent add up to the rows encoded (the language side's merge checks that
+    each CP rank got exactly the rows of its own placeholders).
+    """
+    layout = plan_layout(load_config(DIGITS, BASE + overrides))
+    language = layout.modules["language"]
+    first_stage = {language.rank_at(tp=0, cp=r, dp=0, pp=0) for r in range(2)}
+    received = dict.fromkeys(first_stage, 0)
+    for rank, res in enumerate(results):
+        if layout.roles(rank)[0].module == "language":
+            continue
+        sent = 0
+        for peer, shape in res["sends"]:
+            if peer in first_stage:
+                assert len(shape) == 2 and shape[-1] == HIDDEN, shape
+                received[peer] += shape[0]
+                sent += shape[0]
+        assert sent == sum(res["encoded_rows"]) > 0, f"rank {rank}"
+    assert all(n > 0 for n in received.values()), received
+
+
+def _check_run(results: list[dict], ref: ReferenceRun, overrides: list[str]) -> None:
+    assert_steps_match(results, ref)
+    assert_module_norms_match(results, ref, checked_modules(overrides))
+    assert_weights_match(results, ref)
+    keys = {k for res in results for k in res["local_keys"]}
+    assert keys == {SEQ // 2}, keys  # every attention held S / 2 positions and gathered S
+    _check_bridge_rows(results, overrides)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_context_parallel_matches_plain_loop(name):
+    overrides = PARITY + CASES[name]
+    world = plan_layout(load_config(DIGITS, BASE + overrides)).world_size
+    results = run_ranks(world, cp_engine_run, overrides, NUM_ITERS, timeout_s=300)
+    _check_run(results, _reference(), overrides)
+
+
+def test_packed_context_parallel_matches_plain_loop():
+    """Packed rows (block-diagonal documents, per-document RoPE) with CP 2."""
+    overrides = ["data.packing=true", "train.iters=12", *noncolocated({}, {}, {"context": 2})]
+    results = run_ranks(4, cp_engine_run, overrides, NUM_ITERS, timeout_s=300)
+    _check_run(results, _packed_reference(), overrides)
+
+
+def _attention_rows(rank: int, world: int, packed: bool) -> dict:
+    """CP attention on this rank's positions vs full attention (same weights, same input)."""
+    torch.manual_seed(0)
+    seq, hidden = 16, 32
+    attn = Attention(hidden, num_heads=4, causal=True, num_kv_heads=2)
+    x = torch.randn(2, seq, hidden)
+    doc_ids = torch.tensor([[0] * 5 + [1] * 7 + [2] * 4, [0] * 9 + [1] * 7])
+    cos, sin = rope_cache(seq, attn.head_dim)
+    full_mask = document_mask(doc_ids) if packed else None
+    full_x = x.clone().requires_grad_(True)
+    full = attn(full_x, (cos, sin), full_mask)
+    full.square().sum().backward()
+    pos = load_balanced_positions(seq, world, rank)
+    attn.context_parallel_group = dist.group.WORLD
+    local_x = x[:, pos].clone().requires_grad_(True)
+    mask = context_attention_mask(seq, world, rank, x.device, doc_ids if packed else None)
+    local = attn(local_x, (cos[pos], sin[pos]), mask)
+    local.square().sum().backward()
+    return {"out_err": float((local - full[:, pos]).abs().max()),
+            "grad_err": float((local_x.grad - full_x.grad[:, pos]).abs().max()),
+            "scale": float(full.abs().max())}
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["causal", "documents"])
+def test_cp_attention_equals_rows_of_full_attention(packed):
+    """Outputs and input gradients (through the K/V gather's backward) match, per rank."""
+    for res in run_ranks(2, _attention_rows, packed, timeout_s=120):
+        assert res["out_err"] <= 1e-5 * res["scale"], res
+        assert res["grad_err"] <= 1e-4, res
+
+
+INVALID = [
+    pytest.param(noncolocated({"context": 2}, {}, {}), "modules.vision.parallel.context=2 is "
+                 "invalid: encoders' inputs are short", id="encoder"),
+    pytest.param(coloc({"data": 2}, {"data": 2}, {"context": 2, "data": 1}),
+                 "modules.language.parallel.context=2 is invalid in a colocated layout",
+                 id="colocated"),
+    pytest.param(noncolocated({}, {}, {"context": 2}) + ["data.seq_length=66"],
+                 r"data.seq_length=66 is invalid with modules.language.parallel.context=2",
+                 id="split"),
+    pytest.param(noncolocated({}, {}, {"context": 2, "tensor": 4}) + SP + ["data.seq_length=68"],
+                 r"data.seq_length=68 is invalid with modules.language.parallel.context=2 and "
+                 r"modules.language.parallel.sequence_parallel=true", id="sp-split"),
+    pytest.param(noncolocated({}, {}, {"context": 2}) + ["modules.language.num_experts=4"],
+                 "modules.language.parallel.context=2 is invalid with "
+                 "modules.language.num_experts=4", id="moe"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "needle"), INVALID)
+def test_context_parallel_rejections_name_the_field(overrides, needle):
+    with pytest.raises(ValueError, match=needle):
+        plan_layout(load_config(DIGITS, BASE + overrides))
+
+
+def test_activation_estimate_divides_by_context():
+    from mimotron.parallel.memory import activation_bytes
+
+    def estimate(language: dict, *extra: str) -> int:
+        cfg = load_config(DIGITS, BASE + noncolocated({}, {}, language) + list(extra))
+        return activation_bytes(cfg, "language")
+
+    plain, cp2 = estimate({}), estimate({"context": 2})
+    assert cp2 * 2 == plain
+    tp2_sp, cp2_tp2_sp = estimate({"tensor": 2}, *SP), estimate({"context": 2, "tensor": 2}, *SP)
+    assert cp2_tp2_sp * 2 == tp2_sp and tp2_sp < plain
+
+
+def _cp_counts(rank: int, world: int) -> dict:
+    """Loss pieces, token count and exact match of one CP rank vs the whole sequence."""
+    torch.manual_seed(0)
+    logits = torch.randn(4, 8, 5)
+    labels = logits.argmax(-1)
+    labels[1, 1] = (labels[1, 1] + 1) % 5  # wrong only at a position of CP rank 0
+    labels[2, 3] = (labels[2, 3] + 1) % 5  # wrong only at a position of CP rank 1
+    mask = torch.ones(4, 8)
+    mask[:, 0] = 0
+    mask[3] = 0  # nothing scored: never correct
+    whole_loss, whole_tokens, whole_correct = language_loss(logits, labels, mask)
+    pos = load_balanced_positions(8, world, rank)
+    loss, _, local_correct = language_loss(logits[:, pos], labels[:, pos], mask[:, pos])
+    tokens, correct = context_parallel_counts(dist.group.WORLD, mask, mask[:, pos],
+                                              local_correct)
+    dist.all_reduce(loss)
+    return {"loss": (float(loss), float(whole_loss)), "tokens": (float(tokens),
+            float(whole_tokens)), "correct": (correct.tolist(), whole_correct.tolist())}
+
+
+def test_cp_loss_pieces_sum_and_exact_match_is_reduced():
+    """Partial loss sums add up; counts and per-sample exact match are the whole sequence's."""
+    for res in run_ranks(2, _cp_counts, timeout_s=120):
+        got, want = res["loss"]
+        assert abs(got - want) <= 1e-5 * want
+        assert res["tokens"][0] == res["tokens"][1] == 21.0
+        assert res["correct"][0] == res["correct"][1] == [True, False, False, False]
