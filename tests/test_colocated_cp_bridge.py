@@ -16,8 +16,8 @@ whole slice's embedding — and (c) backward with a known upstream gradient (ide
 language TP copies) gives every encoder rank, TP copies included, the exact gradient of
 its rows: counted once, not once per language TP copy.
 
-End to end, a colocated layout whose language model runs CP 2 x DP 2, fed by vision at
-DP 4 and audio at TP 2 x DP 2, trains like the plain PyTorch loop
+End to end, colocated layouts whose language model runs CP 2 x DP 2 or CP 2 x TP 2, fed
+by vision at DP 4 and audio at TP 2 x DP 2, train like the plain PyTorch loop
 (:func:`tests.reference.reference_run`) over 10 iterations: losses, global and
 per-module grad norms, final weights at 1e-4 relative, replicas bitwise equal.
 """

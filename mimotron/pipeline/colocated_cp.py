@@ -25,7 +25,8 @@ counts are exchanged.
   zero tensor, no sum is needed.
 
 Every rank issues both collectives, with zero splits where it has nothing to send or
-receive, so the collective order of :doc:`design` holds. The route (indices and
+receive, so every rank issues the same collectives (docs/design.md, "Collective
+ordering"). The route (indices and
 splits) is a pure function of the tokens (:func:`plan_route`) and is computed per
 micro-batch; the geometry (who holds which slice) is fixed for the run
 (:func:`cp_bridge_geometry`). Used by
