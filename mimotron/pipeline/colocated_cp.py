@@ -25,13 +25,12 @@ counts are exchanged.
   zero tensor, no sum is needed.
 
 Every rank issues both collectives, with zero splits where it has nothing to send or
-receive, so every rank issues the same collectives (docs/design.md, "Collective
-ordering"). The route (indices and
-splits) is a pure function of the tokens (:func:`plan_route`) and is computed per
-micro-batch; the geometry (who holds which slice) is fixed for the run
-(:func:`cp_bridge_geometry`). Used by
-:class:`~mimotron.pipeline.colocated.ColocatedTransport` whenever the destination has
-context > 1; layouts without CP keep the all-gather bridge (bitwise unchanged).
+receive (docs/design.md, "Collective ordering"). The route (indices and splits) is a
+pure function of the tokens (:func:`plan_route`), computed per micro-batch; the
+geometry (who holds which slice) is fixed for the run (:func:`cp_bridge_geometry`).
+:class:`~mimotron.pipeline.colocated.ColocatedTransport` uses this bridge whenever the
+destination has context > 1; layouts without CP keep the all-gather bridge (bitwise
+unchanged).
 """
 
 from __future__ import annotations
