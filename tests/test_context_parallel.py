@@ -37,7 +37,7 @@ from mimotron.testing import run_ranks
 from mimotron.training.language_step import context_parallel_counts
 from mimotron.training.loop import run_training
 from tests import common as common_module
-from tests.common import BASE, DIGITS, coloc, engine_run, noncolocated
+from tests.common import BASE, DIGITS, engine_run, noncolocated
 from tests.reference import ReferenceRun, reference_run
 from tests.test_packing import _packed_reference
 from tests.test_parity import (
@@ -183,9 +183,6 @@ def test_cp_attention_equals_rows_of_full_attention(packed):
 INVALID = [
     pytest.param(noncolocated({"context": 2}, {}, {}), "modules.vision.parallel.context=2 is "
                  "invalid: encoders' inputs are short", id="encoder"),
-    pytest.param(coloc({"data": 2}, {"data": 2}, {"context": 2, "data": 1}),
-                 "modules.language.parallel.context=2 is invalid in a colocated layout",
-                 id="colocated"),
     pytest.param(noncolocated({}, {}, {"context": 2}) + ["data.seq_length=66"],
                  r"data.seq_length=66 is invalid with modules.language.parallel.context=2",
                  id="split"),

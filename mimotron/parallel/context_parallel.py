@@ -52,11 +52,12 @@ def check_context_parallel(cfg: MimoConfig, name: str, colocated: bool) -> None:
 
     Raises:
         ValueError: one line naming the field: CP on an encoder (their inputs are short;
-            CP applies to the language model only), in a colocated layout (its bridge is
-            not built yet), with MoE or an ``hf_path`` checkpoint (not covered by the
-            parity tests), a ``data.seq_length`` that does not split into ``2 x context``
-            chunks, or one whose CP chunk ``tensor`` does not divide under sequence
-            parallelism.
+            CP applies to the language model only), with MoE or an ``hf_path``
+            checkpoint (not covered by the parity tests), a ``data.seq_length`` that does
+            not split into ``2 x context`` chunks, or one whose CP chunk ``tensor`` does not
+            divide under sequence parallelism. Colocated layouts are accepted
+            (``colocated`` is kept for the caller's signature): their bridge is
+            :mod:`mimotron.pipeline.colocated_cp`.
     """
     mod = cfg.modules[name]
     par, p = mod.parallel, f"modules.{name}.parallel.context"
@@ -67,9 +68,6 @@ def check_context_parallel(cfg: MimoConfig, name: str, colocated: bool) -> None:
     if name != LANGUAGE:
         raise ValueError(f"{p}={par.context} is invalid: encoders' inputs are short, context "
                          f"parallelism applies to modules.{LANGUAGE} only; use 1")
-    if colocated:
-        raise ValueError(f"{p}={par.context} is invalid in a colocated layout (every module on "
-                         "the same ranks): use non-colocated blocks (rank_offset) or context=1")
     if mod.num_experts > 0 or mod.hf_path:
         what = f"num_experts={mod.num_experts}" if mod.num_experts > 0 else "hf_path"
         raise ValueError(f"{p}={par.context} is invalid with modules.{name}.{what}: context "

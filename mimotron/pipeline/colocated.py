@@ -21,6 +21,9 @@ When every rank's two slices coincide, ``needed`` is False and tensors pass thro
 :class:`~mimotron.pipeline.communicator.MultiModulePipelineCommunicator` once at setup:
 it holds each edge's geometry (fixed for the run) and bridges encoder rows in-process.
 Its collectives run inside autograd, so they count as module compute in the metrics.
+An edge into a context-parallel language model (``context > 1``) uses
+:mod:`mimotron.pipeline.colocated_cp` instead, which sends each rank only the rows of
+its CP positions; every other edge keeps the all-gather bridge above.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from mimotron.parallel.layout import Layout
+from mimotron.pipeline.colocated_cp import CPBridgeGeometry, cp_bridge, cp_bridge_geometry
 from mimotron.pipeline.edges import Edge, slice_range
 
 
@@ -127,16 +131,37 @@ class ColocatedTransport:
         self.edges = edges
         self.geometry = {e.src: bridge_geometry(layout, e, rank, micro_batch_size)
                          for e in edges}
+        # Edges into a CP language model route rows by position instead (colocated_cp).
+        self.cp_geometry: dict[str, CPBridgeGeometry] = {
+            e.src: cp_bridge_geometry(layout, e, rank, micro_batch_size)
+            for e in edges if layout.modules[e.dst].parallel.context > 1}
 
-    def bridge(self, edge: Edge, rows: torch.Tensor, batch: dict[str, torch.Tensor]
-               ) -> torch.Tensor:
+    def bridge(self, edge: Edge, rows: torch.Tensor, batch: dict[str, torch.Tensor],
+               language_batch: dict[str, torch.Tensor] | None = None,
+               placeholder_id: int | None = None) -> torch.Tensor:
         """This rank's language-slice rows of ``edge``'s encoder output (autograd-aware).
 
         Args:
             edge: the boundary the rows cross.
             rows: this rank's encoder output (one row per present sample).
-            batch: the encoder's micro-batch slice on this rank (its presence mask).
+            batch: the encoder's micro-batch slice on this rank (its presence mask, and
+                its tokens for a CP language model).
+            language_batch: the language model's micro-batch slice on this rank (its
+                tokens); needed when the language model has context > 1.
+            placeholder_id: ``edge``'s placeholder token id; needed likewise.
+
+        Returns:
+            ``[n, T, H]`` rows of the language slice's present samples, or, into a CP
+            language model, ``[n_local, H]``: one row per placeholder at this rank's
+            positions (the row contract of :mod:`mimotron.parallel.context_parallel`).
         """
+        cp_geo = self.cp_geometry.get(edge.src)
+        if cp_geo is not None:
+            if language_batch is None or placeholder_id is None:
+                raise ValueError(f"the bridge of {edge.src!r} into a context-parallel "
+                                 "language model needs language_batch and placeholder_id")
+            return cp_bridge(rows, batch["tokens"], language_batch["tokens"], placeholder_id,
+                             cp_geo)
         geo = self.geometry[edge.src]
         if not geo.needed:
             return rows

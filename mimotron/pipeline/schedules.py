@@ -165,7 +165,8 @@ class StageRunner:
     def _forward_colocated(self, k: int) -> None:
         mb, model = self.ctx.microbatches[k], self.ctx.model
         transport = self.ctx.transport
-        embeds = {e.src: transport.bridge(e, model.encode(e.src, mb[e.src]), mb[e.src])
+        embeds = {e.src: transport.bridge(e, model.encode(e.src, mb[e.src]), mb[e.src],
+                                          mb[LANGUAGE], model.placeholder_ids[e.src])
                   for e in transport.edges}
         loss = self.ctx.language.forward_step(model, mb[LANGUAGE], embeds)
         self._record_loss(k, loss)
