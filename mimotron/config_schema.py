@@ -61,8 +61,8 @@ class ParallelConfig:
     """Context-parallel degree of the language model (>= 1; encoders use 1).
 
     Each CP rank holds seq_length / context positions (a head and a tail chunk, causal
-    load balancing); data.seq_length must be a multiple of 2 x context. Non-colocated
-    layouts only (for now); not with MoE or hf_path.
+    load balancing); data.seq_length must be a multiple of 2 x context. Colocated and
+    non-colocated layouts; not with MoE or hf_path.
     """
     expert: int = 1
     """Expert-parallel degree (>= 1); expert x expert_tensor x pipeline must divide the

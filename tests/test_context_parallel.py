@@ -37,7 +37,7 @@ from mimotron.testing import run_ranks
 from mimotron.training.language_step import context_parallel_counts
 from mimotron.training.loop import run_training
 from tests import common as common_module
-from tests.common import BASE, DIGITS, engine_run, noncolocated
+from tests.common import BASE, DIGITS, coloc, engine_run, noncolocated
 from tests.reference import ReferenceRun, reference_run
 from tests.test_packing import _packed_reference
 from tests.test_parity import (

@@ -47,7 +47,7 @@ def check_context_split(seq_len: int, cp_size: int) -> None:
         )
 
 
-def check_context_parallel(cfg: MimoConfig, name: str, colocated: bool) -> None:
+def check_context_parallel(cfg: MimoConfig, name: str) -> None:
     """Raise (before any collective) unless module ``name`` can run its ``context`` degree.
 
     Raises:
@@ -55,9 +55,8 @@ def check_context_parallel(cfg: MimoConfig, name: str, colocated: bool) -> None:
             CP applies to the language model only), with MoE or an ``hf_path``
             checkpoint (not covered by the parity tests), a ``data.seq_length`` that does
             not split into ``2 x context`` chunks, or one whose CP chunk ``tensor`` does not
-            divide under sequence parallelism. Colocated layouts are accepted
-            (``colocated`` is kept for the caller's signature): their bridge is
-            :mod:`mimotron.pipeline.colocated_cp`.
+            divide under sequence parallelism. Colocated and non-colocated layouts are
+            both accepted (the colocated bridge is :mod:`mimotron.pipeline.colocated_cp`).
     """
     mod = cfg.modules[name]
     par, p = mod.parallel, f"modules.{name}.parallel.context"

@@ -239,7 +239,7 @@ def _check_module_shape(cfg: MimoConfig, name: str, colocated: bool) -> None:
             f"modules.{name}.num_layers={mod.num_layers}"
         )
     check_sequence_parallel(cfg, name)
-    check_context_parallel(cfg, name, colocated)
+    check_context_parallel(cfg, name)
     check_expert_layout(cfg, name)
 
 
