@@ -388,10 +388,6 @@ def _validate_data(cfg: MimoConfig) -> None:
     _check(not (d.packing and d.dataset == "llava"), "data.packing", d.packing,
            "false with data.dataset='llava' (packing needs every sample's length on every "
            "rank; use digits or mock)")
-    # No parity test covers packed rows under sequence parallelism yet.
-    sp = [n for n, m in cfg.modules.items() if m.parallel.sequence_parallel]
-    _check(not (d.packing and sp), "data.packing", d.packing,
-           f"false with sequence parallelism (modules {sp}): not supported together yet")
     if d.dataset == "llava":
         _validate_llava(cfg)
         return  # The dataset checks each sample's length against seq_length.

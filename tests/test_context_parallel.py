@@ -142,10 +142,15 @@ def test_context_parallel_matches_plain_loop(name):
     _check_run(results, _reference(), overrides)
 
 
-def test_packed_context_parallel_matches_plain_loop():
-    """Packed rows (block-diagonal documents, per-document RoPE) with CP 2."""
-    overrides = ["data.packing=true", "train.iters=12", *noncolocated({}, {}, {"context": 2})]
-    results = run_ranks(4, cp_engine_run, overrides, NUM_ITERS, timeout_s=300)
+@pytest.mark.parametrize("name", ["language-cp2", "language-cp2tp2-sp"])
+def test_packed_context_parallel_matches_plain_loop(name):
+    """Packed rows (block-diagonal documents, per-document RoPE) with CP 2, and with CP 2
+    x TP 2 under sequence parallelism (the document mask passes SP's input plans)."""
+    language = {"context": 2} if name == "language-cp2" else {"context": 2, "tensor": 2}
+    sp = ["modules.language.parallel.sequence_parallel=true"] if "sp" in name else []
+    overrides = ["data.packing=true", "train.iters=12", *noncolocated({}, {}, language), *sp]
+    world = plan_layout(load_config(DIGITS, BASE + overrides)).world_size
+    results = run_ranks(world, cp_engine_run, overrides, NUM_ITERS, timeout_s=300)
     _check_run(results, _packed_reference(), overrides)
 
 
