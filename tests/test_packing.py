@@ -169,8 +169,6 @@ def test_resume_and_real_token_count():
      r"data\.packing=True is invalid with modules\.language\.num_experts=4"),
     (["data.dataset='llava'"], r"data\.packing=True is invalid: expected false with "
                                r"data\.dataset='llava'"),
-    (["modules.language.parallel.tensor=2", "modules.language.parallel.sequence_parallel=true"],
-     r"data\.packing=True is invalid: expected false with sequence parallelism"),
 ])
 def test_packing_with_an_unsupported_feature_is_a_one_line_error(extra, message):
     with pytest.raises(ValueError, match=message) as err:
