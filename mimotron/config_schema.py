@@ -62,7 +62,8 @@ class ParallelConfig:
 
     Each CP rank holds seq_length / context positions (a head and a tail chunk, causal
     load balancing); data.seq_length must be a multiple of 2 x context. Colocated and
-    non-colocated layouts; not with MoE or hf_path.
+    non-colocated layouts; dense models only (built-in or a Llama / Qwen2 / Qwen3
+    hf_path), not with MoE (num_experts or an MoE hf_path).
     """
     expert: int = 1
     """Expert-parallel degree (>= 1); expert x expert_tensor x pipeline must divide the
@@ -77,7 +78,8 @@ class ParallelConfig:
     """
     sequence_parallel: bool = False
     """Sequence parallelism (language model only, needs tensor > 1 and data.seq_length
-    divisible by tensor): norm regions hold seq / tensor positions per rank.
+    divisible by tensor): norm regions hold seq / tensor positions per rank. Dense
+    models only (built-in or hf_path), not with MoE.
     """
     shard_optimizer: bool = False
     """ZeRO-1: shard the module's optimizer state over its DP group.

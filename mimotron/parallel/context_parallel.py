@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from mimotron.config import MimoConfig
+from mimotron.config import LANGUAGE_KINDS, MimoConfig, ModuleConfig
 from mimotron.names import LANGUAGE
 
 
@@ -47,16 +47,37 @@ def check_context_split(seq_len: int, cp_size: int) -> None:
         )
 
 
+def moe_source(mod: ModuleConfig, name: str) -> str:
+    """Where a module's mixture-of-experts layers come from, ``""`` for a dense module.
+
+    ``modules.<m>.num_experts`` for the built-in model; for a language ``hf_path`` the
+    folder's config.json (Qwen2-MoE / Qwen3-MoE), since ``num_experts`` stays 0 there.
+    The message names the field a user would change.
+    """
+    if mod.num_experts > 0:
+        return f"modules.{name}.num_experts={mod.num_experts}"
+    if mod.hf_path and mod.kind in LANGUAGE_KINDS:
+        from mimotron.models.hf.resolve import language_spec  # reads config.json
+
+        spec = language_spec(mod)
+        if spec.moe is not None:
+            return (f"modules.{name}.hf_path (a {spec.model_type} checkpoint with "
+                    f"{spec.moe.num_experts} experts)")
+    return ""
+
+
 def check_context_parallel(cfg: MimoConfig, name: str) -> None:
     """Raise (before any collective) unless module ``name`` can run its ``context`` degree.
 
     Raises:
         ValueError: one line naming the field: CP on an encoder (their inputs are short;
-            CP applies to the language model only), with MoE or an ``hf_path``
-            checkpoint (not covered by the parity tests), a ``data.seq_length`` that does
-            not split into ``2 x context`` chunks, or one whose CP chunk ``tensor`` does not
-            divide under sequence parallelism. Colocated and non-colocated layouts are
-            both accepted (the colocated bridge is :mod:`mimotron.pipeline.colocated_cp`).
+            CP applies to the language model only), with MoE (``num_experts > 0`` or an
+            MoE ``hf_path`` checkpoint, :func:`moe_source`), a ``data.seq_length`` that
+            does not split into ``2 x context`` chunks, or one whose CP chunk ``tensor``
+            does not divide under sequence parallelism. A dense ``hf_path`` decoder is
+            accepted (GQA, biases, qk_norm, scaled RoPE, tied embeddings). Colocated and
+            non-colocated layouts are both accepted (the colocated bridge is
+            :mod:`mimotron.pipeline.colocated_cp`).
     """
     mod = cfg.modules[name]
     par, p = mod.parallel, f"modules.{name}.parallel.context"
@@ -67,10 +88,12 @@ def check_context_parallel(cfg: MimoConfig, name: str) -> None:
     if name != LANGUAGE:
         raise ValueError(f"{p}={par.context} is invalid: encoders' inputs are short, context "
                          f"parallelism applies to modules.{LANGUAGE} only; use 1")
-    if mod.num_experts > 0 or mod.hf_path:
-        what = f"num_experts={mod.num_experts}" if mod.num_experts > 0 else "hf_path"
-        raise ValueError(f"{p}={par.context} is invalid with modules.{name}.{what}: context "
-                         "parallelism supports the built-in dense language model only; use 1")
+    moe = moe_source(mod, name)
+    if moe:
+        # A dense hf_path decoder (Llama / Qwen2 / Qwen3) is the same LanguageModel with
+        # GQA, biases, qk_norm, scaled RoPE or tied embeddings: tests/test_hf_context_parallel.py.
+        raise ValueError(f"{p}={par.context} is invalid with {moe}: context parallelism "
+                         "supports dense language models only (built-in or hf_path); use 1")
     seq = cfg.data.seq_length
     check_context_split(seq, par.context)
     if par.sequence_parallel and (seq // par.context) % par.tensor:

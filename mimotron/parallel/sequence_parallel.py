@@ -40,11 +40,16 @@ from torch.distributed.tensor.parallel import (
 
 from mimotron.config import MimoConfig
 from mimotron.names import LANGUAGE
+from mimotron.parallel.context_parallel import moe_source
 
-# Marks a plain parameter whose gradient is a partial sum over the TP group under SP.
+# Marks a plain parameter whose gradient is a partial sum over the TP group: the
+# sequence-sharded norms under SP, and the per-head norms under any TP.
 SP_ATTR = "sequence_parallel"
 # Norms whose input is sequence-sharded (q_norm/k_norm run after the gather).
 _SHARDED_NORMS = ("attn_norm", "mlp_norm", "final_norm")
+# Per-head q/k norms (Qwen3): each TP rank normalises only its local heads, so their
+# weights' gradients are partial sums over TP, with or without SP.
+HEAD_NORMS = ("q_norm", "k_norm")
 
 
 def sequence_parallel_plan(layers: nn.ModuleDict, has_output: bool) -> dict[str, object]:
@@ -71,11 +76,18 @@ def sequence_parallel_plan(layers: nn.ModuleDict, has_output: bool) -> dict[str,
     return plan
 
 
-def mark_sequence_parallel_params(module: nn.Module) -> int:
-    """Mark the weights of the sequence-sharded norms; returns how many were marked."""
+def mark_sequence_parallel_params(module: nn.Module,
+                                  names: tuple[str, ...] = _SHARDED_NORMS) -> int:
+    """Mark the weights of the norms called ``names`` (default: the sequence-sharded ones).
+
+    Marked weights are summed over TP by :func:`reduce_sequence_parallel_grads`.
+
+    Returns:
+        How many parameters were marked.
+    """
     count = 0
     for name, sub in module.named_modules():
-        if name.rsplit(".", 1)[-1] in _SHARDED_NORMS:
+        if name.rsplit(".", 1)[-1] in names:
             for p in sub.parameters():
                 setattr(p, SP_ATTR, True)
                 count += 1
@@ -171,8 +183,10 @@ def check_sequence_parallel(cfg: MimoConfig, name: str) -> None:
 
     Raises:
         ValueError: one line naming the field: SP on an encoder, without tensor > 1, with
-            MoE or an ``hf_path`` checkpoint (not covered by the parity tests), or a
-            ``data.seq_length`` the TP degree does not divide.
+            MoE (``num_experts > 0``, also an MoE ``hf_path`` checkpoint), or a
+            ``data.seq_length`` the TP degree does not divide. A dense ``hf_path`` decoder
+            is accepted: its q/k norms run after the all-gather inside ``attn`` and its
+            row-parallel biases are added once, after the reduce-scatter.
     """
     mod = cfg.modules[name]
     p = f"modules.{name}.parallel.sequence_parallel"
@@ -185,10 +199,10 @@ def check_sequence_parallel(cfg: MimoConfig, name: str) -> None:
     if tp < 2:
         raise ValueError(f"{p}=true is invalid with modules.{name}.parallel.tensor={tp}: "
                          "sequence parallelism needs tensor > 1; set tensor >= 2 or use false")
-    if mod.num_experts > 0 or mod.hf_path:
-        what = f"num_experts={mod.num_experts}" if mod.num_experts > 0 else "hf_path"
-        raise ValueError(f"{p}=true is invalid with modules.{name}.{what}: sequence "
-                         "parallelism supports the built-in dense language model only; use false")
+    moe = moe_source(mod, name)
+    if moe:
+        raise ValueError(f"{p}=true is invalid with {moe}: sequence parallelism supports "
+                         "dense language models only (built-in or hf_path); use false")
     seq = cfg.data.seq_length
     if seq % tp:
         raise ValueError(f"data.seq_length={seq} is invalid with {p}=true: it must be divisible "

@@ -7,6 +7,8 @@ logits, so the loss (:func:`vocab_parallel_loss`) never gathers full logits; enc
 projectors ``fc1`` column-wise and ``fc2`` row-wise. Everything else (norms, position
 embeddings, the patch/conv front ends) stays a plain tensor, whole on every TP rank; the
 global grad norm counts plain parameters on TP rank 0 only (``mimotron.optim.grads``).
+Per-head q/k norms (Qwen3) are plain too but see only this rank's heads, so their
+gradients are summed over TP (marked like the sequence-parallel norms).
 
 Weights are initialised on the full shape first (from ``(seed, name)``) and then
 sharded, so any TP degree starts from the same model as one process.
@@ -26,6 +28,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from mimotron.parallel.sequence_parallel import (
+    HEAD_NORMS,
     mark_sequence_parallel_params,
     sequence_parallel_plan,
 )
@@ -92,6 +95,20 @@ def _check_heads(layers: nn.ModuleDict, tp: int, prefix: str) -> None:
                 )
 
 
+def mark_tensor_partial_params(module: nn.Module, sequence_parallel: bool) -> None:
+    """Mark the plain parameters whose gradients are partial sums over the TP group.
+
+    The sequence-sharded norms under sequence parallelism, and the per-head q/k norms
+    (Qwen3) under any TP degree, since each rank normalises only its own heads. The
+    data-parallel sync sums them over TP first
+    (:func:`~mimotron.parallel.sequence_parallel.reduce_sequence_parallel_grads`).
+    Call it again after ``to_empty``, which replaces parameters and drops the marks.
+    """
+    if sequence_parallel:
+        mark_sequence_parallel_params(module)
+    mark_sequence_parallel_params(module, HEAD_NORMS)
+
+
 def apply_tensor_parallel(module: nn.Module, mesh: DeviceMesh, is_language: bool,
                           sequence_parallel: bool = False) -> nn.Module:
     """Shard a module part over a 1-D TP mesh in place; mark replicated parameters.
@@ -122,7 +139,7 @@ def apply_tensor_parallel(module: nn.Module, mesh: DeviceMesh, is_language: bool
     parallelize_module(module, mesh, plan)
     if sequence_parallel:
         module.sequence_parallel_group = mesh.get_group()
-        mark_sequence_parallel_params(module)
+    mark_tensor_partial_params(module, sequence_parallel)
     if is_language and getattr(module, "tie_word_embeddings", False):
         module.tie_weights()
     return module

@@ -35,7 +35,7 @@ from mimotron.names import LANGUAGE
 from mimotron.parallel.expert_parallel import shard_experts
 from mimotron.parallel.groups import EXPERT_VIEW
 from mimotron.parallel.layout import stage_layers
-from mimotron.parallel.tensor_parallel import apply_tensor_parallel
+from mimotron.parallel.tensor_parallel import apply_tensor_parallel, mark_tensor_partial_params
 from mimotron.training.infra import MimoModelInfra
 
 __all__ = ["VOCAB_MULTIPLE", "build_rank_model", "freeze_modules", "padded_vocab_size"]
@@ -106,9 +106,12 @@ def build_hf_part(cfg: MimoConfig, name: str, vocab_size: int, stage: dict[str, 
     """
     with torch.device("meta"):
         part = build_module(cfg, name, vocab_size, **stage, init=False)
+    sequence_parallel = cfg.modules[name].parallel.sequence_parallel
     if mesh is not None:
-        apply_tensor_parallel(part, mesh, name == LANGUAGE)
+        apply_tensor_parallel(part, mesh, name == LANGUAGE, sequence_parallel)
     part.to_empty(device=device)
+    if mesh is not None:
+        mark_tensor_partial_params(part, sequence_parallel)  # to_empty dropped the marks
     if getattr(part, "tie_word_embeddings", False):
         part.tie_weights()  # to_empty allocates each reference separately
     projector = getattr(part, "projector", None)

@@ -32,7 +32,7 @@ from mimotron.models.hf.weights import WeightMap, check_checkpoint, load_hf_weig
 from mimotron.models.language import LanguageModel
 from mimotron.models.moe import MoEOptions
 from mimotron.models.rope_scaling import validate_rope_scaling
-from mimotron.parallel.tensor_parallel import apply_tensor_parallel
+from mimotron.parallel.tensor_parallel import apply_tensor_parallel, mark_tensor_partial_params
 
 _REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
              "intermediate_size")
@@ -381,6 +381,8 @@ def build_hf_language_model(
     if tp_mesh is not None:
         apply_tensor_parallel(module, tp_mesh, is_language=True)
     module.to_empty(device=device)
+    if tp_mesh is not None:
+        mark_tensor_partial_params(module, sequence_parallel=False)  # to_empty dropped them
     if spec.tie_word_embeddings:
         module.tie_weights()  # to_empty allocates each reference separately
     load_llama_weights(module, path, spec)
