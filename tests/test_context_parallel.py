@@ -36,6 +36,7 @@ from mimotron.runtime import init_runtime
 from mimotron.testing import run_ranks
 from mimotron.training.language_step import context_parallel_counts
 from mimotron.training.loop import run_training
+from mimotron.training.step import default_forward_step, train_step_mimo
 from tests import common as common_module
 from tests.common import BASE, DIGITS, coloc, engine_run, noncolocated
 from tests.reference import ReferenceRun, reference_run
@@ -87,11 +88,34 @@ def cp_engine_run(rank: int, world: int, overrides: list[str], num_iters: int) -
 
     # This forked rank only. engine_run installs its own counting wrapper around
     # tests.common.exchange, so ours goes below it.
+    rejections: list[str] = []
+    train_step = common_module.train_step
+
+    def custom_step_first(run):  # noqa: ANN001, ANN202
+        if not rejections:  # A custom forward step is refused before any collective.
+            try:
+                train_step_mimo(_custom_forward_step, run.train_data_iterator, run.model,
+                                run.optimizer, run.schedulers, run.global_state,
+                                run.communicator, infra=run.infra)
+                rejections.append("accepted")
+            except ValueError as exc:
+                rejections.append(str(exc))
+        return train_step(run)
+
     blocks_module.gather_kv = recording_gather
     common_module.exchange = recording_exchange
+    common_module.train_step = custom_step_first
     MimoModel.encode = recording_encode
     result = engine_run(rank, world, overrides, num_iters)
-    return {**result, "local_keys": local_keys, "sends": sends, "encoded_rows": encoded_rows}
+    return {**result, "local_keys": local_keys, "sends": sends, "encoded_rows": encoded_rows,
+            "rejections": rejections}
+
+
+def _custom_forward_step(model, batch, embeddings):  # noqa: ANN001, ANN202
+    """The built-in step plus an auxiliary metric: its sum would be CP rank 0's only."""
+    loss_sum, num_tokens, metrics = default_forward_step(model, batch, embeddings)
+    return loss_sum, num_tokens, {**metrics, "lm_loss": torch.stack([loss_sum.detach(),
+                                                                      num_tokens])}
 
 
 @cache
@@ -129,6 +153,10 @@ def _check_run(results: list[dict], ref: ReferenceRun, overrides: list[str]) -> 
     assert_steps_match(results, ref)
     assert_module_norms_match(results, ref, checked_modules(overrides))
     assert_weights_match(results, ref)
+    for res in results:  # every rank refused the custom forward step, naming the field
+        assert res["rejections"] == [res["rejections"][0]], res["rejections"]
+        assert "forward_step_func" in res["rejections"][0], res["rejections"][0]
+        assert "modules.language.parallel.context=2" in res["rejections"][0]
     keys = {k for res in results for k in res["local_keys"]}
     assert keys == {SEQ // 2}, keys  # every attention held S / 2 positions and gathered S
     _check_bridge_rows(results, overrides)
