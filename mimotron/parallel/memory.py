@@ -111,8 +111,10 @@ def activation_bytes(cfg: MimoConfig, name: str) -> int:
     plans gather the input before the linear, which saves the gathered tensor (Megatron
     saves the shard and gathers again in backward, reaching ``34 / t``). Context
     parallelism (:mod:`mimotron.parallel.context_parallel`) holds ``seq / context``
-    positions per rank, so it divides all of it (logits included); the all-gathered
-    keys and values it adds (``2 x seq x kv_width`` per layer) are transient, not saved.
+    positions per rank, so it divides all of it (logits included). Not counted: the
+    all-gathered keys and values (``2 x seq x kv_width`` per layer), which attention
+    saves for backward, so CP 2 measures 0.543 of one rank where this gives 0.500 on
+    the digits model (``benchmarks/context_parallel.py``).
     """
     mod = cfg.modules[name]
     par = mod.parallel
