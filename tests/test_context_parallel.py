@@ -27,14 +27,14 @@ import mimotron.models.blocks as blocks_module
 from mimotron.config import load_config
 from mimotron.data.packing import document_mask
 from mimotron.models.blocks import Attention, rope_cache
-from mimotron.models.language import language_loss
+from mimotron.models.language import LanguageModel, language_loss
 from mimotron.models.mimo import MimoModel
 from mimotron.parallel.context_attention import context_attention_mask
 from mimotron.parallel.context_parallel import load_balanced_positions
 from mimotron.parallel.layout import plan_layout
 from mimotron.runtime import init_runtime
 from mimotron.testing import run_ranks
-from mimotron.training.language_step import context_parallel_counts
+from mimotron.training.language_step import context_parallel_counts, language_loss_step
 from mimotron.training.loop import run_training
 from mimotron.training.step import default_forward_step, train_step_mimo
 from tests import common as common_module
@@ -323,3 +323,45 @@ def test_checkpoints_resume_across_context_parallel_degrees(tmp_path):
     assert got["eval_loss"] == pytest.approx(want["eval_loss"], rel=1e-4)
     assert (got["eval_accuracy"], got["eval_samples"]) == (want["eval_accuracy"],
                                                            want["eval_samples"])
+
+
+def _cp_eval_step(rank: int, world: int) -> dict:
+    """The default forward step in evaluation under CP 2 vs the whole sequence."""
+    torch.manual_seed(0)
+    vocab, seq = 11, 16  # CP chunks of 4: rank 0 holds 0-3 and 12-15, rank 1 holds 4-11
+    lm = LanguageModel(vocab, hidden_size=16, num_layers=1, num_heads=2, max_seq_len=seq)
+    model = MimoModel({}, lm, {}, {}).eval()
+    tokens = torch.randint(1, vocab, (5, seq))
+    with torch.no_grad():
+        whole_logits = lm(lm.embed_tokens(tokens))
+    labels = whole_logits.argmax(-1)
+    labels[1, 6] = (labels[1, 6] + 1) % vocab  # sample 1 wrong at one of CP rank 1's positions
+    loss_mask = torch.zeros(5, seq)
+    loss_mask[:, 2:15] = 1
+    loss_mask[2:4] = 0
+    loss_mask[2:4, 5:10] = 1  # samples 2, 3 scored on CP rank 1 only: none on rank 0
+    batch = {"tokens": tokens, "labels": labels, "loss_mask": loss_mask,
+             "index": torch.tensor([0, 1, 2, 3, -1])}  # sample 4 pads the evaluation batch
+    want = language_loss_step(model, batch, whole_logits)
+    lm.set_context_parallel(dist.group.WORLD)
+    with torch.no_grad():
+        got = default_forward_step(model, batch, {})
+    loss = got[0].clone()
+    dist.all_reduce(loss)
+    as_floats = lambda out: {"tokens": float(out[1]),  # noqa: E731
+                             **{k: float(v) for k, v in out[2].items()}}
+    return {"loss": (float(loss), float(want[0])), "got": as_floats(got),
+            "want": as_floats(want)}
+
+
+def test_cp_evaluation_step_counts_whole_samples():
+    """Exact match, per-kind counts and tokens of a CP rank's step are the whole sequence's.
+
+    The engine runs reach eval/train accuracy 0 in a few iterations, so this checks the
+    wiring of :func:`context_parallel_counts` into the step with a right sample.
+    """
+    for res in run_ranks(2, _cp_eval_step, timeout_s=120):
+        got, want = res["loss"]
+        assert abs(got - want) <= 1e-5 * want
+        assert res["got"] == res["want"], res
+        assert res["want"]["correct"] == res["want"]["correct_text"] == 3.0, res["want"]
