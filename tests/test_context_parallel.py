@@ -254,6 +254,21 @@ def test_activation_estimate_divides_by_context():
     assert cp2_tp2_sp * 2 == tp2_sp and tp2_sp < plain
 
 
+def test_optimizer_estimate_shards_over_dp_times_cp():
+    """With shard_optimizer the language optimizer is sharded over dp x cp (optim/build)."""
+    from mimotron.parallel.memory import estimate_memory
+
+    def language_optimizer(language: dict) -> int:
+        cfg = load_config(DIGITS, BASE + noncolocated({}, {}, language) + [
+            "modules.language.parallel.shard_optimizer=true"])
+        estimates = estimate_memory(cfg, plan_layout(cfg), 64)
+        return max(e.optimizer for per_rank in estimates.values() for e in per_rank
+                   if e.module == "language")
+
+    assert language_optimizer({"context": 2}) * 2 == language_optimizer({})
+    assert language_optimizer({"context": 2, "data": 2}) * 4 == language_optimizer({})
+
+
 def _cp_counts(rank: int, world: int) -> dict:
     """Loss pieces, token count and exact match of one CP rank vs the whole sequence."""
     torch.manual_seed(0)

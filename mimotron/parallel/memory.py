@@ -148,7 +148,9 @@ def estimate_memory(
             split = experts[role.module][role.pp] if experts[role.module] else None
             n = rank_parameter_count(cfg, role.module, counts[role.module][role.pp], split)
             frozen = mod.freeze
-            opt_shard = mod.parallel.data if mod.parallel.shard_optimizer else 1
+            # ZeRO shards over the replica group: dp, or dp x cp (data_parallel.replica_group).
+            replicas = mod.parallel.data * mod.parallel.context
+            opt_shard = replicas if mod.parallel.shard_optimizer else 1
             out[rank].append(
                 MemoryEstimate(
                     module=role.module,
