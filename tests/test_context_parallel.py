@@ -269,6 +269,21 @@ def test_optimizer_estimate_shards_over_dp_times_cp():
     assert language_optimizer({"context": 2, "data": 2}) * 4 == language_optimizer({})
 
 
+def test_checkpoint_layout_description_names_the_cp_degree():
+    """A resume message tells a CP 2 layout from a DP 1 one on the same ranks."""
+    from dataclasses import asdict
+
+    from mimotron.checkpoint.state import describe_layout
+
+    def described(language: dict) -> str:
+        layout = plan_layout(load_config(DIGITS, BASE + noncolocated({}, {}, language)))
+        return describe_layout({"world_size": layout.world_size, "device": "cpu", "ranks": [
+            [asdict(role) for role in roles] for roles in layout.rank_map()]})
+
+    assert "language 2-3 (tp1 cp2 pp1 dp1)" in described({"context": 2})
+    assert "language 2-2 (tp1 pp1 dp1)" in described({})  # unchanged without CP
+
+
 def _cp_counts(rank: int, world: int) -> dict:
     """Loss pieces, token count and exact match of one CP rank vs the whole sequence."""
     torch.manual_seed(0)
