@@ -142,7 +142,8 @@ def default_forward_step(model: nn.Module, batch: dict[str, torch.Tensor],
 
     A custom ``forward_step_func`` has this signature; it runs where the language model
     is one pipeline stage (with language ``pipeline > 1`` the built-in split of this
-    function, ``language_input`` / ``language_loss_step``, runs instead).
+    function, ``language_input`` / ``language_loss_step``, runs instead) and is refused
+    under context parallelism (:func:`check_forward_step`).
     """
     logits = model.language_model(language_input(model, batch, embeddings),
                                   **packing_args(batch))
