@@ -111,10 +111,9 @@ def activation_bytes(cfg: MimoConfig, name: str) -> int:
     plans gather the input before the linear, which saves the gathered tensor (Megatron
     saves the shard and gathers again in backward, reaching ``34 / t``). Context
     parallelism (:mod:`mimotron.parallel.context_parallel`) holds ``seq / context``
-    positions per rank, so it divides all of it (logits included). Not counted: the
-    all-gathered keys and values (``2 x seq x kv_width`` per layer), which attention
-    saves for backward, so CP 2 measures 0.543 of one rank where this gives 0.500 on
-    the digits model (``benchmarks/context_parallel.py``).
+    positions per rank, so it divides all of it (logits included); attention then also
+    saves the all-gathered keys and values of the other ranks' positions for backward
+    (after the GQA repeat: ``2 x 2`` bytes x ``hidden / t`` per position, 16-bit).
     """
     mod = cfg.modules[name]
     par = mod.parallel
@@ -125,6 +124,9 @@ def activation_bytes(cfg: MimoConfig, name: str) -> int:
     scale = BYTES[cfg.train.precision] / 2
     whole, split = (4, 30) if par.sequence_parallel else (10, 24)
     per_layer = mod.hidden_size * tokens * samples * scale * (whole + split / par.tensor)
+    if mod.kind == "language" and par.context > 1:
+        others = cfg.data.seq_length - tokens  # the gathered K/V of the other CP ranks
+        per_layer += mod.hidden_size * others * samples * scale * 4 / par.tensor
     logits = 0
     if mod.kind == "language":
         logits = 3 * samples * tokens * 4 * 64  # vocab ~ 64 classes: logits, softmax, grad
