@@ -6,11 +6,13 @@ counts, per-module grad norms as stepped, final weights at 1e-4 relative, replic
 bitwise equal): CP 2 fed by vision DP 2 (fan-in: encoder DP 2, language DP 1), language
 DP 2 x CP 2 (fan-out), CP 2 x TP 2 with sequence parallelism, CP 2 x PP 2 with the
 language optimizer sharded over ``dp x cp``, and packed rows with CP 2. Each run also
-checks that attention ran on ``S / 2`` local positions and that encoder leaders sent
-each CP rank only the rows of its placeholders. Unit tests: each CP rank's attention
-output (and input gradient) equals its rows of full attention, causal and with
-documents; partial loss sums and the exact-match reduction; rejected layouts name the
-field; ``mimotron plan`` and the memory estimate; checkpoints resume across CP degrees.
+checks that attention ran on ``S / 2`` local positions, that encoder leaders sent
+each CP rank only the rows of its placeholders, and that a custom forward step was
+refused. Unit tests: each CP rank's attention output (and input gradient) equals its
+rows of full attention, causal and with documents, CP 2 and 4; partial loss sums and the
+exact-match reduction, also through the evaluation step; rejected layouts name the
+field; ``mimotron plan``, the activation and optimizer estimates, the checkpoint layout
+description; checkpoints resume across CP degrees.
 """
 
 from __future__ import annotations
