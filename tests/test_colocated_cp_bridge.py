@@ -83,8 +83,7 @@ def _upstream(where: torch.Tensor) -> torch.Tensor:
 def _layout(vision: dict, language: dict) -> Layout:
     """A colocated layout on ``WORLD`` ranks, built from the pure placement classes.
 
-    Built directly from the placement classes: a vision-only layout the config (which
-    always holds audio too) cannot express.
+    Built directly from the placement classes (vision and language only, no config).
     """
     modules = {"vision": ModulePlacement("vision", ParallelConfig(**vision)),
                "language": ModulePlacement("language", ParallelConfig(**language))}
