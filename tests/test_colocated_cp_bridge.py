@@ -83,7 +83,7 @@ def _upstream(where: torch.Tensor) -> torch.Tensor:
 def _layout(vision: dict, language: dict) -> Layout:
     """A colocated layout on ``WORLD`` ranks, built from the pure placement classes.
 
-    Built directly: the config validator still rejects ``context > 1``.
+    Built directly from the placement classes (vision and language only, no config).
     """
     modules = {"vision": ModulePlacement("vision", ParallelConfig(**vision)),
                "language": ModulePlacement("language", ParallelConfig(**language))}

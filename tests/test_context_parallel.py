@@ -6,11 +6,13 @@ counts, per-module grad norms as stepped, final weights at 1e-4 relative, replic
 bitwise equal): CP 2 fed by vision DP 2 (fan-in: encoder DP 2, language DP 1), language
 DP 2 x CP 2 (fan-out), CP 2 x TP 2 with sequence parallelism, CP 2 x PP 2 with the
 language optimizer sharded over ``dp x cp``, and packed rows with CP 2. Each run also
-checks that attention ran on ``S / 2`` local positions and that encoder leaders sent
-each CP rank only the rows of its placeholders. Unit tests: each CP rank's attention
-output (and input gradient) equals its rows of full attention, causal and with
-documents; partial loss sums and the exact-match reduction; rejected layouts name the
-field; ``mimotron plan`` and the memory estimate; checkpoints resume across CP degrees.
+checks that attention ran on ``S / 2`` local positions, that encoder leaders sent
+each CP rank only the rows of its placeholders, and that a custom forward step was
+refused. Unit tests: each CP rank's attention output (and input gradient) equals its
+rows of full attention, causal and with documents, CP 2 and 4; partial loss sums and the
+exact-match reduction, also through the evaluation step; rejected layouts name the
+field; ``mimotron plan``, the activation and optimizer estimates, the checkpoint layout
+description; checkpoints resume across CP degrees.
 """
 
 from __future__ import annotations
@@ -27,15 +29,16 @@ import mimotron.models.blocks as blocks_module
 from mimotron.config import load_config
 from mimotron.data.packing import document_mask
 from mimotron.models.blocks import Attention, rope_cache
-from mimotron.models.language import language_loss
+from mimotron.models.language import LanguageModel, language_loss
 from mimotron.models.mimo import MimoModel
 from mimotron.parallel.context_attention import context_attention_mask
 from mimotron.parallel.context_parallel import load_balanced_positions
 from mimotron.parallel.layout import plan_layout
 from mimotron.runtime import init_runtime
 from mimotron.testing import run_ranks
-from mimotron.training.language_step import context_parallel_counts
+from mimotron.training.language_step import context_parallel_counts, language_loss_step
 from mimotron.training.loop import run_training
+from mimotron.training.step import default_forward_step, train_step_mimo
 from tests import common as common_module
 from tests.common import BASE, DIGITS, coloc, engine_run, noncolocated
 from tests.reference import ReferenceRun, reference_run
@@ -87,11 +90,34 @@ def cp_engine_run(rank: int, world: int, overrides: list[str], num_iters: int) -
 
     # This forked rank only. engine_run installs its own counting wrapper around
     # tests.common.exchange, so ours goes below it.
+    rejections: list[str] = []
+    train_step = common_module.train_step
+
+    def custom_step_first(run):  # noqa: ANN001, ANN202
+        if not rejections:  # A custom forward step is refused before any collective.
+            try:
+                train_step_mimo(_custom_forward_step, run.train_data_iterator, run.model,
+                                run.optimizer, run.schedulers, run.global_state,
+                                run.communicator, infra=run.infra)
+                rejections.append("accepted")
+            except ValueError as exc:
+                rejections.append(str(exc))
+        return train_step(run)
+
     blocks_module.gather_kv = recording_gather
     common_module.exchange = recording_exchange
+    common_module.train_step = custom_step_first
     MimoModel.encode = recording_encode
     result = engine_run(rank, world, overrides, num_iters)
-    return {**result, "local_keys": local_keys, "sends": sends, "encoded_rows": encoded_rows}
+    return {**result, "local_keys": local_keys, "sends": sends, "encoded_rows": encoded_rows,
+            "rejections": rejections}
+
+
+def _custom_forward_step(model, batch, embeddings):  # noqa: ANN001, ANN202
+    """The built-in step plus an auxiliary metric: its sum would be CP rank 0's only."""
+    loss_sum, num_tokens, metrics = default_forward_step(model, batch, embeddings)
+    return loss_sum, num_tokens, {**metrics, "lm_loss": torch.stack([loss_sum.detach(),
+                                                                      num_tokens])}
 
 
 @cache
@@ -129,6 +155,10 @@ def _check_run(results: list[dict], ref: ReferenceRun, overrides: list[str]) -> 
     assert_steps_match(results, ref)
     assert_module_norms_match(results, ref, checked_modules(overrides))
     assert_weights_match(results, ref)
+    for res in results:  # every rank refused the custom forward step, naming the field
+        assert res["rejections"] == [res["rejections"][0]], res["rejections"]
+        assert "forward_step_func" in res["rejections"][0], res["rejections"][0]
+        assert "modules.language.parallel.context=2" in res["rejections"][0]
     keys = {k for res in results for k in res["local_keys"]}
     assert keys == {SEQ // 2}, keys  # every attention held S / 2 positions and gathered S
     _check_bridge_rows(results, overrides)
@@ -177,10 +207,14 @@ def _attention_rows(rank: int, world: int, packed: bool) -> dict:
             "scale": float(full.abs().max())}
 
 
+@pytest.mark.parametrize("world", [2, 4], ids=["cp2", "cp4"])
 @pytest.mark.parametrize("packed", [False, True], ids=["causal", "documents"])
-def test_cp_attention_equals_rows_of_full_attention(packed):
-    """Outputs and input gradients (through the K/V gather's backward) match, per rank."""
-    for res in run_ranks(2, _attention_rows, packed, timeout_s=120):
+def test_cp_attention_equals_rows_of_full_attention(packed, world):
+    """Outputs and input gradients (through the K/V gather's backward) match, per rank.
+
+    CP 4 cuts the 16 positions into chunks of 2, so documents span several chunks.
+    """
+    for res in run_ranks(world, _attention_rows, packed, timeout_s=120):
         assert res["out_err"] <= 1e-5 * res["scale"], res
         assert res["grad_err"] <= 1e-4, res
 
@@ -226,9 +260,44 @@ def test_activation_estimate_divides_by_context():
         return activation_bytes(cfg, "language")
 
     plain, cp2 = estimate({}), estimate({"context": 2})
-    assert cp2 * 2 == plain
+    # Half the positions, plus the other half's keys and values, which attention saves
+    # after the all-gather: 2 tensors x 2 bytes (16-bit) x hidden / tp per position and
+    # layer; 2 layers, 8 samples per micro-batch, fp32 (twice the 16-bit bytes).
+    layers, samples, fp32 = 2, 8, 2
+    gathered_kv = layers * 2 * 2 * HIDDEN * (SEQ // 2) * samples * fp32
+    assert cp2 == plain // 2 + gathered_kv
     tp2_sp, cp2_tp2_sp = estimate({"tensor": 2}, *SP), estimate({"context": 2, "tensor": 2}, *SP)
-    assert cp2_tp2_sp * 2 == tp2_sp and tp2_sp < plain
+    assert cp2_tp2_sp == tp2_sp // 2 + gathered_kv // 2 and tp2_sp < plain
+
+
+def test_optimizer_estimate_shards_over_dp_times_cp():
+    """With shard_optimizer the language optimizer is sharded over dp x cp (optim/build)."""
+    from mimotron.parallel.memory import estimate_memory
+
+    def language_optimizer(language: dict) -> int:
+        cfg = load_config(DIGITS, BASE + noncolocated({}, {}, language) + [
+            "modules.language.parallel.shard_optimizer=true"])
+        estimates = estimate_memory(cfg, plan_layout(cfg), 64)
+        return max(e.optimizer for per_rank in estimates.values() for e in per_rank
+                   if e.module == "language")
+
+    assert language_optimizer({"context": 2}) * 2 == language_optimizer({})
+    assert language_optimizer({"context": 2, "data": 2}) * 4 == language_optimizer({})
+
+
+def test_checkpoint_layout_description_names_the_cp_degree():
+    """A resume message tells a CP 2 layout from a DP 1 one on the same ranks."""
+    from dataclasses import asdict
+
+    from mimotron.checkpoint.state import describe_layout
+
+    def described(language: dict) -> str:
+        layout = plan_layout(load_config(DIGITS, BASE + noncolocated({}, {}, language)))
+        return describe_layout({"world_size": layout.world_size, "device": "cpu", "ranks": [
+            [asdict(role) for role in roles] for roles in layout.rank_map()]})
+
+    assert "language 2-3 (tp1 cp2 pp1 dp1)" in described({"context": 2})
+    assert "language 2-2 (tp1 pp1 dp1)" in described({})  # unchanged without CP
 
 
 def _cp_counts(rank: int, world: int) -> dict:
@@ -300,3 +369,45 @@ def test_checkpoints_resume_across_context_parallel_degrees(tmp_path):
     assert got["eval_loss"] == pytest.approx(want["eval_loss"], rel=1e-4)
     assert (got["eval_accuracy"], got["eval_samples"]) == (want["eval_accuracy"],
                                                            want["eval_samples"])
+
+
+def _cp_eval_step(rank: int, world: int) -> dict:
+    """The default forward step in evaluation under CP 2 vs the whole sequence."""
+    torch.manual_seed(0)
+    vocab, seq = 11, 16  # CP chunks of 4: rank 0 holds 0-3 and 12-15, rank 1 holds 4-11
+    lm = LanguageModel(vocab, hidden_size=16, num_layers=1, num_heads=2, max_seq_len=seq)
+    model = MimoModel({}, lm, {}, {}).eval()
+    tokens = torch.randint(1, vocab, (5, seq))
+    with torch.no_grad():
+        whole_logits = lm(lm.embed_tokens(tokens))
+    labels = whole_logits.argmax(-1)
+    labels[1, 6] = (labels[1, 6] + 1) % vocab  # sample 1 wrong at one of CP rank 1's positions
+    loss_mask = torch.zeros(5, seq)
+    loss_mask[:, 2:15] = 1
+    loss_mask[2:4] = 0
+    loss_mask[2:4, 5:10] = 1  # samples 2, 3 scored on CP rank 1 only: none on rank 0
+    batch = {"tokens": tokens, "labels": labels, "loss_mask": loss_mask,
+             "index": torch.tensor([0, 1, 2, 3, -1])}  # sample 4 pads the evaluation batch
+    want = language_loss_step(model, batch, whole_logits)
+    lm.set_context_parallel(dist.group.WORLD)
+    with torch.no_grad():
+        got = default_forward_step(model, batch, {})
+    loss = got[0].clone()
+    dist.all_reduce(loss)
+    as_floats = lambda out: {"tokens": float(out[1]),  # noqa: E731
+                             **{k: float(v) for k, v in out[2].items()}}
+    return {"loss": (float(loss), float(want[0])), "got": as_floats(got),
+            "want": as_floats(want)}
+
+
+def test_cp_evaluation_step_counts_whole_samples():
+    """Exact match, per-kind counts and tokens of a CP rank's step are the whole sequence's.
+
+    The engine runs reach eval/train accuracy 0 in a few iterations, so this checks the
+    wiring of :func:`context_parallel_counts` into the step with a right sample.
+    """
+    for res in run_ranks(2, _cp_eval_step, timeout_s=120):
+        got, want = res["loss"]
+        assert abs(got - want) <= 1e-5 * want
+        assert res["got"] == res["want"], res
+        assert res["want"]["correct"] == res["want"]["correct_text"] == 3.0, res["want"]

@@ -125,3 +125,20 @@ def test_background_workers_give_the_same_batches(llava):
             for module in mb_a:
                 for key, value in mb_a[module].items():
                     assert torch.equal(value, mb_b[module][key]), (module, key)
+
+
+def test_encoder_ranks_of_a_context_parallel_bridge_load_the_tokens(llava):
+    """Into a CP language model the encoders' last stages route rows by placeholder
+    position, so with ``restrict_to_rank`` they load the tokens (not the other media)."""
+    from mimotron.config import load_config
+    from mimotron.data.llava_setup import build_llava_tasks, build_tokenizer, restrict_to_rank
+    from mimotron.parallel.layout import plan_layout
+    from tests.common import noncolocated
+
+    cfg = load_config(DIGITS, [*BASE, *llava["overrides"], *noncolocated({}, {}, {"context": 2})])
+    layout = plan_layout(cfg)
+    task, _ = build_llava_tasks(cfg, build_tokenizer(cfg))
+    for rank, want in enumerate([{"text", "image"}, {"text", "audio"}, {"text"}, {"text"}]):
+        restrict_to_rank(task, cfg, layout, rank)
+        assert task.dataset.load_parts == want, rank
+        assert task.dataset.load(0)["tokens"].numel() > 0, rank

@@ -97,7 +97,9 @@ def describe_layout(sig: dict[str, Any]) -> str:
     parts = []
     for module, roles in blocks.items():
         ranks = [r["rank"] for r in roles]
-        degrees = " ".join(f"{d}{max(r[d] for r in roles) + 1}" for d in ("tp", "pp", "dp"))
+        sizes = {d: max(r.get(d, 0) for r in roles) + 1 for d in ("tp", "cp", "pp", "dp")}
+        # cp only where it is > 1, so layouts without CP read as before.
+        degrees = " ".join(f"{d}{n}" for d, n in sizes.items() if d != "cp" or n > 1)
         parts.append(f"{module} {min(ranks)}-{max(ranks)} ({degrees})")
     return f"{sig['world_size']} {sig['device']} ranks: " + ", ".join(parts)
 

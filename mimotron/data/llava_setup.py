@@ -32,6 +32,7 @@ from mimotron.data.hf_tokenizer import HFTokenizer
 from mimotron.data.llava import LlavaDataset, LlavaTask, llava_tasks
 from mimotron.data.media import AudioFeatures, ImageProcessor
 from mimotron.data.tokenizer import MODALITIES, CharTokenizer
+from mimotron.names import LANGUAGE
 from mimotron.parallel.layout import Layout
 
 # Toy vision preprocessing: a plain square resize, normalised to [-1, 1] (SigLIP's rule).
@@ -166,17 +167,23 @@ def restrict_to_rank(task: object, cfg: MimoConfig, layout: Layout, rank: int) -
     modality's media (later stages receive activations). A rank holding the vision tower
     alone so never tokenises nor computes log-mels, and a language rank never decodes
     an image: with every module on its own ranks, each sample is decoded once per DP
-    replica instead of once per rank. The samples and their order do not change.
+    replica instead of once per rank. The samples and their order do not change. Into a
+    context-parallel language model an encoder's last stage also needs the tokens: it
+    sends each CP rank the rows of the placeholders at its positions.
     """
     if not isinstance(task, LlavaTask):
         return
+    routes_by_position = cfg.modules[LANGUAGE].parallel.context > 1
     parts: set[str] = set()
     for role in layout.roles(rank):
         module = cfg.modules[role.module]
         if not module.is_encoder:
             parts.add("text")
-        elif role.is_first_stage and module.modality in task.dataset.modalities:
+            continue
+        if role.is_first_stage and module.modality in task.dataset.modalities:
             parts.add(str(module.modality))
+        if role.is_last_stage and routes_by_position:
+            parts.add("text")
     task.dataset.restrict_loading(parts)
 
 

@@ -111,8 +111,9 @@ def activation_bytes(cfg: MimoConfig, name: str) -> int:
     plans gather the input before the linear, which saves the gathered tensor (Megatron
     saves the shard and gathers again in backward, reaching ``34 / t``). Context
     parallelism (:mod:`mimotron.parallel.context_parallel`) holds ``seq / context``
-    positions per rank, so it divides all of it (logits included); the all-gathered
-    keys and values it adds (``2 x seq x kv_width`` per layer) are transient, not saved.
+    positions per rank, so it divides all of it (logits included); attention then also
+    saves the all-gathered keys and values of the other ranks' positions for backward
+    (after the GQA repeat: ``2 x 2`` bytes x ``hidden / t`` per position, 16-bit).
     """
     mod = cfg.modules[name]
     par = mod.parallel
@@ -123,6 +124,9 @@ def activation_bytes(cfg: MimoConfig, name: str) -> int:
     scale = BYTES[cfg.train.precision] / 2
     whole, split = (4, 30) if par.sequence_parallel else (10, 24)
     per_layer = mod.hidden_size * tokens * samples * scale * (whole + split / par.tensor)
+    if mod.kind == "language" and par.context > 1:
+        others = cfg.data.seq_length - tokens  # the gathered K/V of the other CP ranks
+        per_layer += mod.hidden_size * others * samples * scale * 4 / par.tensor
     logits = 0
     if mod.kind == "language":
         logits = 3 * samples * tokens * 4 * 64  # vocab ~ 64 classes: logits, softmax, grad
@@ -146,7 +150,9 @@ def estimate_memory(
             split = experts[role.module][role.pp] if experts[role.module] else None
             n = rank_parameter_count(cfg, role.module, counts[role.module][role.pp], split)
             frozen = mod.freeze
-            opt_shard = mod.parallel.data if mod.parallel.shard_optimizer else 1
+            # ZeRO shards over the replica group: dp, or dp x cp (data_parallel.replica_group).
+            replicas = mod.parallel.data * mod.parallel.context
+            opt_shard = replicas if mod.parallel.shard_optimizer else 1
             out[rank].append(
                 MemoryEstimate(
                     module=role.module,

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from mimotron.names import LANGUAGE
 from mimotron.pipeline.schedules import (
     MicrobatchOutput,
     StepContext,
@@ -25,7 +26,12 @@ from mimotron.pipeline.schedules import (
 )
 from mimotron.training.data_provider import Microbatch
 from mimotron.training.infra import MimoModelInfra
-from mimotron.training.language_step import ForwardStepFunc, LanguageStep, input_kinds
+from mimotron.training.language_step import (
+    ForwardStepFunc,
+    LanguageStep,
+    check_forward_step,
+    input_kinds,
+)
 from mimotron.training.step import autocast_factory, local_output_sums
 
 
@@ -44,7 +50,11 @@ def evaluate(
         ``{"eval_loss": ..., "eval_accuracy": ..., "eval_samples": ...}`` on every rank,
         and ``eval_accuracy_<kind>`` for each modality (samples whose input holds it) and
         ``text`` (samples with no media) that the validation split holds.
+
+    Raises:
+        ValueError: a custom ``forward_step_func`` with a context-parallel language model.
     """
+    check_forward_step(forward_step_func, infra.layout.modules[LANGUAGE].parallel.context)
     was_training = model.training
     model.eval()
     kinds = input_kinds(model)

@@ -142,11 +142,39 @@ def default_forward_step(model: nn.Module, batch: dict[str, torch.Tensor],
 
     A custom ``forward_step_func`` has this signature; it runs where the language model
     is one pipeline stage (with language ``pipeline > 1`` the built-in split of this
-    function, ``language_input`` / ``language_loss_step``, runs instead).
+    function, ``language_input`` / ``language_loss_step``, runs instead) and is refused
+    under context parallelism (:func:`check_forward_step`).
     """
     logits = model.language_model(language_input(model, batch, embeddings),
                                   **packing_args(batch))
     return language_loss_step(model, batch, logits)
+
+
+def check_forward_step(forward_step_func: ForwardStepFunc | LanguageStep,
+                       context: int) -> None:
+    """Refuse a custom forward step under context parallelism (before any collective).
+
+    Under ``context > 1`` each CP rank's logits cover only its positions while the batch
+    stays whole: a custom step written for whole sequences fails on shapes, and one built
+    on :func:`default_forward_step` returns partial loss sums, whose auxiliary metrics
+    the loop would take from CP rank 0 alone (silently wrong), and any extra loss term
+    would count once per CP rank.
+
+    Args:
+        forward_step_func: the step function, or a ``LanguageStep`` around one.
+        context: ``modules.language.parallel.context``.
+
+    Raises:
+        ValueError: ``context > 1`` with a function other than ``default_forward_step``.
+    """
+    func = (forward_step_func.forward_step_func if isinstance(forward_step_func, LanguageStep)
+            else forward_step_func)
+    if context > 1 and func is not default_forward_step:
+        name = getattr(func, "__qualname__", repr(func))
+        raise ValueError(
+            f"forward_step_func={name} is not supported with modules.language.parallel."
+            f"context={context}: context-parallel ranks hold a part of each sequence; use "
+            "default_forward_step (mimotron.training.step) or context=1")
 
 
 class LanguageStep:

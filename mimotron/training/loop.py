@@ -24,6 +24,7 @@ from mimotron.data.llava_setup import build_tokenizer, restrict_to_rank
 from mimotron.data.prefetch import PrefetchingReader
 from mimotron.data.tokenizer import CharTokenizer
 from mimotron.models.build import unpadded_vocab_size
+from mimotron.names import LANGUAGE
 from mimotron.optim import build_schedulers, get_mimo_optimizer
 from mimotron.optim.scheduler import OptimizerParamScheduler
 from mimotron.parallel.grid import HyperCommGrid
@@ -43,7 +44,12 @@ from mimotron.training.data_provider import (
 )
 from mimotron.training.evaluate import evaluate
 from mimotron.training.infra import MimoModelInfra, build_infra
-from mimotron.training.language_step import ForwardStepFunc, LanguageStep, default_forward_step
+from mimotron.training.language_step import (
+    ForwardStepFunc,
+    LanguageStep,
+    check_forward_step,
+    default_forward_step,
+)
 from mimotron.training.metrics import LoopMonitor, check_divergence
 from mimotron.training.model_setup import build_rank_model, padded_vocab_size
 from mimotron.training.profiling import StepProfiler, inject_fault
@@ -179,9 +185,11 @@ def train_mimo(
 
     Raises:
         ValueError: ``multimodule_pg_collection`` or ``module_to_grid_tuple``
-            contradicts ``mimo_infra`` or ``model`` (the message names the argument).
+            contradicts ``mimo_infra`` or ``model`` (the message names the argument), or
+            a custom ``forward_step_func`` with a context-parallel language model.
     """
     # Checked once here; the step re-checks cheaply (the same objects).
+    check_forward_step(forward_step_func, mimo_infra.layout.modules[LANGUAGE].parallel.context)
     multimodule_pg_collection = resolve_pg_collection(multimodule_pg_collection, mimo_infra)
     resolve_module_parts(module_to_grid_tuple, module_parts(model), mimo_infra)
     cfg, ts, runtime = global_state.cfg, global_state.train_state, global_state.runtime

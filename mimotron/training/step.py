@@ -42,7 +42,7 @@ from mimotron.training.bridge_args import (
 )
 from mimotron.training.data_provider import Microbatch
 from mimotron.training.infra import MimoModelInfra
-from mimotron.training.language_step import ForwardStepFunc, LanguageStep
+from mimotron.training.language_step import ForwardStepFunc, LanguageStep, check_forward_step
 
 # Re-exported: the forward-step API has always been importable from here.
 from mimotron.training.language_step import default_forward_step as default_forward_step
@@ -159,9 +159,11 @@ def train_step_mimo(
 
     Raises:
         ValueError: ``infra`` is missing, or an optional argument contradicts ``infra``
-            or the config (the message names it).
+            or the config (the message names it), or a custom ``forward_step_func`` with
+            a context-parallel language model.
     """
     infra = require_infra(infra, multimodule_pg_collection)
+    check_forward_step(forward_step_func, infra.layout.modules[LANGUAGE].parallel.context)
     pgs = resolve_pg_collection(multimodule_pg_collection, infra)
     check_batch_geometry(global_state.cfg, num_microbatches, seq_length, micro_batch_size)
     parts = resolve_module_parts(module_to_grid_tuple, module_parts(model), infra)
