@@ -411,3 +411,23 @@ def test_cp_evaluation_step_counts_whole_samples():
         assert abs(got - want) <= 1e-5 * want
         assert res["got"] == res["want"], res
         assert res["want"]["correct"] == res["want"]["correct_text"] == 3.0, res["want"]
+
+
+def test_cp_bridge_names_a_placeholder_count_that_does_not_match_the_rows():
+    """An encoder leader routing rows by placeholder refuses a miscounted slice in one line."""
+    from mimotron.pipeline.communicator import MultiModulePipelineCommunicator
+    from mimotron.pipeline.edges import build_edges
+
+    layout = plan_layout(load_config(DIGITS, BASE + noncolocated({}, {}, {"context": 2})))
+    edges = build_edges(layout, {"vision": "image", "audio": "audio"})
+    comm = MultiModulePipelineCommunicator(layout, 0, 8, edges, {}, torch.device("cpu"))
+    rows, pid = 3, 7
+    tokens = torch.zeros(8, SEQ, dtype=torch.long)
+    tokens[0, 5:5 + rows] = pid
+    tokens[1, 20:20 + rows - 1] = pid  # one placeholder short
+    mask = torch.zeros(8, dtype=torch.bool)
+    mask[:2] = True
+    with pytest.raises(ValueError, match=r"hold 5 placeholder tokens \(id 7\) for 2 encoder "
+                                         r"outputs of 3 rows each") as err:
+        comm._forward_sends(0, torch.zeros(2, rows, HIDDEN), mask, (tokens, pid))
+    assert "\n" not in str(err.value)

@@ -156,6 +156,12 @@ class MultiModulePipelineCommunicator:
                 assert placeholders is not None, "a CP bridge needs the slice's tokens"
                 tokens, pid = placeholders
                 sel = placeholder_selection(tokens[lo - start:hi - start], pid, self.cp, cp)
+                if sel.numel() != n * block.shape[1]:
+                    raise ValueError(
+                        f"samples {lo}..{hi - 1} of the micro-batch hold {sel.numel()} "
+                        f"placeholder tokens (id {pid}) for {n} encoder outputs of "
+                        f"{block.shape[1]} rows each: every present sample needs exactly "
+                        f"{block.shape[1]} placeholders")
                 sends.append((d_rank, block.reshape(-1, block.shape[-1])[sel]))
                 routed.append((offset, n, sel))
             if cp == self.cp - 1:  # a pair's routes are consecutive: next pair's rows
