@@ -313,6 +313,7 @@ def _validate_train(cfg: MimoConfig) -> None:
     _check(t.schedule in SCHEDULES, "train.schedule", t.schedule, f"one of {SCHEDULES}")
     _check(t.max_skipped >= 1, "train.max_skipped", t.max_skipped, "an integer >= 1")
     _check(t.pg_timeout_s > 0, "train.pg_timeout_s", t.pg_timeout_s, "a positive number")
+    _check(t.grad_bucket_mb > 0, "train.grad_bucket_mb", t.grad_bucket_mb, "a positive number")
     _check(t.exit_interval >= 0, "train.exit_interval", t.exit_interval, "an integer >= 0")
 
 

@@ -412,6 +412,16 @@ class TrainConfig:
     """Stop after this many consecutive skipped (non-finite) steps (>= 1)."""
     pg_timeout_s: float = 300.0
     """Process-group timeout in seconds (> 0): no rank waits forever on a dead peer."""
+    grad_bucket_mb: float = 32.0
+    """Upper bound (MiB, > 0) of one data-parallel gradient all-reduce; consecutive
+    parameters of one dtype share a bucket, a larger parameter gets its own.
+    """
+    overlap_grad_reduce: bool = False
+    """Start each gradient bucket's data-parallel all-reduce during the last micro-batch's
+    backward, as soon as the bucket is complete (in a fixed order on every rank);
+    bit-identical results. Buckets with TP-sharded (DTensor) or TP-partial gradients,
+    ZeRO-1, expert-parallel and frozen modules are reduced after the backward as without it.
+    """
     overwrite: bool = False
     """Allow a fresh start over a previous run: its files are moved aside, not clobbered.
 

@@ -27,6 +27,7 @@ reduced twice and each rank only ever receives the gradient rows it steps.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -36,6 +37,9 @@ from torch.distributed.tensor import DTensor
 from mimotron.parallel.expert_parallel import is_expert_param
 from mimotron.parallel.groups import ProcessGroupCollection
 from mimotron.parallel.sequence_parallel import reduce_sequence_parallel_grads
+
+if TYPE_CHECKING:
+    from mimotron.parallel.overlap import OverlappedGradReducer
 
 DEFAULT_BUCKET_BYTES = 32 * 2**20
 
@@ -149,6 +153,8 @@ def finalize_model_grads(
     pg_collections: dict[str, ProcessGroupCollection],
     frozen: set[str] | None = None,
     optimizer_reduced: set[str] | None = None,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    reducer: OverlappedGradReducer | None = None,
 ) -> None:
     """Reduce each module's gradients over its own DP group, in sorted module order.
 
@@ -157,31 +163,51 @@ def finalize_model_grads(
     Expert-parallel shards (:func:`~mimotron.parallel.expert_parallel.is_expert_param`)
     are summed over the module's ``expt_dp`` group instead, after the dense ones.
 
+    With a ``reducer`` (``train.overlap_grad_reduce``), every module's TP-side fix-ups
+    run first, then the reducer finishes its modules (launched during the backward,
+    same buckets), then the modules it does not cover are reduced as without it.
+
     Args:
         modules: the module parts this rank holds, keyed by module name.
         pg_collections: the process groups of each of those modules.
         frozen: modules that do not train (no gradient sync at all).
         optimizer_reduced: modules whose sharded optimizer reduce-scatters their
             gradients itself (ZeRO-1).
+        bucket_bytes: upper bound of one all-reduce (``train.grad_bucket_mb``).
+        reducer: the step's overlapped reducer, or ``None``.
     """
     skipped = (frozen or set()) | (optimizer_reduced or set())
+    if reducer is not None:
+        for name in sorted(modules):
+            if name not in (frozen or set()):
+                reduce_sequence_parallel_grads(modules[name], pg_collections[name].tp)
+            if name not in skipped:
+                align_grad_placements(modules[name])
+        reducer.finish()
     for name in sorted(modules):
-        if name not in (frozen or set()):
+        if reducer is not None and name in reducer.modules:
+            continue
+        if reducer is None and name not in (frozen or set()):
             # Sequence-parallel norm weights: partial over TP, summed before anything else.
             reduce_sequence_parallel_grads(modules[name], pg_collections[name].tp)
         if name in skipped:
             continue
-        align_grad_placements(modules[name])
-        pg = pg_collections[name]
-        params = trainable_params(modules[name])
-        experts = [p for p in params if is_expert_param(p)]
-        if not experts:
-            allreduce_gradients(modules[name], replica_group(pg), params=params)
-            continue
-        # Expert shards are replicated over expt_dp only (each EP rank holds other experts).
-        dense = [p for p in params if not is_expert_param(p)]
-        allreduce_gradients(modules[name], replica_group(pg), params=dense)
-        allreduce_gradients(modules[name], pg.expt_dp, params=experts)
+        if reducer is None:
+            align_grad_placements(modules[name])
+        _reduce_module(modules[name], pg_collections[name], bucket_bytes)
+
+
+def _reduce_module(module: nn.Module, pg: ProcessGroupCollection, bucket_bytes: int) -> None:
+    """Dense parameters over the replica group, expert shards over ``expt_dp``."""
+    params = trainable_params(module)
+    experts = [p for p in params if is_expert_param(p)]
+    if not experts:
+        allreduce_gradients(module, replica_group(pg), bucket_bytes, params=params)
+        return
+    # Expert shards are replicated over expt_dp only (each EP rank holds other experts).
+    dense = [p for p in params if not is_expert_param(p)]
+    allreduce_gradients(module, replica_group(pg), bucket_bytes, params=dense)
+    allreduce_gradients(module, pg.expt_dp, bucket_bytes, params=experts)
 
 
 def zero_grad_buffer_for_multimodule(modules: dict[str, nn.Module]) -> None:

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from mimotron.models.moe import set_aux_loss_weights
 from mimotron.names import LANGUAGE
 from mimotron.parallel.layout import Layout
+from mimotron.parallel.overlap import OverlappedGradReducer
 from mimotron.pipeline.colocated import ColocatedTransport
 from mimotron.pipeline.communicator import MultiModulePipelineCommunicator
 from mimotron.pipeline.edges import Edge
@@ -100,6 +101,8 @@ class StepContext:
     loss_scale: float = 1.0
     forward_only: bool = False
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+    grad_reducer: OverlappedGradReducer | None = None
+    """Armed before the last micro-batch's backward (``train.overlap_grad_reduce``)."""
 
 
 class StageRunner:
@@ -207,6 +210,9 @@ class StageRunner:
     # ---- backward ------------------------------------------------------------------------
     def backward(self, k: int, grad: torch.Tensor | None) -> Any:
         received, out = self._saved.pop(k)
+        if self.ctx.grad_reducer is not None and k == len(self.ctx.microbatches) - 1:
+            # Backward runs in micro-batch order: this one's gradients are final.
+            self.ctx.grad_reducer.arm()
         last_lm = self.colocated or (self.module == LANGUAGE and self.roles[LANGUAGE].is_last_stage)
         if last_lm:
             (out.float() * (self.ctx.loss_scale / self.ctx.loss_divisor)).backward()

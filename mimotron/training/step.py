@@ -26,6 +26,7 @@ from mimotron.optim.scheduler import OptimizerParamScheduler
 from mimotron.parallel.data_parallel import finalize_model_grads, zero_grad_buffer_for_multimodule
 from mimotron.parallel.grid import HyperCommGrid
 from mimotron.parallel.groups import MultiModuleProcessGroupCollection
+from mimotron.parallel.overlap import OverlappedGradReducer
 from mimotron.pipeline.schedules import (
     MicrobatchOutput,
     StepContext,
@@ -174,20 +175,28 @@ def train_step_mimo(
     timers("data").stop()
     zero_grad_buffer_for_multimodule(parts)
     num_tokens = count_global_tokens(microbatches, infra, device)
+    frozen = {n for n, m in cfg.modules.items() if m.freeze}
+    sharded = {n for n, info in optimizer.module_infos.items() if info.zero is not None}
+    bucket_bytes = int(cfg.train.grad_bucket_mb * 2**20)
+    pg_dict = dict(pgs.items())
+    reducer = (OverlappedGradReducer(parts, pg_dict, frozen | sharded, bucket_bytes)
+               if cfg.train.overlap_grad_reduce else None)
     timers("forward-backward").start()
     ctx = StepContext(
         model=model, layout=infra.layout, rank=infra.rank, microbatches=microbatches,
         language=LanguageStep.of(forward_step_func), transport=multimodule_communicator,
         loss_divisor=max(num_tokens, 1.0), loss_scale=float(optimizer.get_loss_scale()),
-        autocast=autocast_factory(cfg.train.precision, device))
+        autocast=autocast_factory(cfg.train.precision, device), grad_reducer=reducer)
     schedule = (forward_backward_pipelining_without_interleaving
                 if cfg.train.schedule == "1f1b" else forward_backward_no_pipelining)
-    outputs = schedule(ctx)
-    timers("forward-backward").stop(sync=True)
-    timers("grad-sync").start()
-    frozen = {n for n, m in cfg.modules.items() if m.freeze}
-    sharded = {n for n, info in optimizer.module_infos.items() if info.zero is not None}
-    finalize_model_grads(parts, dict(pgs.items()), frozen, sharded)
+    try:
+        outputs = schedule(ctx)
+        timers("forward-backward").stop(sync=True)
+        timers("grad-sync").start()
+        finalize_model_grads(parts, pg_dict, frozen, sharded, bucket_bytes, reducer)
+    finally:
+        if reducer is not None:
+            reducer.close()
     timers("grad-sync").stop(sync=True)
     timers("optimizer").start()
     # The logged loss sums ride on the optimizer's one world collective (found-inf, norm).
