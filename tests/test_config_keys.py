@@ -69,6 +69,9 @@ ALLOWED = {
     # (per-rank state / DP, bitwise-equal training) is asserted by
     # tests/test_sharded_optimizer.py.
     "modules.<m>.parallel.shard_optimizer",
+    # Overlap needs a DP group of >= 2 ranks; its effect (buckets launched during the
+    # backward, bitwise-equal training) is asserted by tests/test_overlap_grad_reduce.py.
+    "train.overlap_grad_reduce",
 }
 
 # [optimizer] / [scheduler] probes: (key=value, observer, context), the key relative to
@@ -213,6 +216,7 @@ PROBES: dict[str, tuple[list[str], str, list[str]]] = {
     "train.max_skipped": (["train.max_skipped=1"], "run",
                           [*RUN, *FP16, "optimizer.initial_loss_scale=1e30"]),
     "train.pg_timeout_s": (["train.pg_timeout_s=77"], "built", []),
+    "train.grad_bucket_mb": (["train.grad_bucket_mb=0"], "error:built", []),
     "train.overwrite": (["train.overwrite=true"], "rerun", RUN),
     "eval.interval": (["eval.interval=1"], "run", RUN),
     "eval.iters": (["eval.iters=2"], "built", []),
