@@ -9,6 +9,7 @@ Cases (each measures two sides A/B interleaved, >= 5 repetitions, medians and mi
 * ``checkpoint`` DCP save vs ``torch.save`` of the same tensors; async blocking time
 * ``memory``     peak RSS per rank vs ``mimotron plan``'s analytic estimate
 * ``experts``    bytes the expert-parallel token exchange sends vs the analytic minimum
+* ``overlap``    DP 2 step time with vs without overlapped gradient reduction
 
 ``--json OUT`` writes every figure and raw measurement, ``--markdown OUT`` the README's
 *Performance* section; ``--case NAME`` (repeatable) selects cases and ``--size tiny``
@@ -34,7 +35,15 @@ from typing import Any  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks import bridge, checkpoint, experts, memory, overhead, pipeline  # noqa: E402
+from benchmarks import (  # noqa: E402
+    bridge,
+    checkpoint,
+    experts,
+    memory,
+    overhead,
+    overlap,
+    pipeline,
+)
 from benchmarks.common import SIZES, CaseResult, Options, machine_info, warm_imports  # noqa: E402
 
 CASES: dict[str, Callable[[Options], CaseResult]] = {
@@ -44,6 +53,7 @@ CASES: dict[str, Callable[[Options], CaseResult]] = {
     "checkpoint": checkpoint.run_case,
     "memory": memory.run_case,
     "experts": experts.run_case,
+    "overlap": overlap.run_case,
 }
 
 
