@@ -267,10 +267,15 @@ def _validate_moe(mod: ModuleConfig, p: str) -> None:
     check_layer_freq(mod.moe_layer_freq, mod.num_layers, prefix=f"{p}.")
 
 
+# Keys that only mean something for one kind with hf_path (checked against their defaults).
+HF_ONLY_KEYS: dict[str, tuple[str, ...]] = {
+    "vit": ("vision_feature_layer", "vision_feature_select_strategy"),
+    "audio": ("downsample_factor", "downsample_mode"),
+}
+
+
 def _validate_hf_keys(name: str, mod: ModuleConfig) -> None:
     """Options that only apply with ``hf_path`` are rejected elsewhere; sizes come from it."""
-    from mimotron.models.hf.resolve import HF_ONLY_KEYS, resolve_hf_module
-
     defaults = ModuleConfig()
     for kind, keys in HF_ONLY_KEYS.items():
         for key in keys:
@@ -281,6 +286,9 @@ def _validate_hf_keys(name: str, mod: ModuleConfig) -> None:
                     f"kind={kind!r} module with hf_path set; remove it"
                 )
     if mod.hf_path:
+        # Only here: importing the models (and DTensor with them) costs the launcher ~1 s.
+        from mimotron.models.hf.resolve import resolve_hf_module
+
         resolve_hf_module(name, mod)
 
 

@@ -16,6 +16,7 @@ own tests can use it too.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import pickle
@@ -127,23 +128,62 @@ def run_ranks(
             report; its traceback follows) and lists the ranks that failed or were
             stopped as a consequence.
     """
+    return run_groups([(world_size, fn, args, kwargs)], timeout_s=timeout_s,
+                      pg_timeout_s=pg_timeout_s)[0]
+
+
+def run_groups(
+    groups: list[tuple[int, Callable[..., Any], tuple, dict]],
+    timeout_s: float = 120.0,
+    pg_timeout_s: float = 60.0,
+) -> list[list[Any]]:
+    """Several independent :func:`run_ranks` calls at once, each with its own group.
+
+    The groups share nothing (each has its own store and failure directory), so their
+    results are what one call each would give; running them together only uses the
+    cores that single-rank runs leave idle.
+
+    Args:
+        groups: ``(world_size, fn, args, kwargs)`` per group.
+        timeout_s: hard wall-clock limit for all groups together.
+        pg_timeout_s: process-group timeout inside the ranks.
+
+    Returns:
+        Per group, the per-rank return values.
+
+    Raises:
+        RankError: as :func:`run_ranks`, for the first group (in order) that failed.
+    """
     torch.set_num_threads(1)
     ctx = mp.get_context("fork")
-    with tempfile.TemporaryDirectory(prefix="mimotron-store-") as tmp:
-        os.mkdir(os.path.join(tmp, "failures"))
-        procs, conns = [], []
-        for rank in range(world_size):
-            parent, child = ctx.Pipe(duplex=False)
-            p = ctx.Process(
-                target=_rank_main,
-                args=(fn, rank, world_size, tmp, child, pg_timeout_s, args, kwargs),
-                daemon=True,
-            )
-            p.start()
-            child.close()
-            procs.append(p)
-            conns.append(parent)
-        return _collect(procs, conns, timeout_s, os.path.join(tmp, "failures"))
+    deadline = time.monotonic() + timeout_s
+    with contextlib.ExitStack() as stack:
+        started = []
+        try:
+            for world_size, fn, args, kwargs in groups:
+                tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="mimotron-store-"))
+                os.mkdir(os.path.join(tmp, "failures"))
+                procs, conns = [], []
+                started.append((procs, conns, os.path.join(tmp, "failures")))
+                for rank in range(world_size):
+                    parent, child = ctx.Pipe(duplex=False)
+                    p = ctx.Process(
+                        target=_rank_main,
+                        args=(fn, rank, world_size, tmp, child, pg_timeout_s, args, kwargs),
+                        daemon=True,
+                    )
+                    p.start()
+                    child.close()
+                    procs.append(p)
+                    conns.append(parent)
+            return [_collect(procs, conns, max(deadline - time.monotonic(), 0.0), failures)
+                    for procs, conns, failures in started]
+        finally:
+            for procs, _, _ in started:  # A group left behind by another's failure.
+                for p in procs:
+                    if p.is_alive():
+                        p.kill()
+                    p.join(timeout=5)
 
 
 def _poll(proc: Any, conn: Any) -> tuple[str, Any] | None:

@@ -56,7 +56,7 @@ from mimotron.data import build_datasets
 from mimotron.data.collate import collate
 from mimotron.data.tokenizer import CharTokenizer
 from mimotron.runtime import init_runtime
-from mimotron.testing import RankError, run_ranks
+from mimotron.testing import RankError, run_groups, run_ranks
 from mimotron.training.loop import run_training, setup_mimo
 from mimotron.training.step import default_forward_step, train_step_mimo
 from tests.common import BASE, DIGITS
@@ -155,9 +155,10 @@ def test_fp16_resume_restores_loss_scaler(tmp_path):
         "optimizer.initial_loss_scale=4096.0",
         "optimizer.hysteresis=1",
     ]
-    run_ranks(1, _run, fp16 + [f"log.dir={tmp_path}/a", "checkpoint.load=none"], timeout_s=120)
     split = fp16 + [f"log.dir={tmp_path}/b", f"checkpoint.dir={tmp_path}/ckpt"]
-    run_ranks(1, _run, split + ["train.exit_interval=3"], timeout_s=120)
+    # The straight run and the first half are independent: side by side.
+    run_groups([(1, _run, (fp16 + [f"log.dir={tmp_path}/a", "checkpoint.load=none"],), {}),
+                (1, _run, (split + ["train.exit_interval=3"],), {})], timeout_s=120)
     run_ranks(1, _run, split, timeout_s=120)
     want, got = _records(tmp_path / "a"), _records(tmp_path / "b")
     assert got == want

@@ -29,7 +29,7 @@ from mimotron.failures import (
     record_failure,
     root_cause,
 )
-from mimotron.testing import RankError, run_ranks
+from mimotron.testing import RankError, run_groups, run_ranks
 
 COLLATERAL = r"(failed as a consequence: peer lost|stopped as a consequence)"
 
@@ -145,3 +145,17 @@ def test_of_two_genuine_errors_the_first_is_named(first):
     other = 1 - first
     assert f"rank {other} also failed, later" in line or \
            f"rank {other} stopped as a consequence" in line, line
+
+
+def _rank_and_world(rank: int, world: int, fail: bool) -> tuple[int, int]:
+    if fail:
+        raise ValueError(f"group of {world} failed on rank {rank}")
+    return rank, world
+
+
+def test_groups_run_side_by_side_keep_their_own_results_and_errors():
+    """``run_groups``: each group has its own world; a failing group is named as such."""
+    assert run_groups([(1, _rank_and_world, (False,), {}),
+                       (2, _rank_and_world, (False,), {})]) == [[(0, 1)], [(0, 2), (1, 2)]]
+    with pytest.raises(RankError, match=r"rank \d failed: ValueError: group of 2 failed"):
+        run_groups([(1, _rank_and_world, (False,), {}), (2, _rank_and_world, (True,), {})])

@@ -283,19 +283,22 @@ def test_checkpoint_errors_are_one_line_without_tracebacks(tmp_path):
     bad = _fake_checkpoint(tmp_path / "ckpt")
     args = [COLOCATED, *TINY, "train.iters=3", f"checkpoint.load={bad}",
             f"log.dir={tmp_path}"]
-    proc = _start(args)
-    out = _finish(proc)
+    one_rank = [DIGITS, *TINY, "train.iters=3", f"checkpoint.load={bad}",
+                f"log.dir={tmp_path}/one",
+                *[f"modules.{m}.parallel.{k}={v}" for m in ("vision", "audio", "language")
+                  for k, v in (("data", 1), ("rank_offset", 0))]]
+    # The two launches share nothing but the (read-only) bad checkpoint: both at once.
+    proc, debug = _start(args), _start(one_rank, MIMOTRON_DEBUG="1")
+    try:
+        out = _finish(proc)
+    finally:
+        debug_out = _finish(debug)
     assert proc.returncode == 1, out[-4000:]
     assert "Traceback" not in out, out[-4000:]
     assert "CheckpointError" in _verdict(out)
     reports = [x for x in out.splitlines() if x.startswith("mimotron train: rank")]
     assert 2 <= len(reports) <= 3, out[-4000:]  # rank lines (one may be killed) + verdict
-    one_rank = [DIGITS, *TINY, "train.iters=3", f"checkpoint.load={bad}",
-                f"log.dir={tmp_path}/one",
-                *[f"modules.{m}.parallel.{k}={v}" for m in ("vision", "audio", "language")
-                  for k, v in (("data", 1), ("rank_offset", 0))]]
-    debug = _start(one_rank, MIMOTRON_DEBUG="1")
-    out = _finish(debug)
+    out = debug_out
     assert debug.returncode == 1, out[-4000:]
     assert "CheckpointError" in out and "Traceback (most recent call last)" in out
 

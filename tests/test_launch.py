@@ -107,3 +107,36 @@ def test_two_torchrun_nodes_train_a_heterogeneous_layout(tmp_path):
     assert [r["iteration"] for r in records if "loss" in r] == [1, 2, 3]
     assert len(records[0]["peak_memory_bytes_per_rank"]) == 4
     assert any("eval_accuracy" in r for r in records)
+
+
+# What ``mimotron train`` runs before it starts the ranks, in a fresh interpreter.
+_LAUNCHER_PATH = """
+import sys
+from mimotron.cli.train import run_train  # noqa: F401 - the module the launcher runs
+from mimotron.cli.launch import Launcher  # noqa: F401
+from mimotron.cli.lines import whole_lines  # noqa: F401
+from mimotron.checkpoint import CheckpointError, read_latest  # noqa: F401
+from mimotron.checkpoint.signals import read_stop_record  # noqa: F401
+from mimotron.config import load_config
+from mimotron.data.llava_setup import check_data
+from mimotron.parallel.layout import plan_layout
+from mimotron.run_dir import prepare_run_dir
+cfg = load_config(sys.argv[1], sys.argv[2:])
+plan_layout(cfg)
+check_data(cfg)
+prepare_run_dir(cfg)
+import torch.distributed  # the launcher's TCPStore
+print(sorted(m for m in sys.modules if m.startswith(
+    ("torch.distributed.tensor", "torch.distributed.checkpoint", "mimotron.models.mimo",
+     "mimotron.models.hf"))))
+"""
+
+
+def test_the_launcher_imports_no_dtensor_dcp_or_model(tmp_path):
+    # The launcher's checks run before any rank starts, so every import they pay for
+    # delays every launch; DTensor, DCP and the models are the ranks' business only.
+    proc = subprocess.run([sys.executable, "-c", _LAUNCHER_PATH, COLOCATED, *TINY,
+                           f"log.dir={tmp_path}"], cwd=ROOT, env=_env(),
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.stdout.strip() == "[]", proc.stdout

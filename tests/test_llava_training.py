@@ -17,7 +17,7 @@ import pytest
 
 from mimotron.data.bpe import train_bpe_tokenizer
 from mimotron.data.llava_export import conversation_texts, write_llava_task
-from mimotron.testing import run_ranks
+from mimotron.testing import run_groups
 from tests.common import BASE, DIGITS, ONE_RANK, coloc, colocated, train_steps
 
 NUM_ITERS = 4
@@ -39,24 +39,39 @@ def llava(tmp_path_factory):
 def test_llava_training_is_finite_decreasing_and_layout_independent(llava):
     """Loss falls on 1 rank; DP 2 and encoders DP 2 + language TP 2 train on the same batches."""
     over = llava["overrides"]
-    one = run_ranks(1, train_steps, [*over, *ONE_RANK], NUM_ITERS)[0]
+    # The three runs are independent: side by side. Hetero: encoders DP 2, the language
+    # model TP 2 on the same two ranks.
+    hetero = coloc({"data": 2}, {"data": 2}, {"data": 1, "tensor": 2})
+    (one,), dp2, hetero = run_groups(
+        [(world, train_steps, ([*over, *layout], NUM_ITERS), {})
+         for world, layout in ((1, ONE_RANK), (2, colocated(2)), (2, hetero))],
+        timeout_s=240)
     losses = [s[0] for s in one]
     assert all(math.isfinite(x) for x in losses), losses
     assert losses[-1] < losses[0], losses
-    dp2 = run_ranks(2, train_steps, [*over, *colocated(2)], NUM_ITERS)
-    # Encoders DP 2, the language model TP 2 on the same two ranks.
-    hetero = run_ranks(2, train_steps, [*over, *coloc({"data": 2}, {"data": 2},
-                                                      {"data": 1, "tensor": 2})], NUM_ITERS)
     for result in (dp2[0], hetero[0]):
         # Same samples in the same global batches: same token counts and losses.
         assert [s[3] for s in result] == [s[3] for s in one]
         assert [s[0] for s in result] == pytest.approx(losses, rel=1e-5, abs=1e-5)
 
 
-def _cli(args: list[str], cwd: str) -> subprocess.CompletedProcess:
+def _start_cli(args: list[str], cwd: str) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    return subprocess.run([sys.executable, "-m", "mimotron", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    return subprocess.Popen([sys.executable, "-m", "mimotron", *args], cwd=cwd, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _finish_cli(proc: subprocess.Popen) -> subprocess.CompletedProcess:
+    try:
+        out, err = proc.communicate(timeout=300)  # A hang guard only.
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def _cli(args: list[str], cwd: str) -> subprocess.CompletedProcess:
+    return _finish_cli(_start_cli(args, cwd))
 
 
 def _with_bad_sample(llava, name: str) -> str:
@@ -76,8 +91,10 @@ def test_bad_sample_is_one_line_naming_id_and_line_before_launch(llava, tmp_path
     path = _with_bad_sample(llava, "bad.jsonl")
     over = [*BASE, *llava["overrides"], f"data.path='{path}'", *colocated(2),
             f"log.dir='{tmp_path / 'run'}'"]  # fmt: skip
-    for command in ("plan", "train"):
-        proc = _cli([command, str(DIGITS), *over], str(tmp_path))
+    # Both commands at once: each is a fresh interpreter that stops in its checks.
+    started = [_start_cli([command, str(DIGITS), *over], str(tmp_path))
+               for command in ("plan", "train")]
+    for proc in map(_finish_cli, started):
         assert proc.returncode == 2, proc.stderr
         lines = proc.stderr.strip().splitlines()
         assert len(lines) == 1, proc.stderr
@@ -118,8 +135,9 @@ def test_background_workers_give_the_same_batches(llava):
     import torch
 
     base = [*llava["overrides"], *ONE_RANK]
-    sync = run_ranks(1, _first_batches, base, 3)[0]
-    ahead = run_ranks(1, _first_batches, [*base, "data.num_workers=3"], 3)[0]
+    (sync,), (ahead,) = run_groups(  # Independent one-rank runs: side by side.
+        [(1, _first_batches, (overrides, 3), {})
+         for overrides in (base, [*base, "data.num_workers=3"])], timeout_s=240)
     for a, b in zip(sync, ahead, strict=True):
         for mb_a, mb_b in zip(a, b, strict=True):
             for module in mb_a:

@@ -28,7 +28,7 @@ import torch
 
 from mimotron.config import load_config
 from mimotron.runtime import compute_dtype, init_runtime
-from mimotron.testing import run_ranks
+from mimotron.testing import run_groups, run_ranks
 from mimotron.training.loop import setup_mimo
 from mimotron.training.step import autocast_factory, default_forward_step, train_step_mimo
 from tests.common import BASE as COMMON_BASE
@@ -66,7 +66,10 @@ def _curve(rank: int, world: int, precision: str) -> tuple[list[tuple], list[tor
 
 @pytest.fixture(scope="module")
 def runs() -> dict[str, tuple[list[tuple], list[torch.dtype]]]:
-    return {p: run_ranks(1, _curve, p, timeout_s=240)[0] for p in ("fp32", "bf16", "fp16")}
+    # Three independent one-rank runs, side by side (the cores they leave idle).
+    precisions = ("fp32", "bf16", "fp16")
+    results = run_groups([(1, _curve, (p,), {}) for p in precisions], timeout_s=240)
+    return {p: r[0] for p, r in zip(precisions, results, strict=True)}
 
 
 @pytest.fixture(scope="module")

@@ -4,28 +4,39 @@ Layout-independent keys, so a checkpoint written by one TP/PP/DP split and place
 loads into any other; synchronous or background saves; ``latest`` moved only after every
 rank finished; SHA-256 manifests so damage is found and named; SIGTERM-safe stopping;
 export to safetensors. See :mod:`~mimotron.checkpoint.state` for what is stored.
+
+The names below are loaded on first use: the launcher of ``mimotron train`` reads
+``files`` and ``signals`` (plain files and signal handlers) and must not pay for
+importing DCP, DTensor and the models (seconds per launch) to do so.
 """
 
-from mimotron.checkpoint.export import export_checkpoint, load_exported, read_full_model
-from mimotron.checkpoint.files import CheckpointError, iter_dir, read_latest, resolve_load
-from mimotron.checkpoint.load import SafeLoadPlanner, load_checkpoint, maybe_load_checkpoint
-from mimotron.checkpoint.manager import CheckpointManager
-from mimotron.checkpoint.save import SaveHandle, save_checkpoint
-from mimotron.checkpoint.signals import StopSignals
+from __future__ import annotations
 
-__all__ = [
-    "CheckpointError",
-    "CheckpointManager",
-    "SafeLoadPlanner",
-    "SaveHandle",
-    "StopSignals",
-    "export_checkpoint",
-    "iter_dir",
-    "load_checkpoint",
-    "load_exported",
-    "maybe_load_checkpoint",
-    "read_full_model",
-    "read_latest",
-    "resolve_load",
-    "save_checkpoint",
-]
+import importlib
+from typing import Any
+
+# Public name -> defining module. A constant table, read only.
+_EXPORTS = {
+    "CheckpointError": "mimotron.checkpoint.files",
+    "CheckpointManager": "mimotron.checkpoint.manager",
+    "SafeLoadPlanner": "mimotron.checkpoint.load",
+    "SaveHandle": "mimotron.checkpoint.save",
+    "StopSignals": "mimotron.checkpoint.signals",
+    "export_checkpoint": "mimotron.checkpoint.export",
+    "iter_dir": "mimotron.checkpoint.files",
+    "load_checkpoint": "mimotron.checkpoint.load",
+    "load_exported": "mimotron.checkpoint.export",
+    "maybe_load_checkpoint": "mimotron.checkpoint.load",
+    "read_full_model": "mimotron.checkpoint.export",
+    "read_latest": "mimotron.checkpoint.files",
+    "resolve_load": "mimotron.checkpoint.files",
+    "save_checkpoint": "mimotron.checkpoint.save",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'mimotron.checkpoint' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

@@ -31,8 +31,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from torch.distributed.checkpoint.api import CheckpointException
-
 MANIFEST = "manifest.json"
 LATEST = "latest"
 DCP_METADATA = ".metadata"
@@ -42,20 +40,6 @@ _ITER_RE = re.compile(r"^iter_(\d{7,})$")
 
 class CheckpointError(RuntimeError):
     """A checkpoint cannot be written, or is missing, incomplete or corrupted."""
-
-
-# DCP reports failures as CheckpointException, a BaseException: catch it explicitly.
-DCP_ERRORS = (Exception, CheckpointException)
-
-
-def describe_failure(exc: BaseException) -> str:
-    """One line per failing rank for DCP's exception (its own text is full tracebacks)."""
-    if isinstance(exc, CheckpointException):
-        return "; ".join(
-            f"rank {rank}: {type(err).__name__}: {err}"
-            for rank, (err, _) in sorted(exc.failures.items())
-        )
-    return f"{type(exc).__name__}: {exc}"
 
 
 def iter_dir(root: Path, iteration: int) -> Path:

@@ -32,15 +32,14 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import ReadItem
 
 from mimotron.checkpoint.files import (
-    DCP_ERRORS,
     DCP_METADATA,
     CheckpointError,
-    describe_failure,
     read_manifest,
     resolve_checkpoint,
     resolve_load,
@@ -60,6 +59,20 @@ if TYPE_CHECKING:
     from mimotron.optim.mimo_optimizer import MimoOptimizer
     from mimotron.training.infra import MimoModelInfra
     from mimotron.training.state import GlobalState
+
+# DCP reports failures as CheckpointException, a BaseException: catch it explicitly. (Here,
+# not in files.py: that module is read by the launcher, which never imports DCP.)
+DCP_ERRORS = (Exception, CheckpointException)
+
+
+def describe_failure(exc: BaseException) -> str:
+    """One line per failing rank for DCP's exception (its own text is full tracebacks)."""
+    if isinstance(exc, CheckpointException):
+        return "; ".join(
+            f"rank {rank}: {type(err).__name__}: {err}"
+            for rank, (err, _) in sorted(exc.failures.items())
+        )
+    return f"{type(exc).__name__}: {exc}"
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):

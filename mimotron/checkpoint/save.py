@@ -31,9 +31,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from mimotron.checkpoint.files import (
-    DCP_ERRORS,
     CheckpointError,
-    describe_failure,
     file_digest,
     iter_dir,
     prune,
@@ -42,7 +40,7 @@ from mimotron.checkpoint.files import (
     write_latest,
     write_manifest,
 )
-from mimotron.checkpoint.load import log
+from mimotron.checkpoint.load import DCP_ERRORS, describe_failure, log
 from mimotron.checkpoint.state import build_save_state, layout_signature
 from mimotron.optim.scheduler import OptimizerParamScheduler
 

@@ -4,52 +4,49 @@ Batch format consumed by :class:`MimoModel` (produced by :mod:`mimotron.data`): 
 with ``tokens`` Long[B, S] (padded with 0), ``labels`` Long[B, S] (next-token targets),
 ``loss_mask`` Float[B, S], and per modality the input (``image`` Float[B, 1, 8, 8],
 ``audio`` Float[B, 129, 16]; zeros where absent) plus ``has_<modality>`` Bool[B].
+
+The names below are loaded on first use, so importing one submodule (the config checks
+import :mod:`~mimotron.models.moe`; the launcher of ``mimotron train`` runs them) does not
+import every model and DTensor with it.
 """
 
-from mimotron.models.blocks import (
-    Attention,
-    RMSNorm,
-    SwiGLU,
-    TransformerBlock,
-    apply_rope,
-    default_ffn_hidden_size,
-    rope_cache,
-)
-from mimotron.models.build import build_mimo_model, build_module, count_parameters, module_prefix
-from mimotron.models.encoders import AudioEncoder, ModalitySubmodule, Projector, VisionEncoder
-from mimotron.models.init import init_parameters_, parameter_seed
-from mimotron.models.language import LanguageModel, language_loss
-from mimotron.models.mimo import MimoModel
-from mimotron.models.moe import (
-    GroupedExperts,
-    LocalDispatcher,
-    MoEFeedForward,
-    MoEOptions,
-)
+from __future__ import annotations
 
-__all__ = [
-    "Attention",
-    "AudioEncoder",
-    "GroupedExperts",
-    "LanguageModel",
-    "LocalDispatcher",
-    "MimoModel",
-    "MoEFeedForward",
-    "MoEOptions",
-    "ModalitySubmodule",
-    "Projector",
-    "RMSNorm",
-    "SwiGLU",
-    "TransformerBlock",
-    "VisionEncoder",
-    "apply_rope",
-    "build_mimo_model",
-    "build_module",
-    "count_parameters",
-    "default_ffn_hidden_size",
-    "init_parameters_",
-    "language_loss",
-    "module_prefix",
-    "parameter_seed",
-    "rope_cache",
-]
+import importlib
+from typing import Any
+
+# Public name -> defining module. A constant table, read only.
+_EXPORTS = {
+    "Attention": "mimotron.models.blocks",
+    "AudioEncoder": "mimotron.models.encoders",
+    "GroupedExperts": "mimotron.models.moe",
+    "LanguageModel": "mimotron.models.language",
+    "LocalDispatcher": "mimotron.models.moe",
+    "MimoModel": "mimotron.models.mimo",
+    "MoEFeedForward": "mimotron.models.moe",
+    "MoEOptions": "mimotron.models.moe",
+    "ModalitySubmodule": "mimotron.models.encoders",
+    "Projector": "mimotron.models.encoders",
+    "RMSNorm": "mimotron.models.blocks",
+    "SwiGLU": "mimotron.models.blocks",
+    "TransformerBlock": "mimotron.models.blocks",
+    "VisionEncoder": "mimotron.models.encoders",
+    "apply_rope": "mimotron.models.blocks",
+    "build_mimo_model": "mimotron.models.build",
+    "build_module": "mimotron.models.build",
+    "count_parameters": "mimotron.models.build",
+    "default_ffn_hidden_size": "mimotron.models.blocks",
+    "init_parameters_": "mimotron.models.init",
+    "language_loss": "mimotron.models.language",
+    "module_prefix": "mimotron.models.build",
+    "parameter_seed": "mimotron.models.init",
+    "rope_cache": "mimotron.models.blocks",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'mimotron.models' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

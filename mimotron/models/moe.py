@@ -61,7 +61,6 @@ from typing import Literal, Protocol
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from mimotron.models.blocks import SwiGLU, default_ffn_hidden_size, residual_init_std
 
@@ -71,6 +70,10 @@ ROUTER_SCORES: tuple[str, ...] = ("softmax", "sigmoid")
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """This rank's part of ``t``: ``to_local()`` for a DTensor (expert-parallel shard)."""
+    # Imported here: the config checks import this module, and the launcher of ``mimotron
+    # train`` that runs them never needs DTensor (~1 s of imports).
+    from torch.distributed.tensor import DTensor
+
     return t.to_local() if isinstance(t, DTensor) else t
 
 

@@ -31,12 +31,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    PrepareModuleInput,
-    RowwiseParallel,
-)
 
 from mimotron.config import MimoConfig
 from mimotron.names import LANGUAGE
@@ -59,6 +53,15 @@ def sequence_parallel_plan(layers: nn.ModuleDict, has_output: bool) -> dict[str,
         layers: the stage's layers (``TransformerBlock`` with ``attn`` and ``mlp``).
         has_output: the stage holds the output head.
     """
+    # Here, not at the top: the layout checks below import this module, and the launcher
+    # of ``mimotron train`` runs them without ever needing DTensor (~1 s of imports).
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+    )
+
     plan: dict[str, object] = {}
     for idx in layers:
         base = f"layers.{idx}"

@@ -31,13 +31,6 @@ _FAMILIES: dict[str, dict[str, str]] = {
             "siglip_vision_model": "siglip"},
     "audio": {"whisper": "whisper"},
 }
-# Keys that only mean something for one kind with hf_path, and their defaults.
-HF_ONLY_KEYS: dict[str, tuple[str, ...]] = {
-    "vit": ("vision_feature_layer", "vision_feature_select_strategy"),
-    "audio": ("downsample_factor", "downsample_mode"),
-}
-
-
 def hf_family(mod: ModuleConfig, where: str = "module") -> str:
     """``"llama"``, ``"clip"``, ``"siglip"`` or ``"whisper"``: the family of ``mod.hf_path``.
 
