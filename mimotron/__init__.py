@@ -7,8 +7,7 @@ cheap.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from mimotron.lazy import lazy_getattr
 
 __version__ = "0.1.0"
 
@@ -40,8 +39,4 @@ _EXPORTS = {
 
 __all__ = list(_EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'mimotron' has no attribute {name!r}")
-    return getattr(importlib.import_module(_EXPORTS[name]), name)
+__getattr__ = lazy_getattr(__name__, _EXPORTS)

@@ -12,8 +12,7 @@ importing DCP, DTensor and the models (seconds per launch) to do so.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from mimotron.lazy import lazy_getattr
 
 # Public name -> defining module. A constant table, read only.
 _EXPORTS = {
@@ -35,8 +34,4 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'mimotron.checkpoint' has no attribute {name!r}")
-    return getattr(importlib.import_module(_EXPORTS[name]), name)
+__getattr__ = lazy_getattr(__name__, _EXPORTS)
