@@ -43,6 +43,7 @@ from benchmarks.common import (
     parallel,
     precompute_steps,
     ratio_figure,
+    runqueue_wait_s,
     setup_run,
     summarize,
     timed,
@@ -112,7 +113,10 @@ def _torch_side(run: Any, rank: int, mbs: list[Any], emb_shape: tuple[int, ...])
 
 
 def _stage_alone(run: Any, rank: int, mb: dict[str, Any], emb_shape: tuple[int, ...]) -> float:
-    """Forward+backward seconds of this rank's stage on one micro-batch (no peer)."""
+    """Forward+backward seconds of this rank's stage on one micro-batch (no peer).
+
+    Leaves the gradients in place, so the optimizer step timed next does real work.
+    """
     from mimotron.training.step import default_forward_step
 
     model = run.model
@@ -126,9 +130,7 @@ def _stage_alone(run: Any, rank: int, mb: dict[str, Any], emb_shape: tuple[int, 
             default_forward_step(model, mb["language"], {"vision": x})[0].backward()
 
     fwd_bwd()  # warm-up
-    t = statistics.median(timed(fwd_bwd, 2) for _ in range(3))
-    model.zero_grad(set_to_none=True)
-    return t
+    return statistics.median(timed(fwd_bwd, 2) for _ in range(5))
 
 
 def _rank(rank: int, world: int, sizes: tuple[int, ...], m: int, reps: int, steps: int) -> Any:
@@ -149,20 +151,28 @@ def _rank(rank: int, world: int, sizes: tuple[int, ...], m: int, reps: int, step
     torch_loss = torch.tensor([torch_step()])
     dist.all_reduce(ours_loss), dist.all_reduce(torch_loss)
     stage_s = torch.zeros(2, world)
-    stage_s[0, rank] = _stage_alone(theirs, rank, mbs[0], emb_shape)
-    stage_s[1, rank] = timed(opt.step, 3)
+    for r in range(world):  # one rank at a time: each stage measured alone
+        if r == rank:
+            stage_s[0, rank] = _stage_alone(theirs, rank, mbs[0], emb_shape)
+            stage_s[1, rank] = timed(opt.step, 3)
+        dist.barrier()
     opt.zero_grad(set_to_none=True)
     dist.all_reduce(stage_s)
     times: dict[str, list[float]] = {"ours": [], "torch": []}
+    waits: dict[str, list[float]] = {"ours": [], "torch": []}
     sides = {"ours": ours_step, "torch": torch_step}
     for i in range(reps):
         for name in ("ours", "torch") if i % 2 == 0 else ("torch", "ours"):
             dist.barrier()
-            t = torch.tensor([timed(sides[name], steps)])
+            waited = runqueue_wait_s()
+            t = torch.tensor([timed(sides[name], steps), 0.0])
+            t[1] = (runqueue_wait_s() - waited) / steps / t[0]
             dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the step ends with the slower rank
-            times[name].append(float(t))
+            times[name].append(float(t[0]))
+            waits[name].append(float(t[1]))
     return {
         "times": times,
+        "cpu_wait": waits,
         "loss": (float(ours_loss), float(torch_loss)),
         "stage_s": stage_s[0].tolist(),
         "optimizer_s": stage_s[1].tolist(),
@@ -211,6 +221,9 @@ def run_case(opts: Options) -> CaseResult:
             "stage_fwd_bwd_s_per_rank": res["stage_s"],
             "optimizer_s_per_rank": res["optimizer_s"],
             "bound_s": bound,
+            # Fraction of a step the busier rank sat runnable without a CPU (others' load).
+            "cpu_wait_fraction_ours": summarize(res["cpu_wait"]["ours"]),
+            "cpu_wait_fraction_torch": summarize(res["cpu_wait"]["torch"]),
             "microbatches": m,
             "steps_per_rep": steps,
             "model": {"vision_hidden": vh, "vision_layers": vl, "language_hidden": lh,
@@ -219,4 +232,10 @@ def run_case(opts: Options) -> CaseResult:
             "no grad clipping or world loss reduction",
         }
     )
+    wait = statistics.median(res["cpu_wait"]["ours"] + res["cpu_wait"]["torch"])
+    if wait > 0.05:
+        out.notes.append(
+            f"a rank waited for a CPU {wait:.0%} of a step (median): other processes took "
+            "cores, so step times (and the efficiencies) are inflated and noisy"
+        )
     return out
