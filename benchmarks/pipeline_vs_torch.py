@@ -1,0 +1,241 @@
+"""Case - our 1F1B vs ``torch.distributed.pipelining``'s ``Schedule1F1B``, side by side.
+
+The same two-stage split as the ``pipeline`` case (``vision`` encoder on rank 0, the
+``language`` model on rank 1; every sample carries an image), the same model (both
+sides built by ``setup_mimo`` from the same config and seed) and the same precomputed
+micro-batches run through:
+
+* ours: ``train_step_mimo`` with ``train.schedule=1f1b``;
+* torch: ``PipelineStage`` + ``Schedule1F1B`` on gloo (``scale_grads=False``), stage 0
+  = ``model.encode("vision", mb)``, stage 1 = the language model's
+  ``default_forward_step`` with loss ``loss_sum / global token count`` (the engine's
+  loss), then ``torch.optim.AdamW`` on the rank's parameters.
+
+Each stage reads its micro-batch's inputs from the precomputed list in micro-batch
+order (1F1B runs every stage's forwards in that order), so both sides do the same work;
+a sanity check asserts the first step's losses agree before anything is timed. The
+torch side has no gradient clipping nor world loss reduction (the engine's optimizer
+does one world collective): the comparison favours torch slightly.
+
+``pipeline_vs_torch_ratio`` = our step time / torch's (target <= 1.00), from interleaved
+A/B repetitions inside one ``run_ranks`` call. ``pipeline_efficiency_vs_bound`` (ours)
+and ``torch_pipeline_efficiency_vs_bound``: bound / step time, with bound = (m + p - 1) x
+the slower stage's forward+backward per micro-batch (each measured alone on its rank
+before timing) + the slower rank's optimizer step (target >= 0.97).
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from benchmarks.common import (
+    CaseResult,
+    Figure,
+    Options,
+    engine_stepper,
+    fmt_stats,
+    make_config,
+    parallel,
+    precompute_steps,
+    ratio_figure,
+    runqueue_wait_s,
+    setup_run,
+    summarize,
+    timed,
+)
+from benchmarks.pipeline import SIZES, _two_module_raw, model_overrides
+from mimotron.testing import run_ranks
+
+P = 2
+
+
+class _Stage(torch.nn.Module):
+    """One pipeline stage for torch's schedule: reads its micro-batch inputs in order."""
+
+    def __init__(self, model: Any, rank: int, mbs: list[Any], num_tokens: float) -> None:
+        super().__init__()
+        self.model, self.rank, self.num_tokens = model, rank, num_tokens
+        self.feed = itertools.cycle(mbs)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from mimotron.training.step import default_forward_step
+
+        mb = next(self.feed)
+        if self.rank == 0:
+            return self.model.encode("vision", mb["vision"])
+        loss_sum, _, _ = default_forward_step(self.model, mb["language"], {"vision": x})
+        return (loss_sum / self.num_tokens).reshape(1)
+
+
+def _torch_side(run: Any, rank: int, mbs: list[Any], emb_shape: tuple[int, ...]) -> Any:
+    """A callable doing one torch ``Schedule1F1B`` step plus AdamW; returns the loss."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    from mimotron.training.step import default_forward_step
+
+    model, m = run.model, len(mbs)
+    num_tokens = 0.0
+    if rank == 1:
+        with torch.no_grad():  # the global token count (labels only; embeddings unused)
+            fake = torch.zeros(emb_shape)
+            num_tokens = float(
+                sum(default_forward_step(model, mb["language"], {"vision": fake})[1] for mb in mbs)
+            )
+    stage_mod = _Stage(model, rank, mbs, num_tokens)
+    dummy = torch.zeros(1, 1)
+    emb = torch.zeros(emb_shape, requires_grad=True)  # marks the boundary differentiable
+    stage = PipelineStage(
+        stage_mod, rank, P, torch.device("cpu"),
+        input_args=(dummy,) if rank == 0 else (emb,),
+        output_args=(emb,) if rank == 0 else (torch.zeros(1),),
+    )
+    sched = Schedule1F1B(stage, m, loss_fn=lambda out, _t: out.sum(), scale_grads=False)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-4)
+    inputs, target = torch.zeros(m, 1), torch.zeros(m, 1)
+
+    def step() -> float:
+        losses: list[torch.Tensor] = []
+        if rank == 0:
+            sched.step(inputs)
+        else:
+            sched.step(target=target, losses=losses)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return float(sum(float(x.detach().sum()) for x in losses))
+
+    return step, opt, params
+
+
+def _stage_alone(run: Any, rank: int, mb: dict[str, Any], emb_shape: tuple[int, ...]) -> float:
+    """Forward+backward seconds of this rank's stage on one micro-batch (no peer).
+
+    Leaves the gradients in place, so the optimizer step timed next does real work.
+    """
+    from mimotron.training.step import default_forward_step
+
+    model = run.model
+
+    def fwd_bwd() -> None:
+        if rank == 0:
+            out = model.encode("vision", mb["vision"])
+            out.backward(torch.ones_like(out))
+        else:
+            x = torch.randn(emb_shape, requires_grad=True)
+            default_forward_step(model, mb["language"], {"vision": x})[0].backward()
+
+    fwd_bwd()  # warm-up
+    return statistics.median(timed(fwd_bwd, 2) for _ in range(5))
+
+
+def _rank(rank: int, world: int, sizes: tuple[int, ...], m: int, reps: int, steps: int) -> Any:
+    layout = parallel("vision", data=1, rank_offset=0) + parallel(
+        "language", data=1, rank_offset=world - 1
+    )
+    overrides = layout + model_overrides(sizes) + [f"train.global_batch_size={m * sizes[-1]}"]
+    cfg = make_config(_two_module_raw(), overrides)
+    ours, theirs = setup_run(cfg), setup_run(cfg)  # same seed: same initial weights
+    batches = precompute_steps(ours, 1)
+    mbs = list(batches[0])
+    emb_shape = (sizes[-1], 64, sizes[2])
+    ours_step = engine_stepper(ours, batches)
+    torch_step, opt, params = _torch_side(theirs, rank, mbs, emb_shape)
+    # Sanity (not timed): the first step of both sides gives the same loss.
+    first = float(ours_step()["loss"])  # every rank steps; the language rank has the loss
+    ours_loss = torch.tensor([first if rank == 1 else 0.0])
+    torch_loss = torch.tensor([torch_step()])
+    dist.all_reduce(ours_loss), dist.all_reduce(torch_loss)
+    stage_s = torch.zeros(2, world)
+    for r in range(world):  # one rank at a time: each stage measured alone
+        if r == rank:
+            stage_s[0, rank] = _stage_alone(theirs, rank, mbs[0], emb_shape)
+            stage_s[1, rank] = timed(opt.step, 3)
+        dist.barrier()
+    opt.zero_grad(set_to_none=True)
+    dist.all_reduce(stage_s)
+    times: dict[str, list[float]] = {"ours": [], "torch": []}
+    waits: dict[str, list[float]] = {"ours": [], "torch": []}
+    sides = {"ours": ours_step, "torch": torch_step}
+    for i in range(reps):
+        for name in ("ours", "torch") if i % 2 == 0 else ("torch", "ours"):
+            dist.barrier()
+            waited = runqueue_wait_s()
+            t = torch.tensor([timed(sides[name], steps), 0.0])
+            t[1] = (runqueue_wait_s() - waited) / steps / t[0]
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the step ends with the slower rank
+            times[name].append(float(t[0]))
+            waits[name].append(float(t[1]))
+    return {
+        "times": times,
+        "cpu_wait": waits,
+        "loss": (float(ours_loss), float(torch_loss)),
+        "stage_s": stage_s[0].tolist(),
+        "optimizer_s": stage_s[1].tolist(),
+    }
+
+
+def run_case(opts: Options) -> CaseResult:
+    """Measure ``pipeline_vs_torch_ratio`` (<= 1.00) and both efficiencies vs the bound."""
+    size = "tiny" if opts.tiny else ("quick" if opts.quick else "default")
+    sizes, m = SIZES[size], (4 if opts.tiny or opts.quick else 8)
+    steps = 1 if opts.tiny else (2 if opts.quick else 3)
+    res = run_ranks(P, _rank, sizes, m, opts.reps, steps, timeout_s=900)[0]
+    ours_loss, torch_loss = res["loss"]
+    rel = abs(ours_loss - torch_loss) / max(abs(ours_loss), 1e-12)
+    if rel > 1e-4:
+        raise AssertionError(
+            f"first-step losses differ: ours {ours_loss} vs torch {torch_loss}: not the same work"
+        )
+    ours, theirs = res["times"]["ours"], res["times"]["torch"]
+    bound = (m + P - 1) * max(res["stage_s"]) + max(res["optimizer_s"])
+    out = CaseResult("pipeline_vs_torch")
+    out.figures.append(
+        ratio_figure(
+            "pipeline_vs_torch_ratio", ours, theirs, "<= 1.00",
+            f"m={m} 1F1B step: ours {fmt_stats(summarize(ours))} vs torch Schedule1F1B "
+            f"{fmt_stats(summarize(theirs))}",
+        )
+    )
+    for name, t in (("pipeline_efficiency_vs_bound", ours), ("torch", theirs)):
+        key = name if name != "torch" else "torch_pipeline_efficiency_vs_bound"
+        effs = [bound / x for x in t]
+        out.figures.append(
+            Figure(
+                key, bound / statistics.median(t), ">= 0.97", (min(effs), max(effs)),
+                f"bound {bound * 1e3:.1f} ms = ({m}+{P}-1) x slower stage fwd+bwd "
+                f"{max(res['stage_s']) * 1e3:.1f} ms + optimizer "
+                f"{max(res['optimizer_s']) * 1e3:.1f} ms",
+            )
+        )
+    vh, vl, lh, ll, mbs = sizes
+    out.measurements.update(
+        {
+            "ours_step_s": summarize(ours),
+            "torch_step_s": summarize(theirs),
+            "first_step_loss_ours_torch": [ours_loss, torch_loss],
+            "stage_fwd_bwd_s_per_rank": res["stage_s"],
+            "optimizer_s_per_rank": res["optimizer_s"],
+            "bound_s": bound,
+            # Fraction of a step the busier rank sat runnable without a CPU (others' load).
+            "cpu_wait_fraction_ours": summarize(res["cpu_wait"]["ours"]),
+            "cpu_wait_fraction_torch": summarize(res["cpu_wait"]["torch"]),
+            "microbatches": m,
+            "steps_per_rep": steps,
+            "model": {"vision_hidden": vh, "vision_layers": vl, "language_hidden": lh,
+                      "language_layers": ll, "micro_batch_size": mbs},
+            "torch_side": "PipelineStage + Schedule1F1B (gloo), scale_grads=False, AdamW; "
+            "no grad clipping or world loss reduction",
+        }
+    )
+    wait = statistics.median(res["cpu_wait"]["ours"] + res["cpu_wait"]["torch"])
+    if wait > 0.05:
+        out.notes.append(
+            f"a rank waited for a CPU {wait:.0%} of a step (median): other processes took "
+            "cores, so step times (and the efficiencies) are inflated and noisy"
+        )
+    return out
