@@ -30,9 +30,8 @@ from typing import Any  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import digits_raw, make_config, parallel  # noqa: E402
-from benchmarks.sequence_parallel import MODELS, ONE_MICRO_BATCH, _saved_bytes  # noqa: E402
-from mimotron.testing import run_ranks  # noqa: E402
+from benchmarks.common import parallel  # noqa: E402
+from benchmarks.sequence_parallel import MODELS, ONE_MICRO_BATCH, saved_by_layout  # noqa: E402
 
 ENCODERS = [*parallel("vision", rank_offset=0, data=1), *parallel("audio", rank_offset=1, data=1)]
 # name: (language degrees, world size)
@@ -47,15 +46,8 @@ LAYOUTS: dict[str, tuple[list[str], int]] = {
 
 def measure(model: list[str]) -> dict[str, Any]:
     """Saved bytes per language rank, analytic bytes, and ratios to the one-rank run."""
-    from mimotron.parallel.memory import activation_bytes
-
-    out: dict[str, Any] = {}
-    for name, (language, world) in LAYOUTS.items():
-        overrides = [*ENCODERS, *language, *ONE_MICRO_BATCH, *model]
-        results = run_ranks(world, _saved_bytes, overrides, timeout_s=600)
-        out[name] = [r["saved"] for r in results if r["saved"] is not None]
-        out[f"{name}_analytic"] = activation_bytes(make_config(digits_raw(), overrides),
-                                                   "language")
+    out = saved_by_layout({name: ([*ENCODERS, *language, *ONE_MICRO_BATCH, *model], world)
+                           for name, (language, world) in LAYOUTS.items()})
     for name in LAYOUTS:
         out[f"{name}_measured_ratio"] = max(out[name]) / max(out["one_rank"])
         out[f"{name}_analytic_ratio"] = out[f"{name}_analytic"] / out["one_rank_analytic"]

@@ -83,18 +83,26 @@ def _saved_bytes(rank: int, world: int, overrides: list[str]) -> dict[str, Any]:
     return {"saved": sum(storages.values())}
 
 
-def measure(model: list[str]) -> dict[str, Any]:
-    """Saved bytes per language rank and the ratios, SP off and on."""
+def saved_by_layout(layouts: dict[str, tuple[list[str], int]]) -> dict[str, Any]:
+    """For each ``name: (overrides, world size)``: saved bytes per language rank (``name``)
+    and the analytic estimate of ``mimotron plan`` (``name_analytic``)."""
     from mimotron.parallel.memory import activation_bytes
 
     out: dict[str, Any] = {}
-    for sp in (False, True):
-        overrides = [*LAYOUT, *ONE_MICRO_BATCH, *model,
-                     f"modules.language.parallel.sequence_parallel={str(sp).lower()}"]
-        results = run_ranks(4, _saved_bytes, overrides, timeout_s=600)
-        key = "sp" if sp else "no_sp"
-        out[key] = [r["saved"] for r in results if r["saved"] is not None]
-        out[f"{key}_analytic"] = activation_bytes(make_config(digits_raw(), overrides), "language")
+    for name, (overrides, world) in layouts.items():
+        results = run_ranks(world, _saved_bytes, overrides, timeout_s=600)
+        out[name] = [r["saved"] for r in results if r["saved"] is not None]
+        out[f"{name}_analytic"] = activation_bytes(make_config(digits_raw(), overrides),
+                                                   "language")
+    return out
+
+
+def measure(model: list[str]) -> dict[str, Any]:
+    """Saved bytes per language rank and the ratios, SP off and on."""
+    out = saved_by_layout({
+        key: ([*LAYOUT, *ONE_MICRO_BATCH, *model,
+               f"modules.language.parallel.sequence_parallel={str(sp).lower()}"], 4)
+        for key, sp in (("no_sp", False), ("sp", True))})
     out["measured_ratio"] = max(out["sp"]) / max(out["no_sp"])
     out["analytic_ratio"] = out["sp_analytic"] / out["no_sp_analytic"]
     return out
