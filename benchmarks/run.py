@@ -11,6 +11,7 @@ Cases (each measures two sides A/B interleaved, >= 5 repetitions, medians and mi
 * ``memory``     peak RSS per rank vs ``mimotron plan``'s analytic estimate
 * ``experts``    bytes the expert-parallel token exchange sends vs the analytic minimum
 * ``overlap``    DP 2 step time with vs without overlapped gradient reduction
+* ``encoder_batching`` colocated step time with encoder batching off vs on (one rank)
 
 ``--json OUT`` writes every figure and raw measurement, ``--markdown OUT`` the README's
 *Performance* section; ``--case NAME`` (repeatable) selects cases and ``--size tiny``
@@ -39,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import (  # noqa: E402
     bridge,
     checkpoint,
+    encoder_batching,
     experts,
     memory,
     overhead,
@@ -57,6 +59,7 @@ CASES: dict[str, Callable[[Options], CaseResult]] = {
     "memory": memory.run_case,
     "experts": experts.run_case,
     "overlap": overlap.run_case,
+    "encoder_batching": encoder_batching.run_case,
 }
 
 

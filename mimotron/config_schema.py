@@ -422,6 +422,13 @@ class TrainConfig:
     bit-identical results. Buckets with TP-sharded (DTensor) or TP-partial gradients,
     ZeRO-1, expert-parallel and frozen modules are reduced after the backward as without it.
     """
+    encoder_batching: bool = False
+    """Colocated layouts only: each encoder runs the step's micro-batches in one forward
+    (concatenated along the batch) and one backward after the last micro-batch's; the
+    language model still runs micro-batch by micro-batch. Fewer, larger encoder kernels;
+    results equal to rounding; the encoders' activations of every micro-batch are held at
+    once (``mimotron plan`` shows it). A non-colocated layout refuses it.
+    """
     overwrite: bool = False
     """Allow a fresh start over a previous run: its files are moved aside, not clobbered.
 

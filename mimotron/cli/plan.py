@@ -74,5 +74,9 @@ def run_plan(config: str, overrides: list[str]) -> int:
                   f"{_mib(e.activations)} {_mib(e.total)}")
     print(f"\nmicro-batches per step: {cfg.num_microbatches} "
           f"(global batch {cfg.train.global_batch_size}, micro-batch {cfg.train.micro_batch_size})")
+    if cfg.train.encoder_batching:
+        print(f"encoder batching: each encoder runs the step's {cfg.num_microbatches} "
+              f"micro-batches in one forward; its activations above hold all of them "
+              f"(x{cfg.num_microbatches})")
     print(f"run directory: {run_dir}")
     return 0

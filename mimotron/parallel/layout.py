@@ -163,6 +163,7 @@ def plan_layout(cfg: MimoConfig, env_world_size: int | None = None) -> Layout:
         for dst in dsts:
             _check_dp_compatible(modules[src], modules[dst])
     _check_batch(cfg, modules)
+    _check_encoder_batching(cfg, colocated)
     if env_world_size is None and os.environ.get("TORCHELASTIC_RUN_ID"):
         env_world_size = int(os.environ.get("WORLD_SIZE", "0"))
     if env_world_size is not None and env_world_size != world_size:
@@ -264,6 +265,15 @@ def _check_dp_compatible(src: ModulePlacement, dst: ModulePlacement) -> None:
             f"(data={b}) and one data-parallel degree must divide the other "
             f"(e.g. {b} or {b * 2} or a divisor of {b})"
         )
+
+
+def _check_encoder_batching(cfg: MimoConfig, colocated: bool) -> None:
+    """Encoder batching reorders a colocated step; split layouts run encoders elsewhere."""
+    if cfg.train.encoder_batching and not colocated:
+        raise ValueError(
+            "train.encoder_batching=true is invalid: it needs a colocated layout (every "
+            "module on the same ranks); this layout places the modules on disjoint blocks, "
+            "where each encoder already runs on its own ranks; set it to false")
 
 
 def _check_batch(cfg: MimoConfig, modules: dict[str, ModulePlacement]) -> None:

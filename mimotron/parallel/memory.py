@@ -114,6 +114,8 @@ def activation_bytes(cfg: MimoConfig, name: str) -> int:
     positions per rank, so it divides all of it (logits included); attention then also
     saves the all-gathered keys and values of the other ranks' positions for backward
     (after the GQA repeat: ``2 x 2`` bytes x ``hidden / t`` per position, 16-bit).
+    Under ``train.encoder_batching`` an encoder holds every micro-batch of the step
+    (:func:`encoder_batching_factor`).
     """
     mod = cfg.modules[name]
     par = mod.parallel
@@ -131,7 +133,17 @@ def activation_bytes(cfg: MimoConfig, name: str) -> int:
     if mod.kind == "language":
         logits = 3 * samples * tokens * 4 * 64  # vocab ~ 64 classes: logits, softmax, grad
     # 1F1B keeps up to `pipeline` micro-batches in flight on the first stage.
-    return int(per_layer * layers * par.pipeline + logits)
+    return int((per_layer * layers * par.pipeline + logits) * encoder_batching_factor(cfg, name))
+
+
+def encoder_batching_factor(cfg: MimoConfig, name: str) -> int:
+    """How many micro-batches of module ``name``'s activations are alive at once, beyond
+    the schedule's: ``num_microbatches`` for an encoder under ``train.encoder_batching``
+    (it runs the whole step in one forward, :mod:`mimotron.pipeline.encoder_batching`),
+    else 1."""
+    if cfg.train.encoder_batching and cfg.modules[name].is_encoder:
+        return cfg.num_microbatches
+    return 1
 
 
 def estimate_memory(

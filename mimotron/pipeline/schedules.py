@@ -16,6 +16,10 @@ once at setup from the layout (``ColocatedTransport`` or
 ``MultiModulePipelineCommunicator``), and the ``LanguageStep``, which owns everything on
 the language side (input merging, the forward step function, the loss).
 
+With ``encoder_batching`` (colocated only) the encoders run the step's micro-batches in
+one forward and one backward (:mod:`mimotron.pipeline.encoder_batching`); the language
+side consumes their rows micro-batch by micro-batch.
+
 ``forward_backward_pipelining_without_interleaving`` runs the 1F1B plan;
 ``forward_backward_no_pipelining`` the same executor with no warm-up (each micro-batch's
 backward completes before the next forward). ``forward_only=True`` evaluates.
@@ -38,6 +42,7 @@ from mimotron.parallel.overlap import OverlappedGradReducer
 from mimotron.pipeline.colocated import ColocatedTransport
 from mimotron.pipeline.communicator import MultiModulePipelineCommunicator
 from mimotron.pipeline.edges import Edge
+from mimotron.pipeline.encoder_batching import BatchedEncoders
 from mimotron.pipeline.plan import (
     BACKWARD,
     FORWARD,
@@ -103,6 +108,9 @@ class StepContext:
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
     grad_reducer: OverlappedGradReducer | None = None
     """Armed before the last micro-batch's backward (``train.overlap_grad_reduce``)."""
+    encoder_batching: bool = False
+    """Colocated only: each encoder runs the step in one forward and one backward
+    (``train.encoder_batching``; :mod:`mimotron.pipeline.encoder_batching`)."""
 
 
 class StageRunner:
@@ -117,6 +125,11 @@ class StageRunner:
         self.module = None if self.colocated else next(iter(self.roles))
         assert self.colocated == isinstance(ctx.transport, ColocatedTransport), \
             "the transport does not match the layout (choose it with build_transport)"
+        if ctx.encoder_batching and not self.colocated:
+            raise ValueError("encoder_batching=True needs a colocated layout (a split layout "
+                             "runs each encoder stage on its own ranks); set it to False")
+        self.batched = (BatchedEncoders(ctx.model, ctx.transport.edges, ctx.microbatches)
+                        if ctx.encoder_batching else None)
 
     def modality_mask(self, k: int) -> torch.Tensor | None:
         """This rank's presence mask of its encoder module for micro-batch ``k``."""
@@ -168,9 +181,10 @@ class StageRunner:
     def _forward_colocated(self, k: int) -> None:
         mb, model = self.ctx.microbatches[k], self.ctx.model
         transport = self.ctx.transport
-        embeds = {e.src: transport.bridge(e, model.encode(e.src, mb[e.src]), mb[e.src],
-                                          mb[LANGUAGE], model.placeholder_ids[e.src])
-                  for e in transport.edges}
+        batched = self.batched
+        embeds = {e.src: transport.bridge(
+            e, batched.rows(e.src, k) if batched else model.encode(e.src, mb[e.src]),
+            mb[e.src], mb[LANGUAGE], model.placeholder_ids[e.src]) for e in transport.edges}
         loss = self.ctx.language.forward_step(model, mb[LANGUAGE], embeds)
         self._record_loss(k, loss)
 
@@ -216,6 +230,8 @@ class StageRunner:
         last_lm = self.colocated or (self.module == LANGUAGE and self.roles[LANGUAGE].is_last_stage)
         if last_lm:
             (out.float() * (self.ctx.loss_scale / self.ctx.loss_divisor)).backward()
+            if self.batched is not None and k == len(self.ctx.microbatches) - 1:
+                self.batched.backward()  # after the reducer was armed above
         elif out.requires_grad and out.numel():
             out.backward(grad.to(out.dtype))
         if received is None:

@@ -43,6 +43,7 @@ def evaluate(
     infra: MimoModelInfra,
     precision: str,
     device: torch.device,
+    encoder_batching: bool = False,
 ) -> dict[str, float]:
     """Token-weighted eval loss and exact-match accuracy over ``steps``.
 
@@ -50,6 +51,9 @@ def evaluate(
         ``{"eval_loss": ..., "eval_accuracy": ..., "eval_samples": ...}`` on every rank,
         and ``eval_accuracy_<kind>`` for each modality (samples whose input holds it) and
         ``text`` (samples with no media) that the validation split holds.
+
+    With ``encoder_batching`` (``train.encoder_batching``, colocated layouts) each
+    encoder runs each evaluation step's micro-batches in one forward.
 
     Raises:
         ValueError: a custom ``forward_step_func`` with a context-parallel language model.
@@ -63,7 +67,7 @@ def evaluate(
         ctx = StepContext(
             model=model, layout=infra.layout, rank=infra.rank, microbatches=microbatches,
             language=LanguageStep.of(forward_step_func), transport=communicator,
-            forward_only=True,
+            forward_only=True, encoder_batching=encoder_batching,
             autocast=autocast_factory(precision, device))
         outputs = forward_backward_no_pipelining(ctx)
         totals += torch.cat([local_output_sums(outputs, infra, device),

@@ -265,7 +265,8 @@ def _evaluate_and_log(language: LanguageStep, valid_data_iterator: Callable[[], 
     communicator.set_timing(False)  # Evaluation's transfers are not training's.
     with monitor.excluded():  # Evaluation time is not step time.
         metrics = evaluate(language, valid_data_iterator(), model, communicator,
-                           infra, cfg.train.precision, runtime.device)
+                           infra, cfg.train.precision, runtime.device,
+                           encoder_batching=cfg.train.encoder_batching)
     communicator.set_timing(True)
     writer = monitor.writer
     record = {"iteration": global_state.train_state.iteration, **metrics}

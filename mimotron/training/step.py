@@ -186,7 +186,8 @@ def train_step_mimo(
         model=model, layout=infra.layout, rank=infra.rank, microbatches=microbatches,
         language=LanguageStep.of(forward_step_func), transport=multimodule_communicator,
         loss_divisor=max(num_tokens, 1.0), loss_scale=float(optimizer.get_loss_scale()),
-        autocast=autocast_factory(cfg.train.precision, device), grad_reducer=reducer)
+        autocast=autocast_factory(cfg.train.precision, device), grad_reducer=reducer,
+        encoder_batching=cfg.train.encoder_batching)
     schedule = (forward_backward_pipelining_without_interleaving
                 if cfg.train.schedule == "1f1b" else forward_backward_no_pipelining)
     try:

@@ -1,0 +1,125 @@
+"""Colocated encoder batching: each encoder runs the whole step in one forward and one backward.
+
+With ``train.encoder_batching = true`` in a colocated placement, a step's encoder work is
+reordered (the idea of FlagScale's colocated MIMO scheduler):
+
+* forward — before the first micro-batch, each encoder runs ONCE on the step's
+  micro-batches concatenated along the batch dim (its modality input and presence mask;
+  the encoder sees only present samples, so the output is the micro-batches' rows one
+  after the other). The output is cut back into one piece per micro-batch, and each
+  piece is detached into a *leaf* that requires grad;
+* per micro-batch — the language side (colocated bridge, language forward, loss,
+  backward) consumes micro-batch ``k``'s leaf exactly as it consumed ``encode(mb_k)``
+  before; its backward stops at the leaf, which collects the gradient of its rows;
+* backward — after the last micro-batch's backward, each encoder runs ONE backward from
+  its output with the leaves' gradients concatenated (zeros for a leaf nothing reached).
+
+Fewer, larger encoder kernels; the same mathematics (the encoder's parameter gradient
+is the same sum over micro-batches, summed inside one matmul instead of across
+backwards, so results agree to rounding, not bitwise). The cost is memory: the whole
+step's encoder activations are alive at once (``mimotron plan`` multiplies the encoders'
+activation estimate by the number of micro-batches).
+
+Collectives stay in the same order on every rank: every rank batches the same encoders
+at the same point (the first forward) and runs their backwards in the same (edge)
+order after the same micro-batch, and ranks of one encoder TP group hold the same slice,
+so they agree on every shape (an encoder slice without a sample of its modality runs a
+zero-row forward and backward, as without batching).
+
+With ``train.overlap_grad_reduce`` the reducer is armed before the last micro-batch's
+backward (:meth:`~mimotron.pipeline.schedules.StageRunner.backward`), which comes
+before :meth:`BatchedEncoders.backward`: the encoders' gradients land once, after
+arming, so each encoder bucket launches when the single encoder backward fills it.
+Frozen encoders produce outputs that need no gradient: no leaf, no backward. In
+evaluation (``forward_only``) the forward is batched the same way under ``no_grad``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from mimotron.pipeline.edges import Edge
+
+Batch = dict[str, torch.Tensor]
+
+
+def concat_encoder_inputs(batches: Sequence[Batch], modality: str) -> Batch:
+    """One encoder's inputs of all micro-batches as one batch (pure).
+
+    Args:
+        batches: the encoder's slice of each micro-batch, in micro-batch order.
+        modality: the encoder's batch key (``"image"``); ``has_<modality>`` is its mask.
+
+    Returns:
+        ``{modality: ..., has_<modality>: ...}``, concatenated along dim 0.
+    """
+    keys = (modality, f"has_{modality}")
+    return {key: torch.cat([b[key] for b in batches]) for key in keys}
+
+
+def rows_per_microbatch(model: torch.nn.Module, name: str, batches: Sequence[Batch]
+                        ) -> list[int]:
+    """Encoder output rows of each micro-batch: its present samples (packed: items).
+
+    One host sync for all micro-batches (the split sizes are host ints anyway).
+    """
+    counts = [model.present_mask(name, b).sum() for b in batches]
+    return [int(n) for n in torch.stack(counts).tolist()] if counts else []
+
+
+class BatchedEncoders:
+    """The step's encoder outputs, computed in one forward per encoder (see module docs).
+
+    Args:
+        model: the colocated ``MimoModel`` (every encoder on this rank).
+        edges: the colocated edges, one per encoder, in the transport's order.
+        microbatches: the step's micro-batches on this rank.
+    """
+
+    def __init__(self, model: torch.nn.Module, edges: Sequence[Edge],
+                 microbatches: Sequence[dict[str, Batch]]) -> None:
+        self.model = model
+        self.edges = list(edges)
+        self.microbatches = microbatches
+        self._outputs: dict[str, torch.Tensor] = {}
+        self._leaves: dict[str, list[torch.Tensor]] = {}
+
+    @property
+    def ran(self) -> bool:
+        """Whether the batched forward has run this step."""
+        return bool(self._leaves)
+
+    def forward(self) -> None:
+        """Run every encoder once on the concatenated micro-batches (under the caller's
+        autocast and grad mode) and cut the output into per-micro-batch leaves."""
+        for e in self.edges:
+            batches = [mb[e.src] for mb in self.microbatches]
+            out = self.model.encode(e.src, concat_encoder_inputs(batches, e.modality))
+            pieces = out.split(rows_per_microbatch(self.model, e.src, batches))
+            needs_grad = out.requires_grad
+            self._leaves[e.src] = [p.detach().requires_grad_(needs_grad) for p in pieces]
+            if needs_grad:
+                self._outputs[e.src] = out  # keeps the encoder's graph for backward
+
+    def rows(self, name: str, k: int) -> torch.Tensor:
+        """Encoder ``name``'s output rows of micro-batch ``k`` (a leaf; forward first)."""
+        if not self.ran:
+            self.forward()
+        return self._leaves[name][k]
+
+    def backward(self) -> None:
+        """One backward per trainable encoder with its leaves' gradients, in edge order.
+
+        Called once, after the last micro-batch's backward; releases the step's graphs.
+        """
+        for e in self.edges:
+            out = self._outputs.pop(e.src, None)
+            leaves = self._leaves.pop(e.src)
+            if out is None:  # frozen: nothing to do
+                continue
+            grad = torch.cat([leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+                              for leaf in leaves])
+            out.backward(grad)
+        self._leaves.clear()
