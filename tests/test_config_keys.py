@@ -218,6 +218,9 @@ PROBES: dict[str, tuple[list[str], str, list[str]]] = {
     "train.pg_timeout_s": (["train.pg_timeout_s=77"], "built", []),
     "train.grad_bucket_mb": (["train.grad_bucket_mb=0"], "error:built", []),
     "train.overwrite": (["train.overwrite=true"], "rerun", RUN),
+    # Refused off colocated layouts; its effect (one encoder forward per step, training
+    # like the plain loop) is asserted by tests/test_encoder_batching.py.
+    "train.encoder_batching": (["train.encoder_batching=true"], "error:plan", NONCOLOCATED),
     "eval.interval": (["eval.interval=1"], "run", RUN),
     "eval.iters": (["eval.iters=2"], "built", []),
     "checkpoint.dir": (["checkpoint.dir='ck'"], "run", SAVE),

@@ -268,12 +268,25 @@ def _check_dp_compatible(src: ModulePlacement, dst: ModulePlacement) -> None:
 
 
 def _check_encoder_batching(cfg: MimoConfig, colocated: bool) -> None:
-    """Encoder batching reorders a colocated step; split layouts run encoders elsewhere."""
-    if cfg.train.encoder_batching and not colocated:
+    """Encoder batching reorders a colocated step; split layouts run encoders elsewhere.
+
+    fp16 is refused: the one encoder backward sums the whole step's gradient inside fp16
+    kernels, which overflow at loss scales the per-micro-batch backwards (summed in the
+    fp32 ``.grad``) survive, so steps would be skipped that batching off takes.
+    """
+    if not cfg.train.encoder_batching:
+        return
+    if not colocated:
         raise ValueError(
             "train.encoder_batching=true is invalid: it needs a colocated layout (every "
             "module on the same ranks); this layout places the modules on disjoint blocks, "
             "where each encoder already runs on its own ranks; set it to false")
+    if cfg.train.precision == "fp16":
+        raise ValueError(
+            "train.encoder_batching=true is invalid with train.precision='fp16': the single "
+            "encoder backward sums the whole step's gradient in fp16 and overflows where "
+            "per-micro-batch backwards do not; use precision 'bf16' or 'fp32', or set "
+            "encoder_batching to false")
 
 
 def _check_batch(cfg: MimoConfig, modules: dict[str, ModulePlacement]) -> None:

@@ -48,6 +48,11 @@ Batch = dict[str, torch.Tensor]
 def concat_encoder_inputs(batches: Sequence[Batch], modality: str) -> Batch:
     """One encoder's inputs of all micro-batches as one batch (pure).
 
+    Packed rows (``data.packing``) hold ``[B, K, ...]`` media with a ``[B, K]`` mask whose
+    ``K`` (most items in a row) differs between micro-batches: each is padded to the
+    largest ``K`` with absent items at the end of its rows, which keeps the present
+    items in the same (row-major) order.
+
     Args:
         batches: the encoder's slice of each micro-batch, in micro-batch order.
         modality: the encoder's batch key (``"image"``); ``has_<modality>`` is its mask.
@@ -55,8 +60,19 @@ def concat_encoder_inputs(batches: Sequence[Batch], modality: str) -> Batch:
     Returns:
         ``{modality: ..., has_<modality>: ...}``, concatenated along dim 0.
     """
-    keys = (modality, f"has_{modality}")
-    return {key: torch.cat([b[key] for b in batches]) for key in keys}
+    inputs = [b[modality] for b in batches]
+    masks = [b[f"has_{modality}"] for b in batches]
+    if masks and masks[0].dim() > 1:
+        k = max(m.shape[1] for m in masks)
+        inputs, masks = [_pad_items(x, k) for x in inputs], [_pad_items(m, k) for m in masks]
+    return {modality: torch.cat(inputs), f"has_{modality}": torch.cat(masks)}
+
+
+def _pad_items(t: torch.Tensor, k: int) -> torch.Tensor:
+    """``t`` with dim 1 zero-padded (absent, for a bool mask) to ``k``."""
+    if t.shape[1] == k:
+        return t
+    return torch.cat([t, t.new_zeros((t.shape[0], k - t.shape[1], *t.shape[2:]))], 1)
 
 
 def rows_per_microbatch(model: torch.nn.Module, name: str, batches: Sequence[Batch]
