@@ -427,7 +427,8 @@ class TrainConfig:
     (concatenated along the batch) and one backward after the last micro-batch's; the
     language model still runs micro-batch by micro-batch. Fewer, larger encoder kernels;
     results equal to rounding; the encoders' activations of every micro-batch are held at
-    once (``mimotron plan`` shows it). A non-colocated layout refuses it.
+    once (``mimotron plan`` shows it). Refused with a non-colocated layout and with
+    fp16 (the one encoder backward would sum the step's gradient in fp16 and overflow).
     """
     overwrite: bool = False
     """Allow a fresh start over a previous run: its files are moved aside, not clobbered.
