@@ -46,6 +46,7 @@ from tests.test_parity import (
     assert_weights_match,
     checked_modules,
     reference,
+    world_size,
 )
 
 ON = ["train.encoder_batching=true"]
@@ -62,10 +63,6 @@ CASES: dict[str, tuple[list[str], list[str]]] = {
         coloc({"data": 4}, {"tensor": 2, "data": 2}, {"context": 2, "data": 2}), []),
     "coloc-dp2-frozen-vision": (colocated(2), ["modules.vision.freeze=true"]),
 }
-
-
-def world_size(overrides: list[str]) -> int:
-    return plan_layout(load_config(DIGITS, BASE + overrides)).world_size
 
 
 def counted_run(rank: int, world: int, overrides: list[str], num_iters: int) -> dict:
