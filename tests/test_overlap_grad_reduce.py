@@ -7,13 +7,13 @@ non-overlapped path is the one ``tests/test_parity.py`` compares with the plain 
 loop, so equality here carries that parity over.
 
 Evidence that the overlap happened: the reducer counts the buckets it launched from a
-gradient hook, i.e. during the backward; cases whose modules have plain (non-DTensor)
-parameters must have launched some. The layouts cover colocated DP 4 with 0.01 MB
-buckets (many per module) and empty encoder slices (buckets that never complete on a
-rank and are flushed in order), a language TP 2 × DP 2 whose
-DTensor buckets wait for the end and hold back the encoders' buckets queued behind
-them, language PP 2 × DP 2 (overlap with the last micro-batch's backward) and
-language CP 2 × DP 2 (the ``dp_cp`` replica group).
+gradient hook, i.e. during the backward; every case must have launched some. The
+layouts cover colocated DP 4 with 0.01 MB buckets (many per module) and empty encoder
+slices (buckets that never complete on a rank and are flushed in order), a language
+TP 2 × DP 2 whose DTensor buckets launch during the backward too (placements aligned at
+the launch), language PP 2 × DP 2 (overlap with the last micro-batch's backward) and
+language CP 2 × DP 2 (the ``dp_cp`` replica group). ZeRO-1 modules:
+``tests/test_overlap_zero.py``.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ TINY_BUCKETS = ["train.grad_bucket_mb=0.01"]  # ~2600 fp32 values: several per m
 CASES: dict[str, tuple[list[str], bool]] = {
     "coloc-dp4-mb4-empty-slices": (colocated(4) + SMALL_MB + TINY_BUCKETS, True),
     "coloc-vision-dp4-language-tp2dp2": (
-        coloc({"data": 4}, {"data": 4}, {"tensor": 2, "data": 2}) + TINY_BUCKETS, False),
+        coloc({"data": 4}, {"data": 4}, {"tensor": 2, "data": 2}) + TINY_BUCKETS, True),
     "language-pp2dp2-mb4": (noncolocated({}, {}, {"pipeline": 2, "data": 2}) + SMALL_MB
                             + TINY_BUCKETS, True),
     "language-cp2dp2": (noncolocated({}, {}, {"context": 2, "data": 2}), True),
