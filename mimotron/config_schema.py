@@ -421,8 +421,8 @@ class TrainConfig:
     """Start each gradient bucket's data-parallel all-reduce (ZeRO-1 modules: its
     reduce-scatter) during the last micro-batch's backward, as soon as the bucket is
     complete (in a fixed order on every rank); bit-identical results. Buckets with
-    TP-partial (sequence-parallel norm) gradients wait for the end of the backward;
-    expert-parallel and frozen modules are reduced after it as without overlap.
+    TP-partial (sequence-parallel norm) gradients and expert all-reduce buckets (not
+    ZeRO-1) wait for the end of the backward; frozen modules are never reduced.
     """
     overlap_param_gather: bool = False
     """ZeRO-1 modules only launch their parameter all-gather after the optimizer step; it
