@@ -16,7 +16,8 @@ pre-hooks (not the optimizer's safety net) landed it.
 
 The resume case saves a checkpoint right after a step, with the gather still in flight,
 trains on, and then resumes from it in a fresh run: the resumed steps and weights equal
-the uninterrupted ones bit for bit.
+the uninterrupted ones bit for bit. Reading the weights through ``state_dict`` lands a
+pending gather first.
 """
 
 from __future__ import annotations
@@ -158,17 +159,17 @@ def _resume(rank: int, world: int, overrides: list[str], root: str) -> dict:
     pending_at_save = _pending(run)
     save_checkpoint(root, run.model, run.optimizer, run.schedulers, run.global_state, run.infra)
     steps(run, 5)
-    run.optimizer.finish_param_gather()
-    straight = {n: p.detach().clone() for n, p in run.model.named_parameters()}
+    pending_before_read = _pending(run)
+    straight = {k: v.clone() for k, v in run.model.state_dict().items()}  # lands the gather
+    pending_after_read = _pending(run)
     assert ts.iteration == 10
     resumed = setup_mimo(load_config(DIGITS, BASE + overrides + OVERLAP + [
         f"checkpoint.dir={root}", "checkpoint.load=auto"]), init_runtime())
     first = len(losses)
     steps(resumed, 5)
-    resumed.optimizer.finish_param_gather()
-    weights_equal = all(torch.equal(p.detach(), straight[n])
-                        for n, p in resumed.model.named_parameters())
+    weights_equal = all(torch.equal(v, straight[k]) for k, v in resumed.model.state_dict().items())
     return {"pending_at_save": pending_at_save, "straight": losses[5:first],
+            "state_dict_landed": pending_before_read > 0 and pending_after_read == 0,
             "resumed": losses[first:], "weights_equal": weights_equal,
             "iteration": resumed.global_state.train_state.iteration}
 
@@ -180,3 +181,4 @@ def test_resume_from_a_save_with_a_gather_in_flight(tmp_path):
         assert res["iteration"] == 10
         assert res["resumed"] == res["straight"], f"rank {rank}: resumed steps differ"
         assert res["weights_equal"], f"rank {rank}: resumed weights differ"
+        assert res["state_dict_landed"], f"rank {rank}: state_dict did not land the gather"
