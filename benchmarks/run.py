@@ -10,7 +10,8 @@ Cases (each measures two sides A/B interleaved, >= 5 repetitions, medians and mi
 * ``checkpoint`` DCP save vs ``torch.save`` of the same tensors; async blocking time
 * ``memory``     peak RSS per rank vs ``mimotron plan``'s analytic estimate
 * ``experts``    bytes the expert-parallel token exchange sends vs the analytic minimum
-* ``overlap``    DP 2 step time with vs without overlapped gradient reduction
+* ``overlap``    DP 2 step time with vs without overlapped gradient reduction, plain
+                 and ZeRO-1 (reduce-scatter in the backward, parameter gather overlapped)
 * ``encoder_batching`` colocated step time with encoder batching off vs on (one rank)
 
 ``--json OUT`` writes every figure and raw measurement, ``--markdown OUT`` the README's

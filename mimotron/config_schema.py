@@ -413,14 +413,21 @@ class TrainConfig:
     pg_timeout_s: float = 300.0
     """Process-group timeout in seconds (> 0): no rank waits forever on a dead peer."""
     grad_bucket_mb: float = 32.0
-    """Upper bound (MiB, > 0) of one data-parallel gradient all-reduce; consecutive
-    parameters of one dtype share a bucket, a larger parameter gets its own.
+    """Upper bound (MiB, > 0) of one data-parallel gradient all-reduce (ZeRO-1: of one
+    reduce-scatter and parameter all-gather); consecutive parameters of one dtype share a
+    bucket, a larger parameter gets its own.
     """
     overlap_grad_reduce: bool = False
-    """Start each gradient bucket's data-parallel all-reduce during the last micro-batch's
-    backward, as soon as the bucket is complete (in a fixed order on every rank);
-    bit-identical results. Buckets with TP-sharded (DTensor) or TP-partial gradients,
-    ZeRO-1, expert-parallel and frozen modules are reduced after the backward as without it.
+    """Start each gradient bucket's data-parallel all-reduce (ZeRO-1 modules: its
+    reduce-scatter) during the last micro-batch's backward, as soon as the bucket is
+    complete (in a fixed order on every rank); bit-identical results. Buckets with
+    TP-partial (sequence-parallel norm) gradients and expert all-reduce buckets (not
+    ZeRO-1) wait for the end of the backward; frozen modules are never reduced.
+    """
+    overlap_param_gather: bool = False
+    """ZeRO-1 modules only launch their parameter all-gather after the optimizer step; it
+    lands when the module next runs a forward (or a save, eval or the loop's end reads the
+    weights), so it overlaps what comes before: bit-identical results.
     """
     encoder_batching: bool = False
     """Colocated layouts only: each encoder runs the step's micro-batches in one forward

@@ -141,5 +141,6 @@ def engine_run(rank: int, world: int, overrides: list[str], num_iters: int) -> d
     for _ in range(num_iters):
         loss, skipped, grad_norm, _ = train_step(run)
         steps.append((loss["loss"], grad_norm, skipped, loss["num_tokens"]))
+    run.optimizer.finish_param_gather()  # train.overlap_param_gather
     weights = {n: _full(p.detach()).clone() for n, p in run.model.named_parameters()}
     return {"steps": steps, "grad_sq": grad_sq, "weights": weights, **counts}

@@ -89,3 +89,12 @@ def test_interleave_alternates_order_and_summarize():
     assert out == {"a": [1.0] * 4, "b": [3.0] * 4}
     s = summarize([3.0, 1.0, 2.0])
     assert (s["median"], s["min"], s["max"], s["n"]) == (2.0, 1.0, 3.0, 3)
+
+
+def test_median_interval_brackets_the_median():
+    from benchmarks.overlap import median_interval
+
+    assert median_interval([3.0]) == (3.0, 3.0)
+    values = [float(v) for v in range(40, 0, -1)]
+    lo, hi = median_interval(values)
+    assert lo < 20.5 < hi and (lo, hi) != (1.0, 40.0)  # narrower than min-max

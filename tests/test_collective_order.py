@@ -6,7 +6,8 @@ peers did not, or in another order, would hang or — worse — pair unrelated t
 ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` torch wraps every process group so that, before each
 collective, the members compare fingerprints (sequence number, op, shapes, dtypes) and
 raise on any difference. The layouts below (encoder TP with DP next to a TP or DP
-language model, micro-batches small enough that slices are empty) train under that check.
+language model, micro-batches small enough that slices are empty; one with overlapped
+gradient reduction and parameter gathers) train under that check.
 
 The step's scalars (token count, found-inf, grad norm and zero slots, loss sums) cost
 two world collectives per step; a non-colocated layout, which has no bridge traffic on
@@ -30,6 +31,12 @@ LAYOUTS = {
     "audio-tp2dp2-language-tp2dp2": coloc({"data": 4}, {"tensor": 2, "data": 2},
                                           {"tensor": 2, "data": 2}),
     "vision-tp2dp2-language-dp4": coloc({"tensor": 2, "data": 2}, {"data": 4}, {"data": 4}),
+    # Overlap: buckets launched from gradient hooks (DTensor placements aligned there),
+    # ZeRO-1 reduce-scatters in the backward and all-gathers landing in the next forward.
+    "overlap-vision-zero-dp4-audio-language-tp2dp2": coloc(
+        {"data": 4}, {"tensor": 2, "data": 2}, {"tensor": 2, "data": 2})
+    + ["modules.vision.parallel.shard_optimizer=true", "train.grad_bucket_mb=0.01",
+       "train.overlap_grad_reduce=true", "train.overlap_param_gather=true"],
 }
 
 

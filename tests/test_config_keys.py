@@ -72,6 +72,9 @@ ALLOWED = {
     # Overlap needs a DP group of >= 2 ranks; its effect (buckets launched during the
     # backward, bitwise-equal training) is asserted by tests/test_overlap_grad_reduce.py.
     "train.overlap_grad_reduce",
+    # Only ZeRO-1 modules (DP >= 2) gather parameters; its effect (a gather pending
+    # after the step, bitwise-equal training) is asserted by tests/test_overlap_zero.py.
+    "train.overlap_param_gather",
 }
 
 # [optimizer] / [scheduler] probes: (key=value, observer, context), the key relative to

@@ -7,13 +7,15 @@ non-overlapped path is the one ``tests/test_parity.py`` compares with the plain 
 loop, so equality here carries that parity over.
 
 Evidence that the overlap happened: the reducer counts the buckets it launched from a
-gradient hook, i.e. during the backward; cases whose modules have plain (non-DTensor)
-parameters must have launched some. The layouts cover colocated DP 4 with 0.01 MB
-buckets (many per module) and empty encoder slices (buckets that never complete on a
-rank and are flushed in order), a language TP 2 × DP 2 whose
-DTensor buckets wait for the end and hold back the encoders' buckets queued behind
-them, language PP 2 × DP 2 (overlap with the last micro-batch's backward) and
-language CP 2 × DP 2 (the ``dp_cp`` replica group).
+gradient hook, i.e. during the backward; every case must have launched some. The
+layouts cover colocated DP 4 with 0.01 MB buckets (many per module) and empty encoder
+slices (buckets that never complete on a rank and are flushed in order), a language
+TP 2 × DP 2 whose DTensor buckets launch during the backward too (placements aligned at
+the launch), language PP 2 × DP 2 (overlap with the last micro-batch's backward) and
+language CP 2 × DP 2 (the ``dp_cp`` replica group), language TP 2 × DP 2 with sequence
+parallelism (late buckets: TP-partial norm weights) and a MoE language model with EP 2
+in DP 4 (its expert buckets late). ZeRO-1 modules:
+``tests/test_overlap_zero.py``.
 """
 
 from __future__ import annotations
@@ -25,21 +27,28 @@ from mimotron.config import load_config
 from mimotron.parallel.layout import plan_layout
 from mimotron.parallel.overlap import OverlappedGradReducer, backward_module_order
 from mimotron.testing import run_ranks
-from tests.common import BASE, DIGITS, coloc, colocated, engine_run, noncolocated
+from tests.common import BASE, DIGITS, coloc, colocated, engine_run, noncolocated, par
 
 NUM_ITERS = 4
 OVERLAP = ["train.overlap_grad_reduce=true"]
 SMALL_MB = ["train.micro_batch_size=4"]  # 4 micro-batches; DP slices of 1-2 samples
 TINY_BUCKETS = ["train.grad_bucket_mb=0.01"]  # ~2600 fp32 values: several per module
+MOE = ["modules.language.hidden_size=32", "modules.language.num_layers=2",
+       "modules.language.num_experts=4", "modules.language.top_k=2"]
 
 # name: (overrides, some bucket must launch during the backward)
 CASES: dict[str, tuple[list[str], bool]] = {
     "coloc-dp4-mb4-empty-slices": (colocated(4) + SMALL_MB + TINY_BUCKETS, True),
     "coloc-vision-dp4-language-tp2dp2": (
-        coloc({"data": 4}, {"data": 4}, {"tensor": 2, "data": 2}) + TINY_BUCKETS, False),
+        coloc({"data": 4}, {"data": 4}, {"tensor": 2, "data": 2}) + TINY_BUCKETS, True),
     "language-pp2dp2-mb4": (noncolocated({}, {}, {"pipeline": 2, "data": 2}) + SMALL_MB
                             + TINY_BUCKETS, True),
     "language-cp2dp2": (noncolocated({}, {}, {"context": 2, "data": 2}), True),
+    # Sequence parallel: the buckets holding the TP-partial norm weights are late.
+    "language-tp2dp2-sp": (noncolocated({}, {}, {"tensor": 2, "data": 2}) + TINY_BUCKETS
+                           + ["modules.language.parallel.sequence_parallel=true"], True),
+    # Dense buckets over dp 4 launch early; the expert buckets (over expt_dp 2) are late.
+    "moe-ep2-dp4": (colocated(4) + MOE + par("language", expert=2) + TINY_BUCKETS, True),
 }
 
 

@@ -162,6 +162,7 @@ def load_checkpoint(
     """
     path = resolve_checkpoint(checkpoint)
     runtime = global_state.runtime
+    optimizer.finish_param_gather()  # a late all-gather would overwrite the loaded rows
     manifest = read_manifest(path)
     metadata = read_metadata(path, manifest)
     here = layout_signature(infra, runtime.device)

@@ -166,6 +166,7 @@ def build_save_state(
 ) -> dict[str, Any]:
     """The flat dict this rank hands to ``dcp.save`` (see the module docstring)."""
     cfg, ts, runtime = global_state.cfg, global_state.train_state, global_state.runtime
+    optimizer.finish_param_gather()  # train.overlap_param_gather: the rows must be in
     state: dict[str, Any] = model_state(model)
     state.update(optimizer_save_state(optimizer))
     for name, scheduler in schedulers.items():

@@ -37,11 +37,13 @@ def _check_groups(name: str, grid: Any, pg: ProcessGroupCollection | None) -> No
 
 
 def _shards(name: str, mcfg: ModuleConfig, named: list[tuple[str, nn.Parameter]],
-            pg: ProcessGroupCollection | None) -> ZeroShards | ExpertSplitShards | None:
+            pg: ProcessGroupCollection | None,
+            bucket_bytes: int) -> ZeroShards | ExpertSplitShards | None:
     """Row shards for ``shard_optimizer`` modules with a DP group larger than one.
 
     Expert-parallel shards split their local rows over ``expt_dp`` instead
-    (:class:`~mimotron.parallel.zero.ExpertSplitShards`).
+    (:class:`~mimotron.parallel.zero.ExpertSplitShards`). Buckets of ``bucket_bytes``
+    (``train.grad_bucket_mb``): the overlapped reduce-scatter launches them one by one.
     """
     if not (named and mcfg.parallel.shard_optimizer and pg is not None):
         return None
@@ -53,9 +55,9 @@ def _shards(name: str, mcfg: ModuleConfig, named: list[tuple[str, nn.Parameter]]
     dense = [(n, p) for n, p in named if not is_expert_param(p)]
     try:
         if experts:
-            return ExpertSplitShards(ZeroShards(dense, group),
-                                     ZeroShards(experts, pg.expt_dp, ep_group=pg.ep))
-        return ZeroShards(named, group)
+            return ExpertSplitShards(ZeroShards(dense, group, bucket_bytes),
+                                     ZeroShards(experts, pg.expt_dp, bucket_bytes, pg.ep))
+        return ZeroShards(named, group, bucket_bytes)
     except ValueError as exc:
         raise ValueError(f"modules.{name}.parallel.shard_optimizer=true: {exc}") from None
 
@@ -156,7 +158,9 @@ def get_mimo_optimizer(
     config and ``requires_grad``. Modules with ``parallel.shard_optimizer``
     and a DP degree above one get a ZeRO-1 optimizer over their DP group
     (:class:`~mimotron.parallel.zero.ZeroShards`): the inner optimizer holds only this
-    rank's rows of every parameter.
+    rank's rows of every parameter. With ``train.overlap_param_gather`` their
+    parameter all-gather after the step is only launched, and forward pre-hooks on the
+    module's submodules wait for it (:meth:`MimoOptimizer.finish_param_gather`).
 
     Args:
         mimo_model: has ``modality_submodules[name]`` (encoders) and ``language_model``;
@@ -196,7 +200,9 @@ def get_mimo_optimizer(
         grid = grids.get(name) if grids is not None else None
         pg = pg_collections[name] if pg_collections is not None and name in pg_collections else None
         _check_groups(name, grid, pg)
-        zero = _shards(name, mcfg, named, pg)
+        zero = _shards(name, mcfg, named, pg, int(config.train.grad_bucket_mb * 2**20))
+        if zero is not None and config.train.overlap_param_gather:
+            zero.wait_before_forward(module)
         stepped = zero.fragments if zero is not None else named
         oc = config.effective_optimizer(name)
         opt = build_torch_optimizer(stepped, oc) if named else None
@@ -211,7 +217,8 @@ def get_mimo_optimizer(
             zero=zero,
             clip_grad=oc.clip_grad,
         )
-    return MimoOptimizer(infos, config.optimizer, world_group)
+    return MimoOptimizer(infos, config.optimizer, world_group,
+                         overlap_param_gather=config.train.overlap_param_gather)
 
 
 def build_schedulers(

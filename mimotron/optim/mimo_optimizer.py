@@ -139,8 +139,12 @@ class MimoOptimizer:
         module_infos: dict[str, ModuleOptimizerInfo],
         config: OptimizerConfig,
         world_group: dist.ProcessGroup | None = None,
+        overlap_param_gather: bool = False,
     ) -> None:
         self.config = config
+        self.overlap_param_gather = overlap_param_gather
+        """Sharded modules only launch their all-gather after the step; see
+        :meth:`finish_param_gather`."""
         self.module_infos = {name: module_infos[name] for name in sorted(module_infos)}
         self._world = world_group
         self._distributed = dist.is_available() and dist.is_initialized()
@@ -202,6 +206,7 @@ class MimoOptimizer:
         Returns:
             This rank's found-inf flag, ``[0.0]`` or ``[1.0]`` on the collective device.
         """
+        self.finish_param_gather()  # the step below writes the rows in place
         for info in self._active():
             if info.zero is not None:
                 info.zero.reduce_grads()
@@ -386,8 +391,21 @@ class MimoOptimizer:
         for info in self._active():
             info.optimizer.step()
             if info.zero is not None:
-                info.zero.gather_params()
+                info.zero.gather_params(async_op=self.overlap_param_gather)
         return True
+
+    def finish_param_gather(self) -> None:
+        """Land every sharded module's pending parameter all-gather (idempotent).
+
+        With ``overlap_param_gather`` the all-gather of :meth:`step_with_ready_grads`
+        is only launched; the model holds its rows once this ran. The modules' forward
+        pre-hooks and ``state_dict`` call it, and so do this optimizer's methods that
+        read or write parameters, checkpoint save and load, and the end of the loop:
+        call it before reading the weights in any other way.
+        """
+        for info in self._active():
+            if info.zero is not None:
+                info.zero.finish_gather()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients of every active module (model and fragment gradients)."""
@@ -403,6 +421,7 @@ class MimoOptimizer:
         changing fragments outside a step. Collective over each sharded module's DP
         group; a no-op for unsharded modules (updated in place).
         """
+        self.finish_param_gather()
         for info in self._active():
             if info.zero is not None:
                 info.zero.gather_params()
@@ -478,6 +497,7 @@ class MimoOptimizer:
                 group holding different parameters, state for unknown parameters, or a
                 state tensor whose shape fits neither the parameter nor its shard.
         """
+        self.finish_param_gather()  # a late gather would overwrite the loaded rows
         if any(isinstance(k, str) and k.startswith(_PREFIX + ".") for k in state_dict):
             state_dict = self._unflatten(state_dict)
         for name, info in self.module_infos.items():
@@ -552,6 +572,7 @@ class MimoOptimizer:
             The flat state dict.
         """
         del model_sharded_state_dict
+        self.finish_param_gather()
         if is_loading:
             self._init_state_for_loading()
         flat: dict[str, Any] = {}

@@ -20,6 +20,15 @@ copy (weights are fp32 under autocast already). One step of a sharded module:
    steps the fragments;
 3. ``gather_params``: the same layout all-gathered, so every replica holds every row.
 
+With ``train.overlap_grad_reduce`` the reduce-scatter of each bucket is launched during
+the last backward (:meth:`ZeroShards.launch_reduce`, called by
+:class:`~mimotron.parallel.overlap.OverlappedGradReducer`) and step 1 only waits. With
+``train.overlap_param_gather`` step 3 only launches the all-gathers; the rows land in
+the model (:meth:`ZeroShards.finish_gather`) when the module next runs a forward (pre-hooks
+on every submodule), when its ``state_dict`` is read, or before anything else that reads
+or writes the parameters (the next optimizer step, a checkpoint save or load). Same
+buckets, same collectives: bit-identical either way.
+
 Per-rank optimizer state is the state of its rows: the module's state divided by ``D``,
 give or take one row per parameter.
 """
@@ -36,6 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
+from torch.utils.hooks import RemovableHandle
 
 from mimotron.parallel.data_parallel import (
     DEFAULT_BUCKET_BYTES,
@@ -138,6 +148,11 @@ class ZeroShards:
         self._slots = {s.name: s for slots, _ in self._buckets for s in slots}
         self.fragments = [(s.name, nn.Parameter(s.fragment_view())) for s in self._slots.values()]
         self._fragment = dict(self.fragments)
+        # In-flight collectives: bucket index -> (received rows, handle) of a
+        # reduce-scatter launched during the backward; one (rows, handle) per bucket of
+        # an all-gather launched after the optimizer step.
+        self._pending_reduce: dict[int, tuple[torch.Tensor, dist.Work]] = {}
+        self._pending_gather: list[tuple[torch.Tensor, dist.Work]] = []
 
     def _slot(self, name: str, p: nn.Parameter, offset: int) -> _Slot:
         local = _local(p)
@@ -148,32 +163,66 @@ class ZeroShards:
                      math.ceil(rows / self.num_shards), start, end, offset)
 
     # ---- the step --------------------------------------------------------------------
+    @property
+    def num_buckets(self) -> int:
+        """Number of reduce-scatter / all-gather buckets (``train.grad_bucket_mb`` each)."""
+        return len(self._buckets)
+
+    def bucket_params(self, index: int) -> list[nn.Parameter]:
+        """The model parameters of bucket ``index`` (registration order)."""
+        return [s.param for s in self._buckets[index][0]]
+
+    def launch_reduce(self, index: int) -> None:
+        """Start bucket ``index``'s asynchronous reduce-scatter (SUM) over the DP group.
+
+        The send buffer is a fresh rank-major copy of the gradients, so the backward may
+        go on accumulating elsewhere; :meth:`reduce_grads` waits for it. A parameter
+        without a gradient on this rank (its modality was absent from the slice)
+        contributes zeros.
+        """
+        assert index not in self._pending_reduce, f"bucket {index} launched twice"
+        slots, seg = self._buckets[index]
+        d = self.num_shards
+        parts = []
+        for s in slots:
+            g = s.param.grad
+            rows = (torch.zeros(s.rows, s.row_numel, dtype=s.local.dtype, device=s.local.device)
+                    if g is None else _local(g).detach().reshape(s.rows, s.row_numel))
+            rows = F.pad(rows, (0, 0, 0, s.chunk * d - s.rows))
+            parts.append(rows.reshape(d, s.padded_numel))
+        send = torch.cat(parts, dim=1).reshape(-1)
+        recv = send.new_empty(seg)
+        handle = dist.reduce_scatter_single(recv, send, op=dist.ReduceOp.SUM, group=self.group,
+                                            async_op=True)
+        self._pending_reduce[index] = (recv, handle)
+
     def reduce_grads(self) -> None:
         """Reduce-scatter (SUM) the model gradients into the fragments' ``.grad``.
 
-        Collective over the DP group. A parameter without a gradient on this rank (its
-        modality was absent from the slice) contributes zeros.
+        Collective over the DP group. Buckets already launched (during the backward, by
+        :class:`~mimotron.parallel.overlap.OverlappedGradReducer`) are only waited for;
+        the others are launched here, in bucket order. Either way each bucket is the
+        same collective on the same buffer, so the result is the same.
         """
-        d = self.num_shards
-        for slots, seg in self._buckets:
-            parts = []
-            for s in slots:
-                g = s.param.grad
-                rows = (torch.zeros(s.rows, s.row_numel, dtype=s.local.dtype,
-                                    device=s.local.device)
-                        if g is None else _local(g).detach().reshape(s.rows, s.row_numel))
-                rows = F.pad(rows, (0, 0, 0, s.chunk * d - s.rows))
-                parts.append(rows.reshape(d, s.padded_numel))
-            send = torch.cat(parts, dim=1).reshape(-1)
-            recv = send.new_empty(seg)
-            dist.reduce_scatter_single(recv, send, op=dist.ReduceOp.SUM, group=self.group)
+        for index in range(len(self._buckets)):
+            if index not in self._pending_reduce:
+                self.launch_reduce(index)
+        for index, (slots, _) in enumerate(self._buckets):
+            recv, handle = self._pending_reduce.pop(index)
+            handle.wait()
             for s in slots:
                 frag = self._fragment[s.name]
                 frag.grad = recv[s.offset : s.offset + s.local_numel].view(frag.shape)
 
-    def gather_params(self) -> None:
-        """All-gather every rank's rows into the model parameters (collective over DP)."""
-        d = self.num_shards
+    def gather_params(self, async_op: bool = False) -> None:
+        """All-gather every rank's rows into the model parameters (collective over DP).
+
+        Args:
+            async_op: only launch the all-gathers (``train.overlap_param_gather``); the
+                rows land in the model at :meth:`finish_gather`, which the forward
+                pre-hooks of :meth:`wait_before_forward` (or any reader) call first.
+        """
+        self.finish_gather()  # a previous gather must land before its buffers go
         with torch.no_grad():
             for slots, seg in self._buckets:
                 parts = []
@@ -181,12 +230,42 @@ class ZeroShards:
                     local = self._fragment[s.name].detach().reshape(s.end - s.start, s.row_numel)
                     parts.append(F.pad(local, (0, 0, 0, s.chunk - (s.end - s.start))).reshape(-1))
                 send = torch.cat(parts)
-                recv = send.new_empty(d * seg)
-                dist.all_gather_single(recv, send, group=self.group)
-                table = recv.view(d, seg)
+                recv = send.new_empty(self.num_shards * seg)
+                handle = dist.all_gather_single(recv, send, group=self.group, async_op=True)
+                self._pending_gather.append((recv, handle))
+        if not async_op:
+            self.finish_gather()
+
+    @property
+    def gather_pending(self) -> bool:
+        """An all-gather was launched and its rows are not in the model yet."""
+        return bool(self._pending_gather)
+
+    def finish_gather(self) -> None:
+        """Wait for the launched all-gathers and copy the rows into the model (idempotent)."""
+        pending, self._pending_gather = self._pending_gather, []
+        if not pending:
+            return
+        with torch.no_grad():
+            for (slots, seg), (recv, handle) in zip(self._buckets, pending, strict=True):
+                handle.wait()
+                table = recv.view(self.num_shards, seg)
                 for s in slots:
                     full = table[:, s.offset : s.offset + s.padded_numel]
-                    s.rows_view().copy_(full.reshape(d * s.chunk, s.row_numel)[: s.rows])
+                    s.rows_view().copy_(full.reshape(self.num_shards * s.chunk, s.row_numel)
+                                        [: s.rows])
+
+    def wait_before_forward(self, module: nn.Module) -> list[RemovableHandle]:
+        """Forward pre-hooks on ``module`` and every submodule: finish a pending gather.
+
+        Every submodule, not only ``module``: the model calls some of them directly
+        (``language_model.embed_tokens``) before its own forward. ``state_dict`` waits
+        too, so a save never reads half-gathered rows.
+        """
+        hooks = [m.register_forward_pre_hook(lambda *_: self.finish_gather())
+                 for m in module.modules()]
+        hooks.append(module.register_state_dict_pre_hook(lambda *_: self.finish_gather()))
+        return hooks
 
     def zero_model_grads(self, set_to_none: bool = True) -> None:
         """Clear the (unreduced) gradients of the model parameters."""
@@ -285,10 +364,24 @@ class ExpertSplitShards:
         self.dense.reduce_grads()
         self.expert.reduce_grads()
 
-    def gather_params(self) -> None:
+    def gather_params(self, async_op: bool = False) -> None:
         """All-gather both parts' rows into the model parameters."""
-        self.dense.gather_params()
-        self.expert.gather_params()
+        self.dense.gather_params(async_op)
+        self.expert.gather_params(async_op)
+
+    @property
+    def gather_pending(self) -> bool:
+        """See :attr:`ZeroShards.gather_pending`."""
+        return self.dense.gather_pending or self.expert.gather_pending
+
+    def finish_gather(self) -> None:
+        """See :meth:`ZeroShards.finish_gather`."""
+        self.dense.finish_gather()
+        self.expert.finish_gather()
+
+    def wait_before_forward(self, module: nn.Module) -> list[RemovableHandle]:
+        """See :meth:`ZeroShards.wait_before_forward`."""
+        return self.dense.wait_before_forward(module) + self.expert.wait_before_forward(module)
 
     def zero_model_grads(self, set_to_none: bool = True) -> None:
         """Clear the model gradients of both parts."""

@@ -237,6 +237,7 @@ def train_mimo(
             with monitor.excluded():  # Saves, exit conditions, SIGTERM (world-agreed).
                 if checkpoints.after_step():
                     break
+        optimizer.finish_param_gather()  # the caller gets complete weights
         with monitor.excluded():
             checkpoints.finish()
         if valid_data_iterator is not None and not checkpoints.stopped:

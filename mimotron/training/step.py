@@ -179,7 +179,9 @@ def train_step_mimo(
     sharded = {n for n, info in optimizer.module_infos.items() if info.zero is not None}
     bucket_bytes = int(cfg.train.grad_bucket_mb * 2**20)
     pg_dict = dict(pgs.items())
-    reducer = (OverlappedGradReducer(parts, pg_dict, frozen | sharded, bucket_bytes)
+    zero = {n: info.zero for n, info in optimizer.module_infos.items()
+            if info.zero is not None and info.is_active and n in parts}
+    reducer = (OverlappedGradReducer(parts, pg_dict, frozen, bucket_bytes, zero)
                if cfg.train.overlap_grad_reduce else None)
     timers("forward-backward").start()
     ctx = StepContext(
