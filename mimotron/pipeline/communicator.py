@@ -38,6 +38,7 @@ loop) no transfer waits for the device.
 from __future__ import annotations
 
 import time
+from collections import deque
 
 import torch
 import torch.distributed as dist
@@ -46,7 +47,22 @@ from mimotron.names import LANGUAGE
 from mimotron.parallel.context_parallel import placeholder_selection
 from mimotron.parallel.layout import Layout, ModulePlacement
 from mimotron.pipeline.edges import Edge, slice_range
-from mimotron.pipeline.p2p import PendingSends, broadcast_tensor, exchange
+from mimotron.pipeline.p2p import (
+    Known,
+    PendingSends,
+    PostedRecv,
+    TransferCounts,
+    broadcast_tensor,
+    exchange,
+)
+from mimotron.pipeline.plan import (
+    RECV_BACKWARD,
+    RECV_FORWARD,
+    SEND_BACKWARD_RECV_FORWARD,
+    SEND_FORWARD_RECV_BACKWARD,
+    Action,
+)
+from mimotron.pipeline.shapes import StageLinkShape, stage_link_shape
 from mimotron.runtime import synchronize
 
 
@@ -93,13 +109,18 @@ class MultiModulePipelineCommunicator:
         edges: the module boundaries (``build_edges``).
         tp_groups: this rank's TP group per module it holds (``None`` = TP 1).
         device: where received tensors are allocated.
+        seq_length: every micro-batch's padded sequence length (``data.seq_length``).
+            With ``hidden_size``, the language model's stage links send no shape
+            header (:mod:`mimotron.pipeline.shapes`); ``None``: every transfer has one.
+        hidden_size: the language model's hidden size (see ``seq_length``).
 
     Raises:
         ValueError: ``layout`` is colocated (use ``ColocatedTransport``).
     """
 
     def __init__(self, layout: Layout, rank: int, micro_batch_size: int, edges: list[Edge],
-                 tp_groups: dict[str, dist.ProcessGroup | None], device: torch.device) -> None:
+                 tp_groups: dict[str, dist.ProcessGroup | None], device: torch.device,
+                 seq_length: int | None = None, hidden_size: int | None = None) -> None:
         if layout.colocated:
             raise ValueError("a colocated layout has no pipeline transfers: use "
                              "mimotron.pipeline.colocated.ColocatedTransport")
@@ -120,6 +141,14 @@ class MultiModulePipelineCommunicator:
         self._routed: dict[int, tuple[torch.Size, list[tuple[int, int, torch.Tensor]]]] = {}
         self.transfer_s = 0.0
         self._timing = False
+        self.counts = TransferCounts()
+        # Known to both ends of a language stage link from the config: no header.
+        self._stage: StageLinkShape | None = (
+            stage_link_shape(layout, micro_batch_size, seq_length, hidden_size)
+            if self.module == LANGUAGE else None)
+        # Receives posted ahead of need, and the plan's receive order per direction.
+        self._posted: dict[tuple[str, int], list[PostedRecv]] = {}
+        self._expected: dict[str, deque[int]] = {"forward": deque(), "backward": deque()}
 
     # ---- neighbours ----------------------------------------------------------------------
     def _stage_peer(self, delta: int) -> int:
@@ -256,20 +285,92 @@ class MultiModulePipelineCommunicator:
         """
         t0 = time.perf_counter()
         sends: list[tuple[int, torch.Tensor]] = []
+        known: list[Known] = []
         if send_forward is not None:
-            sends += self._forward_sends(*send_forward)
+            fwd_sends = self._forward_sends(*send_forward)
+            sends += fwd_sends
+            link = not self.role.is_last_stage  # else the bridge: shapes vary, header
+            known += [self._checked(t, f"micro-batch {send_forward[0]}'s stage output")
+                      if link else None for _, t in fwd_sends]
         if send_backward is not None:
-            sends += self._backward_sends(*send_backward)
+            bwd_sends = self._backward_sends(*send_backward)
+            sends += bwd_sends
+            link = not self.role.is_first_stage
+            known += [self._checked(t, f"micro-batch {send_backward[0]}'s input gradient")
+                      if link else None for _, t in bwd_sends]
         fwd_src = self._forward_sources() if recv_forward is not None else []
-        bwd_src = self._backward_sources() if recv_backward is not None else []
-        got = exchange(sends, [p for _, p in fwd_src] + bwd_src, self.pending, self.device)
+        recvs = self._take("forward", recv_forward) if recv_forward is not None else []
+        num_fwd = len(recvs)
+        if recv_backward is not None:
+            recvs += self._take("backward", recv_backward)
+        got = exchange(sends, recvs, self.pending, self.counts, self.device, known)
+        self._post_next()
         fwd = bwd = None
         if recv_forward is not None:
-            fwd = self._assemble_forward(recv_forward, fwd_src, got[:len(fwd_src)])
+            fwd = self._assemble_forward(recv_forward, fwd_src, got[:num_fwd])
         if recv_backward is not None:
-            bwd = self._assemble_backward(recv_backward, got[len(fwd_src):])
+            bwd = self._assemble_backward(recv_backward, got[num_fwd:])
         self._add_time(t0)
         return fwd, bwd
+
+    # ---- shapes known in advance, receives posted ahead -------------------------------
+    def _checked(self, t: torch.Tensor, what: str) -> Known:
+        """A stage-link send's known shape (``None``: it needs a header), checked."""
+        if self._stage is None:
+            return None
+        self._stage.check(t, what)
+        return self._stage.shape, self._stage.dtype
+
+    def _known(self, direction: str, src: str | None) -> Known:
+        """What a receive of ``direction`` (from edge ``src``; None = stage link) carries."""
+        stage_link = (not self.role.is_first_stage if direction == "forward"
+                      else not self.role.is_last_stage)
+        if self._stage is None or not stage_link or (direction == "forward" and src):
+            return None
+        return self._stage.shape, self._stage.dtype
+
+    def _post(self, direction: str) -> list[PostedRecv]:
+        if direction == "forward":
+            return [PostedRecv(peer, self._known(direction, src), self.device)
+                    for src, peer in self._forward_sources()]
+        return [PostedRecv(peer, self._known(direction, None), self.device)
+                for peer in self._backward_sources()]
+
+    def _take(self, direction: str, k: int) -> list[PostedRecv]:
+        """The receives of micro-batch ``k``'s transfer: posted ahead, or posted now."""
+        queue = self._expected[direction]
+        if queue and queue[0] == k:
+            queue.popleft()
+        posted = self._posted.pop((direction, k), None)
+        return posted if posted is not None else self._post(direction)
+
+    def _post_next(self) -> None:
+        """Post the next expected receive of each direction, if not posted yet.
+
+        Called once the current receives are posted: messages from one peer match in
+        posting order, and each peer sends one direction only, in plan order.
+        """
+        for direction, queue in self._expected.items():
+            if queue and (direction, queue[0]) not in self._posted:
+                recvs = self._post(direction)
+                self.counts.prefetched_receives += len(recvs)
+                self._posted[(direction, queue[0])] = recvs
+
+    def expect(self, plan: list[Action]) -> None:
+        """Learn the order of a step's receives and post the first of each direction.
+
+        Called by the executor before it runs ``plan``; afterwards every receive is
+        posted as soon as the previous one of its direction completes, so a sender
+        never waits for this rank to reach its receive.
+        """
+        for a in plan:
+            if a.kind in (RECV_FORWARD, SEND_BACKWARD_RECV_FORWARD):
+                self._expected["forward"].append(a.microbatch if a.kind == RECV_FORWARD
+                                                 else a.other)
+            elif a.kind in (RECV_BACKWARD, SEND_FORWARD_RECV_BACKWARD):
+                self._expected["backward"].append(a.microbatch if a.kind == RECV_BACKWARD
+                                                  else a.other)
+        self._post_next()
 
     def finish(self, forward_only: bool = False) -> None:
         """Wait for every send of the step (call once at the end of a schedule)."""
@@ -281,6 +382,8 @@ class MultiModulePipelineCommunicator:
             self._routed.clear()
         assert not self._rows, f"gradients never sent for {sorted(self._rows)}"
         assert not self._routed, f"gradients never received for {sorted(self._routed)}"
+        assert not self._posted and not any(self._expected.values()), \
+            f"receives posted but never used: {sorted(self._posted)}"
 
     def set_timing(self, enabled: bool) -> None:
         """Time transfers (each then waits for the device) or not."""

@@ -60,7 +60,8 @@ Transport = ColocatedTransport | MultiModulePipelineCommunicator
 
 
 def build_transport(layout: Layout, rank: int, micro_batch_size: int, edges: list[Edge],
-                    tp_groups: dict[str, dist.ProcessGroup | None], device: torch.device
+                    tp_groups: dict[str, dist.ProcessGroup | None], device: torch.device,
+                    seq_length: int | None = None, hidden_size: int | None = None
                     ) -> Transport:
     """The run's transport, chosen once from the layout.
 
@@ -71,11 +72,14 @@ def build_transport(layout: Layout, rank: int, micro_batch_size: int, edges: lis
         edges: the module boundaries (``build_edges``).
         tp_groups: this rank's TP group per module it holds (split layouts only).
         device: where received tensors are allocated (split layouts only).
+        seq_length: the padded sequence length; with ``hidden_size`` (the language
+            model's), language stage links send no shape header (split layouts only).
+        hidden_size: see ``seq_length``.
     """
     if layout.colocated:
         return ColocatedTransport(layout, rank, micro_batch_size, edges)
     return MultiModulePipelineCommunicator(layout, rank, micro_batch_size, edges, tp_groups,
-                                           device)
+                                           device, seq_length, hidden_size)
 
 
 @dataclass
@@ -243,6 +247,7 @@ def _execute(plan: list[Action], runner: StageRunner, comm: Transport) -> None:
     def fwd_send(k: int) -> tuple:
         return (k, outputs.pop(k), runner.modality_mask(k), runner.placeholder_tokens(k))
 
+    comm.expect(plan)  # receives are posted ahead of need from here on
     for a in plan:
         k = a.microbatch
         if a.kind == FORWARD:

@@ -99,7 +99,8 @@ def setup_mimo(cfg: MimoConfig, runtime: Runtime) -> MimoRun:
     communicator = build_transport(
         infra.layout, runtime.rank, cfg.train.micro_batch_size,
         build_edges(infra.layout, model.modality_of),
-        {n: pg.tp for n, pg in infra.pg_collections.items()}, runtime.device)
+        {n: pg.tp for n, pg in infra.pg_collections.items()}, runtime.device,
+        cfg.data.seq_length, getattr(model.language_model, "hidden_size", None))
     state = GlobalState(cfg, runtime)
     state.skipped_samples = getattr(train_task, "num_skipped", None)
     state.vocab_size_unpadded = unpadded_vocab_size(cfg, tokenizer.vocab_size)

@@ -1,0 +1,152 @@
+"""Pipeline transfers: header-free stage links, receives posted ahead, no bit changed.
+
+One launch (5 gloo ranks: vision PP 2 | audio | language PP 2) trains through the real
+engine twice: first as shipped (the language stage link sends no shape header, every
+receive is posted as soon as the previous one of its direction completed), then with
+both switched off (every transfer carries its header, receives posted on arrival at
+the transfer: the previous behaviour). Losses, grad norms, every gradient as the
+optimizer steps it and the final weights must be bitwise equal, and the
+communicators' counters show which path ran: no header on the language stage link,
+headers kept on the variable-shape links (the vision stage link and the bridge carry
+one row per sample that has an image). ``tests/test_parity.py`` compares the shipped
+path with the plain PyTorch loop (``language-pp2*``, ``vision-pp2-language-pp2``).
+
+A second launch feeds the language model micro-batches of another sequence length
+through ``train_step_mimo``: the sending stage raises a ``ValueError`` naming the
+geometry, before anything is sent (the harness's hard timeout guards against a hang).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from mimotron.config import load_config
+from mimotron.parallel.layout import plan_layout
+from mimotron.pipeline import communicator as communicator_module
+from mimotron.pipeline.communicator import MultiModulePipelineCommunicator
+from mimotron.pipeline.shapes import stage_link_shape
+from mimotron.runtime import init_runtime
+from mimotron.testing import RankError, run_ranks
+from mimotron.training.loop import setup_mimo
+from mimotron.training.step import default_forward_step, train_step_mimo
+from tests.common import BASE, DIGITS, engine_run, noncolocated
+
+NUM_ITERS = 10
+NUM_MB = 2  # global batch 16 / micro-batch 8
+LAYOUT = noncolocated({"pipeline": 2}, {}, {"pipeline": 2}) + ["modules.vision.num_layers=2"]
+LM_PP2 = noncolocated({}, {}, {"pipeline": 2})
+
+
+def _recording_run(rank: int, world: int, overrides: list[str]) -> dict:
+    """``engine_run`` plus this rank's role and its communicator's final counters."""
+    counts: list[dict[str, int]] = []
+    finish = MultiModulePipelineCommunicator.finish
+
+    def recording_finish(self: MultiModulePipelineCommunicator, forward_only: bool = False
+                         ) -> None:
+        finish(self, forward_only)
+        counts.append(dataclasses.asdict(self.counts))
+
+    MultiModulePipelineCommunicator.finish = recording_finish  # this forked rank only
+    try:
+        out = engine_run(rank, world, overrides, NUM_ITERS)
+    finally:
+        MultiModulePipelineCommunicator.finish = finish
+    role = plan_layout(load_config(DIGITS, BASE + overrides)).roles(rank)[0]
+    return {**out, "module": role.module, "pp": role.pp, "counts": counts[-1]}
+
+
+def _new_then_old(rank: int, world: int) -> dict:
+    new = _recording_run(rank, world, LAYOUT)
+    # The previous behaviour: no shape known in advance, nothing posted ahead.
+    communicator_module.stage_link_shape = lambda *args, **kwargs: None
+    MultiModulePipelineCommunicator.expect = lambda self, plan: None
+    old = _recording_run(rank, world, LAYOUT)
+    return {"new": new, "old": old}
+
+
+@pytest.fixture(scope="module")
+def runs() -> list[dict]:
+    return run_ranks(5, _new_then_old, timeout_s=240)
+
+
+def test_results_are_bitwise_equal_with_and_without(runs: list[dict]) -> None:
+    for r in runs:
+        new, old = r["new"], r["old"]
+        assert new["steps"] == old["steps"]
+        assert new["grad_sq"] == old["grad_sq"]
+        assert new["weights"].keys() == old["weights"].keys()
+        for name, w in new["weights"].items():
+            assert torch.equal(w, old["weights"][name]), name
+
+
+def test_language_stage_link_sends_no_header(runs: list[dict]) -> None:
+    transfers = NUM_ITERS * NUM_MB
+    by_role = {(r["new"]["module"], r["new"]["pp"]): r for r in runs}
+    first, last = by_role[("language", 0)], by_role[("language", 1)]
+    # Stage 1 talks only over the stage link: not one header either way.
+    assert last["new"]["counts"]["headers_sent"] == 0
+    assert last["new"]["counts"]["headers_received"] == 0
+    assert last["new"]["counts"]["header_free_sends"] == transfers  # input gradients
+    # Stage 0: the link header-free; the bridge (vision, audio) keeps its headers.
+    assert first["new"]["counts"]["header_free_sends"] == transfers  # activations
+    assert first["new"]["counts"]["headers_received"] == 2 * transfers
+    assert first["new"]["counts"]["headers_sent"] == 2 * transfers
+    # Before: every transfer had its header.
+    assert last["old"]["counts"]["headers_sent"] == transfers
+    assert last["old"]["counts"]["header_free_sends"] == 0
+
+
+def test_variable_shapes_keep_their_header(runs: list[dict]) -> None:
+    transfers = NUM_ITERS * NUM_MB
+    by_role = {(r["new"]["module"], r["new"]["pp"]): r for r in runs}
+    # The vision stage link carries one row per sample with an image: header kept
+    # (stage 0: activations; stage 1: their gradients, and the bridge's rows).
+    for pp, sends in ((0, transfers), (1, 2 * transfers)):
+        counts = by_role[("vision", pp)]["new"]["counts"]
+        assert counts["header_free_sends"] == 0
+        assert counts["headers_sent"] == sends
+        assert counts == by_role[("vision", pp)]["old"]["counts"] | {
+            "prefetched_receives": counts["prefetched_receives"]}
+
+
+def test_receives_are_posted_ahead(runs: list[dict]) -> None:
+    for r in runs:
+        role = (r["new"]["module"], r["new"]["pp"])
+        assert r["new"]["counts"]["prefetched_receives"] > 0, role
+        assert r["old"]["counts"]["prefetched_receives"] == 0
+
+
+def test_stage_link_shape_from_the_config() -> None:
+    def layout(**language: int):  # noqa: ANN202
+        return plan_layout(load_config(DIGITS, BASE + noncolocated({}, {}, language)))
+
+    assert stage_link_shape(layout(), 8, 64, 32) is None  # one stage: no link
+    assert stage_link_shape(layout(pipeline=2), 8, None, 32) is None  # unknown length
+    link = stage_link_shape(layout(pipeline=2, data=2, context=2), 8, 64, 32)
+    assert link is not None and (link.shape, link.dtype) == ((4, 32, 32), torch.float32)
+    with pytest.raises(ValueError, match=r"is \[4, 24, 32\].*carries \[4, 32, 32\].*"
+                                         r"data.seq_length=64.*\[4, 64\] tokens"):
+        link.check(torch.zeros(4, 24, 32), "micro-batch 0's stage output")
+
+
+def _shorter_sequences(rank: int, world: int) -> None:
+    cfg = load_config(DIGITS, BASE + LM_PP2)
+    run = setup_mimo(cfg, init_runtime())
+    step = next(run.train_data_iterator)
+    seq = cfg.data.seq_length
+    for mb in step:  # A user's iterator: 8 positions short (placeholders stay in).
+        if "language" in mb:
+            mb["language"] = {k: v[:, :seq - 8] if v.dim() >= 2 and v.shape[1] == seq else v
+                              for k, v in mb["language"].items()}
+    train_step_mimo(default_forward_step, iter([step]), run.model, run.optimizer,
+                    run.schedulers, run.global_state, run.communicator, infra=run.infra)
+
+
+def test_mismatched_batch_raises_on_the_sender() -> None:
+    with pytest.raises(RankError, match=r"ValueError: micro-batch 0's stage output is "
+                                        r"\[8, 56, 64\].*carries \[8, 64, 64\]"):
+        run_ranks(4, _shorter_sequences, timeout_s=90)
