@@ -2,16 +2,19 @@
 
 One launch (5 gloo ranks: vision PP 2 | audio | language PP 2) trains through the real
 engine twice: first as shipped (the language stage link sends no shape header, every
-receive is posted as soon as the previous one of its direction completed), then with
-both switched off (every transfer carries its header, receives posted on arrival at
-the transfer: the previous behaviour). Losses, grad norms, every gradient as the
+receive is posted as soon as the previous one of its direction completed, the
+loss-token count is reduced in the background and waited for where first needed),
+then with all three switched off (every transfer carries its header, receives posted
+on arrival at the transfer, the count waited for before the schedule: the previous
+behaviour). Losses, grad norms, every gradient as the
 optimizer steps it and the final weights must be bitwise equal, and the
 communicators' counters show which path ran: no header on the language stage link,
 headers kept on the variable-shape links (the vision stage link and the bridge carry
 one row per sample that has an image). ``tests/test_parity.py`` compares the shipped
 path with the plain PyTorch loop (``language-pp2*``, ``vision-pp2-language-pp2``).
 
-A second launch feeds the language model micro-batches of another sequence length
+A bf16 launch checks the link's dtype assumption (fp32 residual stream under autocast).
+Another feeds the language model micro-batches of another sequence length
 through ``train_step_mimo``: the sending stage raises a ``ValueError`` naming the
 geometry, before anything is sent (the harness's hard timeout guards against a hang).
 """
@@ -30,8 +33,9 @@ from mimotron.pipeline.communicator import MultiModulePipelineCommunicator
 from mimotron.pipeline.shapes import stage_link_shape
 from mimotron.runtime import init_runtime
 from mimotron.testing import RankError, run_ranks
+from mimotron.training import step as step_module
 from mimotron.training.loop import setup_mimo
-from mimotron.training.step import default_forward_step, train_step_mimo
+from mimotron.training.step import GlobalTokenCount, default_forward_step, train_step_mimo
 from tests.common import BASE, DIGITS, engine_run, noncolocated
 
 NUM_ITERS = 10
@@ -40,7 +44,8 @@ LAYOUT = noncolocated({"pipeline": 2}, {}, {"pipeline": 2}) + ["modules.vision.n
 LM_PP2 = noncolocated({}, {}, {"pipeline": 2})
 
 
-def _recording_run(rank: int, world: int, overrides: list[str]) -> dict:
+def _recording_run(rank: int, world: int, overrides: list[str], num_iters: int = NUM_ITERS
+                   ) -> dict:
     """``engine_run`` plus this rank's role and its communicator's final counters."""
     counts: list[dict[str, int]] = []
     finish = MultiModulePipelineCommunicator.finish
@@ -52,25 +57,48 @@ def _recording_run(rank: int, world: int, overrides: list[str]) -> dict:
 
     MultiModulePipelineCommunicator.finish = recording_finish  # this forked rank only
     try:
-        out = engine_run(rank, world, overrides, NUM_ITERS)
+        out = engine_run(rank, world, overrides, num_iters)
     finally:
         MultiModulePipelineCommunicator.finish = finish
     role = plan_layout(load_config(DIGITS, BASE + overrides)).roles(rank)[0]
     return {**out, "module": role.module, "pp": role.pp, "counts": counts[-1]}
 
 
+class _CountedAtOnce(GlobalTokenCount):
+    """The previous token count: every rank waits for the reduction before its schedule."""
+
+    def __init__(self, *args: object) -> None:
+        super().__init__(*args)
+        self.value()
+
+
 def _new_then_old(rank: int, world: int) -> dict:
     new = _recording_run(rank, world, LAYOUT)
-    # The previous behaviour: no shape known in advance, nothing posted ahead.
+    # The previous behaviour: no shape known in advance, nothing posted ahead, and the
+    # loss-token count waited for before the schedule.
     communicator_module.stage_link_shape = lambda *args, **kwargs: None
     MultiModulePipelineCommunicator.expect = lambda self, plan: None
+    step_module.GlobalTokenCount = _CountedAtOnce
     old = _recording_run(rank, world, LAYOUT)
     return {"new": new, "old": old}
+
+
+def _bf16(rank: int, world: int) -> dict:
+    """bf16 autocast: the residual stream, so the link's dtype, stays fp32."""
+    return _recording_run(rank, world, LM_PP2 + ["train.precision=bf16"], num_iters=2)
 
 
 @pytest.fixture(scope="module")
 def runs() -> list[dict]:
     return run_ranks(5, _new_then_old, timeout_s=240)
+
+
+def test_bf16_stage_link_is_header_free() -> None:
+    results = run_ranks(4, _bf16, timeout_s=120)
+    last = next(r for r in results if (r["module"], r["pp"]) == ("language", 1))
+    assert last["counts"]["headers_sent"] == 0
+    assert last["counts"]["header_free_sends"] == 2 * NUM_MB
+    assert all(not skipped for _, _, skipped, _ in last["steps"])
 
 
 def test_results_are_bitwise_equal_with_and_without(runs: list[dict]) -> None:

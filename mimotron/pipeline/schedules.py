@@ -102,11 +102,19 @@ class StepContext:
     language: LanguageStep
     transport: Transport
     loss_divisor: float = 1.0
+    token_count: Callable[[], float] | None = None
+    """If set, the divisor is still being reduced: :meth:`divisor` reads it on first use."""
     loss_scale: float = 1.0
     forward_only: bool = False
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
     grad_reducer: OverlappedGradReducer | None = None
     """Armed before the last micro-batch's backward (``train.overlap_grad_reduce``)."""
+
+    def divisor(self) -> float:
+        """``loss_divisor``, or ``max(token_count(), 1)`` (waited for once) if pending."""
+        if self.token_count is not None:
+            self.loss_divisor, self.token_count = max(self.token_count(), 1.0), None
+        return self.loss_divisor
 
 
 class StageRunner:
@@ -166,7 +174,7 @@ class StageRunner:
         if not self.ctx.forward_only:
             mask = self.ctx.microbatches[k][LANGUAGE]["loss_mask"]
             weights = mask.flatten(1).float().sum(1) * (self.ctx.loss_scale
-                                                          / self.ctx.loss_divisor)
+                                                          / self.ctx.divisor())
         set_aux_loss_weights(lm, weights)
 
     def _forward_colocated(self, k: int) -> None:
@@ -219,7 +227,7 @@ class StageRunner:
             self.ctx.grad_reducer.arm()
         last_lm = self.colocated or (self.module == LANGUAGE and self.roles[LANGUAGE].is_last_stage)
         if last_lm:
-            (out.float() * (self.ctx.loss_scale / self.ctx.loss_divisor)).backward()
+            (out.float() * (self.ctx.loss_scale / self.ctx.divisor())).backward()
         elif out.requires_grad and out.numel():
             out.backward(grad.to(out.dtype))
         if received is None:
