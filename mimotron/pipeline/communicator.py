@@ -23,7 +23,11 @@ travel as before.
 
 Encoder outputs hold one row per sample that carries the modality, so a pair may
 exchange zero rows (a text-only slice): then only a header travels and every rank stays
-in lock-step. Shapes travel with each tensor (:mod:`mimotron.pipeline.p2p`). Colocated
+in lock-step. Shapes travel with each tensor (:mod:`mimotron.pipeline.p2p`), except on
+the language model's stage links, whose shape both stages derive from the config
+(:mod:`mimotron.pipeline.shapes`; checked on the sender). Given the plan
+(:meth:`~MultiModulePipelineCommunicator.expect`), every receive is posted as soon as the
+previous one of its direction has completed, ahead of the compute before its use. Colocated
 layouts need none of this: their transport is
 :class:`~mimotron.pipeline.colocated.ColocatedTransport`, chosen instead of this class
 once at setup; both share the layout helpers of :mod:`mimotron.pipeline.edges`.
@@ -342,6 +346,9 @@ class MultiModulePipelineCommunicator:
         if queue and queue[0] == k:
             queue.popleft()
         posted = self._posted.pop((direction, k), None)
+        # A receive posted for another micro-batch would take this one's messages.
+        assert posted is not None or all(d != direction for d, _ in self._posted), \
+            f"{direction} receive of micro-batch {k} out of the expected plan order"
         return posted if posted is not None else self._post(direction)
 
     def _post_next(self) -> None:
