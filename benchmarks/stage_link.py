@@ -6,15 +6,16 @@ this one splits the language model of the same two-module model (``vision`` on r
 ``m = 4`` micro-batches per step in two variants:
 
 * **known**: as shipped. The stage link's tensors (``[micro-batch, seq_length,
-  hidden]``, known to both stages from the config) travel without a shape header, and
-  every receive is posted as soon as the previous one of its direction completed;
+  hidden]``, known to both stages from the config) travel without a shape header, so
+  do the bridge's (every sample carries an image: one row per sample), and every
+  receive is posted as soon as the previous one of its direction completed;
 * **headers**: the previous behaviour (every transfer with its header, each receive
   posted when the schedule reaches it), switched back inside the ranks.
 
 ``stage_link_headers`` counts, per step, the headers sent and received by the language
 model's last stage: everything it sends or receives crosses the stage link, so the
-figure is the link's headers alone (target 0). The bridge (vision -> language) keeps its
-headers: it carries one row per sample with an image, which depends on the data.
+figure is the link's headers alone (target 0); the detail adds the headers of every link
+(the bridge included) and the bytes and messages saved.
 ``stage_link_step_ratio`` = known step time / headers step time (the slowest rank's;
 3 ranks share this machine's cores, so it is noisy; lower is better).
 """
@@ -54,9 +55,11 @@ LAYOUT = (parallel("vision", data=1, rank_offset=0)
 def _switch_to_headers() -> None:
     """Inside this forked rank only: every transfer with its header, nothing ahead."""
     from mimotron.pipeline import communicator as communicator_module
+    from mimotron.training import loop as loop_module
 
     communicator_module.stage_link_shape = lambda *args, **kwargs: None
     communicator_module.MultiModulePipelineCommunicator.expect = lambda self, plan: None
+    loop_module.bridge_row_shapes = lambda *args: {}
 
 
 def _rank(rank: int, world: int, overrides: list[str], steps_per_rep: int, headers: bool

@@ -33,6 +33,7 @@ from mimotron.pipeline.communicator import MultiModulePipelineCommunicator
 from mimotron.pipeline.shapes import stage_link_shape
 from mimotron.runtime import init_runtime
 from mimotron.testing import RankError, run_ranks
+from mimotron.training import loop as loop_module
 from mimotron.training import step as step_module
 from mimotron.training.loop import setup_mimo
 from mimotron.training.step import GlobalTokenCount, default_forward_step, train_step_mimo
@@ -42,6 +43,9 @@ NUM_ITERS = 10
 NUM_MB = 2  # global batch 16 / micro-batch 8
 LAYOUT = noncolocated({"pipeline": 2}, {}, {"pipeline": 2}) + ["modules.vision.num_layers=2"]
 LM_PP2 = noncolocated({}, {}, {"pipeline": 2})
+# Every sample carries both modalities: the bridges' row counts are fixed too.
+EVERY_SAMPLE_BOTH = ["data.p_image=0", "data.p_audio=0", "data.p_both=1", "data.p_text=0"]
+FAN_IN = noncolocated({"data": 2}, {}, {"pipeline": 2})  # vision DP 2 -> language DP 1
 
 
 def _recording_run(rank: int, world: int, overrides: list[str], num_iters: int = NUM_ITERS
@@ -83,9 +87,16 @@ def _new_then_old(rank: int, world: int) -> dict:
     return {"new": new, "old": old}
 
 
-def _bf16(rank: int, world: int) -> dict:
-    """bf16 autocast: the residual stream, so the link's dtype, stays fp32."""
-    return _recording_run(rank, world, LM_PP2 + ["train.precision=bf16"], num_iters=2)
+def _fixed_shapes(rank: int, world: int) -> dict:
+    """Every sample with both modalities: fp32 with and without, then bf16."""
+    new = _recording_run(rank, world, FAN_IN + EVERY_SAMPLE_BOTH, num_iters=2)
+    bf16 = _recording_run(rank, world, FAN_IN + EVERY_SAMPLE_BOTH + ["train.precision=bf16"],
+                          num_iters=2)
+    communicator_module.stage_link_shape = lambda *args, **kwargs: None
+    MultiModulePipelineCommunicator.expect = lambda self, plan: None
+    loop_module.bridge_row_shapes = lambda *args: {}
+    old = _recording_run(rank, world, FAN_IN + EVERY_SAMPLE_BOTH, num_iters=2)
+    return {"new": new, "bf16": bf16, "old": old}
 
 
 @pytest.fixture(scope="module")
@@ -93,12 +104,31 @@ def runs() -> list[dict]:
     return run_ranks(5, _new_then_old, timeout_s=240)
 
 
-def test_bf16_stage_link_is_header_free() -> None:
-    results = run_ranks(4, _bf16, timeout_s=120)
-    last = next(r for r in results if (r["module"], r["pp"]) == ("language", 1))
-    assert last["counts"]["headers_sent"] == 0
-    assert last["counts"]["header_free_sends"] == 2 * NUM_MB
-    assert all(not skipped for _, _, skipped, _ in last["steps"])
+@pytest.fixture(scope="module")
+def fixed() -> list[dict]:
+    return run_ranks(5, _fixed_shapes, timeout_s=120)
+
+
+def test_fixed_bridges_send_no_header_in_fp32(fixed: list[dict]) -> None:
+    for r in fixed:
+        role = (r["new"]["module"], r["new"]["pp"])
+        assert r["new"]["counts"]["headers_sent"] == 0, role
+        assert r["new"]["counts"]["headers_received"] == 0, role
+        assert r["new"]["counts"]["header_free_sends"] > 0, role
+        assert r["old"]["counts"]["header_free_sends"] == 0, role
+        assert r["new"]["steps"] == r["old"]["steps"]
+        for name, w in r["new"]["weights"].items():
+            assert torch.equal(w, r["old"]["weights"][name]), name
+
+
+def test_bf16_keeps_bridge_headers_but_not_the_stage_links(fixed: list[dict]) -> None:
+    """bf16 autocast: the residual stream (the stage link) stays fp32; the projector's
+    output dtype is not assumed, so the bridge keeps its headers."""
+    by_role = {(r["bf16"]["module"], r["bf16"]["pp"]): r["bf16"] for r in fixed}
+    assert by_role[("language", 1)]["counts"]["headers_sent"] == 0
+    assert by_role[("language", 1)]["counts"]["header_free_sends"] == 2 * NUM_MB
+    assert by_role[("language", 0)]["counts"]["headers_received"] == 3 * 2 * NUM_MB
+    assert all(not skipped for _, _, skipped, _ in by_role[("language", 1)]["steps"])
 
 
 def test_results_are_bitwise_equal_with_and_without(runs: list[dict]) -> None:
@@ -174,7 +204,23 @@ def _shorter_sequences(rank: int, world: int) -> None:
                     run.schedulers, run.global_state, run.communicator, infra=run.infra)
 
 
-def test_mismatched_batch_raises_on_the_sender() -> None:
-    with pytest.raises(RankError, match=r"ValueError: micro-batch 0's stage output is "
-                                        r"\[8, 56, 64\].*carries \[8, 64, 64\]"):
+def _text_only_sample(rank: int, world: int) -> None:
+    cfg = load_config(DIGITS, BASE + FAN_IN + EVERY_SAMPLE_BOTH)
+    run = setup_mimo(cfg, init_runtime())
+    step = next(run.train_data_iterator)
+    if "vision" in step[0]:  # A user's iterator: one sample of the slice has no image.
+        batch = step[0]["vision"]
+        keep = torch.arange(batch["has_image"].shape[0]) != 0
+        batch["has_image"] = batch["has_image"] * keep.to(batch["has_image"].dtype)
+    train_step_mimo(default_forward_step, iter([step]), run.model, run.optimizer,
+                    run.schedulers, run.global_state, run.communicator, infra=run.infra)
+
+
+def test_mismatched_batches_raise_on_the_sender() -> None:
+    with pytest.raises(RankError, match=r"rank 2 failed: ValueError: micro-batch 0's output "
+                                        r"for rank 3 is \[8, 56, 64\].*carries \[8, 64, 64\]"):
         run_ranks(4, _shorter_sequences, timeout_s=90)
+    with pytest.raises(RankError, match=r"failed: ValueError: micro-batch 0's output for rank "
+                                        r"3 is \[3, .*bridge from 'vision' carries \[4, .*every "
+                                        r"sample of the slice must carry 'vision'"):
+        run_ranks(5, _text_only_sample, timeout_s=90)

@@ -66,7 +66,7 @@ from mimotron.pipeline.plan import (
     SEND_FORWARD_RECV_BACKWARD,
     Action,
 )
-from mimotron.pipeline.shapes import StageLinkShape, stage_link_shape
+from mimotron.pipeline.shapes import LinkShape, bridge_link, stage_link_shape
 from mimotron.runtime import synchronize
 
 
@@ -117,6 +117,10 @@ class MultiModulePipelineCommunicator:
             With ``hidden_size``, the language model's stage links send no shape
             header (:mod:`mimotron.pipeline.shapes`); ``None``: every transfer has one.
         hidden_size: the language model's hidden size (see ``seq_length``).
+        bridge_rows: ``encoder -> (tokens, hidden)`` of its bridge rows where every
+            sample carries its modality (:func:`~mimotron.pipeline.shapes.
+            bridge_row_shapes`): those bridges send no header either. Ignored into a
+            context-parallel language model.
 
     Raises:
         ValueError: ``layout`` is colocated (use ``ColocatedTransport``).
@@ -124,7 +128,8 @@ class MultiModulePipelineCommunicator:
 
     def __init__(self, layout: Layout, rank: int, micro_batch_size: int, edges: list[Edge],
                  tp_groups: dict[str, dist.ProcessGroup | None], device: torch.device,
-                 seq_length: int | None = None, hidden_size: int | None = None) -> None:
+                 seq_length: int | None = None, hidden_size: int | None = None,
+                 bridge_rows: dict[str, tuple[int, int]] | None = None) -> None:
         if layout.colocated:
             raise ValueError("a colocated layout has no pipeline transfers: use "
                              "mimotron.pipeline.colocated.ColocatedTransport")
@@ -147,9 +152,16 @@ class MultiModulePipelineCommunicator:
         self._timing = False
         self.counts = TransferCounts()
         # Known to both ends of a language stage link from the config: no header.
-        self._stage: StageLinkShape | None = (
+        self._stage: LinkShape | None = (
             stage_link_shape(layout, micro_batch_size, seq_length, hidden_size)
             if self.module == LANGUAGE else None)
+        # (src leader, dst leader) -> the bridge tensor of that pair, where it is fixed.
+        self._bridge: dict[tuple[int, int], LinkShape] = {
+            (s, d): bridge_link(src, hi - lo, bridge_rows[src],
+                                "every sample carries its modality by data.p_image/p_audio/"
+                                "p_both/p_text, train.precision=fp32")
+            for src, routes in self._pairs.items() if src in (bridge_rows or {}) and self.cp == 1
+            for s, d, lo, hi, _ in routes}
         # Receives posted ahead of need, and the plan's receive order per direction.
         self._posted: dict[tuple[str, int], list[PostedRecv]] = {}
         self._expected: dict[str, deque[int]] = {"forward": deque(), "backward": deque()}
@@ -293,15 +305,13 @@ class MultiModulePipelineCommunicator:
         if send_forward is not None:
             fwd_sends = self._forward_sends(*send_forward)
             sends += fwd_sends
-            link = not self.role.is_last_stage  # else the bridge: shapes vary, header
-            known += [self._checked(t, f"micro-batch {send_forward[0]}'s stage output")
-                      if link else None for _, t in fwd_sends]
+            known += [self._checked(p, True, t, f"micro-batch {send_forward[0]}'s output "
+                                    f"for rank {p}") for p, t in fwd_sends]
         if send_backward is not None:
             bwd_sends = self._backward_sends(*send_backward)
             sends += bwd_sends
-            link = not self.role.is_first_stage
-            known += [self._checked(t, f"micro-batch {send_backward[0]}'s input gradient")
-                      if link else None for _, t in bwd_sends]
+            known += [self._checked(p, False, t, f"micro-batch {send_backward[0]}'s input "
+                                    f"gradient for rank {p}") for p, t in bwd_sends]
         fwd_src = self._forward_sources() if recv_forward is not None else []
         recvs = self._take("forward", recv_forward) if recv_forward is not None else []
         num_fwd = len(recvs)
@@ -318,27 +328,30 @@ class MultiModulePipelineCommunicator:
         return fwd, bwd
 
     # ---- shapes known in advance, receives posted ahead -------------------------------
-    def _checked(self, t: torch.Tensor, what: str) -> Known:
-        """A stage-link send's known shape (``None``: it needs a header), checked."""
-        if self._stage is None:
-            return None
-        self._stage.check(t, what)
-        return self._stage.shape, self._stage.dtype
+    def _link(self, peer: int, downstream: bool) -> LinkShape | None:
+        """The tensor the link with ``peer`` carries, if both ends know it (else None)."""
+        if not (self.role.is_last_stage if downstream else self.role.is_first_stage):
+            return self._stage  # a stage link inside the module
+        return self._bridge.get((self.rank, peer) if downstream else (peer, self.rank))
 
-    def _known(self, direction: str, src: str | None) -> Known:
-        """What a receive of ``direction`` (from edge ``src``; None = stage link) carries."""
-        stage_link = (not self.role.is_first_stage if direction == "forward"
-                      else not self.role.is_last_stage)
-        if self._stage is None or not stage_link or (direction == "forward" and src):
+    def _checked(self, peer: int, downstream: bool, t: torch.Tensor, what: str) -> Known:
+        """A send's known shape (``None``: it needs a header), checked against ``t``."""
+        link = self._link(peer, downstream)
+        if link is None:
             return None
-        return self._stage.shape, self._stage.dtype
+        link.check(t, what)
+        return link.shape, link.dtype
 
     def _post(self, direction: str) -> list[PostedRecv]:
-        if direction == "forward":
-            return [PostedRecv(peer, self._known(direction, src), self.device)
-                    for src, peer in self._forward_sources()]
-        return [PostedRecv(peer, self._known(direction, None), self.device)
-                for peer in self._backward_sources()]
+        downstream = direction == "backward"  # gradients come from downstream
+        peers = ([p for _, p in self._forward_sources()] if direction == "forward"
+                 else self._backward_sources())
+        out = []
+        for peer in peers:
+            link = self._link(peer, downstream)
+            out.append(PostedRecv(peer, None if link is None else (link.shape, link.dtype),
+                                  self.device))
+        return out
 
     def _take(self, direction: str, k: int) -> list[PostedRecv]:
         """The receives of micro-batch ``k``'s transfer: posted ahead, or posted now."""

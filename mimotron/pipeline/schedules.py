@@ -61,8 +61,8 @@ Transport = ColocatedTransport | MultiModulePipelineCommunicator
 
 def build_transport(layout: Layout, rank: int, micro_batch_size: int, edges: list[Edge],
                     tp_groups: dict[str, dist.ProcessGroup | None], device: torch.device,
-                    seq_length: int | None = None, hidden_size: int | None = None
-                    ) -> Transport:
+                    seq_length: int | None = None, hidden_size: int | None = None,
+                    bridge_rows: dict[str, tuple[int, int]] | None = None) -> Transport:
     """The run's transport, chosen once from the layout.
 
     Args:
@@ -75,11 +75,13 @@ def build_transport(layout: Layout, rank: int, micro_batch_size: int, edges: lis
         seq_length: the padded sequence length; with ``hidden_size`` (the language
             model's), language stage links send no shape header (split layouts only).
         hidden_size: see ``seq_length``.
+        bridge_rows: the bridges whose row count is fixed (split layouts only; see
+            :func:`~mimotron.pipeline.shapes.bridge_row_shapes`): no header either.
     """
     if layout.colocated:
         return ColocatedTransport(layout, rank, micro_batch_size, edges)
     return MultiModulePipelineCommunicator(layout, rank, micro_batch_size, edges, tp_groups,
-                                           device, seq_length, hidden_size)
+                                           device, seq_length, hidden_size, bridge_rows)
 
 
 @dataclass
