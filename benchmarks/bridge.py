@@ -2,14 +2,17 @@
 
 **Bytes.** Two non-colocated layouts of the three-module digits model train a few steps
 on 4 forked ranks (DP fan-in: ``vision`` DP 2 -> ``language`` DP 1; DP fan-out:
-``vision``, ``audio`` DP 1 -> ``language`` DP 2). Every point-to-point byte is counted
-by wrapping ``ProcessGroup.send`` / ``recv`` inside the rank processes (this catches
-``isend``, ``send`` and ``batch_isend_irecv`` alike; collectives such as the gradient
-all-reduce do not go through them). The analytic minimum is each encoder output row
-once forward and its gradient once backward: ``2 * present samples * tokens * hidden *
-bytes`` per edge and micro-batch, from the ``has_<modality>`` masks of the global
-micro-batches (each sample belongs to exactly one DP lane). ``bridge_bytes_ratio`` =
-sent / minimum; anything above 1 is metadata (shape headers) or duplication.
+``vision``, ``audio`` DP 1 -> ``language`` DP 2), and the fan-in layout once more with
+every sample carrying both modalities (``bridge_fixed_shape_headers``: the bridges'
+row counts are then known to both ends from the config, so no shape header travels).
+Every point-to-point byte is counted by wrapping ``ProcessGroup.send`` / ``recv``
+inside the rank processes (this catches ``isend``, ``send`` and ``batch_isend_irecv``
+alike; collectives such as the gradient all-reduce do not go through them). The
+analytic minimum is each encoder output row once forward and its gradient once
+backward: ``2 * present samples * tokens * hidden * bytes`` per edge and micro-batch,
+from the ``has_<modality>`` masks of the global micro-batches (each sample belongs to
+exactly one DP lane). ``bridge_bytes_ratio`` = sent / minimum; anything above 1 is
+metadata (shape headers) or duplication.
 
 **Bandwidth.** On 2 ranks (``vision`` on rank 0, ``language`` on rank 1) the bridge moves
 one micro-batch's embeddings forward and their gradient back, with no compute in
@@ -50,6 +53,7 @@ SMALL = [
     "train.global_batch_size=32",
     "train.micro_batch_size=16",
 ]
+EVERY_SAMPLE_BOTH = ["data.p_image=0", "data.p_audio=0", "data.p_both=1", "data.p_text=0"]
 LAYOUTS = {
     "fan_in": (
         parallel("vision", data=2, rank_offset=0)
@@ -256,6 +260,20 @@ def run_case(opts: Options) -> CaseResult:
             f"headers, {sum(c['messages'] for c in counts.values())} messages)",
         )
     )
+    # Every sample with both modalities: both ends know each bridge's row count from the
+    # config (mimotron.pipeline.shapes), so no shape header should travel.
+    fixed = measure_bytes(LAYOUTS["fan_in"] + EVERY_SAMPLE_BOTH, num_steps)
+    out.figures.append(
+        Figure(
+            "bridge_fixed_shape_headers",
+            fixed["metadata_bytes"],
+            "<= 0",
+            None,
+            f"shape-header bytes per {num_steps} steps, fan_in with every sample carrying "
+            f"both modalities (sent/minimum {fixed['ratio']:.2f}, {fixed['messages']} "
+            "messages); the mixed data above keeps its headers (row counts vary)",
+        )
+    )
     mbs_list = [8] if opts.tiny else ([16, 256] if opts.quick else [16, 128, 1024])
     iters = 5 if opts.tiny else 20
     bw = measure_bandwidth(mbs_list, opts.reps, iters)
@@ -283,6 +301,7 @@ def run_case(opts: Options) -> CaseResult:
     out.figures.append(fig)
     out.measurements = {
         "bytes": counts,
+        "bytes_fixed_shapes": fixed,
         "bandwidth": sizes,
         "iters_per_rep": iters,
         "bridge_api": "communicate" if _new_api() else "forward/backward",

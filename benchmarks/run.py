@@ -5,6 +5,8 @@ Cases (each measures two sides A/B interleaved, >= 5 repetitions, medians and mi
 * ``overhead``   mimotron's step vs a hand-written PyTorch loop (world size 1)
 * ``pipeline``   encoder rank + language rank vs one rank, m = 4 and 8 micro-batches
 * ``pipeline_vs_torch`` our 1F1B vs torch.distributed.pipelining Schedule1F1B, same split
+* ``stage_link`` language model at PP 2: stage-link shape headers and step time, with vs
+                 without the header-free link and receives posted ahead
 * ``bridge``     bytes the communicator sends vs the analytic minimum; its bandwidth vs
                  raw gloo send/recv of the same tensors
 * ``checkpoint`` DCP save vs ``torch.save`` of the same tensors; async blocking time
@@ -48,6 +50,7 @@ from benchmarks import (  # noqa: E402
     overlap,
     pipeline,
     pipeline_vs_torch,
+    stage_link,
 )
 from benchmarks.common import SIZES, CaseResult, Options, machine_info, warm_imports  # noqa: E402
 
@@ -55,6 +58,7 @@ CASES: dict[str, Callable[[Options], CaseResult]] = {
     "overhead": overhead.run_case,
     "pipeline": pipeline.run_case,
     "pipeline_vs_torch": pipeline_vs_torch.run_case,
+    "stage_link": stage_link.run_case,
     "bridge": bridge.run_case,
     "checkpoint": checkpoint.run_case,
     "memory": memory.run_case,

@@ -23,7 +23,11 @@ travel as before.
 
 Encoder outputs hold one row per sample that carries the modality, so a pair may
 exchange zero rows (a text-only slice): then only a header travels and every rank stays
-in lock-step. Shapes travel with each tensor (:mod:`mimotron.pipeline.p2p`). Colocated
+in lock-step. Shapes travel with each tensor (:mod:`mimotron.pipeline.p2p`), except on
+the language model's stage links, whose shape both stages derive from the config
+(:mod:`mimotron.pipeline.shapes`; checked on the sender). Given the plan
+(:meth:`~MultiModulePipelineCommunicator.expect`), every receive is posted as soon as the
+previous one of its direction has completed, ahead of the compute before its use. Colocated
 layouts need none of this: their transport is
 :class:`~mimotron.pipeline.colocated.ColocatedTransport`, chosen instead of this class
 once at setup; both share the layout helpers of :mod:`mimotron.pipeline.edges`.
@@ -38,6 +42,7 @@ loop) no transfer waits for the device.
 from __future__ import annotations
 
 import time
+from collections import deque
 
 import torch
 import torch.distributed as dist
@@ -46,7 +51,22 @@ from mimotron.names import LANGUAGE
 from mimotron.parallel.context_parallel import placeholder_selection
 from mimotron.parallel.layout import Layout, ModulePlacement
 from mimotron.pipeline.edges import Edge, slice_range
-from mimotron.pipeline.p2p import PendingSends, broadcast_tensor, exchange
+from mimotron.pipeline.p2p import (
+    Known,
+    PendingSends,
+    PostedRecv,
+    TransferCounts,
+    broadcast_tensor,
+    exchange,
+)
+from mimotron.pipeline.plan import (
+    RECV_BACKWARD,
+    RECV_FORWARD,
+    SEND_BACKWARD_RECV_FORWARD,
+    SEND_FORWARD_RECV_BACKWARD,
+    Action,
+)
+from mimotron.pipeline.shapes import LinkShape, bridge_link, stage_link_shape
 from mimotron.runtime import synchronize
 
 
@@ -93,13 +113,23 @@ class MultiModulePipelineCommunicator:
         edges: the module boundaries (``build_edges``).
         tp_groups: this rank's TP group per module it holds (``None`` = TP 1).
         device: where received tensors are allocated.
+        seq_length: every micro-batch's padded sequence length (``data.seq_length``).
+            With ``hidden_size``, the language model's stage links send no shape
+            header (:mod:`mimotron.pipeline.shapes`); ``None``: every transfer has one.
+        hidden_size: the language model's hidden size (see ``seq_length``).
+        bridge_rows: ``encoder -> (tokens, hidden)`` of its bridge rows where every
+            sample carries its modality (:func:`~mimotron.pipeline.shapes.
+            bridge_row_shapes`): those bridges send no header either. Ignored into a
+            context-parallel language model.
 
     Raises:
         ValueError: ``layout`` is colocated (use ``ColocatedTransport``).
     """
 
     def __init__(self, layout: Layout, rank: int, micro_batch_size: int, edges: list[Edge],
-                 tp_groups: dict[str, dist.ProcessGroup | None], device: torch.device) -> None:
+                 tp_groups: dict[str, dist.ProcessGroup | None], device: torch.device,
+                 seq_length: int | None = None, hidden_size: int | None = None,
+                 bridge_rows: dict[str, tuple[int, int]] | None = None) -> None:
         if layout.colocated:
             raise ValueError("a colocated layout has no pipeline transfers: use "
                              "mimotron.pipeline.colocated.ColocatedTransport")
@@ -120,6 +150,21 @@ class MultiModulePipelineCommunicator:
         self._routed: dict[int, tuple[torch.Size, list[tuple[int, int, torch.Tensor]]]] = {}
         self.transfer_s = 0.0
         self._timing = False
+        self.counts = TransferCounts()
+        # Known to both ends of a language stage link from the config: no header.
+        self._stage: LinkShape | None = (
+            stage_link_shape(layout, micro_batch_size, seq_length, hidden_size)
+            if self.module == LANGUAGE else None)
+        # (src leader, dst leader) -> the bridge tensor of that pair, where it is fixed.
+        self._bridge: dict[tuple[int, int], LinkShape] = {
+            (s, d): bridge_link(src, hi - lo, bridge_rows[src],
+                                "every sample carries its modality by data.p_image/p_audio/"
+                                "p_both/p_text, train.precision=fp32")
+            for src, routes in self._pairs.items() if src in (bridge_rows or {}) and self.cp == 1
+            for s, d, lo, hi, _ in routes}
+        # Receives posted ahead of need, and the plan's receive order per direction.
+        self._posted: dict[tuple[str, int], list[PostedRecv]] = {}
+        self._expected: dict[str, deque[int]] = {"forward": deque(), "backward": deque()}
 
     # ---- neighbours ----------------------------------------------------------------------
     def _stage_peer(self, delta: int) -> int:
@@ -256,20 +301,96 @@ class MultiModulePipelineCommunicator:
         """
         t0 = time.perf_counter()
         sends: list[tuple[int, torch.Tensor]] = []
+        known: list[Known] = []
         if send_forward is not None:
-            sends += self._forward_sends(*send_forward)
+            fwd_sends = self._forward_sends(*send_forward)
+            sends += fwd_sends
+            known += [self._checked(p, True, t, f"micro-batch {send_forward[0]}'s output "
+                                    f"for rank {p}") for p, t in fwd_sends]
         if send_backward is not None:
-            sends += self._backward_sends(*send_backward)
+            bwd_sends = self._backward_sends(*send_backward)
+            sends += bwd_sends
+            known += [self._checked(p, False, t, f"micro-batch {send_backward[0]}'s input "
+                                    f"gradient for rank {p}") for p, t in bwd_sends]
         fwd_src = self._forward_sources() if recv_forward is not None else []
-        bwd_src = self._backward_sources() if recv_backward is not None else []
-        got = exchange(sends, [p for _, p in fwd_src] + bwd_src, self.pending, self.device)
+        recvs = self._take("forward", recv_forward) if recv_forward is not None else []
+        num_fwd = len(recvs)
+        if recv_backward is not None:
+            recvs += self._take("backward", recv_backward)
+        got = exchange(sends, recvs, self.pending, self.counts, self.device, known)
+        self._post_next()
         fwd = bwd = None
         if recv_forward is not None:
-            fwd = self._assemble_forward(recv_forward, fwd_src, got[:len(fwd_src)])
+            fwd = self._assemble_forward(recv_forward, fwd_src, got[:num_fwd])
         if recv_backward is not None:
-            bwd = self._assemble_backward(recv_backward, got[len(fwd_src):])
+            bwd = self._assemble_backward(recv_backward, got[num_fwd:])
         self._add_time(t0)
         return fwd, bwd
+
+    # ---- shapes known in advance, receives posted ahead -------------------------------
+    def _link(self, peer: int, downstream: bool) -> LinkShape | None:
+        """The tensor the link with ``peer`` carries, if both ends know it (else None)."""
+        if not (self.role.is_last_stage if downstream else self.role.is_first_stage):
+            return self._stage  # a stage link inside the module
+        return self._bridge.get((self.rank, peer) if downstream else (peer, self.rank))
+
+    def _checked(self, peer: int, downstream: bool, t: torch.Tensor, what: str) -> Known:
+        """A send's known shape (``None``: it needs a header), checked against ``t``."""
+        link = self._link(peer, downstream)
+        if link is None:
+            return None
+        link.check(t, what)
+        return link.shape, link.dtype
+
+    def _post(self, direction: str) -> list[PostedRecv]:
+        downstream = direction == "backward"  # gradients come from downstream
+        peers = ([p for _, p in self._forward_sources()] if direction == "forward"
+                 else self._backward_sources())
+        out = []
+        for peer in peers:
+            link = self._link(peer, downstream)
+            out.append(PostedRecv(peer, None if link is None else (link.shape, link.dtype),
+                                  self.device))
+        return out
+
+    def _take(self, direction: str, k: int) -> list[PostedRecv]:
+        """The receives of micro-batch ``k``'s transfer: posted ahead, or posted now."""
+        queue = self._expected[direction]
+        if queue and queue[0] == k:
+            queue.popleft()
+        posted = self._posted.pop((direction, k), None)
+        # A receive posted for another micro-batch would take this one's messages.
+        assert posted is not None or all(d != direction for d, _ in self._posted), \
+            f"{direction} receive of micro-batch {k} out of the expected plan order"
+        return posted if posted is not None else self._post(direction)
+
+    def _post_next(self) -> None:
+        """Post the next expected receive of each direction, if not posted yet.
+
+        Called once the current receives are posted: messages from one peer match in
+        posting order, and each peer sends one direction only, in plan order.
+        """
+        for direction, queue in self._expected.items():
+            if queue and (direction, queue[0]) not in self._posted:
+                recvs = self._post(direction)
+                self.counts.prefetched_receives += len(recvs)
+                self._posted[(direction, queue[0])] = recvs
+
+    def expect(self, plan: list[Action]) -> None:
+        """Learn the order of a step's receives and post the first of each direction.
+
+        Called by the executor before it runs ``plan``; afterwards every receive is
+        posted as soon as the previous one of its direction completes, so a sender
+        never waits for this rank to reach its receive.
+        """
+        for a in plan:
+            if a.kind in (RECV_FORWARD, SEND_BACKWARD_RECV_FORWARD):
+                self._expected["forward"].append(a.microbatch if a.kind == RECV_FORWARD
+                                                 else a.other)
+            elif a.kind in (RECV_BACKWARD, SEND_FORWARD_RECV_BACKWARD):
+                self._expected["backward"].append(a.microbatch if a.kind == RECV_BACKWARD
+                                                  else a.other)
+        self._post_next()
 
     def finish(self, forward_only: bool = False) -> None:
         """Wait for every send of the step (call once at the end of a schedule)."""
@@ -281,6 +402,8 @@ class MultiModulePipelineCommunicator:
             self._routed.clear()
         assert not self._rows, f"gradients never sent for {sorted(self._rows)}"
         assert not self._routed, f"gradients never received for {sorted(self._routed)}"
+        assert not self._posted and not any(self._expected.values()), \
+            f"receives posted but never used: {sorted(self._posted)}"
 
     def set_timing(self, enabled: bool) -> None:
         """Time transfers (each then waits for the device) or not."""

@@ -65,8 +65,9 @@ Transport = ColocatedTransport | MultiModulePipelineCommunicator
 
 
 def build_transport(layout: Layout, rank: int, micro_batch_size: int, edges: list[Edge],
-                    tp_groups: dict[str, dist.ProcessGroup | None], device: torch.device
-                    ) -> Transport:
+                    tp_groups: dict[str, dist.ProcessGroup | None], device: torch.device,
+                    seq_length: int | None = None, hidden_size: int | None = None,
+                    bridge_rows: dict[str, tuple[int, int]] | None = None) -> Transport:
     """The run's transport, chosen once from the layout.
 
     Args:
@@ -76,11 +77,16 @@ def build_transport(layout: Layout, rank: int, micro_batch_size: int, edges: lis
         edges: the module boundaries (``build_edges``).
         tp_groups: this rank's TP group per module it holds (split layouts only).
         device: where received tensors are allocated (split layouts only).
+        seq_length: the padded sequence length; with ``hidden_size`` (the language
+            model's), language stage links send no shape header (split layouts only).
+        hidden_size: see ``seq_length``.
+        bridge_rows: the bridges whose row count is fixed (split layouts only; see
+            :func:`~mimotron.pipeline.shapes.bridge_row_shapes`): no header either.
     """
     if layout.colocated:
         return ColocatedTransport(layout, rank, micro_batch_size, edges)
     return MultiModulePipelineCommunicator(layout, rank, micro_batch_size, edges, tp_groups,
-                                           device)
+                                           device, seq_length, hidden_size, bridge_rows)
 
 
 @dataclass
@@ -103,6 +109,8 @@ class StepContext:
     language: LanguageStep
     transport: Transport
     loss_divisor: float = 1.0
+    token_count: Callable[[], float] | None = None
+    """If set, the divisor is still being reduced: :meth:`divisor` reads it on first use."""
     loss_scale: float = 1.0
     forward_only: bool = False
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
@@ -111,6 +119,12 @@ class StepContext:
     encoder_batching: bool = False
     """Colocated only: each encoder runs the step in one forward and one backward
     (``train.encoder_batching``; :mod:`mimotron.pipeline.encoder_batching`)."""
+
+    def divisor(self) -> float:
+        """``loss_divisor``, or ``max(token_count(), 1)`` (waited for once) if pending."""
+        if self.token_count is not None:
+            self.loss_divisor, self.token_count = max(self.token_count(), 1.0), None
+        return self.loss_divisor
 
 
 class StageRunner:
@@ -175,7 +189,7 @@ class StageRunner:
         if not self.ctx.forward_only:
             mask = self.ctx.microbatches[k][LANGUAGE]["loss_mask"]
             weights = mask.flatten(1).float().sum(1) * (self.ctx.loss_scale
-                                                          / self.ctx.loss_divisor)
+                                                          / self.ctx.divisor())
         set_aux_loss_weights(lm, weights)
 
     def _forward_colocated(self, k: int) -> None:
@@ -229,7 +243,7 @@ class StageRunner:
             self.ctx.grad_reducer.arm()
         last_lm = self.colocated or (self.module == LANGUAGE and self.roles[LANGUAGE].is_last_stage)
         if last_lm:
-            (out.float() * (self.ctx.loss_scale / self.ctx.loss_divisor)).backward()
+            (out.float() * (self.ctx.loss_scale / self.ctx.divisor())).backward()
             if self.batched is not None and k == len(self.ctx.microbatches) - 1:
                 self.batched.backward()  # after the reducer was armed above
         elif out.requires_grad and out.numel():
@@ -259,6 +273,7 @@ def _execute(plan: list[Action], runner: StageRunner, comm: Transport) -> None:
     def fwd_send(k: int) -> tuple:
         return (k, outputs.pop(k), runner.modality_mask(k), runner.placeholder_tokens(k))
 
+    comm.expect(plan)  # receives are posted ahead of need from here on
     for a in plan:
         k = a.microbatch
         if a.kind == FORWARD:

@@ -6,8 +6,9 @@ issued by every rank in the same order (world reductions use fixed-size vectors)
 rank takes a branch the others don't.
 
 The step's scalars cost two world collectives, each with one host sync: the loss-token
-count before the schedule (the loss is divided by it before backward), and the
-optimizer's after the gradient reduction, which carries found-inf, every module's norm
+count, started before the schedule and waited for where first needed (the loss is
+divided by it before backward; :class:`GlobalTokenCount`), and the optimizer's after
+the gradient reduction, which carries found-inf, every module's norm
 and zero slots and the logged loss, token, correct and sample sums.
 """
 
@@ -63,21 +64,42 @@ def module_parts(model: nn.Module) -> dict[str, nn.Module]:
     return parts
 
 
-def count_global_tokens(microbatches: list[Microbatch], infra: MimoModelInfra,
-                        device: torch.device) -> float:
-    """Loss tokens of the whole global batch, known to every rank (one world reduction).
+class GlobalTokenCount:
+    """Loss tokens of the whole global batch, reduced over the world in the background.
 
     Each language DP replica's leader contributes its slice's count; encoder-only ranks
     contribute zero but still join, so they can scale their gradients identically. This
     reduction cannot join the optimizer's: the loss is divided by the count before
-    backward. The count stays on device until the reduced value's one host sync.
+    backward. It is started before the schedule and waited for on first use (the
+    language model's last stage, at its first backward or MoE forward; every other rank
+    after its schedule), so no rank waits for the others to reach it before its first
+    forward: the encoders start at once. The value is the same float either way.
     """
-    local = 0.0
-    if infra.is_loss_leader:
-        local = sum(mb[LANGUAGE]["loss_mask"].sum() for mb in microbatches)
-    t = torch.as_tensor(local, dtype=torch.float64, device=device).reshape(1)
-    dist.all_reduce(t)
-    return float(t.item())
+
+    def __init__(self, microbatches: list[Microbatch], infra: MimoModelInfra,
+                 device: torch.device) -> None:
+        local = 0.0
+        if infra.is_loss_leader:
+            local = sum(mb[LANGUAGE]["loss_mask"].sum() for mb in microbatches)
+        self._count = torch.as_tensor(local, dtype=torch.float64, device=device).reshape(1)
+        self._work = dist.all_reduce(self._count, async_op=True)
+        self._value: float | None = None
+
+    def value(self) -> float:
+        """The world's count (waits for the reduction once; one host sync)."""
+        if self._value is None:
+            self._work.wait()
+            self._value = float(self._count.item())
+        return self._value
+
+
+def count_global_tokens(microbatches: list[Microbatch], infra: MimoModelInfra,
+                        device: torch.device) -> float:
+    """Loss tokens of the whole global batch, known to every rank (one world reduction).
+
+    See :class:`GlobalTokenCount`; this waits for it at once.
+    """
+    return GlobalTokenCount(microbatches, infra, device).value()
 
 
 def local_output_sums(outputs: list[MicrobatchOutput], infra: MimoModelInfra,
@@ -174,7 +196,7 @@ def train_step_mimo(
     microbatches = next(data_iterator)
     timers("data").stop()
     zero_grad_buffer_for_multimodule(parts)
-    num_tokens = count_global_tokens(microbatches, infra, device)
+    token_count = GlobalTokenCount(microbatches, infra, device)  # waited for on first use
     frozen = {n for n, m in cfg.modules.items() if m.freeze}
     sharded = {n for n, info in optimizer.module_infos.items() if info.zero is not None}
     bucket_bytes = int(cfg.train.grad_bucket_mb * 2**20)
@@ -187,13 +209,14 @@ def train_step_mimo(
     ctx = StepContext(
         model=model, layout=infra.layout, rank=infra.rank, microbatches=microbatches,
         language=LanguageStep.of(forward_step_func), transport=multimodule_communicator,
-        loss_divisor=max(num_tokens, 1.0), loss_scale=float(optimizer.get_loss_scale()),
+        token_count=token_count.value, loss_scale=float(optimizer.get_loss_scale()),
         autocast=autocast_factory(cfg.train.precision, device), grad_reducer=reducer,
         encoder_batching=cfg.train.encoder_batching)
     schedule = (forward_backward_pipelining_without_interleaving
                 if cfg.train.schedule == "1f1b" else forward_backward_no_pipelining)
     try:
         outputs = schedule(ctx)
+        num_tokens = token_count.value()
         timers("forward-backward").stop(sync=True)
         timers("grad-sync").start()
         finalize_model_grads(parts, pg_dict, frozen, sharded, bucket_bytes, reducer)

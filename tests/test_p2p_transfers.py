@@ -1,0 +1,226 @@
+"""Pipeline transfers: header-free stage links, receives posted ahead, no bit changed.
+
+One launch (5 gloo ranks: vision PP 2 | audio | language PP 2) trains through the real
+engine twice: first as shipped (the language stage link sends no shape header, every
+receive is posted as soon as the previous one of its direction completed, the
+loss-token count is reduced in the background and waited for where first needed),
+then with all three switched off (every transfer carries its header, receives posted
+on arrival at the transfer, the count waited for before the schedule: the previous
+behaviour). Losses, grad norms, every gradient as the
+optimizer steps it and the final weights must be bitwise equal, and the
+communicators' counters show which path ran: no header on the language stage link,
+headers kept on the variable-shape links (the vision stage link and the bridge carry
+one row per sample that has an image). ``tests/test_parity.py`` compares the shipped
+path with the plain PyTorch loop (``language-pp2*``, ``vision-pp2-language-pp2``).
+
+A bf16 launch checks the link's dtype assumption (fp32 residual stream under autocast).
+Another feeds the language model micro-batches of another sequence length
+through ``train_step_mimo``: the sending stage raises a ``ValueError`` naming the
+geometry, before anything is sent (the harness's hard timeout guards against a hang).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from mimotron.config import load_config
+from mimotron.parallel.layout import plan_layout
+from mimotron.pipeline import communicator as communicator_module
+from mimotron.pipeline.communicator import MultiModulePipelineCommunicator
+from mimotron.pipeline.shapes import stage_link_shape
+from mimotron.runtime import init_runtime
+from mimotron.testing import RankError, run_ranks
+from mimotron.training import loop as loop_module
+from mimotron.training import step as step_module
+from mimotron.training.loop import setup_mimo
+from mimotron.training.step import GlobalTokenCount, default_forward_step, train_step_mimo
+from tests.common import BASE, DIGITS, engine_run, noncolocated
+
+NUM_ITERS = 10
+NUM_MB = 2  # global batch 16 / micro-batch 8
+LAYOUT = noncolocated({"pipeline": 2}, {}, {"pipeline": 2}) + ["modules.vision.num_layers=2"]
+LM_PP2 = noncolocated({}, {}, {"pipeline": 2})
+# Every sample carries both modalities: the bridges' row counts are fixed too.
+EVERY_SAMPLE_BOTH = ["data.p_image=0", "data.p_audio=0", "data.p_both=1", "data.p_text=0"]
+FAN_IN = noncolocated({"data": 2}, {}, {"pipeline": 2})  # vision DP 2 -> language DP 1
+
+
+def _recording_run(rank: int, world: int, overrides: list[str], num_iters: int = NUM_ITERS
+                   ) -> dict:
+    """``engine_run`` plus this rank's role and its communicator's final counters."""
+    counts: list[dict[str, int]] = []
+    finish = MultiModulePipelineCommunicator.finish
+
+    def recording_finish(self: MultiModulePipelineCommunicator, forward_only: bool = False
+                         ) -> None:
+        finish(self, forward_only)
+        counts.append(dataclasses.asdict(self.counts))
+
+    MultiModulePipelineCommunicator.finish = recording_finish  # this forked rank only
+    try:
+        out = engine_run(rank, world, overrides, num_iters)
+    finally:
+        MultiModulePipelineCommunicator.finish = finish
+    role = plan_layout(load_config(DIGITS, BASE + overrides)).roles(rank)[0]
+    return {**out, "module": role.module, "pp": role.pp, "counts": counts[-1]}
+
+
+class _CountedAtOnce(GlobalTokenCount):
+    """The previous token count: every rank waits for the reduction before its schedule."""
+
+    def __init__(self, *args: object) -> None:
+        super().__init__(*args)
+        self.value()
+
+
+def _new_then_old(rank: int, world: int) -> dict:
+    new = _recording_run(rank, world, LAYOUT)
+    # The previous behaviour: no shape known in advance, nothing posted ahead, and the
+    # loss-token count waited for before the schedule.
+    communicator_module.stage_link_shape = lambda *args, **kwargs: None
+    MultiModulePipelineCommunicator.expect = lambda self, plan: None
+    step_module.GlobalTokenCount = _CountedAtOnce
+    old = _recording_run(rank, world, LAYOUT)
+    return {"new": new, "old": old}
+
+
+def _fixed_shapes(rank: int, world: int) -> dict:
+    """Every sample with both modalities: fp32 with and without, then bf16."""
+    new = _recording_run(rank, world, FAN_IN + EVERY_SAMPLE_BOTH, num_iters=2)
+    bf16 = _recording_run(rank, world, FAN_IN + EVERY_SAMPLE_BOTH + ["train.precision=bf16"],
+                          num_iters=2)
+    communicator_module.stage_link_shape = lambda *args, **kwargs: None
+    MultiModulePipelineCommunicator.expect = lambda self, plan: None
+    loop_module.bridge_row_shapes = lambda *args: {}
+    old = _recording_run(rank, world, FAN_IN + EVERY_SAMPLE_BOTH, num_iters=2)
+    return {"new": new, "bf16": bf16, "old": old}
+
+
+@pytest.fixture(scope="module")
+def runs() -> list[dict]:
+    return run_ranks(5, _new_then_old, timeout_s=240)
+
+
+@pytest.fixture(scope="module")
+def fixed() -> list[dict]:
+    return run_ranks(5, _fixed_shapes, timeout_s=120)
+
+
+def test_fixed_bridges_send_no_header_in_fp32(fixed: list[dict]) -> None:
+    for r in fixed:
+        role = (r["new"]["module"], r["new"]["pp"])
+        assert r["new"]["counts"]["headers_sent"] == 0, role
+        assert r["new"]["counts"]["headers_received"] == 0, role
+        assert r["new"]["counts"]["header_free_sends"] > 0, role
+        assert r["old"]["counts"]["header_free_sends"] == 0, role
+        assert r["new"]["steps"] == r["old"]["steps"]
+        for name, w in r["new"]["weights"].items():
+            assert torch.equal(w, r["old"]["weights"][name]), name
+
+
+def test_bf16_keeps_bridge_headers_but_not_the_stage_links(fixed: list[dict]) -> None:
+    """bf16 autocast: the residual stream (the stage link) stays fp32; the projector's
+    output dtype is not assumed, so the bridge keeps its headers."""
+    by_role = {(r["bf16"]["module"], r["bf16"]["pp"]): r["bf16"] for r in fixed}
+    assert by_role[("language", 1)]["counts"]["headers_sent"] == 0
+    assert by_role[("language", 1)]["counts"]["header_free_sends"] == 2 * NUM_MB
+    assert by_role[("language", 0)]["counts"]["headers_received"] == 3 * 2 * NUM_MB
+    assert all(not skipped for _, _, skipped, _ in by_role[("language", 1)]["steps"])
+
+
+def test_results_are_bitwise_equal_with_and_without(runs: list[dict]) -> None:
+    for r in runs:
+        new, old = r["new"], r["old"]
+        assert new["steps"] == old["steps"]
+        assert new["grad_sq"] == old["grad_sq"]
+        assert new["weights"].keys() == old["weights"].keys()
+        for name, w in new["weights"].items():
+            assert torch.equal(w, old["weights"][name]), name
+
+
+def test_language_stage_link_sends_no_header(runs: list[dict]) -> None:
+    transfers = NUM_ITERS * NUM_MB
+    by_role = {(r["new"]["module"], r["new"]["pp"]): r for r in runs}
+    first, last = by_role[("language", 0)], by_role[("language", 1)]
+    # Stage 1 talks only over the stage link: not one header either way.
+    assert last["new"]["counts"]["headers_sent"] == 0
+    assert last["new"]["counts"]["headers_received"] == 0
+    assert last["new"]["counts"]["header_free_sends"] == transfers  # input gradients
+    # Stage 0: the link header-free; the bridge (vision, audio) keeps its headers.
+    assert first["new"]["counts"]["header_free_sends"] == transfers  # activations
+    assert first["new"]["counts"]["headers_received"] == 2 * transfers
+    assert first["new"]["counts"]["headers_sent"] == 2 * transfers
+    # Before: every transfer had its header.
+    assert last["old"]["counts"]["headers_sent"] == transfers
+    assert last["old"]["counts"]["header_free_sends"] == 0
+
+
+def test_variable_shapes_keep_their_header(runs: list[dict]) -> None:
+    transfers = NUM_ITERS * NUM_MB
+    by_role = {(r["new"]["module"], r["new"]["pp"]): r for r in runs}
+    # The vision stage link carries one row per sample with an image: header kept
+    # (stage 0: activations; stage 1: their gradients, and the bridge's rows).
+    for pp, sends in ((0, transfers), (1, 2 * transfers)):
+        counts = by_role[("vision", pp)]["new"]["counts"]
+        assert counts["header_free_sends"] == 0
+        assert counts["headers_sent"] == sends
+        assert counts == by_role[("vision", pp)]["old"]["counts"] | {
+            "prefetched_receives": counts["prefetched_receives"]}
+
+
+def test_receives_are_posted_ahead(runs: list[dict]) -> None:
+    for r in runs:
+        role = (r["new"]["module"], r["new"]["pp"])
+        assert r["new"]["counts"]["prefetched_receives"] > 0, role
+        assert r["old"]["counts"]["prefetched_receives"] == 0
+
+
+def test_stage_link_shape_from_the_config() -> None:
+    def layout(**language: int):  # noqa: ANN202
+        return plan_layout(load_config(DIGITS, BASE + noncolocated({}, {}, language)))
+
+    assert stage_link_shape(layout(), 8, 64, 32) is None  # one stage: no link
+    assert stage_link_shape(layout(pipeline=2), 8, None, 32) is None  # unknown length
+    link = stage_link_shape(layout(pipeline=2, data=2, context=2), 8, 64, 32)
+    assert link is not None and (link.shape, link.dtype) == ((4, 32, 32), torch.float32)
+    with pytest.raises(ValueError, match=r"is \[4, 24, 32\].*carries \[4, 32, 32\].*"
+                                         r"data.seq_length=64.*\[4, 64\] tokens"):
+        link.check(torch.zeros(4, 24, 32), "micro-batch 0's stage output")
+
+
+def _shorter_sequences(rank: int, world: int) -> None:
+    cfg = load_config(DIGITS, BASE + LM_PP2)
+    run = setup_mimo(cfg, init_runtime())
+    step = next(run.train_data_iterator)
+    seq = cfg.data.seq_length
+    for mb in step:  # A user's iterator: 8 positions short (placeholders stay in).
+        if "language" in mb:
+            mb["language"] = {k: v[:, :seq - 8] if v.dim() >= 2 and v.shape[1] == seq else v
+                              for k, v in mb["language"].items()}
+    train_step_mimo(default_forward_step, iter([step]), run.model, run.optimizer,
+                    run.schedulers, run.global_state, run.communicator, infra=run.infra)
+
+
+def _text_only_sample(rank: int, world: int) -> None:
+    cfg = load_config(DIGITS, BASE + FAN_IN + EVERY_SAMPLE_BOTH)
+    run = setup_mimo(cfg, init_runtime())
+    step = next(run.train_data_iterator)
+    if "vision" in step[0]:  # A user's iterator: one sample of the slice has no image.
+        batch = step[0]["vision"]
+        keep = torch.arange(batch["has_image"].shape[0]) != 0
+        batch["has_image"] = batch["has_image"] * keep.to(batch["has_image"].dtype)
+    train_step_mimo(default_forward_step, iter([step]), run.model, run.optimizer,
+                    run.schedulers, run.global_state, run.communicator, infra=run.infra)
+
+
+def test_mismatched_batches_raise_on_the_sender() -> None:
+    with pytest.raises(RankError, match=r"rank 2 failed: ValueError: micro-batch 0's output "
+                                        r"for rank 3 is \[8, 56, 64\].*carries \[8, 64, 64\]"):
+        run_ranks(4, _shorter_sequences, timeout_s=90)
+    with pytest.raises(RankError, match=r"failed: ValueError: micro-batch 0's output for rank "
+                                        r"3 is \[3, .*bridge from 'vision' carries \[4, .*every "
+                                        r"sample of the slice must carry 'vision'"):
+        run_ranks(5, _text_only_sample, timeout_s=90)
