@@ -20,6 +20,7 @@ from mimotron.names import GRID_AXES, LANGUAGE
 from mimotron.parallel.context_parallel import check_context_parallel
 from mimotron.parallel.expert_layout import check_expert_layout
 from mimotron.parallel.sequence_parallel import check_sequence_parallel
+from mimotron.parallel.virtual_pipeline import check_virtual_pipeline
 
 GRID_DIMS = GRID_AXES
 
@@ -241,6 +242,7 @@ def _check_module_shape(cfg: MimoConfig, name: str, colocated: bool) -> None:
     check_sequence_parallel(cfg, name)
     check_context_parallel(cfg, name)
     check_expert_layout(cfg, name)
+    check_virtual_pipeline(cfg, name, colocated)
 
 
 def _hf_shape_keys(name: str, mod: ModuleConfig) -> list[tuple[str, int]]:

@@ -28,6 +28,11 @@ layouts need none of this: their transport is
 :class:`~mimotron.pipeline.colocated.ColocatedTransport`, chosen instead of this class
 once at setup; both share the layout helpers of :mod:`mimotron.pipeline.edges`.
 
+Under interleaving (``virtual_pipeline = v > 1``) every transfer names the model chunk
+it serves: stage links then go round the ring of stage ranks (``pp + 1`` modulo the
+pipeline size carries chunk ``j`` of the last rank into chunk ``j + 1`` of the first),
+and only the first and last *virtual* stages talk across modules.
+
 While timing is on (:meth:`set_timing`, switched on by the training loop for training
 steps only), the wall time of every transfer, synchronised with the device, accumulates
 in ``transfer_s``; the loop reads it with :meth:`pop_transfer_seconds` for the
@@ -109,6 +114,7 @@ class MultiModulePipelineCommunicator:
         roles = layout.roles(rank)
         assert len(roles) == 1, f"rank {rank} holds {len(roles)} modules in a split layout"
         self.module, self.role = roles[0].module, roles[0]
+        self.num_chunks = layout.modules[self.module].parallel.virtual_pipeline
         self.tp_group = tp_groups.get(self.module) if self.module else None
         # Rows exchanged per bridge pair, remembered from forward for the gradients.
         self._rows: dict[tuple[int, str], list[int]] = {}
@@ -123,8 +129,16 @@ class MultiModulePipelineCommunicator:
 
     # ---- neighbours ----------------------------------------------------------------------
     def _stage_peer(self, delta: int) -> int:
+        """Stage rank ``delta`` away; modulo the pipeline size: the interleaving ring."""
         r, mod = self.role, self.layout.modules[self.module]
-        return mod.rank_at(tp=r.tp, cp=r.cp, dp=r.dp, pp=r.pp + delta)
+        return mod.rank_at(tp=r.tp, cp=r.cp, dp=r.dp, pp=(r.pp + delta) % mod.parallel.pipeline)
+
+    def _first(self, chunk: int) -> bool:
+        """Whether (this rank, ``chunk``) is the module's first virtual stage."""
+        return self.role.is_first_stage and chunk == 0
+
+    def _last(self, chunk: int) -> bool:
+        return self.role.is_last_stage and chunk == self.num_chunks - 1
 
     @property
     def _tp_leader(self) -> int:
@@ -137,9 +151,9 @@ class MultiModulePipelineCommunicator:
 
     # ---- forward direction -------------------------------------------------------------
     def _forward_sends(self, k: int, output: torch.Tensor, mask: torch.Tensor | None,
-                       placeholders: tuple[torch.Tensor, int] | None = None
+                       placeholders: tuple[torch.Tensor, int] | None = None, chunk: int = 0
                        ) -> list[tuple[int, torch.Tensor]]:
-        if not self.role.is_last_stage:
+        if not self._last(chunk):
             return [(self._stage_peer(+1), output)]
         if self.role.tp != 0:
             return []
@@ -170,17 +184,18 @@ class MultiModulePipelineCommunicator:
             self._routed[k] = (output.shape, routed)
         return sends
 
-    def _forward_sources(self) -> list[tuple[str | None, int]]:
+    def _forward_sources(self, chunk: int = 0) -> list[tuple[str | None, int]]:
         """``(edge src or None for a stage link, peer)`` this rank receives from."""
-        if not self.role.is_first_stage:
+        if not self._first(chunk):
             return [(None, self._stage_peer(-1))]
         if self.module != LANGUAGE or self.role.tp != 0:
             return []
         return [(src, s_rank) for src, pairs in self._pairs.items()
                 for s_rank, d_rank, *_ in pairs if d_rank == self.rank]
 
-    def _assemble_forward(self, k: int, sources, tensors) -> torch.Tensor | dict:
-        if not self.role.is_first_stage:
+    def _assemble_forward(self, k: int, sources, tensors, chunk: int = 0
+                          ) -> torch.Tensor | dict:
+        if not self._first(chunk):
             return tensors[0].requires_grad_(True)
         out = {}
         for src in self._pairs:
@@ -195,9 +210,9 @@ class MultiModulePipelineCommunicator:
         return out
 
     # ---- backward direction ------------------------------------------------------------
-    def _backward_sends(self, k: int, grads: torch.Tensor | dict
+    def _backward_sends(self, k: int, grads: torch.Tensor | dict, chunk: int = 0
                         ) -> list[tuple[int, torch.Tensor]]:
-        if not self.role.is_first_stage:
+        if not self._first(chunk):
             return [(self._stage_peer(-1), grads)]
         if self.role.tp != 0:
             return []
@@ -211,15 +226,16 @@ class MultiModulePipelineCommunicator:
                     i += 1
         return sends
 
-    def _backward_sources(self) -> list[int]:
-        if not self.role.is_last_stage:
+    def _backward_sources(self, chunk: int = 0) -> list[int]:
+        if not self._last(chunk):
             return [self._stage_peer(+1)]
         if self.role.tp != 0:
             return []
         return [d for s, d, *_ in self._pairs[self.module] if s == self.rank]
 
-    def _assemble_backward(self, k: int, tensors: list[torch.Tensor]) -> torch.Tensor:
-        if not self.role.is_last_stage:
+    def _assemble_backward(self, k: int, tensors: list[torch.Tensor], chunk: int = 0
+                           ) -> torch.Tensor:
+        if not self._last(chunk):
             return tensors[0]
         if self.cp > 1 and self.role.tp == 0:
             t = self._scatter_pieces(k, tensors)
@@ -239,7 +255,8 @@ class MultiModulePipelineCommunicator:
     # ---- the four transfers, alone or paired ------------------------------------------
     def communicate(self, *, send_forward: tuple | None = None,
                     send_backward: tuple[int, torch.Tensor | dict] | None = None,
-                    recv_forward: int | None = None, recv_backward: int | None = None
+                    recv_forward: int | None = None, recv_backward: int | None = None,
+                    chunk: int = 0
                     ) -> tuple[torch.Tensor | dict | None, torch.Tensor | None]:
         """Post the sends, then do the receives, in one exchange.
 
@@ -250,6 +267,8 @@ class MultiModulePipelineCommunicator:
             send_backward: ``(microbatch, input gradient(s))``.
             recv_forward: micro-batch whose input to receive.
             recv_backward: micro-batch whose output gradient to receive.
+            chunk: the model chunk every transfer of the call serves (interleaving;
+                0 otherwise).
 
         Returns:
             ``(forward input, output gradient)``; ``None`` where not requested.
@@ -257,17 +276,17 @@ class MultiModulePipelineCommunicator:
         t0 = time.perf_counter()
         sends: list[tuple[int, torch.Tensor]] = []
         if send_forward is not None:
-            sends += self._forward_sends(*send_forward)
+            sends += self._forward_sends(*send_forward, chunk=chunk)
         if send_backward is not None:
-            sends += self._backward_sends(*send_backward)
-        fwd_src = self._forward_sources() if recv_forward is not None else []
-        bwd_src = self._backward_sources() if recv_backward is not None else []
+            sends += self._backward_sends(*send_backward, chunk=chunk)
+        fwd_src = self._forward_sources(chunk) if recv_forward is not None else []
+        bwd_src = self._backward_sources(chunk) if recv_backward is not None else []
         got = exchange(sends, [p for _, p in fwd_src] + bwd_src, self.pending, self.device)
         fwd = bwd = None
         if recv_forward is not None:
-            fwd = self._assemble_forward(recv_forward, fwd_src, got[:len(fwd_src)])
+            fwd = self._assemble_forward(recv_forward, fwd_src, got[:len(fwd_src)], chunk)
         if recv_backward is not None:
-            bwd = self._assemble_backward(recv_backward, got[len(fwd_src):])
+            bwd = self._assemble_backward(recv_backward, got[len(fwd_src):], chunk)
         self._add_time(t0)
         return fwd, bwd
 
