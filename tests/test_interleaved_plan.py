@@ -216,3 +216,19 @@ def test_validator_refuses(override, match):
             "train.global_batch_size=32", "train.micro_batch_size=8"]
     with pytest.raises(ValueError, match=match.replace("[", r"\[")):
         plan_layout(load_config(DIGITS, base + override))
+
+
+def test_plan_memory_counts_the_chunks():
+    from mimotron.parallel.memory import activation_bytes, stage_parameter_counts
+
+    over = ["modules.vision.num_layers=4", "modules.vision.parallel.pipeline=2",
+            "modules.vision.parallel.data=1", "modules.audio.parallel.rank_offset=2",
+            "modules.language.parallel.rank_offset=3", "modules.language.parallel.data=1"]
+    flat = load_config(DIGITS, over)
+    inter = load_config(DIGITS, [*over, "modules.vision.parallel.virtual_pipeline=2"])
+    # Same layers per rank (2 of 4), the ends where they were: same weights.
+    assert stage_parameter_counts(inter, "vision", 64) == stage_parameter_counts(flat,
+                                                                                "vision", 64)
+    # Interleaving: (p - 1) * 2 + (v - 1) * p + 1 = 5 in-flight chunks of 1 layer vs
+    # 1F1B's p = 2 micro-batches of 2 layers.
+    assert activation_bytes(inter, "vision") * 4 == activation_bytes(flat, "vision") * 5
