@@ -13,10 +13,14 @@ carries several groups of ``pipeline`` micro-batches per chunk.
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 
+from mimotron.config import load_config
 from mimotron.testing import run_ranks
 from tests.common import engine_run, noncolocated
+from tests.reference import reference_run
 from tests.test_parity import (
     NUM_ITERS,
     PARITY,
@@ -51,4 +55,31 @@ def test_interleaved_layout_matches_plain_loop(name):
     ref = reference(extra)
     assert_steps_match(results, ref)
     assert_module_norms_match(results, ref, checked_modules(overrides))
+    assert_weights_match(results, ref)
+
+
+def _without_encoders(path, overrides):
+    """``load_config`` with the encoder modules removed (a language model alone)."""
+    cfg = load_config(path, overrides)
+    for name in cfg.encoder_names:
+        del cfg.modules[name]
+    return cfg
+
+
+@pytest.mark.parametrize("virtual", [1, 2])
+def test_language_model_alone_pipelines(virtual):
+    """One module with pipeline stages is a pipeline (it was planned as colocated and
+    failed on stage 1); with and without interleaving it trains like the plain loop."""
+    layout = [f"modules.language.parallel.{k}={v}" for k, v in
+              (("data", 1), ("rank_offset", 0), ("pipeline", 2), ("virtual_pipeline", virtual))]
+    overrides = PARITY + layout + LANGUAGE_4 + FOUR_MB
+    with mock.patch("tests.common.load_config", _without_encoders), \
+            mock.patch("tests.reference.load_config", _without_encoders):
+        results = run_ranks(2, engine_run, overrides, NUM_ITERS, timeout_s=300)
+        # The extra (default) override keeps reference.py's data cache key apart from
+        # runs with the encoders.
+        ref = reference_run(tuple(PARITY + LANGUAGE_4 + FOUR_MB + ["modules.vision.num_layers=1"]),
+                            NUM_ITERS)
+    assert_steps_match(results, ref)
+    assert_module_norms_match(results, ref, {"language"})
     assert_weights_match(results, ref)

@@ -185,7 +185,10 @@ def _check_placement(modules: dict[str, ModulePlacement]) -> tuple[bool, int]:
     """Return (colocated, world_size) or raise for overlaps, gaps and partial overlaps."""
     blocks = sorted(modules.values(), key=lambda m: (m.rank_offset, m.name))
     first = blocks[0]
-    if all(m.rank_offset == first.rank_offset and m.size == first.size for m in blocks):
+    # One module alone with pipeline stages is a pipeline, not a colocated placement.
+    alone_pipelined = len(blocks) == 1 and first.parallel.pipeline > 1
+    if not alone_pipelined and all(m.rank_offset == first.rank_offset and m.size == first.size
+                                   for m in blocks):
         if first.rank_offset != 0:
             raise ValueError(
                 f"modules.{first.name}.parallel.rank_offset={first.rank_offset} is invalid: "
