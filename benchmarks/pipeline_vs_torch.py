@@ -43,12 +43,12 @@ from benchmarks.common import (
     parallel,
     precompute_steps,
     ratio_figure,
-    runqueue_wait_s,
     setup_run,
     summarize,
     timed,
 )
 from benchmarks.pipeline import SIZES, _two_module_raw, model_overrides
+from benchmarks.pipeline_vs_torch_interleaved import ab_times, interleaved_case
 from mimotron.testing import run_ranks
 
 P = 2
@@ -158,18 +158,7 @@ def _rank(rank: int, world: int, sizes: tuple[int, ...], m: int, reps: int, step
         dist.barrier()
     opt.zero_grad(set_to_none=True)
     dist.all_reduce(stage_s)
-    times: dict[str, list[float]] = {"ours": [], "torch": []}
-    waits: dict[str, list[float]] = {"ours": [], "torch": []}
-    sides = {"ours": ours_step, "torch": torch_step}
-    for i in range(reps):
-        for name in ("ours", "torch") if i % 2 == 0 else ("torch", "ours"):
-            dist.barrier()
-            waited = runqueue_wait_s()
-            t = torch.tensor([timed(sides[name], steps), 0.0])
-            t[1] = (runqueue_wait_s() - waited) / steps / t[0]
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the step ends with the slower rank
-            times[name].append(float(t[0]))
-            waits[name].append(float(t[1]))
+    times, waits = ab_times({"ours": ours_step, "torch": torch_step}, reps, steps)
     return {
         "times": times,
         "cpu_wait": waits,
@@ -232,6 +221,7 @@ def run_case(opts: Options) -> CaseResult:
             "no grad clipping or world loss reduction",
         }
     )
+    interleaved_case(opts, sizes, m, steps, out)
     wait = statistics.median(res["cpu_wait"]["ours"] + res["cpu_wait"]["torch"])
     if wait > 0.05:
         out.notes.append(

@@ -293,7 +293,8 @@ def _validate_hf_keys(name: str, mod: ModuleConfig) -> None:
 
 
 def _validate_parallel(par: ParallelConfig, p: str) -> None:
-    for key in ("tensor", "pipeline", "data", "context", "expert", "expert_tensor"):
+    for key in ("tensor", "pipeline", "data", "context", "expert", "expert_tensor",
+                "virtual_pipeline"):
         val = getattr(par, key)
         _check(isinstance(val, int) and val >= 1, f"{p}.{key}", val, "a positive integer")
     _check(par.rank_offset >= 0, f"{p}.rank_offset", par.rank_offset, "an integer >= 0")

@@ -86,6 +86,16 @@ class ParallelConfig:
 
     No effect with one DP replica; not supported together with tensor > 1.
     """
+    virtual_pipeline: int = 1
+    """Model chunks per pipeline rank (>= 1; > 1 = interleaved 1F1B, needs pipeline > 1).
+
+    The layers are cut into pipeline x virtual_pipeline contiguous chunks and rank r
+    holds chunks r, r + pipeline, ... (Megatron's virtual pipeline stages): a smaller
+    pipeline bubble for more transfers. Needs the step's micro-batches to be a multiple
+    of pipeline, a non-colocated layout and a balanced split (no layers_per_stage);
+    not with context or expert parallelism, MoE, hf_path, ZeRO or
+    train.overlap_grad_reduce.
+    """
     layers_per_stage: list[int] = field(default_factory=list)
     """Explicit layers per pipeline stage, e.g. ``[1, 3]``; empty = balanced split.
 

@@ -121,8 +121,8 @@ def engine_run(rank: int, world: int, overrides: list[str], num_iters: int) -> d
     grad_sq: list[dict[str, float]] = []
     encode, step_ready = run.model.encode, run.optimizer.step_with_ready_grads
 
-    def counting_encode(name: str, batch: dict) -> torch.Tensor:
-        rows = encode(name, batch)
+    def counting_encode(name: str, batch: dict, **kw: int) -> torch.Tensor:
+        rows = encode(name, batch, **kw)
         counts["empty_encoder_outputs"] += int(rows.shape[0] == 0)
         return rows
 

@@ -393,3 +393,23 @@ def make_layers(
         extra = {} if mlp is None else {"mlp": mlp}
         layers[str(i)] = cls(**block_kwargs, **extra, num_layers=num_layers)
     return nn.ModuleDict(layers)
+
+
+def chunk_modules(layers: nn.ModuleDict, layer_chunks: list[list[int]] | None,
+                  chunk: int | None) -> list[nn.Module]:
+    """The layers of model chunk ``chunk`` (interleaved pipelines), or all of them.
+
+    Args:
+        layers: a stage's layers keyed by global index (:func:`make_layers`).
+        layer_chunks: global indices of each chunk the stage holds, or ``None``.
+        chunk: which chunk to run; ``None`` = every layer in order.
+    """
+    if chunk is None:
+        return list(layers.values())
+    assert layer_chunks is not None, "chunk given to a module without layer_chunks"
+    return [layers[str(i)] for i in layer_chunks[chunk]]
+
+
+def is_last_chunk(layer_chunks: list[list[int]] | None, chunk: int | None) -> bool:
+    """Whether ``chunk`` is the last model chunk held (``None``: the whole stage is)."""
+    return chunk is None or chunk == len(layer_chunks or []) - 1

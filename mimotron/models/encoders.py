@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mimotron.models.blocks import RMSNorm, make_layers
+from mimotron.models.blocks import RMSNorm, chunk_modules, is_last_chunk, make_layers
 
 
 class _EncoderStack(nn.Module):
@@ -60,21 +60,26 @@ class _EncoderStack(nn.Module):
             causal=False,
         )
         self.final_norm = RMSNorm(hidden_size) if post_process else None
+        # Interleaved 1F1B: global layer ids of each model chunk held (see LanguageModel).
+        self.layer_chunks: list[list[int]] | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, chunk: int | None = None) -> torch.Tensor:
         """Encode raw input (first stage) or hidden states (later stages).
 
         Args:
-            x: raw modality input if ``pre_process``, else ``[n, num_tokens, hidden]``.
+            x: raw modality input if ``pre_process`` (and ``chunk`` is 0 or ``None``),
+                else ``[n, num_tokens, hidden]``.
+            chunk: interleaved pipelines only: run model chunk ``chunk`` of
+                ``layer_chunks``; ``None`` = every layer.
 
         Returns:
-            ``[n, num_tokens, hidden]``: final-normed on the last stage.
+            ``[n, num_tokens, hidden]``: final-normed on the last stage (last chunk).
         """
-        if self.front_end is not None:
+        if self.front_end is not None and not chunk:
             x = self.front_end(x) + self.pos_embed
-        for layer in self.layers.values():
+        for layer in chunk_modules(self.layers, self.layer_chunks, chunk):
             x = layer(x)
-        if self.final_norm is not None:
+        if self.final_norm is not None and is_last_chunk(self.layer_chunks, chunk):
             x = self.final_norm(x)
         return x
 
@@ -299,7 +304,15 @@ class ModalitySubmodule(nn.Module):
         """Embeddings emitted per sample (placeholder tokens in the text)."""
         return int(self.encoder.num_tokens)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Encode and project: raw input -> ``[n, tokens, lm_hidden]`` (see class docs)."""
-        x = self.encoder(x)
-        return x if self.projector is None else self.projector(x)
+    def forward(self, x: torch.Tensor, chunk: int | None = None) -> torch.Tensor:
+        """Encode and project: raw input -> ``[n, tokens, lm_hidden]`` (see class docs).
+
+        ``chunk`` (interleaved pipelines) runs one model chunk of the encoder; the
+        projector follows the last one only.
+        """
+        if chunk is None:
+            x = self.encoder(x)
+            return x if self.projector is None else self.projector(x)
+        x = self.encoder(x, chunk=chunk)
+        last = is_last_chunk(self.encoder.layer_chunks, chunk)
+        return x if self.projector is None or not last else self.projector(x)

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mimotron.data.packing import document_mask
-from mimotron.models.blocks import RMSNorm, make_layers, rope_cache
+from mimotron.models.blocks import RMSNorm, chunk_modules, is_last_chunk, make_layers, rope_cache
 from mimotron.models.moe import MoEOptions, check_layer_freq
 from mimotron.models.rope_scaling import rope_inv_freq, validate_rope_scaling
 from mimotron.parallel.context_attention import context_attention_mask
@@ -129,6 +129,9 @@ class LanguageModel(nn.Module):
         self.sequence_parallel_group: dist.ProcessGroup | None = None
         # The CP group under context parallelism (set_context_parallel).
         self.context_parallel_group: dist.ProcessGroup | None = None
+        # Interleaved 1F1B: global layer ids of each model chunk this instance holds
+        # (mimotron.parallel.virtual_pipeline); forward(chunk=j) runs one of them.
+        self.layer_chunks: list[list[int]] | None = None
 
     def set_context_parallel(self, group: dist.ProcessGroup | None) -> None:
         """Run this stage on a context-parallel group's load-balanced positions.
@@ -220,7 +223,8 @@ class LanguageModel(nn.Module):
         return self.embed(tokens)
 
     def forward(self, hidden: torch.Tensor, doc_ids: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+                position_ids: torch.Tensor | None = None, chunk: int | None = None
+                ) -> torch.Tensor:
         """Run this stage's layers (and, on the last stage, the norm and output head).
 
         Args:
@@ -231,6 +235,8 @@ class LanguageModel(nn.Module):
                 (``S`` positions) under context parallelism too.
             position_ids: with ``doc_ids``: ``[B, S]`` RoPE positions (restarting at 0
                 for every document); whole under context parallelism too.
+            chunk: interleaved pipelines only: run model chunk ``chunk`` of
+                ``layer_chunks`` (the head only after the last one); ``None`` = every layer.
 
         Returns:
             Logits ``[B, S, vocab]`` on the last stage, else hidden states ``[B, S, hidden]``.
@@ -261,9 +267,10 @@ class LanguageModel(nn.Module):
             # Sequence parallelism: layers and norms hold seq / tp; stages exchange whole
             # sequences (mimotron.parallel.sequence_parallel).
             hidden = scatter_sequence(hidden, group)
-        for layer in self.layers.values():
+        for layer in chunk_modules(self.layers, self.layer_chunks, chunk):
             hidden = layer(hidden, rope) if mask is None else layer(hidden, rope, mask)
-        if self.final_norm is None or self.output is None:
+        last = is_last_chunk(self.layer_chunks, chunk)
+        if self.final_norm is None or self.output is None or not last:
             return hidden if group is None else gather_sequence(hidden, group)
         return self.output(self.final_norm(hidden))
 

@@ -69,12 +69,13 @@ class MimoModel(nn.Module):
         """Bool ``[B]``: which samples carry module ``name``'s modality."""
         return batch["has_" + self.modality_of[name]].bool()
 
-    def encode(self, name: str, batch: Batch) -> torch.Tensor:
+    def encode(self, name: str, batch: Batch, chunk: int | None = None) -> torch.Tensor:
         """Run module ``name`` on the samples that carry its modality.
 
         Args:
             name: module name, e.g. ``"vision"``.
             batch: a batch dict (see :mod:`mimotron.models`).
+            chunk: interleaved pipelines: the model chunk to run (0 on the first stage).
 
         Returns:
             ``[n_present, T, lm_hidden]`` (``n_present`` may be 0).
@@ -88,7 +89,9 @@ class MimoModel(nn.Module):
                 f"{sorted(self.modality_submodules)})"
             )
         inputs = batch[self.modality_of[name]][self.present_mask(name, batch)]
-        return self.modality_submodules[name](inputs)
+        if chunk is None:
+            return self.modality_submodules[name](inputs)
+        return self.modality_submodules[name](inputs, chunk=chunk)
 
     def merge_embeddings(
         self,

@@ -20,6 +20,7 @@ from mimotron.names import GRID_AXES, LANGUAGE
 from mimotron.parallel.context_parallel import check_context_parallel
 from mimotron.parallel.expert_layout import check_expert_layout
 from mimotron.parallel.sequence_parallel import check_sequence_parallel
+from mimotron.parallel.virtual_pipeline import check_virtual_pipeline
 
 GRID_DIMS = GRID_AXES
 
@@ -185,7 +186,10 @@ def _check_placement(modules: dict[str, ModulePlacement]) -> tuple[bool, int]:
     """Return (colocated, world_size) or raise for overlaps, gaps and partial overlaps."""
     blocks = sorted(modules.values(), key=lambda m: (m.rank_offset, m.name))
     first = blocks[0]
-    if all(m.rank_offset == first.rank_offset and m.size == first.size for m in blocks):
+    # One module alone with pipeline stages is a pipeline, not a colocated placement.
+    alone_pipelined = len(blocks) == 1 and first.parallel.pipeline > 1
+    if not alone_pipelined and all(m.rank_offset == first.rank_offset and m.size == first.size
+                                   for m in blocks):
         if first.rank_offset != 0:
             raise ValueError(
                 f"modules.{first.name}.parallel.rank_offset={first.rank_offset} is invalid: "
@@ -242,6 +246,7 @@ def _check_module_shape(cfg: MimoConfig, name: str, colocated: bool) -> None:
     check_sequence_parallel(cfg, name)
     check_context_parallel(cfg, name)
     check_expert_layout(cfg, name)
+    check_virtual_pipeline(cfg, name, colocated)
 
 
 def _hf_shape_keys(name: str, mod: ModuleConfig) -> list[tuple[str, int]]:

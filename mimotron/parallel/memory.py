@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from mimotron.config import MimoConfig
-from mimotron.parallel.layout import Layout, stage_layers
+from mimotron.parallel.layout import Layout
+from mimotron.parallel.virtual_pipeline import rank_layers
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
@@ -41,7 +42,8 @@ def stage_parameter_counts(cfg: MimoConfig, name: str, vocab_size: int) -> list[
     from mimotron.models.build import build_module
 
     par = cfg.modules[name].parallel
-    stages = stage_layers(cfg.modules[name].num_layers, par.pipeline, par.layers_per_stage)
+    # Under interleaving a rank holds its chunks' layers (and stage 0 / p-1 the ends).
+    stages = [rank_layers(cfg.modules[name].num_layers, par, s)[0] for s in range(par.pipeline)]
     counts = []
     for s, layers in enumerate(stages):
         with torch.device("meta"):
@@ -74,7 +76,8 @@ def stage_expert_counts(cfg: MimoConfig, name: str, vocab_size: int
         return []
     par = mod.parallel
     out = []
-    for s, layers in enumerate(stage_layers(mod.num_layers, par.pipeline, par.layers_per_stage)):
+    for s in range(par.pipeline):
+        layers = rank_layers(mod.num_layers, par, s)[0]
         with torch.device("meta"):
             part = build_module(cfg, name, vocab_size, layer_ids=layers, pre_process=s == 0,
                                 post_process=False, init=False)
@@ -132,8 +135,15 @@ def activation_bytes(cfg: MimoConfig, name: str) -> int:
     logits = 0
     if mod.kind == "language":
         logits = 3 * samples * tokens * 4 * 64  # vocab ~ 64 classes: logits, softmax, grad
-    # 1F1B keeps up to `pipeline` micro-batches in flight on the first stage.
-    return int((per_layer * layers * par.pipeline + logits) * encoder_batching_factor(cfg, name))
+    # 1F1B keeps up to `pipeline` micro-batches in flight on the first stage; interleaved
+    # 1F1B runs (p - 1) * 2 + (v - 1) * p warm-up forwards of one chunk each, plus one.
+    v = par.virtual_pipeline
+    if v > 1:
+        chunk = -(-mod.num_layers // (par.pipeline * v))
+        in_flight = per_layer * chunk * ((par.pipeline - 1) * 2 + (v - 1) * par.pipeline + 1)
+    else:
+        in_flight = per_layer * layers * par.pipeline
+    return int((in_flight + logits) * encoder_batching_factor(cfg, name))
 
 
 def encoder_batching_factor(cfg: MimoConfig, name: str) -> int:

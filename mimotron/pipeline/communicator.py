@@ -32,6 +32,11 @@ layouts need none of this: their transport is
 :class:`~mimotron.pipeline.colocated.ColocatedTransport`, chosen instead of this class
 once at setup; both share the layout helpers of :mod:`mimotron.pipeline.edges`.
 
+Under interleaving (``virtual_pipeline = v > 1``) every transfer names the model chunk
+it serves: stage links then go round the ring of stage ranks (``pp + 1`` modulo the
+pipeline size carries chunk ``j`` of the last rank into chunk ``j + 1`` of the first),
+and only the first and last *virtual* stages talk across modules.
+
 While timing is on (:meth:`set_timing`, switched on by the training loop for training
 steps only), the wall time of every transfer, synchronised with the device, accumulates
 in ``transfer_s``; the loop reads it with :meth:`pop_transfer_seconds` for the
@@ -139,6 +144,7 @@ class MultiModulePipelineCommunicator:
         roles = layout.roles(rank)
         assert len(roles) == 1, f"rank {rank} holds {len(roles)} modules in a split layout"
         self.module, self.role = roles[0].module, roles[0]
+        self.num_chunks = layout.modules[self.module].parallel.virtual_pipeline
         self.tp_group = tp_groups.get(self.module) if self.module else None
         # Rows exchanged per bridge pair, remembered from forward for the gradients.
         self._rows: dict[tuple[int, str], list[int]] = {}
@@ -168,8 +174,16 @@ class MultiModulePipelineCommunicator:
 
     # ---- neighbours ----------------------------------------------------------------------
     def _stage_peer(self, delta: int) -> int:
+        """Stage rank ``delta`` away; modulo the pipeline size: the interleaving ring."""
         r, mod = self.role, self.layout.modules[self.module]
-        return mod.rank_at(tp=r.tp, cp=r.cp, dp=r.dp, pp=r.pp + delta)
+        return mod.rank_at(tp=r.tp, cp=r.cp, dp=r.dp, pp=(r.pp + delta) % mod.parallel.pipeline)
+
+    def _first(self, chunk: int) -> bool:
+        """Whether (this rank, ``chunk``) is the module's first virtual stage."""
+        return self.role.is_first_stage and chunk == 0
+
+    def _last(self, chunk: int) -> bool:
+        return self.role.is_last_stage and chunk == self.num_chunks - 1
 
     @property
     def _tp_leader(self) -> int:
@@ -182,9 +196,9 @@ class MultiModulePipelineCommunicator:
 
     # ---- forward direction -------------------------------------------------------------
     def _forward_sends(self, k: int, output: torch.Tensor, mask: torch.Tensor | None,
-                       placeholders: tuple[torch.Tensor, int] | None = None
+                       placeholders: tuple[torch.Tensor, int] | None = None, chunk: int = 0
                        ) -> list[tuple[int, torch.Tensor]]:
-        if not self.role.is_last_stage:
+        if not self._last(chunk):
             return [(self._stage_peer(+1), output)]
         if self.role.tp != 0:
             return []
@@ -215,17 +229,18 @@ class MultiModulePipelineCommunicator:
             self._routed[k] = (output.shape, routed)
         return sends
 
-    def _forward_sources(self) -> list[tuple[str | None, int]]:
+    def _forward_sources(self, chunk: int = 0) -> list[tuple[str | None, int]]:
         """``(edge src or None for a stage link, peer)`` this rank receives from."""
-        if not self.role.is_first_stage:
+        if not self._first(chunk):
             return [(None, self._stage_peer(-1))]
         if self.module != LANGUAGE or self.role.tp != 0:
             return []
         return [(src, s_rank) for src, pairs in self._pairs.items()
                 for s_rank, d_rank, *_ in pairs if d_rank == self.rank]
 
-    def _assemble_forward(self, k: int, sources, tensors) -> torch.Tensor | dict:
-        if not self.role.is_first_stage:
+    def _assemble_forward(self, k: int, sources, tensors, chunk: int = 0
+                          ) -> torch.Tensor | dict:
+        if not self._first(chunk):
             return tensors[0].requires_grad_(True)
         out = {}
         for src in self._pairs:
@@ -240,9 +255,9 @@ class MultiModulePipelineCommunicator:
         return out
 
     # ---- backward direction ------------------------------------------------------------
-    def _backward_sends(self, k: int, grads: torch.Tensor | dict
+    def _backward_sends(self, k: int, grads: torch.Tensor | dict, chunk: int = 0
                         ) -> list[tuple[int, torch.Tensor]]:
-        if not self.role.is_first_stage:
+        if not self._first(chunk):
             return [(self._stage_peer(-1), grads)]
         if self.role.tp != 0:
             return []
@@ -256,15 +271,16 @@ class MultiModulePipelineCommunicator:
                     i += 1
         return sends
 
-    def _backward_sources(self) -> list[int]:
-        if not self.role.is_last_stage:
+    def _backward_sources(self, chunk: int = 0) -> list[int]:
+        if not self._last(chunk):
             return [self._stage_peer(+1)]
         if self.role.tp != 0:
             return []
         return [d for s, d, *_ in self._pairs[self.module] if s == self.rank]
 
-    def _assemble_backward(self, k: int, tensors: list[torch.Tensor]) -> torch.Tensor:
-        if not self.role.is_last_stage:
+    def _assemble_backward(self, k: int, tensors: list[torch.Tensor], chunk: int = 0
+                           ) -> torch.Tensor:
+        if not self._last(chunk):
             return tensors[0]
         if self.cp > 1 and self.role.tp == 0:
             t = self._scatter_pieces(k, tensors)
@@ -284,7 +300,8 @@ class MultiModulePipelineCommunicator:
     # ---- the four transfers, alone or paired ------------------------------------------
     def communicate(self, *, send_forward: tuple | None = None,
                     send_backward: tuple[int, torch.Tensor | dict] | None = None,
-                    recv_forward: int | None = None, recv_backward: int | None = None
+                    recv_forward: int | None = None, recv_backward: int | None = None,
+                    chunk: int = 0
                     ) -> tuple[torch.Tensor | dict | None, torch.Tensor | None]:
         """Post the sends, then do the receives, in one exchange.
 
@@ -295,6 +312,8 @@ class MultiModulePipelineCommunicator:
             send_backward: ``(microbatch, input gradient(s))``.
             recv_forward: micro-batch whose input to receive.
             recv_backward: micro-batch whose output gradient to receive.
+            chunk: the model chunk every transfer of the call serves (interleaving;
+                0 otherwise).
 
         Returns:
             ``(forward input, output gradient)``; ``None`` where not requested.
@@ -303,57 +322,58 @@ class MultiModulePipelineCommunicator:
         sends: list[tuple[int, torch.Tensor]] = []
         known: list[Known] = []
         if send_forward is not None:
-            fwd_sends = self._forward_sends(*send_forward)
+            fwd_sends = self._forward_sends(*send_forward, chunk=chunk)
             sends += fwd_sends
             known += [self._checked(p, True, t, f"micro-batch {send_forward[0]}'s output "
-                                    f"for rank {p}") for p, t in fwd_sends]
+                                    f"for rank {p}", chunk) for p, t in fwd_sends]
         if send_backward is not None:
-            bwd_sends = self._backward_sends(*send_backward)
+            bwd_sends = self._backward_sends(*send_backward, chunk=chunk)
             sends += bwd_sends
             known += [self._checked(p, False, t, f"micro-batch {send_backward[0]}'s input "
-                                    f"gradient for rank {p}") for p, t in bwd_sends]
-        fwd_src = self._forward_sources() if recv_forward is not None else []
-        recvs = self._take("forward", recv_forward) if recv_forward is not None else []
+                                    f"gradient for rank {p}", chunk) for p, t in bwd_sends]
+        fwd_src = self._forward_sources(chunk) if recv_forward is not None else []
+        recvs = self._take("forward", recv_forward, chunk) if recv_forward is not None else []
         num_fwd = len(recvs)
         if recv_backward is not None:
-            recvs += self._take("backward", recv_backward)
+            recvs += self._take("backward", recv_backward, chunk)
         got = exchange(sends, recvs, self.pending, self.counts, self.device, known)
         self._post_next()
         fwd = bwd = None
         if recv_forward is not None:
-            fwd = self._assemble_forward(recv_forward, fwd_src, got[:num_fwd])
+            fwd = self._assemble_forward(recv_forward, fwd_src, got[:num_fwd], chunk)
         if recv_backward is not None:
-            bwd = self._assemble_backward(recv_backward, got[num_fwd:])
+            bwd = self._assemble_backward(recv_backward, got[num_fwd:], chunk)
         self._add_time(t0)
         return fwd, bwd
 
     # ---- shapes known in advance, receives posted ahead -------------------------------
-    def _link(self, peer: int, downstream: bool) -> LinkShape | None:
+    def _link(self, peer: int, downstream: bool, chunk: int = 0) -> LinkShape | None:
         """The tensor the link with ``peer`` carries, if both ends know it (else None)."""
-        if not (self.role.is_last_stage if downstream else self.role.is_first_stage):
+        if not (self._last(chunk) if downstream else self._first(chunk)):
             return self._stage  # a stage link inside the module
         return self._bridge.get((self.rank, peer) if downstream else (peer, self.rank))
 
-    def _checked(self, peer: int, downstream: bool, t: torch.Tensor, what: str) -> Known:
+    def _checked(self, peer: int, downstream: bool, t: torch.Tensor, what: str,
+                 chunk: int = 0) -> Known:
         """A send's known shape (``None``: it needs a header), checked against ``t``."""
-        link = self._link(peer, downstream)
+        link = self._link(peer, downstream, chunk)
         if link is None:
             return None
         link.check(t, what)
         return link.shape, link.dtype
 
-    def _post(self, direction: str) -> list[PostedRecv]:
+    def _post(self, direction: str, chunk: int = 0) -> list[PostedRecv]:
         downstream = direction == "backward"  # gradients come from downstream
-        peers = ([p for _, p in self._forward_sources()] if direction == "forward"
-                 else self._backward_sources())
+        peers = ([p for _, p in self._forward_sources(chunk)] if direction == "forward"
+                 else self._backward_sources(chunk))
         out = []
         for peer in peers:
-            link = self._link(peer, downstream)
+            link = self._link(peer, downstream, chunk)
             out.append(PostedRecv(peer, None if link is None else (link.shape, link.dtype),
                                   self.device))
         return out
 
-    def _take(self, direction: str, k: int) -> list[PostedRecv]:
+    def _take(self, direction: str, k: int, chunk: int = 0) -> list[PostedRecv]:
         """The receives of micro-batch ``k``'s transfer: posted ahead, or posted now."""
         queue = self._expected[direction]
         if queue and queue[0] == k:
@@ -362,7 +382,7 @@ class MultiModulePipelineCommunicator:
         # A receive posted for another micro-batch would take this one's messages.
         assert posted is not None or all(d != direction for d, _ in self._posted), \
             f"{direction} receive of micro-batch {k} out of the expected plan order"
-        return posted if posted is not None else self._post(direction)
+        return posted if posted is not None else self._post(direction, chunk)
 
     def _post_next(self) -> None:
         """Post the next expected receive of each direction, if not posted yet.
@@ -382,7 +402,14 @@ class MultiModulePipelineCommunicator:
         Called by the executor before it runs ``plan``; afterwards every receive is
         posted as soon as the previous one of its direction completes, so a sender
         never waits for this rank to reach its receive.
+
+        Not under interleaving: there, with two stage ranks, one peer sends both
+        activations and gradients, and messages from one peer match in posting order,
+        so a receive posted ahead could take the other direction's message; each
+        receive is posted when the plan reaches it.
         """
+        if self.num_chunks > 1:
+            return
         for a in plan:
             if a.kind in (RECV_FORWARD, SEND_BACKWARD_RECV_FORWARD):
                 self._expected["forward"].append(a.microbatch if a.kind == RECV_FORWARD

@@ -44,16 +44,19 @@ class Action:
     """One step of a plan: ``kind`` on micro-batch ``microbatch``.
 
     For the paired communications, ``microbatch`` is the one whose tensor is *sent*
-    and ``other`` the one received.
+    and ``other`` the one received. ``chunk`` is the model chunk (virtual stage) of an
+    interleaved plan (:mod:`mimotron.pipeline.interleaved_plan`); 0 otherwise.
     """
 
     kind: str
     microbatch: int
     other: int | None = None
+    chunk: int = 0
 
     def __repr__(self) -> str:
         tail = "" if self.other is None else f"/{self.other}"
-        return f"{self.kind}({self.microbatch}{tail})"
+        head = f"c{self.chunk}:" if self.chunk else ""
+        return f"{self.kind}({head}{self.microbatch}{tail})"
 
 
 @dataclass(frozen=True)
@@ -91,8 +94,8 @@ def pipeline_positions(layout: Layout) -> dict[tuple[str, int], Position]:
     return out
 
 
-def build_1f1b_plan(num_microbatches: int, position: Position, pipelined: bool = True
-                    ) -> list[Action]:
+def build_1f1b_plan(num_microbatches: int, position: Position, pipelined: bool = True,
+                    min_warmup: int = 0) -> list[Action]:
     """The 1F1B plan of one rank.
 
     Args:
@@ -100,6 +103,9 @@ def build_1f1b_plan(num_microbatches: int, position: Position, pipelined: bool =
         position: the rank's place in the flattened pipeline.
         pipelined: ``False`` gives the no-pipelining order (no warm-up: every
             micro-batch's backward completes before the next forward starts).
+        min_warmup: at least this many warm-up forwards (an encoder feeding an
+            interleaved language model, which takes several inputs before its first
+            gradient; :func:`~mimotron.pipeline.interleaved_plan.build_rank_plan`).
 
     Returns:
         The actions in execution order.
@@ -107,7 +113,7 @@ def build_1f1b_plan(num_microbatches: int, position: Position, pipelined: bool =
     if num_microbatches < 1:
         raise ValueError(f"num_microbatches={num_microbatches} is invalid: expected >= 1")
     p = position
-    warmup = min(p.total - p.index - 1, num_microbatches) if pipelined else 0
+    warmup = min(max(p.total - p.index - 1, min_warmup), num_microbatches) if pipelined else 0
     remaining = num_microbatches - warmup
     plan: list[Action] = []
     # Warm-up: forwards only, filling the stages downstream.

@@ -22,7 +22,11 @@ side consumes their rows micro-batch by micro-batch.
 
 ``forward_backward_pipelining_without_interleaving`` runs the 1F1B plan;
 ``forward_backward_no_pipelining`` the same executor with no warm-up (each micro-batch's
-backward completes before the next forward). ``forward_only=True`` evaluates.
+backward completes before the next forward). ``forward_only=True`` evaluates. A module
+with ``virtual_pipeline > 1`` gets the interleaved plan
+(:mod:`mimotron.pipeline.interleaved_plan`) from the same entry points and the same
+executor: every action names its model chunk, the runner runs that chunk's layers, and
+the transport picks the ring neighbour of that chunk.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from mimotron.pipeline.colocated import ColocatedTransport
 from mimotron.pipeline.communicator import MultiModulePipelineCommunicator
 from mimotron.pipeline.edges import Edge
 from mimotron.pipeline.encoder_batching import BatchedEncoders
+from mimotron.pipeline.interleaved_plan import build_rank_plan
 from mimotron.pipeline.plan import (
     BACKWARD,
     FORWARD,
@@ -53,10 +58,6 @@ from mimotron.pipeline.plan import (
     SEND_FORWARD,
     SEND_FORWARD_RECV_BACKWARD,
     Action,
-    Position,
-    build_1f1b_plan,
-    build_forward_only_plan,
-    pipeline_positions,
 )
 from mimotron.training.language_step import LanguageStep, LossOutput, packing_args
 
@@ -128,15 +129,20 @@ class StepContext:
 
 
 class StageRunner:
-    """Forward and backward of one micro-batch on this rank (see module docs)."""
+    """Forward and backward of one (model chunk, micro-batch) on this rank (module docs).
+
+    Without interleaving the chunk is always 0 and the rank's whole stage runs.
+    """
 
     def __init__(self, ctx: StepContext) -> None:
         self.ctx = ctx
         self.outputs: list[MicrobatchOutput] = []
-        self._saved: dict[int, tuple[Any, Any]] = {}
+        self._saved: dict[tuple[int, int], tuple[Any, Any]] = {}
         self.roles = {r.module: r for r in ctx.layout.roles(ctx.rank)}
         self.colocated = ctx.layout.colocated
         self.module = None if self.colocated else next(iter(self.roles))
+        self.num_chunks = (1 if self.module is None
+                           else ctx.layout.modules[self.module].parallel.virtual_pipeline)
         assert self.colocated == isinstance(ctx.transport, ColocatedTransport), \
             "the transport does not match the layout (choose it with build_transport)"
         if ctx.encoder_batching and not self.colocated:
@@ -144,6 +150,17 @@ class StageRunner:
                              "runs each encoder stage on its own ranks); set it to False")
         self.batched = (BatchedEncoders(ctx.model, ctx.transport.edges, ctx.microbatches)
                         if ctx.encoder_batching else None)
+
+    def _is_first(self, chunk: int) -> bool:
+        """Whether (this rank, ``chunk``) is the module's first virtual stage."""
+        return self.roles[self.module].is_first_stage and chunk == 0
+
+    def _is_last(self, chunk: int) -> bool:
+        return self.roles[self.module].is_last_stage and chunk == self.num_chunks - 1
+
+    def _chunk_arg(self, chunk: int) -> dict[str, int]:
+        """The model's ``chunk`` keyword under interleaving; nothing otherwise."""
+        return {"chunk": chunk} if self.num_chunks > 1 else {}
 
     def modality_mask(self, k: int) -> torch.Tensor | None:
         """This rank's presence mask of its encoder module for micro-batch ``k``."""
@@ -165,15 +182,15 @@ class StageRunner:
         return self.ctx.microbatches[k][m]["tokens"], model.placeholder_ids[m]
 
     # ---- forward -------------------------------------------------------------------------
-    def forward(self, k: int, received: Any) -> Any:
+    def forward(self, k: int, received: Any, chunk: int = 0) -> Any:
         if self.colocated or self.module == LANGUAGE:
             self._set_moe_weights(k)
         with self.ctx.autocast():
             if self.colocated:
                 return self._forward_colocated(k)
             if self.module == LANGUAGE:
-                return self._forward_language(k, received)
-            return self._forward_encoder(k, received)
+                return self._forward_language(k, received, chunk)
+            return self._forward_encoder(k, received, chunk)
 
     def _set_moe_weights(self, k: int) -> None:
         """Per-sample aux-loss weights of micro-batch ``k`` for this stage's MoE layers.
@@ -202,46 +219,49 @@ class StageRunner:
         loss = self.ctx.language.forward_step(model, mb[LANGUAGE], embeds)
         self._record_loss(k, loss)
 
-    def _forward_encoder(self, k: int, received: torch.Tensor | None) -> torch.Tensor:
+    def _forward_encoder(self, k: int, received: torch.Tensor | None, chunk: int
+                         ) -> torch.Tensor:
         model, m = self.ctx.model, self.module
-        if self.roles[m].is_first_stage:
-            out = model.encode(m, self.ctx.microbatches[k][m])
+        if self._is_first(chunk):
+            out = model.encode(m, self.ctx.microbatches[k][m], **self._chunk_arg(chunk))
         else:
-            out = model.modality_submodules[m](received)
-        self._saved[k] = (received, out)
+            out = model.modality_submodules[m](received, **self._chunk_arg(chunk))
+        self._saved[(chunk, k)] = (received, out)
         return out
 
-    def _forward_language(self, k: int, received: Any) -> torch.Tensor | None:
+    def _forward_language(self, k: int, received: Any, chunk: int) -> torch.Tensor | None:
         role, model = self.roles[LANGUAGE], self.ctx.model
         batch = self.ctx.microbatches[k][LANGUAGE]
         if role.is_first_stage and role.is_last_stage:
-            self._saved[k] = (received, None)
+            self._saved[(chunk, k)] = (received, None)
             self._record_loss(k, self.ctx.language.forward_step(model, batch, received or {}))
             return None
         hidden = (self.ctx.language.first_stage_input(model, batch, received or {})
-                  if role.is_first_stage else received)
-        out = model.language_model(hidden, **packing_args(batch))
-        if role.is_last_stage:
-            self._saved[k] = (received, None)
-            self._record_loss(k, self.ctx.language.loss(model, batch, out))
+                  if self._is_first(chunk) else received)
+        out = model.language_model(hidden, **packing_args(batch), **self._chunk_arg(chunk))
+        if self._is_last(chunk):
+            self._saved[(chunk, k)] = (received, None)
+            self._record_loss(k, self.ctx.language.loss(model, batch, out), chunk)
             return None
-        self._saved[k] = (received, out)
+        self._saved[(chunk, k)] = (received, out)
         return out
 
-    def _record_loss(self, k: int, loss: LossOutput) -> None:
+    def _record_loss(self, k: int, loss: LossOutput, chunk: int = 0) -> None:
         loss_sum, num_tokens, metrics = loss
         self.outputs.append(MicrobatchOutput(loss_sum.detach().float(), num_tokens.detach(),
                                              {n: v.detach() for n, v in metrics.items()}))
         if not self.ctx.forward_only:
-            self._saved[k] = (self._saved.get(k, (None, None))[0], loss_sum)
+            received = self._saved.get((chunk, k), (None, None))[0]
+            self._saved[(chunk, k)] = (received, loss_sum)
 
     # ---- backward ------------------------------------------------------------------------
-    def backward(self, k: int, grad: torch.Tensor | None) -> Any:
-        received, out = self._saved.pop(k)
+    def backward(self, k: int, grad: torch.Tensor | None, chunk: int = 0) -> Any:
+        received, out = self._saved.pop((chunk, k))
         if self.ctx.grad_reducer is not None and k == len(self.ctx.microbatches) - 1:
-            # Backward runs in micro-batch order: this one's gradients are final.
+            # Backward runs in micro-batch order: this one's gradients are final (the
+            # validator refuses overlap_grad_reduce under interleaving).
             self.ctx.grad_reducer.arm()
-        last_lm = self.colocated or (self.module == LANGUAGE and self.roles[LANGUAGE].is_last_stage)
+        last_lm = self.colocated or (self.module == LANGUAGE and self._is_last(chunk))
         if last_lm:
             (out.float() * (self.ctx.loss_scale / self.ctx.divisor())).backward()
             if self.batched is not None and k == len(self.ctx.microbatches) - 1:
@@ -263,60 +283,60 @@ def _execute(plan: list[Action], runner: StageRunner, comm: Transport) -> None:
     """Run a plan: compute actions on the runner, transfers on the transport.
 
     A colocated plan holds compute actions only (one position), so only split layouts'
-    communicators are asked to ``communicate``.
+    communicators are asked to ``communicate``. Tensors wait keyed by (chunk,
+    micro-batch); the paired transfers occur in 1F1B plans only (chunk 0).
     """
-    inputs: dict[int, Any] = {}
-    outputs: dict[int, Any] = {}
-    out_grads: dict[int, Any] = {}
-    in_grads: dict[int, Any] = {}
+    inputs: dict[tuple[int, int], Any] = {}
+    outputs: dict[tuple[int, int], Any] = {}
+    out_grads: dict[tuple[int, int], Any] = {}
+    in_grads: dict[tuple[int, int], Any] = {}
 
-    def fwd_send(k: int) -> tuple:
-        return (k, outputs.pop(k), runner.modality_mask(k), runner.placeholder_tokens(k))
+    def fwd_send(key: tuple[int, int]) -> tuple:
+        k = key[1]
+        return (k, outputs.pop(key), runner.modality_mask(k), runner.placeholder_tokens(k))
 
     comm.expect(plan)  # receives are posted ahead of need from here on
     for a in plan:
-        k = a.microbatch
+        c, k = a.chunk, a.microbatch
+        key, other = (c, k), (c, a.other)
         if a.kind == FORWARD:
-            outputs[k] = runner.forward(k, inputs.pop(k, None))
+            outputs[key] = runner.forward(k, inputs.pop(key, None), c)
         elif a.kind == BACKWARD:
-            in_grads[k] = runner.backward(k, out_grads.pop(k, None))
+            in_grads[key] = runner.backward(k, out_grads.pop(key, None), c)
         elif a.kind == RECV_FORWARD:
-            inputs[k], _ = comm.communicate(recv_forward=k)
+            inputs[key], _ = comm.communicate(recv_forward=k, chunk=c)
         elif a.kind == SEND_FORWARD:
-            comm.communicate(send_forward=fwd_send(k))
+            comm.communicate(send_forward=fwd_send(key), chunk=c)
         elif a.kind == RECV_BACKWARD:
-            _, out_grads[k] = comm.communicate(recv_backward=k)
+            _, out_grads[key] = comm.communicate(recv_backward=k, chunk=c)
         elif a.kind == SEND_BACKWARD:
-            comm.communicate(send_backward=(k, in_grads.pop(k)))
+            comm.communicate(send_backward=(k, in_grads.pop(key)), chunk=c)
         elif a.kind == SEND_FORWARD_RECV_BACKWARD:
-            _, out_grads[a.other] = comm.communicate(send_forward=fwd_send(k),
-                                                     recv_backward=a.other)
+            _, out_grads[other] = comm.communicate(send_forward=fwd_send(key),
+                                                   recv_backward=a.other)
         elif a.kind == SEND_BACKWARD_RECV_FORWARD:
-            inputs[a.other], _ = comm.communicate(send_backward=(k, in_grads.pop(k)),
-                                                  recv_forward=a.other)
+            inputs[other], _ = comm.communicate(send_backward=(k, in_grads.pop(key)),
+                                                recv_forward=a.other)
         else:
             raise AssertionError(f"unknown action {a}")
     comm.finish(forward_only=runner.ctx.forward_only)
 
 
-def _my_position(ctx: StepContext) -> Position:
-    positions = pipeline_positions(ctx.layout)
+def _my_stage(ctx: StepContext) -> tuple[str, int]:
+    """``(module, pipeline stage)`` whose plan this rank runs (colocated: the first)."""
     if ctx.layout.colocated:
-        return next(iter(positions.values()))
+        return next(iter(ctx.layout.modules)), 0
     (role,) = ctx.layout.roles(ctx.rank)
-    return positions[(role.module, role.pp)]
+    return role.module, role.pp
 
 
 def _run(ctx: StepContext, pipelined: bool) -> list[MicrobatchOutput]:
     runner = StageRunner(ctx)
-    position = _my_position(ctx)
-    num_mb = len(ctx.microbatches)
-    if ctx.forward_only:
-        plan = build_forward_only_plan(num_mb, position)
-        with torch.no_grad():
-            _execute(plan, runner, ctx.transport)
-    else:
-        _execute(build_1f1b_plan(num_mb, position, pipelined), runner, ctx.transport)
+    module, stage = _my_stage(ctx)
+    plan = build_rank_plan(ctx.layout, module, stage, len(ctx.microbatches), pipelined,
+                           forward_only=ctx.forward_only)
+    with torch.no_grad() if ctx.forward_only else contextlib.nullcontext():
+        _execute(plan, runner, ctx.transport)
     return runner.outputs
 
 

@@ -1,7 +1,9 @@
 """Build the part of the ``MimoModel`` one rank holds: its modules, stages and TP shards.
 
-Every module part is built with its pipeline stage's *global* layer indices and
-initialised from ``(seed, full parameter name)`` on the full shape, then sharded by its
+Every module part is built with its pipeline stage's *global* layer indices (under
+interleaving the union of the rank's model chunks, :mod:`mimotron.parallel.
+virtual_pipeline`) and initialised from ``(seed, full parameter name)`` on the full
+shape, then sharded by its
 TP plan — so every layout starts from exactly the weights of the one-process model.
 MoE experts of a module with ``parallel.expert > 1`` (or ``expert_tensor > 1``) are
 then sharded over its ``ep`` (and ``expt_tp``) axes
@@ -34,8 +36,8 @@ from mimotron.models.mimo import MimoModel, module_part
 from mimotron.names import LANGUAGE
 from mimotron.parallel.expert_parallel import shard_experts
 from mimotron.parallel.groups import EXPERT_VIEW
-from mimotron.parallel.layout import stage_layers
 from mimotron.parallel.tensor_parallel import apply_tensor_parallel, mark_tensor_partial_params
+from mimotron.parallel.virtual_pipeline import rank_layers, set_layer_chunks
 from mimotron.training.infra import MimoModelInfra
 
 __all__ = ["VOCAB_MULTIPLE", "build_rank_model", "freeze_modules", "padded_vocab_size"]
@@ -55,8 +57,7 @@ def build_rank_model(cfg: MimoConfig, infra: MimoModelInfra, vocab_size: int,
     parts: dict[str, nn.Module] = {}
     for name, role in infra.roles.items():
         mod = cfg.modules[name]
-        layers = stage_layers(mod.num_layers, mod.parallel.pipeline,
-                              mod.parallel.layers_per_stage)[role.pp]
+        layers, chunks = rank_layers(mod.num_layers, mod.parallel, role.pp)
         mesh = (infra.grids[name].to_device_mesh(device.type, dims=["tp"])
                 if mod.parallel.tensor > 1 else None)
         stage = {"layer_ids": layers, "pre_process": role.is_first_stage,
@@ -65,6 +66,8 @@ def build_rank_model(cfg: MimoConfig, infra: MimoModelInfra, vocab_size: int,
             parts[name] = build_hf_part(cfg, name, vocab_size, stage, mesh, device)
             continue
         parts[name] = build_module(cfg, name, vocab_size, **stage).to(device)
+        if chunks is not None:
+            set_layer_chunks(parts[name], chunks)
         if mesh is not None:
             apply_tensor_parallel(parts[name], mesh, name == LANGUAGE,
                                   mod.parallel.sequence_parallel)
