@@ -11,8 +11,10 @@ run per model in the config's layout, every rank:
   forward-backward, gradient reduction, optimizer) give the live bytes there and the
   peak between marks; the last step (optimizer state exists) is the steady state;
 * tensors held at the step's start that are none of weights, gradients and optimizer
-  state (the data sets and the step's precomputed batches, RoPE tables) are not what
-  the estimate models: they are measured, reported (``other_bytes``) and subtracted;
+  state (the data sets and the step's precomputed batches, RoPE tables; on the CPU also
+  a finished collective's buffer freed on a gloo thread, which the profiler does not
+  see) are not what the estimate models: they are measured, reported (``other_bytes``)
+  and subtracted from every phase;
 * ``memory_ratio_tensors`` = steady-state peak / estimate on the rank with the largest
   estimate (where memory runs out first), target 0.80-1.25; every rank's ratio and
   phases are in the JSON.

@@ -10,17 +10,21 @@ allocator, not the process's resident set:
 * On the CPU there is no such counter, but ``torch.profiler`` with ``profile_memory``
   records every allocation and free of the c10 CPU allocator (the one every CPU tensor
   storage comes from, kernels' internal temporaries included) with its address, size
-  and time stamp; marks are empty ``record_function`` ranges on the same clock.
-  Replaying the events gives the exact live bytes at each mark and the peak between
-  marks. This is exact for everything allocated after the meter started (a block freed
-  in the window but allocated before it is not reported by the allocator, so it never
-  counts); it costs the profiler's per-operator bookkeeping, which changes no sizes.
-  A ``TorchDispatchMode`` counting output storages would miss kernels' internal
-  temporaries and autograd's own buffers, and needs weak references to see frees.
+  and time stamp, on the threads it profiles (the caller's; CPU autograd runs there
+  too); marks are empty ``record_function`` ranges on the same clock. Replaying the
+  events gives the live bytes at each mark and the peak between marks, counting exactly
+  the blocks allocated in the window (a block allocated before it is never reported).
+  One gap: a block whose last reference is dropped on an unprofiled thread (gloo's
+  worker threads finishing a collective) has no free event; it counts until its
+  address is handed out again, which proves it free (see :func:`replay`). The cost is
+  the profiler's per-operator bookkeeping, which changes no sizes. (A
+  ``TorchDispatchMode`` counting output storages would miss kernels' internal
+  temporaries and autograd's own buffers, and needs weak references to see frees;
+  ``profile_all_threads`` drops the memory events in torch 2.13.)
 
-Both count bytes allocated by this process's main thread (and the autograd engine
-working for it) since the meter started and still live: everything a run builds
-(parameters, optimizer state, gradients, data sets, activations), nothing from before.
+Both count bytes allocated since the meter started and still live: everything a run
+builds (parameters, optimizer state, gradients, data sets, activations), nothing from
+before.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch._C._profiler import _EventType
 
 MARK = "mimotron.mark:"
 
@@ -101,7 +106,8 @@ class TensorMemoryMeter:
         self._prof.__exit__(*exc)
         self._quiet.__exit__(*exc)
         if exc[0] is None:
-            self.marks = replay(self._prof.profiler.kineto_results.events(), self._labels)
+            tree = self._prof.profiler.kineto_results.experimental_event_tree()
+            self.marks = replay(tree, self._labels)
 
     @property
     def peak(self) -> int:
@@ -109,30 +115,39 @@ class TensorMemoryMeter:
         return max((m.peak_since_previous for m in self.marks), default=0)
 
 
-def replay(events: Any, labels: list[str]) -> list[Mark]:
-    """Live bytes at each mark and peaks between marks from the profiler's events.
+def replay(tree: list[Any], labels: list[str]) -> list[Mark]:
+    """Live bytes at each mark and peaks between marks from the profiler's event tree.
 
-    ``[memory]`` events carry ``nbytes`` (negative for a free); a free of a block
-    allocated before profiling started is not reported by the allocator, so the running
-    sum is exactly the bytes allocated inside the window and still live.
+    Allocation events carry the block's address and size (negative for a free). A free
+    of a block allocated before profiling started is not reported by the allocator, so
+    the running sum counts exactly the blocks allocated inside the window. A block freed
+    on a thread the profiler does not record (gloo's worker threads drop the last
+    reference to a finished collective's buffer) leaves no free event; the allocator
+    handing out its address again proves it was freed, so it stops counting there.
     """
     stream = []
-    for e in events:
-        name = e.name()
-        if name == "[memory]" and str(e.device_type()).endswith("CPU"):
-            stream.append((e.start_ns(), 0, e.nbytes()))
-        elif name.startswith(MARK):
-            stream.append((e.start_ns(), 1, int(name[len(MARK):])))
+    todo = list(tree)
+    while todo:
+        e = todo.pop()
+        todo.extend(e.children)
+        if e.tag == _EventType.Allocation and e.extra_fields.device.type == "cpu":
+            stream.append((e.start_time_ns, 0, e.extra_fields.ptr, e.extra_fields.alloc_size))
+        elif e.name.startswith(MARK):
+            stream.append((e.start_time_ns, 1, int(e.name[len(MARK):]), 0))
     stream.sort(key=lambda x: (x[0], x[1]))
     out: list[Mark] = []
+    blocks: dict[int, int] = {}
     live = peak = 0
-    for _, kind, value in stream:
-        if kind == 0:
-            live += value
+    for _, kind, key, size in stream:
+        if kind == 1:
+            out.append(Mark(labels[key], live, peak))
+            peak = live
+        elif size > 0:
+            live += size - blocks.get(key, 0)  # a reused address: its old block is gone
+            blocks[key] = size
             peak = max(peak, live)
         else:
-            out.append(Mark(labels[value], live, peak))
-            peak = live
+            live -= blocks.pop(key, 0)
     return out
 
 
