@@ -57,7 +57,7 @@ class Figure:
 
     name: str
     value: float
-    target: str = ""  # e.g. "<= 1.05"; empty = reported only
+    target: str = ""  # e.g. "<= 1.05" or a range "0.80-1.25"; empty = reported only
     spread: tuple[float, float] | None = None  # min-max over repetitions
     detail: str = ""
 
@@ -66,6 +66,9 @@ class Figure:
         """Whether ``value``, at the table's two decimals, meets ``target`` (None: no target)."""
         if not self.target:
             return None
+        if " " not in self.target:  # a closed range "lo-hi"
+            lo, hi = (float(b) for b in self.target.split("-"))
+            return lo <= round(self.value, 2) <= hi
         op, bound = self.target.split()
         value, bound_f = round(self.value, 2), float(bound)
         return {"<=": value <= bound_f, ">=": value >= bound_f, "==": value == bound_f}[op]

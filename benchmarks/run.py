@@ -10,7 +10,8 @@ Cases (each measures two sides A/B interleaved, >= 5 repetitions, medians and mi
 * ``bridge``     bytes the communicator sends vs the analytic minimum; its bandwidth vs
                  raw gloo send/recv of the same tensors
 * ``checkpoint`` DCP save vs ``torch.save`` of the same tensors; async blocking time
-* ``memory``     peak RSS per rank vs ``mimotron plan``'s analytic estimate
+* ``memory``     live tensor peak per rank and phase vs ``mimotron plan``'s estimate;
+                 peak RSS beside it (runtime baseline named)
 * ``experts``    bytes the expert-parallel token exchange sends vs the analytic minimum
 * ``overlap``    DP 2 step time with vs without overlapped gradient reduction, plain
                  and ZeRO-1 (reduce-scatter in the backward, parameter gather overlapped)

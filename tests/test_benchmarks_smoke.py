@@ -74,6 +74,9 @@ def test_reps_below_five_are_rejected(tmp_path):
         (0.9, ">= 0.95", False),
         (1.004, "<= 1.00", True),
         (2.0, "", None),
+        (1.254, "0.80-1.25", True),
+        (1.26, "0.80-1.25", False),
+        (0.79, "0.80-1.25", False),
     ],
 )
 def test_figure_target(value, target, passed):

@@ -219,7 +219,11 @@ def test_validator_refuses(override, match):
 
 
 def test_plan_memory_counts_the_chunks():
-    from mimotron.parallel.memory import activation_bytes, stage_parameter_counts
+    from mimotron.parallel.memory import (
+        activation_bytes,
+        interleaved_chunks_in_flight,
+        stage_parameter_counts,
+    )
 
     over = ["modules.vision.num_layers=4", "modules.vision.parallel.pipeline=2",
             "modules.vision.parallel.data=1", "modules.audio.parallel.rank_offset=2",
@@ -229,6 +233,12 @@ def test_plan_memory_counts_the_chunks():
     # Same layers per rank (2 of 4), the ends where they were: same weights.
     assert stage_parameter_counts(inter, "vision", 64) == stage_parameter_counts(flat,
                                                                                 "vision", 64)
-    # Interleaving: (p - 1) * 2 + (v - 1) * p + 1 = 5 in-flight chunks of 1 layer vs
-    # 1F1B's p = 2 micro-batches of 2 layers.
-    assert activation_bytes(inter, "vision") * 4 == activation_bytes(flat, "vision") * 5
+    # Interleaving: rank r holds (p - r - 1) * 2 + (v - 1) * p + 1 chunk forwards at once
+    # (5 on rank 0, 3 on rank 1), each half of its layers.
+    assert [interleaved_chunks_in_flight(inter, "vision", s) for s in (0, 1)] == [5, 3]
+    assert activation_bytes(inter, "vision") == activation_bytes(inter, "vision", in_flight=5)
+    # Two chunk forwards (one per chunk) hold what one micro-batch of the flat stage does.
+    assert activation_bytes(inter, "vision", in_flight=2) == activation_bytes(
+        flat, "vision", in_flight=1)
+    assert activation_bytes(inter, "vision", in_flight=5) > activation_bytes(
+        inter, "vision", in_flight=3)

@@ -116,17 +116,26 @@ def test_sequence_parallel_rejections_name_the_field(overrides, needle):
 
 
 def test_activation_estimate_accounts_for_sequence_parallelism():
-    from mimotron.parallel.memory import activation_bytes
+    from mimotron.models.blocks import default_ffn_hidden_size
+    from mimotron.parallel.memory import activation_bytes, layer_bytes_per_token
 
-    def estimate(language: dict, *extra: str) -> int:
+    def per_token(language: dict, *extra: str) -> tuple[int, int]:
         cfg = load_config(DIGITS, BASE + noncolocated({}, {}, language) + list(extra))
-        samples = cfg.train.micro_batch_size  # language DP 1
-        logits = 3 * samples * SEQ * 4 * 64  # the same with and without SP
-        return activation_bytes(cfg, "language") - logits
+        return layer_bytes_per_token(cfg, "language")
 
-    tp1, plain, sp = estimate({}), estimate({"tensor": 2}), estimate({"tensor": 2}, *SP)
-    # TP 2: the norm regions' 10 stay whole, the TP regions' 24 halve (10 + 12 of 34);
-    # SP halves all but the 4 of the gathered linear inputs, which the DTensor plans save
-    # whole (4 + 15).
-    assert plain * 34 == tp1 * 22
-    assert sp * 22 == plain * 19
+    h = load_config(DIGITS, BASE).modules["language"].hidden_size
+    f = default_ffn_hidden_size(h)
+    # fp32: the norm regions (2 norms x input + normalised) and the linears' shared
+    # inputs are whole on every TP rank; attention (5 h) and SwiGLU (4 f) split.
+    norms, linear_inputs, split = 16 * h, 8 * h, 4 * (5 * h + 4 * f)
+    assert per_token({}) == per_token({"tensor": 2}) == (norms + linear_inputs, split)
+    # SP splits the norm regions too; the gathered linear inputs stay whole.
+    assert per_token({"tensor": 2}, *SP) == (linear_inputs, split + norms)
+    # Against the saved tensors measured by benchmarks/sequence_parallel.py (wide model,
+    # README): 117.1 MiB without SP and 99.1 MiB with it, per TP-2 rank.
+    wide = ["modules.language.hidden_size=512", "modules.language.num_layers=4",
+            "modules.language.num_heads=8", "train.global_batch_size=16",
+            "train.micro_batch_size=16"]
+    for extra, measured in (((), 117.1), (SP, 99.1)):
+        cfg = load_config(DIGITS, noncolocated({}, {}, {"tensor": 2}) + wide + list(extra))
+        assert abs(activation_bytes(cfg, "language") / 2**20 / measured - 1) < 0.01

@@ -11,6 +11,7 @@ from mimotron.parallel.expert_layout import format_expert_layout
 from mimotron.parallel.layout import plan_layout
 from mimotron.parallel.memory import (
     estimate_memory,
+    microbatches_in_flight,
     stage_expert_counts,
     stage_parameter_counts,
 )
@@ -66,12 +67,19 @@ def run_plan(config: str, overrides: list[str]) -> int:
     print()
     print(f"memory estimate per rank (MiB, precision {cfg.train.precision}):")
     print(f"{'rank':>4}  {'module':<10} {'weights':>8} {'grads':>8} {'optim':>8} {'activ':>8} "
-          f"{'total':>8}")
+          f"{'in fl.':>6} {'bwd ws':>8} {'bucket':>8} {'total':>8}")
     for rank, items in estimate_memory(cfg, layout, vocab).items():
+        roles = {role.module: role for role in layout.roles(rank)}
         for i, e in enumerate(items):
             r = f"{rank:>4}" if i == 0 else " " * 4
+            flight = microbatches_in_flight(cfg, layout, e.module, roles[e.module].pp)
             print(f"{r}  {e.module:<10} {_mib(e.weights)} {_mib(e.grads)} {_mib(e.optimizer)} "
-                  f"{_mib(e.activations)} {_mib(e.total)}")
+                  f"{_mib(e.activations)} {flight:>6} {_mib(e.workspace)} "
+                  f"{_mib(e.reduce_bucket)} {_mib(e.total)}")
+    print("activ: saved tensors of the micro-batches in flight (in fl., the 1F1B warm-up);\n"
+          "bwd ws: the backward's largest temporary; bucket: the gradient all-reduce's flat\n"
+          "buffer (after the backward); total = weights + grads + optim\n"
+          "  + max(activ + bwd ws, bucket)")
     print(f"\nmicro-batches per step: {cfg.num_microbatches} "
           f"(global batch {cfg.train.global_batch_size}, micro-batch {cfg.train.micro_batch_size})")
     if cfg.train.encoder_batching:

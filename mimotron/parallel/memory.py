@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from mimotron.config import MimoConfig
+from mimotron.models.blocks import default_ffn_hidden_size
+from mimotron.names import LANGUAGE
 from mimotron.parallel.layout import Layout
 from mimotron.parallel.virtual_pipeline import rank_layers
 
@@ -23,7 +25,14 @@ BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Bytes one rank needs for one module."""
+    """Bytes one rank needs for one module.
+
+    ``activations`` are the saved tensors of every micro-batch in flight; ``workspace``
+    the backward's largest temporary on top of them; ``reduce_bucket`` the flat buffer
+    the data-parallel gradient reduction fills after the backward, when the
+    activations are already freed. The peak is therefore
+    ``weights + grads + optimizer + max(activations + workspace, reduce_bucket)``.
+    """
 
     module: str
     num_params: int  # parameters held by this rank
@@ -31,10 +40,13 @@ class MemoryEstimate:
     grads: int
     optimizer: int
     activations: int
+    workspace: int = 0
+    reduce_bucket: int = 0
 
     @property
     def total(self) -> int:
-        return self.weights + self.grads + self.optimizer + self.activations
+        return (self.weights + self.grads + self.optimizer
+                + max(self.activations + self.workspace, self.reduce_bucket))
 
 
 def stage_parameter_counts(cfg: MimoConfig, name: str, vocab_size: int) -> list[int]:
@@ -101,49 +113,96 @@ def rank_parameter_count(cfg: MimoConfig, name: str, stage_count: int,
     return dense // par.tensor + whole + experts // (par.expert * par.expert_tensor)
 
 
-def activation_bytes(cfg: MimoConfig, name: str) -> int:
-    """Rough activations kept for backward per rank and micro-batch (fp32 or compute dtype).
+# Norms, residual stream and the loss stay in fp32 under autocast (embeddings and norm
+# weights are fp32; the residual adds promote the 16-bit branch outputs back to fp32).
+FP32 = 4
 
-    Per transformer layer and token about ``34 * hidden`` bytes in 16-bit precision
-    (Korthikanti et al., without recomputation), attention scores excluded since SDPA
-    does not store them; divided by DP through the micro-batch slice. With TP ``t`` only
-    the TP regions' ``24`` divide by ``t``: the ``10`` of the norm regions (norm inputs,
-    the linears' inputs, dropout masks) is whole on every rank. Sequence parallelism
-    (:mod:`mimotron.parallel.sequence_parallel`) divides the norm regions' ``6`` too;
-    the ``4`` of the column-parallel linears' inputs stays whole, because the DTensor
-    plans gather the input before the linear, which saves the gathered tensor (Megatron
-    saves the shard and gathers again in backward, reaching ``34 / t``). Context
-    parallelism (:mod:`mimotron.parallel.context_parallel`) holds ``seq / context``
-    positions per rank, so it divides all of it (logits included); attention then also
-    saves the all-gathered keys and values of the other ranks' positions for backward
-    (after the GQA repeat: ``2 x 2`` bytes x ``hidden / t`` per position, 16-bit).
-    Under ``train.encoder_batching`` an encoder holds every micro-batch of the step
-    (:func:`encoder_batching_factor`).
+
+def layer_bytes_per_token(cfg: MimoConfig, name: str) -> tuple[int, int]:
+    """Bytes one transformer layer saves for backward per token: ``(whole, tp_split)``.
+
+    Counted from :class:`~mimotron.models.blocks.TransformerBlock` (``tests/test_memory.py``
+    checks the count against the tensors autograd saves), with ``h`` the width, ``f``
+    the SwiGLU width, ``c`` the compute dtype's bytes:
+
+    * norm regions, ``2 x 2 x 4h``: each RMSNorm keeps its input and the normalised
+      tensor before the weight, in fp32;
+    * the column-parallel linears' inputs: the norm's output (``2 x 4h``, shared by
+      q/k/v and by w1/w3) in fp32; under autocast each linear casts its own copy
+      (``5 x c h``: wq, wk, wv, w1, w3). An encoder's residual stream keeps its front
+      end's transposed memory order (``[n, hidden, tokens]``), so each of its linears
+      copies the input to a contiguous one in fp32 too (``5 x c h``);
+    * attention, ``5 x c h`` with RoPE (the language model): rotated q and k, v (after
+      the GQA repeat: all query heads), SDPA's output and the heads-merged input of
+      ``wo`` (a copy, because RoPE's output is contiguous per head); ``4 x c h`` without
+      (encoders: the merge is a view of the output);
+    * SwiGLU, ``4 x c f``: gate, silu(gate), up and their product.
+
+    With TP ``t`` the attention and SwiGLU tensors divide by ``t``, the rest is whole;
+    sequence parallelism (:mod:`mimotron.parallel.sequence_parallel`) divides the norm
+    regions too, but the DTensor plans gather the linears' input before the linear,
+    which saves the gathered tensor whole (Megatron saves the shard and gathers again
+    in backward).
     """
     mod = cfg.modules[name]
-    par = mod.parallel
-    samples = cfg.train.micro_batch_size // par.data
-    tokens = (cfg.data.seq_length // par.context if mod.kind == "language"
-              else mod.num_output_tokens)
-    layers = -(-mod.num_layers // par.pipeline)
-    scale = BYTES[cfg.train.precision] / 2
-    whole, split = (4, 30) if par.sequence_parallel else (10, 24)
-    per_layer = mod.hidden_size * tokens * samples * scale * (whole + split / par.tensor)
-    if mod.kind == "language" and par.context > 1:
-        others = cfg.data.seq_length - tokens  # the gathered K/V of the other CP ranks
-        per_layer += mod.hidden_size * others * samples * scale * 4 / par.tensor
-    logits = 0
-    if mod.kind == "language":
-        logits = 3 * samples * tokens * 4 * 64  # vocab ~ 64 classes: logits, softmax, grad
-    # 1F1B keeps up to `pipeline` micro-batches in flight on the first stage; interleaved
-    # 1F1B runs (p - 1) * 2 + (v - 1) * p warm-up forwards of one chunk each, plus one.
-    v = par.virtual_pipeline
-    if v > 1:
-        chunk = -(-mod.num_layers // (par.pipeline * v))
-        in_flight = per_layer * chunk * ((par.pipeline - 1) * 2 + (v - 1) * par.pipeline + 1)
+    h, c = mod.hidden_size, BYTES[cfg.train.precision]
+    f = mod.ffn_hidden_size or default_ffn_hidden_size(h)
+    norms = 2 * 2 * FP32 * h
+    if cfg.train.precision == "fp32" and mod.kind == "language":
+        linear_inputs = 2 * FP32 * h
     else:
-        in_flight = per_layer * layers * par.pipeline
-    return int((in_flight + logits) * encoder_batching_factor(cfg, name))
+        linear_inputs = 5 * c * h
+    attention = (5 if mod.kind == "language" else 4) * c * h
+    split = attention + 4 * c * f
+    if mod.parallel.sequence_parallel:
+        return linear_inputs, split + norms
+    return norms + linear_inputs, split
+
+
+def ends_bytes_per_sample(cfg: MimoConfig, name: str, tokens: int, vocab_size: int
+                          ) -> tuple[int, int]:
+    """Saved bytes per sample outside the layers: ``(first stage, last stage)``.
+
+    Last stage: the final norm (input and normalised tensor, fp32) and the head's input;
+    for the language model the loss keeps the log-softmax of the logits (fp32, the
+    vocabulary divided by TP), for an encoder the projector keeps GELU's input and
+    ``fc2``'s input. First stage of an encoder: its front end's saved input (the raw
+    image or spectrogram, cast to the compute dtype) and, for audio, the frame-rate GELU
+    input and pooling-conv input. The language model's embedding saves only indices.
+    """
+    mod = cfg.modules[name]
+    h, c, t = mod.hidden_size, BYTES[cfg.train.precision], mod.parallel.tensor
+    head_input = FP32 * h if cfg.train.precision == "fp32" else c * h
+    norm = 2 * FP32 * h // (t if mod.parallel.sequence_parallel else 1)
+    if mod.kind == "language":
+        return 0, tokens * (norm + head_input + FP32 * vocab_size // t)
+    width = mod.projector_hidden_size or cfg.modules[LANGUAGE].hidden_size
+    last = tokens * (norm + head_input + 2 * c * width)
+    if mod.kind == "vit":
+        first = mod.in_channels * mod.image_size**2 * c
+    else:
+        first = (mod.num_freq_bins + 2 * h) * mod.num_frames * c
+    return first, last
+
+
+def microbatches_in_flight(cfg: MimoConfig, layout: Layout, name: str, stage: int = 0) -> int:
+    """Micro-batches whose activations a stage holds at once: ``min(total - position, m)``.
+
+    The 1F1B plan (:func:`mimotron.pipeline.plan.build_1f1b_plan`) runs
+    ``total - position - 1`` warm-up forwards before the first backward; an encoder on
+    its own ranks is a pipeline position ahead of the language model, so it keeps one
+    more micro-batch than its own pipeline depth. One with ``train.schedule`` other than
+    ``1f1b`` and in colocated layouts (one position). Under ``train.encoder_batching``
+    an encoder holds every micro-batch of the step (:func:`encoder_batching_factor`).
+    """
+    from mimotron.pipeline.plan import pipeline_positions
+
+    if encoder_batching_factor(cfg, name) > 1:
+        return encoder_batching_factor(cfg, name)
+    if cfg.train.schedule != "1f1b":
+        return 1
+    pos = pipeline_positions(layout)[(name, stage)]
+    return max(1, min(pos.total - pos.index, cfg.num_microbatches))
 
 
 def encoder_batching_factor(cfg: MimoConfig, name: str) -> int:
@@ -154,6 +213,80 @@ def encoder_batching_factor(cfg: MimoConfig, name: str) -> int:
     if cfg.train.encoder_batching and cfg.modules[name].is_encoder:
         return cfg.num_microbatches
     return 1
+
+
+def interleaved_chunks_in_flight(cfg: MimoConfig, name: str, stage: int) -> int:
+    """Model-chunk forwards an interleaved rank holds at once: Megatron's warm-up + 1.
+
+    :func:`~mimotron.pipeline.interleaved_plan.num_warmup` forwards run before the first
+    backward, then the steady state adds one before each backward (capped at the step's
+    ``m x v``). An encoder feeding an interleaved language model warms up longer; that
+    extra is not counted.
+    """
+    from mimotron.pipeline.interleaved_plan import num_warmup
+
+    par, m = cfg.modules[name].parallel, cfg.num_microbatches
+    v = par.virtual_pipeline
+    return min(num_warmup(m, par.pipeline, v, stage) + 1, m * v)
+
+
+def activation_bytes(cfg: MimoConfig, name: str, vocab_size: int = 64,
+                     in_flight: int | None = None, stage: int = 0) -> int:
+    """Activations kept for backward by one rank of a module stage (``in_flight`` copies).
+
+    One micro-batch's share: the micro-batch slice of the DP rank (``micro_batch / dp``
+    samples) times the tokens (the language model: ``seq / context``; an encoder: its
+    output tokens) times :func:`layer_bytes_per_token` for each layer of the stage, plus
+    :func:`ends_bytes_per_sample` on the first / last stage. Context parallelism holds
+    ``seq / context`` positions per rank, so it divides all of it (logits included);
+    attention then also saves the all-gathered keys and values of the other ranks'
+    positions for backward (after the GQA repeat: ``2 x c`` bytes x ``hidden / t`` per
+    position). ``in_flight`` (``None``: :func:`microbatches_in_flight` of the config's
+    layout) multiplies the whole. Under interleaving (``virtual_pipeline = v > 1``)
+    ``in_flight`` counts model-chunk forwards (``None``:
+    :func:`interleaved_chunks_in_flight`), each holding ``1 / v`` of the rank's layers,
+    and the module's ends as many micro-batches as their chunk has in flight.
+    """
+    from mimotron.parallel.layout import plan_layout
+
+    mod = cfg.modules[name]
+    par = mod.parallel
+    samples = cfg.train.micro_batch_size // par.data
+    tokens = (cfg.data.seq_length // par.context if mod.kind == "language"
+              else mod.num_output_tokens)
+    layers, chunks = rank_layers(mod.num_layers, par, stage)
+    whole, split = layer_bytes_per_token(cfg, name)
+    per_layer = tokens * (whole + split // par.tensor)
+    if mod.kind == "language" and par.context > 1:
+        others = cfg.data.seq_length - tokens  # the gathered K/V of the other CP ranks
+        per_layer += mod.hidden_size * others * 2 * BYTES[cfg.train.precision] // par.tensor
+    first, last = ends_bytes_per_sample(cfg, name, tokens, vocab_size)
+    ends = (first if stage == 0 else 0) + (last if stage == par.pipeline - 1 else 0)
+    if chunks is not None:
+        v = len(chunks)
+        n = interleaved_chunks_in_flight(cfg, name, stage) if in_flight is None else in_flight
+        return int((per_layer * len(layers) * n / v + ends * -(-n // v)) * samples)
+    one = per_layer * len(layers) + ends
+    if in_flight is None:
+        in_flight = microbatches_in_flight(cfg, plan_layout(cfg), name, stage)
+    return int(one * samples * in_flight)
+
+
+def backward_workspace_bytes(cfg: MimoConfig, name: str) -> int:
+    """The largest temporary of a backward on top of the saved activations.
+
+    Measured on the digits language model (``benchmarks/memory.py``, per-phase marks): the
+    peak comes in the backward of the last micro-batch's SwiGLU, where the gradient of
+    the inner width (``c f`` per token, divided by TP) is live while every saved tensor
+    of the layer still is.
+    """
+    mod = cfg.modules[name]
+    par = mod.parallel
+    samples = cfg.train.micro_batch_size // par.data
+    tokens = (cfg.data.seq_length // par.context if mod.kind == "language"
+              else mod.num_output_tokens)
+    f = mod.ffn_hidden_size or default_ffn_hidden_size(mod.hidden_size)
+    return samples * tokens * BYTES[cfg.train.precision] * f // par.tensor
 
 
 def estimate_memory(
@@ -182,7 +315,25 @@ def estimate_memory(
                     weights=n * (master + compute),
                     grads=0 if frozen else n * 4,
                     optimizer=0 if frozen else n * 8 // opt_shard,
-                    activations=activation_bytes(cfg, role.module),
+                    activations=activation_bytes(
+                        cfg, role.module, vocab_size,
+                        microbatches_in_flight(cfg, layout, role.module, role.pp), role.pp),
+                    workspace=0 if frozen else backward_workspace_bytes(cfg, role.module),
+                    reduce_bucket=reduce_bucket_bytes(cfg, role.module, n),
                 )
             )
     return out
+
+
+def reduce_bucket_bytes(cfg: MimoConfig, name: str, num_params: int) -> int:
+    """The flat buffer of the largest data-parallel reduction bucket (0 if none).
+
+    :func:`mimotron.parallel.data_parallel.allreduce_gradients` concatenates each bucket's
+    fp32 gradients (``train.grad_bucket_mb``) before its all-reduce; nothing is reduced
+    with one replica, for a frozen module, or under ZeRO (the optimizer reduce-scatters).
+    """
+    mod = cfg.modules[name]
+    replicas = mod.parallel.data * mod.parallel.context
+    if replicas == 1 or mod.freeze or mod.parallel.shard_optimizer:
+        return 0
+    return min(num_params * 4, int(cfg.train.grad_bucket_mb * 2**20))
