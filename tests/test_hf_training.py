@@ -34,7 +34,8 @@ NUM_ITERS = 10
 HF_VOCAB = 40  # below the padded model vocabulary (64): 24 rows are not in the checkpoint
 
 
-def _save_models(root: Path, kv_heads: int = 2, tied: bool = False) -> dict[str, Path]:
+def _save_models(root: Path, kv_heads: int = 2, tied: bool = False, lm_layers: int = 2,
+                 vision_layers: int = 3) -> dict[str, Path]:
     from transformers import (
         CLIPVisionConfig,
         CLIPVisionModel,
@@ -48,7 +49,8 @@ def _save_models(root: Path, kv_heads: int = 2, tied: bool = False) -> dict[str,
     paths = {m: root / m for m in ("vision", "audio", "language")}
     # The digits task's inputs: 1 x 8 x 8 images, 129 x 16 spectrograms.
     CLIPVisionModel(CLIPVisionConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+        hidden_size=32, intermediate_size=64, num_hidden_layers=vision_layers,
+        num_attention_heads=4,
         num_channels=1, image_size=8, patch_size=2)).save_pretrained(paths["vision"])
     WhisperModel(WhisperConfig(
         d_model=32, encoder_layers=2, encoder_attention_heads=4, encoder_ffn_dim=64,
@@ -57,8 +59,9 @@ def _save_models(root: Path, kv_heads: int = 2, tied: bool = False) -> dict[str,
         bos_token_id=1, eos_token_id=2, decoder_start_token_id=1,
     )).save_pretrained(paths["audio"])
     LlamaForCausalLM(LlamaConfig(
-        vocab_size=HF_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=128,
+        vocab_size=HF_VOCAB, hidden_size=64, intermediate_size=128,
+        num_hidden_layers=lm_layers, num_attention_heads=4, num_key_value_heads=kv_heads,
+        max_position_embeddings=128,
         tie_word_embeddings=tied)).save_pretrained(paths["language"])
     return paths
 
@@ -107,6 +110,27 @@ def test_hf_modules_train_like_one_process(hf_dirs: dict[str, Path], layout: str
     overrides = shared + LAYOUTS[layout]
     world = plan_layout(load_config(DIGITS, BASE + overrides)).world_size
     assert world == 5
+    _check_against_reference(hf_dirs, shared, overrides, world)
+
+
+def test_hf_decoder_interleaved_trains_like_one_process(tmp_path: Path) -> None:
+    """A dense Hugging Face decoder under interleaved 1F1B (PP 2 x VP 2, one layer per
+    chunk, 4 micro-batches) matches the plain loop; a Hugging Face encoder is refused."""
+    paths = _save_models(tmp_path, lm_layers=4, vision_layers=5)  # vision: 4 used layers
+    shared = _hf_overrides(paths) + ["train.micro_batch_size=4", "modules.vision.num_layers=4",
+                                     "modules.language.num_layers=4"]
+    overrides = shared + noncolocated({}, {}, {"pipeline": 2, "virtual_pipeline": 2})
+    world = plan_layout(load_config(DIGITS, BASE + overrides)).world_size
+    assert world == 4
+    _check_against_reference(paths, shared, overrides, world)
+    bad = shared + noncolocated({"pipeline": 2, "virtual_pipeline": 2}, {}, {})
+    with pytest.raises(ValueError, match=r"virtual_pipeline=2 is invalid with "
+                                         r"modules\.vision\.hf_path"):
+        plan_layout(load_config(DIGITS, BASE + bad))
+
+
+def _check_against_reference(hf_dirs: dict[str, Path], shared: list[str],
+                             overrides: list[str], world: int) -> None:
     results = run_ranks(world, engine_run, overrides, NUM_ITERS, timeout_s=300)
     ref = reference_run(tuple(shared), NUM_ITERS)
 

@@ -64,10 +64,12 @@ def build_rank_model(cfg: MimoConfig, infra: MimoModelInfra, vocab_size: int,
                  "post_process": role.is_last_stage}
         if mod.hf_path:
             parts[name] = build_hf_part(cfg, name, vocab_size, stage, mesh, device)
-            continue
-        parts[name] = build_module(cfg, name, vocab_size, **stage).to(device)
+        else:
+            parts[name] = build_module(cfg, name, vocab_size, **stage).to(device)
         if chunks is not None:
             set_layer_chunks(parts[name], chunks)
+        if mod.hf_path:
+            continue  # build_hf_part applied tensor parallelism (no EP for hf_path)
         if mesh is not None:
             apply_tensor_parallel(parts[name], mesh, name == LANGUAGE,
                                   mod.parallel.sequence_parallel)
