@@ -30,6 +30,18 @@ still waits for.
   the share of the reduction the step still waits for. Load-robust (no step times), but
   blind to what the overlap costs the backward; ``1 - reduction_wait_fraction`` is the
   upper bound of the hidden fraction.
+* ``overlap_compute_slowdown_ms`` = median over paired blocks of the per-step time
+  *outside* the reduction's entry points (forward, backward, optimizer), B minus A: what
+  the overlapped reduction costs the rest of the step. So that
+  ``hidden ~ 1 - wait - slowdown / t_reduction``.
+* ``reduction_cpu_fraction`` = process CPU time (``time.process_time``, all threads,
+  gloo's included) inside A's reduction entry points / their wall time: how much of a
+  core the reduction needs. With both cores busy computing (one rank per core), that
+  CPU comes out of the backward when the reduction overlaps it. Per-step process CPU
+  time of both sides is in the JSON (``cpu_s_per_step_*``, ``paired_cpu_extra_s``).
+
+Full runs also repeat plain DP at 0.25 and 4 MiB buckets (``by_bucket_mb_dp``,
+measurements only): does the bucket size move the balance between waiting and slowdown.
 
 Both variants must train bit-identically: their losses are compared
 (``losses_bitwise_equal``).
@@ -258,8 +270,8 @@ def _bucket_sweep(opts: Options, num_blocks: int, steps_per_block: int) -> dict[
         res = run_ranks(2, _rank, TINY if opts.tiny else [], "dp", num_blocks,
                         steps_per_block, mb, timeout_s=900)[0]
         figures, _ = _figures(res, "")
-        out[f"{mb:g}"] = {f.name: {"value": f.value, "interval": f.spread}
-                          for f in figures}
+        out[f"{mb:g}"] = {f.name: {"value": f.value, "interval": f.spread,
+                                   "detail": f.detail} for f in figures}
     return out
 
 
