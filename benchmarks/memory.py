@@ -78,7 +78,8 @@ def _estimate(cfg: Any, world: int, rank: int) -> dict[str, Any]:
 
     vocab = padded_vocab_size(CharTokenizer().vocab_size)
     est = estimate_memory(cfg, plan_layout(cfg, world), vocab)[rank]
-    keys = ("weights", "grads", "optimizer", "activations", "workspace", "reduce_bucket")
+    keys = ("weights", "grads", "optimizer", "activations", "workspace", "reduce_bucket",
+            "param_gather")
     return {"total": sum(e.total for e in est),
             "parts": {k: sum(getattr(e, k) for e in est) for k in keys},
             "modules": [e.module for e in est],

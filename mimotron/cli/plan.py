@@ -67,7 +67,7 @@ def run_plan(config: str, overrides: list[str]) -> int:
     print()
     print(f"memory estimate per rank (MiB, precision {cfg.train.precision}):")
     print(f"{'rank':>4}  {'module':<10} {'weights':>8} {'grads':>8} {'optim':>8} {'activ':>8} "
-          f"{'in fl.':>6} {'bwd ws':>8} {'bucket':>8} {'total':>8}")
+          f"{'in fl.':>6} {'bwd ws':>8} {'bucket':>8} {'gather':>8} {'total':>8}")
     for rank, items in estimate_memory(cfg, layout, vocab).items():
         roles = {role.module: role for role in layout.roles(rank)}
         for i, e in enumerate(items):
@@ -75,11 +75,13 @@ def run_plan(config: str, overrides: list[str]) -> int:
             flight = microbatches_in_flight(cfg, layout, e.module, roles[e.module].pp)
             print(f"{r}  {e.module:<10} {_mib(e.weights)} {_mib(e.grads)} {_mib(e.optimizer)} "
                   f"{_mib(e.activations)} {flight:>6} {_mib(e.workspace)} "
-                  f"{_mib(e.reduce_bucket)} {_mib(e.total)}")
-    print("activ: saved tensors of the micro-batches in flight (in fl., the 1F1B warm-up);\n"
-          "bwd ws: the backward's largest temporary; bucket: the gradient all-reduce's flat\n"
-          "buffer (after the backward); total = weights + grads + optim\n"
-          "  + max(activ + bwd ws, bucket)")
+                  f"{_mib(e.reduce_bucket)} {_mib(e.param_gather)} {_mib(e.total)}")
+    print("activ: saved tensors of the micro-batches in flight (in fl., the 1F1B warm-up;\n"
+          "a frozen encoder: its outputs only); bwd ws: the backward's largest temporary;\n"
+          "bucket: the gradient reduction's buffers (one bucket, or every bucket with\n"
+          "train.overlap_grad_reduce); gather: a ZeRO-1 module's parameter all-gather\n"
+          "buffers (every bucket with train.overlap_param_gather); total = weights + grads\n"
+          "  + optim + max(activ + bwd ws, bucket, gather)")
     print(f"\nmicro-batches per step: {cfg.num_microbatches} "
           f"(global batch {cfg.train.global_batch_size}, micro-batch {cfg.train.micro_batch_size})")
     if cfg.train.encoder_batching:

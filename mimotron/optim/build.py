@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from mimotron.config import PRECISIONS, MimoConfig, ModuleConfig, OptimizerConfig
 from mimotron.models.mimo import MimoModel, module_part
@@ -22,7 +23,7 @@ from mimotron.optim.scheduler import OptimizerParamScheduler
 from mimotron.parallel.data_parallel import replica_group
 from mimotron.parallel.expert_parallel import is_expert_param
 from mimotron.parallel.groups import ProcessGroupCollection
-from mimotron.parallel.zero import ExpertSplitShards, ZeroShards
+from mimotron.parallel.zero import ExpertSplitShards, ZeroShards, remove_gather_hooks
 
 
 def _check_groups(name: str, grid: Any, pg: ProcessGroupCollection | None) -> None:
@@ -160,7 +161,9 @@ def get_mimo_optimizer(
     (:class:`~mimotron.parallel.zero.ZeroShards`): the inner optimizer holds only this
     rank's rows of every parameter. With ``train.overlap_param_gather`` their
     parameter all-gather after the step is only launched, and forward pre-hooks on the
-    module's submodules wait for it (:meth:`MimoOptimizer.finish_param_gather`).
+    module's submodules wait for it (:meth:`MimoOptimizer.finish_param_gather`); the
+    optimizer keeps those hooks (removed by :meth:`MimoOptimizer.close`, or when another
+    optimizer is built on the same model).
 
     Args:
         mimo_model: has ``modality_submodules[name]`` (encoders) and ``language_model``;
@@ -186,8 +189,11 @@ def get_mimo_optimizer(
     precision = config.train.precision if precision is None else precision
     _check_config(config, precision)
     infos: dict[str, ModuleOptimizerInfo] = {}
+    hooks: list[RemovableHandle] = []
     for name, mcfg in config.modules.items():
         module = module_part(mimo_model, name)
+        if module is not None:  # a previous optimizer's gather hooks go with it
+            remove_gather_hooks(module)
         if mcfg.freeze and module is not None and any(p.requires_grad
                                                       for p in module.parameters()):
             raise ValueError(
@@ -202,7 +208,7 @@ def get_mimo_optimizer(
         _check_groups(name, grid, pg)
         zero = _shards(name, mcfg, named, pg, int(config.train.grad_bucket_mb * 2**20))
         if zero is not None and config.train.overlap_param_gather:
-            zero.wait_before_forward(module)
+            hooks += zero.wait_before_forward(module)
         stepped = zero.fragments if zero is not None else named
         oc = config.effective_optimizer(name)
         opt = build_torch_optimizer(stepped, oc) if named else None
@@ -218,7 +224,7 @@ def get_mimo_optimizer(
             clip_grad=oc.clip_grad,
         )
     return MimoOptimizer(infos, config.optimizer, world_group,
-                         overlap_param_gather=config.train.overlap_param_gather)
+                         overlap_param_gather=config.train.overlap_param_gather, hooks=hooks)
 
 
 def build_schedulers(

@@ -55,6 +55,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from mimotron.config import OptimizerConfig
 from mimotron.optim.grads import (
@@ -128,6 +129,9 @@ class MimoOptimizer:
             none; 0 = off).
         world_group: group spanning all ranks; ``None`` = the default group (or no
             collectives at all when torch.distributed is not initialised).
+        overlap_param_gather: sharded modules only launch their all-gather after the step.
+        hooks: the forward pre-hooks that land that gather (kept so :meth:`close` can
+            remove them).
 
     Raises:
         ValueError: an active module without an optimizer, or a parameter of an inner
@@ -140,8 +144,11 @@ class MimoOptimizer:
         config: OptimizerConfig,
         world_group: dist.ProcessGroup | None = None,
         overlap_param_gather: bool = False,
+        hooks: list[RemovableHandle] | None = None,
     ) -> None:
         self.config = config
+        self.hooks = list(hooks or [])
+        """The modules' gather pre-hooks (``overlap_param_gather``); :meth:`close` removes them."""
         self.overlap_param_gather = overlap_param_gather
         """Sharded modules only launch their all-gather after the step; see
         :meth:`finish_param_gather`."""
@@ -406,6 +413,13 @@ class MimoOptimizer:
         for info in self._active():
             if info.zero is not None:
                 info.zero.finish_gather()
+
+    def close(self) -> None:
+        """Land pending gathers and remove the modules' gather pre-hooks (idempotent)."""
+        self.finish_param_gather()
+        for hook in self.hooks:
+            hook.remove()
+        self.hooks = []
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients of every active module (model and fragment gradients)."""

@@ -27,11 +27,14 @@ BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 class MemoryEstimate:
     """Bytes one rank needs for one module.
 
-    ``activations`` are the saved tensors of every micro-batch in flight; ``workspace``
-    the backward's largest temporary on top of them; ``reduce_bucket`` the flat buffer
-    the data-parallel gradient reduction fills after the backward, when the
-    activations are already freed. The peak is therefore
-    ``weights + grads + optimizer + max(activations + workspace, reduce_bucket)``.
+    ``activations`` are the saved tensors of every micro-batch in flight (a frozen
+    encoder saves none: only its outputs); ``workspace`` the backward's largest
+    temporary on top of them; ``reduce_bucket`` the buffers of the data-parallel
+    gradient reduction (:func:`reduce_bucket_bytes`) and ``param_gather`` those of a
+    ZeRO-1 module's parameter all-gather (:func:`param_gather_bytes`), both counted
+    after the backward, when the activations are freed. The peak is therefore
+    ``weights + grads + optimizer + max(activations + workspace, reduce_bucket,
+    param_gather)``.
     """
 
     module: str
@@ -42,11 +45,13 @@ class MemoryEstimate:
     activations: int
     workspace: int = 0
     reduce_bucket: int = 0
+    param_gather: int = 0
 
     @property
     def total(self) -> int:
         return (self.weights + self.grads + self.optimizer
-                + max(self.activations + self.workspace, self.reduce_bucket))
+                + max(self.activations + self.workspace, self.reduce_bucket,
+                      self.param_gather))
 
 
 def stage_parameter_counts(cfg: MimoConfig, name: str, vocab_size: int) -> list[int]:
@@ -209,7 +214,8 @@ def encoder_batching_factor(cfg: MimoConfig, name: str) -> int:
     """How many micro-batches of module ``name``'s activations are alive at once, beyond
     the schedule's: ``num_microbatches`` for an encoder under ``train.encoder_batching``
     (it runs the whole step in one forward, :mod:`mimotron.pipeline.encoder_batching`),
-    else 1."""
+    else 1. For a frozen encoder that multiplies its outputs only: it saves nothing for
+    backward (:func:`frozen_encoder_output_bytes`)."""
     if cfg.train.encoder_batching and cfg.modules[name].is_encoder:
         return cfg.num_microbatches
     return 1
@@ -245,7 +251,8 @@ def activation_bytes(cfg: MimoConfig, name: str, vocab_size: int = 64,
     layout) multiplies the whole. Under interleaving (``virtual_pipeline = v > 1``)
     ``in_flight`` counts model-chunk forwards (``None``:
     :func:`interleaved_chunks_in_flight`), each holding ``1 / v`` of the rank's layers,
-    and the module's ends as many micro-batches as their chunk has in flight.
+    and the module's ends as many micro-batches as their chunk has in flight. A frozen
+    encoder holds only its outputs (:func:`frozen_encoder_output_bytes`).
     """
     from mimotron.parallel.layout import plan_layout
 
@@ -254,6 +261,10 @@ def activation_bytes(cfg: MimoConfig, name: str, vocab_size: int = 64,
     samples = cfg.train.micro_batch_size // par.data
     tokens = (cfg.data.seq_length // par.context if mod.kind == "language"
               else mod.num_output_tokens)
+    if mod.freeze and mod.is_encoder:
+        return frozen_encoder_output_bytes(cfg, name, stage) * samples * (
+            microbatches_in_flight(cfg, plan_layout(cfg), name, stage)
+            if in_flight is None else in_flight)
     layers, chunks = rank_layers(mod.num_layers, par, stage)
     whole, split = layer_bytes_per_token(cfg, name)
     per_layer = tokens * (whole + split // par.tensor)
@@ -270,6 +281,20 @@ def activation_bytes(cfg: MimoConfig, name: str, vocab_size: int = 64,
     if in_flight is None:
         in_flight = microbatches_in_flight(cfg, plan_layout(cfg), name, stage)
     return int(one * samples * in_flight)
+
+
+def frozen_encoder_output_bytes(cfg: MimoConfig, name: str, stage: int) -> int:
+    """Bytes per sample a frozen encoder stage holds for the step: its outputs only.
+
+    Neither its parameters nor its inputs need a gradient, so autograd saves nothing in
+    its forward; what stays alive is the projected output (``num_output_tokens`` rows
+    of the language model's width, in the compute dtype) until the language model has
+    consumed it, on the last stage. Earlier stages hand theirs on: 0.
+    """
+    mod = cfg.modules[name]
+    if stage != mod.parallel.pipeline - 1:
+        return 0
+    return mod.num_output_tokens * cfg.modules[LANGUAGE].hidden_size * BYTES[cfg.train.precision]
 
 
 def backward_workspace_bytes(cfg: MimoConfig, name: str) -> int:
@@ -320,20 +345,57 @@ def estimate_memory(
                         microbatches_in_flight(cfg, layout, role.module, role.pp), role.pp),
                     workspace=0 if frozen else backward_workspace_bytes(cfg, role.module),
                     reduce_bucket=reduce_bucket_bytes(cfg, role.module, n),
+                    param_gather=param_gather_bytes(cfg, role.module, n),
                 )
             )
     return out
 
 
-def reduce_bucket_bytes(cfg: MimoConfig, name: str, num_params: int) -> int:
-    """The flat buffer of the largest data-parallel reduction bucket (0 if none).
+def _replicas(cfg: MimoConfig, name: str) -> int:
+    """The gradient replica group's size: ``dp x cp`` (``data_parallel.replica_group``)."""
+    par = cfg.modules[name].parallel
+    return par.data * par.context
 
-    :func:`mimotron.parallel.data_parallel.allreduce_gradients` concatenates each bucket's
-    fp32 gradients (``train.grad_bucket_mb``) before its all-reduce; nothing is reduced
-    with one replica, for a frozen module, or under ZeRO (the optimizer reduce-scatters).
+
+def reduce_bucket_bytes(cfg: MimoConfig, name: str, num_params: int) -> int:
+    """Buffers of the data-parallel gradient reduction alive at once (0 if none).
+
+    Nothing is reduced with one replica or for a frozen module. Otherwise one bucket
+    (``train.grad_bucket_mb`` of fp32 gradients) at a time: the flat copy an all-reduce
+    sums (:func:`mimotron.parallel.data_parallel.allreduce_gradients`), or under ZeRO-1
+    the padded rank-major copy a reduce-scatter sends plus the ``1 / replicas`` it
+    receives. With ``train.overlap_grad_reduce`` every bucket is launched during the
+    last backward and keeps its buffers until the step waits for them
+    (:mod:`mimotron.parallel.overlap`): a whole extra gradient copy (ZeRO-1: plus
+    ``1 / replicas``). The estimate counts it after the backward; while the last
+    backward launches the first buckets it still holds part of one micro-batch's
+    activations, which this leaves out.
     """
     mod = cfg.modules[name]
-    replicas = mod.parallel.data * mod.parallel.context
-    if replicas == 1 or mod.freeze or mod.parallel.shard_optimizer:
+    replicas = _replicas(cfg, name)
+    if replicas == 1 or mod.freeze:
         return 0
-    return min(num_params * 4, int(cfg.train.grad_bucket_mb * 2**20))
+    grads = num_params * 4
+    held = grads if cfg.train.overlap_grad_reduce else min(grads, _bucket_bytes(cfg))
+    return held + held // replicas if mod.parallel.shard_optimizer else held
+
+
+def param_gather_bytes(cfg: MimoConfig, name: str, num_params: int) -> int:
+    """Buffers of a ZeRO-1 module's parameter all-gather alive at once (0 if none).
+
+    One bucket at a time (the fp32 rows of every rank, plus the ``1 / replicas`` this
+    rank sends); with ``train.overlap_param_gather`` every bucket's, until the next
+    forward lands them (:meth:`mimotron.parallel.zero.ZeroShards.gather_params`): a
+    whole extra copy of the module's parameters.
+    """
+    mod = cfg.modules[name]
+    replicas = _replicas(cfg, name)
+    if replicas == 1 or mod.freeze or not mod.parallel.shard_optimizer:
+        return 0
+    weights = num_params * 4
+    held = weights if cfg.train.overlap_param_gather else min(weights, _bucket_bytes(cfg))
+    return held + held // replicas
+
+
+def _bucket_bytes(cfg: MimoConfig) -> int:
+    return int(cfg.train.grad_bucket_mb * 2**20)

@@ -201,13 +201,15 @@ class ZeroShards:
 
         Collective over the DP group. Buckets already launched (during the backward, by
         :class:`~mimotron.parallel.overlap.OverlappedGradReducer`) are only waited for;
-        the others are launched here, in bucket order. Either way each bucket is the
-        same collective on the same buffer, so the result is the same.
+        the others are launched here, in bucket order, each waited for before the next
+        is launched. Either way each bucket is the same collective on the same buffer,
+        so the result is the same.
         """
-        for index in range(len(self._buckets)):
-            if index not in self._pending_reduce:
-                self.launch_reduce(index)
         for index, (slots, _) in enumerate(self._buckets):
+            if index not in self._pending_reduce:
+                # Launched and waited for one at a time: one bucket's padded copy is
+                # alive at once (``train.grad_bucket_mb`` bounds it), not the module's.
+                self.launch_reduce(index)
             recv, handle = self._pending_reduce.pop(index)
             handle.wait()
             for s in slots:
@@ -221,20 +223,40 @@ class ZeroShards:
             async_op: only launch the all-gathers (``train.overlap_param_gather``); the
                 rows land in the model at :meth:`finish_gather`, which the forward
                 pre-hooks of :meth:`wait_before_forward` (or any reader) call first.
+                Every bucket's receive buffer stays alive until then: one (padded) copy
+                of the module's parameters, which ``mimotron plan`` counts
+                (:func:`~mimotron.parallel.memory.param_gather_bytes`). Without it, each
+                bucket is waited for and copied before the next is launched.
         """
         self.finish_gather()  # a previous gather must land before its buffers go
-        with torch.no_grad():
-            for slots, seg in self._buckets:
-                parts = []
-                for s in slots:
-                    local = self._fragment[s.name].detach().reshape(s.end - s.start, s.row_numel)
-                    parts.append(F.pad(local, (0, 0, 0, s.chunk - (s.end - s.start))).reshape(-1))
-                send = torch.cat(parts)
-                recv = send.new_empty(self.num_shards * seg)
-                handle = dist.all_gather_single(recv, send, group=self.group, async_op=True)
+        for slots, seg in self._buckets:
+            recv, handle = self._launch_gather(slots, seg)
+            if async_op:
                 self._pending_gather.append((recv, handle))
-        if not async_op:
-            self.finish_gather()
+            else:  # one bucket's buffers alive at a time (train.grad_bucket_mb)
+                self._land_gather(slots, seg, recv, handle)
+
+    def _launch_gather(self, slots: list[_Slot], seg: int) -> tuple[torch.Tensor, dist.Work]:
+        """Start one bucket's all-gather of every rank's padded rows (rank-major)."""
+        with torch.no_grad():
+            parts = []
+            for s in slots:
+                local = self._fragment[s.name].detach().reshape(s.end - s.start, s.row_numel)
+                parts.append(F.pad(local, (0, 0, 0, s.chunk - (s.end - s.start))).reshape(-1))
+            send = torch.cat(parts)
+            recv = send.new_empty(self.num_shards * seg)
+            return recv, dist.all_gather_single(recv, send, group=self.group, async_op=True)
+
+    def _land_gather(self, slots: list[_Slot], seg: int, recv: torch.Tensor,
+                     handle: dist.Work) -> None:
+        """Wait for one bucket's all-gather and copy every rank's rows into the model."""
+        handle.wait()
+        with torch.no_grad():
+            table = recv.view(self.num_shards, seg)
+            for s in slots:
+                full = table[:, s.offset : s.offset + s.padded_numel]
+                s.rows_view().copy_(full.reshape(self.num_shards * s.chunk, s.row_numel)
+                                    [: s.rows])
 
     @property
     def gather_pending(self) -> bool:
@@ -246,17 +268,14 @@ class ZeroShards:
         pending, self._pending_gather = self._pending_gather, []
         if not pending:
             return
-        with torch.no_grad():
-            for (slots, seg), (recv, handle) in zip(self._buckets, pending, strict=True):
-                handle.wait()
-                table = recv.view(self.num_shards, seg)
-                for s in slots:
-                    full = table[:, s.offset : s.offset + s.padded_numel]
-                    s.rows_view().copy_(full.reshape(self.num_shards * s.chunk, s.row_numel)
-                                        [: s.rows])
+        for (slots, seg), (recv, handle) in zip(self._buckets, pending, strict=True):
+            self._land_gather(slots, seg, recv, handle)
 
     def wait_before_forward(self, module: nn.Module) -> list[RemovableHandle]:
         """Forward pre-hooks on ``module`` and every submodule: finish a pending gather.
+
+        The handles are returned and also listed on ``module`` (see
+        :func:`remove_gather_hooks`).
 
         Every submodule, not only ``module``: the model calls some of them directly
         (``language_model.embed_tokens``) before its own forward. ``state_dict`` waits
@@ -265,10 +284,17 @@ class ZeroShards:
         hooks = [m.register_forward_pre_hook(lambda *_: self.finish_gather())
                  for m in module.modules()]
         hooks.append(module.register_state_dict_pre_hook(lambda *_: self.finish_gather()))
+        # Remembered on the module, so an optimizer built later on it removes them.
+        module.__dict__.setdefault(GATHER_HOOKS_ATTR, []).extend(hooks)
         return hooks
 
     def zero_model_grads(self, set_to_none: bool = True) -> None:
-        """Clear the (unreduced) gradients of the model parameters."""
+        """Clear the (unreduced) gradients of the model parameters.
+
+        Also forgets reduce-scatters a hook launched in a step that then raised: the
+        next step launches its buckets anew (an abandoned one would assert otherwise).
+        """
+        self._pending_reduce.clear()
         for s in self._slots.values():
             if set_to_none:
                 s.param.grad = None
@@ -400,6 +426,16 @@ class ExpertSplitShards:
     def to_dtensor(self, name: str, value: Any) -> Any:
         """See :meth:`ZeroShards.to_dtensor`."""
         return self._part(name).to_dtensor(name, value)
+
+
+GATHER_HOOKS_ATTR = "_mimotron_param_gather_hooks"
+"""Attribute of a module listing the pre-hooks :meth:`ZeroShards.wait_before_forward` put."""
+
+
+def remove_gather_hooks(module: nn.Module) -> None:
+    """Remove every gather pre-hook a (previous) sharded optimizer put on ``module``."""
+    for hook in module.__dict__.pop(GATHER_HOOKS_ATTR, []):
+        hook.remove()
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -9,11 +9,13 @@ users with their own model or forward step as well as ``mimotron train``.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import torch.distributed as dist
 from torch import nn
 
 from mimotron.checkpoint import CheckpointManager, maybe_load_checkpoint
@@ -245,11 +247,27 @@ def train_mimo(
             checkpoints.finish()
         if valid_data_iterator is not None and not checkpoints.stopped:
             summary["eval"] = run_eval()
+    except Exception as exc:
+        _land_param_gather(optimizer, exc)
+        raise
     finally:
         checkpoints.close()
         profiler.close()
         monitor.close()
     return monitor.finish(summary)
+
+
+def _land_param_gather(optimizer: MimoOptimizer, exc: Exception) -> None:
+    """On an error, land a pending parameter all-gather so the caller's weights are whole.
+
+    Skipped when the error is a collective failure (a peer died: the wait would fail
+    too); otherwise the process-group timeout bounds the wait. A failure of the wait
+    itself is dropped: the original error is the one to report.
+    """
+    if isinstance(exc, dist.DistError):
+        return
+    with contextlib.suppress(Exception):  # the original error propagates instead
+        optimizer.finish_param_gather()
 
 
 def _advance(ts: TrainState, loss: float, skipped: bool, num_samples: int) -> None:

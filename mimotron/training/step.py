@@ -203,6 +203,8 @@ def train_step_mimo(
     pg_dict = dict(pgs.items())
     zero = {n: info.zero for n, info in optimizer.module_infos.items()
             if info.zero is not None and info.is_active and n in parts}
+    for shards in zero.values():  # forget reduce-scatters of a step that raised
+        shards.zero_model_grads()
     reducer = (OverlappedGradReducer(parts, pg_dict, frozen, bucket_bytes, zero)
                if cfg.train.overlap_grad_reduce else None)
     timers("forward-backward").start()
