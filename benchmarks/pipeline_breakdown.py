@@ -1,18 +1,19 @@
 """Where one pipeline step's time goes on each rank, ours vs torch's (measured).
 
-Used by the interleaved comparison: after the timed repetitions, one more step of each
-side runs with timers wrapped around (and restored after) the calls that make it up:
+Used by the interleaved comparison: after the timed repetitions, a few more steps of each
+side run with timers wrapped around (and restored after) the calls that make it up:
 
 * ``forward_s``: the language model's forward (``model.language_model``), both sides;
 * ``backward_s``: ours every ``torch.autograd.backward`` (what ``Tensor.backward``
   calls), torch's each stage's ``backward_one_chunk`` (its receives are waited outside);
 * ``transfer_s``: time inside the transfer calls, sends posted, receives posted and
   waited (ours ``communicate`` + ``finish``; torch's ``_batch_p2p`` + ``_wait_batch_p2p``),
-  of which ``recv_wait_s`` (ours ``PostedRecv.read_header`` / ``result``) or ``wait_s``
-  (torch's ``_wait_batch_p2p``: receives and, at the end, sends) is the blocked part;
+  of which the blocked part is ours ``recv_wait_s`` (``PostedRecv.read_header`` /
+  ``result``) + ``send_wait_s`` (``PendingSends.wait``), torch's ``wait_s``
+  (``_wait_batch_p2p``: receives, and sends before they are reused or at the end);
 * ``optimizer_s``: grad norm, clip, the world all_reduce, AdamW (ours
   ``step_with_world_sums``; torch's :class:`~benchmarks.torch_side.Finisher`);
-* ``messages``: point-to-point payloads posted (sends + receives), and ``step_s``;
+* ``messages``: point-to-point payloads posted (sends + receives); ``step_s``;
   ``other_s`` = ``step_s`` minus the parts (Python bookkeeping, loss, scheduling).
 
 The wrappers add a few microseconds per call, the same on both sides.
@@ -28,6 +29,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+STEPS = 3  # instrumented steps per side (their mean is reported)
 
 # (object, attribute, key of the time it accumulates, messages per call or None)
 Target = tuple[Any, str, str, "Callable[..., int] | None"]
@@ -62,16 +65,18 @@ def _timed_calls(targets: list[Target], tally: dict[str, float]) -> Iterator[Non
                 delattr(obj, attr)
 
 
-def _one_step(targets: list[Target], step: Callable[[], Any],
-              parts: tuple[str, ...]) -> dict[str, float]:
+def _steps(targets: list[Target], step: Callable[[], Any], parts: tuple[str, ...],
+           num_steps: int = STEPS) -> dict[str, float]:
+    """Per-step means over ``num_steps`` instrumented steps (each after a barrier)."""
     tally: dict[str, float] = defaultdict(float)
-    dist.barrier()
     with _timed_calls(targets, tally):
-        t0 = time.perf_counter()
-        step()
-        tally["step_s"] = time.perf_counter() - t0
+        for _ in range(num_steps):
+            dist.barrier()
+            t0 = time.perf_counter()
+            step()
+            tally["step_s"] += time.perf_counter() - t0
     tally["other_s"] = tally["step_s"] - sum(tally[k] for k in parts)
-    return {k: round(v, 6) for k, v in sorted(tally.items())}
+    return {k: round(v / num_steps, 6) for k, v in sorted(tally.items())}
 
 
 def ours_breakdown(run: Any, step: Callable[[], Any]) -> dict[str, float]:
@@ -87,11 +92,12 @@ def ours_breakdown(run: Any, step: Callable[[], Any]) -> dict[str, float]:
         (communicator, "exchange", "exchange_s", lambda s, r, *_a, **_k: len(s) + len(r)),
         (p2p.PostedRecv, "read_header", "recv_wait_s", None),
         (p2p.PostedRecv, "result", "recv_wait_s", None),
+        (p2p.PendingSends, "wait", "send_wait_s", None),
         (run.optimizer, "step_with_world_sums", "optimizer_s", None),
     ]
     headers = comm.counts.headers_sent
-    out = _one_step(targets, step, ("forward_s", "backward_s", "transfer_s", "optimizer_s"))
-    out["headers_sent"] = comm.counts.headers_sent - headers
+    out = _steps(targets, step, ("forward_s", "backward_s", "transfer_s", "optimizer_s"))
+    out["headers_sent"] = (comm.counts.headers_sent - headers) / STEPS
     out.pop("exchange_s", None)  # inside transfer_s; only its message count is kept
     return out
 
@@ -108,7 +114,7 @@ def torch_breakdown(run: Any, stages: list[Any], finish: Any, step: Callable[[],
         (schedules, "_wait_batch_p2p", "wait_s", None),
         (finish, "apply", "optimizer_s", None),
     ]
-    out = _one_step(targets, step, ("forward_s", "backward_s", "post_s", "wait_s",
+    out = _steps(targets, step, ("forward_s", "backward_s", "post_s", "wait_s",
                                     "optimizer_s"))
     out["transfer_s"] = round(out.pop("post_s", 0.0) + out.get("wait_s", 0.0), 6)
     return out
@@ -131,11 +137,12 @@ def breakdown_note(per_rank: list[dict[str, dict[str, float]]]) -> str:
         ranks = []
         for r, both in enumerate(per_rank):
             d = both[side]
-            wait = d.get("recv_wait_s", d.get("wait_s", 0.0))
+            wait = d.get("recv_wait_s", 0.0) + d.get("send_wait_s", d.get("wait_s", 0.0))
             ranks.append(
                 f"rank {r}: step {ms(d, 'step_s')} = fwd {ms(d, 'forward_s')} + bwd "
                 f"{ms(d, 'backward_s')} + p2p {ms(d, 'transfer_s')} (blocked "
                 f"{wait * 1e3:.0f}) + opt {ms(d, 'optimizer_s')} + other "
                 f"{ms(d, 'other_s')} ms, {int(d.get('messages', 0))} msgs")
         lines.append(f"{side}: " + "; ".join(ranks))
-    return "interleaved step breakdown (one instrumented step): " + " | ".join(lines)
+    return (f"interleaved step breakdown (mean of {STEPS} instrumented steps): "
+            + " | ".join(lines))

@@ -14,7 +14,7 @@ seed and run the same precomputed micro-batches:
   and AdamW with the config's groups (:mod:`benchmarks.torch_side`).
 
 The first step's losses and the weights after it are asserted equal before timing.
-After the timing, one step of each side is instrumented
+After the timing, a few steps of each side are instrumented
 (:mod:`benchmarks.pipeline_breakdown`): per rank, where the step's time went. Figures:
 ``pipeline_vs_torch_ratio_interleaved`` = our step time / torch's (<= 1.00), and both
 sides' efficiency against the interleaved bound ``(m + (p - 1) / v)`` x the slower
