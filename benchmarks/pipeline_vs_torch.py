@@ -13,9 +13,13 @@ micro-batches run through:
 
 Each stage reads its micro-batch's inputs from the precomputed list in micro-batch
 order (1F1B runs every stage's forwards in that order), so both sides do the same work;
-a sanity check asserts the first step's losses agree before anything is timed. The
-torch side has no gradient clipping nor world loss reduction (the engine's optimizer
-does one world collective): the comparison favours torch slightly.
+a sanity check asserts the first step's losses and the weights after it agree before
+anything is timed (constant learning rate, so a plain AdamW matches the engine's). The
+torch side does what the engine's optimizer does: the global gradient norm over both
+stages (local squared norms, one ``all_reduce`` that also sums the logged loss), clip
+with ``optimizer.clip_grad``, then AdamW with the config's decay groups
+(:mod:`benchmarks.torch_side`). ``pipeline_vs_torch_ratio_noclip`` keeps the old
+comparison (torch without clipping nor loss reduction) for reference.
 
 ``pipeline_vs_torch_ratio`` = our step time / torch's (target <= 1.00), from interleaved
 A/B repetitions inside one ``run_ranks`` call. ``pipeline_efficiency_vs_bound`` (ours)
@@ -49,6 +53,7 @@ from benchmarks.common import (
 )
 from benchmarks.pipeline import SIZES, _two_module_raw, model_overrides
 from benchmarks.pipeline_vs_torch_interleaved import ab_times, interleaved_case
+from benchmarks.torch_side import CONSTANT_LR, Finisher, adamw, first_step_check
 from mimotron.testing import run_ranks
 
 P = 2
@@ -72,8 +77,9 @@ class _Stage(torch.nn.Module):
         return (loss_sum / self.num_tokens).reshape(1)
 
 
-def _torch_side(run: Any, rank: int, mbs: list[Any], emb_shape: tuple[int, ...]) -> Any:
-    """A callable doing one torch ``Schedule1F1B`` step plus AdamW; returns the loss."""
+def _torch_side(run: Any, cfg: Any, rank: int, mbs: list[Any], emb_shape: tuple[int, ...]
+                ) -> Any:
+    """A callable doing one torch ``Schedule1F1B`` step, clipping, AdamW; returns the loss."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
     from mimotron.training.step import default_forward_step
@@ -95,21 +101,20 @@ def _torch_side(run: Any, rank: int, mbs: list[Any], emb_shape: tuple[int, ...])
         output_args=(emb,) if rank == 0 else (torch.zeros(1),),
     )
     sched = Schedule1F1B(stage, m, loss_fn=lambda out, _t: out.sum(), scale_grads=False)
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-4)
+    opt, params = adamw(model, cfg)
     inputs, target = torch.zeros(m, 1), torch.zeros(m, 1)
+    finishers = {clip_on: Finisher(opt, params, cfg.optimizer.clip_grad, clip_on)
+                 for clip_on in (True, False)}
 
-    def step() -> float:
+    def step(clip_on: bool = True) -> float:
         losses: list[torch.Tensor] = []
         if rank == 0:
             sched.step(inputs)
         else:
             sched.step(target=target, losses=losses)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return float(sum(float(x.detach().sum()) for x in losses))
+        return finishers[clip_on](float(sum(float(x.detach().sum()) for x in losses)))
 
-    return step, opt, params
+    return step, opt, finishers[True]
 
 
 def _stage_alone(run: Any, rank: int, mb: dict[str, Any], emb_shape: tuple[int, ...]) -> float:
@@ -137,19 +142,17 @@ def _rank(rank: int, world: int, sizes: tuple[int, ...], m: int, reps: int, step
     layout = parallel("vision", data=1, rank_offset=0) + parallel(
         "language", data=1, rank_offset=world - 1
     )
-    overrides = layout + model_overrides(sizes) + [f"train.global_batch_size={m * sizes[-1]}"]
+    overrides = layout + model_overrides(sizes) + CONSTANT_LR + [
+        f"train.global_batch_size={m * sizes[-1]}"]
     cfg = make_config(_two_module_raw(), overrides)
     ours, theirs = setup_run(cfg), setup_run(cfg)  # same seed: same initial weights
     batches = precompute_steps(ours, 1)
     mbs = list(batches[0])
     emb_shape = (sizes[-1], 64, sizes[2])
     ours_step = engine_stepper(ours, batches)
-    torch_step, opt, params = _torch_side(theirs, rank, mbs, emb_shape)
-    # Sanity (not timed): the first step of both sides gives the same loss.
-    first = float(ours_step()["loss"])  # every rank steps; the language rank has the loss
-    ours_loss = torch.tensor([first if rank == 1 else 0.0])
-    torch_loss = torch.tensor([torch_step()])
-    dist.all_reduce(ours_loss), dist.all_reduce(torch_loss)
+    torch_step, opt, finish = _torch_side(theirs, cfg, rank, mbs, emb_shape)
+    # Sanity (not timed): the first step gives the same loss and the same weights.
+    losses = first_step_check(ours_step, torch_step, finish, ours, theirs, world - 1, "1F1B")
     stage_s = torch.zeros(2, world)
     for r in range(world):  # one rank at a time: each stage measured alone
         if r == rank:
@@ -158,11 +161,13 @@ def _rank(rank: int, world: int, sizes: tuple[int, ...], m: int, reps: int, step
         dist.barrier()
     opt.zero_grad(set_to_none=True)
     dist.all_reduce(stage_s)
-    times, waits = ab_times({"ours": ours_step, "torch": torch_step}, reps, steps)
+    sides = {"ours": ours_step, "torch": torch_step,
+             "torch_noclip": lambda: torch_step(clip_on=False)}
+    times, waits = ab_times(sides, reps, steps)
     return {
         "times": times,
         "cpu_wait": waits,
-        "loss": (float(ours_loss), float(torch_loss)),
+        "loss": losses,
         "stage_s": stage_s[0].tolist(),
         "optimizer_s": stage_s[1].tolist(),
     }
@@ -187,9 +192,14 @@ def run_case(opts: Options) -> CaseResult:
         ratio_figure(
             "pipeline_vs_torch_ratio", ours, theirs, "<= 1.00",
             f"m={m} 1F1B step: ours {fmt_stats(summarize(ours))} vs torch Schedule1F1B "
-            f"{fmt_stats(summarize(theirs))}",
+            f"{fmt_stats(summarize(theirs))} (torch side clips and reduces the loss too)",
         )
     )
+    noclip = res["times"]["torch_noclip"]
+    out.figures.append(ratio_figure(
+        "pipeline_vs_torch_ratio_noclip", ours, noclip, "",
+        f"the old comparison: torch without clipping nor loss all_reduce "
+        f"{fmt_stats(summarize(noclip))}"))
     for name, t in (("pipeline_efficiency_vs_bound", ours), ("torch", theirs)):
         key = name if name != "torch" else "torch_pipeline_efficiency_vs_bound"
         effs = [bound / x for x in t]
@@ -206,6 +216,7 @@ def run_case(opts: Options) -> CaseResult:
         {
             "ours_step_s": summarize(ours),
             "torch_step_s": summarize(theirs),
+            "torch_noclip_step_s": summarize(noclip),
             "first_step_loss_ours_torch": [ours_loss, torch_loss],
             "stage_fwd_bwd_s_per_rank": res["stage_s"],
             "optimizer_s_per_rank": res["optimizer_s"],
@@ -217,8 +228,9 @@ def run_case(opts: Options) -> CaseResult:
             "steps_per_rep": steps,
             "model": {"vision_hidden": vh, "vision_layers": vl, "language_hidden": lh,
                       "language_layers": ll, "micro_batch_size": mbs},
-            "torch_side": "PipelineStage + Schedule1F1B (gloo), scale_grads=False, AdamW; "
-            "no grad clipping or world loss reduction",
+            "torch_side": "PipelineStage + Schedule1F1B (gloo), scale_grads=False; global "
+            "grad-norm clip (one all_reduce with the loss sum), AdamW as ours; first-step "
+            "losses and weights asserted equal",
         }
     )
     interleaved_case(opts, sizes, m, steps, out)

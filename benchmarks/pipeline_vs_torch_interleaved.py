@@ -9,9 +9,13 @@ seed and run the same precomputed micro-batches:
 * ours: ``train_step_mimo`` (the interleaved plan, ``parallel.virtual_pipeline = 2``);
 * torch: one ``PipelineStage`` per model chunk (``forward(chunk=j)`` of the same
   language-model part) under ``ScheduleInterleaved1F1B`` on gloo (``scale_grads=False``,
-  loss = sum / global token count, the engine's), then ``torch.optim.AdamW``.
+  loss = sum / global token count, the engine's), then what the engine's optimizer
+  does: global grad-norm clipping over both ranks and the loss sum (one ``all_reduce``)
+  and AdamW with the config's groups (:mod:`benchmarks.torch_side`).
 
-The first step's losses are asserted equal before timing. Figures:
+The first step's losses and the weights after it are asserted equal before timing.
+After the timing, a few steps of each side are instrumented
+(:mod:`benchmarks.pipeline_breakdown`): per rank, where the step's time went. Figures:
 ``pipeline_vs_torch_ratio_interleaved`` = our step time / torch's (<= 1.00), and both
 sides' efficiency against the interleaved bound ``(m + (p - 1) / v)`` x the slower
 rank's forward+backward of one micro-batch through both its chunks (measured alone)
@@ -43,6 +47,13 @@ from benchmarks.common import (
     summarize,
     timed,
 )
+from benchmarks.pipeline_breakdown import (
+    breakdown_note,
+    gather,
+    ours_breakdown,
+    torch_breakdown,
+)
+from benchmarks.torch_side import CONSTANT_LR, Finisher, adamw, first_step_check
 from mimotron.testing import run_ranks
 
 P, V = 2, 2
@@ -94,9 +105,10 @@ def _chunk_forward(model: Any, batch: dict[str, Any], chunk: int, first: bool, l
     return (language_loss_step(model, batch, out)[0] / num_tokens).reshape(1)
 
 
-def _torch_side(run: Any, rank: int, mbs: list[Any], shape: tuple[int, ...],
+def _torch_side(run: Any, cfg: Any, rank: int, mbs: list[Any], shape: tuple[int, ...],
                 num_tokens: float) -> Any:
-    """A callable doing one ``ScheduleInterleaved1F1B`` step plus AdamW; returns the loss."""
+    """One ``ScheduleInterleaved1F1B`` step, clipping, AdamW (a callable returning the
+    world loss), the optimizer, the stages and the finisher (for the breakdown)."""
     from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B
 
     m, stages = len(mbs), []
@@ -111,8 +123,8 @@ def _torch_side(run: Any, rank: int, mbs: list[Any], shape: tuple[int, ...],
             output_args=(torch.zeros(1),) if last else (hidden,)))
     sched = ScheduleInterleaved1F1B(stages, m, loss_fn=lambda out, _t: out.sum(),
                                     scale_grads=False)
-    params = [p for p in run.model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-4)
+    opt, params = adamw(run.model, cfg)
+    finish = Finisher(opt, params, cfg.optimizer.clip_grad)
     inputs, target = torch.zeros(m, 1), torch.zeros(m, 1)
 
     def step() -> float:
@@ -121,11 +133,9 @@ def _torch_side(run: Any, rank: int, mbs: list[Any], shape: tuple[int, ...],
             sched.step(inputs)
         else:
             sched.step(target=target, losses=losses)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return float(sum(float(x.detach().sum()) for x in losses))
+        return finish(float(sum(float(x.detach().sum()) for x in losses)))
 
-    return step, opt
+    return step, opt, stages, finish
 
 
 def _rank_alone(run: Any, rank: int, mb: dict[str, Any], shape: tuple[int, ...]) -> float:
@@ -153,11 +163,9 @@ def _rank(rank: int, world: int, overrides: list[str], shape: tuple[int, ...], r
     mbs = list(batches[0])
     num_tokens = float(sum(mb["language"]["loss_mask"].float().sum() for mb in mbs))
     ours_step = engine_stepper(ours, batches)
-    torch_step, opt = _torch_side(theirs, rank, mbs, shape, num_tokens)
-    # Sanity (not timed): every rank steps both sides once; the last rank has the losses.
-    first = float(ours_step()["loss"])
-    losses = torch.tensor([first if rank == P - 1 else 0.0, torch_step()])
-    dist.all_reduce(losses)
+    torch_step, opt, stages, finish = _torch_side(theirs, cfg, rank, mbs, shape, num_tokens)
+    # Sanity (not timed): the first step gives the same loss and the same weights.
+    losses = first_step_check(ours_step, torch_step, finish, ours, theirs, P - 1, "interleaved")
     alone = torch.zeros(2, world)
     for r in range(world):  # one rank at a time: each measured alone
         if r == rank:
@@ -167,7 +175,9 @@ def _rank(rank: int, world: int, overrides: list[str], shape: tuple[int, ...], r
     opt.zero_grad(set_to_none=True)
     dist.all_reduce(alone)
     times, waits = ab_times({"ours": ours_step, "torch": torch_step}, reps, steps)
-    return {"times": times, "cpu_wait": waits, "loss": losses.tolist(),
+    split = gather({"ours": ours_breakdown(ours, ours_step),
+                    "torch": torch_breakdown(theirs, stages, finish, torch_step)})
+    return {"times": times, "cpu_wait": waits, "loss": list(losses), "breakdown": split,
             "rank_s": alone[0].tolist(), "optimizer_s": alone[1].tolist()}
 
 
@@ -189,7 +199,7 @@ def interleaved_case(opts: Options, sizes: tuple[int, ...], m: int, steps: int,
     overrides = parallel("language", data=1, rank_offset=0, pipeline=P, virtual_pipeline=V) + [
         f"modules.language.hidden_size={hidden}", f"modules.language.num_layers={layers}",
         f"train.micro_batch_size={mbs}", f"train.global_batch_size={m * mbs}",
-        f"data.seq_length={seq}"]
+        f"data.seq_length={seq}"] + CONSTANT_LR
     res = run_ranks(P, _rank, overrides, (mbs, seq, hidden), opts.reps, steps,
                     timeout_s=900)[0]
     ours_loss, torch_loss = res["loss"]
@@ -220,5 +230,8 @@ def interleaved_case(opts: Options, sizes: tuple[int, ...], m: int, steps: int,
         "cpu_wait_fraction_ours": summarize(res["cpu_wait"]["ours"]),
         "cpu_wait_fraction_torch": summarize(res["cpu_wait"]["torch"]),
         "torch_side": "one PipelineStage per chunk + ScheduleInterleaved1F1B (gloo), "
-        "scale_grads=False, AdamW; no grad clipping or world loss reduction",
+        "scale_grads=False; global grad-norm clip (one all_reduce with the loss sum), "
+        "AdamW as ours; first-step losses and weights asserted equal",
+        "step_breakdown_per_rank": res["breakdown"],
     }
+    out.notes.append(breakdown_note(res["breakdown"]))
