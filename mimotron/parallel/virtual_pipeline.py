@@ -56,8 +56,8 @@ def check_virtual_pipeline(cfg: MimoConfig, name: str, colocated: bool) -> None:
     Accepted: a non-colocated module with ``pipeline > 1``, ``num_layers >= pipeline x
     virtual_pipeline``, the step's micro-batches a multiple of ``pipeline`` (Megatron's
     rule), with any tensor and data parallel degree. Refused (not implemented): explicit
-    ``layers_per_stage``, context and expert parallelism, MoE, ``hf_path`` encoders and
-    MoE language models (a dense Hugging Face decoder is accepted), ZeRO
+    ``layers_per_stage``, context and expert parallelism, MoE, ``hf_path`` MoE language
+    models (Hugging Face encoders and dense decoders are accepted), ZeRO
     (``shard_optimizer``), sequence parallelism, ``train.overlap_grad_reduce`` and
     ``train.schedule = "no_pipelining"``.
     """
@@ -85,8 +85,8 @@ def check_virtual_pipeline(cfg: MimoConfig, name: str, colocated: bool) -> None:
         (bool(par.layers_per_stage), f"modules.{name}.parallel.layers_per_stage"),
         (par.context > 1, f"modules.{name}.parallel.context={par.context}"),
         (par.expert > 1 or par.expert_tensor > 1, f"modules.{name}.parallel.expert"),
-        (bool(mod.hf_path) and (mod.is_encoder or _hf_moe(mod)),
-         f"modules.{name}.hf_path (a Hugging Face encoder or MoE model)"),
+        (bool(mod.hf_path) and not mod.is_encoder and _hf_moe(mod),
+         f"modules.{name}.hf_path (a Hugging Face MoE model)"),
         (mod.num_experts > 0, f"modules.{name}.num_experts={mod.num_experts} (MoE)"),
         (par.shard_optimizer, f"modules.{name}.parallel.shard_optimizer (ZeRO)"),
         (par.sequence_parallel, f"modules.{name}.parallel.sequence_parallel"),

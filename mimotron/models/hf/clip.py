@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mimotron.models.blocks import make_layers
+from mimotron.models.blocks import chunk_modules, is_last_chunk, make_layers
 from mimotron.models.hf.folder import read_keys, reject_set, select_config
 from mimotron.models.hf.layers import PreLNEncoderLayer, check_activation
 from mimotron.models.hf.weights import WeightMap
@@ -169,6 +169,8 @@ class ViTTower(nn.Module):
         )
         self.final_norm = (nn.LayerNorm(hidden_size, eps=layer_norm_eps)
                            if post_process and post_layernorm else None)
+        # Interleaved 1F1B: global layer ids of each model chunk held (LanguageModel's).
+        self.layer_chunks: list[list[int]] | None = None
 
     def embed(self, pixels: torch.Tensor) -> torch.Tensor:
         """Patch, class and position embeddings (plus CLIP's pre-LayerNorm)."""
@@ -183,20 +185,24 @@ class ViTTower(nn.Module):
         x = x + self.pos_embed
         return x if self.pre_norm is None else self.pre_norm(x)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, chunk: int | None = None) -> torch.Tensor:
         """Images (first stage) or hidden states -> hidden states / selected features.
 
         Args:
-            x: ``[n, C, H, W]`` if ``pre_process``, else ``[n, num_positions, hidden]``.
+            x: ``[n, C, H, W]`` if ``pre_process`` (and ``chunk`` is 0 or ``None``), else
+                ``[n, num_positions, hidden]``.
+            chunk: interleaved pipelines only: run model chunk ``chunk`` of
+                ``layer_chunks``; ``None`` = every layer.
 
         Returns:
-            ``[n, num_tokens, hidden]`` on the last stage, else ``[n, num_positions, hidden]``.
+            ``[n, num_tokens, hidden]`` on the last stage (last chunk), else
+            ``[n, num_positions, hidden]``.
         """
-        if self.pre_process:
+        if self.pre_process and not chunk:
             x = self.embed(x)
-        for layer in self.layers.values():
+        for layer in chunk_modules(self.layers, self.layer_chunks, chunk):
             x = layer(x)
-        if not self.post_process:
+        if not self.post_process or not is_last_chunk(self.layer_chunks, chunk):
             return x
         if self.final_norm is not None:
             x = self.final_norm(x)

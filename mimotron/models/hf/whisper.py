@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mimotron.models.blocks import make_layers
+from mimotron.models.blocks import chunk_modules, is_last_chunk, make_layers
 from mimotron.models.hf.folder import read_keys, reject_set, select_config
 from mimotron.models.hf.layers import PreLNEncoderLayer, check_activation
 from mimotron.models.hf.weights import WeightMap
@@ -131,6 +131,8 @@ class WhisperEncoderTower(nn.Module):
             activation=activation_function, eps=_LAYER_NORM_EPS, key_bias=False, clamp_fp16=True,
         )
         self.final_norm = nn.LayerNorm(d_model, eps=_LAYER_NORM_EPS) if post_process else None
+        # Interleaved 1F1B: global layer ids of each model chunk held (LanguageModel's).
+        self.layer_chunks: list[list[int]] | None = None
 
     def embed(self, features: torch.Tensor) -> torch.Tensor:
         """Conv front end plus positions: ``[n, mel, frames] -> [n, positions, d_model]``."""
@@ -154,22 +156,24 @@ class WhisperEncoderTower(nn.Module):
             return grouped.mean(dim=2)
         return grouped.reshape(n, frames // self.factor, self.factor * width)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, chunk: int | None = None) -> torch.Tensor:
         """Features (first stage) or hidden states -> hidden states / downsampled output.
 
         Args:
-            x: log-mel ``[n, num_mel_bins, num_frames]`` if ``pre_process``, else
-                ``[n, max_source_positions, d_model]``.
+            x: log-mel ``[n, num_mel_bins, num_frames]`` if ``pre_process`` (and ``chunk``
+                is 0 or ``None``), else ``[n, max_source_positions, d_model]``.
+            chunk: interleaved pipelines only: run model chunk ``chunk`` of
+                ``layer_chunks``; ``None`` = every layer.
 
         Returns:
-            ``[n, num_tokens, output_size]`` on the last stage, else
+            ``[n, num_tokens, output_size]`` on the last stage (last chunk), else
             ``[n, max_source_positions, d_model]``.
         """
-        if self.pre_process:
+        if self.pre_process and not chunk:
             x = self.embed(x)
-        for layer in self.layers.values():
+        for layer in chunk_modules(self.layers, self.layer_chunks, chunk):
             x = layer(x)
-        if self.final_norm is None:
+        if self.final_norm is None or not is_last_chunk(self.layer_chunks, chunk):
             return x
         return self.downsample(self.final_norm(x))
 
