@@ -44,6 +44,12 @@ CASES: dict[str, tuple[list[str], list[str]]] = {
                                       VISION_4 + LANGUAGE_4 + FOUR_MB),
     "language-pp2vp2-dp2": (noncolocated({}, {}, {**PP2VP2, "data": 2}), LANGUAGE_4 + FOUR_MB),
     "language-tp2pp2vp2": (noncolocated({}, {}, {**PP2VP2, "tensor": 2}), LANGUAGE_4 + FOUR_MB),
+    "language-pp2vp2-dp2-zero": (noncolocated({}, {}, {**PP2VP2, "data": 2,
+                                                    "shard_optimizer": "true"}),
+                                 LANGUAGE_4 + FOUR_MB),
+    "language-tp2pp2vp2-sp": (noncolocated({}, {}, {**PP2VP2, "tensor": 2,
+                                                 "sequence_parallel": "true"}),
+                              LANGUAGE_4 + FOUR_MB),
 }
 
 

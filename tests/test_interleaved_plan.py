@@ -206,8 +206,7 @@ def test_chunk_layers_interleave_and_cover():
     (["modules.language.parallel.layers_per_stage=[1,3]"], "layers_per_stage"),
     (["modules.language.num_experts=2"], "num_experts=2"),
     (["train.overlap_grad_reduce=true"], "train.overlap_grad_reduce"),
-    (["modules.language.parallel.shard_optimizer=true", "modules.language.parallel.data=2"],
-     "shard_optimizer"),
+    (["modules.language.parallel.context=2"], "context=2"),
 ])
 def test_validator_refuses(override, match):
     base = ["modules.language.num_layers=4", "modules.language.parallel.data=1",
