@@ -44,6 +44,11 @@ CASES: dict[str, tuple[list[str], bool]] = {
     "language-pp2dp2-mb4": (noncolocated({}, {}, {"pipeline": 2, "data": 2}) + SMALL_MB
                             + TINY_BUCKETS, True),
     "language-cp2dp2": (noncolocated({}, {}, {"context": 2, "data": 2}), True),
+    # Interleaved: each chunk's parameters are armed before that chunk's last backward.
+    "language-pp2vp2dp2-mb4": (noncolocated({}, {}, {"pipeline": 2, "virtual_pipeline": 2,
+                                                  "data": 2})
+                               + SMALL_MB + TINY_BUCKETS + ["modules.language.num_layers=4"],
+                               True),
     # Sequence parallel: the buckets holding the TP-partial norm weights are late.
     "language-tp2dp2-sp": (noncolocated({}, {}, {"tensor": 2, "data": 2}) + TINY_BUCKETS
                            + ["modules.language.parallel.sequence_parallel=true"], True),

@@ -52,6 +52,7 @@ every group has a single rank.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -174,14 +175,26 @@ class OverlappedGradReducer:
                 self._bucket_of[id(p)] = bucket
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._on_ready))
 
-    def arm(self) -> None:
-        """From now on (the last micro-batch's backward) a gradient is final when it lands."""
-        self.armed = True
-        for bucket in self.buckets:
-            bucket.pending = {id(p) for p in bucket.params}
+    def arm(self, params: Iterable[nn.Parameter] | None = None) -> None:
+        """From now on (the last micro-batch's backward) a gradient is final when it lands.
+
+        Args:
+            params: only these parameters (interleaved pipelines: a model chunk's last
+                backward comes at its own point of the schedule, so the runner arms each
+                chunk's parameters before it); ``None``: every parameter.
+        """
+        if not self.armed:
+            self.armed = True
+            self._armed_ids: set[int] | None = set()
+            for bucket in self.buckets:
+                bucket.pending = {id(p) for p in bucket.params}
+        if params is None:
+            self._armed_ids = None
+        elif self._armed_ids is not None:
+            self._armed_ids.update(id(p) for p in params)
 
     def _on_ready(self, p: nn.Parameter) -> None:
-        if not self.armed:
+        if not self.armed or (self._armed_ids is not None and id(p) not in self._armed_ids):
             return
         self._bucket_of[id(p)].pending.discard(id(p))
         while (self.num_launched < len(self.buckets)

@@ -57,9 +57,7 @@ def check_virtual_pipeline(cfg: MimoConfig, name: str, colocated: bool) -> None:
     virtual_pipeline``, the step's micro-batches a multiple of ``pipeline`` (Megatron's
     rule), with any tensor and data parallel degree. Refused (not implemented): explicit
     ``layers_per_stage``, context and expert parallelism, MoE, ``hf_path`` MoE language
-    models (Hugging Face encoders and dense decoders are accepted),
-    ``train.overlap_grad_reduce`` (its reducer arms once, before the last micro-batch's
-    backward; interleaving finishes a chunk's gradients at different times) and
+    models (Hugging Face encoders and dense decoders are accepted) and
     ``train.schedule = "no_pipelining"``.
     """
     mod = cfg.modules[name]
@@ -89,7 +87,6 @@ def check_virtual_pipeline(cfg: MimoConfig, name: str, colocated: bool) -> None:
         (bool(mod.hf_path) and not mod.is_encoder and _hf_moe(mod),
          f"modules.{name}.hf_path (a Hugging Face MoE model)"),
         (mod.num_experts > 0, f"modules.{name}.num_experts={mod.num_experts} (MoE)"),
-        (cfg.train.overlap_grad_reduce, "train.overlap_grad_reduce"),
         (cfg.train.schedule != "1f1b", f"train.schedule={cfg.train.schedule!r}"),
     ]
     for bad, what in unsupported:

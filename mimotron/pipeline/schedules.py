@@ -255,12 +255,32 @@ class StageRunner:
             self._saved[(chunk, k)] = (received, loss_sum)
 
     # ---- backward ------------------------------------------------------------------------
+    def _chunk_params(self, chunk: int) -> list[torch.nn.Parameter] | None:
+        """The parameters final after ``chunk``'s last backward (``None``: every one).
+
+        Under interleaving, chunk ``j``'s layers; chunk 0's last backward is the rank's
+        last one, so it also arms what lies outside the layers (embeddings, norms, head,
+        projector): gradients that landed before that are flushed at the end, in order.
+        """
+        if self.num_chunks == 1:
+            return None
+        model = self.ctx.model
+        part = (model.language_model if self.module == LANGUAGE
+                else model.modality_submodules[self.module])
+        holder = part if hasattr(part, "layer_chunks") else part.encoder
+        params = [p for i in holder.layer_chunks[chunk]
+                  for p in holder.layers[str(i)].parameters()]
+        if chunk == 0:
+            in_layers = {id(p) for p in holder.layers.parameters()}
+            params += [p for p in part.parameters() if id(p) not in in_layers]
+        return params
+
     def backward(self, k: int, grad: torch.Tensor | None, chunk: int = 0) -> Any:
         received, out = self._saved.pop((chunk, k))
         if self.ctx.grad_reducer is not None and k == len(self.ctx.microbatches) - 1:
-            # Backward runs in micro-batch order: this one's gradients are final (the
-            # validator refuses overlap_grad_reduce under interleaving).
-            self.ctx.grad_reducer.arm()
+            # Each chunk's backwards run in micro-batch order: this one's gradients of
+            # the chunk's parameters are final.
+            self.ctx.grad_reducer.arm(self._chunk_params(chunk))
         last_lm = self.colocated or (self.module == LANGUAGE and self._is_last(chunk))
         if last_lm:
             (out.float() * (self.ctx.loss_scale / self.ctx.divisor())).backward()
