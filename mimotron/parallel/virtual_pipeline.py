@@ -55,9 +55,10 @@ def check_virtual_pipeline(cfg: MimoConfig, name: str, colocated: bool) -> None:
 
     Accepted: a non-colocated module with ``pipeline > 1``, ``num_layers >= pipeline x
     virtual_pipeline``, the step's micro-batches a multiple of ``pipeline`` (Megatron's
-    rule), with any tensor and data parallel degree. Refused (not implemented): explicit
-    ``layers_per_stage``, context and expert parallelism, MoE, ``hf_path`` MoE language
-    models (Hugging Face encoders and dense decoders are accepted) and
+    rule), with any tensor, data and context parallel degree, sequence parallelism,
+    ZeRO-1 and ``train.overlap_grad_reduce``. Refused (not implemented): explicit
+    ``layers_per_stage``, expert parallelism, MoE (native or ``hf_path``; Hugging Face
+    encoders and dense decoders are accepted) and
     ``train.schedule = "no_pipelining"``.
     """
     mod = cfg.modules[name]
@@ -82,7 +83,6 @@ def check_virtual_pipeline(cfg: MimoConfig, name: str, colocated: bool) -> None:
             f"parallel.pipeline={par.pipeline} for interleaving")
     unsupported = [
         (bool(par.layers_per_stage), f"modules.{name}.parallel.layers_per_stage"),
-        (par.context > 1, f"modules.{name}.parallel.context={par.context}"),
         (par.expert > 1 or par.expert_tensor > 1, f"modules.{name}.parallel.expert"),
         (bool(mod.hf_path) and not mod.is_encoder and _hf_moe(mod),
          f"modules.{name}.hf_path (a Hugging Face MoE model)"),
