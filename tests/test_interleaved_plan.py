@@ -204,7 +204,6 @@ def test_chunk_layers_interleave_and_cover():
       "modules.audio.parallel.rank_offset=1"], "needs modules.language.parallel.pipeline > 1"),
     (["modules.language.num_layers=3"], "cannot fill pipeline x virtual_pipeline = 4"),
     (["modules.language.parallel.layers_per_stage=[1,3]"], "layers_per_stage"),
-    (["modules.language.num_experts=2"], "num_experts=2"),
 ])
 def test_validator_refuses(override, match):
     base = ["modules.language.num_layers=4", "modules.language.parallel.data=1",

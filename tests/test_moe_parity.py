@@ -175,3 +175,21 @@ def test_reference_moves_every_expert(reference):
     moved = [n for n in reference.weights if ".experts." in n
              and not torch.equal(reference.weights[n], reference.initial[n])]
     assert len(moved) == 6  # w1, w2, w3 of both layers
+
+
+def test_interleaved_moe_with_expert_parallelism_matches_plain_loop():
+    """Interleaved 1F1B (PP 2 x VP 2, one MoE layer per chunk) with DP 2 and EP 2 per
+    stage, fed by the encoders: losses, grad norms, weights and zero counts as above."""
+    moe = [o for o in MOE if "num_layers" not in o] + ["modules.language.num_layers=4",
+                                                          "train.micro_batch_size=4"]
+    overrides = moe + noncolocated({}, {}, {"pipeline": 2, "virtual_pipeline": 2, "data": 2}) \
+        + par("language", expert=2)
+    world = plan_layout(load_config(DIGITS, BASE + overrides)).world_size
+    results = run_ranks(world, _expert_grads, overrides, timeout_s=300)
+    ref = reference_run(tuple(moe), NUM_ITERS, aux_objective)
+    assert_steps_match(results, ref)
+    _assert_module_norms(results, ref, {"vision", "audio", "language"})
+    assert_weights_match(results, ref)
+    assert any(r["expert_grads"] for r in results), "no expert-parallel shard found"
+    for r in results:
+        assert r["num_zeros"] == ref.num_zeros

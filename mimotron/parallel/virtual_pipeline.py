@@ -55,9 +55,9 @@ def check_virtual_pipeline(cfg: MimoConfig, name: str, colocated: bool) -> None:
 
     Accepted: a non-colocated module with ``pipeline > 1``, ``num_layers >= pipeline x
     virtual_pipeline``, the step's micro-batches a multiple of ``pipeline`` (Megatron's
-    rule), with any tensor, data and context parallel degree, sequence parallelism,
-    ZeRO-1 and ``train.overlap_grad_reduce``. Refused (not implemented): explicit
-    ``layers_per_stage``, expert parallelism, MoE (native or ``hf_path``; Hugging Face
+    rule), with any tensor, data, context and expert parallel degree, MoE, sequence
+    parallelism, ZeRO-1 and ``train.overlap_grad_reduce``. Refused (not implemented):
+    explicit ``layers_per_stage``, ``hf_path`` MoE models (untested; Hugging Face
     encoders and dense decoders are accepted) and
     ``train.schedule = "no_pipelining"``.
     """
@@ -83,10 +83,8 @@ def check_virtual_pipeline(cfg: MimoConfig, name: str, colocated: bool) -> None:
             f"parallel.pipeline={par.pipeline} for interleaving")
     unsupported = [
         (bool(par.layers_per_stage), f"modules.{name}.parallel.layers_per_stage"),
-        (par.expert > 1 or par.expert_tensor > 1, f"modules.{name}.parallel.expert"),
         (bool(mod.hf_path) and not mod.is_encoder and _hf_moe(mod),
          f"modules.{name}.hf_path (a Hugging Face MoE model)"),
-        (mod.num_experts > 0, f"modules.{name}.num_experts={mod.num_experts} (MoE)"),
         (cfg.train.schedule != "1f1b", f"train.schedule={cfg.train.schedule!r}"),
     ]
     for bad, what in unsupported:
