@@ -93,8 +93,7 @@ class ParallelConfig:
     holds chunks r, r + pipeline, ... (Megatron's virtual pipeline stages): a smaller
     pipeline bubble for more transfers. Needs the step's micro-batches to be a multiple
     of pipeline, a non-colocated layout and a balanced split (no layers_per_stage);
-    not with context or expert parallelism, MoE, hf_path, ZeRO or
-    train.overlap_grad_reduce.
+    not with a Hugging Face MoE model (hf_path).
     """
     layers_per_stage: list[int] = field(default_factory=list)
     """Explicit layers per pipeline stage, e.g. ``[1, 3]``; empty = balanced split.

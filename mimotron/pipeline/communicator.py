@@ -410,6 +410,8 @@ class MultiModulePipelineCommunicator:
         """
         if self.num_chunks > 1:
             return
+        # _take and _post_next key receives by micro-batch and post chunk 0's sources.
+        assert all(a.chunk == 0 for a in plan), "a chunked plan cannot be expected"
         for a in plan:
             if a.kind in (RECV_FORWARD, SEND_BACKWARD_RECV_FORWARD):
                 self._expected["forward"].append(a.microbatch if a.kind == RECV_FORWARD
@@ -430,7 +432,8 @@ class MultiModulePipelineCommunicator:
         assert not self._rows, f"gradients never sent for {sorted(self._rows)}"
         assert not self._routed, f"gradients never received for {sorted(self._routed)}"
         assert not self._posted and not any(self._expected.values()), \
-            f"receives posted but never used: {sorted(self._posted)}"
+            f"receives posted but never used: {sorted(self._posted)}, expected but never " \
+            f"taken: {dict(self._expected)}"
 
     def set_timing(self, enabled: bool) -> None:
         """Time transfers (each then waits for the device) or not."""
