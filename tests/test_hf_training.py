@@ -35,7 +35,7 @@ HF_VOCAB = 40  # below the padded model vocabulary (64): 24 rows are not in the 
 
 
 def _save_models(root: Path, kv_heads: int = 2, tied: bool = False, lm_layers: int = 2,
-                 vision_layers: int = 3) -> dict[str, Path]:
+                 vision_layers: int = 3, audio_layers: int = 2) -> dict[str, Path]:
     from transformers import (
         CLIPVisionConfig,
         CLIPVisionModel,
@@ -53,7 +53,7 @@ def _save_models(root: Path, kv_heads: int = 2, tied: bool = False, lm_layers: i
         num_attention_heads=4,
         num_channels=1, image_size=8, patch_size=2)).save_pretrained(paths["vision"])
     WhisperModel(WhisperConfig(
-        d_model=32, encoder_layers=2, encoder_attention_heads=4, encoder_ffn_dim=64,
+        d_model=32, encoder_layers=audio_layers, encoder_attention_heads=4, encoder_ffn_dim=64,
         decoder_layers=1, decoder_attention_heads=4, decoder_ffn_dim=64, num_mel_bins=129,
         max_source_positions=8, max_target_positions=16, vocab_size=64, pad_token_id=0,
         bos_token_id=1, eos_token_id=2, decoder_start_token_id=1,
@@ -114,16 +114,17 @@ def test_hf_modules_train_like_one_process(hf_dirs: dict[str, Path], layout: str
 
 
 def test_hf_modules_interleaved_train_like_one_process(tmp_path: Path) -> None:
-    """A CLIP tower and a Llama decoder, both under interleaved 1F1B (PP 2 x VP 2, one
-    layer per chunk, 4 micro-batches; the CLIP class token rides the ring until the last
-    chunk drops it), match the plain loop."""
-    paths = _save_models(tmp_path, lm_layers=4, vision_layers=5)  # vision: 4 used layers
+    """A CLIP tower, a Whisper encoder and a Llama decoder, all under interleaved 1F1B
+    (PP 2 x VP 2, one layer per chunk, 4 micro-batches; the CLIP class token rides the
+    ring until the last chunk drops it), match the plain loop."""
+    paths = _save_models(tmp_path, lm_layers=4, vision_layers=5, audio_layers=4)
     shared = _hf_overrides(paths) + ["train.micro_batch_size=4", "modules.vision.num_layers=4",
+                                     "modules.audio.num_layers=4",
                                      "modules.language.num_layers=4"]
     pp2vp2 = {"pipeline": 2, "virtual_pipeline": 2}
-    overrides = shared + noncolocated(pp2vp2, {}, pp2vp2)
+    overrides = shared + noncolocated(pp2vp2, pp2vp2, pp2vp2)
     world = plan_layout(load_config(DIGITS, BASE + overrides)).world_size
-    assert world == 5
+    assert world == 6
     _check_against_reference(paths, shared, overrides, world)
 
 
