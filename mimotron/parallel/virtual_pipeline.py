@@ -11,9 +11,14 @@ and the final norm / output head when it holds the last one; a forward runs one 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from torch import nn
 
 from mimotron.config import MimoConfig, ModuleConfig, ParallelConfig
+
+if TYPE_CHECKING:  # layout imports this file's checks
+    from mimotron.parallel.layout import RankRole
 
 
 def chunk_layers(num_layers: int, pipeline: int, virtual: int, stage: int) -> list[list[int]]:
@@ -43,11 +48,28 @@ def rank_layers(num_layers: int, par: ParallelConfig, stage: int
     return [i for c in chunks for i in c], chunks
 
 
-def set_layer_chunks(part: nn.Module, chunks: list[list[int]] | None) -> None:
-    """Tell a built module part (language model or encoder) which chunks it holds."""
+def chunk_holder(part: nn.Module) -> nn.Module:
+    """The module of a part that holds its ``layers`` and ``layer_chunks``: a language
+    model itself, an encoder part's ``encoder``."""
     target = part if hasattr(part, "layer_chunks") else part.encoder
     assert hasattr(target, "layer_chunks"), f"{type(part).__name__} cannot hold chunks"
-    target.layer_chunks = chunks
+    return target
+
+
+def set_layer_chunks(part: nn.Module, chunks: list[list[int]] | None) -> None:
+    """Tell a built module part (language model or encoder) which chunks it holds."""
+    chunk_holder(part).layer_chunks = chunks
+
+
+def is_first_virtual_stage(role: RankRole, chunk: int) -> bool:
+    """Whether ``chunk`` of the rank with ``role`` is its module's first virtual stage."""
+    return role.is_first_stage and chunk == 0
+
+
+def is_last_virtual_stage(role: RankRole, chunk: int, num_chunks: int) -> bool:
+    """Whether ``chunk`` (of ``num_chunks``) of the rank with ``role`` is its module's
+    last virtual stage."""
+    return role.is_last_stage and chunk == num_chunks - 1
 
 
 def check_virtual_pipeline(cfg: MimoConfig, name: str, colocated: bool) -> None:

@@ -55,6 +55,7 @@ import torch.distributed as dist
 from mimotron.names import LANGUAGE
 from mimotron.parallel.context_parallel import placeholder_selection
 from mimotron.parallel.layout import Layout, ModulePlacement
+from mimotron.parallel.virtual_pipeline import is_first_virtual_stage, is_last_virtual_stage
 from mimotron.pipeline.edges import Edge, slice_range
 from mimotron.pipeline.p2p import (
     Known,
@@ -179,11 +180,10 @@ class MultiModulePipelineCommunicator:
         return mod.rank_at(tp=r.tp, cp=r.cp, dp=r.dp, pp=(r.pp + delta) % mod.parallel.pipeline)
 
     def _first(self, chunk: int) -> bool:
-        """Whether (this rank, ``chunk``) is the module's first virtual stage."""
-        return self.role.is_first_stage and chunk == 0
+        return is_first_virtual_stage(self.role, chunk)
 
     def _last(self, chunk: int) -> bool:
-        return self.role.is_last_stage and chunk == self.num_chunks - 1
+        return is_last_virtual_stage(self.role, chunk, self.num_chunks)
 
     @property
     def _tp_leader(self) -> int:

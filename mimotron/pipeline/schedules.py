@@ -43,6 +43,11 @@ from mimotron.models.moe import set_aux_loss_weights
 from mimotron.names import LANGUAGE
 from mimotron.parallel.layout import Layout
 from mimotron.parallel.overlap import OverlappedGradReducer
+from mimotron.parallel.virtual_pipeline import (
+    chunk_holder,
+    is_first_virtual_stage,
+    is_last_virtual_stage,
+)
 from mimotron.pipeline.colocated import ColocatedTransport
 from mimotron.pipeline.communicator import MultiModulePipelineCommunicator
 from mimotron.pipeline.edges import Edge
@@ -152,11 +157,10 @@ class StageRunner:
                         if ctx.encoder_batching else None)
 
     def _is_first(self, chunk: int) -> bool:
-        """Whether (this rank, ``chunk``) is the module's first virtual stage."""
-        return self.roles[self.module].is_first_stage and chunk == 0
+        return is_first_virtual_stage(self.roles[self.module], chunk)
 
     def _is_last(self, chunk: int) -> bool:
-        return self.roles[self.module].is_last_stage and chunk == self.num_chunks - 1
+        return is_last_virtual_stage(self.roles[self.module], chunk, self.num_chunks)
 
     def _chunk_arg(self, chunk: int) -> dict[str, int]:
         """The model's ``chunk`` keyword under interleaving; nothing otherwise."""
@@ -267,7 +271,7 @@ class StageRunner:
         model = self.ctx.model
         part = (model.language_model if self.module == LANGUAGE
                 else model.modality_submodules[self.module])
-        holder = part if hasattr(part, "layer_chunks") else part.encoder
+        holder = chunk_holder(part)
         params = [p for i in holder.layer_chunks[chunk]
                   for p in holder.layers[str(i)].parameters()]
         if chunk == 0:
