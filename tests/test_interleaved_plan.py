@@ -1,15 +1,13 @@
-"""Interleaved 1F1B plans: Megatron's counts, and every rank's plan run together.
+"""Interleaved 1F1B plans: Megatron's counts, and every rank's plan checked together.
 
-The simulator executes all (module, stage) plans of a layout at once over FIFO channels
-(one per ordered pair of ranks, as point-to-point messages match in posting order):
-sends never block, a receive blocks until its channel has a message and checks that the
-message is the one it names. It fails on a deadlock, a mismatched message, a compute
-without its input, or a (chunk, micro-batch) computed twice or never.
+:func:`mimotron.pipeline.plan_check.check_plans` takes all (module, stage) plans of a
+layout at once: per rank, each (chunk, micro-batch) computed once, sends after their
+compute, computes after the receives they consume; per channel, sends and receives
+pair up in order; all together, no deadlock with non-blocking sends.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from pathlib import Path
 
 import pytest
@@ -19,11 +17,14 @@ from mimotron.names import LANGUAGE
 from mimotron.parallel.layout import Layout, plan_layout
 from mimotron.parallel.virtual_pipeline import chunk_layers
 from mimotron.pipeline.interleaved_plan import (
+    build_interleaved_forward_only_plan,
+    build_interleaved_plan,
     build_rank_plan,
     interleaved_compute_order,
     num_warmup,
 )
-from mimotron.pipeline.plan import Action, build_1f1b_plan, pipeline_positions
+from mimotron.pipeline.plan import build_1f1b_plan, pipeline_positions
+from mimotron.pipeline.plan_check import check_plans, layout_topology, ring_topology
 
 DIGITS = Path(__file__).resolve().parents[1] / "configs" / "digits.toml"
 
@@ -52,97 +53,6 @@ def _layout(vision: tuple[int, int], audio: tuple[int, int] | None,
     return plan_layout(cfg)
 
 
-def _virtual(layout: Layout, m: str) -> tuple[int, int]:
-    par = layout.modules[m].parallel
-    return par.pipeline, par.virtual_pipeline
-
-
-def _route(layout: Layout, node: Node, a: Action) -> list[tuple[Node, tuple]]:
-    """``(peer, message label)`` of every message a send or receive action moves."""
-    m, s = node
-    p, v = _virtual(layout, m)
-    encoders = [e for e in layout.modules if e != LANGUAGE]
-    c, k = a.chunk, a.microbatch
-    if a.kind == "send_forward":
-        if s < p - 1:
-            return [((m, s + 1), ("F", c, k))]
-        if c < v - 1:
-            return [((m, 0), ("F", c + 1, k))]
-        return [((LANGUAGE, 0), ("F", 0, k, m))]
-    if a.kind == "send_backward":
-        if s > 0:
-            return [((m, s - 1), ("B", c, k))]
-        if c > 0:
-            return [((m, p - 1), ("B", c - 1, k))]
-        return [((e, _virtual(layout, e)[0] - 1), ("B", _virtual(layout, e)[1] - 1, k))
-                for e in encoders]
-    if a.kind == "recv_forward":
-        if s > 0 or c > 0:
-            return [((m, s - 1 if s > 0 else p - 1), ("F", c, k))]
-        return [((e, _virtual(layout, e)[0] - 1), ("F", 0, k, e)) for e in encoders]
-    assert a.kind == "recv_backward", a
-    if s < p - 1 or c < v - 1:
-        return [((m, s + 1 if s < p - 1 else 0), ("B", c, k))]
-    return [((LANGUAGE, 0), ("B", c, k))]
-
-
-def _expand(a: Action) -> list[Action]:
-    """1F1B's paired transfers as a send then a receive (sends never block)."""
-    if a.kind == "send_forward_recv_backward":
-        return [Action("send_forward", a.microbatch), Action("recv_backward", a.other)]
-    if a.kind == "send_backward_recv_forward":
-        return [Action("send_backward", a.microbatch), Action("recv_forward", a.other)]
-    return [a]
-
-
-def simulate(layout: Layout, num_mb: int, forward_only: bool = False) -> dict[Node, list]:
-    """Run every rank's plan together; return each node's computes in execution order."""
-    plans = {node: deque(x for a in build_rank_plan(layout, node[0], node[1], num_mb,
-                                                    forward_only=forward_only)
-                         for x in _expand(a))
-             for node in pipeline_positions(layout)}
-    channels: dict[tuple[Node, Node], deque] = {}
-    have: dict[Node, set] = {n: set() for n in plans}
-    done: dict[Node, list] = {n: [] for n in plans}
-    while any(plans.values()):
-        progressed = False
-        for node, plan in plans.items():
-            while plan and _step(layout, node, plan[0], channels, have[node], done[node]):
-                plan.popleft()
-                progressed = True
-        assert progressed, f"deadlock: next actions {({n: p[0] for n, p in plans.items() if p})}"
-    assert not any(channels.values()), "messages never received"
-    return done
-
-
-def _step(layout, node, a, channels, have, done) -> bool:
-    m, s = node
-    p, v = _virtual(layout, m)
-    key = (a.chunk, a.microbatch)
-    if a.kind.startswith("send"):
-        for peer, label in _route(layout, node, a):
-            channels.setdefault((node, peer), deque()).append(label)
-        return True
-    if a.kind.startswith("recv"):
-        routes = _route(layout, node, a)
-        if not all(channels.get((peer, node)) for peer, _ in routes):
-            return False
-        for peer, label in routes:
-            got = channels[(peer, node)].popleft()
-            assert got == label, f"{node} expected {label} from {peer}, got {got}"
-            have.add((got[0], got[1], got[2]))
-        return True
-    first = s == 0 and a.chunk == 0 and (m != LANGUAGE or not layout.modules.keys() - {m})
-    if a.kind == "F":
-        assert first or ("F", *key) in have, f"{node} runs F{key} without its input"
-    else:
-        last = s == p - 1 and a.chunk == v - 1 and m == LANGUAGE
-        assert ("F", *key) in [(x[0], x[1], x[2]) for x in done], f"{node} B{key} before F"
-        assert last or ("B", *key) in have, f"{node} runs B{key} without its gradient"
-    done.append((a.kind, *key))
-    return True
-
-
 CASES = [  # (vision, audio, language) as (pipeline, virtual), micro-batches
     ((1, 1), (1, 1), (2, 2), 4),
     ((1, 1), None, (2, 2), 2),
@@ -160,14 +70,24 @@ CASES = [  # (vision, audio, language) as (pipeline, virtual), micro-batches
 @pytest.mark.parametrize("vision,audio,language,num_mb", CASES)
 def test_all_ranks_run_together(vision, audio, language, num_mb):
     layout = _layout(vision, audio, language, num_mb)
+    topology = layout_topology(layout)
     for forward_only in (False, True):
-        done = simulate(layout, num_mb, forward_only)
-        for (m, _), ops in done.items():
-            v = layout.modules[m].parallel.virtual_pipeline
-            kinds = ("F",) if forward_only else ("F", "B")
-            expected = sorted((kind, c, k) for kind in kinds for c in range(v)
-                              for k in range(num_mb))
-            assert sorted(ops) == expected  # each (chunk, micro-batch) exactly once
+        plans = {node: build_rank_plan(layout, *node, num_mb, forward_only=forward_only)
+                 for node in topology}
+        check_plans(topology, plans, num_mb, forward_only)  # raises PlanError
+
+
+@pytest.mark.parametrize("p,v,n", [(2, 2, 2), (2, 2, 8), (3, 2, 3), (4, 2, 4), (4, 3, 12),
+                                   (3, 4, 9), (2, 4, 6)])
+def test_one_interleaved_module_checks(p, v, n):
+    topology = ring_topology("m", p, v)
+    train = {node: build_interleaved_plan(n, p, v, node[1], has_prev=False, has_next=False)
+             for node in topology}
+    check_plans(topology, train, n)
+    evaluate = {node: build_interleaved_forward_only_plan(n, p, v, node[1], has_prev=False,
+                                                          has_next=False)
+                for node in topology}
+    check_plans(topology, evaluate, n, forward_only=True)
 
 
 @pytest.mark.parametrize("p,v,n", [(2, 2, 2), (2, 2, 8), (4, 2, 4), (4, 3, 12), (3, 4, 9)])

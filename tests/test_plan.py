@@ -15,6 +15,7 @@ from mimotron.pipeline.plan import (
     build_forward_only_plan,
     pipeline_positions,
 )
+from mimotron.pipeline.plan_check import check_plans, layout_topology, ring_topology
 
 DIGITS = Path(__file__).resolve().parents[1] / "configs" / "digits.toml"
 
@@ -103,3 +104,34 @@ def test_no_pipelining_and_forward_only():
     assert _fmt(build_forward_only_plan(2, q)) == "recv_forward(0) F(0) recv_forward(1) F(1)"
     with pytest.raises(ValueError, match="num_microbatches=0"):
         build_1f1b_plan(0, p)
+
+
+@pytest.mark.parametrize("stages", [1, 2, 3, 4])
+@pytest.mark.parametrize("num_mb", [1, 2, 3, 8])
+def test_chain_plans_pass_the_all_ranks_checks(stages, num_mb):
+    topology = ring_topology("x", stages)
+    pos = {("x", s): Position("x", s, s, stages, s > 0, s < stages - 1) for s in range(stages)}
+    for pipelined in (True, False):
+        check_plans(topology, {n: build_1f1b_plan(num_mb, p, pipelined) for n, p in pos.items()},
+                    num_mb)
+    check_plans(topology, {n: build_forward_only_plan(num_mb, p) for n, p in pos.items()},
+                num_mb, forward_only=True)
+
+
+@pytest.mark.parametrize("overrides", [
+    _block("vision", 0) + _block("audio", 1) + _block("language", 2),
+    _block("vision", 0, pipeline=2) + _block("audio", 2) + _block("language", 3, pipeline=2)
+    + ["modules.vision.num_layers=2"],
+    _block("vision", 0) + _block("audio", 1) + _block("language", 2, pipeline=3)
+    + ["modules.language.num_layers=3"],
+    _block("vision", 0) + _block("audio", 0) + _block("language", 0),  # colocated
+])
+def test_encoder_language_plans_pass_the_all_ranks_checks(overrides):
+    layout = _layout(overrides)
+    topology, pos = layout_topology(layout), pipeline_positions(layout)
+    for num_mb in (1, 3, 8):
+        for pipelined in (True, False):
+            check_plans(topology, {n: build_1f1b_plan(num_mb, p, pipelined)
+                                   for n, p in pos.items()}, num_mb)
+        check_plans(topology, {n: build_forward_only_plan(num_mb, p) for n, p in pos.items()},
+                    num_mb, forward_only=True)
