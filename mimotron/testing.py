@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mimotron.commcheck import TRACE_ENV, finish_recording, replay_folder, start_recording
 from mimotron.failures import (
     FAILURE_DIR_ENV,
     FailureRecord,
@@ -42,9 +43,17 @@ from mimotron.failures import (
     root_cause,
 )
 
+# Set to 1 (the test suite does): every run records its ranks' communication and the
+# parent replays it under NCCL's rules (:mod:`mimotron.commcheck`) after they succeed.
+NCCL_CHECK_ENV = "MIMOTRON_NCCL_CHECK"
+
 
 class RankError(RuntimeError):
     """A rank raised, or did not finish in time; the message names the rank."""
+
+
+class NcclDeadlockError(AssertionError):
+    """The ranks finished on gloo, but their communication would hang under NCCL."""
 
 
 def _rank_main(
@@ -59,6 +68,8 @@ def _rank_main(
 ) -> None:
     torch.set_num_threads(1)
     failure_dir = os.path.join(tmp, "failures")
+    if os.environ.get(NCCL_CHECK_ENV) == "1":
+        os.environ[TRACE_ENV] = os.path.join(tmp, "trace")
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
         LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
@@ -70,7 +81,9 @@ def _rank_main(
             "gloo", store=store, rank=rank, world_size=world_size,
             timeout=timedelta(seconds=pg_timeout_s),
         )
+        recorder = start_recording(rank)
         result = fn(rank, world_size, *args, **kwargs)
+        finish_recording(recorder)
         payload = ("ok", pickle.dumps(result))
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the parent
         # Record first: until this process exits its connections are open, so no peer
@@ -176,14 +189,26 @@ def run_groups(
                     child.close()
                     procs.append(p)
                     conns.append(parent)
-            return [_collect(procs, conns, max(deadline - time.monotonic(), 0.0), failures)
-                    for procs, conns, failures in started]
+            results = [_collect(procs, conns, max(deadline - time.monotonic(), 0.0), failures)
+                       for procs, conns, failures in started]
+            for _, _, failures in started:
+                _check_nccl_rules(os.path.join(os.path.dirname(failures), "trace"))
+            return results
         finally:
             for procs, _, _ in started:  # A group left behind by another's failure.
                 for p in procs:
                     if p.is_alive():
                         p.kill()
                     p.join(timeout=5)
+
+
+def _check_nccl_rules(trace_dir: str) -> None:
+    """Replay a successful run's traces under NCCL's rules (when recorded)."""
+    if not os.path.isdir(trace_dir):
+        return
+    report = replay_folder(trace_dir)
+    if not report.ok:
+        raise NcclDeadlockError(report.text)
 
 
 def _poll(proc: Any, conn: Any) -> tuple[str, Any] | None:

@@ -8,17 +8,26 @@ modules (first ``AdamW``), and for DTensor's first dispatch — seconds per rank
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
 
-from mimotron.testing import warm_up_imports
+from mimotron.testing import NCCL_CHECK_ENV, warm_up_imports
 
 
 @pytest.fixture(scope="session", autouse=True)
 def _warm_imports() -> None:
     torch.set_num_threads(1)
     warm_up_imports()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _nccl_rules() -> None:
+    """Every multi-rank run of the suite is replayed under NCCL's rules after it passes
+    on gloo (``mimotron.commcheck``): a deadlock fails the test that ran it."""
+    os.environ.setdefault(NCCL_CHECK_ENV, "1")
 
 
 @pytest.fixture(autouse=True)

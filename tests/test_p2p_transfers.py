@@ -1,12 +1,10 @@
-"""Pipeline transfers: header-free stage links, receives posted ahead, no bit changed.
+"""Pipeline transfers: header-free stage links, batched groups, no bit changed.
 
 One launch (5 gloo ranks: vision PP 2 | audio | language PP 2) trains through the real
-engine twice: first as shipped (the language stage link sends no shape header, every
-receive is posted as soon as the previous one of its direction completed, the
+engine twice: first as shipped (the language stage link sends no shape header, the
 loss-token count is reduced in the background and waited for where first needed),
-then with all three switched off (every transfer carries its header, receives posted
-on arrival at the transfer, the count waited for before the schedule: the previous
-behaviour). Losses, grad norms, every gradient as the
+then with both switched off (every transfer carries its header, the count waited for
+before the schedule: the previous behaviour). Losses, grad norms, every gradient as the
 optimizer steps it and the final weights must be bitwise equal, and the
 communicators' counters show which path ran: no header on the language stage link,
 headers kept on the variable-shape links (the vision stage link and the bridge carry
@@ -78,10 +76,9 @@ class _CountedAtOnce(GlobalTokenCount):
 
 def _new_then_old(rank: int, world: int) -> dict:
     new = _recording_run(rank, world, LAYOUT)
-    # The previous behaviour: no shape known in advance, nothing posted ahead, and the
-    # loss-token count waited for before the schedule.
+    # The previous behaviour: no shape known in advance, and the loss-token count
+    # waited for before the schedule.
     communicator_module.stage_link_shape = lambda *args, **kwargs: None
-    MultiModulePipelineCommunicator.expect = lambda self, plan: None
     step_module.GlobalTokenCount = _CountedAtOnce
     old = _recording_run(rank, world, LAYOUT)
     return {"new": new, "old": old}
@@ -93,7 +90,6 @@ def _fixed_shapes(rank: int, world: int) -> dict:
     bf16 = _recording_run(rank, world, FAN_IN + EVERY_SAMPLE_BOTH + ["train.precision=bf16"],
                           num_iters=2)
     communicator_module.stage_link_shape = lambda *args, **kwargs: None
-    MultiModulePipelineCommunicator.expect = lambda self, plan: None
     loop_module.bridge_row_shapes = lambda *args: {}
     old = _recording_run(rank, world, FAN_IN + EVERY_SAMPLE_BOTH, num_iters=2)
     return {"new": new, "bf16": bf16, "old": old}
@@ -167,15 +163,22 @@ def test_variable_shapes_keep_their_header(runs: list[dict]) -> None:
         counts = by_role[("vision", pp)]["new"]["counts"]
         assert counts["header_free_sends"] == 0
         assert counts["headers_sent"] == sends
-        assert counts == by_role[("vision", pp)]["old"]["counts"] | {
-            "prefetched_receives": counts["prefetched_receives"]}
+        assert counts == by_role[("vision", pp)]["old"]["counts"]
 
 
-def test_receives_are_posted_ahead(runs: list[dict]) -> None:
+def test_transfers_go_out_as_batched_groups(runs: list[dict]) -> None:
+    """One ``batch_isend_irecv`` group per transfer where no header travels; headers add
+    a group of their own before the payloads."""
+    transfers = NUM_ITERS * NUM_MB
+    by_role = {(r["new"]["module"], r["new"]["pp"]): r for r in runs}
+    last = by_role[("language", 1)]
+    # Stage 1: a receive of each input and a send of each gradient, paired in the
+    # steady state (one group for both), never a header group.
+    assert transfers < last["new"]["counts"]["batches"] < 2 * transfers
+    assert last["old"]["counts"]["batches"] > last["new"]["counts"]["batches"]
     for r in runs:
-        role = (r["new"]["module"], r["new"]["pp"])
-        assert r["new"]["counts"]["prefetched_receives"] > 0, role
-        assert r["old"]["counts"]["prefetched_receives"] == 0
+        counts = r["new"]["counts"]
+        assert counts["batches"] > 0, (r["new"]["module"], r["new"]["pp"])
 
 
 def test_stage_link_shape_from_the_config() -> None:

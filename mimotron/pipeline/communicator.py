@@ -25,9 +25,9 @@ Encoder outputs hold one row per sample that carries the modality, so a pair may
 exchange zero rows (a text-only slice): then only a header travels and every rank stays
 in lock-step. Shapes travel with each tensor (:mod:`mimotron.pipeline.p2p`), except on
 the language model's stage links, whose shape both stages derive from the config
-(:mod:`mimotron.pipeline.shapes`; checked on the sender). Given the plan
-(:meth:`~MultiModulePipelineCommunicator.expect`), every receive is posted as soon as the
-previous one of its direction has completed, ahead of the compute before its use. Colocated
+(:mod:`mimotron.pipeline.shapes`; checked on the sender). Each transfer's sends and
+receives go out together as batched groups (:func:`~mimotron.pipeline.p2p.exchange`),
+and its peers run the mirror transfer, so the order holds under NCCL. Colocated
 layouts need none of this: their transport is
 :class:`~mimotron.pipeline.colocated.ColocatedTransport`, chosen instead of this class
 once at setup; both share the layout helpers of :mod:`mimotron.pipeline.edges`.
@@ -47,7 +47,6 @@ loop) no transfer waits for the device.
 from __future__ import annotations
 
 import time
-from collections import deque
 
 import torch
 import torch.distributed as dist
@@ -60,16 +59,12 @@ from mimotron.pipeline.edges import Edge, slice_range
 from mimotron.pipeline.p2p import (
     Known,
     PendingSends,
-    PostedRecv,
+    Recv,
     TransferCounts,
     broadcast_tensor,
     exchange,
 )
 from mimotron.pipeline.plan import (
-    RECV_BACKWARD,
-    RECV_FORWARD,
-    SEND_BACKWARD_RECV_FORWARD,
-    SEND_FORWARD_RECV_BACKWARD,
     Action,
 )
 from mimotron.pipeline.shapes import LinkShape, bridge_link, stage_link_shape
@@ -169,9 +164,6 @@ class MultiModulePipelineCommunicator:
                                 "p_both/p_text, train.precision=fp32")
             for src, routes in self._pairs.items() if src in (bridge_rows or {}) and self.cp == 1
             for s, d, lo, hi, _ in routes}
-        # Receives posted ahead of need, and the plan's receive order per direction.
-        self._posted: dict[tuple[str, int], list[PostedRecv]] = {}
-        self._expected: dict[str, deque[int]] = {"forward": deque(), "backward": deque()}
 
     # ---- neighbours ----------------------------------------------------------------------
     def _stage_peer(self, delta: int) -> int:
@@ -332,12 +324,11 @@ class MultiModulePipelineCommunicator:
             known += [self._checked(p, False, t, f"micro-batch {send_backward[0]}'s input "
                                     f"gradient for rank {p}", chunk) for p, t in bwd_sends]
         fwd_src = self._forward_sources(chunk) if recv_forward is not None else []
-        recvs = self._take("forward", recv_forward, chunk) if recv_forward is not None else []
+        recvs = self._recvs("forward", chunk) if recv_forward is not None else []
         num_fwd = len(recvs)
         if recv_backward is not None:
-            recvs += self._take("backward", recv_backward, chunk)
+            recvs += self._recvs("backward", chunk)
         got = exchange(sends, recvs, self.pending, self.counts, self.device, known)
-        self._post_next()
         fwd = bwd = None
         if recv_forward is not None:
             fwd = self._assemble_forward(recv_forward, fwd_src, got[:num_fwd], chunk)
@@ -346,7 +337,7 @@ class MultiModulePipelineCommunicator:
         self._add_time(t0)
         return fwd, bwd
 
-    # ---- shapes known in advance, receives posted ahead -------------------------------
+    # ---- shapes known in advance --------------------------------------------------------
     def _link(self, peer: int, downstream: bool, chunk: int = 0) -> LinkShape | None:
         """The tensor the link with ``peer`` carries, if both ends know it (else None)."""
         if not (self._last(chunk) if downstream else self._first(chunk)):
@@ -362,64 +353,23 @@ class MultiModulePipelineCommunicator:
         link.check(t, what)
         return link.shape, link.dtype
 
-    def _post(self, direction: str, chunk: int = 0) -> list[PostedRecv]:
+    def _recvs(self, direction: str, chunk: int = 0) -> list[Recv]:
+        """The receives of one transfer: from whom, and the shape where it is known."""
         downstream = direction == "backward"  # gradients come from downstream
         peers = ([p for _, p in self._forward_sources(chunk)] if direction == "forward"
                  else self._backward_sources(chunk))
         out = []
         for peer in peers:
             link = self._link(peer, downstream, chunk)
-            out.append(PostedRecv(peer, None if link is None else (link.shape, link.dtype),
-                                  self.device))
+            out.append(Recv(peer, None if link is None else (link.shape, link.dtype)))
         return out
 
-    def _take(self, direction: str, k: int, chunk: int = 0) -> list[PostedRecv]:
-        """The receives of micro-batch ``k``'s transfer: posted ahead, or posted now."""
-        queue = self._expected[direction]
-        if queue and queue[0] == k:
-            queue.popleft()
-        posted = self._posted.pop((direction, k), None)
-        # A receive posted for another micro-batch would take this one's messages.
-        assert posted is not None or all(d != direction for d, _ in self._posted), \
-            f"{direction} receive of micro-batch {k} out of the expected plan order"
-        return posted if posted is not None else self._post(direction, chunk)
-
-    def _post_next(self) -> None:
-        """Post the next expected receive of each direction, if not posted yet.
-
-        Called once the current receives are posted: messages from one peer match in
-        posting order, and each peer sends one direction only, in plan order.
-        """
-        for direction, queue in self._expected.items():
-            if queue and (direction, queue[0]) not in self._posted:
-                recvs = self._post(direction)
-                self.counts.prefetched_receives += len(recvs)
-                self._posted[(direction, queue[0])] = recvs
-
     def expect(self, plan: list[Action]) -> None:
-        """Learn the order of a step's receives and post the first of each direction.
+        """Nothing to prepare: every receive is posted by the transfer that uses it.
 
-        Called by the executor before it runs ``plan``; afterwards every receive is
-        posted as soon as the previous one of its direction completes, so a sender
-        never waits for this rank to reach its receive.
-
-        Not under interleaving: there, with two stage ranks, one peer sends both
-        activations and gradients, and messages from one peer match in posting order,
-        so a receive posted ahead could take the other direction's message; each
-        receive is posted when the plan reaches it.
+        A receive posted ahead sits before this rank's next sends on the peer's NCCL
+        stream and would wait for a message that peer sends only after ours arrived.
         """
-        if self.num_chunks > 1:
-            return
-        # _take and _post_next key receives by micro-batch and post chunk 0's sources.
-        assert all(a.chunk == 0 for a in plan), "a chunked plan cannot be expected"
-        for a in plan:
-            if a.kind in (RECV_FORWARD, SEND_BACKWARD_RECV_FORWARD):
-                self._expected["forward"].append(a.microbatch if a.kind == RECV_FORWARD
-                                                 else a.other)
-            elif a.kind in (RECV_BACKWARD, SEND_FORWARD_RECV_BACKWARD):
-                self._expected["backward"].append(a.microbatch if a.kind == RECV_BACKWARD
-                                                  else a.other)
-        self._post_next()
 
     def finish(self, forward_only: bool = False) -> None:
         """Wait for every send of the step (call once at the end of a schedule)."""
@@ -431,9 +381,6 @@ class MultiModulePipelineCommunicator:
             self._routed.clear()
         assert not self._rows, f"gradients never sent for {sorted(self._rows)}"
         assert not self._routed, f"gradients never received for {sorted(self._routed)}"
-        assert not self._posted and not any(self._expected.values()), \
-            f"receives posted but never used: {sorted(self._posted)}, expected but never " \
-            f"taken: {dict(self._expected)}"
 
     def set_timing(self, enabled: bool) -> None:
         """Time transfers (each then waits for the device) or not."""

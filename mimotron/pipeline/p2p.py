@@ -8,12 +8,15 @@ model stage link: ``[micro-batch rows, seq_length / cp, hidden]``, see
 :mod:`mimotron.pipeline.shapes`) travels as the payload alone: one message instead of
 two, and the receiver's buffer can be posted before the sender is ready.
 
-Sends never block the caller: their work handles are kept in a ``PendingSends`` list
-and waited for at the end of the step, so two neighbours that send to each other in
-the same call (the paired 1F1B communications) cannot wait on each other. A receive is
-a :class:`PostedRecv`: posted (header or payload) as early as its caller likes, then
-completed. Per pair of ranks, messages are matched in posting order, so receives from
-one peer are posted in the order that peer sends.
+Every transfer is NCCL-safe by construction (:func:`exchange`): its sends and receives go
+out as ``batch_isend_irecv`` groups — the shape headers as a group of their own, then
+the payloads — and both ends of a transfer issue their groups in the same order, as
+Megatron's ``p2p_communication`` does. Under NCCL a pair's point-to-point operations
+run in issue order on one stream and a send completes only with its receive, so a
+receive posted ahead of a send to the same peer (gloo buffers sends; NCCL does not) can
+hang both ranks; no receive is posted before its transfer. Send handles are kept in a
+``PendingSends`` list and waited for at the end of the step. The suite replays every
+multi-rank test's communication under NCCL's rules (:mod:`mimotron.commcheck`).
 """
 
 from __future__ import annotations
@@ -22,8 +25,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
 
 HEADER_LEN = 8
+# The real functions: ``P2POp`` accepts only these (a recorder may wrap ``dist.isend``).
+_ISEND, _IRECV = c10d.isend, c10d.irecv
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64,
            torch.int32, torch.bool, torch.uint8]
 
@@ -54,8 +60,8 @@ class TransferCounts:
     header_free_sends: int = 0
     """Tensors sent without a header (shape known to both sides from the config)."""
     headers_received: int = 0
-    prefetched_receives: int = 0
-    """Receives posted before the transfer that consumes them was reached."""
+    batches: int = 0
+    """``batch_isend_irecv`` groups started (headers and payloads of a transfer apart)."""
 
 
 class PendingSends:
@@ -74,75 +80,96 @@ class PendingSends:
         self._works.clear()
 
 
-class PostedRecv:
-    """One receive in flight from ``peer``: its header, or its payload if ``known``."""
+@dataclass(frozen=True)
+class Recv:
+    """One receive of an exchange: from ``peer``; ``known`` shape and dtype, or a header."""
 
-    def __init__(self, peer: int, known: Known, device: torch.device) -> None:
-        self.peer, self.device = peer, device
-        self.header: torch.Tensor | None = None
-        self.tensor: torch.Tensor | None = None
-        self.work: dist.Work | None = None
-        if known is None:
-            self.header = torch.empty(HEADER_LEN, dtype=torch.int64, device=device)
-            self.work = dist.irecv(self.header, peer)
+    peer: int
+    known: Known = None
+
+
+def _launch(ops: list[dist.P2POp], counts: TransferCounts) -> list[dist.Work]:
+    """Start ``ops`` as one ``batch_isend_irecv`` group (none: nothing to start)."""
+    if not ops:
+        return []
+    counts.batches += 1
+    return dist.batch_isend_irecv(ops)
+
+
+def _wait_receives(works: list[dist.Work], ops: list[dist.P2POp], pending: PendingSends
+                   ) -> None:
+    """Wait for a group's receives; its sends are parked until the step's end.
+
+    Without coalescing (gloo) torch returns one work per op; with it (NCCL) one work for
+    the whole group, which ends as a unit anyway.
+    """
+    if len(works) != len(ops):
+        for w in works:
+            w.wait()
+        return
+    for w, op in zip(works, ops, strict=True):
+        if op.op is _IRECV:
+            w.wait()
         else:
-            self._post_payload(known[1], known[0])
-
-    def _post_payload(self, dtype: torch.dtype, shape: tuple[int, ...] | list[int]) -> None:
-        self.tensor = torch.empty(shape, dtype=dtype, device=self.device)
-        self.work = dist.irecv(self.tensor, self.peer) if self.tensor.numel() else None
-
-    def read_header(self, counts: TransferCounts) -> None:
-        """Wait for the header (if any), then post the payload's receive."""
-        if self.header is None:
-            return
-        assert self.work is not None
-        self.work.wait()
-        counts.headers_received += 1
-        dtype, shape = _parse(self.header.cpu())
-        self.header = None
-        self._post_payload(dtype, shape)
-
-    def result(self) -> torch.Tensor:
-        """Wait for the payload (call after :meth:`read_header`)."""
-        assert self.header is None and self.tensor is not None, "header not read"
-        if self.work is not None:
-            self.work.wait()
-        return self.tensor
+            pending.add(w, op.tensor)
 
 
-def exchange(sends: list[tuple[int, torch.Tensor]], recvs: list[PostedRecv],
+def exchange(sends: list[tuple[int, torch.Tensor]], recvs: list[Recv],
              pending: PendingSends, counts: TransferCounts, device: torch.device,
              known: list[Known] | None = None) -> list[torch.Tensor]:
-    """Post every send, then complete the (already posted) receives.
+    """Send and receive one transfer's tensors as NCCL-safe batched groups.
+
+    At most two ``batch_isend_irecv`` groups, issued by both ends in the same order:
+    first every shape header of the transfer (sent and received), then every payload.
+    The caller's peers run the mirror of this call (a send here is a receive there, in
+    the same transfer), so each group's partners are all in flight together and no
+    point-to-point op waits on one queued behind it (see ``mimotron.commcheck``).
 
     Args:
         sends: ``(peer rank, tensor)`` pairs; tensors must not be modified afterwards.
-        recvs: receives posted earlier (or just now), in the order to complete them.
-        pending: where send handles are parked.
+        recvs: what to receive, in the order to return it.
+        pending: where the sends' handles are parked until the step's end.
         counts: message counters to update.
-        device: where headers are built.
+        device: where headers and received tensors are allocated.
         known: per send, its shape and dtype if the receiver knows them (no header
             then; the caller has checked the tensor against them), else ``None``.
 
     Returns:
         The received tensors, in ``recvs`` order.
     """
-    for (peer, t), kn in zip(sends, known or [None] * len(sends), strict=True):
-        t = t.detach().contiguous()
+    payloads = [(peer, t.detach().contiguous()) for peer, t in sends]
+    kinds = known or [None] * len(sends)
+    shapes = _exchange_headers(payloads, kinds, recvs, pending, counts, device)
+    ops = [dist.P2POp(_ISEND, t, peer) for peer, t in payloads if t.numel()]
+    got = [torch.empty(shape, dtype=dtype, device=device) for dtype, shape in shapes]
+    ops += [dist.P2POp(_IRECV, t, r.peer) for r, t in zip(recvs, got, strict=True)
+            if t.numel()]
+    _wait_receives(_launch(ops, counts), ops, pending)
+    return got
+
+
+def _exchange_headers(payloads: list[tuple[int, torch.Tensor]], kinds: list[Known],
+                      recvs: list[Recv], pending: PendingSends, counts: TransferCounts,
+                      device: torch.device) -> list[tuple[torch.dtype, tuple[int, ...]]]:
+    """The headers' group: send ours, receive theirs; ``(dtype, shape)`` per receive."""
+    ops = []
+    for (peer, t), kn in zip(payloads, kinds, strict=True):
         if kn is None:
-            h = _header(t).to(device)
-            pending.add(dist.isend(h, peer), h)
+            ops.append(dist.P2POp(_ISEND, _header(t).to(device), peer))
             counts.headers_sent += 1
         else:
             assert tuple(t.shape) == tuple(kn[0]) and t.dtype == kn[1], "unchecked send"
             counts.header_free_sends += 1
-        if t.numel():
-            pending.add(dist.isend(t, peer), t)
-    # Every header first, then every payload: a fan-in waits for its slowest peer once.
-    for r in recvs:
-        r.read_header(counts)
-    return [r.result() for r in recvs]
+    headers = [torch.empty(HEADER_LEN, dtype=torch.int64, device=device)
+               for r in recvs if r.known is None]
+    ops += [dist.P2POp(_IRECV, h, r.peer)
+            for h, r in zip(headers, [r for r in recvs if r.known is None], strict=True)]
+    _wait_receives(_launch(ops, counts), ops, pending)
+    counts.headers_received += len(headers)
+    # One device-to-host copy for all of them: each read is a host sync on a GPU.
+    parsed = iter([_parse(h) for h in torch.stack(headers).cpu()] if headers else [])
+    return [(r.known[1], tuple(r.known[0])) if r.known is not None else next(parsed)
+            for r in recvs]
 
 
 def broadcast_tensor(t: torch.Tensor | None, src: int, group: dist.ProcessGroup | None,

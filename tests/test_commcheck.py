@@ -1,0 +1,207 @@
+"""The NCCL-rules replay (``mimotron.commcheck``): it finds the hangs gloo hides.
+
+The recorded fixture ``data/demo_trace_buffered_sends.json.gz`` is one training step of
+the demo layout (vision on rank 0, audio on rank 1, language DP 2 on ranks 2-3) as the
+transfer layer issued it before it grouped its operations: every receive posted ahead
+and every operation a single ``isend``/``irecv``. gloo ran it; the replay must show that
+NCCL would not, naming the ranks and the operations at the heads of their streams. The
+hand-written traces pin each rule; the live runs record real gloo ranks through the
+harness and check the verdict end to end.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from mimotron.commcheck import replay
+from mimotron.commcheck.record import CommRecorder
+from mimotron.testing import NCCL_CHECK_ENV, NcclDeadlockError, run_ranks
+
+FIXTURE = Path(__file__).parent / "data" / "demo_trace_buffered_sends.json.gz"
+WORLD = {"0": [0, 1]}
+
+
+class _Trace:
+    """Builds one rank's trace by hand, in the recorder's format."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank, self.events, self._id = rank, [], 0
+
+    def _add(self, thread: str = "MainThread", **ev: object) -> int:
+        self._id += 1
+        self.events.append({**ev, "id": self._id, "thread": thread})
+        return self._id
+
+    def p2p(self, kind: str, peer: int, batch: int | None = None, nbytes: int = 4,
+            group: str = "0") -> int:
+        return self._add(op="p2p", kind=kind, peer=peer, batch=batch, group=group,
+                         nbytes=nbytes)
+
+    def coll(self, name: str, group: str = "0", thread: str = "MainThread") -> int:
+        return self._add(op="coll", name=name, group=group, thread=thread)
+
+    def wait(self, *ids: int, thread: str = "MainThread") -> None:
+        self.events.append({"op": "wait", "ids": list(ids), "thread": thread})
+
+    def dump(self, groups: dict[str, list[int]] = WORLD) -> dict:
+        return {"rank": self.rank, "groups": groups, "events": self.events}
+
+
+def _pair() -> tuple[_Trace, _Trace]:
+    return _Trace(0), _Trace(1)
+
+
+# ---- the recorded hazard -------------------------------------------------------------------
+def test_the_demo_step_with_receives_posted_ahead_deadlocks() -> None:
+    traces = json.loads(gzip.decompress(FIXTURE.read_bytes()))
+    report = replay(traces)
+    assert not report.ok
+    lines = report.text.splitlines()
+    assert lines[0] == "deadlock under NCCL's rules:"
+    # Vision (rank 0) waits for its gradient from the language model before its
+    # activation went out; the language ranks wait for that activation.
+    assert "rank 0 (MainThread) blocked at event 11 waiting for [recv from 2 (64 B)]" in lines
+    assert "rank 2 (MainThread) blocked at event 3 waiting for [recv from 0 (64 B)]" in lines
+    assert any(ln.startswith("rank 0 stream ('pair', '0', 2): head [recv from 2")
+               and "queued" in ln for ln in lines)
+
+
+# ---- rules, one by one ---------------------------------------------------------------------
+def test_crossing_single_sends_deadlock_but_one_batch_each_passes() -> None:
+    a, b = _pair()
+    for me, peer in ((a, 1), (b, 0)):  # each sends, then waits for its receive
+        me.p2p("send", peer)
+        me.wait(me.p2p("recv", peer))
+    report = replay([a.dump(), b.dump()])
+    assert not report.ok and "rank 0 stream ('pair', '0', 1): head [send to 1" in report.text
+    a, b = _pair()
+    for me, peer in ((a, 1), (b, 0)):
+        s, r = me.p2p("send", peer, batch=1), me.p2p("recv", peer, batch=1)
+        me.wait(s, r)
+    assert replay([a.dump(), b.dump()]).ok
+
+
+def test_receive_then_send_on_one_stream_waits_for_the_peer() -> None:
+    """A receive posted first holds back this rank's send to the same peer."""
+    a, b = _pair()
+    r = a.p2p("recv", 1)
+    a.p2p("send", 1)
+    a.wait(r)
+    b.wait(b.p2p("recv", 0))  # b waits for a's send first: a's receive never starts
+    b.p2p("send", 0)
+    report = replay([a.dump(), b.dump()])
+    assert not report.ok
+    assert "rank 1 (MainThread) blocked at event 1 waiting for [recv from 0 (4 B)]" \
+        in report.text
+
+
+def test_batched_and_single_ops_never_pair() -> None:
+    a, b = _pair()
+    a.wait(a.p2p("send", 1, batch=1))
+    b.wait(b.p2p("recv", 0))
+    assert not replay([a.dump(), b.dump()]).ok
+
+
+def test_collectives_in_different_orders_deadlock() -> None:
+    groups = {"0": [0, 1], "g1": [0, 1]}
+    a, b = _pair()
+    a.coll("all_reduce", "0")
+    a.wait(a.coll("all_reduce", "g1"))
+    b.wait(b.coll("all_reduce", "g1"))
+    b.wait(b.coll("all_reduce", "0"))
+    # Different groups are different streams: this order is fine...
+    assert replay([a.dump(groups), b.dump(groups)]).ok
+    a, b = _pair()
+    a.wait(a.coll("all_reduce"))
+    b.wait(b.coll("broadcast"))
+    report = replay([a.dump(), b.dump()])
+    assert not report.ok and "differs between ranks" in report.text
+    a, b = _pair()  # ...but a batched send is queued behind its group's collective
+    a.coll("all_reduce")
+    a.wait(a.p2p("send", 1, batch=1))
+    b.wait(b.p2p("recv", 0, batch=1))
+    b.wait(b.coll("all_reduce"))
+    assert not replay([a.dump(), b.dump()]).ok
+
+
+def test_byte_counts_must_agree() -> None:
+    a, b = _pair()
+    a.wait(a.p2p("send", 1, batch=1, nbytes=8))
+    b.wait(b.p2p("recv", 0, batch=1, nbytes=4))
+    report = replay([a.dump(), b.dump()])
+    assert not report.ok and "sends 8 B to rank 1, which recvs 4 B" in report.text
+
+
+def test_a_group_used_from_two_threads_is_reported() -> None:
+    a, b = _pair()
+    for t in (a, b):
+        t.wait(t.coll("all_reduce"))
+        t.wait(t.coll("barrier", thread="saver"), thread="saver")
+    report = replay([a.dump(), b.dump()])
+    assert not report.ok and "from threads ['MainThread', 'saver']" in report.text
+
+
+def test_threads_are_hosts_of_their_own() -> None:
+    """A background thread's wait does not stop the main thread."""
+    groups = {"0": [0, 1], "save": [0, 1]}
+    a, b = _pair()
+    a.coll("barrier", "save", thread="saver")
+    a.wait(a.coll("all_reduce"))
+    b.wait(b.coll("all_reduce"))
+    b.wait(b.coll("barrier", "save", thread="saver"), thread="saver")
+    assert replay([a.dump(groups), b.dump(groups)]).ok
+
+
+def test_an_unmatched_send_is_reported_at_the_end() -> None:
+    a, b = _pair()
+    a.p2p("send", 1, batch=1)
+    b.coll("barrier")
+    a.coll("barrier")
+    report = replay([a.dump(), b.dump()])
+    assert not report.ok and "head batch [send to 1 (4 B)]" in report.text
+
+
+# ---- live: recorded from gloo ranks by the harness -------------------------------------
+def _posted_ahead(rank: int, world: int) -> None:
+    """Each rank posts its receive before its send, then waits: fine on gloo."""
+    peer = 1 - rank
+    got = torch.empty(4)
+    work = dist.irecv(got, peer)
+    dist.isend(torch.full((4,), float(rank)), peer).wait()
+    work.wait()
+    assert got[0].item() == peer
+
+
+def _grouped(rank: int, world: int) -> None:
+    peer, got = 1 - rank, torch.empty(4)
+    ops = [dist.P2POp(dist.distributed_c10d.isend, torch.full((4,), float(rank)), peer),
+           dist.P2POp(dist.distributed_c10d.irecv, got, peer)]
+    for w in dist.batch_isend_irecv(ops):
+        w.wait()
+    assert got[0].item() == peer
+
+
+def test_the_harness_fails_a_run_that_would_hang_on_nccl(monkeypatch: pytest.MonkeyPatch
+                                                         ) -> None:
+    monkeypatch.setenv(NCCL_CHECK_ENV, "1")
+    stuck = r"rank 0 \(MainThread\) blocked at event 2 waiting for \[send to 1"
+    with pytest.raises(NcclDeadlockError, match=stuck):
+        run_ranks(2, _posted_ahead, timeout_s=60)
+    run_ranks(2, _grouped, timeout_s=60)
+
+
+def test_the_recorder_observes_without_changing_results() -> None:
+    rec = CommRecorder(0)
+    original = dist.isend
+    rec.install()
+    try:
+        assert dist.isend is not original and dist.isend.__name__ == "isend"
+    finally:
+        rec.uninstall()
+    assert dist.isend is original
