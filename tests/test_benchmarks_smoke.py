@@ -101,3 +101,48 @@ def test_median_interval_brackets_the_median():
     values = [float(v) for v in range(40, 0, -1)]
     lo, hi = median_interval(values)
     assert lo < 20.5 < hi and (lo, hi) != (1.0, 40.0)  # narrower than min-max
+
+
+def test_gpu_check_cpu_smoke(tmp_path):
+    """``benchmarks/gpu_check.py --cpu-smoke``: the training paths run on the CPU at a tiny
+    size, the figures land in the JSON, and the GPU parts say why they were skipped."""
+    out = tmp_path / "gpu_check.json"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "gpu_check.py"), "--cpu-smoke",
+         "--json", str(out)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["mode"] == "cpu-smoke"
+    thr = doc["parts"]["throughput"]
+    assert thr["status"] == "ok", thr.get("reason")
+    assert thr["measured"]["tokens_per_second"] > 0
+    assert thr["measured"]["model_flops_per_iteration"] > 0
+    assert thr["plan"]["estimate_bytes"] > 0 and thr["plan"]["total_params"] > 0
+    cmp = doc["parts"]["cpu_vs_gpu"]
+    assert len(cmp["cpu_losses"]) == 3 and all(0 < x < 100 for x in cmp["cpu_losses"])
+    layouts = doc["parts"]["layouts"]["status"]
+    assert cmp["status"].startswith("skipped: ") and layouts.startswith("skipped: ")
+    if doc["gpu"]["count"] == 0:
+        assert cmp["status"] == layouts == "skipped: no GPU"
+        assert "| cpu_vs_gpu | skipped: no GPU |" in proc.stdout
+
+
+def test_gpu_check_config_is_about_1b_and_losses_compare():
+    from benchmarks.gpu_check import CONFIG_1B, compare_losses, peak_tflops, plan_numbers
+
+    plan = plan_numbers(CONFIG_1B, [])
+    assert 0.9e9 <= plan["total_params"] <= 1.1e9, plan["params"]
+    assert set(plan["params"]) == {"vision", "language"}
+    assert compare_losses([4.01, 3.9], [4.0, 3.91], 0.02)["ok"]
+    assert not compare_losses([4.2, 3.9], [4.0, 3.9], 0.02)["ok"]
+    assert not compare_losses([4.0], [4.0, 3.9], 0.02)["ok"]
+    assert not compare_losses([float("nan")], [4.0], 0.02)["ok"]
+    assert peak_tflops("NVIDIA H100 80GB HBM3", None) == 989.0
+    assert peak_tflops("NVIDIA H100 PCIe", None) == 756.0
+    assert peak_tflops("NVIDIA A100-SXM4-80GB", None) == 312.0
+    assert peak_tflops("some GPU", None) is None and peak_tflops("x", 100.0) == 100.0
