@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import threading
 from pathlib import Path
 
 import pytest
@@ -138,15 +139,6 @@ def test_byte_counts_must_agree() -> None:
     assert not report.ok and "sends 8 B to rank 1, which recvs 4 B" in report.text
 
 
-def test_a_group_used_from_two_threads_is_reported() -> None:
-    a, b = _pair()
-    for t in (a, b):
-        t.wait(t.coll("all_reduce"))
-        t.wait(t.coll("barrier", thread="saver"), thread="saver")
-    report = replay([a.dump(), b.dump()])
-    assert not report.ok and "from threads ['MainThread', 'saver']" in report.text
-
-
 def test_threads_are_hosts_of_their_own() -> None:
     """A background thread's wait does not stop the main thread."""
     groups = {"0": [0, 1], "save": [0, 1]}
@@ -194,6 +186,32 @@ def test_the_harness_fails_a_run_that_would_hang_on_nccl(monkeypatch: pytest.Mon
     with pytest.raises(NcclDeadlockError, match=stuck):
         run_ranks(2, _posted_ahead, timeout_s=60)
     run_ranks(2, _grouped, timeout_s=60)
+
+
+def _two_threads_on_one_group(rank: int, world: int) -> None:
+    """A background thread's all-reduce while the main thread's is still in flight."""
+    work = dist.all_reduce(torch.ones(1), async_op=True)
+    thread = threading.Thread(target=lambda: dist.all_reduce(torch.ones(1)), name="saver")
+    thread.start()
+    thread.join()
+    work.wait()
+
+
+def _handed_over(rank: int, world: int) -> None:
+    """The main thread's op ends before the background thread uses the group."""
+    dist.all_reduce(torch.ones(1))
+    thread = threading.Thread(target=lambda: dist.all_reduce(torch.ones(1)), name="saver")
+    thread.start()
+    thread.join()
+
+
+def test_one_group_from_two_threads_at_once_is_reported(monkeypatch: pytest.MonkeyPatch
+                                                        ) -> None:
+    monkeypatch.setenv(NCCL_CHECK_ENV, "1")
+    with pytest.raises(NcclDeadlockError, match="thread saver issues all_reduce on group 0 "
+                       "while thread MainThread has ops in flight there"):
+        run_ranks(2, _two_threads_on_one_group, timeout_s=60)
+    run_ranks(2, _handed_over, timeout_s=60)
 
 
 def test_the_recorder_observes_without_changing_results() -> None:

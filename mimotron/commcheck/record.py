@@ -82,14 +82,29 @@ class CommRecorder:
         self._lock = threading.Lock()
         self._next_id = 0
         self._originals: dict[str, Callable] = {}
+        # Ops issued and not yet waited, per (group, thread): another thread issuing on a
+        # group while one is in flight there is an error (NCCL orders a group's ops by
+        # issue; two threads make that order a race). Handing a group over is fine.
+        self._in_flight: dict[tuple[str, str], set[int]] = {}
+        self._group_of: dict[int, str] = {}
 
     # ---- logging -------------------------------------------------------------------------
     def _log(self, event: dict[str, Any]) -> int:
+        thread = threading.current_thread().name
         with self._lock:
             op_id = self._next_id
             self._next_id += 1
-            event.update(id=op_id, thread=threading.current_thread().name)
+            event.update(id=op_id, thread=thread)
             self.events.append(event)
+            group = event["group"]
+            others = [t for (g, t), ids in self._in_flight.items()
+                      if g == group and t != thread and ids]
+            if others:
+                self.events.append({"op": "error", "thread": thread, "text": (
+                    f"rank {self.rank} thread {thread} issues {event.get('name', 'p2p')} "
+                    f"on group {group} while thread {others[0]} has ops in flight there")})
+            self._in_flight.setdefault((group, thread), set()).add(op_id)
+            self._group_of[op_id] = group
             return op_id
 
     def _group(self, group: Any) -> str:
@@ -100,9 +115,12 @@ class CommRecorder:
         return name
 
     def log_wait(self, op_ids: list[int]) -> None:
+        thread = threading.current_thread().name
         with self._lock:
-            self.events.append({"op": "wait", "ids": list(op_ids),
-                                "thread": threading.current_thread().name})
+            self.events.append({"op": "wait", "ids": list(op_ids), "thread": thread})
+            for i in op_ids:
+                for ids in self._in_flight.values():
+                    ids.discard(i)
 
     # ---- wrappers ------------------------------------------------------------------------
     def _p2p(self, name: str, fn: Callable) -> Callable:
