@@ -49,6 +49,46 @@ def device_for(local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
+def fake_accelerator() -> torch.device:
+    """The accelerator the fake-device dry run (:mod:`mimotron.dryrun`) stands in for.
+
+    ``cuda`` on a build with CUDA. On a CPU-only build ``FakeTensorMode`` cannot run an
+    op on a fake ``cuda`` tensor (the device guard aborts the process), so the ``meta``
+    device stands in: an accelerator-like device distinct from the CPU, on which every
+    op runs shape-only and mixing with a CPU tensor raises, as on a GPU.
+    """
+    if torch.cuda.is_available():
+        return torch.device("cuda", 0)
+    return torch.device("meta")
+
+
+def fake_backend() -> str:
+    """The dry run's ``fake`` process-group backend, registered for its devices."""
+    return f"cpu:fake,{fake_accelerator().type}:fake"
+
+
+def pins_memory(device: torch.device) -> bool:
+    """Whether host tensors bound for ``device`` should be pinned (page-locked).
+
+    Pinned memory lets an accelerator copy run asynchronously (``non_blocking``); on the
+    CPU it is pointless, and the stand-in ``meta`` device has nothing to copy to.
+    """
+    return device.type not in ("cpu", "meta") and accelerator_available()
+
+
+def device_rng_state(device: torch.device) -> torch.Tensor | None:
+    """The accelerator generator's state (None on the CPU and the dry run's ``meta``)."""
+    if device.type in ("cpu", "meta"):
+        return None
+    return torch.get_device_module(device).get_rng_state(device)
+
+
+def set_device_rng_state(state: torch.Tensor, device: torch.device) -> None:
+    """Undo :func:`device_rng_state` (nothing to do on the CPU and ``meta``)."""
+    if device.type not in ("cpu", "meta"):
+        torch.get_device_module(device).set_rng_state(state, device)
+
+
 def init_runtime(timeout_s: float = 300.0) -> Runtime:
     """Join (or reuse) the default process group from the launcher's environment.
 

@@ -47,7 +47,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from mimotron.optim.scheduler import OptimizerParamScheduler, load_schedulers_state_dict
-from mimotron.runtime import seed_everything
+from mimotron.runtime import device_rng_state, seed_everything, set_device_rng_state
 
 if TYPE_CHECKING:
     from mimotron.optim.mimo_optimizer import MimoOptimizer
@@ -118,8 +118,9 @@ def capture_rng(device: torch.device) -> dict[str, Any]:
         }
     )
     out: dict[str, Any] = {"state": text, "torch": torch.get_rng_state()}
-    if device.type != "cpu":
-        out["device"] = torch.get_device_module(device).get_rng_state(device)
+    state = device_rng_state(device)
+    if state is not None:
+        out["device"] = state
     return out
 
 
@@ -131,8 +132,8 @@ def restore_rng(saved: dict[str, Any], device: torch.device) -> None:
     name, keys, pos, has_gauss, cached = state["numpy"]
     np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(saved["torch"])
-    if device.type != "cpu":
-        torch.get_device_module(device).set_rng_state(saved["device"], device)
+    if "device" in saved:
+        set_device_rng_state(saved["device"], device)
 
 
 def rederive_rng(seed: int, iteration: int, rank: int) -> None:

@@ -25,8 +25,21 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
 
-def collective_device(group: dist.ProcessGroup | None) -> torch.device:
-    """CPU for gloo; the accelerator for backends that need device tensors (NCCL)."""
+def collective_device(group: dist.ProcessGroup | None,
+                      device: torch.device | None = None) -> torch.device:
+    """Where ``group``'s reductions of step values run.
+
+    ``device`` (the parameters' device) when the group has a non-gloo backend for its
+    device type (NCCL needs device tensors; the dry run's ``fake`` backend stands in for
+    it); the CPU for gloo, for CPU parameters, or without ``device`` when no
+    accelerator is available.
+    """
+    if device is not None:
+        if device.type == "cpu":
+            return device
+        pairs = dict(p.split(":", 1) for p in str(dist.get_backend_config(group)).split(",")
+                     if ":" in p)
+        return device if pairs.get(device.type, "gloo") != "gloo" else torch.device("cpu")
     backend = str(dist.get_backend(group))
     if backend in ("gloo", "fake") or not torch.accelerator.is_available():
         return torch.device("cpu")

@@ -57,6 +57,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from mimotron import host_sync
 from mimotron.config import OptimizerConfig
 from mimotron.optim.grads import (
     collective_device,
@@ -155,7 +156,11 @@ class MimoOptimizer:
         self.module_infos = {name: module_infos[name] for name in sorted(module_infos)}
         self._world = world_group
         self._distributed = dist.is_available() and dist.is_initialized()
-        self._device = collective_device(world_group) if self._distributed else torch.device("cpu")
+        # The parameters' device: NCCL reduces device tensors (None: no parameters here).
+        param_device = next((p.device for info in self.module_infos.values()
+                             for _, p in info.params), None)
+        self._device = (collective_device(world_group, param_device) if self._distributed
+                        else torch.device("cpu"))
         self._rank = dist.get_rank() if self._distributed else 0
         # Parameter names in the inner optimizer's index order, per active module.
         self._order: dict[str, list[str]] = {}
@@ -195,8 +200,9 @@ class MimoOptimizer:
         else:
             table = row.unsqueeze(0)
         n = max_slots.numel()
-        out = torch.cat([table[:, :n].amax(dim=0), table[:, n:].sum(dim=0)]).cpu()
-        return out[:n], out[n:]
+        out = torch.cat([table[:, :n].amax(dim=0), table[:, n:].sum(dim=0)])
+        host = torch.tensor(host_sync.to_host(out, host_sync.WORLD_SUMS), dtype=f64)
+        return host[:n], host[n:]
 
     def _active(self) -> list[ModuleOptimizerInfo]:
         return [i for i in self.module_infos.values() if i.is_active]

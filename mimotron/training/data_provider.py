@@ -12,11 +12,19 @@ are packed from the global stream position ``start`` by
 hold with rows in place of samples (global batch = ``global_batch_size`` rows). The next
 step starts at the first sample not packed, which is what ``consumed_samples`` records,
 so a resume continues with the rows a straight run would have built.
+
+**Device placement.** Batches are collated on the host; :func:`microbatches_to_device`
+(called by the step and by evaluation) moves them to the rank's device. On the CPU it
+returns them as they are (zero copy). On an accelerator the copies are ``non_blocking``
+from pinned memory: :class:`StepPrefetcher` (``data.num_workers > 0``) collates and pins
+the next step on a background thread while the current step runs, so the step only
+issues the asynchronous copies.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -25,6 +33,7 @@ from mimotron.data.collate import collate, slice_batch
 from mimotron.data.packing import collate_packed, pack_rows
 from mimotron.parallel.layout import Layout
 from mimotron.pipeline.edges import slice_range
+from mimotron.runtime import pins_memory
 
 Microbatch = dict[str, dict[str, torch.Tensor]]
 
@@ -72,6 +81,90 @@ class MicrobatchProvider:
     def step(self, start: int, num_microbatches: int) -> list[Microbatch]:
         """All micro-batches of the step whose first sample is at ``start``."""
         return [self.microbatch(start + j * self.mbs) for j in range(num_microbatches)]
+
+
+def _map_tensors(microbatches: list[Microbatch], fn: Any) -> list[Microbatch]:
+    return [{module: {key: fn(v) if isinstance(v, torch.Tensor) else v
+                      for key, v in batch.items()}
+             for module, batch in mb.items()} for mb in microbatches]
+
+
+def pin_microbatches(microbatches: list[Microbatch], device: torch.device
+                     ) -> list[Microbatch]:
+    """Page-locked copies of host micro-batches bound for ``device`` (as-is on the CPU).
+
+    Pinned memory is what lets :func:`microbatches_to_device` copy asynchronously; it is
+    done on the host, so a loader thread can do it ahead of the step.
+    """
+    if not pins_memory(device):
+        return microbatches
+    return _map_tensors(microbatches, lambda t: t if t.is_pinned() else t.pin_memory())
+
+
+def microbatches_to_device(microbatches: list[Microbatch], device: torch.device
+                           ) -> list[Microbatch]:
+    """The step's micro-batches on ``device``.
+
+    On the CPU the same objects come back (no copy). Otherwise every tensor is copied
+    with ``non_blocking=True`` when it is pinned (the copy overlaps the host's next
+    work; the device stream orders it before the step's kernels), synchronously when
+    not. A tensor already on ``device`` is not copied.
+
+    Args:
+        microbatches: ``[{module: {key: tensor}}]`` as the providers build them.
+        device: the rank's device (``runtime.device``).
+
+    Returns:
+        The micro-batches with every tensor on ``device``.
+    """
+    if device.type == "cpu":
+        return microbatches
+    pinned = pins_memory(device)
+    return _map_tensors(microbatches,
+                        lambda t: t.to(device, non_blocking=pinned and t.is_pinned()))
+
+
+class StepPrefetcher(Iterator[list[Microbatch]]):
+    """Builds (collates and pins) step ``k + 1`` on a background thread during step ``k``.
+
+    Wraps a step iterator (:func:`train_iterator` or :class:`PackedTrainIterator`); the
+    steps and their order are the wrapped iterator's, which only this thread advances.
+    ``step_samples`` / ``step_real_tokens`` (packed steps) describe the step last
+    returned. The thread does host work only: no collective, no device op.
+
+    Args:
+        steps: the wrapped step iterator.
+        device: the rank's device (pinning happens only for an accelerator).
+    """
+
+    def __init__(self, steps: Iterator[list[Microbatch]], device: torch.device) -> None:
+        self._steps = steps
+        self._device = device
+        self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(
+            1, thread_name_prefix="step-prefetch")
+        self._next: Future[tuple[list[Microbatch], dict[str, Any]]] | None = None
+
+    def _load(self) -> tuple[list[Microbatch], dict[str, Any]]:
+        microbatches = next(self._steps)
+        counts = {k: getattr(self._steps, k) for k in ("step_samples", "step_real_tokens")
+                  if hasattr(self._steps, k)}
+        return pin_microbatches(microbatches, self._device), counts
+
+    def __next__(self) -> list[Microbatch]:
+        if self._pool is None:
+            raise StopIteration
+        future = self._next if self._next is not None else self._pool.submit(self._load)
+        microbatches, counts = future.result()
+        for key, value in counts.items():
+            setattr(self, key, value)
+        self._next = self._pool.submit(self._load)
+        return microbatches
+
+    def close(self) -> None:
+        """Stop the thread (a step being built is finished and dropped)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
 
 
 def train_iterator(provider: MicrobatchProvider, start: int, global_batch_size: int

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from mimotron import host_sync
 from mimotron.names import LANGUAGE
 from mimotron.pipeline.schedules import (
     MicrobatchOutput,
@@ -24,7 +25,7 @@ from mimotron.pipeline.schedules import (
     Transport,
     forward_backward_no_pipelining,
 )
-from mimotron.training.data_provider import Microbatch
+from mimotron.training.data_provider import Microbatch, microbatches_to_device
 from mimotron.training.infra import MimoModelInfra
 from mimotron.training.language_step import (
     ForwardStepFunc,
@@ -63,7 +64,8 @@ def evaluate(
     model.eval()
     kinds = input_kinds(model)
     totals = torch.zeros(4 + 2 * len(kinds), dtype=torch.float64, device=device)
-    for microbatches in steps:
+    for host_microbatches in steps:
+        microbatches = microbatches_to_device(host_microbatches, device)
         ctx = StepContext(
             model=model, layout=infra.layout, rank=infra.rank, microbatches=microbatches,
             language=LanguageStep.of(forward_step_func), transport=communicator,
@@ -74,7 +76,7 @@ def evaluate(
                              _kind_sums(outputs, kinds, infra, device)])
     model.train(was_training)
     dist.all_reduce(totals)  # one world reduction for the whole evaluation
-    sums = totals.tolist()
+    sums = host_sync.to_host(totals, host_sync.EVAL_SUMS)
     loss_sum, tokens, correct, samples = sums[:4]
     metrics = {"eval_loss": loss_sum / max(tokens, 1.0),
                "eval_accuracy": correct / max(samples, 1.0), "eval_samples": samples}

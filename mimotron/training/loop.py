@@ -41,6 +41,7 @@ from mimotron.training.data_provider import (
     MicrobatchProvider,
     PackedMicrobatchProvider,
     PackedTrainIterator,
+    StepPrefetcher,
     make_pad_sample,
     padded_reader,
     train_iterator,
@@ -121,6 +122,8 @@ def setup_mimo(cfg: MimoConfig, runtime: Runtime) -> MimoRun:
     iterator_type = PackedTrainIterator if cfg.data.packing else train_iterator
     train_iter = iterator_type(provider, state.train_state.consumed_samples,
                                cfg.train.global_batch_size)
+    if cfg.data.num_workers:  # the next step is collated (and pinned) during this one
+        train_iter = StepPrefetcher(train_iter, runtime.device)
     valid_iter = _valid_factory(cfg, infra, runtime, valid_task)
     return MimoRun(model, optimizer, schedulers, train_iter, valid_iter, state, infra,
                    communicator, tokenizer, reader)
@@ -307,5 +310,7 @@ def run_training(cfg: MimoConfig, runtime: Runtime,
                           run.train_data_iterator, run.valid_data_iterator, run.global_state,
                           run.infra, run.communicator)
     finally:
+        if isinstance(run.train_data_iterator, StepPrefetcher):
+            run.train_data_iterator.close()  # before the reader its thread reads from
         if run.data_reader is not None:
             run.data_reader.close()

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from mimotron import host_sync
 from mimotron.names import LANGUAGE
 from mimotron.optim.scheduler import OptimizerParamScheduler
 from mimotron.parallel.data_parallel import finalize_model_grads, zero_grad_buffer_for_multimodule
@@ -42,7 +43,7 @@ from mimotron.training.bridge_args import (
     resolve_module_parts,
     resolve_pg_collection,
 )
-from mimotron.training.data_provider import Microbatch
+from mimotron.training.data_provider import Microbatch, microbatches_to_device
 from mimotron.training.infra import MimoModelInfra
 from mimotron.training.language_step import ForwardStepFunc, LanguageStep, check_forward_step
 
@@ -89,7 +90,7 @@ class GlobalTokenCount:
         """The world's count (waits for the reduction once; one host sync)."""
         if self._value is None:
             self._work.wait()
-            self._value = float(self._count.item())
+            self._value = float(host_sync.item(self._count, host_sync.TOKEN_COUNT))
         return self._value
 
 
@@ -193,7 +194,8 @@ def train_step_mimo(
     cfg, timers = global_state.cfg, global_state.timers
     device = global_state.runtime.device
     timers("data").start()
-    microbatches = next(data_iterator)
+    # Host batches go to the device here (a no-op on the CPU), so any iterator works.
+    microbatches = microbatches_to_device(next(data_iterator), device)
     timers("data").stop()
     zero_grad_buffer_for_multimodule(parts)
     token_count = GlobalTokenCount(microbatches, infra, device)  # waited for on first use

@@ -1,0 +1,264 @@
+"""The fake-device dry run: one rank of a layout, real modules, real steps, no device.
+
+:func:`dry_run` proves on a CPU-only machine that a rank's training step keeps every
+tensor on its accelerator. For one rank of the layout it
+
+1. initialises the ``fake`` process-group backend (no peers; every collective and
+   point-to-point transfer returns at once, data untouched) for the layout's world size;
+2. runs the library's own set-up, :func:`~mimotron.training.loop.setup_mimo`, with the
+   runtime device set to the stand-in accelerator (:func:`mimotron.runtime.
+   fake_accelerator`: ``meta`` on a CPU-only build, where ``FakeTensorMode`` cannot run
+   ops on fake ``cuda`` tensors). Modules are built and initialised on the host as in a
+   real run and moved to the device, which on ``meta`` keeps shapes only;
+3. under ``FakeTensorMode`` and the :class:`~mimotron.dryrun.tracker.DeviceTracker`,
+   runs real training steps (:func:`~mimotron.training.step.train_step_mimo`: forward,
+   backward, gradient finalisation, optimizer step), one evaluation step and the
+   checkpoint state dict. Micro-batches come from the run's own data iterators, on the
+   host, as in training; the step moves them.
+
+Any op that mixes devices raises :class:`~mimotron.dryrun.tracker.DeviceMixError`
+naming each operand's origin. Host reads are stood in and counted per step
+(:class:`StepReport`).
+
+DTensor prices redistributions by devices per host, which the ``meta`` device has no
+module for; the dry run answers 1 for it (:func:`_meta_mesh`), nothing else is patched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import itertools
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+from unittest import mock
+
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.tensor import DTensor
+
+from mimotron.config import MimoConfig
+from mimotron.dryrun.tracker import DeviceTracker, Wire
+from mimotron.parallel.layout import plan_layout
+from mimotron.pipeline.plan import pipeline_positions
+from mimotron.runtime import Runtime, fake_accelerator, fake_backend
+from mimotron.training.data_provider import Microbatch
+from mimotron.training.language_step import LanguageStep, default_forward_step
+
+
+@dataclass
+class StepReport:
+    """What one dry-run phase (a training step, evaluation) did on the host.
+
+    Attributes:
+        host_reads: device-to-host reads of computed values, by name (a
+            :mod:`mimotron.host_sync` name, or ``unnamed at <file:line>``); each is one
+            sync on an accelerator, stood in by a fixed value here.
+        data_syncs: data-dependent ops on device copies of host data (boolean indexing,
+            ``nonzero``, counts read back), by site: answered from the host values, and
+            each a sync on an accelerator too.
+        host_tensors: host tensors of more than one element the phase created, by op
+            and site (a factory call without ``device=``).
+    """
+
+    host_reads: dict[str, int] = field(default_factory=dict)
+    data_syncs: dict[str, int] = field(default_factory=dict)
+    host_tensors: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def num_host_reads(self) -> int:
+        """Reads of computed values (``host_reads``), all names together."""
+        return sum(self.host_reads.values())
+
+    @property
+    def num_syncs(self) -> int:
+        """Every device-to-host sync: reads of computed values and of host data."""
+        return self.num_host_reads + sum(self.data_syncs.values())
+
+
+@dataclass
+class DryRunReport:
+    """The result of :func:`dry_run` for one rank."""
+
+    rank: int
+    world_size: int
+    device: str
+    modules: list[str]
+    steps: list[StepReport]
+    evaluation: StepReport | None
+    checkpoint_devices: dict[str, int]
+    """Tensors of the checkpoint state dict, by device type."""
+    loss_dicts: list[dict[str, float]]
+    """Each step's ``loss_dict`` (built from stand-in values: shapes, not numbers)."""
+
+    def format(self) -> str:
+        """A few lines for ``mimotron plan --dry-run``."""
+        lines = [f"dry run of rank {self.rank} of {self.world_size} on fake {self.device}: "
+                 f"modules {', '.join(self.modules) or '(none)'}: no device mix"]
+        phases = [(f"step {i + 1}", s) for i, s in enumerate(self.steps)]
+        if self.evaluation is not None:
+            phases.append(("evaluation", self.evaluation))
+        for label, rep in phases:
+            lines.append(f"  {label}: {rep.num_syncs} host syncs ({rep.num_host_reads} reads "
+                         f"of computed values, {rep.num_syncs - rep.num_host_reads} of data)")
+            lines += [f"    {n} x {what}" for what, n in sorted(rep.host_reads.items())]
+            lines += [f"    {n} x data: {what}" for what, n in sorted(rep.data_syncs.items())]
+            lines += [f"    {n} x host tensor: {what}"
+                      for what, n in sorted(rep.host_tensors.items())]
+        lines.append(f"  checkpoint state dict tensors by device: {self.checkpoint_devices}")
+        return "\n".join(lines)
+
+
+def dry_run(cfg: MimoConfig, ranks: Sequence[int] | None = None, *, steps: int = 2,
+            evaluate: bool = True, checkpoint: bool = True) -> list[DryRunReport]:
+    """Run ranks of ``cfg``'s layout on a fake accelerator, one after the other.
+
+    Ranks run in pipeline order (encoders before the language model, stage by stage),
+    each with its own fake default process group, created and destroyed here (so none
+    may exist). What a rank receives (a shape header, rows broadcast by its TP leader)
+    is what a rank run before it sent (:class:`~mimotron.dryrun.tracker.Wire`); a rank
+    that reads a message from a rank not in ``ranks`` fails, naming it.
+
+    Args:
+        cfg: the run config (not modified; checkpoints are neither loaded nor saved).
+        ranks: the global ranks to run (None: every rank of the layout).
+        steps: training steps per rank (two: the second sees the optimizer state).
+        evaluate: run one evaluation step after the training steps.
+        checkpoint: build the checkpoint state dict at the end.
+
+    Returns:
+        One report per rank, in the order run.
+
+    Raises:
+        ValueError: a rank outside the layout, or a default process group exists.
+        DeviceMixError: an op mixed devices (the message names the operands' origins).
+        DryRunError: the step did something the dry run cannot stand in for.
+    """
+    cfg = copy.deepcopy(cfg)
+    cfg.checkpoint.load = "none"  # a dry run never reads weights
+    layout = plan_layout(cfg)
+    world = layout.world_size
+    chosen = list(range(world)) if ranks is None else list(ranks)
+    bad = [r for r in chosen if not 0 <= r < world]
+    if bad:
+        raise ValueError(f"ranks={bad!r} are invalid: the layout has ranks 0..{world - 1}")
+    if dist.is_initialized():
+        raise ValueError("dry_run needs no default process group (it creates a fake one)")
+    positions = pipeline_positions(layout)
+
+    def order(rank: int) -> tuple[int, int]:
+        return (min(positions[(r.module, r.pp)].index for r in layout.roles(rank)), rank)
+
+    wire = Wire()
+    return [_run_one(cfg, rank, world, wire, steps, evaluate, checkpoint)
+            for rank in sorted(set(chosen), key=order)]
+
+
+def _run_one(cfg: MimoConfig, rank: int, world: int, wire: Wire, steps: int,
+             evaluate: bool, checkpoint: bool) -> DryRunReport:
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group(fake_backend(), store=FakeStore(), rank=rank, world_size=world)
+    try:
+        return _run_rank(cfg, Runtime(rank, world, rank, fake_accelerator(), "fake"), wire,
+                         steps, evaluate, checkpoint)
+    finally:
+        dist.destroy_process_group()
+
+
+def _run_rank(cfg: MimoConfig, runtime: Runtime, wire: Wire, steps: int, evaluate: bool,
+              checkpoint: bool) -> DryRunReport:
+    from mimotron.checkpoint.state import build_save_state
+    from mimotron.training.evaluate import evaluate as run_evaluation
+    from mimotron.training.loop import setup_mimo
+    from mimotron.training.step import module_parts, train_step_mimo
+
+    with _meta_mesh():
+        run = setup_mimo(cfg, runtime)
+        tracker = DeviceTracker(runtime.device, wire)
+        _name_parameters(tracker, run.model)
+        language = LanguageStep(default_forward_step)
+        reports, losses = [], []
+        # One fake mode for the run (its tensors live across phases); host data is
+        # collated outside it, as the loader does, so batches arrive as real host tensors.
+        fake = FakeTensorMode(allow_non_fake_inputs=True)
+        for _ in range(steps):
+            batches = _named(tracker, next(run.train_data_iterator), "step")
+            tracker.reset_counts()
+            with fake, tracker:
+                loss, *_ = train_step_mimo(
+                    language, iter((batches,)), run.model, run.optimizer, run.schedulers,
+                    run.global_state, run.communicator, infra=run.infra)
+            losses.append(loss)
+            reports.append(_snapshot(tracker))
+        evaluation = None
+        if evaluate and run.valid_data_iterator is not None:
+            valid = [_named(tracker, mbs, "evaluation")
+                     for mbs in itertools.islice(run.valid_data_iterator(), 1)]
+            tracker.reset_counts()
+            with fake, tracker:
+                run_evaluation(language, iter(valid), run.model, run.communicator, run.infra,
+                               cfg.train.precision, runtime.device,
+                               encoder_batching=cfg.train.encoder_batching)
+            evaluation = _snapshot(tracker)
+        devices: dict[str, int] = {}
+        if checkpoint:
+            with fake, tracker:
+                state = build_save_state(run.model, run.optimizer, run.schedulers,
+                                         run.global_state, run.infra)
+            devices = _devices(state)
+    if run.data_reader is not None:
+        run.data_reader.close()
+    return DryRunReport(runtime.rank, runtime.world_size, str(runtime.device),
+                        sorted(module_parts(run.model)), reports, evaluation, devices,
+                        losses)
+
+
+@contextlib.contextmanager
+def _meta_mesh() -> Iterator[None]:
+    """DTensor's cost model asks ``torch.<device type>`` for devices per host; ``meta``
+    has no such module, so the dry run answers 1 for it (and defers otherwise)."""
+    from torch.distributed.device_mesh import _mesh_resources
+
+    env = type(_mesh_resources)
+    original = env.num_devices_per_host
+
+    def per_host(device_type: str) -> int:
+        return 1 if device_type == "meta" else original(device_type)
+
+    with mock.patch.object(env, "num_devices_per_host", staticmethod(per_host)):
+        yield
+
+
+def _name_parameters(tracker: DeviceTracker, model: torch.nn.Module) -> None:
+    for name, param in model.named_parameters():
+        tracker.name(param, f"parameter {name}")
+        if isinstance(param, DTensor):
+            tracker.name(param.to_local(), f"parameter {name} (local shard)")
+
+
+def _named(tracker: DeviceTracker, microbatches: list[Microbatch], phase: str
+           ) -> list[Microbatch]:
+    """Register each micro-batch tensor's origin (``<phase> micro-batch j, m['key']``)."""
+    for j, mb in enumerate(microbatches):
+        for module, batch in mb.items():
+            for key, value in batch.items():
+                if isinstance(value, torch.Tensor):
+                    tracker.name(value, f"{phase} micro-batch {j}, {module}[{key!r}] (host)")
+    return microbatches
+
+
+def _snapshot(tracker: DeviceTracker) -> StepReport:
+    return StepReport(dict(tracker.reads), dict(tracker.data_syncs),
+                      dict(tracker.host_tensors))
+
+
+def _devices(state: dict[str, Any]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for value in state.values():
+        if isinstance(value, torch.Tensor):
+            local = value.to_local() if isinstance(value, DTensor) else value
+            out[local.device.type] = out.get(local.device.type, 0) + 1
+    return out
