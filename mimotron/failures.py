@@ -19,13 +19,16 @@ waited on it). The root cause (:func:`root_cause`) is the earliest record of any
 failed ranks are named as collateral (:func:`consequence_note`).
 
 A death is recorded only when the parent *sees* it (the CLI launcher polls every 50 ms, the
-harness likewise), so it can land after the error of a peer that lost the dead rank. That
-is harmless when the peer's error is recognised as a peer loss. When it is not (a message
-outside :data:`PEER_LOSS_MARKERS`), :func:`root_cause` still prefers the death if it was
-recorded within :data:`DEATH_WINDOW_S` of the error and the error's text names a
-connection, socket, peer or store (:func:`mentions_connection`). What remains open: an
-unrecognised error whose text names none of these, recorded before a peer's death was
-seen, is blamed instead of that death.
+harness likewise), so it can land after the error of a peer that lost the dead rank. A
+stall lands after its peers' errors as a rule: they time out after ``pg_timeout_s`` of
+waiting, which began up to a step before the rank was stopped, and the launcher records
+the stall only when that failure shows. Either is harmless when the peer's error is
+recognised as a peer loss. When it is not (a message outside :data:`PEER_LOSS_MARKERS`),
+:func:`root_cause` still prefers the death or stall if it was recorded within
+:data:`DEATH_WINDOW_S` of the error and the error's text names a connection, socket,
+peer, store or timeout (:func:`mentions_connection`). What remains open: an unrecognised
+error whose text names none of these, recorded before a peer's death or stall was seen,
+is blamed instead of that peer.
 """
 
 from __future__ import annotations
@@ -42,18 +45,22 @@ from pathlib import Path
 FAILURE_DIR_ENV = "MIMOTRON_FAILURE_DIR"
 KINDS = ("error", "peer", "died", "stalled", "aborted")
 # Text of the errors a rank gets when a peer it waits on is gone (gloo, c10d stores).
+# gloo reports a timeout as "Timed out waiting ..." in the operation that timed out and
+# as "Application timeout caused pair closure" in every other operation on its pairs.
 PEER_LOSS_MARKERS = (
     "Connection closed by peer", "Connection reset by peer", "Connection refused",
     "Broken pipe", "Timed out", "timed out", "Socket Timeout", "failed on another rank",
+    "timeout caused pair closure",
 )
 
 
-# Words in an error's text that point at a lost connection rather than the rank itself.
+# Words in an error's text that point at a lost connection rather than the rank itself
+# (a stopped peer shows as a timeout).
 _CONNECTION_RE = re.compile(
     r"\b(connection|connect|connected|disconnected|socket|peer|store|tcpstore|gloo|nccl|"
-    r"broken pipe|eof)\b", re.IGNORECASE)
+    r"broken pipe|eof|timeout)\b", re.IGNORECASE)
 DEATH_WINDOW_S = 5.0
-"""A death recorded this long after a connection-like error is taken as its cause."""
+"""A death or stall recorded this long after a connection-like error is taken as its cause."""
 
 
 @dataclass(frozen=True)
@@ -79,7 +86,7 @@ class FailureRecord:
 
 
 def mentions_connection(text: str) -> bool:
-    """Whether an error's text names a connection, socket, peer or store problem."""
+    """Whether an error's text names a connection, socket, peer, store or timeout problem."""
     return _CONNECTION_RE.search(text) is not None
 
 
@@ -195,11 +202,12 @@ def death_summary(exit_code: int | None) -> str:
 
 
 def root_cause(records: list[FailureRecord]) -> FailureRecord | None:
-    """The earliest own error or death; the earliest peer loss only if there is neither.
+    """The earliest own error, death or stall; the earliest peer loss only if there is none.
 
-    One exception, for deaths seen late (see the module docstring): when the earliest is
-    an ``"error"`` whose text mentions a connection (:func:`mentions_connection`) and a
-    ``"died"`` record follows within :data:`DEATH_WINDOW_S`, the death is the root cause.
+    One exception, for deaths and stalls seen late (see the module docstring): when the
+    earliest is an ``"error"`` whose text mentions a connection (:func:`mentions_connection`)
+    and a ``"died"`` or ``"stalled"`` record follows within :data:`DEATH_WINDOW_S`, that
+    record is the root cause.
 
     Args:
         records: failures, at most one per rank, in any order.
@@ -213,7 +221,7 @@ def root_cause(records: list[FailureRecord]) -> FailureRecord | None:
     if first is None or first.kind != "error" or not mentions_connection(first.summary):
         return first
     for later in primary:
-        if later.kind == "died" and first.at is not None and later.at is not None \
+        if later.kind in ("died", "stalled") and first.at is not None and later.at is not None \
                 and later.at - first.at <= DEATH_WINDOW_S:
             return later
     return first

@@ -24,7 +24,10 @@ import pytest
 
 from mimotron.checkpoint import read_latest
 from mimotron.checkpoint.files import write_manifest
+from mimotron.cli.launch import Launcher
 from mimotron.cli.lines import LineWriter
+from mimotron.cli.train import _failure_verdict
+from mimotron.failures import DEATH_WINDOW_S, FailureRecord, read_failures, root_cause
 from tests.test_launch import COLOCATED, DIGITS, ROOT, TINY, _env
 
 GUARD_S = 240  # Hang guard for one launch on a loaded machine.
@@ -246,7 +249,8 @@ def test_a_rank_killed_from_outside_is_blamed(tmp_path):
 def test_a_stopped_rank_is_named_as_stalled_after_the_timeout(tmp_path):
     """Item 7: a rank stopped with SIGSTOP is named as stalled (not a peer that timed out
     waiting on it), and the job ends instead of hanging; the verdict says how long it
-    was stopped: about ``train.pg_timeout_s``, when the launcher or its peers gave up."""
+    was stopped: about ``train.pg_timeout_s``, when the launcher or its peers gave up.
+    Which of them gives up first is a race; the next test makes the peers win it."""
     timeout_s = 6
     proc = _start([DIGITS, *TINY, "train.iters=100000", f"train.pg_timeout_s={timeout_s}",
                    f"log.dir={tmp_path}"])
@@ -266,6 +270,86 @@ def test_a_stopped_rank_is_named_as_stalled_after_the_timeout(tmp_path):
     # Whole seconds, rounded; peers blocked on rank 2 a little before it was stopped may
     # time out that much early.
     assert int(found[1]) >= timeout_s - 1, verdict
+
+
+# A rank of a 4-rank job for the launcher, without training: rank 2 stops itself
+# (SIGSTOP) mid-step; rank 1, its peer, waits until rank 2 is stopped, then records the
+# error a gloo timeout on rank 2 gives it (argv[2]) and exits 3, as a rank does; ranks 0
+# and 3 wait on rank 2 until the launcher ends them.
+_STOPPED_PEER_RANK = """
+import os, signal, sys, time
+from pathlib import Path
+from mimotron.failures import FAILURE_DIR_ENV, record_exception
+rank, shared, deadline = int(os.environ["RANK"]), Path(sys.argv[1]), time.monotonic() + 120
+if rank == 2:
+    (shared / "pid.tmp").write_text(str(os.getpid()))
+    (shared / "pid.tmp").rename(shared / "stopped.pid")
+    os.kill(os.getpid(), signal.SIGSTOP)
+elif rank == 1:
+    def stopped():
+        try:
+            pid = (shared / "stopped.pid").read_text()
+            return open(f"/proc/{pid}/stat").read().rpartition(")")[2].split()[0] == "T"
+        except (OSError, IndexError):
+            return False
+    while not stopped():
+        assert time.monotonic() < deadline, "rank 2 never stopped"  # A hang guard.
+        time.sleep(0.01)
+    record_exception(os.environ[FAILURE_DIR_ENV], rank, RuntimeError(sys.argv[2]), 3)
+    sys.exit(3)
+time.sleep(120)  # A hang guard: the launcher kills this rank.
+"""
+_GLOO = "[/pytorch/third_party/gloo/gloo/transport/tcp"
+PEER_TIMEOUTS = {  # What the peer's error says -> how its record is classified.
+    # gloo: the operation that timed out, and every other one on its pairs after it.
+    "timed-out": (f"{_GLOO}/unbound_buffer.cc:78] Timed out waiting 6000ms for recv "
+                  "operation to complete", "peer"),
+    "pair-closure": (f"{_GLOO}/pair.cc:534] Application timeout caused pair closure",
+                     "peer"),
+    # Not recognised as a peer loss, but it names gloo: a stall soon after is its cause.
+    "unrecognised": (f"{_GLOO}/pair.cc:1] an error this test has never seen", "error"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(PEER_TIMEOUTS))
+def test_a_peer_timing_out_on_a_stopped_rank_before_the_launcher_looks_is_collateral(
+        tmp_path, case):
+    """Item 7, the race of the test above made certain: a peer's timeout on the stopped
+    rank is recorded before the launcher's own stall check could fire (its
+    ``pg_timeout_s`` is an hour here). The stopped rank is still named as stalled, the
+    peer as collateral. It was blamed when its error was "Application timeout caused pair
+    closure" (gloo gives it every operation but the one that timed out) or unrecognised:
+    the launcher killed the stopped rank, without a record, as the peer's collateral."""
+    message, kind = PEER_TIMEOUTS[case]
+    failures, shared = tmp_path / "failures", tmp_path / "shared"
+    failures.mkdir()
+    shared.mkdir()
+    argv = [sys.executable, "-c", _STOPPED_PEER_RANK, str(shared), message]
+    launcher = Launcher(argv, 4, str(failures), pg_timeout_s=3600)
+    result = launcher.run()
+    records = read_failures(failures)
+    assert [(r.rank, r.kind) for r in records] == [(1, kind), (2, "stalled")], records
+    assert root_cause(records) == records[1]
+    assert result.exit_codes[1] == 3 and 2 in launcher.killed, result
+    verdict, code = _failure_verdict(result.exit_codes, records, 4, launcher.killed)
+    assert verdict.startswith("rank 2 failed (stalled: its process was stopped"), verdict
+    assert verdict.endswith("ranks 0, 3 stopped as a consequence)"), verdict
+    assert code == 1
+
+
+def test_a_stall_seen_after_an_unrecognised_timeout_of_a_peer_is_the_cause():
+    """A peer's error not recognised as a peer loss but naming a timeout or connection,
+    followed by a stall within DEATH_WINDOW_S: the stall is the root cause, as a death
+    would be; an error of the rank's own, or a stall much later, keeps the first record."""
+    t = 1000.0
+    unrecognised = FailureRecord(0, 1, "error", "RuntimeError: heartbeat timeout", 1, t)
+    stalled = FailureRecord(1, 2, "stalled", "stalled: its process was stopped", None,
+                            t + 0.1)
+    assert root_cause([unrecognised, stalled]) == stalled
+    own = FailureRecord(0, 1, "error", "ValueError: bad batch shape", 1, t)
+    assert root_cause([own, stalled]) == own
+    late = FailureRecord(1, 2, "stalled", "stalled", None, t + DEATH_WINDOW_S + 1)
+    assert root_cause([unrecognised, late]) == unrecognised
 
 
 def _fake_checkpoint(root: Path) -> Path:

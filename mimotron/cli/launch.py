@@ -20,7 +20,12 @@ what torch's elastic agent cannot do for this project:
   recognised as a peer loss, or one naming a connection within a few seconds of the death,
   does not hide it (:func:`mimotron.failures.root_cause`); any other error does.
 * **Stalls.** A rank whose process is stopped (state ``T``, e.g. SIGSTOP) for
-  ``pg_timeout_s``, or while a peer already failed, is recorded as ``"stalled"``.
+  ``pg_timeout_s``, or while a peer already failed, is recorded as ``"stalled"``. Its
+  peers time out after the same ``pg_timeout_s``, counted from when they began waiting,
+  often a little before the stop: their reports may come first. So every poll that sees
+  a failure records the stopped ranks before it decides anything; the peers' timeouts
+  are peer losses (:data:`mimotron.failures.PEER_LOSS_MARKERS`) and the stall, not the
+  order of arrival, is the root cause.
 * **Teardown.** Once a failure's root cause is known (or ``SETTLE_S`` after the first
   failure), the remaining ranks are killed: blocked on a dead peer, they cannot save.
 
@@ -161,25 +166,31 @@ class Launcher:
                 continue
             code = proc.poll()
             if code is None:
-                self._check_stall(rank, proc.pid, now)
                 continue
             self.result.exit_codes[rank] = code
             if code != 0 and rank not in self._killed:
                 self._failed_at = self._failed_at or now
                 if rank not in {r.rank for r in read_failures(self.failure_dir)}:
                     record_failure(self.failure_dir, rank, "died", death_summary(code))
-        records = read_failures(self.failure_dir)
-        if self._failed_at is None and records:
+        if self._failed_at is None and read_failures(self.failure_dir):
             self._failed_at = now  # A rank recorded a failure and is on its way out.
+        # Stalls only now, once this pass has seen any failure: a peer that timed out on a
+        # stopped rank may report first, and the stopped rank must be on record before
+        # the root cause is judged and the ranks without a record are killed.
+        for rank, proc in enumerate(self._procs):
+            if rank not in self.result.exit_codes:
+                self._check_stall(rank, proc.pid, now)
         if self._failed_at is None:
             return
+        records = read_failures(self.failure_dir)
         root = root_cause(records)
         if now - self._failed_at > SETTLE_S:
             self._kill_all()
         elif root is not None and root.kind != "peer":
             # Ranks without a record are blocked on the failed one: stop them now. Those
-            # with one are printing their report and exiting; they get SETTLE_S.
-            self._kill_all(spare={r.rank for r in records})
+            # with one are printing their report and exiting; they get SETTLE_S, except
+            # stalled ones: stopped, they can neither print nor exit.
+            self._kill_all(spare={r.rank for r in records if r.kind != "stalled"})
 
     def _check_stall(self, rank: int, pid: int, now: float) -> None:
         if process_state(pid) != "T":
