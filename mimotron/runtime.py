@@ -76,6 +76,15 @@ def pins_memory(device: torch.device) -> bool:
     return device.type not in ("cpu", "meta") and accelerator_available()
 
 
+def autocast_device_type(device: torch.device) -> str:
+    """The ``torch.autocast`` device type for ``device``.
+
+    The dry run's ``meta`` stand-in has no autocast; ``cpu`` autocast leaves its ops
+    alone, so a bf16 dry run checks devices with fp32 compute.
+    """
+    return "cpu" if device.type == "meta" else device.type
+
+
 def device_rng_state(device: torch.device) -> torch.Tensor | None:
     """The accelerator generator's state (None on the CPU and the dry run's ``meta``)."""
     if device.type in ("cpu", "meta"):

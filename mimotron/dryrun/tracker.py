@@ -282,9 +282,10 @@ class DeviceTracker(TorchDispatchMode):
             self.origins[out] = f"host tensor from {func.__name__} at {library_site()}"
         elif isinstance(out, torch.Tensor):
             # Host tensors keep their origin; an unknown message's marker spreads to all.
+            # A host output takes its origin from a host input (not a device parameter).
             origin = next((self.origins[t] for t in inputs if t in self.origins and (
-                _on_host(out) or (self.origins[t].startswith(_UNKNOWN)
-                                  and not out.is_floating_point()))), None)
+                (_on_host(out) and _on_host(t)) or (self.origins[t].startswith(_UNKNOWN)
+                                                    and not out.is_floating_point()))), None)
             if origin is not None:
                 self.origins[out] = origin
 
@@ -332,8 +333,14 @@ class DeviceTracker(TorchDispatchMode):
         if not all(_on_host(t) for t in inputs):
             self.data_syncs[f"{func.__name__} at {site}"] += 1
         device = next(t.device for t in inputs)
-        return tree_map(lambda r: self._fake_like(r, device) if isinstance(r, torch.Tensor)
-                        else r, real)
+        origin = next((self.origins[t] for t in inputs if t in self.origins and _on_host(t)),
+                      None)
+        out = tree_map(lambda r: self._fake_like(r, device) if isinstance(r, torch.Tensor)
+                       else r, real)
+        for t in tree_flatten(out)[0]:
+            if origin is not None and isinstance(t, torch.Tensor):
+                self.origins[t] = origin
+        return out
 
     def _long_index(self, func: Any, args: tuple, kwargs: dict, site: str) -> Any:
         """Boolean indices with host data become long indices (their ``nonzero``)."""
@@ -341,6 +348,8 @@ class DeviceTracker(TorchDispatchMode):
         for idx in args[1]:
             if idx is not None and idx.dtype == torch.bool:
                 shadow = self._shadow(idx)
+                if shadow is None and func is not aten.index.Tensor:
+                    return self._masked_put(func, args, site)
                 if shadow is None:
                     raise DryRunError(f"{func} at {site}: a boolean index computed from "
                                       "values the dry run cannot know")
@@ -352,6 +361,22 @@ class DeviceTracker(TorchDispatchMode):
         if not _on_host(args[1][0] if args[1][0] is not None else args[0]):
             self.data_syncs[f"boolean index at {site}"] += 1
         return self._run(func, (args[0], indices, *args[2:]), kwargs)
+
+    def _masked_put(self, func: Any, args: tuple, site: str) -> Any:
+        """``x[mask] = v`` with a computed mask keeps ``x``'s shape: only devices matter."""
+        self._check_same_device(func, args, site)
+        if not _on_host(args[0]):
+            self.data_syncs[f"boolean index_put at {site}"] += 1
+        self._forget_mutated(func, args, {})
+        return args[0] if func._schema.is_mutable else self._run(aten.clone.default,
+                                                                 (args[0],), {})
+
+    def _check_same_device(self, func: Any, args: tuple, site: str) -> None:
+        tensors = [t for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor)
+                   and (t.dim() > 0 or not _on_host(t))]
+        if len({t.device for t in tensors}) > 1:
+            raise DeviceMixError(self._describe(func, args, {}, RuntimeError(
+                f"devices {sorted({str(t.device) for t in tensors})}")))
 
     def _fake_like(self, real: torch.Tensor, device: torch.device) -> torch.Tensor:
         """A fake tensor on ``device`` shaped like ``real``, shadowed by it."""

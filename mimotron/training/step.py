@@ -36,7 +36,7 @@ from mimotron.pipeline.schedules import (
     forward_backward_no_pipelining,
     forward_backward_pipelining_without_interleaving,
 )
-from mimotron.runtime import compute_dtype
+from mimotron.runtime import autocast_device_type, compute_dtype
 from mimotron.training.bridge_args import (
     check_batch_geometry,
     require_infra,
@@ -134,7 +134,7 @@ def autocast_factory(precision: str, device: torch.device) -> Callable[[], Any]:
     if precision == "fp32":
         return contextlib.nullcontext
     dtype = compute_dtype(precision)
-    return lambda: torch.autocast(device_type=device.type, dtype=dtype)
+    return lambda: torch.autocast(device_type=autocast_device_type(device), dtype=dtype)
 
 
 def train_step_mimo(

@@ -1,0 +1,88 @@
+"""The fake-device dry run (``mimotron.dryrun``): GPU readiness proven on the CPU.
+
+Each case runs some ranks of one layout class in this process, on the ``fake`` backend
+under ``FakeTensorMode`` with ``meta`` standing in for the accelerator: real modules,
+real training steps (forward, backward, gradient finalisation, optimizer step), one
+evaluation step and the checkpoint state dict. A tensor left on the host and mixed with
+device tensors fails the case; so does a collective on a host tensor. The step's reads
+of computed values are counted: one for the loss-token count, one for the optimizer's
+world collective (docs/design.md, "The data path of one training step", steps 3 and
+10). The last test shows the dry run failing on the old behaviour (batches left on the
+host), naming the batch key and the parameter it met.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from mimotron import host_sync
+from mimotron.config import load_config
+from mimotron.dryrun import DeviceMixError, DryRunError, DryRunReport, dry_run
+from mimotron.training import step as step_module
+from tests.common import BASE, DIGITS, coloc, colocated, noncolocated, par
+
+# Every sample carries image and audio (the bridges' row counts are then fixed).
+SP = ["modules.language.parallel.sequence_parallel=true"]
+MOE = ["modules.language.num_experts=4", "modules.language.top_k=2"]
+CASES: dict[str, tuple[list[str], list[int] | None]] = {
+    # vision | audio | language DP 2: the demo layout, every rank.
+    "noncolocated": (noncolocated({}, {}, {"data": 2}), None),
+    "colocated-dp2": (colocated(2), [1]),
+    "pp2-1f1b": (noncolocated({}, {}, {"pipeline": 2}), None),
+    "interleaved-vp2": (noncolocated({}, {}, {"pipeline": 2, "virtual_pipeline": 2})
+                        + ["modules.language.num_layers=4"], None),
+    "tp2-sp": (noncolocated({}, {}, {"tensor": 2}) + SP, None),
+    "cp2": (noncolocated({}, {}, {"context": 2}), [0, 1, 2]),
+    "moe-ep2": (colocated(2) + par("language", expert=2) + MOE, [0]),
+    "zero1-overlap": (colocated(2) + par("language", shard_optimizer="true")
+                      + ["train.overlap_grad_reduce=true", "train.overlap_param_gather=true"],
+                      [1]),
+    "encoder-batching": (coloc({"data": 2}, {"data": 2}, {"data": 2})
+                         + ["train.encoder_batching=true"], [0]),
+    "bf16-noncolocated": (noncolocated({}, {}, {"data": 2}) + ["train.precision=bf16"],
+                          [0, 1, 2]),
+}
+# Two steps where the second differs (optimizer state, the overlapped param gather).
+TWO_STEPS = ("noncolocated", "zero1-overlap")
+# Expert routing reads per-expert token counts computed from the router's output (the
+# all-to-all splits): values the dry run cannot know, so it stops at the first one.
+CANNOT_STAND_IN = ("moe-ep2",)
+
+
+def _run(overrides: list[str], ranks: list[int] | None, **kw: object) -> list[DryRunReport]:
+    cfg = load_config(DIGITS, [*BASE, *overrides])
+    return dry_run(cfg, ranks, **kw)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("name", [
+    pytest.param(n, marks=pytest.mark.xfail(raises=DryRunError, strict=True))
+    if n in CANNOT_STAND_IN else n for n in CASES])
+def test_dry_run_keeps_every_tensor_on_the_device(name: str) -> None:
+    overrides, ranks = CASES[name]
+    reports = _run(overrides, ranks, steps=2 if name in TWO_STEPS else 1,
+                   evaluate=name in ("noncolocated", "colocated-dp2"))
+    assert reports
+    for rep in reports:
+        assert rep.device == "meta"
+        for step in rep.steps:
+            # The step's two reads of computed values (docs/design.md, steps 3 and 10),
+            # and nothing unnamed.
+            assert step.host_reads == {host_sync.TOKEN_COUNT: 1, host_sync.WORLD_SUMS: 1}, (
+                rep.format())
+        assert rep.checkpoint_devices.get("meta", 0) > 0
+        if rep.evaluation is not None:
+            assert rep.evaluation.host_reads == {host_sync.EVAL_SUMS: 1}, rep.format()
+
+
+def test_dry_run_fails_on_host_batches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The old behaviour: the step hands host batches to the model."""
+    monkeypatch.setattr(step_module, "microbatches_to_device", lambda mbs, device: mbs)
+    with pytest.raises(DeviceMixError) as info:
+        _run(ONE_RANK_LANGUAGE, None, steps=1, evaluate=False, checkpoint=False)
+    message = str(info.value)
+    assert "cpu" in message and "meta" in message
+    assert "(host)" in message and "micro-batch 0" in message, message
+    assert "parameter " in message, message
+
+
+ONE_RANK_LANGUAGE = colocated(1)
