@@ -86,3 +86,14 @@ def test_dry_run_fails_on_host_batches(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 ONE_RANK_LANGUAGE = colocated(1)
+
+
+def test_plan_dry_run_cli(capsys: pytest.CaptureFixture[str]) -> None:
+    from mimotron.cli.main import main
+
+    code = main(["plan", "--dry-run", str(DIGITS), *BASE, *ONE_RANK_LANGUAGE,
+                 "log.dir=/tmp/mimotron-dry-run-cli"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "dry run of rank 0 of 1 on fake meta" in out and "no device mix" in out
+    assert f"1 x {host_sync.TOKEN_COUNT}" in out

@@ -34,6 +34,7 @@ from mimotron.checkpoint.save import SaveHandle, make_stager, save_checkpoint
 from mimotron.checkpoint.signals import StopSignals, write_stop_record
 from mimotron.failures import FAILURE_DIR_ENV
 from mimotron.optim.scheduler import OptimizerParamScheduler
+from mimotron.runtime import pins_memory
 
 if TYPE_CHECKING:
     from mimotron.optim.mimo_optimizer import MimoOptimizer
@@ -191,7 +192,7 @@ class CheckpointManager:
         if not self._cfg.checkpoint.async_save:
             return None
         if self._staging is None:
-            self._staging = make_stager()
+            self._staging = make_stager(pins_memory(self._state.runtime.device))
         return self._staging
 
     def wait(self) -> None:

@@ -26,6 +26,12 @@ def _parser() -> argparse.ArgumentParser:
         s = sub.add_parser(name, help=help_)
         s.add_argument("config", help="TOML config file")
         s.add_argument("overrides", nargs="*", help="key=value overrides (dotted paths)")
+        if name == "plan":
+            s.add_argument("--dry-run", action="store_true",
+                           help="also run training steps of the layout's ranks on a fake "
+                                "accelerator (mimotron.dryrun): fails on any device mix")
+            s.add_argument("--rank", type=int, action="append", default=None,
+                           help="dry-run only this rank (repeatable; default: every rank)")
     s = sub.add_parser("plot", help="PNG curves from one or more runs' metrics.jsonl")
     s.add_argument("run_dirs", nargs="+", help="run directories (each holding metrics.jsonl)")
     s.add_argument("--out", default=None, help="output directory (default: the first run dir)")
@@ -62,7 +68,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "plan":
         from mimotron.cli.plan import run_plan
 
-        return run_plan(args.config, args.overrides)
+        return run_plan(args.config, args.overrides, dry_run=args.dry_run, ranks=args.rank)
     if args.command == "train":
         from mimotron.cli.train import run_train
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 from mimotron.checkpoint.files import CheckpointError
 from mimotron.config import load_config
@@ -22,8 +23,14 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:8.2f}"
 
 
-def run_plan(config: str, overrides: list[str]) -> int:
-    """Print the plan; exit 0, or 2 with one line naming the problem."""
+def run_plan(config: str, overrides: list[str], dry_run: bool = False,
+             ranks: list[int] | None = None) -> int:
+    """Print the plan; exit 0, or 2 with one line naming the problem.
+
+    With ``dry_run``, then run ``ranks`` (None: all) on a fake accelerator
+    (:func:`mimotron.dryrun.dry_run`) and print each rank's host syncs; exit 1 on a
+    device mix or a step the dry run cannot stand in for.
+    """
     try:
         cfg = load_config(config, overrides)
         layout = plan_layout(cfg)
@@ -89,4 +96,20 @@ def run_plan(config: str, overrides: list[str]) -> int:
               f"micro-batches in one forward; its activations above hold all of them "
               f"(x{cfg.num_microbatches})")
     print(f"run directory: {run_dir}")
+    return _dry_run(cfg, ranks) if dry_run else 0
+
+
+def _dry_run(cfg: Any, ranks: list[int] | None) -> int:
+    from mimotron.dryrun import DeviceMixError, DryRunError, dry_run
+
+    print()
+    try:
+        for report in dry_run(cfg, ranks):
+            print(report.format())
+    except ValueError as exc:
+        print(f"mimotron plan: invalid --rank: {exc}", file=sys.stderr)
+        return 2
+    except (DeviceMixError, DryRunError) as exc:
+        print(f"mimotron plan: dry run failed: {exc}", file=sys.stderr)
+        return 1
     return 0
