@@ -97,3 +97,34 @@ def test_plan_dry_run_cli(capsys: pytest.CaptureFixture[str]) -> None:
     assert code == 0, out
     assert "dry run of rank 0 of 1 on fake meta" in out and "no device mix" in out
     assert f"1 x {host_sync.TOKEN_COUNT}" in out
+
+
+def test_step_prefetcher_and_cpu_placement_change_nothing() -> None:
+    """The background step builder yields the wrapped iterator's steps (with the packed
+    counts of the step it returns); on the CPU the device copy is the identity."""
+    import torch
+
+    from mimotron.training.data_provider import StepPrefetcher, microbatches_to_device
+
+    class Steps:
+        def __init__(self) -> None:
+            self.k = 0
+            self.step_samples = 0
+
+        def __iter__(self) -> Steps:
+            return self
+
+        def __next__(self) -> list:
+            self.k += 1
+            self.step_samples = 10 * self.k
+            return [{"language": {"tokens": torch.full((2, 3), self.k)}}]
+
+    prefetcher = StepPrefetcher(Steps(), torch.device("cpu"))
+    try:
+        for k in (1, 2, 3):
+            mbs = next(prefetcher)
+            assert int(mbs[0]["language"]["tokens"][0, 0]) == k
+            assert prefetcher.step_samples == 10 * k
+    finally:
+        prefetcher.close()
+    assert microbatches_to_device(mbs, torch.device("cpu")) is mbs
