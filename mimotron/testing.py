@@ -20,6 +20,7 @@ import contextlib
 import multiprocessing as mp
 import os
 import pickle
+import shutil
 import tempfile
 import time
 import traceback
@@ -208,7 +209,10 @@ def _check_nccl_rules(trace_dir: str) -> None:
         return
     report = replay_folder(trace_dir)
     if not report.ok:
-        raise NcclDeadlockError(report.text)
+        kept = shutil.copytree(trace_dir, tempfile.mkdtemp(prefix="mimotron-nccl-trace-"),
+                               dirs_exist_ok=True)
+        raise NcclDeadlockError(f"{report.text}\n(traces kept in {kept}; "
+                                f"python -m mimotron.commcheck {kept} replays them)")
 
 
 def _poll(proc: Any, conn: Any) -> tuple[str, Any] | None:

@@ -28,6 +28,8 @@ from mimotron.config import load_config
 from mimotron.parallel.layout import plan_layout
 from mimotron.pipeline import communicator as communicator_module
 from mimotron.pipeline.communicator import MultiModulePipelineCommunicator
+from mimotron.pipeline.edges import build_edges
+from mimotron.pipeline.links import p2p_links
 from mimotron.pipeline.shapes import stage_link_shape
 from mimotron.runtime import init_runtime
 from mimotron.testing import RankError, run_ranks
@@ -111,7 +113,8 @@ def test_fixed_bridges_send_no_header_in_fp32(fixed: list[dict]) -> None:
         assert r["new"]["counts"]["headers_sent"] == 0, role
         assert r["new"]["counts"]["headers_received"] == 0, role
         assert r["new"]["counts"]["header_free_sends"] > 0, role
-        assert r["old"]["counts"]["header_free_sends"] == 0, role
+        if role != ("language", 1):  # the last stage sends gradients only: never a header
+            assert r["old"]["counts"]["headers_sent"] > 0, role
         assert r["new"]["steps"] == r["old"]["steps"]
         for name, w in r["new"]["weights"].items():
             assert torch.equal(w, r["old"]["weights"][name]), name
@@ -145,42 +148,37 @@ def test_language_stage_link_sends_no_header(runs: list[dict]) -> None:
     assert last["new"]["counts"]["headers_sent"] == 0
     assert last["new"]["counts"]["headers_received"] == 0
     assert last["new"]["counts"]["header_free_sends"] == transfers  # input gradients
-    # Stage 0: the link header-free; the bridge (vision, audio) keeps its headers.
-    assert first["new"]["counts"]["header_free_sends"] == transfers  # activations
+    # Stage 0: the link header-free; the bridge (vision, audio) keeps its headers on the
+    # rows it receives. Gradients never carry one: their shape is what the peer sent.
+    assert first["new"]["counts"]["header_free_sends"] == 3 * transfers
     assert first["new"]["counts"]["headers_received"] == 2 * transfers
-    assert first["new"]["counts"]["headers_sent"] == 2 * transfers
-    # Before: every transfer had its header.
-    assert last["old"]["counts"]["headers_sent"] == transfers
-    assert last["old"]["counts"]["header_free_sends"] == 0
+    assert first["new"]["counts"]["headers_sent"] == 0
+    # Before: every activation had its header.
+    assert first["old"]["counts"]["headers_sent"] == transfers
+    assert first["old"]["counts"]["header_free_sends"] == 2 * transfers
 
 
 def test_variable_shapes_keep_their_header(runs: list[dict]) -> None:
     transfers = NUM_ITERS * NUM_MB
     by_role = {(r["new"]["module"], r["new"]["pp"]): r for r in runs}
     # The vision stage link carries one row per sample with an image: header kept
-    # (stage 0: activations; stage 1: their gradients, and the bridge's rows).
-    for pp, sends in ((0, transfers), (1, 2 * transfers)):
+    # (stage 0: activations; stage 1: the bridge's rows), the gradients (stage 1 to 0)
+    # without one.
+    for pp, headers, free in ((0, transfers, 0), (1, transfers, transfers)):
         counts = by_role[("vision", pp)]["new"]["counts"]
-        assert counts["header_free_sends"] == 0
-        assert counts["headers_sent"] == sends
+        assert counts["header_free_sends"] == free
+        assert counts["headers_sent"] == headers
         assert counts == by_role[("vision", pp)]["old"]["counts"]
 
 
-def test_transfers_go_out_as_batched_groups(runs: list[dict]) -> None:
-    """One ``batch_isend_irecv`` group per transfer where no header travels; headers add
-    a group of their own before the payloads."""
-    transfers = NUM_ITERS * NUM_MB
-    by_role = {(r["new"]["module"], r["new"]["pp"]): r for r in runs}
-    last = by_role[("language", 1)]
-    # Stage 1: a receive of each input and a send of each gradient, paired in the
-    # steady state (one group for both), never a header group.
-    assert transfers < last["new"]["counts"]["batches"] < 2 * transfers
-    assert last["old"]["counts"]["batches"] > last["new"]["counts"]["batches"]
-    for r in runs:
-        counts = r["new"]["counts"]
-        assert counts["batches"] > 0, (r["new"]["module"], r["new"]["pp"])
-
-
+def test_each_direction_of_a_link_has_its_own_group() -> None:
+    """On every point-to-point group one rank only sends and the other only receives."""
+    cfg = load_config(DIGITS, BASE + LAYOUT)
+    layout = plan_layout(cfg)
+    links = p2p_links(layout, cfg.train.micro_batch_size,
+                      build_edges(layout, {"vision": "image", "audio": "audio"}))
+    # vision PP 2 on 0-1, audio on 2, language PP 2 on 3-4: stage links and bridges.
+    assert links == [(0, 1), (1, 0), (1, 3), (2, 3), (3, 1), (3, 2), (3, 4), (4, 3)]
 def test_stage_link_shape_from_the_config() -> None:
     def layout(**language: int):  # noqa: ANN202
         return plan_layout(load_config(DIGITS, BASE + noncolocated({}, {}, language)))

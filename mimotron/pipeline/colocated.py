@@ -167,9 +167,6 @@ class ColocatedTransport:
             return rows
         return ColocatedBridge.apply(rows, batch[f"has_{edge.modality}"], geo)
 
-    def expect(self, plan: list) -> None:
-        """Nothing to post ahead: no receives (the bridge is synchronous)."""
-
     def finish(self, forward_only: bool = False) -> None:
         """Nothing is in flight between steps (the bridge is synchronous)."""
 

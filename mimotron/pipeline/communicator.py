@@ -47,6 +47,9 @@ loop) no transfer waits for the device.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -56,8 +59,10 @@ from mimotron.parallel.context_parallel import placeholder_selection
 from mimotron.parallel.layout import Layout, ModulePlacement
 from mimotron.parallel.virtual_pipeline import is_first_virtual_stage, is_last_virtual_stage
 from mimotron.pipeline.edges import Edge, slice_range
+from mimotron.pipeline.links import Link, build_link_groups, p2p_links
 from mimotron.pipeline.p2p import (
     Known,
+    LinkGroups,
     PendingSends,
     Recv,
     TransferCounts,
@@ -65,10 +70,26 @@ from mimotron.pipeline.p2p import (
     exchange,
 )
 from mimotron.pipeline.plan import (
-    Action,
+    RECV_BACKWARD,
+    RECV_FORWARD,
+    SEND_BACKWARD,
+    SEND_FORWARD,
 )
 from mimotron.pipeline.shapes import LinkShape, bridge_link, stage_link_shape
 from mimotron.runtime import synchronize
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One transfer of a rank's plan: its kind (``SEND_FORWARD``, ``SEND_BACKWARD``,
+    ``RECV_FORWARD``, ``RECV_BACKWARD``), model chunk and micro-batch, and for a send
+    what goes out (:meth:`MultiModulePipelineCommunicator.communicate`'s
+    ``send_forward`` tuple, or the input gradient(s))."""
+
+    kind: str
+    chunk: int
+    microbatch: int
+    payload: Any = None
 
 
 def bridge_pairs(layout: Layout, edge: Edge, mbs: int) -> list[tuple[int, int, int, int]]:
@@ -122,6 +143,11 @@ class MultiModulePipelineCommunicator:
             sample carries its modality (:func:`~mimotron.pipeline.shapes.
             bridge_row_shapes`): those bridges send no header either. Ignored into a
             context-parallel language model.
+        link_groups: the process group of each directed link of this rank
+            (:func:`~mimotron.pipeline.links.build_link_groups`). ``None``: created here
+            when a process group is initialised (collective over the world: every rank
+            constructs its communicator at the same point), else none.
+        link_timeout: the timeout of the link groups created here.
 
     Raises:
         ValueError: ``layout`` is colocated (use ``ColocatedTransport``).
@@ -130,13 +156,19 @@ class MultiModulePipelineCommunicator:
     def __init__(self, layout: Layout, rank: int, micro_batch_size: int, edges: list[Edge],
                  tp_groups: dict[str, dist.ProcessGroup | None], device: torch.device,
                  seq_length: int | None = None, hidden_size: int | None = None,
-                 bridge_rows: dict[str, tuple[int, int]] | None = None) -> None:
+                 bridge_rows: dict[str, tuple[int, int]] | None = None,
+                 link_groups: dict[Link, dist.ProcessGroup] | None = None,
+                 link_timeout: timedelta | None = None) -> None:
         if layout.colocated:
             raise ValueError("a colocated layout has no pipeline transfers: use "
                              "mimotron.pipeline.colocated.ColocatedTransport")
         self.layout, self.rank, self.mbs, self.edges = layout, rank, micro_batch_size, edges
         self.device = device
         self.pending = PendingSends()
+        if link_groups is None and dist.is_initialized():
+            link_groups = build_link_groups(p2p_links(layout, micro_batch_size, edges), rank,
+                                            link_timeout)
+        self.links = LinkGroups(rank, link_groups)
         roles = layout.roles(rank)
         assert len(roles) == 1, f"rank {rank} holds {len(roles)} modules in a split layout"
         self.module, self.role = roles[0].module, roles[0]
@@ -153,6 +185,8 @@ class MultiModulePipelineCommunicator:
         self.transfer_s = 0.0
         self._timing = False
         self.counts = TransferCounts()
+        # (chunk, micro-batch, peer) -> (shape, dtype) of each output sent, for its gradient.
+        self._sent: dict[tuple[int, int, int], tuple[tuple[int, ...], torch.dtype]] = {}
         # Known to both ends of a language stage link from the config: no header.
         self._stage: LinkShape | None = (
             stage_link_shape(layout, micro_batch_size, seq_length, hidden_size)
@@ -310,32 +344,61 @@ class MultiModulePipelineCommunicator:
         Returns:
             ``(forward input, output gradient)``; ``None`` where not requested.
         """
+        items = [Transfer(kind, chunk, k, payload) for kind, k, payload in (
+            (SEND_FORWARD, send_forward and send_forward[0], send_forward),
+            (SEND_BACKWARD, send_backward and send_backward[0], send_backward and
+             send_backward[1]),
+            (RECV_FORWARD, recv_forward, None), (RECV_BACKWARD, recv_backward, None))
+            if k is not None]
+        got = dict(zip([t.kind for t in items], self.transfer(items), strict=True))
+        return got.get(RECV_FORWARD), got.get(RECV_BACKWARD)
+
+    def transfer(self, items: list[Transfer]) -> list[Any]:
+        """Run several transfers as one exchange: every send, then every receive.
+
+        The executor hands over all transfers between two computes of its plan, so
+        neighbours that each send and then receive (the paired 1F1B steady state, the
+        interleaved ring) issue mirror-image groups (:func:`~mimotron.pipeline.p2p.
+        exchange`).
+
+        Returns:
+            Per item, what it received (``None`` for a send), in ``items`` order.
+        """
         t0 = time.perf_counter()
         sends: list[tuple[int, torch.Tensor]] = []
         known: list[Known] = []
-        if send_forward is not None:
-            fwd_sends = self._forward_sends(*send_forward, chunk=chunk)
-            sends += fwd_sends
-            known += [self._checked(p, True, t, f"micro-batch {send_forward[0]}'s output "
-                                    f"for rank {p}", chunk) for p, t in fwd_sends]
-        if send_backward is not None:
-            bwd_sends = self._backward_sends(*send_backward, chunk=chunk)
-            sends += bwd_sends
-            known += [self._checked(p, False, t, f"micro-batch {send_backward[0]}'s input "
-                                    f"gradient for rank {p}", chunk) for p, t in bwd_sends]
-        fwd_src = self._forward_sources(chunk) if recv_forward is not None else []
-        recvs = self._recvs("forward", chunk) if recv_forward is not None else []
-        num_fwd = len(recvs)
-        if recv_backward is not None:
-            recvs += self._recvs("backward", chunk)
-        got = exchange(sends, recvs, self.pending, self.counts, self.device, known)
-        fwd = bwd = None
-        if recv_forward is not None:
-            fwd = self._assemble_forward(recv_forward, fwd_src, got[:num_fwd], chunk)
-        if recv_backward is not None:
-            bwd = self._assemble_backward(recv_backward, got[num_fwd:], chunk)
+        for it in items:
+            if it.kind == SEND_FORWARD:
+                out = self._forward_sends(*it.payload, chunk=it.chunk)
+                known += [self._checked(p, True, t, f"micro-batch {it.microbatch}'s output "
+                                        f"for rank {p}", it.chunk) for p, t in out]
+                for p, t in out:  # its gradient comes back in this shape and dtype
+                    self._sent[(it.chunk, it.microbatch, p)] = (tuple(t.shape), t.dtype)
+            elif it.kind == SEND_BACKWARD:
+                out = self._backward_sends(it.microbatch, it.payload, chunk=it.chunk)
+                for p, t in out:
+                    self._checked(p, False, t, f"micro-batch {it.microbatch}'s input "
+                                  f"gradient for rank {p}", it.chunk)
+                # The peer knows a gradient's shape: that of the tensor it sent us.
+                known += [(tuple(t.shape), t.dtype) for _, t in out]
+            else:
+                continue
+            sends += out
+        recvs = [self._recvs(it.kind, it.chunk, it.microbatch)
+                 if it.kind in (RECV_FORWARD, RECV_BACKWARD) else [] for it in items]
+        got = iter(exchange(sends, [r for rs in recvs for r in rs], self.pending,
+                            self.counts, self.device, known, self.links))
+        results = [self._assemble(it, [next(got) for _ in rs])
+                   if it.kind in (RECV_FORWARD, RECV_BACKWARD) else None
+                   for it, rs in zip(items, recvs, strict=True)]
         self._add_time(t0)
-        return fwd, bwd
+        return results
+
+    def _assemble(self, it: Transfer, tensors: list[torch.Tensor]) -> Any:
+        if it.kind == RECV_FORWARD:
+            return self._assemble_forward(it.microbatch, self._forward_sources(it.chunk),
+                                          tensors, it.chunk)
+        return self._assemble_backward(it.microbatch, tensors, it.chunk)
 
     # ---- shapes known in advance --------------------------------------------------------
     def _link(self, peer: int, downstream: bool, chunk: int = 0) -> LinkShape | None:
@@ -353,23 +416,20 @@ class MultiModulePipelineCommunicator:
         link.check(t, what)
         return link.shape, link.dtype
 
-    def _recvs(self, direction: str, chunk: int = 0) -> list[Recv]:
-        """The receives of one transfer: from whom, and the shape where it is known."""
-        downstream = direction == "backward"  # gradients come from downstream
-        peers = ([p for _, p in self._forward_sources(chunk)] if direction == "forward"
-                 else self._backward_sources(chunk))
+    def _recvs(self, kind: str, chunk: int, k: int) -> list[Recv]:
+        """The receives of one transfer: from whom, and the shape where it is known.
+
+        A gradient's shape is always known (that of micro-batch ``k``'s output this rank
+        sent the peer), so only activations may need a header: the backward direction
+        never waits for one, and a paired send-and-receive starts its payloads at once.
+        """
+        if kind == RECV_BACKWARD:
+            return [Recv(p, self._sent.pop((chunk, k, p))) for p in self._backward_sources(chunk)]
         out = []
-        for peer in peers:
-            link = self._link(peer, downstream, chunk)
+        for _, peer in self._forward_sources(chunk):
+            link = self._link(peer, False, chunk)
             out.append(Recv(peer, None if link is None else (link.shape, link.dtype)))
         return out
-
-    def expect(self, plan: list[Action]) -> None:
-        """Nothing to prepare: every receive is posted by the transfer that uses it.
-
-        A receive posted ahead sits before this rank's next sends on the peer's NCCL
-        stream and would wait for a message that peer sends only after ours arrived.
-        """
 
     def finish(self, forward_only: bool = False) -> None:
         """Wait for every send of the step (call once at the end of a schedule)."""
@@ -379,8 +439,10 @@ class MultiModulePipelineCommunicator:
         if forward_only:
             self._rows.clear()  # No gradients go back in evaluation.
             self._routed.clear()
+            self._sent.clear()
         assert not self._rows, f"gradients never sent for {sorted(self._rows)}"
         assert not self._routed, f"gradients never received for {sorted(self._routed)}"
+        assert not self._sent, f"gradients never received for {sorted(self._sent)}"
 
     def set_timing(self, enabled: bool) -> None:
         """Time transfers (each then waits for the device) or not."""

@@ -8,15 +8,15 @@ model stage link: ``[micro-batch rows, seq_length / cp, hidden]``, see
 :mod:`mimotron.pipeline.shapes`) travels as the payload alone: one message instead of
 two, and the receiver's buffer can be posted before the sender is ready.
 
-Every transfer is NCCL-safe by construction (:func:`exchange`): its sends and receives go
-out as ``batch_isend_irecv`` groups — the shape headers as a group of their own, then
-the payloads — and both ends of a transfer issue their groups in the same order, as
-Megatron's ``p2p_communication`` does. Under NCCL a pair's point-to-point operations
-run in issue order on one stream and a send completes only with its receive, so a
-receive posted ahead of a send to the same peer (gloo buffers sends; NCCL does not) can
-hang both ranks; no receive is posted before its transfer. Send handles are kept in a
-``PendingSends`` list and waited for at the end of the step. The suite replays every
-multi-rank test's communication under NCCL's rules (:mod:`mimotron.commcheck`).
+Every transfer is NCCL-safe by construction: each send goes on the process group of
+its directed link and each receive on its sender's (:mod:`mimotron.pipeline.links`), so
+on every group one rank only sends and the other only receives, in the same order.
+Under NCCL a group's point-to-point operations between two ranks run in issue order on
+one stream and a send completes only with its receive; with one group per direction no
+send of a rank ever stands before one of its receives, and sends can be posted at once
+as on gloo. Send handles are kept in a ``PendingSends`` list and waited for at the end
+of the step. The suite replays every multi-rank test's communication under NCCL's
+rules (:mod:`mimotron.commcheck`).
 """
 
 from __future__ import annotations
@@ -25,11 +25,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed import distributed_c10d as c10d
 
 HEADER_LEN = 8
-# The real functions: ``P2POp`` accepts only these (a recorder may wrap ``dist.isend``).
-_ISEND, _IRECV = c10d.isend, c10d.irecv
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64,
            torch.int32, torch.bool, torch.uint8]
 
@@ -60,8 +57,6 @@ class TransferCounts:
     header_free_sends: int = 0
     """Tensors sent without a header (shape known to both sides from the config)."""
     headers_received: int = 0
-    batches: int = 0
-    """``batch_isend_irecv`` groups started (headers and payloads of a transfer apart)."""
 
 
 class PendingSends:
@@ -88,42 +83,34 @@ class Recv:
     known: Known = None
 
 
-def _launch(ops: list[dist.P2POp], counts: TransferCounts) -> list[dist.Work]:
-    """Start ``ops`` as one ``batch_isend_irecv`` group (none: nothing to start)."""
-    if not ops:
-        return []
-    counts.batches += 1
-    return dist.batch_isend_irecv(ops)
-
-
-def _wait_receives(works: list[dist.Work], ops: list[dist.P2POp], pending: PendingSends
-                   ) -> None:
-    """Wait for a group's receives; its sends are parked until the step's end.
-
-    Without coalescing (gloo) torch returns one work per op; with it (NCCL) one work for
-    the whole group, which ends as a unit anyway.
+class LinkGroups:
+    """The process group of each directed link of this rank (:mod:`mimotron.pipeline.
+    links`): sends to ``peer`` go on ``(rank, peer)``'s group, receives from ``peer`` on
+    ``(peer, rank)``'s. Without groups (``None``) everything goes on the default group.
     """
-    if len(works) != len(ops):
-        for w in works:
-            w.wait()
-        return
-    for w, op in zip(works, ops, strict=True):
-        if op.op is _IRECV:
-            w.wait()
-        else:
-            pending.add(w, op.tensor)
+
+    def __init__(self, rank: int, groups: dict[tuple[int, int], dist.ProcessGroup] | None
+                 ) -> None:
+        self.rank, self.groups = rank, groups
+
+    def send(self, t: torch.Tensor, peer: int) -> dist.Work:
+        group = None if self.groups is None else self.groups[(self.rank, peer)]
+        return dist.isend(t, peer, group=group)
+
+    def recv(self, t: torch.Tensor, peer: int) -> dist.Work:
+        group = None if self.groups is None else self.groups[(peer, self.rank)]
+        return dist.irecv(t, peer, group=group)
 
 
 def exchange(sends: list[tuple[int, torch.Tensor]], recvs: list[Recv],
              pending: PendingSends, counts: TransferCounts, device: torch.device,
-             known: list[Known] | None = None) -> list[torch.Tensor]:
-    """Send and receive one transfer's tensors as NCCL-safe batched groups.
+             known: list[Known] | None = None, links: LinkGroups | None = None
+             ) -> list[torch.Tensor]:
+    """Post every send (header, then payload), then complete the receives.
 
-    At most two ``batch_isend_irecv`` groups, issued by both ends in the same order:
-    first every shape header of the transfer (sent and received), then every payload.
-    The caller's peers run the mirror of this call (a send here is a receive there, in
-    the same transfer), so each group's partners are all in flight together and no
-    point-to-point op waits on one queued behind it (see ``mimotron.commcheck``).
+    Each send and receive goes on its directed link's group (``links``), where this
+    rank only sends or only receives: no send of ours can stand before a receive of
+    ours on one NCCL stream, so posting sends first is safe on NCCL as on gloo.
 
     Args:
         sends: ``(peer rank, tensor)`` pairs; tensors must not be modified afterwards.
@@ -133,43 +120,49 @@ def exchange(sends: list[tuple[int, torch.Tensor]], recvs: list[Recv],
         device: where headers and received tensors are allocated.
         known: per send, its shape and dtype if the receiver knows them (no header
             then; the caller has checked the tensor against them), else ``None``.
+        links: the directed links' groups (``None``: the default group).
 
     Returns:
         The received tensors, in ``recvs`` order.
     """
-    payloads = [(peer, t.detach().contiguous()) for peer, t in sends]
-    kinds = known or [None] * len(sends)
-    shapes = _exchange_headers(payloads, kinds, recvs, pending, counts, device)
-    ops = [dist.P2POp(_ISEND, t, peer) for peer, t in payloads if t.numel()]
-    got = [torch.empty(shape, dtype=dtype, device=device) for dtype, shape in shapes]
-    ops += [dist.P2POp(_IRECV, t, r.peer) for r, t in zip(recvs, got, strict=True)
-            if t.numel()]
-    _wait_receives(_launch(ops, counts), ops, pending)
-    return got
-
-
-def _exchange_headers(payloads: list[tuple[int, torch.Tensor]], kinds: list[Known],
-                      recvs: list[Recv], pending: PendingSends, counts: TransferCounts,
-                      device: torch.device) -> list[tuple[torch.dtype, tuple[int, ...]]]:
-    """The headers' group: send ours, receive theirs; ``(dtype, shape)`` per receive."""
-    ops = []
-    for (peer, t), kn in zip(payloads, kinds, strict=True):
+    links = links or LinkGroups(dist.get_rank(), None)
+    for (peer, t), kn in zip(sends, known or [None] * len(sends), strict=True):
+        t = t.detach().contiguous()
         if kn is None:
-            ops.append(dist.P2POp(_ISEND, _header(t).to(device), peer))
+            h = _header(t).to(device)
+            pending.add(links.send(h, peer), h)
             counts.headers_sent += 1
         else:
             assert tuple(t.shape) == tuple(kn[0]) and t.dtype == kn[1], "unchecked send"
             counts.header_free_sends += 1
-    headers = [torch.empty(HEADER_LEN, dtype=torch.int64, device=device)
+        if t.numel():
+            pending.add(links.send(t, peer), t)
+    headers = [(r, torch.empty(HEADER_LEN, dtype=torch.int64, device=device))
                for r in recvs if r.known is None]
-    ops += [dist.P2POp(_IRECV, h, r.peer)
-            for h, r in zip(headers, [r for r in recvs if r.known is None], strict=True)]
-    _wait_receives(_launch(ops, counts), ops, pending)
+    header_works = [links.recv(h, r.peer) for r, h in headers]
+    known_bufs = {id(r): _post(links, r.peer, r.known[1], r.known[0], device)
+                  for r in recvs if r.known is not None}
+    for w in header_works:  # every header first: a fan-in waits for its slowest peer once
+        w.wait()
     counts.headers_received += len(headers)
     # One device-to-host copy for all of them: each read is a host sync on a GPU.
-    parsed = iter([_parse(h) for h in torch.stack(headers).cpu()] if headers else [])
-    return [(r.known[1], tuple(r.known[0])) if r.known is not None else next(parsed)
-            for r in recvs]
+    parsed = [_parse(h) for h in torch.stack([h for _, h in headers]).cpu()] if headers else []
+    header_bufs = {id(r): _post(links, r.peer, dtype, shape, device)
+                   for (r, _), (dtype, shape) in zip(headers, parsed, strict=True)}
+    out = []
+    for r in recvs:
+        t, work = known_bufs.get(id(r)) or header_bufs[id(r)]
+        if work is not None:
+            work.wait()
+        out.append(t)
+    return out
+
+
+def _post(links: LinkGroups, peer: int, dtype: torch.dtype, shape: tuple[int, ...] | list[int],
+          device: torch.device) -> tuple[torch.Tensor, dist.Work | None]:
+    """Allocate a receive buffer and post its receive (none for an empty tensor)."""
+    t = torch.empty(shape, dtype=dtype, device=device)
+    return t, (links.recv(t, peer) if t.numel() else None)
 
 
 def broadcast_tensor(t: torch.Tensor | None, src: int, group: dist.ProcessGroup | None,

@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -49,7 +50,7 @@ from mimotron.parallel.virtual_pipeline import (
     is_last_virtual_stage,
 )
 from mimotron.pipeline.colocated import ColocatedTransport
-from mimotron.pipeline.communicator import MultiModulePipelineCommunicator
+from mimotron.pipeline.communicator import MultiModulePipelineCommunicator, Transfer
 from mimotron.pipeline.edges import Edge
 from mimotron.pipeline.encoder_batching import BatchedEncoders
 from mimotron.pipeline.interleaved_plan import build_rank_plan
@@ -73,7 +74,8 @@ Transport = ColocatedTransport | MultiModulePipelineCommunicator
 def build_transport(layout: Layout, rank: int, micro_batch_size: int, edges: list[Edge],
                     tp_groups: dict[str, dist.ProcessGroup | None], device: torch.device,
                     seq_length: int | None = None, hidden_size: int | None = None,
-                    bridge_rows: dict[str, tuple[int, int]] | None = None) -> Transport:
+                    bridge_rows: dict[str, tuple[int, int]] | None = None,
+                    link_timeout: timedelta | None = None) -> Transport:
     """The run's transport, chosen once from the layout.
 
     Args:
@@ -88,11 +90,14 @@ def build_transport(layout: Layout, rank: int, micro_batch_size: int, edges: lis
         hidden_size: see ``seq_length``.
         bridge_rows: the bridges whose row count is fixed (split layouts only; see
             :func:`~mimotron.pipeline.shapes.bridge_row_shapes`): no header either.
+        link_timeout: the timeout of the point-to-point link groups (split layouts
+            only; created here, collectively: :mod:`mimotron.pipeline.links`).
     """
     if layout.colocated:
         return ColocatedTransport(layout, rank, micro_batch_size, edges)
     return MultiModulePipelineCommunicator(layout, rank, micro_batch_size, edges, tp_groups,
-                                           device, seq_length, hidden_size, bridge_rows)
+                                           device, seq_length, hidden_size, bridge_rows,
+                                           link_timeout=link_timeout)
 
 
 @dataclass
@@ -303,46 +308,61 @@ def _grad_or_zeros(t: torch.Tensor) -> torch.Tensor:
     return t.grad if t.grad is not None else torch.zeros_like(t)
 
 
+# A paired 1F1B action is its two transfers, run as one exchange.
+_PAIRS = {SEND_FORWARD_RECV_BACKWARD: (SEND_FORWARD, RECV_BACKWARD),
+          SEND_BACKWARD_RECV_FORWARD: (SEND_BACKWARD, RECV_FORWARD)}
+
+
 def _execute(plan: list[Action], runner: StageRunner, comm: Transport) -> None:
     """Run a plan: compute actions on the runner, transfers on the transport.
 
     A colocated plan holds compute actions only (one position), so only split layouts'
-    communicators are asked to ``communicate``. Tensors wait keyed by (chunk,
-    micro-batch); the paired transfers occur in 1F1B plans only (chunk 0).
+    communicators transfer. Every run of transfers between two computes goes to the
+    communicator as one exchange (sends, then receives, as batched groups), so
+    neighbours that each send and then receive mirror each other under NCCL's rules.
+    Tensors wait keyed by (chunk, micro-batch).
     """
     inputs: dict[tuple[int, int], Any] = {}
     outputs: dict[tuple[int, int], Any] = {}
     out_grads: dict[tuple[int, int], Any] = {}
     in_grads: dict[tuple[int, int], Any] = {}
+    batch: list[Transfer] = []
 
-    def fwd_send(key: tuple[int, int]) -> tuple:
-        k = key[1]
-        return (k, outputs.pop(key), runner.modality_mask(k), runner.placeholder_tokens(k))
+    def flush() -> None:
+        if batch:
+            for t, got in zip(batch, comm.transfer(batch), strict=True):
+                if t.kind == RECV_FORWARD:
+                    inputs[(t.chunk, t.microbatch)] = got
+                elif t.kind == RECV_BACKWARD:
+                    out_grads[(t.chunk, t.microbatch)] = got
+            batch.clear()
 
-    comm.expect(plan)  # receives are posted ahead of need from here on
+    def add(kind: str, c: int, k: int) -> None:
+        payload = None
+        if kind == SEND_FORWARD:
+            payload = (k, outputs.pop((c, k)), runner.modality_mask(k),
+                       runner.placeholder_tokens(k))
+        elif kind == SEND_BACKWARD:
+            payload = in_grads.pop((c, k))
+        batch.append(Transfer(kind, c, k, payload))
+
     for a in plan:
         c, k = a.chunk, a.microbatch
-        key, other = (c, k), (c, a.other)
         if a.kind == FORWARD:
-            outputs[key] = runner.forward(k, inputs.pop(key, None), c)
+            flush()
+            outputs[(c, k)] = runner.forward(k, inputs.pop((c, k), None), c)
         elif a.kind == BACKWARD:
-            in_grads[key] = runner.backward(k, out_grads.pop(key, None), c)
-        elif a.kind == RECV_FORWARD:
-            inputs[key], _ = comm.communicate(recv_forward=k, chunk=c)
-        elif a.kind == SEND_FORWARD:
-            comm.communicate(send_forward=fwd_send(key), chunk=c)
-        elif a.kind == RECV_BACKWARD:
-            _, out_grads[key] = comm.communicate(recv_backward=k, chunk=c)
-        elif a.kind == SEND_BACKWARD:
-            comm.communicate(send_backward=(k, in_grads.pop(key)), chunk=c)
-        elif a.kind == SEND_FORWARD_RECV_BACKWARD:
-            _, out_grads[other] = comm.communicate(send_forward=fwd_send(key),
-                                                   recv_backward=a.other)
-        elif a.kind == SEND_BACKWARD_RECV_FORWARD:
-            inputs[other], _ = comm.communicate(send_backward=(k, in_grads.pop(key)),
-                                                recv_forward=a.other)
+            flush()
+            in_grads[(c, k)] = runner.backward(k, out_grads.pop((c, k), None), c)
+        elif a.kind in _PAIRS:
+            send, recv = _PAIRS[a.kind]
+            add(send, c, k)
+            add(recv, c, a.other)
+        elif a.kind in (RECV_FORWARD, SEND_FORWARD, RECV_BACKWARD, SEND_BACKWARD):
+            add(a.kind, c, k)
         else:
             raise AssertionError(f"unknown action {a}")
+    flush()
     comm.finish(forward_only=runner.ctx.forward_only)
 
 

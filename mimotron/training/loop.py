@@ -13,6 +13,7 @@ import contextlib
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
@@ -105,7 +106,8 @@ def setup_mimo(cfg: MimoConfig, runtime: Runtime) -> MimoRun:
         build_edges(infra.layout, model.modality_of),
         {n: pg.tp for n, pg in infra.pg_collections.items()}, runtime.device,
         cfg.data.seq_length, getattr(model.language_model, "hidden_size", None),
-        bridge_row_shapes(cfg, infra.layout))
+        bridge_row_shapes(cfg, infra.layout),
+        link_timeout=timedelta(seconds=cfg.train.pg_timeout_s))
     state = GlobalState(cfg, runtime)
     state.skipped_samples = getattr(train_task, "num_skipped", None)
     state.vocab_size_unpadded = unpadded_vocab_size(cfg, tokenizer.vocab_size)
