@@ -11,10 +11,15 @@ them: under ``FakeTensorMode`` no tensor has a value, so a read would raise. An 
 dispatch mode that defines ``host_read(tensor, what)`` (the dry run's) answers instead,
 with a stand-in value it chooses by name, and counts the read. Without such a mode these
 functions are exactly ``tensor.item()`` / ``tensor.tolist()``.
+
+Values that depend only on the batch (how many samples carry an image, where the
+placeholders are) need no read at all: the batch was on the host before the step copied
+it, and :func:`host_copy` finds that host tensor (kept under :data:`HOST`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -26,6 +31,11 @@ FOUND_INF = "found-inf flag"
 WORLD_SUMS = "optimizer world sums"
 GRAD_NORM = "grad norm"
 EVAL_SUMS = "evaluation sums"
+
+HOST = "host"
+"""Key of a device micro-batch that holds the host tensors it was copied from (its
+integer and boolean ones: tokens, presence masks), set by
+:func:`~mimotron.training.data_provider.microbatches_to_device`."""
 
 
 @runtime_checkable
@@ -79,3 +89,25 @@ def item(tensor: torch.Tensor, what: str) -> Any:
         raise ValueError(f"item({what!r}): expected one element, got shape {tuple(tensor.shape)}")
     value = to_host(tensor.reshape(()), what)
     return value
+
+
+def host_copy(batch: Mapping[str, Any], key: str) -> torch.Tensor:
+    """``batch[key]`` on the host when the batch keeps its host copy, else ``batch[key]``.
+
+    Counts and indices that depend only on batch data (present samples, placeholder
+    positions) are then computed on the host, with no device-to-host sync; the copy is
+    the very tensor the device one was copied from, so both hold the same values. A
+    batch without host copies (on the CPU, or built by hand) gives its own tensor, and
+    a read of it is a sync as before.
+
+    Args:
+        batch: a micro-batch slice (``{key: tensor}``, maybe with :data:`HOST`).
+        key: the batch key (``"tokens"``, ``"has_image"``).
+
+    Returns:
+        The host tensor, or ``batch[key]``.
+    """
+    host = batch.get(HOST)
+    if host is not None and key in host:
+        return host[key]
+    return batch[key]

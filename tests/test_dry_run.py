@@ -6,18 +6,23 @@ real training steps (forward, backward, gradient finalisation, optimizer step), 
 evaluation step and the checkpoint state dict. A tensor left on the host and mixed with
 device tensors fails the case; so does a collective on a host tensor. The step's reads
 of computed values are counted: one for the loss-token count, one for the optimizer's
-world collective (docs/design.md, "The data path of one training step", steps 3 and
-10). The last test shows the dry run failing on the old behaviour (batches left on the
-host), naming the batch key and the parameter it met.
+world collective (docs/design.md, "The data path of one training step", steps 3 and 10);
+reads of batch data are none on encoder and colocated ranks (the step counts on the
+batch's host copies) and only the shape headers on a language rank. The last test shows
+the dry run failing on the old behaviour (batches left on the host), naming the batch
+key and the parameter it met.
 """
 
 from __future__ import annotations
+
+import re
 
 import pytest
 
 from mimotron import host_sync
 from mimotron.config import load_config
-from mimotron.dryrun import DeviceMixError, DryRunError, DryRunReport, dry_run
+from mimotron.dryrun import DeviceMixError, DryRunError, DryRunReport, StepReport, dry_run
+from mimotron.names import LANGUAGE
 from mimotron.training import step as step_module
 from tests.common import BASE, DIGITS, coloc, colocated, noncolocated, par
 
@@ -44,6 +49,15 @@ CASES: dict[str, tuple[list[str], list[int] | None]] = {
 }
 # Two steps where the second differs (optimizer state, the overlapped param gather).
 TWO_STEPS = ("noncolocated", "zero1-overlap")
+# Counts and indices that depend only on the batch (present samples, placeholders) come
+# from its host copies (host_sync.host_copy): the data syncs left are the shape headers a
+# language rank receives (p2p), and those of TP/SP and of the CP bridge, by file.
+DATA_SYNC_FILES = {"mimotron/pipeline/p2p.py"}
+MORE_DATA_SYNC_FILES: dict[str, set[str]] = {
+    "tp2-sp": {"mimotron/models/language.py"},
+    "cp2": {"mimotron/parallel/context_parallel.py", "mimotron/pipeline/communicator.py",
+            "mimotron/training/language_step.py", "mimotron/models/language.py"},
+}
 # Expert routing reads per-expert token counts computed from the router's output (the
 # all-to-all splits): values the dry run cannot know, so it stops at the first one.
 CANNOT_STAND_IN = ("moe-ep2",)
@@ -69,9 +83,23 @@ def test_dry_run_keeps_every_tensor_on_the_device(name: str) -> None:
             # and nothing unnamed.
             assert step.host_reads == {host_sync.TOKEN_COUNT: 1, host_sync.WORLD_SUMS: 1}, (
                 rep.format())
+            _check_data_syncs(name, rep.modules, step, rep.format())
         assert rep.checkpoint_devices.get("meta", 0) > 0
         if rep.evaluation is not None:
             assert rep.evaluation.host_reads == {host_sync.EVAL_SUMS: 1}, rep.format()
+
+
+def _check_data_syncs(name: str, modules: list[str], step: StepReport, report: str) -> None:
+    """Only the allowed files sync on batch data; encoder and colocated ranks not at all
+    (before host copies: 6 per step on an encoder rank of ``noncolocated``, 10 on a
+    language rank, 12 on a colocated rank)."""
+    files = {re.sub(r":\d+$", "", site.split(" at ")[-1]) for site in step.data_syncs}
+    assert files <= DATA_SYNC_FILES | MORE_DATA_SYNC_FILES.get(name, set()), report
+    if name not in MORE_DATA_SYNC_FILES and (LANGUAGE not in modules or len(modules) > 1):
+        assert step.data_syncs == {} and step.num_syncs == 2, report
+    if name in ("noncolocated", "pp2-1f1b", "bf16-noncolocated") and modules == [LANGUAGE]:
+        # The first stage reads the two bridges' shape headers; a later stage nothing.
+        assert sum(step.data_syncs.values()) <= 2, report
 
 
 def test_dry_run_fails_on_host_batches(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -128,3 +156,22 @@ def test_step_prefetcher_and_cpu_placement_change_nothing() -> None:
     finally:
         prefetcher.close()
     assert microbatches_to_device(mbs, torch.device("cpu")) is mbs
+
+
+def test_sync_free_gather_matches_boolean_indexing() -> None:
+    """The encoder's gather from a host count (an accelerator's path) takes the rows
+    boolean indexing takes, in its order: plain and packed ``[B, K]`` masks, none and
+    all present."""
+    import torch
+
+    from mimotron.models.mimo import present_order
+
+    gen = torch.Generator().manual_seed(0)
+    for shape in ((8,), (6, 3), (5,), (4, 2)):
+        inputs = torch.randn(*shape, 2, 3, generator=gen)
+        for mask in (torch.rand(shape, generator=gen) < 0.5, torch.zeros(shape, dtype=torch.bool),
+                     torch.ones(shape, dtype=torch.bool)):
+            order = present_order(mask, int(mask.sum()))
+            assert torch.equal(order, mask.flatten().nonzero().flatten())
+            rows = inputs.flatten(0, mask.dim() - 1).index_select(0, order)
+            assert torch.equal(rows, inputs[mask])

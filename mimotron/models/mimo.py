@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from mimotron.host_sync import host_copy
 from mimotron.models.encoders import ModalitySubmodule
 from mimotron.models.language import LanguageModel, language_loss
 from mimotron.names import LANGUAGE
@@ -69,6 +70,11 @@ class MimoModel(nn.Module):
         """Bool ``[B]``: which samples carry module ``name``'s modality."""
         return batch["has_" + self.modality_of[name]].bool()
 
+    def host_present_mask(self, name: str, batch: Batch) -> torch.Tensor:
+        """:meth:`present_mask` from the batch's host copy where it keeps one
+        (:func:`~mimotron.host_sync.host_copy`): counts of it read no device value."""
+        return host_copy(batch, "has_" + self.modality_of[name]).bool()
+
     def encode(self, name: str, batch: Batch, chunk: int | None = None) -> torch.Tensor:
         """Run module ``name`` on the samples that carry its modality.
 
@@ -88,7 +94,8 @@ class MimoModel(nn.Module):
                 f"module {name!r} is not held on this rank (have "
                 f"{sorted(self.modality_submodules)})"
             )
-        inputs = batch[self.modality_of[name]][self.present_mask(name, batch)]
+        inputs = present_rows(batch[self.modality_of[name]], self.present_mask(name, batch),
+                              self.host_present_mask(name, batch))
         if chunk is None:
             return self.modality_submodules[name](inputs)
         return self.modality_submodules[name](inputs, chunk=chunk)
@@ -99,6 +106,7 @@ class MimoModel(nn.Module):
         token_embeds: torch.Tensor,
         modality_embeds: dict[str, torch.Tensor],
         present: dict[str, torch.Tensor],
+        host_tokens: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Replace each module's placeholder positions by its embeddings.
 
@@ -109,6 +117,9 @@ class MimoModel(nn.Module):
                 the samples where ``present[name]`` is True (``[0, T, H]`` if none).
             present: module name -> bool ``[B]`` (``[B, K]`` for packed rows: several
                 items per row, in the order of their placeholders).
+            host_tokens: ``tokens`` on the host (the batch's host copy), if the caller
+                has it: the checks then count placeholders there, with no device sync
+                (give ``present`` on the host too).
 
         Returns:
             ``[B, S, H]``; gradients flow into both ``token_embeds`` and the modality
@@ -119,9 +130,11 @@ class MimoModel(nn.Module):
                 where absent, if rows and present samples disagree, or if placeholders
                 of a module without embeddings occur.
         """
+        # The checks read values: on the host copy where there is one (no device sync).
+        checked = tokens if host_tokens is None else host_tokens
         merged = token_embeds
         for name, pid in self.placeholder_ids.items():
-            if name not in modality_embeds and bool((tokens == pid).any()):
+            if name not in modality_embeds and bool((checked == pid).any()):
                 raise ValueError(
                     f"tokens hold placeholders of module {name!r} (id {pid}) but no "
                     f"embeddings for it were given (have {sorted(modality_embeds)})"
@@ -132,8 +145,9 @@ class MimoModel(nn.Module):
                     f"embeddings of module {name!r} need a placeholder id (have "
                     f"{sorted(self.placeholder_ids)}) and a present mask (have {sorted(present)})"
                 )
-            mask = tokens == self.placeholder_ids[name]
-            self._check_counts(name, mask, embeds, present[name])
+            pid = self.placeholder_ids[name]
+            self._check_counts(name, checked == pid, embeds, present[name])
+            mask = tokens == pid
             # masked_scatter fills True positions in row-major order: sample by sample,
             # position by position, which is exactly the order of the flattened rows.
             merged = merged.masked_scatter(mask.unsqueeze(-1), embeds.to(merged.dtype))
@@ -144,6 +158,7 @@ class MimoModel(nn.Module):
         tokens: torch.Tensor,
         token_embeds: torch.Tensor,
         modality_rows: dict[str, torch.Tensor],
+        host_tokens: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Context parallelism's merge: this CP rank's encoder rows at its placeholders.
 
@@ -153,6 +168,8 @@ class MimoModel(nn.Module):
             modality_rows: module name -> ``[n_local, H]``: the encoder rows of the
                 placeholders among this rank's positions, in row-major order (the row
                 contract of :mod:`mimotron.parallel.context_parallel`).
+            host_tokens: ``tokens`` on the host, if the caller has them: the checks
+                then count placeholders there, with no device sync.
 
         Returns:
             ``[B, S / c, H]``; gradients flow into both inputs.
@@ -161,22 +178,23 @@ class MimoModel(nn.Module):
             ValueError: if a module's row count differs from its local placeholder count,
                 or placeholders of a module without rows occur.
         """
+        checked = tokens if host_tokens is None else host_tokens  # reads: host copy
         merged = token_embeds
         for name, pid in self.placeholder_ids.items():
-            mask = tokens == pid
             rows = modality_rows.get(name)
             if rows is None:
-                if bool(mask.any()):
+                if bool((checked == pid).any()):
                     raise ValueError(
                         f"tokens hold placeholders of module {name!r} (id {pid}) but no "
                         f"embeddings for it were given (have {sorted(modality_rows)})")
                 continue
-            num_local = int(mask.sum())
+            num_local = int((checked == pid).sum())
             if rows.dim() != 2 or rows.shape[0] != num_local:
                 raise ValueError(
                     f"module {name!r}: expected [{num_local}, H] rows for this context-"
                     f"parallel rank's placeholders, got {tuple(rows.shape)}")
             # Row-major order of the local placeholders = the order of the rows.
+            mask = tokens == pid
             merged = merged.masked_scatter(mask.unsqueeze(-1), rows.to(merged.dtype))
         return merged
 
@@ -184,7 +202,7 @@ class MimoModel(nn.Module):
         self, name: str, mask: torch.Tensor, embeds: torch.Tensor, present: torch.Tensor
     ) -> None:
         """Raise ``ValueError`` unless placeholders match the embeddings sample by sample."""
-        present = present.bool()
+        present = present.bool().to(mask.device)  # a no-op when both are host copies
         modality = self.modality_of.get(name, "?")
         num_present = int(present.sum())
         if embeds.dim() != 3 or embeds.shape[0] != num_present:
@@ -240,6 +258,45 @@ class MimoModel(nn.Module):
                   if "doc_ids" in batch else {})
         logits = self.language_model(hidden, **packed)
         return language_loss(logits, batch["labels"], batch["loss_mask"])
+
+
+def present_rows(inputs: torch.Tensor, mask: torch.Tensor, host_mask: torch.Tensor
+                 ) -> torch.Tensor:
+    """``inputs[mask]``, without a device sync when ``host_mask`` is the mask on the host.
+
+    Boolean indexing on an accelerator reads the mask back to size its output. With the
+    host copy the row count is known on the host, and a stable sort of the device mask
+    puts the present positions first, in their order (row-major for a ``[B, K]`` packed
+    mask): the very rows, in the very order, boolean indexing takes.
+
+    Args:
+        inputs: ``[B, ...]`` (``[B, K, ...]`` for packed rows) modality inputs.
+        mask: bool presence on ``inputs``' device, ``[B]`` or ``[B, K]``.
+        host_mask: the same mask on the host, or ``mask`` itself where none is kept.
+
+    Returns:
+        ``[n_present, ...]``.
+    """
+    if host_mask.device == mask.device:  # on the host already, or no host copy: as before
+        return inputs[mask]
+    order = present_order(mask, int(host_mask.sum()))
+    return inputs.flatten(0, mask.dim() - 1).index_select(0, order)
+
+
+def present_order(mask: torch.Tensor, num_present: int) -> torch.Tensor:
+    """``mask.flatten().nonzero().flatten()`` given its length: no device sync.
+
+    A stable sort keeps equal keys in their order, so sorting ``~mask`` lists the True
+    positions first, ascending.
+
+    Args:
+        mask: bool, any shape, on any device.
+        num_present: its number of True entries (known on the host).
+
+    Returns:
+        Long ``[num_present]``: the flat positions of the True entries, ascending.
+    """
+    return torch.argsort((~mask).flatten().to(torch.uint8), stable=True)[:num_present]
 
 
 def module_part(model: MimoModel, name: str) -> nn.Module | None:

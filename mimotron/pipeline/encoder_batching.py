@@ -37,15 +37,17 @@ evaluation (``forward_only``) the forward is batched the same way under ``no_gra
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
+from mimotron.host_sync import HOST, host_copy
 from mimotron.pipeline.edges import Edge
 
 Batch = dict[str, torch.Tensor]
 
 
-def concat_encoder_inputs(batches: Sequence[Batch], modality: str) -> Batch:
+def concat_encoder_inputs(batches: Sequence[Batch], modality: str) -> dict[str, Any]:
     """One encoder's inputs of all micro-batches as one batch (pure).
 
     Packed rows (``data.packing``) hold ``[B, K, ...]`` media with a ``[B, K]`` mask whose
@@ -58,14 +60,24 @@ def concat_encoder_inputs(batches: Sequence[Batch], modality: str) -> Batch:
         modality: the encoder's batch key (``"image"``); ``has_<modality>`` is its mask.
 
     Returns:
-        ``{modality: ..., has_<modality>: ...}``, concatenated along dim 0.
+        ``{modality: ..., has_<modality>: ...}``, concatenated along dim 0; also the
+        masks' host copies under :data:`~mimotron.host_sync.HOST` where every batch
+        keeps one (the encoder then gathers its rows with no device sync).
     """
+    key = f"has_{modality}"
     inputs = [b[modality] for b in batches]
-    masks = [b[f"has_{modality}"] for b in batches]
+    masks = [b[key] for b in batches]
+    hosts = [host_copy(b, key) for b in batches]
+    if not all(h is not m for h, m in zip(hosts, masks, strict=True)):
+        hosts = []  # some batch keeps none: the encoder reads the device mask
     if masks and masks[0].dim() > 1:
         k = max(m.shape[1] for m in masks)
         inputs, masks = [_pad_items(x, k) for x in inputs], [_pad_items(m, k) for m in masks]
-    return {modality: torch.cat(inputs), f"has_{modality}": torch.cat(masks)}
+        hosts = [_pad_items(m, k) for m in hosts]
+    out: dict[str, Any] = {modality: torch.cat(inputs), key: torch.cat(masks)}
+    if hosts:
+        out[HOST] = {key: torch.cat(hosts)}
+    return out
 
 
 def _pad_items(t: torch.Tensor, k: int) -> torch.Tensor:
@@ -79,9 +91,10 @@ def rows_per_microbatch(model: torch.nn.Module, name: str, batches: Sequence[Bat
                         ) -> list[int]:
     """Encoder output rows of each micro-batch: its present samples (packed: items).
 
-    One host sync for all micro-batches (the split sizes are host ints anyway).
+    Counted on the batches' host copies where they keep them (no sync); otherwise one
+    host sync for all micro-batches (the split sizes are host ints anyway).
     """
-    counts = [model.present_mask(name, b).sum() for b in batches]
+    counts = [model.host_present_mask(name, b).sum() for b in batches]
     return [int(n) for n in torch.stack(counts).tolist()] if counts else []
 
 

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mimotron.host_sync import host_copy
 from mimotron.models.moe import set_aux_loss_weights
 from mimotron.names import LANGUAGE
 from mimotron.parallel.layout import Layout
@@ -172,11 +173,15 @@ class StageRunner:
         return {"chunk": chunk} if self.num_chunks > 1 else {}
 
     def modality_mask(self, k: int) -> torch.Tensor | None:
-        """This rank's presence mask of its encoder module for micro-batch ``k``."""
+        """This rank's presence mask of its encoder module for micro-batch ``k``.
+
+        The batch's host copy where it keeps one: the communicator counts each peer's
+        rows from it, with no device sync.
+        """
         model, m = self.ctx.model, self.module
         if m is None or m == LANGUAGE:
             return None
-        return self.ctx.microbatches[k][m][f"has_{model.modality_of[m]}"]
+        return host_copy(self.ctx.microbatches[k][m], f"has_{model.modality_of[m]}")
 
     def placeholder_tokens(self, k: int) -> tuple[torch.Tensor, int] | None:
         """``(tokens of this encoder rank's slice, placeholder id)`` for micro-batch ``k``.

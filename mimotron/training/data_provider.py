@@ -31,6 +31,7 @@ import torch
 
 from mimotron.data.collate import collate, slice_batch
 from mimotron.data.packing import collate_packed, pack_rows
+from mimotron.host_sync import HOST
 from mimotron.parallel.layout import Layout
 from mimotron.pipeline.edges import slice_range
 from mimotron.runtime import pins_memory
@@ -108,7 +109,9 @@ def microbatches_to_device(microbatches: list[Microbatch], device: torch.device
     On the CPU the same objects come back (no copy). Otherwise every tensor is copied
     with ``non_blocking=True`` when it is pinned (the copy overlaps the host's next
     work; the device stream orders it before the step's kernels), synchronously when
-    not. A tensor already on ``device`` is not copied.
+    not. A tensor already on ``device`` is not copied. Each placed batch keeps its host
+    integer and boolean tensors under :data:`~mimotron.host_sync.HOST` (see
+    :func:`~mimotron.host_sync.host_copy`).
 
     Args:
         microbatches: ``[{module: {key: tensor}}]`` as the providers build them.
@@ -120,8 +123,29 @@ def microbatches_to_device(microbatches: list[Microbatch], device: torch.device
     if device.type == "cpu":
         return microbatches
     pinned = pins_memory(device)
-    return _map_tensors(microbatches,
-                        lambda t: t.to(device, non_blocking=pinned and t.is_pinned()))
+    placed = _map_tensors(microbatches,
+                          lambda t: t.to(device, non_blocking=pinned and t.is_pinned()))
+    for host_mb, mb in zip(microbatches, placed, strict=True):
+        for module, batch in mb.items():
+            _keep_host_copies(host_mb[module], batch)
+    return placed
+
+
+def _keep_host_copies(host: dict[str, Any], placed: dict[str, Any]) -> None:
+    """Keep ``host``'s integer and boolean tensors under ``HOST`` in ``placed``.
+
+    The model and the communicator count present samples and placeholders from them
+    (:func:`~mimotron.host_sync.host_copy`) instead of reading the device copies back:
+    no sync. References only, no copy; floating tensors (media) are left out, so their
+    pinned buffers are not held for the step.
+    """
+    kept = {key: t for key, t in host.items() if isinstance(t, torch.Tensor)
+            and t.device.type == "cpu" and not t.is_floating_point()}
+    previous = host.get(HOST)  # a batch placed twice keeps its first host copies
+    if isinstance(previous, dict):
+        kept = {**kept, **previous}
+    if kept:
+        placed[HOST] = kept
 
 
 class StepPrefetcher(Iterator[list[Microbatch]]):

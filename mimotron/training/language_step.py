@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from mimotron.host_sync import host_copy
 from mimotron.models.language import language_loss
 from mimotron.parallel.tensor_parallel import vocab_parallel_loss
 
@@ -45,12 +46,17 @@ def language_input(model: nn.Module, batch: dict[str, torch.Tensor],
     embeds = {m: e for m, e in embeddings.items() if e is not None}
     lm = model.language_model
     positions = lm.context_positions(tokens.shape[1], tokens.device)
+    # The placeholder checks count on the batch's host copies: no device sync.
+    host_tokens = host_copy(batch, "tokens")
     if positions is not None:
         local = tokens[:, positions]
-        return model.merge_context_embeddings(local, lm.embed_tokens(local), embeds)
-    present = {m: batch[f"has_{model.modality_of[m]}"] for m in embeds}
+        host_local = local if host_tokens is tokens else host_tokens[
+            :, lm.context_positions(tokens.shape[1], host_tokens.device)]
+        return model.merge_context_embeddings(local, lm.embed_tokens(local), embeds,
+                                              host_tokens=host_local)
+    present = {m: host_copy(batch, f"has_{model.modality_of[m]}") for m in embeds}
     return model.merge_embeddings(tokens, model.language_model.embed_tokens(tokens), embeds,
-                                  present)
+                                  present, host_tokens=host_tokens)
 
 
 def packing_args(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
