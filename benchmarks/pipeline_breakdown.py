@@ -7,10 +7,10 @@ side run with timers wrapped around (and restored after) the calls that make it 
 * ``backward_s``: ours every ``torch.autograd.backward`` (what ``Tensor.backward``
   calls), torch's each stage's ``backward_one_chunk`` (its receives are waited outside);
 * ``transfer_s``: time inside the transfer calls, sends posted, receives posted and
-  waited (ours ``communicate`` + ``finish``; torch's ``_batch_p2p`` + ``_wait_batch_p2p``),
-  of which the blocked part is ours ``recv_wait_s`` (``PostedRecv.read_header`` /
-  ``result``) + ``send_wait_s`` (``PendingSends.wait``), torch's ``wait_s``
-  (``_wait_batch_p2p``: receives, and sends before they are reused or at the end);
+  waited (ours ``transfer`` + ``finish``; torch's ``_batch_p2p`` + ``_wait_batch_p2p``),
+  of which the blocked part is ours ``send_wait_s`` (``PendingSends.wait``; receives are
+  waited inside ``exchange``), torch's ``wait_s`` (``_wait_batch_p2p``: receives, and
+  sends before they are reused or at the end);
 * ``optimizer_s``: grad norm, clip, the world all_reduce, AdamW (ours
   ``step_with_world_sums``; torch's :class:`~benchmarks.torch_side.Finisher`);
 * ours also ``exchange_s`` (the part of ``transfer_s`` inside ``p2p.exchange``),
@@ -89,11 +89,9 @@ def ours_breakdown(run: Any, step: Callable[[], Any]) -> dict[str, float]:
     targets: list[Target] = [
         (run.model.language_model, "forward", "forward_s", None),
         (torch.autograd, "backward", "backward_s", None),
-        (comm, "communicate", "transfer_s", None),
+        (comm, "transfer", "transfer_s", None),
         (comm, "finish", "transfer_s", None),
         (communicator, "exchange", "exchange_s", lambda s, r, *_a, **_k: len(s) + len(r)),
-        (p2p.PostedRecv, "read_header", "recv_wait_s", None),
-        (p2p.PostedRecv, "result", "recv_wait_s", None),
         (p2p.PendingSends, "wait", "send_wait_s", None),
         (dist, "isend", "isend_s", None),
         (dist, "irecv", "irecv_post_s", None),

@@ -31,7 +31,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mimotron.commcheck import TRACE_ENV, finish_recording, replay_folder, start_recording
+from mimotron.commcheck import (
+    CHECK_ENV,
+    TRACE_ENV,
+    finish_recording,
+    replay_folder,
+    start_recording,
+)
 from mimotron.failures import (
     FAILURE_DIR_ENV,
     FailureRecord,
@@ -46,7 +52,7 @@ from mimotron.failures import (
 
 # Set to 1 (the test suite does): every run records its ranks' communication and the
 # parent replays it under NCCL's rules (:mod:`mimotron.commcheck`) after they succeed.
-NCCL_CHECK_ENV = "MIMOTRON_NCCL_CHECK"
+NCCL_CHECK_ENV = CHECK_ENV
 
 
 class RankError(RuntimeError):

@@ -98,13 +98,38 @@ def _launch(config: str, overrides: list[str], world_size: int, cfg: MimoConfig)
     restore_streams = whole_lines()  # The launcher's lines share the ranks' terminal.
     try:
         with tempfile.TemporaryDirectory(prefix="mimotron-failures-") as failure_dir:
+            trace_dir = _trace_dir(failure_dir)
             launcher = Launcher(argv, world_size, failure_dir, cfg.train.pg_timeout_s)
             result = launcher.run()
             stop = read_stop_record(failure_dir)
             records = read_failures(failure_dir)
-        return _report(result, launcher.killed, stop, records, world_size, cfg)
+            code = _report(result, launcher.killed, stop, records, world_size, cfg)
+            return code if code or trace_dir is None else _replay(trace_dir, world_size)
     finally:
         restore_streams()
+
+
+def _trace_dir(failure_dir: str) -> str | None:
+    """Where the ranks record their communication when ``MIMOTRON_NCCL_CHECK=1``."""
+    from mimotron.commcheck import CHECK_ENV, TRACE_ENV
+
+    if os.environ.get(CHECK_ENV) != "1":
+        return None
+    os.environ[TRACE_ENV] = os.path.join(failure_dir, "trace")  # the ranks inherit it
+    return os.environ[TRACE_ENV]
+
+
+def _replay(trace_dir: str, world_size: int) -> int:
+    """Replay a successful launch's communication under NCCL's rules; the exit code."""
+    from mimotron.commcheck import replay_folder
+
+    if len(os.listdir(trace_dir) if os.path.isdir(trace_dir) else []) < world_size:
+        return 0  # a rank stopped before recording (a stop signal): nothing to replay
+    report = replay_folder(trace_dir)
+    if not report.ok:
+        _say(f"the ranks' communication would hang under NCCL: {report.text}")
+        return EXIT_FAILED
+    return 0
 
 
 def _report(result: Any, killed: set[int], stop: dict[str, Any] | None,
@@ -236,6 +261,7 @@ def _train_this_rank(cfg: MimoConfig) -> int:
 def _train_rank(cfg: MimoConfig, stop: Any) -> int:
     import torch
 
+    from mimotron.commcheck import finish_recording, start_recording
     from mimotron.runtime import init_runtime
     from mimotron.training.loop import run_training
     from mimotron.training.metrics import TrainingDivergedError
@@ -245,8 +271,10 @@ def _train_rank(cfg: MimoConfig, stop: Any) -> int:
     runtime = init_runtime(cfg.train.pg_timeout_s)
     prefix = f"mimotron train: rank {runtime.rank}"
     failure_dir = os.environ.get(FAILURE_DIR_ENV)
+    recorder = start_recording(runtime.rank)  # None unless the launcher asks for a trace
     try:
         run_training(cfg, runtime)
+        finish_recording(recorder)
     except ValueError as exc:
         # A user error found while building the run (e.g. a schedule the config allows
         # but the model cannot take).

@@ -32,6 +32,10 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 TRACE_ENV = "MIMOTRON_COMM_TRACE"
+# Set to 1 (the test suite does): every run of the test harness (``run_ranks``) and of
+# the launcher (``mimotron train``) records its ranks' communication and replays it
+# under NCCL's rules once they succeed.
+CHECK_ENV = "MIMOTRON_NCCL_CHECK"
 
 # Single point-to-point ops (send/recv block the host; isend/irecv return a work).
 _P2P = {"isend": ("send", False), "irecv": ("recv", False),
