@@ -29,7 +29,8 @@ from mimotron.parallel.layout import plan_layout
 from mimotron.pipeline import communicator as communicator_module
 from mimotron.pipeline.communicator import MultiModulePipelineCommunicator
 from mimotron.pipeline.edges import build_edges
-from mimotron.pipeline.links import p2p_links
+from mimotron.pipeline.links import build_link_groups, p2p_links
+from mimotron.pipeline.p2p import LinkGroups, PendingSends, Recv, TransferCounts, exchange
 from mimotron.pipeline.shapes import stage_link_shape
 from mimotron.runtime import init_runtime
 from mimotron.testing import RankError, run_ranks
@@ -225,3 +226,27 @@ def test_mismatched_batches_raise_on_the_sender() -> None:
                                         r"3 is \[3, .*bridge from 'vision' carries \[4, .*every "
                                         r"sample of the slice must carry 'vision'"):
         run_ranks(5, _text_only_sample, timeout_s=90)
+
+
+def _mixed_receives(rank: int, world: int) -> list[list[float]]:
+    """Rank 0 sends three tensors to rank 1 in one exchange: with a header, without one
+    (its shape known to both), with a header again; rank 1 receives them in one too."""
+    counts, pending = TransferCounts(), PendingSends()
+    links = LinkGroups(rank, build_link_groups([(0, 1), (1, 0)], rank))
+    cpu = torch.device("cpu")
+    if rank == 0:
+        a, b, c = torch.arange(3.0), torch.full((2, 2), 7.0), torch.arange(5.0) + 10
+        exchange([(1, a), (1, b), (1, c)], [], pending, counts, cpu,
+                 [None, ((2, 2), torch.float32), None], links)
+        pending.wait()
+        return []
+    got = exchange([], [Recv(0), Recv(0, ((2, 2), torch.float32)), Recv(0)], pending,
+                   counts, cpu, links=links)
+    return [t.flatten().tolist() for t in got]
+
+
+def test_receives_from_one_peer_follow_its_sending_order() -> None:
+    """A known-shape receive between two header receives from the same peer is posted
+    only after the first header's payload: messages of a pair match in posting order."""
+    got = run_ranks(2, _mixed_receives, timeout_s=60)[1]
+    assert got == [[0.0, 1.0, 2.0], [7.0] * 4, [10.0, 11.0, 12.0, 13.0, 14.0]]

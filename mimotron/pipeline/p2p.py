@@ -137,21 +137,47 @@ def exchange(sends: list[tuple[int, torch.Tensor]], recvs: list[Recv],
             counts.header_free_sends += 1
         if t.numel():
             pending.add(links.send(t, peer), t)
-    headers = [(r, torch.empty(HEADER_LEN, dtype=torch.int64, device=device))
-               for r in recvs if r.known is None]
-    header_works = [links.recv(h, r.peer) for r, h in headers]
-    known_bufs = {id(r): _post(links, r.peer, r.known[1], r.known[0], device)
-                  for r in recvs if r.known is not None}
-    for w in header_works:  # every header first: a fan-in waits for its slowest peer once
-        w.wait()
-    counts.headers_received += len(headers)
-    # One device-to-host copy for all of them: each read is a host sync on a GPU.
-    parsed = [_parse(h) for h in torch.stack([h for _, h in headers]).cpu()] if headers else []
-    header_bufs = {id(r): _post(links, r.peer, dtype, shape, device)
-                   for (r, _), (dtype, shape) in zip(headers, parsed, strict=True)}
+    return _receive(recvs, counts, device, links)
+
+
+def _receive(recvs: list[Recv], counts: TransferCounts, device: torch.device,
+             links: LinkGroups) -> list[torch.Tensor]:
+    """Post and complete ``recvs`` in each peer's sending order.
+
+    A peer's messages match this rank's receives from it in posting order, and a
+    payload whose shape travels in a header can be posted only once that header is
+    read: so per peer, receives are posted in order up to the next header; then every
+    outstanding header is read at once (one device-to-host copy: each read is a host
+    sync on a GPU), their payloads posted, and the peers' queues go on.
+    """
+    queues: dict[int, list[int]] = {}
+    for i, r in enumerate(recvs):
+        queues.setdefault(r.peer, []).append(i)
+    posted: dict[int, tuple[torch.Tensor, dist.Work | None]] = {}
+    waiting: dict[int, tuple[torch.Tensor, dist.Work]] = {}  # recv index -> its header
+    while True:
+        for queue in queues.values():
+            while queue and queue[0] not in waiting:
+                r = recvs[queue[0]]
+                if r.known is None and queue[0] not in posted:
+                    h = torch.empty(HEADER_LEN, dtype=torch.int64, device=device)
+                    waiting[queue[0]] = (h, links.recv(h, r.peer))
+                    break
+                if queue[0] not in posted:
+                    posted[queue[0]] = _post(links, r.peer, r.known[1], r.known[0], device)
+                queue.pop(0)
+        if not waiting:
+            break
+        for _, work in waiting.values():  # a fan-in waits for its slowest peer once
+            work.wait()
+        counts.headers_received += len(waiting)
+        parsed = [_parse(h) for h in torch.stack([h for h, _ in waiting.values()]).cpu()]
+        for i, (dtype, shape) in zip(waiting, parsed, strict=True):
+            posted[i] = _post(links, recvs[i].peer, dtype, shape, device)
+        waiting.clear()
     out = []
-    for r in recvs:
-        t, work = known_bufs.get(id(r)) or header_bufs[id(r)]
+    for i in range(len(recvs)):
+        t, work = posted[i]
         if work is not None:
             work.wait()
         out.append(t)
