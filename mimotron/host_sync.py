@@ -31,6 +31,9 @@ FOUND_INF = "found-inf flag"
 WORLD_SUMS = "optimizer world sums"
 GRAD_NORM = "grad norm"
 EVAL_SUMS = "evaluation sums"
+# Per-expert (token, choice) counts of an MoE layer, from the router's output: the sizes
+# of the expert-parallel exchange and of the grouped expert call (one read per layer).
+EXPERT_COUNTS = "expert routing counts"
 
 HOST = "host"
 """Key of a device micro-batch that holds the host tensors it was copied from (its
@@ -42,7 +45,8 @@ integer and boolean ones: tokens, presence masks), set by
 class HostReadHook(Protocol):
     """What a dispatch mode defines to answer host reads (the dry run's mode)."""
 
-    def host_read(self, tensor: torch.Tensor, what: str) -> list[Any] | Any:
+    def host_read(self, tensor: torch.Tensor, what: str, total: int | None = None
+                  ) -> list[Any] | Any:
         """The value ``tensor.tolist()`` would give (a stand-in), counted as one read."""
         ...
 
@@ -55,20 +59,24 @@ def _hook() -> HostReadHook | None:
     return None
 
 
-def to_host(tensor: torch.Tensor, what: str) -> list[Any] | Any:
+def to_host(tensor: torch.Tensor, what: str, *, total: int | None = None
+            ) -> list[Any] | Any:
     """``tensor.tolist()``: one device-to-host sync, named for the dry run.
 
     Args:
         tensor: the device tensor to read.
         what: what the value is (one of this module's names where one fits); the dry run
             chooses its stand-in by it and reports reads by it.
+        total: for :data:`EXPERT_COUNTS`, the (token, choice) pairs this rank routed
+            (what its own counts sum to). Unused here; it lets a stand-in add up (the
+            exchanges and the grouped expert call depend on the sums).
 
     Returns:
         A (nested) list of Python numbers, or a number for a 0-d tensor.
     """
     hook = _hook()
     if hook is not None:
-        return hook.host_read(tensor, what)
+        return hook.host_read(tensor, what, total)
     return tensor.tolist()
 
 

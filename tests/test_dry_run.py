@@ -8,7 +8,9 @@ device tensors fails the case; so does a collective on a host tensor. The step's
 of computed values are counted: one for the loss-token count, one for the optimizer's
 world collective (docs/design.md, "The data path of one training step", steps 3 and 10);
 reads of batch data are none on encoder and colocated ranks (the step counts on the
-batch's host copies) and only the shape headers on a language rank. The last test shows
+batch's host copies) and only the shape headers on a language rank. Expert parallelism
+adds one read of routing counts per MoE layer and micro-batch, stood in by a balanced
+routing whose exchanges add up (``mimotron.dryrun.moe``). The last test shows
 the dry run failing on the old behaviour (batches left on the host), naming the batch
 key and the parameter it met.
 """
@@ -21,7 +23,7 @@ import pytest
 
 from mimotron import host_sync
 from mimotron.config import load_config
-from mimotron.dryrun import DeviceMixError, DryRunError, DryRunReport, StepReport, dry_run
+from mimotron.dryrun import DeviceMixError, DryRunReport, StepReport, dry_run
 from mimotron.names import LANGUAGE
 from mimotron.training import step as step_module
 from tests.common import BASE, DIGITS, coloc, colocated, noncolocated, par
@@ -58,9 +60,10 @@ MORE_DATA_SYNC_FILES: dict[str, set[str]] = {
     "cp2": {"mimotron/parallel/context_parallel.py", "mimotron/pipeline/communicator.py",
             "mimotron/training/language_step.py", "mimotron/models/language.py"},
 }
-# Expert routing reads per-expert token counts computed from the router's output (the
-# all-to-all splits): values the dry run cannot know, so it stops at the first one.
-CANNOT_STAND_IN = ("moe-ep2",)
+# Expert routing reads its per-expert counts (the router's choices: the all-to-all
+# splits and the grouped call's sizes) once per MoE layer and micro-batch, a real
+# device-to-host sync each, stood in by a balanced routing: 2 layers x 2 micro-batches.
+EXPERT_READS = {"moe-ep2": 4}
 
 
 def _run(overrides: list[str], ranks: list[int] | None, **kw: object) -> list[DryRunReport]:
@@ -68,21 +71,21 @@ def _run(overrides: list[str], ranks: list[int] | None, **kw: object) -> list[Dr
     return dry_run(cfg, ranks, **kw)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("name", [
-    pytest.param(n, marks=pytest.mark.xfail(raises=DryRunError, strict=True))
-    if n in CANNOT_STAND_IN else n for n in CASES])
+@pytest.mark.parametrize("name", list(CASES))
 def test_dry_run_keeps_every_tensor_on_the_device(name: str) -> None:
     overrides, ranks = CASES[name]
     reports = _run(overrides, ranks, steps=2 if name in TWO_STEPS else 1,
                    evaluate=name in ("noncolocated", "colocated-dp2"))
     assert reports
+    expected = {host_sync.TOKEN_COUNT: 1, host_sync.WORLD_SUMS: 1}
+    if name in EXPERT_READS:
+        expected[host_sync.EXPERT_COUNTS] = EXPERT_READS[name]
     for rep in reports:
         assert rep.device == "meta"
         for step in rep.steps:
             # The step's two reads of computed values (docs/design.md, steps 3 and 10),
-            # and nothing unnamed.
-            assert step.host_reads == {host_sync.TOKEN_COUNT: 1, host_sync.WORLD_SUMS: 1}, (
-                rep.format())
+            # MoE routing's, and nothing unnamed.
+            assert step.host_reads == expected, rep.format()
             _check_data_syncs(name, rep.modules, step, rep.format())
         assert rep.checkpoint_devices.get("meta", 0) > 0
         if rep.evaluation is not None:
@@ -96,10 +99,23 @@ def _check_data_syncs(name: str, modules: list[str], step: StepReport, report: s
     files = {re.sub(r":\d+$", "", site.split(" at ")[-1]) for site in step.data_syncs}
     assert files <= DATA_SYNC_FILES | MORE_DATA_SYNC_FILES.get(name, set()), report
     if name not in MORE_DATA_SYNC_FILES and (LANGUAGE not in modules or len(modules) > 1):
-        assert step.data_syncs == {} and step.num_syncs == 2, report
+        assert step.data_syncs == {} and step.num_syncs == 2 + EXPERT_READS.get(name, 0), (
+            report)
     if name in ("noncolocated", "pp2-1f1b", "bf16-noncolocated") and modules == [LANGUAGE]:
         # The first stage reads the two bridges' shape headers; a later stage nothing.
         assert sum(step.data_syncs.values()) <= 2, report
+
+
+def test_routing_stand_in_adds_up() -> None:
+    """Every row of the table splits the routed choices evenly; what a rank receives from
+    each peer is what it sends it (the exchanges' sizes agree both ways)."""
+    from mimotron.dryrun.moe import routing_counts
+
+    sent, *received = routing_counts((3, 4), 13)  # own counts + 2 peer tables, E = 4
+    assert sent == [4, 3, 3, 3] and all(r == sent for r in received)
+    assert routing_counts((4,), 8) == [2, 2, 2, 2]
+    with pytest.raises(ValueError, match="total"):
+        routing_counts((2, 4), None)
 
 
 def test_dry_run_fails_on_host_batches(monkeypatch: pytest.MonkeyPatch) -> None:

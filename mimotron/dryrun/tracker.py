@@ -11,7 +11,8 @@ the step runs. It does four things:
   the fake backend would accept it).
 - **Host reads are counted and stood in.** Under ``FakeTensorMode`` no tensor has a
   value. A read named through :mod:`mimotron.host_sync` gets a stand-in by its name
-  (:data:`STAND_INS`, else 0); an unnamed ``.item()`` / ``.tolist()`` gets one too and is
+  (:data:`STAND_INS`, else 0; MoE routing counts a balanced routing that adds up,
+  :mod:`mimotron.dryrun.moe`); an unnamed ``.item()`` / ``.tolist()`` gets one too and is
   counted under the library line that made it. Each read of a device tensor is one
   device-to-host sync on a real accelerator.
 - **Host data keeps its values.** Micro-batches start as real host tensors; the tracker
@@ -43,6 +44,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from mimotron import host_sync
+from mimotron.dryrun.moe import routing_counts
 
 aten = torch.ops.aten
 
@@ -151,7 +153,7 @@ class DeviceTracker(TorchDispatchMode):
         self.host_tensors.clear()
 
     # ---- host reads ----------------------------------------------------------------------
-    def host_read(self, tensor: torch.Tensor, what: str) -> Any:
+    def host_read(self, tensor: torch.Tensor, what: str, total: int | None = None) -> Any:
         """:mod:`mimotron.host_sync`'s hook: the value (shadow or stand-in), counted."""
         shadow = self._shadow(tensor)
         self._check_known(tensor, what)
@@ -160,6 +162,11 @@ class DeviceTracker(TorchDispatchMode):
         if shadow is not None:
             with unset_fake_temporarily():
                 return shadow.tolist()
+        if what == host_sync.EXPERT_COUNTS:  # sizes of exchanges: they must add up
+            try:
+                return routing_counts(tuple(tensor.shape), total)
+            except ValueError as exc:
+                raise DryRunError(f"{library_site()}: {exc}") from exc
         value = STAND_INS.get(what, 0.0)
         with unset_fake_temporarily():
             return torch.full(tuple(tensor.shape), value).to(tensor.dtype).tolist()
@@ -202,6 +209,8 @@ class DeviceTracker(TorchDispatchMode):
             return out
         if func in (aten._to_copy.default, aten.copy_.default):
             self._count_copy(func, args, kwargs)
+        if _static_shape(func, args, kwargs):  # FakeTensorMode knows the output shape
+            return self._run(func, args, kwargs)
         if torch.Tag.dynamic_output_shape in func.tags or (
                 func in _BOOL_INDEX_OPS and _has_bool_index(args)):
             return self._data_dependent(func, args, kwargs)
@@ -448,6 +457,14 @@ def _host_device(value: Any) -> Any:
     if isinstance(value, torch.device):
         return torch.device("cpu")
     return value
+
+
+def _static_shape(func: Any, args: tuple, kwargs: dict) -> bool:
+    """Ops tagged dynamic whose output shape no value decides here (no sync either):
+    ``repeat_interleave`` given its ``output_size``, indexing by long indices."""
+    if func is aten.repeat_interleave.Tensor:
+        return kwargs.get("output_size") is not None
+    return func is aten.index.Tensor and not _has_bool_index(args)
 
 
 def _has_bool_index(args: tuple) -> bool:

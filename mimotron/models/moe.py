@@ -62,6 +62,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mimotron.host_sync import EXPERT_COUNTS, to_host
 from mimotron.models.blocks import SwiGLU, default_ffn_hidden_size, residual_init_std
 
 RouterScore = Literal["softmax", "sigmoid"]
@@ -164,8 +165,23 @@ def sort_by_expert(expert_ids: torch.Tensor, num_experts: int
     """
     flat = expert_ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    counts = to_host(expert_counts(flat, num_experts), EXPERT_COUNTS, total=flat.numel())
     return order, order // expert_ids.shape[1], counts
+
+
+def expert_counts(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Choices per expert, ``[num_experts]`` int64: ``bincount`` with a fixed size.
+
+    ``torch.bincount`` sizes its output by the largest id, a read of the device value
+    on an accelerator (and an unknowable shape in the fake-device dry run); ids are
+    below ``num_experts``, so a scatter-add into ``num_experts`` slots counts the same.
+
+    Args:
+        expert_ids: expert ids in ``[0, num_experts)``, any shape.
+        num_experts: number of experts.
+    """
+    flat = expert_ids.reshape(-1)
+    return flat.new_zeros(num_experts).scatter_add_(0, flat, torch.ones_like(flat))
 
 
 class LocalDispatcher:
@@ -336,7 +352,7 @@ class MoEFeedForward(nn.Module):
     @torch.no_grad()
     def _record(self, aux: torch.Tensor, z: torch.Tensor | None, expert_ids: torch.Tensor
                 ) -> None:
-        counts = torch.bincount(expert_ids.reshape(-1), minlength=self.num_experts)
+        counts = expert_counts(expert_ids, self.num_experts)
         st = self.stats
         st.tokens_per_expert = counts if st.tokens_per_expert is None \
             else st.tokens_per_expert + counts

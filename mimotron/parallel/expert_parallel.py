@@ -11,7 +11,9 @@ initialisation (drawn on the full shape first).
 
 1. every (token, choice) copy is permuted by global expert id (hence by destination
    rank, then local expert), per-expert counts are exchanged first (one int64
-   ``all_to_all_single``), then the rows (``all_to_all_single`` with variable splits);
+   ``all_to_all_single``) and read with this rank's in one host sync
+   (:data:`~mimotron.host_sync.EXPERT_COUNTS`), then the rows (``all_to_all_single``
+   with variable splits);
 2. the received rows are regrouped by local expert, one ``experts(x, counts)`` call;
 3. the reverse permutation and exchange bring every row back to its token's slot, and
    the outputs are combined with the routing weights (the ``LocalDispatcher`` sum).
@@ -45,6 +47,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from mimotron.host_sync import EXPERT_COUNTS, to_host
+from mimotron.models.moe import expert_counts
 from mimotron.parallel.expert_tensor import gather_counts, gather_rows, reduce_scatter_rows
 
 EP_AXIS = "ep"
@@ -178,6 +182,11 @@ class _GatherReplicated(torch.autograd.Function):
         return grad[ctx.start : ctx.end].contiguous(), None, None
 
 
+def _runs(counts: list[int], width: int) -> list[int]:
+    """Sums of consecutive ``width`` entries (per rank from per global expert)."""
+    return [sum(counts[i : i + width]) for i in range(0, len(counts), width)]
+
+
 def _usable(group: Any) -> bool:
     return isinstance(group, dist.ProcessGroup) and dist.get_world_size(group) > 1
 
@@ -229,6 +238,32 @@ class ExpertParallelDispatcher:
             out = _GatherReplicated.apply(out, rows, self.tp_group)
         return out
 
+    def _counts(self, flat: torch.Tensor) -> tuple[torch.Tensor, list[int], list[list[int]]]:
+        """Count choices per expert, exchange the counts, read them all in one host sync.
+
+        Args:
+            flat: ``[T·k]`` global expert ids of this rank's choices.
+
+        Returns:
+            ``(table, sent, received)``: the device table of received counts
+            ``[(peer,) source rank, local expert]`` as ``[blocks, num_local]``; on the
+            host, this rank's count per global expert, and per expert TP peer (one
+            without expert TP) its received counts laid out ``[source, local expert]``.
+        """
+        per_expert = expert_counts(flat, self.num_experts)
+        table = _all_to_all(per_expert.view(self.ep_size, self.num_local).clone(),
+                            [1] * self.ep_size, [1] * self.ep_size, self.group, None,
+                            "counts")  # [source rank, local expert]
+        if self.counter is not None:
+            self.counter.counts += 2 * per_expert.numel() * per_expert.element_size()
+            self.counter.rows += flat.numel()
+        if self.etp_group is not None:
+            # [peer, source, expert]: the rows every expert TP peer will compute for.
+            table = gather_counts(table, self.etp_group).reshape(-1, self.num_local)
+        both = torch.cat([per_expert.view(1, -1), table.reshape(-1, self.num_experts)])
+        rows = to_host(both, EXPERT_COUNTS, total=flat.numel())
+        return table, rows[0], rows[1:]
+
     def _routed(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
                 experts: nn.Module) -> torch.Tensor:
         """Dispatch, compute and combine this rank's tokens (``[T, H]``)."""
@@ -236,29 +271,24 @@ class ExpertParallelDispatcher:
         flat = expert_ids.reshape(-1)
         # Stable sort by global expert id = by destination rank, then by local expert.
         order = torch.argsort(flat, stable=True)
-        per_expert = torch.bincount(flat, minlength=self.num_experts)
-        recv_counts = _all_to_all(per_expert.view(self.ep_size, self.num_local).clone(),
-                                  [1] * self.ep_size, [1] * self.ep_size, self.group, None,
-                                  "counts")  # [source rank, local expert]
-        if self.counter is not None:
-            self.counter.counts += 2 * per_expert.numel() * per_expert.element_size()
-            self.counter.rows += flat.numel()
-        send = per_expert.view(self.ep_size, self.num_local).sum(1).tolist()
-        recv = recv_counts.sum(1).tolist()
+        table, sent, received = self._counts(flat)
+        send = _runs(sent, self.num_local)  # rows to each rank
+        me = dist.get_rank(self.etp_group) if self.etp_group is not None else 0
+        recv = _runs(received[me], self.num_local)  # rows from each rank
         dispatched = exchange(x[order // k], send, recv, self.group, self.counter, "dispatch")
-        table = recv_counts  # row blocks: [source rank, local expert]
+        peer_rows = [sum(block) for block in received]
         if self.etp_group is not None:
             # Expert TP peers compute partial outputs for each other's rows as well.
-            tables = gather_counts(recv_counts, self.etp_group)  # [peer, source, expert]
-            peer_rows = tables.sum(dim=(1, 2)).tolist()
             dispatched = gather_rows(dispatched, peer_rows, self.etp_group)
-            table = tables.reshape(-1, self.num_local)
         # Rows are grouped by (peer,) source rank, then local expert: regroup by expert.
+        # The row count is known on the host: no sync to size the result.
         local_ids = torch.repeat_interleave(
             torch.arange(self.num_local, device=x.device).repeat(table.shape[0]),
-            table.reshape(-1).to(x.device))
+            table.reshape(-1).to(x.device), output_size=sum(peer_rows))
         perm = torch.argsort(local_ids, stable=True)
-        grouped = experts(dispatched[perm], table.sum(0).tolist())
+        grouped = experts(dispatched[perm], [sum(sum(block[e :: self.num_local])
+                                                 for block in received)
+                                             for e in range(self.num_local)])
         out = grouped[torch.argsort(perm)]
         if self.etp_group is not None:
             out = reduce_scatter_rows(out, peer_rows, self.etp_group)
