@@ -305,3 +305,41 @@ def machine_info() -> dict[str, Any]:
         "threads_per_rank": torch.get_num_threads(),
         "load_avg_1m": os.getloadavg()[0],
     }
+
+
+def host_syncs_per_step(cfg: MimoConfig) -> dict[int, int]:
+    """Device-to-host syncs of one training step, per rank of ``cfg``'s layout.
+
+    Counted by the fake-device dry run (``mimotron.dryrun``: every host read of a device
+    value, each a GPU stall), in a forked process of its own because the dry run makes
+    fake default process groups. The second step is counted (the first builds the
+    optimizer state).
+    """
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    parent, child = ctx.Pipe(duplex=False)
+
+    def count() -> None:
+        from mimotron.dryrun import dry_run
+
+        reports = dry_run(cfg, steps=2, evaluate=False, checkpoint=False)
+        child.send({r.rank: r.steps[-1].num_syncs for r in reports})
+        child.close()
+
+    proc = ctx.Process(target=count)
+    proc.start()
+    child.close()
+    try:
+        return parent.recv()
+    finally:
+        proc.join()
+
+
+def host_sync_figure(cfg: MimoConfig) -> Figure:
+    """``host_syncs_per_step``: the most syncs of one step on any rank (reported only)."""
+    per_rank = host_syncs_per_step(cfg)
+    return Figure("host_syncs_per_step", float(max(per_rank.values())), "", None,
+                  "device-to-host syncs of one training step by rank (fake-device dry run): "
+                  + ", ".join(f"rank {r}: {n}" for r, n in sorted(per_rank.items())))
+

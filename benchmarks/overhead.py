@@ -28,6 +28,7 @@ from benchmarks.common import (
     digits_raw,
     engine_stepper,
     fmt_stats,
+    host_sync_figure,
     interleave,
     make_config,
     one_rank,
@@ -162,7 +163,9 @@ def run_case(opts: Options) -> CaseResult:
         "<= 1.05",
         f"mimotron {fmt_stats(mimo)} vs plain {fmt_stats(plain)} per step",
     )
-    out = CaseResult("overhead", [fig])
+    raw = digits_raw()
+    out = CaseResult("overhead", [fig, host_sync_figure(
+        make_config(raw, one_rank(raw) + (TINY if opts.tiny else [])))])
     out.measurements = {
         "mimotron_step_s": mimo,
         "plain_step_s": plain,

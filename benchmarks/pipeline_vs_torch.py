@@ -43,6 +43,7 @@ from benchmarks.common import (
     Options,
     engine_stepper,
     fmt_stats,
+    host_sync_figure,
     make_config,
     parallel,
     precompute_steps,
@@ -138,13 +139,18 @@ def _stage_alone(run: Any, rank: int, mb: dict[str, Any], emb_shape: tuple[int, 
     return statistics.median(timed(fwd_bwd, 2) for _ in range(5))
 
 
-def _rank(rank: int, world: int, sizes: tuple[int, ...], m: int, reps: int, steps: int) -> Any:
+def _config(sizes: tuple[int, ...], m: int, world: int) -> Any:
+    """Vision on rank 0, the language model on the last rank, ``m`` micro-batches."""
     layout = parallel("vision", data=1, rank_offset=0) + parallel(
         "language", data=1, rank_offset=world - 1
     )
     overrides = layout + model_overrides(sizes) + CONSTANT_LR + [
         f"train.global_batch_size={m * sizes[-1]}"]
-    cfg = make_config(_two_module_raw(), overrides)
+    return make_config(_two_module_raw(), overrides)
+
+
+def _rank(rank: int, world: int, sizes: tuple[int, ...], m: int, reps: int, steps: int) -> Any:
+    cfg = _config(sizes, m, world)
     ours, theirs = setup_run(cfg), setup_run(cfg)  # same seed: same initial weights
     batches = precompute_steps(ours, 1)
     mbs = list(batches[0])
@@ -211,6 +217,7 @@ def run_case(opts: Options) -> CaseResult:
                 f"{max(res['optimizer_s']) * 1e3:.1f} ms",
             )
         )
+    out.figures.append(host_sync_figure(_config(sizes, m, P)))
     vh, vl, lh, ll, mbs = sizes
     out.measurements.update(
         {

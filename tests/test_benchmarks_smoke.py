@@ -42,7 +42,10 @@ def test_overhead_case_writes_its_figures(tmp_path):
     assert "| overhead | `overhead_ratio` |" in proc.stdout
     doc = json.loads(out.read_text())
     assert doc["options"] == {"quick": True, "size": "tiny", "reps": 5}
-    assert set(doc["figures"]) == {"overhead_ratio"}
+    assert set(doc["figures"]) == {"overhead_ratio", "host_syncs_per_step"}
+    # Counted by the fake-device dry run: the loss-token count and the optimizer's world
+    # sums are the step's only device-to-host reads on one colocated rank.
+    assert doc["cases"]["overhead"]["figures"]["host_syncs_per_step"]["value"] == 2
     fig = doc["cases"]["overhead"]["figures"]["overhead_ratio"]
     assert fig["value"] > 0 and fig["min"] <= fig["max"] and fig["target"] == "<= 1.05"
     meas = doc["cases"]["overhead"]["measurements"]
