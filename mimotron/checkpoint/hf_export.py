@@ -6,8 +6,9 @@ run config the checkpoint records) becomes ``OUT_DIR/<m>/``, a folder that
 
 - ``model.safetensors``: the original folder's tensors under their original names, with
   every tensor the module trained replaced by the checkpoint's value (names translated
-  by the family's :class:`~mimotron.models.hf.weights.WeightMap`), each in the dtype the
-  original stored it in. Tensors mimotron never built are copied unchanged from the
+  by the family's :class:`~mimotron.models.hf.weights.WeightMap`; the experts of a
+  Qwen2-MoE / Qwen3-MoE layer, trained stacked, one tensor per expert again), each in the
+  dtype the original stored it in. Tensors mimotron never built are copied unchanged from the
   original: CLIP layers past the LLaVA feature layer, a full ``CLIPModel``'s text tower,
   Whisper's decoder and its fixed positions (a non-persistent buffer). So the round trip
   folder -> mimotron -> checkpoint -> export, without an optimizer step, gives back the
@@ -49,7 +50,7 @@ from mimotron.checkpoint.state import VOCAB_SIZE_UNPADDED
 from mimotron.models.hf.clip import CLIP_WEIGHTS, SIGLIP_WEIGHTS
 from mimotron.models.hf.folder import INDEX_FILE, SINGLE_FILE, read_hf_config, tensor_files
 from mimotron.models.hf.llama import LLAMA_WEIGHTS, SUPPORTED_MODEL_TYPES, LlamaFamilySpec
-from mimotron.models.hf.weights import WeightMap
+from mimotron.models.hf.weights import WeightMap, hf_tensors_of
 from mimotron.models.hf.whisper import WHISPER_WEIGHTS
 from mimotron.names import LANGUAGE
 from mimotron.outputs import check_output_dir, new_file_mode
@@ -314,11 +315,12 @@ def _merge(
     unnamed = []
     for name, tensor in ours.items():
         try:
-            hf = prefix + weight_map.to_hf(name)
+            # MoE experts trained stacked ([experts, ...]) are stored one tensor each.
+            split = hf_tensors_of(name, tensor, weight_map)
         except ValueError:
             unnamed.append(name)
             continue
-        renamed[hf] = tensor[0] if name in weight_map.reshaped else tensor
+        renamed.update({prefix + hf: value for hf, value in split.items()})
     skip = set(renamed) | {prefix + weight_map.to_hf(n) for n in dropped}
     absent = sorted(set(renamed) - set(files))
     problems = []

@@ -20,7 +20,8 @@ One implementation for every family (Llama-style decoders, CLIP / SigLIP, Whispe
   ``torch.chunk`` rule). So a TP rank reads, and ever holds, only its shard, and a
   pipeline stage never touches other stages' layers. Values are converted to the
   target's dtype on copy (a bf16 checkpoint loads into fp32 parameters).
-- :func:`to_hf_tensors` is the way back, for export.
+- :func:`to_hf_tensors` (a whole module) and :func:`hf_tensors_of` (one tensor; MoE experts
+  split per expert) are the way back, for export.
 """
 
 from __future__ import annotations
@@ -336,13 +337,26 @@ def to_hf_tensors(
     """
     out = {}
     for ours, tensor in _targets(module).items():
-        value = tensor.detach()
-        names = list(weight_map.hf_shapes(ours, tuple(value.shape)))
-        if _is_stacked(ours, weight_map):
-            out.update({prefix + hf: value[e] for e, hf in enumerate(names)})
-        else:
-            out[prefix + names[0]] = value[0] if ours in weight_map.reshaped else value
+        out.update({prefix + hf: t for hf, t in
+                    hf_tensors_of(ours, tensor.detach(), weight_map).items()})
     return out
+
+
+def hf_tensors_of(
+    ours: str, value: torch.Tensor, weight_map: WeightMap
+) -> dict[str, torch.Tensor]:
+    """One of our full tensors under its checkpoint name(s), without prefix.
+
+    A stacked tensor (MoE experts, ``weight_map.stacked``) becomes one tensor per row,
+    ``experts.{e}...``; a reshaped one loses its leading 1; any other keeps its shape.
+
+    Raises:
+        ValueError: ``ours`` is not a parameter name of this family.
+    """
+    names = list(weight_map.hf_shapes(ours, tuple(value.shape)))
+    if _is_stacked(ours, weight_map):
+        return {hf: value[e] for e, hf in enumerate(names)}
+    return {names[0]: value[0] if ours in weight_map.reshaped else value}
 
 
 def _by_file(files: Mapping[str, Path], names: Iterable[str]) -> dict[Path, list[str]]:
