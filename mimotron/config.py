@@ -401,7 +401,8 @@ def _validate_data(cfg: MimoConfig) -> None:
     if d.dataset == "llava":
         _validate_llava(cfg)
         return  # The dataset checks each sample's length against seq_length.
-    for key in ("path", "root", "tokenizer", "skip_bad_samples", "system_prompt"):
+    for key in ("path", "root", "allow_outside_root", "tokenizer", "skip_bad_samples",
+                "system_prompt"):
         # Never silently ignored: these only mean something for a file dataset.
         _check(not getattr(d, key), f"data.{key}", getattr(d, key),
                f"unset with data.dataset={d.dataset!r} (it is read by 'llava' only)")

@@ -364,6 +364,10 @@ class DataConfig:
     """LLaVA: the JSON list or JSONL file of samples (required with ``dataset = "llava"``)."""
     root: str = ""
     """LLaVA: folder the image/audio paths are relative to; empty = the folder of ``path``."""
+    allow_outside_root: bool = False
+    """LLaVA: accept image/audio paths that resolve outside ``root`` (``..``, absolute
+    paths, symlinks out of it); when false such a sample is a bad sample.
+    """
     tokenizer: str = ""
     """LLaVA: a local Hugging Face tokenizer folder with a chat template (required with
     ``dataset = "llava"``); ``<image>`` / ``<audio>`` placeholders are added if missing.

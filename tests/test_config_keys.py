@@ -205,6 +205,7 @@ PROBES: dict[str, tuple[list[str], str, list[str]]] = {
     # is asserted by tests/test_llava_training.py); num_workers shows in the banner.
     "data.path": (["data.path='x.jsonl'"], "error:built", []),
     "data.root": (["data.root='x'"], "error:built", []),
+    "data.allow_outside_root": (["data.allow_outside_root=true"], "error:built", []),
     "data.tokenizer": (["data.tokenizer='x'"], "error:built", []),
     "data.skip_bad_samples": (["data.skip_bad_samples=true"], "error:built", []),
     "data.system_prompt": (["data.system_prompt='x'"], "error:built", []),

@@ -8,17 +8,20 @@ count (:mod:`mimotron.data.chat`).
 
 **Checked up front.** :class:`LlavaDataset` reads the whole file and checks every sample
 when it is built (before training starts, so before any collective): valid JSON, known
-roles, an assistant turn, as many placeholders as files, files that exist with a
-readable header (images are opened and ``verify()``-ed, WAV headers read and their rate
-checked), a modality the model has an encoder for, at most one file per modality (the
-batch format holds one image and one clip per sample), and a token count within
-``seq_length``. The first bad sample is a ``ValueError`` naming the file, the line
-(JSONL, from 1) or item (JSON list, from 0), the sample id and the reason; with
-``skip_bad_samples=True`` bad samples are left out and counted instead
+roles, an assistant turn, as many placeholders as files, media paths that resolve
+inside the root (symlinks followed; unless ``allow_outside_root``), files that exist and
+decode in full by the decoder the load uses (images decoded by PIL, WAV files read to
+the last frame at the encoder's rate), a modality the model has an encoder for, at most
+one file per modality (the batch format holds one image and one clip per sample), and a
+token count within ``seq_length``; a line that is not UTF-8 is bad too
+(:mod:`mimotron.data.llava_file`). The first bad sample is a one-line ``ValueError``
+naming the file, the line (JSONL, from 1) or item (JSON list, from 0), the sample id and
+the reason; with ``skip_bad_samples=True`` bad samples are left out and counted instead
 (:attr:`LlavaDataset.num_skipped`, :attr:`LlavaDataset.bad_samples`). Since every rank
 checks the same file the same way, the kept samples and their indices are the same on
 every rank: the global sample order stays layout-independent. A file that changes or
-breaks after the check (e.g. a JPEG corrupt past its header) is an error when loaded.
+breaks after the check is skipped when loaded with ``skip_bad_samples`` (zero media, no
+loss; :meth:`LlavaDataset.load`) and an error naming the sample otherwise.
 
 **Samples** are pure functions of their index (no augmentation): the
 :mod:`~mimotron.data.collate` format with ``image`` Float[3, H, W] (the tower's
@@ -30,7 +33,7 @@ its modules use (the training loop does, from the layout).
 
 from __future__ import annotations
 
-import json
+import sys
 import threading
 from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -45,10 +48,13 @@ from mimotron.data.chat import encode_conversation, shifted_sample, to_messages
 from mimotron.data.collate import Sample
 from mimotron.data.digits import SPLITS, SampleStream, split_ids
 from mimotron.data.hf_tokenizer import HFTokenizer
+from mimotron.data.llava_file import SampleError, read_raw_samples
 from mimotron.data.media import AudioFeatures, ImageProcessor
 
 # Batch shape of a modality the model has no encoder for (collate fills it with zeros).
 _ABSENT_SHAPE: tuple[int, ...] = (1, 1, 1)
+# A sample's (image, audio) tensors; None: absent or not loaded on this rank.
+_Media = tuple[torch.Tensor | None, torch.Tensor | None]
 
 
 @dataclass(frozen=True)
@@ -75,44 +81,6 @@ class LlavaRecord:
     messages: tuple[dict[str, str], ...]
 
 
-class _Bad(Exception):
-    """A check failed; carries the reason (and the id once known)."""
-
-    def __init__(self, reason: str, sample_id: str | None = None) -> None:
-        super().__init__(reason)
-        self.reason, self.sample_id = reason, sample_id
-
-
-def read_raw_samples(path: str | Path) -> list[tuple[str, Any]]:
-    """``(location, parsed JSON or _Bad)`` of every sample of a JSON list or JSONL file.
-
-    A file whose first non-blank character is ``[`` is one JSON list; anything else is
-    JSONL (blank lines are ignored; a line that is not JSON is a bad sample).
-
-    Raises:
-        ValueError: the file is missing, or a JSON list file does not parse.
-    """
-    file = Path(path)
-    if not file.is_file():
-        raise ValueError(f"data.path={str(file)!r} is invalid: expected a LLaVA JSON or JSONL file")
-    text = file.read_text(encoding="utf-8")
-    if text.lstrip().startswith("["):
-        try:
-            items = json.loads(text)
-        except ValueError as exc:
-            raise ValueError(f"data.path={str(file)!r} is not a valid JSON list: {exc}") from exc
-        return [(f"item {i}", item) for i, item in enumerate(items)]
-    out: list[tuple[str, Any]] = []
-    for n, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            out.append((f"line {n}", json.loads(line)))
-        except ValueError as exc:
-            out.append((f"line {n}", _Bad(f"not valid JSON: {exc}")))
-    return out
-
-
 class LlavaDataset:
     """Every sample of a LLaVA file, checked when built (rules in the module docstring).
 
@@ -125,9 +93,12 @@ class LlavaDataset:
             the model has an encoder for (e.g. ``{"image": 576}``).
         image_processor: the vision tower's preprocessing (needed with ``"image"``).
         audio_features: the Whisper feature extraction (needed with ``"audio"``).
-        skip_bad_samples: leave bad samples out (counted) instead of raising.
+        skip_bad_samples: leave bad samples out (counted) instead of raising; a sample
+            that fails when loaded is then skipped too (:meth:`load`).
         system_prompt: a system message put first in conversations that have none.
         num_workers: threads that check the samples (0: in this thread).
+        allow_outside_root: accept media paths that resolve outside ``root`` (``..``,
+            absolute paths, symlinks out of it); otherwise such a sample is bad.
 
     Raises:
         ValueError: the first bad sample (without ``skip_bad_samples``), a modality
@@ -146,8 +117,15 @@ class LlavaDataset:
         skip_bad_samples: bool = False,
         system_prompt: str | None = None,
         num_workers: int = 0,
+        allow_outside_root: bool = False,
     ) -> None:
         self.path, self.root = Path(path), Path(root)
+        self._real_root = self.root.resolve()
+        self.allow_outside_root = allow_outside_root
+        self.skip_bad_samples = skip_bad_samples
+        # Samples that failed when loaded (skip_bad_samples); appended by loader threads.
+        self.load_failures: list[BadSample] = []
+        self._failures_lock = threading.Lock()
         self.tokenizer = tokenizer
         self.seq_length = seq_length
         self.num_tokens = {m: int(n) for m, n in num_tokens.items()}
@@ -188,8 +166,8 @@ class LlavaDataset:
 
     @property
     def num_skipped(self) -> int:
-        """Bad samples left out (0 unless ``skip_bad_samples``)."""
-        return len(self.bad_samples)
+        """Bad samples left out (0 unless ``skip_bad_samples``): at the check and at load."""
+        return len(self.bad_samples) + len(self.load_failures)
 
     def __len__(self) -> int:
         return len(self.records)
@@ -203,23 +181,23 @@ class LlavaDataset:
         location, raw = item
         sample_id = None
         try:
-            if isinstance(raw, _Bad):
+            if isinstance(raw, SampleError):
                 raise raw
             if not isinstance(raw, dict):
-                raise _Bad(f"expected a JSON object, got {type(raw).__name__}")
+                raise SampleError(f"expected a JSON object, got {type(raw).__name__}")
             sample_id = None if raw.get("id") is None else str(raw["id"])
             return self._check_sample(location, sample_id, raw)
-        except _Bad as bad:
+        except SampleError as bad:
             return BadSample(location, sample_id, bad.reason)
 
     def _check_sample(self, location: str, sample_id: str | None, raw: dict) -> LlavaRecord:
         conversations = raw.get("conversations")
         if not isinstance(conversations, list) or not conversations:
-            raise _Bad("'conversations' is missing or empty: expected a list of turns")
+            raise SampleError("'conversations' is missing or empty: expected a list of turns")
         try:
             messages = to_messages(conversations, self.system_prompt)
         except ValueError as exc:
-            raise _Bad(str(exc)) from None
+            raise SampleError(str(exc)) from None
         files = {m: self._files(raw, m) for m in ("image", "audio")}
         for modality, paths in files.items():
             self._check_files(modality, paths, messages)
@@ -227,15 +205,28 @@ class LlavaDataset:
         try:
             self._encode(record)
         except ValueError as exc:
-            raise _Bad(str(exc)) from None
+            raise SampleError(str(exc)) from None
         return record
 
     def _files(self, raw: dict, key: str) -> tuple[Path, ...]:
         value = raw.get(key)
         paths = [] if value is None else [value] if isinstance(value, str) else value
         if not isinstance(paths, list) or not all(isinstance(p, str) for p in paths):
-            raise _Bad(f"{key!r}={value!r} is invalid: expected a path or a list of paths")
-        return tuple(self.root / p for p in paths)
+            raise SampleError(f"{key!r}={value!r} is invalid: expected a path or a list of paths")
+        return tuple(self._resolve(key, p) for p in paths)
+
+    def _resolve(self, key: str, relative: str) -> Path:
+        """The real path of a media file, checked to lie inside the root."""
+        try:
+            # resolve() follows symlinks: a link in the root pointing out of it is out.
+            real = (self.root / relative).resolve()
+        except (OSError, RuntimeError) as exc:  # a symlink loop
+            raise SampleError(f"{key} path {relative!r} does not resolve: {exc}") from None
+        if not self.allow_outside_root and not real.is_relative_to(self._real_root):
+            raise SampleError(f"{key} path {relative!r} resolves to {str(real)!r}, outside "
+                       f"data.root={str(self.root)!r} (data.allow_outside_root=true "
+                       "accepts it)")  # fmt: skip
+        return real
 
     def _check_files(self, modality: str, paths: tuple[Path, ...],
                      messages: list[dict[str, str]]) -> None:  # fmt: skip
@@ -243,23 +234,25 @@ class LlavaDataset:
                        if modality in self.tokenizer.modalities else f"<{modality}>")
         count = sum(m["content"].count(placeholder) for m in messages)
         if count != len(paths):
-            raise _Bad(f"{count} {placeholder} placeholder(s) in the conversation but "
+            raise SampleError(f"{count} {placeholder} placeholder(s) in the conversation but "
                        f"{len(paths)} {modality} file(s): expected one placeholder per file")
         if paths and modality not in self.num_tokens:
-            raise _Bad(f"has {modality} input but the model has no {modality} encoder")
+            raise SampleError(f"has {modality} input but the model has no {modality} encoder")
         if len(paths) > 1:
-            raise _Bad(f"{len(paths)} {modality} files: at most one per sample is supported")
+            raise SampleError(f"{len(paths)} {modality} files: at most one per sample is supported")
         for file in paths:
             if not file.is_file():
-                raise _Bad(f"{modality} file {str(file)!r} not found")
+                raise SampleError(f"{modality} file {str(file)!r} not found")
             try:
+                # Decoded in full, by the decoder the load uses: a file corrupt past its
+                # header is bad here, not when training reaches it.
                 if modality == "image":
-                    _verify_image(file)
+                    _open_image(file)
                 else:
                     assert self.audio_features is not None
-                    self.audio_features.check(file)
+                    self.audio_features.decode(file)
             except ValueError as exc:
-                raise _Bad(str(exc)) from None
+                raise SampleError(str(exc)) from None
 
     # ---- loading ------------------------------------------------------------------------
     def restrict_loading(self, parts: Collection[str]) -> None:
@@ -293,25 +286,25 @@ class LlavaDataset:
     def load(self, index: int) -> Sample:
         """Sample ``index`` (of the kept samples, in file order).
 
+        A media file that fails to load although it passed the check (it changed on disk
+        since) is skipped with ``skip_bad_samples``: the sample keeps its shape and
+        presence flags, so batches and every rank's transfers stay the same, but its
+        media are zeros and its loss mask is empty (nothing of it is trained); it is
+        counted in :attr:`num_skipped` and :attr:`load_failures` and reported on stderr.
+
         Raises:
-            ValueError: a bad index, or a file that can no longer be read (names the
-                sample).
+            ValueError: a bad index, or (without ``skip_bad_samples``) a file that can no
+                longer be read: one line naming the data file, line, sample id and file.
         """
         if not 0 <= index < len(self):
             raise ValueError(f"index={index!r} is invalid: expected 0 <= index < {len(self)}")
         record = self.records[index]
+        sample: dict[str, Any] = self._encode(record)  # checked when built: cannot fail
         try:
-            sample: dict[str, Any] = self._encode(record)
-            image = audio = None
-            if record.images and "image" in self.load_parts:
-                assert self.image_processor is not None
-                image = self.image_processor(_open_image(record.images[0]))
-            if record.audios and "audio" in self.load_parts:
-                assert self.audio_features is not None
-                audio = self.audio_features(record.audios[0])
+            image, audio = self._load_media(record)
         except (OSError, ValueError) as exc:
-            bad = BadSample(record.location, record.sample_id, f"failed to load: {exc}")
-            raise ValueError(bad.describe(self.path)) from exc
+            image, audio = self._skip_failed(record, exc)
+            sample["loss_mask"] = torch.zeros_like(sample["loss_mask"])
         has = (bool(record.images), bool(record.audios))
         kind = {(True, True): "both", (True, False): "image", (False, True): "audio",
                 (False, False): "text"}[has]  # fmt: skip
@@ -321,16 +314,33 @@ class LlavaDataset:
                       sample_id=record.sample_id)  # fmt: skip
         return sample
 
+    def _load_media(self, record: LlavaRecord) -> _Media:
+        image = audio = None
+        if record.images and "image" in self.load_parts:
+            assert self.image_processor is not None
+            image = self.image_processor(_open_image(record.images[0]))
+        if record.audios and "audio" in self.load_parts:
+            assert self.audio_features is not None
+            audio = self.audio_features(record.audios[0])
+        return image, audio
 
-def _verify_image(file: Path) -> None:
-    """Open an image's header and check its data (PIL's ``verify``) without decoding."""
-    from PIL import Image
-
-    try:
-        with Image.open(file) as image:
-            image.verify()
-    except Exception as exc:  # noqa: BLE001 - PIL raises OSError, SyntaxError, struct.error...
-        raise ValueError(f"image file {str(file)!r} is unreadable: {exc}") from exc
+    def _skip_failed(self, record: LlavaRecord, exc: Exception) -> _Media:
+        """Zero media standing in for a sample that failed to load, or its one-line error."""
+        reason = " ".join(f"failed to load: {exc}".split())  # one line, whatever PIL says
+        bad = BadSample(record.location, record.sample_id, reason)
+        if not self.skip_bad_samples:
+            raise ValueError(bad.describe(self.path)) from exc
+        with self._failures_lock:
+            self.load_failures.append(bad)
+            count = len(self.load_failures)
+        print(f"mimotron: skipped (data.skip_bad_samples, {count} at load so far): "
+              f"{bad.describe(self.path)}", file=sys.stderr, flush=True)  # fmt: skip
+        image = audio = None
+        if record.images and "image" in self.load_parts:
+            image = torch.zeros(self.image_shape)
+        if record.audios and "audio" in self.load_parts:
+            audio = torch.zeros(self.audio_shape)
+        return image, audio
 
 
 def _open_image(file: Path) -> Any:

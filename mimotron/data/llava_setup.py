@@ -156,7 +156,8 @@ def build_llava_tasks(cfg: MimoConfig, tokenizer: HFTokenizer) -> tuple[LlavaTas
                            image_processor=images, audio_features=audio,
                            skip_bad_samples=d.skip_bad_samples,
                            system_prompt=d.system_prompt or None,
-                           num_workers=d.num_workers)  # fmt: skip
+                           num_workers=d.num_workers,
+                           allow_outside_root=d.allow_outside_root)  # fmt: skip
     return llava_tasks(dataset, d.train_fraction)
 
 

@@ -240,12 +240,21 @@ def read_wav(path: str | Path) -> tuple[np.ndarray, int]:
     scaled by ``2 ** (bits - 1)``. Channels are averaged.
 
     Raises:
-        ValueError: not a readable PCM WAV file.
+        ValueError: not a readable PCM WAV file, or its data ends inside a frame.
     """
     info = wav_info(path)
-    with wave.open(str(path), "rb") as f:
-        raw = f.readframes(info.num_frames)
+    try:
+        with wave.open(str(path), "rb") as f:
+            raw = f.readframes(info.num_frames)
+    except (wave.Error, EOFError, OSError) as exc:
+        raise ValueError(f"{str(path)!r} is not a readable PCM WAV file: {exc}") from exc
     width = info.sample_width
+    frame = width * info.channels
+    if len(raw) % frame:
+        # A file cut inside a frame (odd byte count, a channel missing) has a valid header
+        # but no sound for its last frame: refused, not silently trimmed.
+        raise ValueError(f"{str(path)!r} is truncated: {len(raw)} bytes of samples, not a "
+                         f"whole number of {frame}-byte frames")  # fmt: skip
     if width == 1:
         values = np.frombuffer(raw, dtype=np.uint8).astype(np.float64) - 128.0
     elif width == 3:
@@ -309,11 +318,21 @@ class AudioFeatures:
             )
         return info
 
+    def decode(self, path: str | Path) -> np.ndarray:
+        """Every sample of ``path`` (mono float32), read at :attr:`sample_rate`.
+
+        The data check and the load both decode this way, so a file that passes the check
+        loads (until it changes on disk).
+
+        Raises:
+            ValueError: unreadable, truncated inside a frame, or at another sample rate.
+        """
+        self.check(path)
+        return read_wav(path)[0]
+
     def __call__(self, path: str | Path) -> torch.Tensor:
         """Float32 ``[feature_size, nb_max_frames]`` log-mel features of a WAV file."""
-        self.check(path)
-        samples, rate = read_wav(path)
-        return self.features(samples, rate)
+        return self.features(self.decode(path), self.sample_rate)
 
     def features(self, samples: np.ndarray | Sequence[float], sample_rate: int) -> torch.Tensor:
         """Log-mel features of mono samples in [-1, 1]."""
