@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from mimotron.config_numbers import check_numbers
+from mimotron.config_paths import check_paths
 from mimotron.config_schema import (
     DATASETS,
     DECAY_STYLES,
@@ -159,6 +160,7 @@ class MimoConfig:
         # First: a non-finite float or an int beyond int64 would otherwise reach the
         # per-field rules below with a misleading message, or pass them (eps = inf > 0).
         check_numbers(self)
+        check_paths(self)  # name, log.dir, checkpoint.dir: never a system folder
         _validate_modules(self)
         _validate_train(self)
         _validate_optim(self.optimizer, "optimizer")

@@ -53,6 +53,12 @@ LOG_ENTRIES = (METRICS, "tensorboard", "profile")
 PREVIOUS = "previous-"
 
 
+class RunRefused(ValueError):
+    """The run directory refuses this launch (in use, or nothing left to train): the
+    config may be valid, so ``mimotron train`` prints the reason without calling the
+    config invalid."""
+
+
 def is_mover() -> bool:
     """Whether this process may move files: the one process, or RANK 0 of a launch."""
     return os.environ.get("RANK", "0") == "0"
@@ -172,6 +178,7 @@ def prepare_run_dir(cfg: MimoConfig) -> None:
     Raises:
         ValueError: an unwritable directory, an invalid ``checkpoint.load``, or a
             previous run without ``train.overwrite`` (one line each).
+        RunRefused: the checkpoint to resume already reached train.iters.
         CheckpointError: ``latest`` names a missing or incomplete checkpoint.
     """
     mover = is_mover()
@@ -179,6 +186,7 @@ def prepare_run_dir(cfg: MimoConfig) -> None:
         check_writable(cfg)
     loaded = resolve_load(cfg.checkpoint.load, cfg.checkpoint_dir, quiet=True)
     if loaded is not None:
+        check_something_to_train(cfg, loaded)
         if cfg.checkpoint.load != "auto":  # auto follows `latest`, rewound or not.
             _check_newer(cfg, loaded, mover)
         return  # Resuming: the run continues from the loaded checkpoint.
@@ -192,14 +200,37 @@ def prepare_run_dir(cfg: MimoConfig) -> None:
     move_aside(cfg, entries)
 
 
-def newer_checkpoints(cfg: MimoConfig, loaded: Path) -> list[Path]:
-    """``iter_*`` folders in checkpoint.dir newer than ``loaded`` (and ``latest`` if it
-    names one of them): the first save of a run resumed from ``loaded`` would move
-    ``latest`` back below them."""
+def checkpoint_iteration(loaded: Path) -> int | None:
+    """The iteration a checkpoint folder follows (its name, else its manifest)."""
     start = parse_iteration(loaded)
     if start is None:
         with contextlib.suppress(CheckpointError):
             start = int(read_manifest(loaded).get("iteration", 0))
+    return start
+
+
+def check_something_to_train(cfg: MimoConfig, loaded: Path) -> None:
+    """A resume from ``loaded`` has iterations left to train.
+
+    A finished run launched again would otherwise "resume" with nothing to do, evaluate
+    again (a duplicate eval record) and exit 0 as if it had trained.
+
+    Raises:
+        RunRefused: ``loaded`` already reached train.iters (nothing is written).
+    """
+    reached = checkpoint_iteration(loaded)
+    if reached is not None and reached >= cfg.train.iters:
+        raise RunRefused(
+            f"nothing to train: iteration {reached} already reached (checkpoint.load="
+            f"{cfg.checkpoint.load!r} resumes from {loaded}, train.iters="
+            f"{cfg.train.iters}): raise train.iters to train on, or use another log.dir")
+
+
+def newer_checkpoints(cfg: MimoConfig, loaded: Path) -> list[Path]:
+    """``iter_*`` folders in checkpoint.dir newer than ``loaded`` (and ``latest`` if it
+    names one of them): the first save of a run resumed from ``loaded`` would move
+    ``latest`` back below them."""
+    start = checkpoint_iteration(loaded)
     root = cfg.checkpoint_dir
     newer = {it: p for it, p in checkpoint_iterations(root).items()
              if start is not None and it > start and p.resolve() != loaded.resolve()}
@@ -240,6 +271,10 @@ def describe_run_dir(cfg: MimoConfig) -> str:
     """
     path = resolve_load(cfg.checkpoint.load, cfg.checkpoint_dir, quiet=True)
     if path is not None:
+        try:
+            check_something_to_train(cfg, path)
+        except RunRefused as exc:
+            return f"train would refuse: {exc}"
         return f"resumes from {path}"
     entries = previous_run(cfg)
     if not entries:

@@ -36,12 +36,17 @@ The ranks are in the launcher's process group (a terminal's Ctrl-C or ``kill -TE
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import FrameType
 
 from mimotron.checkpoint.signals import (
@@ -59,6 +64,7 @@ from mimotron.failures import (
 from mimotron.lifeline import LAUNCHER_PID_ENV, LAUNCHER_RUN_ID_PREFIX
 
 POLL_S = 0.05
+FAILURE_FOLDER_PREFIX = "mimotron-failures-"  # + the launcher's pid + "-" + random
 SETTLE_S = 5.0  # After a failure, how long to wait for the root cause to be recorded.
 
 
@@ -112,14 +118,35 @@ class Launcher:
         self._failed_at: float | None = None
         self._killed: set[int] = set()  # Ranks this launcher killed in teardown.
         self._forwarded: set[int] = set()  # Ranks the stop signal was passed on to.
+        self._ended = False  # Every rank has exited (a signal now has nothing to stop).
 
     def run(self) -> LaunchResult:
         """Start the ranks and wait for all of them; SIGTERM/SIGINT are handled meanwhile."""
         import torch.distributed as dist
 
         store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        with self.handling_signals():
+            self._start_and_wait(store.port)
+        return self.result
+
+    @contextlib.contextmanager
+    def handling_signals(self) -> Iterator[None]:
+        """SIGTERM/SIGINT go to this launcher while the block runs (see ``_on_signal``).
+
+        ``run`` takes them itself; a caller that prepares things the launch must not leave
+        behind (its failure folder) takes them from before it creates them until after it
+        removes them: a signal before ``run`` is passed on to the ranks once they start,
+        one after the ranks ended is noted, and neither kills the caller half-way.
+        """
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM,
                                                                    signal.SIGINT)}
+        try:
+            yield
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+
+    def _start_and_wait(self, port: int) -> None:
         try:
             # The ranks start with the stop signals blocked (the mask survives exec) and
             # unblock them once their handlers are in place: a signal during their
@@ -127,8 +154,7 @@ class Launcher:
             kept = block_stop_signals()
             try:
                 for rank in range(self.world_size):
-                    self._procs.append(subprocess.Popen(self.argv,
-                                                        env=self._env(rank, store.port)))
+                    self._procs.append(subprocess.Popen(self.argv, env=self._env(rank, port)))
             finally:
                 unblock_stop_signals(keep=kept)
             if self.result.signal_name:  # A signal came while the ranks were starting.
@@ -141,9 +167,7 @@ class Launcher:
                 if proc.poll() is None:
                     proc.kill()
                 proc.wait()
-            for signum, handler in previous.items():
-                signal.signal(signum, handler)
-        return self.result
+            self._ended = True
 
     def _env(self, rank: int, port: int) -> dict[str, str]:
         env = dict(os.environ)
@@ -228,6 +252,10 @@ class Launcher:
         del frame
         now = time.monotonic()
         name = signal.Signals(signum).name
+        if self._ended:  # The report is being written; the failure folder then removed.
+            print(f"mimotron train: {name} after the ranks ended: nothing left to stop",
+                  file=sys.stderr, flush=True)
+            return
         if self._first_signal_at is None:
             self._first_signal_at = now
             self.result.signal_name = name
@@ -241,6 +269,38 @@ class Launcher:
             self.result.aborted = True
             self._kill_all()
         # Otherwise a copy of the same request: the ranks are on it already.
+
+
+@contextlib.contextmanager
+def failure_folder() -> Iterator[str]:
+    """The launch's shared failure folder (``MIMOTRON_FAILURE_DIR``), removed afterwards.
+
+    Its name carries the launcher's pid: a launcher killed outright (``kill -9``, the
+    out-of-memory killer) cannot remove its folder, so each launch first removes this
+    user's folders whose launcher no longer runs. Call it inside
+    :meth:`Launcher.handling_signals`, so that a stop signal cannot end the launcher
+    between creating the folder and removing it.
+
+    Yields:
+        The folder's path.
+    """
+    _remove_orphaned_folders()
+    with tempfile.TemporaryDirectory(prefix=f"{FAILURE_FOLDER_PREFIX}{os.getpid()}-") as path:
+        yield path
+
+
+def _remove_orphaned_folders() -> None:
+    """Remove failure folders of this user's launchers that are gone (best effort)."""
+    for folder in Path(tempfile.gettempdir()).glob(f"{FAILURE_FOLDER_PREFIX}*"):
+        pid = folder.name[len(FAILURE_FOLDER_PREFIX):].partition("-")[0]
+        try:
+            if not pid.isdigit() or folder.stat().st_uid != os.getuid():
+                continue
+            os.kill(int(pid), 0)  # Alive (or a reused pid): leave the folder alone.
+        except ProcessLookupError:
+            shutil.rmtree(folder, ignore_errors=True)
+        except OSError:
+            continue
 
 
 def _at_terminal() -> bool:

@@ -26,8 +26,9 @@ killer) when it sees it, and a rank it finds stopped (SIGSTOP) as stalled; once 
 cause is known it kills the remaining ranks and this command exits 1 naming the root
 cause: the first rank that recorded an error of its own, died or stalled, else the first
 collateral one; the other failed ranks are listed as collateral.
-Exit codes: 0 success, 1 training failed (or diverged), 2 invalid config, 3 (a rank's
-own code) stopped because a peer failed.
+Exit codes: 0 success, 1 training failed (or diverged), 2 invalid config or a refused
+run (log.dir in use by another run: :mod:`mimotron.run_lock`; a finished run launched
+again: "nothing to train"), 3 (a rank's own code) stopped because a peer failed.
 """
 
 from __future__ import annotations
@@ -35,7 +36,6 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-import tempfile
 import traceback
 from typing import Any
 
@@ -64,42 +64,51 @@ def _under_launcher() -> bool:
 
 
 def run_train(config: str, overrides: list[str]) -> int:
-    """Exit code 0 on success; 2 on a bad config; 1 when training fails."""
-    try:
-        cfg = load_config(config, overrides)
-        env_world = int(os.environ["WORLD_SIZE"]) if _under_launcher() else None
-        layout = plan_layout(cfg, env_world_size=env_world)
-        if not _under_launcher():  # Every sample checked once, before any rank starts.
-            from mimotron.data.llava_setup import check_data
+    """Exit code 0 on success; 2 on a bad config or a refused run; 1 when training fails."""
+    from mimotron.run_dir import RunRefused, prepare_run_dir
+    from mimotron.run_lock import run_lock
 
-            check_data(cfg)
-        from mimotron.run_dir import prepare_run_dir
+    with contextlib.ExitStack() as held:  # The run lock, until the ranks have ended.
+        try:
+            cfg = load_config(config, overrides)
+            env_world = int(os.environ["WORLD_SIZE"]) if _under_launcher() else None
+            layout = plan_layout(cfg, env_world_size=env_world)
+            if not _under_launcher():  # Every sample checked once, before any rank starts.
+                from mimotron.data.llava_setup import check_data
 
-        # Before any launch: a bad checkpoint.load, an unwritable directory, a previous
-        # run a fresh start would clobber (moved aside by one process with overwrite).
-        prepare_run_dir(cfg)
-    except (ValueError, RuntimeError) as exc:  # RuntimeError: CheckpointError
-        print(f"mimotron train: invalid config: {exc}", file=sys.stderr)
-        return EXIT_CONFIG
-    if not _under_launcher() and layout.world_size > 1:
-        return _launch(config, overrides, layout.world_size, cfg)
-    return _train_this_rank(cfg)
+                check_data(cfg)
+            held.enter_context(run_lock(cfg))  # Before anything in the run dir is touched.
+            # Before any launch: a bad checkpoint.load, an unwritable directory, a previous
+            # run a fresh start would clobber (moved aside by one process with overwrite).
+            prepare_run_dir(cfg)
+        except RunRefused as exc:  # In use, or nothing left to train: not the config's.
+            print(f"mimotron train: {exc}", file=sys.stderr)
+            return EXIT_CONFIG
+        except (ValueError, RuntimeError) as exc:  # RuntimeError: CheckpointError
+            print(f"mimotron train: invalid config: {exc}", file=sys.stderr)
+            return EXIT_CONFIG
+        if not _under_launcher() and layout.world_size > 1:
+            return _launch(config, overrides, layout.world_size, cfg)
+        return _train_this_rank(cfg)
 
 
 def _launch(config: str, overrides: list[str], world_size: int, cfg: MimoConfig) -> int:
     """Re-run ``mimotron train`` on ``world_size`` local ranks; report how they ended."""
     from mimotron.checkpoint.signals import read_stop_record
-    from mimotron.cli.launch import Launcher
+    from mimotron.cli.launch import Launcher, failure_folder
     from mimotron.cli.lines import whole_lines
 
     # One thread per rank: ranks share the cores (torchrun sets this too, quietly).
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world_size)))
     argv = [sys.executable, "-m", "mimotron", "train", config, *overrides]
     restore_streams = whole_lines()  # The launcher's lines share the ranks' terminal.
+    launcher = Launcher(argv, world_size, "", cfg.train.pg_timeout_s)
     try:
-        with tempfile.TemporaryDirectory(prefix="mimotron-failures-") as failure_dir:
+        # A stop signal between creating the failure folder and removing it goes to the
+        # launcher (which passes it on), never kills this process with the folder left.
+        with launcher.handling_signals(), failure_folder() as failure_dir:
+            launcher.failure_dir = failure_dir
             trace_dir = _trace_dir(failure_dir)
-            launcher = Launcher(argv, world_size, failure_dir, cfg.train.pg_timeout_s)
             result = launcher.run()
             stop = read_stop_record(failure_dir)
             records = read_failures(failure_dir)
