@@ -509,6 +509,7 @@ def test_export_matches_the_distributed_load(straight, tmp_path):
     ckpt = straight["checkpoint"]
     assert cli_main(["export", str(ckpt.parent), str(tmp_path / "out")]) == 0
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
+        ".mimotron-export.json",  # what the export wrote (it may replace only those)
         "audio.safetensors",
         "config.json",
         "language.safetensors",

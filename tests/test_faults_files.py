@@ -235,7 +235,8 @@ def test_exported_files_honour_the_umask_alike(short_run, tmp_path):
     finally:
         os.umask(previous)
     modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / "out").iterdir()}
-    assert set(modes) == {f"{m}.safetensors" for m in written} | {"config.json"}
+    assert set(modes) == {f"{m}.safetensors" for m in written} | {"config.json",
+                                                                    ".mimotron-export.json"}
     assert set(modes.values()) == {0o640}, modes
 
 

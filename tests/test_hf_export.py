@@ -284,8 +284,8 @@ def test_export_errors_are_one_line(round_trip, folders, tmp_path, capsys):
     # The default format is unchanged: <module>.safetensors and the run config.
     assert cli_main(["export", str(round_trip), str(tmp_path / "default")]) == 0
     names = sorted(p.name for p in (tmp_path / "default").iterdir())
-    assert names == ["audio.safetensors", "config.json", "language.safetensors",
-                     "vision.safetensors"]
+    assert names == [".mimotron-export.json", "audio.safetensors", "config.json",
+                     "language.safetensors", "vision.safetensors"]
 
 
 def test_vocab_size_unpadded_in_the_meta_wins(folders, tmp_path):

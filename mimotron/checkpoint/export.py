@@ -10,6 +10,9 @@ Output folder::
 
     <module>.safetensors   one per module (header metadata: module, iteration)
     config.json            the resolved run config the checkpoint was written with
+    .mimotron-export.json  the files this export wrote (see :mod:`.export_folder`)
+
+The folder must be new, empty, or a previous export's own; never a folder the run read.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from mimotron.checkpoint.export_folder import ExportFolder
 from mimotron.checkpoint.files import CheckpointError, read_manifest, resolve_checkpoint
 from mimotron.checkpoint.load import SafeLoadPlanner, read_metadata, verify_share
 from mimotron.checkpoint.safe_metadata import SafeFileSystemReader
@@ -35,7 +39,7 @@ from mimotron.data.tokenizer import CharTokenizer
 from mimotron.models.build import build_mimo_model
 from mimotron.models.mimo import MimoModel
 from mimotron.names import ENCODER_PREFIX, LANGUAGE, LANGUAGE_MODEL_PREFIX
-from mimotron.outputs import check_output_dir, new_file_mode
+from mimotron.outputs import new_file_mode
 from mimotron.training.model_setup import padded_vocab_size
 
 CONFIG_FILE = "config.json"
@@ -108,23 +112,24 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path) -> dict[str, 
 
     Args:
         checkpoint: a checkpoint root holding ``latest``, or one ``iter_NNNNNNN`` dir.
-        out_dir: output folder (created; existing files of the same names are replaced).
-            Checked before the checkpoint is read. The files get the mode any new file
-            gets there (0o666 less the umask), the safetensors files too.
+        out_dir: output folder (created): new, empty, or holding only a previous export
+            (:class:`~mimotron.checkpoint.export_folder.ExportFolder`). Checked before
+            any tensor is read. The files get the mode any new file gets there (0o666
+            less the umask), the safetensors files too.
 
     Returns:
         Module name -> the file written.
 
     Raises:
-        ValueError: not a checkpoint path, or ``out_dir`` cannot be written (names it).
+        ValueError: not a checkpoint path, or ``out_dir`` cannot be written, holds files
+            an export did not write, or is a folder the run read (names it).
         CheckpointError: missing, incomplete or corrupted (names the file).
     """
-    out = Path(out_dir)
-    check_output_dir(out)
-    tensors, meta = read_full_model(checkpoint)
-    out.mkdir(parents=True, exist_ok=True)
-    written = write_module_files(split_by_module(tensors), out, meta["iteration"])
-    (out / CONFIG_FILE).write_text(json.dumps(meta["config"], indent=1) + "\n")
+    folder = ExportFolder(out_dir)
+    tensors, meta = read_full_model(checkpoint, check_meta=lambda m: folder.check(m["config"]))
+    written = write_module_files(split_by_module(tensors), folder, meta["iteration"])
+    folder.file(CONFIG_FILE).write_text(json.dumps(meta["config"], indent=1) + "\n")
+    folder.finish()
     return written
 
 
@@ -138,13 +143,13 @@ def split_by_module(tensors: dict[str, torch.Tensor]) -> dict[str, dict[str, tor
 
 
 def write_module_files(
-    per_module: dict[str, dict[str, torch.Tensor]], out: Path, iteration: int
+    per_module: dict[str, dict[str, torch.Tensor]], folder: ExportFolder, iteration: int
 ) -> dict[str, Path]:
-    """Write ``out/<module>.safetensors`` per module (the folder exists); the files."""
-    mode = new_file_mode(out)
+    """Write ``OUT_DIR/<module>.safetensors`` per module into an export folder; the files."""
     written = {}
     for module, state in sorted(per_module.items()):
-        file = out / f"{module}.safetensors"
+        file = folder.file(f"{module}.safetensors")
+        mode = new_file_mode(file.parent)
         save_file(
             state,
             str(file),

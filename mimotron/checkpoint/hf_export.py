@@ -28,7 +28,10 @@ vocab_size, tokenizer length with placeholders)``, else every row is kept.
 
 Modules without ``hf_path`` (toy kinds) and the projectors of HF encoders are written as
 by the default export, ``OUT_DIR/<m>.safetensors``; the run config goes to
-``OUT_DIR/mimotron_config.json``.
+``OUT_DIR/mimotron_config.json``. ``OUT_DIR`` follows the rules of
+:mod:`~mimotron.checkpoint.export_folder`: new, empty or a previous export's own (listed
+by its ``.mimotron-export.json``), and neither it nor any ``OUT_DIR/<m>`` a folder the
+run read (an ``hf_path``, the tokenizer, the data).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +50,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from mimotron.checkpoint.export import read_full_model, split_by_module, write_module_files
+from mimotron.checkpoint.export_folder import ExportFolder
 from mimotron.checkpoint.state import VOCAB_SIZE_UNPADDED
 from mimotron.models.hf.clip import CLIP_WEIGHTS, SIGLIP_WEIGHTS
 from mimotron.models.hf.folder import INDEX_FILE, SINGLE_FILE, read_hf_config, tensor_files
@@ -53,7 +58,7 @@ from mimotron.models.hf.llama import LLAMA_WEIGHTS, SUPPORTED_MODEL_TYPES, Llama
 from mimotron.models.hf.weights import WeightMap, hf_tensors_of
 from mimotron.models.hf.whisper import WHISPER_WEIGHTS
 from mimotron.names import LANGUAGE
-from mimotron.outputs import check_output_dir, new_file_mode
+from mimotron.outputs import new_file_mode
 
 HF_PATH = "hf_path"
 """Key of ``modules.<m>`` naming the Hugging Face folder a module was loaded from."""
@@ -65,7 +70,7 @@ EMBED, HEAD = "embed.weight", "output.weight"  # the language model's vocabulary
 CONFIG_FILE = "config.json"
 RUN_CONFIG_FILE = "mimotron_config.json"
 # Files of an original folder that hold weights: never copied (stale values, or a second
-# copy transformers might prefer).
+# copy transformers might prefer). Export deletes none of them anywhere.
 _WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json", ".bin", ".bin.index.json",
                     ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
 
@@ -136,12 +141,13 @@ def hf_paths(run_config: Mapping[str, Any]) -> dict[str, str]:
 def export_hf_checkpoint(checkpoint: str | Path, out_dir: str | Path) -> dict[str, Path]:
     """Write a checkpoint's modules as Hugging Face folders (see the module docstring).
 
-    The output folder is checked before the checkpoint is read; the recorded
-    ``hf_path`` folders and the tokenizer before any tensor is read.
+    The output folder is checked for writing before the checkpoint is read; that it
+    is this export's to write (:class:`~mimotron.checkpoint.export_folder.ExportFolder`),
+    the recorded ``hf_path`` folders and the tokenizer before any tensor is read.
 
     Args:
         checkpoint: a checkpoint root holding ``latest``, or one ``iter_NNNNNNN`` dir.
-        out_dir: the output folder (created; files of the same names are replaced).
+        out_dir: the output folder (created): new, empty, or a previous export's own.
 
     Returns:
         What was written, by label: ``<m>`` -> ``OUT_DIR/<m>`` (a Hugging Face folder)
@@ -149,12 +155,12 @@ def export_hf_checkpoint(checkpoint: str | Path, out_dir: str | Path) -> dict[st
         ``OUT_DIR/<m>.safetensors`` for the projector of an HF encoder; ``run config``.
 
     Raises:
-        ValueError: not a checkpoint path, an unwritable ``out_dir``, no module with an
+        ValueError: not a checkpoint path, an unwritable ``out_dir`` or one holding
+            files an export did not write or a folder the run read, no module with an
             ``hf_path``, or a recorded folder that is gone or unusable (names it).
         CheckpointError: missing, incomplete or corrupted (names the file).
     """
-    out = Path(out_dir)
-    check_output_dir(out)
+    folder = ExportFolder(out_dir)
     found: dict[str, Any] = {}
 
     def check(meta: dict[str, Any]) -> None:
@@ -162,6 +168,7 @@ def export_hf_checkpoint(checkpoint: str | Path, out_dir: str | Path) -> dict[st
         if not paths:
             raise ValueError("export --format hf: no module of this checkpoint has an hf_path "
                              "(modules.<m>.hf_path); use --format mimotron")
+        folder.check(meta["config"], subfolders=paths)
         for module, path in paths.items():
             config = read_hf_config(check_hf_folder(path, module))
             family_of(config, f"modules.{module}.hf_path={path!r}")
@@ -169,7 +176,6 @@ def export_hf_checkpoint(checkpoint: str | Path, out_dir: str | Path) -> dict[st
 
     tensors, meta = read_full_model(checkpoint, check_meta=check)
     paths, iteration = hf_paths(meta["config"]), int(meta["iteration"])
-    out.mkdir(parents=True, exist_ok=True)
     written: dict[str, Path] = {}
     plain: dict[str, dict[str, torch.Tensor]] = {}
     for module, state in sorted(split_by_module(tensors).items()):
@@ -177,17 +183,18 @@ def export_hf_checkpoint(checkpoint: str | Path, out_dir: str | Path) -> dict[st
             plain[module] = state
             continue
         tower, rest = _split_tower(module, state)
-        written[module] = export_hf_module(
-            tower, paths[module], out / module, module=module,
+        written[module] = _write_hf_module(
+            tower, paths[module], folder, module, module=module,
             vocab_size=meta.get(VOCAB_SIZE_UNPADDED) if module == LANGUAGE else None,
             tokenizer=found["tokenizer"] if module == LANGUAGE else None,
             metadata={"module": module, "iteration": str(iteration)})
         if rest:
-            written[f"{module} projector"] = write_module_files({module: rest}, out,
+            written[f"{module} projector"] = write_module_files({module: rest}, folder,
                                                                 iteration)[module]
-    written.update(write_module_files(plain, out, iteration))
-    (out / RUN_CONFIG_FILE).write_text(json.dumps(meta["config"], indent=1) + "\n")
-    written["run config"] = out / RUN_CONFIG_FILE
+    written.update(write_module_files(plain, folder, iteration))
+    written["run config"] = folder.file(RUN_CONFIG_FILE)
+    written["run config"].write_text(json.dumps(meta["config"], indent=1) + "\n")
+    folder.finish()
     return written
 
 
@@ -235,7 +242,9 @@ def export_hf_module(
             (``layers.0.attn.wq.weight``: the language model's, or an encoder's tower's
             without the ``encoder.`` prefix).
         hf_path: the folder the module was loaded from.
-        out_dir: the folder to write (created; files of the same names are replaced).
+        out_dir: the folder to write (created): new, empty or a previous export's own,
+            and neither ``hf_path`` nor the tokenizer's folder (see
+            :class:`~mimotron.checkpoint.export_folder.ExportFolder`).
         module: the module's name, for messages.
         vocab_size: language only: the real vocabulary; rows beyond it are padding and
             dropped. ``None``: ``max(config vocab_size, len(tokenizer))`` with a
@@ -248,9 +257,32 @@ def export_hf_module(
         ``out_dir``.
 
     Raises:
-        ValueError: the folder is gone or not a supported family, or the tensors do not
-            belong to its checkpoint (names every mismatch).
+        ValueError: ``out_dir`` is not this export's to write, the folder is gone or not
+            a supported family, or the tensors do not belong to its checkpoint (names
+            every mismatch).
     """
+    folder = ExportFolder(out_dir)
+    tokenizer_path = str(tokenizer.path) if tokenizer is not None else None
+    folder.check({"modules": {module: {HF_PATH: str(hf_path)}},
+                  "data": {TOKENIZER: tokenizer_path}})
+    out = _write_hf_module(tensors, hf_path, folder, "", module=module, vocab_size=vocab_size,
+                           tokenizer=tokenizer, metadata=metadata)
+    folder.finish()
+    return out
+
+
+def _write_hf_module(
+    tensors: Mapping[str, torch.Tensor],
+    hf_path: str | os.PathLike[str],
+    target: ExportFolder,
+    subfolder: str,
+    *,
+    module: str,
+    vocab_size: int | None,
+    tokenizer: Any,
+    metadata: Mapping[str, str] | None,
+) -> Path:
+    """:func:`export_hf_module` into ``subfolder`` (``""``: the top) of a checked folder."""
     folder = check_hf_folder(hf_path, module)
     config = read_hf_config(folder)
     family = family_of(config, f"modules.{module}.hf_path={str(hf_path)!r}")
@@ -265,21 +297,20 @@ def export_hf_module(
         ours, config = _fit_vocab(ours, config, vocab_size, module)
     files = tensor_files(folder)
     weights = _merge(ours, dropped, files, family.weight_map, module)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    _remove_weight_files(out)
-    _copy_files(folder, out)
+    prefix = f"{subfolder}/" if subfolder else ""
+    written = _copy_files(folder, target, prefix)
     if config != read_hf_config(folder):
-        (out / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        written.append(target.file(prefix + CONFIG_FILE))
+        written[-1].write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     if tokenizer is not None:
-        _write_tokenizer(tokenizer, out)
+        written += _write_tokenizer(tokenizer, target, prefix)
+    written.append(target.file(prefix + SINGLE_FILE))
     # transformers refuses a safetensors file without format=pt in its header.
-    save_file(weights, str(out / SINGLE_FILE), metadata={**(metadata or {}), "format": "pt"})
-    mode = new_file_mode(out)
-    for file in out.iterdir():
-        if file.is_file():
-            os.chmod(file, mode)  # copies keep the source's mode, safetensors writes 0600
-    return out
+    save_file(weights, str(written[-1]), metadata={**(metadata or {}), "format": "pt"})
+    mode = new_file_mode(written[-1].parent)
+    for file in written:
+        os.chmod(file, mode)  # safetensors writes 0600: every file gets the usual mode
+    return written[-1].parent
 
 
 def _fit_vocab(
@@ -378,22 +409,26 @@ def _is_weight_file(name: str) -> bool:
     return name.endswith(_WEIGHT_SUFFIXES) or name in (SINGLE_FILE, INDEX_FILE)
 
 
-def _remove_weight_files(out: Path) -> None:
-    """Weight files of an earlier export into ``out`` (a stale shard index would win)."""
-    for file in out.iterdir():
-        if file.is_file() and _is_weight_file(file.name):
-            file.unlink()
-
-
-def _copy_files(source: Path, out: Path) -> None:
-    """Copy the top-level non-weight files of ``source`` (config, generation config, ...)."""
+def _copy_files(source: Path, target: ExportFolder, prefix: str) -> list[Path]:
+    """Copy the top-level non-weight files of ``source`` (config, generation config, ...)
+    to ``prefix<name>`` in the export folder; the files written."""
+    written = []
     for file in sorted(source.iterdir()):
         if file.is_file() and not _is_weight_file(file.name):
-            shutil.copyfile(file, out / file.name)
+            written.append(target.file(prefix + file.name))
+            shutil.copyfile(file, written[-1])
+    return written
 
 
-def _write_tokenizer(tokenizer: Any, out: Path) -> None:
-    """The tokenizer folder's files, then (placeholders added) the tokenizer as trained."""
-    _copy_files(Path(tokenizer.path), out)
+def _write_tokenizer(tokenizer: Any, target: ExportFolder, prefix: str) -> list[Path]:
+    """The tokenizer folder's files, then (placeholders added) the tokenizer as trained;
+    the files written."""
+    written = _copy_files(Path(tokenizer.path), target, prefix)
     if tokenizer.num_added:
-        tokenizer.tokenizer.save_pretrained(str(out))
+        # save_pretrained picks its own file names: saved aside, then each one recorded.
+        with tempfile.TemporaryDirectory(prefix="mimotron-tokenizer-") as temp:
+            tokenizer.tokenizer.save_pretrained(temp)
+            for file in _copy_files(Path(temp), target, prefix):
+                if file not in written:
+                    written.append(file)
+    return written

@@ -6,11 +6,12 @@ Hugging Face folder as a folder ``transformers`` loads, the others as with the d
 (:mod:`mimotron.checkpoint.hf_export`).
 
 Runs in this one process, without ``torch.distributed``. The output folder is checked
-first, before the checkpoint is read. Exit code 0 on success; 2 when the path is not a
-checkpoint, the output folder cannot be written, or (``hf``) a folder the export needs
-is gone; 1 when the checkpoint is incomplete, damaged or refused (a crafted
-``.metadata``), or writing fails. Every failure is one line (with the traceback first
-when ``MIMOTRON_DEBUG=1``).
+first, before any tensor is read: it must be new, empty or a previous export's own, and
+no folder the run read (:mod:`mimotron.checkpoint.export_folder`). Exit code 0 on
+success; 2 when the path is not a checkpoint, the output folder cannot be written or
+is refused, or (``hf``) a folder the export needs is gone; 1 when the checkpoint is
+incomplete, damaged or refused (a crafted ``.metadata``), or writing fails. Every
+failure is one line (with the traceback first when ``MIMOTRON_DEBUG=1``).
 """
 
 from __future__ import annotations
