@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 
+from mimotron.checkpoint import export as export_module
 from mimotron.checkpoint import export_checkpoint
 from mimotron.checkpoint.export_folder import MARKER
 from mimotron.cli.main import main as cli_main
@@ -82,8 +83,8 @@ def test_hf_export_never_deletes_a_users_file(hf_run, tmp_path, capsys, monkeypa
     (out / "language" / "my_finetune.ckpt").write_bytes(b"a week of fine-tuning")
     before = _files(out)
     reads: list[Any] = []
-    real = __import__("mimotron.checkpoint.export", fromlist=["_dcp_read"])._dcp_read
-    monkeypatch.setattr("mimotron.checkpoint.export._dcp_read",
+    real = export_module._dcp_read
+    monkeypatch.setattr(export_module, "_dcp_read",
                         lambda path, template: (reads.append(template), real(path, template)))
     _refused(capsys, _export(hf_run["ckpt"], out, "hf"), f"output folder {str(out)!r}",
              "language/my_finetune.ckpt")
