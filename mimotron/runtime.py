@@ -158,6 +158,13 @@ def device_peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
 
 
 def synchronize(device: torch.device) -> None:
-    """Wait for queued device work (timers must not measure launch time only)."""
+    """Wait for the compute stream's queued work (timers must not measure launch time only).
+
+    The current stream only, never the whole device: a device-wide sync would also wait
+    for the point-to-point sends parked until the step's end, which complete only when
+    their peer reaches the matching receive — in a pipeline plan that relies on sends
+    not blocking, the peer may first wait for this rank (a hang). Received tensors are
+    ``wait()``-ed before use, which orders them on the current stream.
+    """
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
+        torch.cuda.current_stream(device).synchronize()

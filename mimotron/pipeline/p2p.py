@@ -69,6 +69,12 @@ class PendingSends:
         if work is not None:
             self._works.append((work, tensor))
 
+    def prune(self) -> None:
+        """Let go of sends that completed, so their tensors are freed before the step's end
+        (never ``wait()`` here: a send waits for its peer's receive, and pipeline plans
+        rely on sends not blocking)."""
+        self._works = [(w, t) for w, t in self._works if not w.is_completed()]
+
     def wait(self) -> None:
         for work, _ in self._works:
             work.wait()
@@ -126,6 +132,7 @@ def exchange(sends: list[tuple[int, torch.Tensor]], recvs: list[Recv],
         The received tensors, in ``recvs`` order.
     """
     links = links or LinkGroups(dist.get_rank(), None)
+    pending.prune()
     for (peer, t), kn in zip(sends, known or [None] * len(sends), strict=True):
         t = t.detach().contiguous()
         if kn is None:
