@@ -96,8 +96,10 @@ def test_item5_rerun_refuses_then_overwrite_moves_the_previous_run_aside(tmp_pat
     assert (moved / "checkpoints" / "latest").read_text().strip() == "2"
     assert (moved / "checkpoints" / "iter_0000002" / "manifest.json").is_file()
     assert _iterations(tmp_path) == [1, 2]
-    # The new run's own checkpoint; resuming from it (auto) is no fresh start.
-    assert main(run) == 0
+    # The new run's own checkpoint; resuming from it (auto) is no fresh start, but the
+    # run is finished: nothing to train (test_faults_rundir.py), and nothing written.
+    assert main(run) == 2
+    assert "nothing to train: iteration 2 already reached" in capsys.readouterr().err
     assert _iterations(tmp_path) == [1, 2]
 
 
@@ -303,7 +305,8 @@ def test_item5_explicit_load_below_newer_checkpoints_refuses_or_moves_them(tmp_p
     older = _checkpoint(ckpt, 4)
     _checkpoint(ckpt, 8)
     write_latest(ckpt, 8)
-    args = [*TINY, f"log.dir={tmp_path}", f"checkpoint.dir={ckpt}", f"checkpoint.load={older}"]
+    args = [*TINY, f"log.dir={tmp_path}", f"checkpoint.dir={ckpt}", f"checkpoint.load={older}",
+            "train.iters=10"]  # Left to train after iteration 4.
     with pytest.raises(ValueError, match=r"iter_0000008.*train\.overwrite=true"):
         prepare_run_dir(load_config(DIGITS, args))
     assert (ckpt / "iter_0000008").is_dir() and (ckpt / "latest").is_file()
