@@ -187,6 +187,8 @@ class MultiModulePipelineCommunicator:
         self.counts = TransferCounts()
         # (chunk, micro-batch, peer) -> (shape, dtype) of each output sent, for its gradient.
         self._sent: dict[tuple[int, int, int], tuple[tuple[int, ...], torch.dtype]] = {}
+        # The same for each input received, checked against the gradient sent back.
+        self._received: dict[tuple[int, int, int], tuple[tuple[int, ...], torch.dtype]] = {}
         # Known to both ends of a language stage link from the config: no header.
         self._stage: LinkShape | None = (
             stage_link_shape(layout, micro_batch_size, seq_length, hidden_size)
@@ -379,7 +381,10 @@ class MultiModulePipelineCommunicator:
                 for p, t in out:
                     self._checked(p, False, t, f"micro-batch {it.microbatch}'s input "
                                   f"gradient for rank {p}", it.chunk)
-                # The peer knows a gradient's shape: that of the tensor it sent us.
+                    # The peer expects the shape and dtype of the tensor it sent us.
+                    got = self._received.pop((it.chunk, it.microbatch, p))
+                    assert (tuple(t.shape), t.dtype) == got, \
+                        f"gradient {tuple(t.shape)} {t.dtype} for rank {p}, which sent {got}"
                 known += [(tuple(t.shape), t.dtype) for _, t in out]
             else:
                 continue
@@ -388,14 +393,16 @@ class MultiModulePipelineCommunicator:
                  if it.kind in (RECV_FORWARD, RECV_BACKWARD) else [] for it in items]
         got = iter(exchange(sends, [r for rs in recvs for r in rs], self.pending,
                             self.counts, self.device, known, self.links))
-        results = [self._assemble(it, [next(got) for _ in rs])
+        results = [self._assemble(it, rs, [next(got) for _ in rs])
                    if it.kind in (RECV_FORWARD, RECV_BACKWARD) else None
                    for it, rs in zip(items, recvs, strict=True)]
         self._add_time(t0)
         return results
 
-    def _assemble(self, it: Transfer, tensors: list[torch.Tensor]) -> Any:
+    def _assemble(self, it: Transfer, recvs: list[Recv], tensors: list[torch.Tensor]) -> Any:
         if it.kind == RECV_FORWARD:
+            for r, t in zip(recvs, tensors, strict=True):  # its gradient goes back alike
+                self._received[(it.chunk, it.microbatch, r.peer)] = (tuple(t.shape), t.dtype)
             return self._assemble_forward(it.microbatch, self._forward_sources(it.chunk),
                                           tensors, it.chunk)
         return self._assemble_backward(it.microbatch, tensors, it.chunk)
@@ -440,9 +447,11 @@ class MultiModulePipelineCommunicator:
             self._rows.clear()  # No gradients go back in evaluation.
             self._routed.clear()
             self._sent.clear()
+            self._received.clear()
         assert not self._rows, f"gradients never sent for {sorted(self._rows)}"
         assert not self._routed, f"gradients never received for {sorted(self._routed)}"
         assert not self._sent, f"gradients never received for {sorted(self._sent)}"
+        assert not self._received, f"gradients never sent for {sorted(self._received)}"
 
     def set_timing(self, enabled: bool) -> None:
         """Time transfers (each then waits for the device) or not."""
