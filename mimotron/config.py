@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mimotron.config_limits import check_limits
 from mimotron.config_numbers import check_numbers
 from mimotron.config_paths import check_paths
 from mimotron.config_schema import (
@@ -188,6 +189,7 @@ class MimoConfig:
             self.profile.start,
             f"0 <= profile.start <= profile.end ({self.profile.end})",
         )
+        check_limits(self)  # Timeouts torch takes; a model size some machine could hold.
         return self
 
 

@@ -9,7 +9,7 @@ from mimotron.checkpoint.files import CheckpointError
 from mimotron.config import load_config
 from mimotron.models.build import moe_options
 from mimotron.parallel.expert_layout import format_expert_layout
-from mimotron.parallel.layout import plan_layout
+from mimotron.parallel.layout import format_skipped, plan_layout
 from mimotron.parallel.memory import (
     estimate_memory,
     microbatches_in_flight,
@@ -75,7 +75,11 @@ def run_plan(config: str, overrides: list[str], dry_run: bool = False,
     print(f"memory estimate per rank (MiB, precision {cfg.train.precision}):")
     print(f"{'rank':>4}  {'module':<10} {'weights':>8} {'grads':>8} {'optim':>8} {'activ':>8} "
           f"{'in fl.':>6} {'bwd ws':>8} {'bucket':>8} {'gather':>8} {'total':>8}")
-    for rank, items in estimate_memory(cfg, layout, vocab).items():
+    shown, previous = layout.shown_ranks(), -1  # A million ranks: a summary, not rows.
+    for rank, items in estimate_memory(cfg, layout, vocab, shown).items():
+        if rank > previous + 1:
+            print(format_skipped(rank - previous - 1))
+        previous = rank
         roles = {role.module: role for role in layout.roles(rank)}
         for i, e in enumerate(items):
             r = f"{rank:>4}" if i == 0 else " " * 4
@@ -83,6 +87,8 @@ def run_plan(config: str, overrides: list[str], dry_run: bool = False,
             print(f"{r}  {e.module:<10} {_mib(e.weights)} {_mib(e.grads)} {_mib(e.optimizer)} "
                   f"{_mib(e.activations)} {flight:>6} {_mib(e.workspace)} "
                   f"{_mib(e.reduce_bucket)} {_mib(e.param_gather)} {_mib(e.total)}")
+    if previous < layout.world_size - 1:
+        print(format_skipped(layout.world_size - 1 - previous))
     print("activ: saved tensors of the micro-batches in flight (in fl., the 1F1B warm-up;\n"
           "a frozen encoder: its outputs only); bwd ws: the backward's largest temporary;\n"
           "bucket: the gradient reduction's buffers (one bucket, or every bucket with\n"

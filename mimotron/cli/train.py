@@ -40,6 +40,7 @@ import traceback
 from typing import Any
 
 from mimotron.config import MimoConfig, load_config
+from mimotron.config_limits import check_local_ranks
 from mimotron.failures import (
     FAILURE_DIR_ENV,
     FailureRecord,
@@ -73,6 +74,7 @@ def run_train(config: str, overrides: list[str]) -> int:
             cfg = load_config(config, overrides)
             env_world = int(os.environ["WORLD_SIZE"]) if _under_launcher() else None
             layout = plan_layout(cfg, env_world_size=env_world)
+            check_local_ranks(layout.world_size, launched=not _under_launcher())
             if not _under_launcher():  # Every sample checked once, before any rank starts.
                 from mimotron.data.llava_setup import check_data
 

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from mimotron.data.digits import sample_rng
+from mimotron.data.template_check import check_chat_template
 from mimotron.data.tokenizer import MODALITIES
 
 # Salt of the new-row generators: unrelated to the data streams' salts.
@@ -72,6 +73,7 @@ class HFTokenizer:
                 f"data.tokenizer={str(self.path)!r} has no chat template: expected a "
                 "'chat_template' in tokenizer_config.json or a chat_template.jinja file"
             )
+        check_chat_template(self.tokenizer.chat_template, self.path, chat_template is not None)
         unknown = [m for m in modalities if m not in MODALITIES]
         if unknown:
             raise ValueError(f"modalities={list(modalities)!r} is invalid: expected items of "

@@ -23,6 +23,8 @@ from mimotron.parallel.sequence_parallel import check_sequence_parallel
 from mimotron.parallel.virtual_pipeline import check_virtual_pipeline
 
 GRID_DIMS = GRID_AXES
+RANK_MAP_LIMIT = 64
+"""Past this many ranks, ``mimotron plan`` shows each module's first and last ranks."""
 
 
 @dataclass(frozen=True)
@@ -115,15 +117,33 @@ class Layout:
         """Roles of every rank, indexed by global rank."""
         return [self.roles(r) for r in range(self.world_size)]
 
-    def format_rank_map(self) -> str:
-        """A human-readable table of the rank map."""
+    def shown_ranks(self, limit: int = RANK_MAP_LIMIT) -> list[int]:
+        """Every rank up to ``limit`` ranks; beyond, each module's first and last two.
+
+        A plan of a million ranks would otherwise print a million rows; the rows left
+        out repeat the shown ones' pattern (:func:`format_skipped` says how many).
+        """
+        if self.world_size <= limit:
+            return list(range(self.world_size))
+        shown: set[int] = set()
+        for mod in self.modules.values():
+            r = mod.ranks
+            shown.update([*r[:2], *r[-2:]])
+        return sorted(shown)
+
+    def format_rank_map(self, limit: int = RANK_MAP_LIMIT) -> str:
+        """A human-readable table of the rank map (summarised past ``limit`` ranks)."""
         lines = [
             f"placement: {'colocated' if self.colocated else 'non-colocated'}, "
             f"world size {self.world_size}",
             f"{'rank':>4}  {'module':<10} {'tp':>2} {'cp':>2} {'dp':>2} {'pp':>2}  stage",
         ]
-        for roles in self.rank_map():
-            for i, r in enumerate(roles):
+        previous = -1
+        for rank in self.shown_ranks(limit):
+            if rank > previous + 1:
+                lines.append(format_skipped(rank - previous - 1))
+            previous = rank
+            for i, r in enumerate(self.roles(rank)):
                 stage = (
                     "first+last"
                     if r.is_first_stage and r.is_last_stage
@@ -133,11 +153,18 @@ class Layout:
                     if r.is_last_stage
                     else "middle"
                 )
-                rank = f"{r.rank:>4}" if i == 0 else " " * 4
+                label = f"{r.rank:>4}" if i == 0 else " " * 4
                 lines.append(
-                    f"{rank}  {r.module:<10} {r.tp:>2} {r.cp:>2} {r.dp:>2} {r.pp:>2}  {stage}"
+                    f"{label}  {r.module:<10} {r.tp:>2} {r.cp:>2} {r.dp:>2} {r.pp:>2}  {stage}"
                 )
+        if previous < self.world_size - 1:
+            lines.append(format_skipped(self.world_size - 1 - previous))
         return "\n".join(lines)
+
+
+def format_skipped(count: int) -> str:
+    """The line standing for ``count`` ranks a summarised table leaves out."""
+    return f"{'...':>4}  ({count:,} ranks not shown)"
 
 
 def plan_layout(cfg: MimoConfig, env_world_size: int | None = None) -> Layout:

@@ -315,15 +315,15 @@ def backward_workspace_bytes(cfg: MimoConfig, name: str) -> int:
 
 
 def estimate_memory(
-    cfg: MimoConfig, layout: Layout, vocab_size: int
+    cfg: MimoConfig, layout: Layout, vocab_size: int, ranks: list[int] | None = None
 ) -> dict[int, list[MemoryEstimate]]:
-    """Per-rank estimates, one entry per module the rank holds."""
+    """Per-rank estimates, one entry per module the rank holds (of ``ranks``; None: all)."""
     counts = {n: stage_parameter_counts(cfg, n, vocab_size) for n in cfg.modules}
     experts = {n: stage_expert_counts(cfg, n, vocab_size) for n in cfg.modules}
     master = 4
     compute = BYTES[cfg.train.precision] if cfg.train.precision != "fp32" else 0
     out: dict[int, list[MemoryEstimate]] = {}
-    for rank in range(layout.world_size):
+    for rank in range(layout.world_size) if ranks is None else ranks:
         out[rank] = []
         for role in layout.roles(rank):
             mod = cfg.modules[role.module]

@@ -17,6 +17,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from mimotron.models.hf.clip import ClipVisionTower, SiglipVisionTower, used_layers
+from mimotron.models.hf.config_check import check_hf_config
 from mimotron.models.hf.folder import read_hf_config
 from mimotron.models.hf.llama import SUPPORTED_MODEL_TYPES, LlamaFamilySpec
 from mimotron.models.hf.whisper import WhisperEncoderTower
@@ -128,6 +129,7 @@ def resolve_hf_module(name: str, mod: ModuleConfig, explicit: Iterable[str] | No
     """
     where = f"modules.{name}"
     try:
+        check_hf_config(mod.hf_path, read_hf_config(mod.hf_path))  # Before any int() of it.
         hf_family(mod, where)
         sizes = hf_sizes(mod)
     except ValueError as exc:
