@@ -9,6 +9,7 @@ export tests.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -603,3 +604,34 @@ def test_stop_signals_treat_quick_repeats_as_copies_even_while_saving():
         stop.restore()
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def _full_disk_save(rank: int, world: int, overrides: list[str], root: str) -> str:
+    """Both ranks' writes fail as a full device makes them fail: torch's stream writer
+    reports a short write, Python's own write ENOSPC."""
+    run = setup_mimo(load_config(DIGITS, overrides), init_runtime())
+    _steps(run, 1)
+    errors = [RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 704 "
+                           "vs 598"), OSError(errno.ENOSPC, "No space left on device")]
+
+    def full(self, plan, planner):  # noqa: ANN001, ARG001
+        raise errors[rank]
+
+    FileSystemWriter.write_data = full
+    try:
+        save_checkpoint(root, *_pieces(run))
+    except CheckpointError as exc:
+        return str(exc)
+    return "saved"
+
+
+def test_a_full_disk_is_one_message_naming_the_folder_on_every_rank(tmp_path):
+    """Was 'rank 0: RuntimeError: ... unexpected pos 704 vs 598; rank 1: OSError: [Errno
+    28] ...': the same words for the same cause, with the folder and its free space."""
+    messages = run_ranks(2, _full_disk_save, BASE + colocated(2), str(tmp_path),
+                         timeout_s=120)
+    folder = tmp_path / "iter_0000001"
+    for text in messages:
+        for rank in (0, 1):
+            assert f"rank {rank}: no space left on the device holding {folder} (" in text
+        assert "unexpected pos" not in text and "bytes free)" in text

@@ -23,7 +23,10 @@ and rank 0 says so.
 
 from __future__ import annotations
 
+import errno
 import io
+import re
+import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -65,14 +68,43 @@ if TYPE_CHECKING:
 DCP_ERRORS = (Exception, CheckpointException)
 
 
-def describe_failure(exc: BaseException) -> str:
-    """One line per failing rank for DCP's exception (its own text is full tracebacks)."""
+def describe_failure(exc: BaseException, path: Path | None = None) -> str:
+    """One line per failing rank for DCP's exception (its own text is full tracebacks).
+
+    A write that failed for lack of space reads the same on every rank that saw it,
+    naming ``path`` (the checkpoint folder) and the space left there: torch's stream
+    writer reports a short write as ``unexpected pos A vs B`` where Python's own write
+    says ``[Errno 28]``.
+    """
     if isinstance(exc, CheckpointException):
-        return "; ".join(
-            f"rank {rank}: {type(err).__name__}: {err}"
-            for rank, (err, _) in sorted(exc.failures.items())
-        )
-    return f"{type(exc).__name__}: {exc}"
+        return "; ".join(f"rank {rank}: {_one_failure(err, path)}"
+                         for rank, (err, _) in sorted(exc.failures.items()))
+    return _one_failure(exc, path)
+
+
+def _one_failure(err: BaseException, path: Path | None) -> str:
+    if path is not None and _out_of_space(err):
+        return f"no space left on the device holding {path} ({_free_space(path)} free)"
+    return f"{type(err).__name__}: {err}"
+
+
+def _out_of_space(err: BaseException | None) -> bool:
+    """ENOSPC anywhere in the chain, or torch's short-write error (a full device)."""
+    while err is not None:
+        if isinstance(err, OSError) and err.errno == errno.ENOSPC:
+            return True
+        if re.search(r"unexpected pos \d+ vs \d+|file write failed", str(err)):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
+
+
+def _free_space(path: Path) -> str:
+    """Free bytes on the file system of ``path`` (its nearest existing folder)."""
+    existing = next((p for p in (path, *path.parents) if p.exists()), None)
+    if existing is None:
+        return "unknown"
+    return f"{shutil.disk_usage(existing).free:,} bytes"
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):

@@ -88,7 +88,8 @@ class SaveHandle:
             raise
         except DCP_ERRORS as exc:
             raise CheckpointError(
-                f"saving iteration {self.iteration} to {self.path} failed: {describe_failure(exc)}"
+                f"saving iteration {self.iteration} to {self.path} failed: "
+                f"{describe_failure(exc, self.path)}"
             ) from exc
 
 
@@ -192,7 +193,7 @@ def _write_checkpoint(
             dcp.save(state, checkpoint_id=str(path), process_group=group)
         except DCP_ERRORS as exc:
             raise CheckpointError(
-                f"saving iteration {iteration} to {path} failed: {describe_failure(exc)}"
+                f"saving iteration {iteration} to {path} failed: {describe_failure(exc, path)}"
             ) from exc
         _commit(path, root, iteration, layout, group, keep)
         seconds = time.perf_counter() - start
@@ -225,7 +226,7 @@ def _finish_async(
         staged.result()
     except DCP_ERRORS as exc:
         raise CheckpointError(
-            f"saving iteration {iteration} to {path} failed: {describe_failure(exc)}"
+            f"saving iteration {iteration} to {path} failed: {describe_failure(exc, path)}"
         ) from exc
     _commit(path, root, iteration, layout, group, keep)
     log(
