@@ -76,10 +76,11 @@ def check_timeouts(obj: Any, prefix: str = "") -> None:
 
 def _attention_params(mod: ModuleConfig) -> int:
     """Per-layer attention parameters (biases and norms left out: a bound, not a count)."""
-    from mimotron.models.hf.resolve import language_spec
-
     h = mod.hidden_size
     if mod.hf_path and mod.kind == "language":  # grouped-query heads, a head_dim of its own
+        # Only for Hugging Face modules: the launcher's checks import no model code else.
+        from mimotron.models.hf.resolve import language_spec
+
         spec = language_spec(mod)
         q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
         return 2 * h * q + 2 * h * kv
@@ -100,7 +101,6 @@ def module_parameters(mod: ModuleConfig) -> tuple[int, int]:
         The two counts (Python ints: never overflow).
     """
     from mimotron.models.blocks import default_ffn_hidden_size
-    from mimotron.models.hf.resolve import language_spec
 
     h, layers = mod.hidden_size, mod.num_layers
     f = mod.ffn_hidden_size or default_ffn_hidden_size(h)
@@ -108,6 +108,8 @@ def module_parameters(mod: ModuleConfig) -> tuple[int, int]:
     ends = 0
     experts = 0
     if mod.kind == "language" and mod.hf_path:
+        from mimotron.models.hf.resolve import language_spec
+
         spec = language_spec(mod)
         ends = spec.vocab_size * h * (1 if spec.tie_word_embeddings else 2)
         if spec.moe is not None:

@@ -365,9 +365,9 @@ def test_checkpoint_errors_are_one_line_without_tracebacks(tmp_path):
     """Item 8: a checkpoint error prints one line per rank and no traceback (which
     ``MIMOTRON_DEBUG=1`` brings back), and the verdict names the error."""
     bad = _fake_checkpoint(tmp_path / "ckpt")
-    args = [COLOCATED, *TINY, "train.iters=3", f"checkpoint.load={bad}",
+    args = [COLOCATED, *TINY, "train.iters=10", f"checkpoint.load={bad}",
             f"log.dir={tmp_path}"]
-    one_rank = [DIGITS, *TINY, "train.iters=3", f"checkpoint.load={bad}",
+    one_rank = [DIGITS, *TINY, "train.iters=10", f"checkpoint.load={bad}",
                 f"log.dir={tmp_path}/one",
                 *[f"modules.{m}.parallel.{k}={v}" for m in ("vision", "audio", "language")
                   for k, v in (("data", 1), ("rank_offset", 0))]]

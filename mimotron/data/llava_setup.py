@@ -197,9 +197,11 @@ def check_data(cfg: MimoConfig) -> CharTokenizer | HFTokenizer:
     Raises:
         ValueError: what :func:`build_tokenizer` or :func:`build_llava_tasks` raise.
     """
-    from mimotron.models.hf.file_check import check_hf_weight_files
+    if any(m.hf_path for m in cfg.modules.values()):
+        # Importing the package loads the model code: only runs with Hugging Face folders.
+        from mimotron.models.hf.file_check import check_hf_weight_files
 
-    check_hf_weight_files(cfg)  # Safetensors headers: one line naming a bad file.
+        check_hf_weight_files(cfg)  # Safetensors headers: one line naming a bad file.
     tokenizer = build_tokenizer(cfg)
     if isinstance(tokenizer, HFTokenizer):
         build_llava_tasks(cfg, tokenizer)
