@@ -117,3 +117,23 @@ def folder_tensors(folder: Path) -> dict[str, Any]:
         with safe_open(file, framework="pt") as handle:
             out[name] = handle.get_tensor(name)
     return out
+
+
+def llava_env(base: Path) -> dict[str, Any]:
+    """Tokenizer, image processor, audio features and a media root with the four good
+    samples' files, built under ``base`` (the LLaVA data tests' shared fixture)."""
+    from transformers import WhisperFeatureExtractor
+
+    from mimotron.data.hf_tokenizer import HFTokenizer
+    from mimotron.data.media import AudioFeatures, ImageProcessor
+
+    clip_dir = base / "clip"
+    clip_dir.mkdir()
+    (clip_dir / "preprocessor_config.json").write_text(json.dumps(CLIP_CONFIG))
+    whisper_dir = base / "whisper"
+    WhisperFeatureExtractor(**WHISPER_KWARGS).save_pretrained(str(whisper_dir))
+    root = base / "data"
+    return {"tokenizer": HFTokenizer(make_tokenizer(base / "tok")),
+            "images": ImageProcessor.from_pretrained(clip_dir),
+            "audio": AudioFeatures(whisper_dir), "root": root,
+            "samples": good_samples(root), "base": base}  # fmt: skip

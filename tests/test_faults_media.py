@@ -22,18 +22,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from transformers import WhisperFeatureExtractor
 
 from mimotron.config_schema import DataConfig
-from mimotron.data.hf_tokenizer import HFTokenizer
 from mimotron.data.llava import LlavaDataset
-from mimotron.data.media import AudioFeatures, ImageProcessor
 from tests.hf_data import (
-    CLIP_CONFIG,
     NUM_TOKENS,
-    WHISPER_KWARGS,
-    good_samples,
-    make_tokenizer,
+    llava_env,
     tone,
     write_jsonl,
     write_png,
@@ -49,17 +43,7 @@ AUDIO_TURNS = [{"from": "human", "value": "listen to the tone <audio>"},
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
     """Tokenizer, preprocessing and a media root holding the four good samples' files."""
-    base = tmp_path_factory.mktemp("faults_media")
-    clip_dir = base / "clip"
-    clip_dir.mkdir()
-    (clip_dir / "preprocessor_config.json").write_text(json.dumps(CLIP_CONFIG))
-    whisper_dir = base / "whisper"
-    WhisperFeatureExtractor(**WHISPER_KWARGS).save_pretrained(str(whisper_dir))
-    root = base / "data"
-    return {"tokenizer": HFTokenizer(make_tokenizer(base / "tok")),
-            "images": ImageProcessor.from_pretrained(clip_dir),
-            "audio": AudioFeatures(whisper_dir), "root": root,
-            "samples": good_samples(root), "base": base}  # fmt: skip
+    return llava_env(tmp_path_factory.mktemp("faults_media"))
 
 
 def dataset(env, path, root=None, **kwargs):

@@ -15,16 +15,14 @@ import torch
 from transformers import CLIPImageProcessorPil, SiglipImageProcessorPil, WhisperFeatureExtractor
 
 from mimotron.data.collate import collate
-from mimotron.data.hf_tokenizer import HFTokenizer
 from mimotron.data.llava import LlavaDataset, LlavaTask, llava_tasks
-from mimotron.data.media import AudioFeatures, ImageProcessor, read_wav
+from mimotron.data.media import ImageProcessor, read_wav
 from mimotron.data.prefetch import PrefetchingReader
 from tests.hf_data import (
     CLIP_CONFIG,
     NUM_TOKENS,
     WHISPER_KWARGS,
-    good_samples,
-    make_tokenizer,
+    llava_env,
     tone,
     write_jsonl,
     write_png,
@@ -34,21 +32,8 @@ from tests.hf_data import (
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
-    """Tokenizer, image processor folder, audio extractor folder, and a media root."""
-    base = tmp_path_factory.mktemp("llava")
-    clip_dir = base / "clip"
-    clip_dir.mkdir()
-    (clip_dir / "preprocessor_config.json").write_text(json.dumps(CLIP_CONFIG))
-    whisper_dir = base / "whisper"
-    WhisperFeatureExtractor(**WHISPER_KWARGS).save_pretrained(str(whisper_dir))
-    root = base / "data"
-    return {
-        "tokenizer": HFTokenizer(make_tokenizer(base / "tok")),
-        "images": ImageProcessor.from_pretrained(clip_dir),
-        "audio": AudioFeatures(whisper_dir),
-        "root": root,
-        "samples": good_samples(root),
-    }
+    """Tokenizer, preprocessing and a media root holding the four good samples' files."""
+    return llava_env(tmp_path_factory.mktemp("llava"))
 
 
 def dataset(env, path, **kwargs):
