@@ -258,21 +258,26 @@ def compare_part(args: argparse.Namespace, gpu: dict[str, Any], work: Path
     iters = args.compare_iters
     overrides = [*REDUCED, f"train.iters={iters}", "scheduler.warmup_iters=1", "log.interval=1"]
     out: dict[str, Any] = {"config": str(args.config), "overrides": overrides}
-    cpu_run = train(args.config, overrides, work / "compare_cpu", args.timeout, cpu=True)
-    out["cpu"] = cpu_run
-    failure = run_failure(cpu_run, iters)
+
+    def side(name: str) -> str | None:
+        """Train one side into ``out``; its failure, if any."""
+        run = train(args.config, overrides, work / f"compare_{name}", args.timeout,
+                    cpu=name == "cpu")
+        out[name] = run
+        failure = run_failure(run, iters)
+        if failure is None:
+            out[f"{name}_losses"] = losses(run)
+        return failure
+
+    failure = side("cpu")
     if failure:
         return {**out, "status": "failed", "reason": f"CPU run: {failure}"}
-    out["cpu_losses"] = losses(cpu_run)
     if args.cpu_smoke or gpu["count"] < 1:
         why = "no GPU" if gpu["count"] < 1 else "--cpu-smoke (CPU only)"
         return {**out, "status": f"skipped: {why}"}  # The CPU side ran: it cannot rot.
-    gpu_run = train(args.config, overrides, work / "compare_gpu", args.timeout, cpu=False)
-    out["gpu"] = gpu_run
-    failure = run_failure(gpu_run, iters)
+    failure = side("gpu")
     if failure:
         return {**out, "status": "failed", "reason": f"GPU run: {failure}"}
-    out["gpu_losses"] = losses(gpu_run)
     out["comparison"] = compare_losses(out["gpu_losses"], out["cpu_losses"], args.loss_rtol)
     ok = out["comparison"]["ok"]
     return {**out, "status": "ok" if ok else "failed",
