@@ -37,6 +37,8 @@ RECV_BACKWARD = "recv_backward"  # gradients from next
 SEND_BACKWARD = "send_backward"  # gradients to prev
 SEND_FORWARD_RECV_BACKWARD = "send_forward_recv_backward"
 SEND_BACKWARD_RECV_FORWARD = "send_backward_recv_forward"
+TRANSFER_KINDS = (RECV_FORWARD, SEND_FORWARD, RECV_BACKWARD, SEND_BACKWARD,
+                  SEND_FORWARD_RECV_BACKWARD, SEND_BACKWARD_RECV_FORWARD)
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,21 @@ class Action:
         tail = "" if self.other is None else f"/{self.other}"
         head = f"c{self.chunk}:" if self.chunk else ""
         return f"{self.kind}({head}{self.microbatch}{tail})"
+
+
+def unpaired(a: Action) -> list[Action]:
+    """A paired 1F1B transfer as its send, then its receive; any other action alone.
+
+    The pair posts its send first (sends never block), so the split keeps its meaning;
+    the executor and the plan checker read paired actions this one way.
+    """
+    if a.kind == SEND_FORWARD_RECV_BACKWARD:
+        return [Action(SEND_FORWARD, a.microbatch, chunk=a.chunk),
+                Action(RECV_BACKWARD, a.other, chunk=a.chunk)]
+    if a.kind == SEND_BACKWARD_RECV_FORWARD:
+        return [Action(SEND_BACKWARD, a.microbatch, chunk=a.chunk),
+                Action(RECV_FORWARD, a.other, chunk=a.chunk)]
+    return [a]
 
 
 @dataclass(frozen=True)

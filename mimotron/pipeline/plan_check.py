@@ -34,10 +34,9 @@ from mimotron.pipeline.plan import (
     RECV_BACKWARD,
     RECV_FORWARD,
     SEND_BACKWARD,
-    SEND_BACKWARD_RECV_FORWARD,
     SEND_FORWARD,
-    SEND_FORWARD_RECV_BACKWARD,
     Action,
+    unpaired,
 )
 
 Node = Hashable  # a rank's name, e.g. (module, pipeline stage)
@@ -138,21 +137,9 @@ def routes(topology: Topology, node: Node, action: Action) -> list[tuple[Node, L
 
 
 def expand(plan: Sequence[Action]) -> list[tuple[int, Action]]:
-    """``(index in plan, action)`` with 1F1B's paired transfers as a send then a receive.
-
-    The pair posts its send first (sends never block), so the split keeps its meaning.
-    """
-    out: list[tuple[int, Action]] = []
-    for i, a in enumerate(plan):
-        if a.kind == SEND_FORWARD_RECV_BACKWARD:
-            out += [(i, Action(SEND_FORWARD, a.microbatch, chunk=a.chunk)),
-                    (i, Action(RECV_BACKWARD, a.other, chunk=a.chunk))]
-        elif a.kind == SEND_BACKWARD_RECV_FORWARD:
-            out += [(i, Action(SEND_BACKWARD, a.microbatch, chunk=a.chunk)),
-                    (i, Action(RECV_FORWARD, a.other, chunk=a.chunk))]
-        else:
-            out.append((i, a))
-    return out
+    """``(index in plan, action)`` with 1F1B's paired transfers as a send then a receive
+    (:func:`~mimotron.pipeline.plan.unpaired`)."""
+    return [(i, b) for i, a in enumerate(plan) for b in unpaired(a)]
 
 
 def _compute_rule(where: Placement, a: Action, done: set[Label], received: set[Label],

@@ -61,10 +61,10 @@ from mimotron.pipeline.plan import (
     RECV_BACKWARD,
     RECV_FORWARD,
     SEND_BACKWARD,
-    SEND_BACKWARD_RECV_FORWARD,
     SEND_FORWARD,
-    SEND_FORWARD_RECV_BACKWARD,
+    TRANSFER_KINDS,
     Action,
+    unpaired,
 )
 from mimotron.training.language_step import LanguageStep, LossOutput, packing_args
 
@@ -313,11 +313,6 @@ def _grad_or_zeros(t: torch.Tensor) -> torch.Tensor:
     return t.grad if t.grad is not None else torch.zeros_like(t)
 
 
-# A paired 1F1B action is its two transfers, run as one exchange.
-_PAIRS = {SEND_FORWARD_RECV_BACKWARD: (SEND_FORWARD, RECV_BACKWARD),
-          SEND_BACKWARD_RECV_FORWARD: (SEND_BACKWARD, RECV_FORWARD)}
-
-
 def _execute(plan: list[Action], runner: StageRunner, comm: Transport) -> None:
     """Run a plan: compute actions on the runner, transfers on the transport.
 
@@ -359,12 +354,9 @@ def _execute(plan: list[Action], runner: StageRunner, comm: Transport) -> None:
         elif a.kind == BACKWARD:
             flush()
             in_grads[(c, k)] = runner.backward(k, out_grads.pop((c, k), None), c)
-        elif a.kind in _PAIRS:
-            send, recv = _PAIRS[a.kind]
-            add(send, c, k)
-            add(recv, c, a.other)
-        elif a.kind in (RECV_FORWARD, SEND_FORWARD, RECV_BACKWARD, SEND_BACKWARD):
-            add(a.kind, c, k)
+        elif a.kind in TRANSFER_KINDS:  # a paired 1F1B transfer runs as one exchange
+            for b in unpaired(a):
+                add(b.kind, b.chunk, b.microbatch)
         else:
             raise AssertionError(f"unknown action {a}")
     flush()
