@@ -24,6 +24,7 @@ from mimotron.parallel.data_parallel import replica_group
 from mimotron.parallel.expert_parallel import is_expert_param
 from mimotron.parallel.groups import ProcessGroupCollection
 from mimotron.parallel.zero import ExpertSplitShards, ZeroShards, remove_gather_hooks
+from mimotron.setup_rules import check_trainable
 
 
 def _check_groups(name: str, grid: Any, pg: ProcessGroupCollection | None) -> None:
@@ -70,11 +71,7 @@ def _check_config(config: MimoConfig, precision: str) -> None:
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision={precision!r} is invalid: expected one of {PRECISIONS}")
-    if config.modules and all(m.freeze for m in config.modules.values()):
-        raise ValueError(
-            f"modules.*.freeze: every module ({sorted(config.modules)}) is frozen, so "
-            "nothing would train; unfreeze at least one"
-        )
+    check_trainable(config)  # The validator's rule (plan_layout), for direct callers.
     for name, mcfg in config.modules.items():
         if mcfg.parallel.shard_optimizer and mcfg.parallel.tensor > 1:
             raise ValueError(

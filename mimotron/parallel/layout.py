@@ -21,6 +21,7 @@ from mimotron.parallel.context_parallel import check_context_parallel
 from mimotron.parallel.expert_layout import check_expert_layout
 from mimotron.parallel.sequence_parallel import check_sequence_parallel
 from mimotron.parallel.virtual_pipeline import check_virtual_pipeline
+from mimotron.setup_rules import check_setup_rules
 
 GRID_DIMS = GRID_AXES
 RANK_MAP_LIMIT = 64
@@ -180,7 +181,10 @@ def plan_layout(cfg: MimoConfig, env_world_size: int | None = None) -> Layout:
         The layout.
 
     Raises:
-        ValueError: the first rule broken, naming the field and what would be valid.
+        ValueError: the first rule broken, naming the field and what would be valid;
+            the rules a rank's set-up applies included
+            (:func:`mimotron.setup_rules.check_setup_rules`), so ``mimotron plan`` and
+            ``mimotron train`` accept the same configs.
     """
     modules = {n: ModulePlacement(n, m.parallel) for n, m in cfg.modules.items()}
     colocated, world_size = _check_placement(modules)
@@ -192,6 +196,7 @@ def plan_layout(cfg: MimoConfig, env_world_size: int | None = None) -> Layout:
             _check_dp_compatible(modules[src], modules[dst])
     _check_batch(cfg, modules)
     _check_encoder_batching(cfg, colocated)
+    check_setup_rules(cfg, world_size)  # What a rank's set-up would refuse, refused here.
     if env_world_size is None and os.environ.get("TORCHELASTIC_RUN_ID"):
         env_world_size = int(os.environ.get("WORLD_SIZE", "0"))
     if env_world_size is not None and env_world_size != world_size:

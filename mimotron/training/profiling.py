@@ -34,6 +34,7 @@ from torch.autograd.graph import register_multi_grad_hook
 
 from mimotron.config import ProfileConfig
 from mimotron.runtime import synchronize
+from mimotron.setup_rules import check_profile_ranks
 
 FAIL_AT_ITER_ENV = "MIMOTRON_FAIL_AT_ITER"
 FAIL_RANK_ENV = "MIMOTRON_FAIL_RANK"
@@ -166,10 +167,7 @@ class StepProfiler:
     """
 
     def __init__(self, cfg: ProfileConfig, log_dir: Path, rank: int, world_size: int) -> None:
-        bad = [r for r in cfg.ranks if not 0 <= r < world_size]
-        if cfg.enabled and bad:
-            raise ValueError(f"profile.ranks={cfg.ranks!r} is invalid: ranks {bad} are outside "
-                             f"the world of {world_size} ranks (valid: 0..{world_size - 1})")
+        check_profile_ranks(cfg, world_size)  # The validator's rule (plan_layout) too.
         self.enabled = cfg.enabled and rank in cfg.ranks
         self.start, self.end = max(cfg.start, 1), cfg.end
         self.path = log_dir / "profile" / f"rank{rank}_iter{self.start}-{self.end}.json"
