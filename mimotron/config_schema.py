@@ -84,7 +84,10 @@ class ParallelConfig:
     shard_optimizer: bool = False
     """ZeRO-1: shard the module's optimizer state over its DP group.
 
-    No effect with one DP replica; not supported together with tensor > 1.
+    No effect with one DP replica. With tensor > 1 each TP rank shards its own
+    parameter shards over its DP group; routed experts (expert, expert_tensor) shard
+    their local shards over expt_dp. Per rank: fp32 weights and gradients of its shards,
+    Adam state divided by the DP degree.
     """
     virtual_pipeline: int = 1
     """Model chunks per pipeline rank (>= 1; > 1 = interleaved 1F1B, needs pipeline > 1).

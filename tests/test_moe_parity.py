@@ -63,6 +63,10 @@ CASES: dict[str, list[str]] = {
     + par("language", expert=2, expert_tensor=2),
     # ZeRO-1: dense rows over dp (4), expert rows over expt_dp (2).
     "ep2-dp2-colocated-zero": colocated(4) + par("language", expert=2, shard_optimizer="true"),
+    # ZeRO-1 with TP 2 x DP 2 and expert TP 2 (the dense TP peers): dense rows of each
+    # TP shard over dp (2), expert rows of each expert-TP shard over expt_dp (2).
+    "tp2-etp2-dp2-colocated-zero": coloc({"data": 4}, {"data": 4}, {"tensor": 2, "data": 2})
+    + par("language", expert_tensor=2, shard_optimizer="true"),
 }
 
 

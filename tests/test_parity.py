@@ -96,6 +96,17 @@ CASES: dict[str, tuple[list[str], list[str]]] = {
                           VISION_2_LAYERS + SMALL_MB),
     "language-dp2-zero": (noncolocated({}, {}, {"data": 2}),
                           ["modules.language.parallel.shard_optimizer=true"]),
+    # ZeRO-1 with TP: each TP rank shards its local shards over its DP group.
+    "coloc-encoders-dp4-zero-language-tp2dp2-zero": (
+        coloc({"data": 4}, {"data": 4}, {"tensor": 2, "data": 2}), ZERO),
+    # ... with sequence parallelism (TP-partial norm gradients: late buckets) and both
+    # overlaps (reduce-scatters launched from hooks, gathers landed by the next forward).
+    "language-tp2dp2-sp-zero-overlap": (
+        noncolocated({}, {}, {"tensor": 2, "data": 2})
+        + ["modules.language.parallel.shard_optimizer=true",
+           "modules.language.parallel.sequence_parallel=true",
+           "train.overlap_grad_reduce=true", "train.overlap_param_gather=true",
+           "train.grad_bucket_mb=0.05"], []),
     "frozen-audio-language-dp2": (noncolocated({}, {}, {"data": 2}),
                                   ["modules.audio.freeze=true"]),
     "per-module-lr-language-tp2": (noncolocated({}, {}, {"tensor": 2}), LR_OVERRIDES),

@@ -58,7 +58,8 @@ def _shards(name: str, mcfg: ModuleConfig, named: list[tuple[str, nn.Parameter]]
     try:
         if experts:
             return ExpertSplitShards(ZeroShards(dense, group, bucket_bytes),
-                                     ZeroShards(experts, pg.expt_dp, bucket_bytes, pg.ep))
+                                     ZeroShards(experts, pg.expt_dp, bucket_bytes,
+                                                expert=True))
         return ZeroShards(named, group, bucket_bytes)
     except ValueError as exc:
         raise ValueError(f"modules.{name}.parallel.shard_optimizer=true: {exc}") from None
@@ -72,13 +73,6 @@ def _check_config(config: MimoConfig, precision: str) -> None:
     if precision not in PRECISIONS:
         raise ValueError(f"precision={precision!r} is invalid: expected one of {PRECISIONS}")
     check_trainable(config)  # The validator's rule (plan_layout), for direct callers.
-    for name, mcfg in config.modules.items():
-        if mcfg.parallel.shard_optimizer and mcfg.parallel.tensor > 1:
-            raise ValueError(
-                f"modules.{name}.parallel.shard_optimizer=true with tensor="
-                f"{mcfg.parallel.tensor} is not supported yet: the sharded optimizer splits "
-                "plain parameters only; use tensor = 1 or shard_optimizer = false"
-            )
 
 
 def _loss_scaler(oc: OptimizerConfig, precision: str) -> LossScaler:

@@ -10,7 +10,8 @@ every parameter is counted exactly once:
 * a DTensor counts its local shard, except along a ``Replicate`` mesh dim inside ``mp``
   (coordinate 0 only);
 * shards over data parallelism (FSDP DTensors, ZeRO fragments) go to a separate sum
-  that is all-reduced over ``dp``;
+  that is all-reduced over ``dp``; a ZeRO fragment counts where its model parameter's
+  local part would (:func:`counted_on_rank`);
 * expert-parallel shards are summed apart, over ``tp_ep_pp``
   (:meth:`~mimotron.optim.mimo_optimizer.MimoOptimizer._module_stats`).
 """
@@ -102,25 +103,32 @@ def dim_ranks(mesh: Any, dim: int) -> set[int]:
     return set(mesh.mesh[tuple(index)].flatten().tolist())
 
 
-def counted_local_grad(p: torch.Tensor, mp_ranks: set[int], tp_rank: int) -> torch.Tensor | None:
-    """The local grad this rank counts, or None (no grad, or a replica counted elsewhere).
+def counted_on_rank(t: torch.Tensor, mp_ranks: set[int], tp_rank: int) -> bool:
+    """Whether this rank counts its local part of ``t`` (a parameter or its gradient).
 
     A Replicate dim inside the module's mp group is counted on coordinate 0 only (the mp
     SUM would count it once per replica); replicas outside mp are equal and the world
-    MAX already keeps one. A plain parameter duplicated over TP counts on TP rank 0.
+    MAX already keeps one. A plain tensor is duplicated over TP and counts on TP rank 0.
     """
-    g = p.grad
-    if g is None:
-        return None
-    if not isinstance(g, DTensor):
+    if not isinstance(t, DTensor):
         # Tensor parallelism shards parameters as DTensors; a plain one is whole on every
         # TP rank (norms, position embeddings, front ends) and is counted on TP rank 0.
-        return g if tp_rank == 0 else None
-    coord = g.device_mesh.get_coordinate()
-    for dim, pl in enumerate(g.placements):
-        if pl.is_replicate() and coord[dim] != 0 and dim_ranks(g.device_mesh, dim) <= mp_ranks:
-            return None
-    return g.to_local()
+        return tp_rank == 0
+    coord = t.device_mesh.get_coordinate()
+    return not any(pl.is_replicate() and coord[dim] != 0
+                   and dim_ranks(t.device_mesh, dim) <= mp_ranks
+                   for dim, pl in enumerate(t.placements))
+
+
+def counted_local_grad(p: torch.Tensor, mp_ranks: set[int], tp_rank: int) -> torch.Tensor | None:
+    """The local grad this rank counts, or None (no grad, or a replica counted elsewhere).
+
+    See :func:`counted_on_rank` (decided on the gradient's own placements).
+    """
+    g = p.grad
+    if g is None or not counted_on_rank(g, mp_ranks, tp_rank):
+        return None
+    return g.to_local() if isinstance(g, DTensor) else g
 
 
 def sharded_outside(p: torch.Tensor, mp_ranks: set[int], dp_ranks: set[int], module: str) -> bool:

@@ -18,7 +18,9 @@ A module may shard its optimizer over its DP group (``ModuleOptimizerInfo.zero``
 :mod:`mimotron.parallel.zero`): its ``params`` are then this rank's row fragments, its
 gradients are reduce-scattered in :meth:`MimoOptimizer.prepare_grads`, its squared norm
 and zero count are summed over the DP group (fragments are disjoint, so nothing is
-counted twice), and its parameters are all-gathered after the inner step.
+counted twice) and then over ``mp`` like any module's (with TP a fragment of a
+replicated parameter counts on TP rank 0 only), and its parameters are all-gathered
+after the inner step.
 
 Expert parallelism (:mod:`mimotron.parallel.expert_parallel`): a module's expert shards
 (DTensors ``Shard(0)`` over its ``ep`` axis) are summed over ``tp_ep_pp`` — every
@@ -62,6 +64,7 @@ from mimotron.config import OptimizerConfig
 from mimotron.optim.grads import (
     collective_device,
     counted_local_grad,
+    counted_on_rank,
     grads_of,
     non_finite_flag,
     reduced_grads,
@@ -294,7 +297,11 @@ class MimoOptimizer:
             if pname in expert_fragments:  # ZeRO rows of expert shards: over expt_dp
                 _add_stats(expert_rows, p.grad)
                 continue
-            over_dp = info.zero is not None or sharded_outside(p, mp_ranks, dp_ranks, name)
+            if info.zero is not None:  # a fragment counts where its parameter's shard would
+                counted = counted_on_rank(info.zero.model_param(pname), mp_ranks, tp_rank)
+                _add_stats(shared, p.grad if counted else None)
+                continue
+            over_dp = sharded_outside(p, mp_ranks, dp_ranks, name)
             any_shared = any_shared or over_dp
             _add_stats(shared if over_dp else own, counted_local_grad(p, mp_ranks, tp_rank))
         # Placements (and sharding) are the same on all DP replicas: they agree here.

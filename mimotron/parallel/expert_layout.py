@@ -55,9 +55,6 @@ def check_expert_layout(cfg: MimoConfig, name: str) -> None:
     if width % par.expert_tensor:
         raise ValueError(f"{p}.expert_tensor={par.expert_tensor} is invalid: it must divide "
                          f"the expert width {width} (modules.{name}.moe_ffn_hidden_size)")
-    if par.expert_tensor > 1 and par.shard_optimizer:
-        raise ValueError(f"{p}.shard_optimizer=true with expert_tensor={par.expert_tensor} "
-                         "is not supported yet; use shard_optimizer = false")
     if experts % par.expert:
         raise ValueError(f"{p}.expert={par.expert} is invalid: it must divide "
                          f"modules.{name}.num_experts={experts}")

@@ -330,16 +330,13 @@ def estimate_memory(
             split = experts[role.module][role.pp] if experts[role.module] else None
             n = rank_parameter_count(cfg, role.module, counts[role.module][role.pp], split)
             frozen = mod.freeze
-            # ZeRO shards over the replica group: dp, or dp x cp (data_parallel.replica_group).
-            replicas = mod.parallel.data * mod.parallel.context
-            opt_shard = replicas if mod.parallel.shard_optimizer else 1
             out[rank].append(
                 MemoryEstimate(
                     module=role.module,
                     num_params=n,
                     weights=n * (master + compute),
                     grads=0 if frozen else n * 4,
-                    optimizer=0 if frozen else n * 8 // opt_shard,
+                    optimizer=0 if frozen else optimizer_state_bytes(cfg, role.module, n, split),
                     activations=activation_bytes(
                         cfg, role.module, vocab_size,
                         microbatches_in_flight(cfg, layout, role.module, role.pp), role.pp),
@@ -349,6 +346,23 @@ def estimate_memory(
                 )
             )
     return out
+
+
+def optimizer_state_bytes(cfg: MimoConfig, name: str, num_params: int,
+                          expert_split: tuple[int, int] | None) -> int:
+    """Two fp32 Adam moments per parameter a rank holds (of its local TP / expert shards).
+
+    Under ZeRO-1 (:mod:`mimotron.parallel.zero`) each rank keeps the moments of its rows
+    only: the dense part's divided by the replica group (``dp x cp``), the routed
+    experts' by ``expt_dp`` (the ranks holding the same expert shard). With one replica
+    nothing is sharded.
+    """
+    par = cfg.modules[name].parallel
+    if not par.shard_optimizer or _replicas(cfg, name) == 1:
+        return num_params * 8
+    experts = 0 if expert_split is None else expert_split[0] // (par.expert * par.expert_tensor)
+    expt_dp = par.size // (par.expert * par.expert_tensor * par.pipeline)
+    return (num_params - experts) * 8 // _replicas(cfg, name) + experts * 8 // expt_dp
 
 
 def _replicas(cfg: MimoConfig, name: str) -> int:

@@ -28,8 +28,9 @@ A post-accumulate-grad hook marks a parameter ready on the step's last micro-bat
 the schedule before that backward.
 
 A DTensor (tensor-parallel) gradient may come back in another placement than its
-parameter's (``align_grad_placements``); the launch redistributes it first, a TP
-collective issued from the hook. The TP ranks of a replica saw the same samples, so
+parameter's (``align_grad_placements``); the launch redistributes it first (a ZeRO-1
+bucket: :meth:`~mimotron.parallel.zero.ZeroShards.launch_reduce`), a TP collective
+issued from the hook. The TP ranks of a replica saw the same samples, so
 their backward graphs and hook sequences are the same and the collective lines up; the
 values are those the end-of-backward alignment would produce.
 
@@ -37,10 +38,11 @@ values are those the end-of-backward alignment would produce.
 wait for them):
 
 * a bucket holding a parameter whose gradient is a partial sum over TP
-  (``sequence_parallel`` marks). Those are TP-summed after the backward in one flat
-  collective per module; summing them per bucket instead would change which position
-  each value has in the flat buffer, and with more than two TP ranks the ring
-  reduction's association order depends on that position, so the bits could change;
+  (``sequence_parallel`` marks), all-reduce or ZeRO-1 reduce-scatter alike. Those are
+  TP-summed after the backward in one flat collective per module; summing them per
+  bucket instead would change which position each value has in the flat buffer, and
+  with more than two TP ranks the ring reduction's association order depends on that
+  position, so the bits could change;
 * an expert-parallel all-reduce bucket (over ``expt_dp``): its placement fix-up would be
   a collective over the expert mesh, whose ranks saw different tokens, so their hooks
   fire in different orders and a collective issued from one could not line up. (A
@@ -111,14 +113,23 @@ def backward_module_order(names: list[str]) -> list[str]:
 def _zero_buckets(zero: Shards) -> list[GradBucket]:
     """A ZeRO-1 module's reduce-scatters: each part's buckets, last-registered first."""
     parts = [zero.dense, zero.expert] if isinstance(zero, ExpertSplitShards) else [zero]
-    return [GradBucket(part.bucket_params(i), part.group, False, part, i)
-            for part in parts for i in reversed(range(part.num_buckets))]
+    out = []
+    for part in parts:
+        for i in reversed(range(part.num_buckets)):
+            params = part.bucket_params(i)
+            out.append(GradBucket(params, part.group, _tp_partial(params), part, i))
+    return out
+
+
+def _tp_partial(params: list[nn.Parameter]) -> bool:
+    """Some gradient is a partial sum over TP (summed after the backward): a late bucket."""
+    return any(getattr(p, SP_ATTR, False) for p in params)
 
 
 def _allreduce_buckets(params: list[nn.Parameter], group: dist.ProcessGroup | None,
                        bucket_bytes: int, late: bool = False) -> list[GradBucket]:
     """All-reduce buckets of ``bucket_params``, last-registered first."""
-    return [GradBucket(b, group, late or any(getattr(p, SP_ATTR, False) for p in b))
+    return [GradBucket(b, group, late or _tp_partial(b))
             for b in reversed(list(bucket_params(params, bucket_bytes)))]
 
 

@@ -29,8 +29,21 @@ on every submodule), when its ``state_dict`` is read, or before anything else th
 or writes the parameters (the next optimizer step, a checkpoint save or load). Same
 buckets, same collectives: bit-identical either way.
 
-Per-rank optimizer state is the state of its rows: the module's state divided by ``D``,
-give or take one row per parameter.
+Tensor parallelism (DTensor parameters over the module's ``tp`` axis) and expert
+shards (over ``ep``, and ``expt_tp`` with expert tensor parallelism) compose the same
+way: what is split over the DP group is the parameter's *local* tensor, so each TP rank
+reduce-scatters, steps and all-gathers its own shard with the DP replicas of that shard.
+A DTensor gradient whose placements differ from its parameter's (partial, strided) is
+redistributed first, as ``align_grad_placements`` does for the all-reduce path. Counted
+once in the grad norm: a fragment of a ``Shard`` over ``tp`` on every TP rank, a
+fragment of a replicated parameter (plain, or ``Replicate`` over ``tp``) on TP rank 0
+only (:func:`~mimotron.optim.grads.counted_on_rank`). The state checkpoints as DTensors
+over a mesh nested like the sharding itself: the parameter's own mesh axes, then the DP
+group (``(tp, dp)``, ``(ep, expt_dp)``, ``(ep, expt_tp, expt_dp)``), with the
+parameter's placements followed by ``Shard(dim)`` of the row split.
+
+Per-rank optimizer state is the state of its rows: the module's (local shard's) state
+divided by ``D``, give or take one row per parameter.
 """
 
 from __future__ import annotations
@@ -44,13 +57,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Placement, Shard
 from torch.utils.hooks import RemovableHandle
 
 from mimotron.parallel.data_parallel import (
     DEFAULT_BUCKET_BYTES,
     bucket_params,
+    same_placements,
 )
+from mimotron.parallel.expert_parallel import is_expert_param
 
 
 def shard_dim(shape: torch.Size | tuple[int, ...]) -> int:
@@ -81,7 +96,7 @@ class _Slot:
 
     @property
     def local(self) -> torch.Tensor:
-        """The parameter's local tensor (itself unless an expert DTensor), its storage."""
+        """The parameter's local tensor (itself unless a DTensor), its storage."""
         return _local(self.param)
 
     @property
@@ -110,15 +125,14 @@ class ZeroShards:
         group: the module's data-parallel group (more than one rank), or ``expt_dp`` for
             expert shards.
         bucket_bytes: upper bound of one reduce-scatter / all-gather.
-        ep_group: set when the parameters are expert-parallel shards (DTensors
-            ``Shard(0)`` over this group): the rows of their LOCAL tensors are split over
-            ``group`` (one rank allowed), and the state checkpoints as DTensors
-            ``[Shard(0), Shard(dim)]`` over an ``(ep, group)`` mesh, nested like the
-            sharding itself, in the parameter's global shape.
+        expert: the parameters are expert-parallel shards (DTensors over an ``ep`` mesh
+            axis) and ``group`` is ``expt_dp``, which may be a single rank.
 
     Raises:
-        ValueError: a DTensor (tensor-parallel or FSDP) parameter that is not an expert
-            shard, a 0-dim or non-contiguous parameter, or a group of one rank.
+        ValueError: a parameter whose placements are not ``Shard``/``Replicate`` (FSDP's
+            strided shards, partial values), a dense parameter that is an expert shard
+            or the reverse, a 0-dim or non-contiguous local tensor, or a dense group of
+            one rank.
     """
 
     def __init__(
@@ -126,16 +140,17 @@ class ZeroShards:
         named_params: list[tuple[str, nn.Parameter]],
         group: dist.ProcessGroup,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-        ep_group: dist.ProcessGroup | None = None,
+        expert: bool = False,
     ) -> None:
-        self.ep_group = ep_group
-        _check_params(named_params, expert=ep_group is not None)
-        if dist.get_world_size(group) < 2 and ep_group is None:
+        _check_params(named_params, expert)
+        if dist.get_world_size(group) < 2 and not expert:
             raise ValueError("a sharded optimizer needs a data-parallel group of 2 or more ranks")
+        self._expert = expert
         self.group = group
         self.num_shards = dist.get_world_size(group)
         self.shard_rank = dist.get_rank(group)
-        self._mesh: DeviceMesh | None = None
+        # State meshes, one per parameter mesh (None: plain parameters); built lazily.
+        self._meshes: dict[DeviceMesh | None, DeviceMesh] = {}
         names = {id(p): n for n, p in named_params}
         self._buckets: list[tuple[list[_Slot], int]] = []
         for bucket in bucket_params([p for _, p in named_params], bucket_bytes):
@@ -178,16 +193,18 @@ class ZeroShards:
         The send buffer is a fresh rank-major copy of the gradients, so the backward may
         go on accumulating elsewhere; :meth:`reduce_grads` waits for it. A parameter
         without a gradient on this rank (its modality was absent from the slice)
-        contributes zeros.
+        contributes zeros. A DTensor gradient in other placements than its parameter's
+        is redistributed first: a collective over the parameter's TP mesh, whose ranks
+        saw the same samples and launch the same buckets in the same order.
         """
         assert index not in self._pending_reduce, f"bucket {index} launched twice"
         slots, seg = self._buckets[index]
         d = self.num_shards
         parts = []
         for s in slots:
-            g = s.param.grad
+            g = _aligned_local_grad(s.param)
             rows = (torch.zeros(s.rows, s.row_numel, dtype=s.local.dtype, device=s.local.device)
-                    if g is None else _local(g).detach().reshape(s.rows, s.row_numel))
+                    if g is None else g.reshape(s.rows, s.row_numel))
             rows = F.pad(rows, (0, 0, 0, s.chunk * d - s.rows))
             parts.append(rows.reshape(d, s.padded_numel))
         send = torch.cat(parts, dim=1).reshape(-1)
@@ -310,6 +327,10 @@ class ZeroShards:
         for s in self._slots.values():
             self._fragment[s.name].data = s.fragment_view()
 
+    def model_param(self, name: str) -> nn.Parameter:
+        """The model parameter whose rows fragment ``name`` holds."""
+        return self._slots[name].param
+
     # ---- state conversion --------------------------------------------------------------
     def local_state(self, name: str, value: Any) -> Any:
         """A saved state value as this rank's piece of parameter ``name``.
@@ -338,28 +359,38 @@ class ZeroShards:
         )
 
     def to_dtensor(self, name: str, value: Any) -> Any:
-        """This rank's piece of a state tensor as a DTensor of the parameter's shape."""
+        """This rank's piece of a state tensor as a DTensor of the parameter's shape.
+
+        Over the parameter's own mesh axes (none for a plain parameter) and then the DP
+        group; placements: the parameter's, then ``Shard`` along the split dimension.
+        """
         frag = self._fragment[name]
         if not isinstance(value, torch.Tensor) or value.shape != frag.shape or value.dim() == 0:
             return value
         s = self._slots[name]
-        if self._mesh is None:
-            self._mesh = self._state_mesh(s.local.device.type)
-        placements = [Shard(s.dim)] if self.ep_group is None else [Shard(0), Shard(s.dim)]
-        return DTensor.from_local(value, self._mesh, placements, run_check=False,
+        outer = s.param.device_mesh if isinstance(s.param, DTensor) else None
+        if outer not in self._meshes:
+            self._meshes[outer] = self._state_mesh(outer, s.local.device.type)
+        placements: list[Placement] = [*outer_placements(s.param), Shard(s.dim)]
+        return DTensor.from_local(value, self._meshes[outer], placements, run_check=False,
                                   shape=s.param.shape, stride=s.param.stride())
 
-    def _state_mesh(self, device_type: str) -> DeviceMesh:
-        """The mesh the state is sharded over: ``group``, or ``(ep, group)`` for experts."""
-        if self.ep_group is None:
+    def _state_mesh(self, outer: DeviceMesh | None, device_type: str) -> DeviceMesh:
+        """``group``, or the parameter mesh's axes followed by ``group``'s.
+
+        Grid ranks are linear in their coordinates, so the rank at parameter-mesh
+        position ``i`` and DP index ``d`` is ``outer[i] + dp[d] - me``.
+        """
+        if outer is None:
             return DeviceMesh.from_group(self.group, device_type)
-        # Grid ranks are linear in their coordinates: rank(e, d) = ep[e] + dp[d] - me.
         me = dist.get_rank()
-        ep_ranks = dist.get_process_group_ranks(self.ep_group)
-        dp_ranks = dist.get_process_group_ranks(self.group)
-        mesh = torch.tensor([[e + d - me for d in dp_ranks] for e in ep_ranks])
-        return DeviceMesh.from_group([self.ep_group, self.group], device_type, mesh=mesh,
-                                     mesh_dim_names=("ep", "expt_dp"))
+        dp = torch.tensor(dist.get_process_group_ranks(self.group))
+        mesh = outer.mesh.unsqueeze(-1) + (dp - me)
+        assert mesh.unique().numel() == mesh.numel(), "the DP group crosses the parameter mesh"
+        groups = [outer.get_group(i) for i in range(outer.ndim)] + [self.group]
+        names = (*(outer.mesh_dim_names or [f"axis{i}" for i in range(outer.ndim)]),
+                 "expt_dp" if self._expert else "dp")
+        return DeviceMesh.from_group(groups, device_type, mesh=mesh, mesh_dim_names=names)
 
 
 class ExpertSplitShards:
@@ -372,7 +403,7 @@ class ExpertSplitShards:
 
     Args:
         dense: the dense parameters' shards over the module's DP group.
-        expert: the expert shards' rows over ``expt_dp`` (``ZeroShards(..., ep_group=...)``).
+        expert: the expert shards' rows over ``expt_dp`` (``ZeroShards(..., expert=True)``).
     """
 
     def __init__(self, dense: ZeroShards, expert: ZeroShards) -> None:
@@ -419,6 +450,10 @@ class ExpertSplitShards:
         self.dense.repoint()
         self.expert.repoint()
 
+    def model_param(self, name: str) -> nn.Parameter:
+        """See :meth:`ZeroShards.model_param`."""
+        return self._part(name).model_param(name)
+
     def local_state(self, name: str, value: Any) -> Any:
         """See :meth:`ZeroShards.local_state`."""
         return self._part(name).local_state(name, value)
@@ -443,20 +478,43 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _check_params(named_params: list[tuple[str, nn.Parameter]], expert: bool = False) -> None:
+def outer_placements(p: torch.Tensor) -> list[Placement]:
+    """A DTensor parameter's placements (the row split nests inside them); [] if plain."""
+    return list(p.placements) if isinstance(p, DTensor) else []
+
+
+def _aligned_local_grad(p: nn.Parameter) -> torch.Tensor | None:
+    """The local gradient laid out like the parameter's local tensor (detached), or None.
+
+    A DTensor gradient may come back replicated, partial or strided
+    (``align_grad_placements``); it is redistributed to the parameter's placements and
+    put back as the parameter's gradient (a collective over its mesh when partial), so
+    the model holds one local-shard-sized gradient as without ZeRO.
+    """
+    g = p.grad
+    if isinstance(g, DTensor):
+        if not same_placements(g.placements, p.placements):
+            p.grad = g = g.redistribute(p.device_mesh, p.placements)
+        g = g.to_local()
+    return None if g is None else g.detach()
+
+
+def _check_params(named_params: list[tuple[str, nn.Parameter]], expert: bool) -> None:
+    """Raise for a parameter whose local tensor cannot be row-sharded (see ZeroShards)."""
     for name, p in named_params:
-        if expert and not (isinstance(p, DTensor) and len(p.placements) == 1
-                           and p.placements[0] == Shard(0)):
-            raise ValueError(f"parameter {name!r} is not an expert-parallel shard")
-        if expert:
+        if is_expert_param(p) != expert:
+            what = "is not" if expert else "is"
+            raise ValueError(f"parameter {name!r} {what} an expert-parallel shard")
+        if isinstance(p, DTensor):
+            if not all(type(pl) is Shard or pl.is_replicate() for pl in p.placements):
+                raise ValueError(
+                    f"parameter {name!r} has placements {tuple(p.placements)}: "
+                    "shard_optimizer splits tensor-parallel (Shard / Replicate) parameters "
+                    "only, not FSDP or partial ones; set parallel.shard_optimizer = false"
+                )
             p = p.to_local()
-        elif isinstance(p, DTensor):
-            raise ValueError(
-                f"parameter {name!r} is a DTensor: shard_optimizer does not compose with "
-                "tensor parallelism or FSDP yet; set parallel.shard_optimizer = false"
-            )
         if p.dim() == 0 or not p.is_contiguous():
             raise ValueError(
-                f"parameter {name!r} (shape {tuple(p.shape)}) cannot be row-sharded: "
+                f"parameter {name!r} (local shape {tuple(p.shape)}) cannot be row-sharded: "
                 "shard_optimizer needs contiguous parameters with at least one dimension"
             )
