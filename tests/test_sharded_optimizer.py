@@ -2,12 +2,15 @@
 
 Unit level: ``ZeroShards`` inside a ``MimoOptimizer`` on 2 gloo ranks against plain
 AdamW on the summed gradients (awkward shapes: uneven rows, a leading 1, a rank with no
-rows). Engine level: ``modules.<m>.parallel.shard_optimizer = true`` on 2 colocated DP
-ranks and on a non-colocated layout with vision DP 2 gives bit-identical losses, zero
-counts and weights to the unsharded run (fp32; the float64 grad norm within 2e-15
-relative: its sum of squares associates differently), while each rank's optimizer
-state (measured: bytes of the tensors in the inner optimizer's state) is the module's
-state divided by the DP degree.
+rows), and on TP 2 x DP 2 with DTensor parameters whose local shards split unevenly
+(``Shard`` along either dimension, ``Replicate`` with a partial gradient, a plain
+parameter), whose nested ``(tp, dp)`` state loads into an unsharded optimizer. Engine
+level: ``modules.<m>.parallel.shard_optimizer = true`` on 2 colocated DP ranks and on a
+non-colocated layout with vision DP 2 gives bit-identical losses, zero counts and
+weights to the unsharded run (fp32; the float64 grad norm within 2e-15 relative: its
+sum of squares associates differently), while each rank's optimizer state (measured:
+bytes of the tensors in the inner optimizer's state) is the module's state divided by
+the DP degree.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
 from mimotron.config import load_config
 from mimotron.optim import MimoOptimizer, ModuleOptimizerInfo, OptimizerConfig
@@ -155,6 +159,90 @@ def test_zero_shards_step_like_adamw_on_summed_grads(tmp_path: Path) -> None:
     sizes = [3 * 3 + 4 * 2 + 1 + 2, 2 * 3 + 3 * 2 + 0 + 1]
     assert [r["bytes"][0] for r in out] == [2 * 4 * n for n in sizes]
     assert sum(r["bytes"][0] for r in out) == out[0]["ref_bytes"][0]
+
+
+# ---- tensor parallelism, unit level --------------------------------------------------
+
+# TP 2 x DP 2 on mesh [[0, 1], [2, 3]] (TP pairs 0-1 and 2-3). Shapes and placements
+# chosen so the LOCAL shards split unevenly over DP: w [6, 3] Shard(0) -> local [3, 3],
+# rows 2 + 1; wo [5, 4] Shard(1) -> local [5, 2], rows 3 + 2; head [2, 5] Shard(0) ->
+# local [1, 5], split along dim 1 (3 + 2); bias [3] Replicate (its gradient arrives
+# Partial: the launch redistributes it) -> 2 + 1; pos [1, 7, 2] plain -> 4 + 3 along dim 1.
+TP_PARAMS = {"w": ((6, 3), Shard(0)), "wo": ((5, 4), Shard(1)), "head": ((2, 5), Shard(0)),
+             "bias": ((3,), Replicate()), "pos": ((1, 7, 2), None)}
+
+
+def _placed(full: torch.Tensor, placement: Placement | None, mesh: DeviceMesh,
+            partial: bool = False) -> torch.Tensor:
+    """``full`` as this TP rank holds it (plain, Replicate, Shard, or split as Partial)."""
+    if placement is None:
+        return full.clone()
+    me = mesh.get_local_rank()
+    if partial:  # two addends whose sum is ``full``
+        local, placement = full * (0.25 if me == 0 else 0.75), Partial()
+    elif isinstance(placement, Shard):
+        local = full.chunk(mesh.size(), dim=placement.dim)[me].contiguous()
+    else:
+        local = full.clone()
+    return DTensor.from_local(local, mesh, [placement], run_check=False, shape=full.shape,
+                              stride=full.stride())
+
+
+def _tp_full(step: int, dp_rank: int) -> dict[str, torch.Tensor]:
+    """Per DP replica the full gradients (step -1: the initial weights)."""
+    gen = torch.Generator().manual_seed(100 * step + dp_rank + 1000)
+    return {n: torch.randn(shape, generator=gen) for n, (shape, _) in TP_PARAMS.items()}
+
+
+def _rank_tp(rank: int, world: int, ckpt: str) -> dict:
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    tp_mesh, dp, tp = mesh["tp"], mesh.get_group("dp"), mesh.get_group("tp")
+    init = _tp_full(-1, 0)
+    params = [(n, nn.Parameter(_placed(init[n], pl, tp_mesh))) for n, (_, pl) in TP_PARAMS.items()]
+    ref_params = [(n, nn.Parameter(init[n].clone())) for n in TP_PARAMS]
+    zero = ZeroShards(params, dp)
+    info = ModuleOptimizerInfo(
+        optimizer=torch.optim.AdamW([f for _, f in zero.fragments], **ADAM),
+        pg_collection=ProcessGroupCollection(dp=dp, tp=tp, mp=tp), is_active=True,
+        params=zero.fragments, zero=zero)
+    opt, ref = MimoOptimizer({"m": info}, OptimizerConfig(clip_grad=1.0)), _mimo(ref_params, None,
+                                                                                 None)
+    results = []
+    for step in range(3):
+        mine = _tp_full(step, dist.get_rank(dp))
+        for name, p in params:
+            p.grad = _placed(mine[name], TP_PARAMS[name][1], tp_mesh, partial=name == "bias")
+        for name, q in ref_params:
+            q.grad = _tp_full(step, 0)[name] + _tp_full(step, 1)[name]
+        results.append((opt.step(), ref.step()))
+    full = {n: p.full_tensor() if isinstance(p, DTensor) else p.detach() for n, p in params}
+    diff = max((full[n] - q).abs().max().item() for n, q in ref_params)
+    # The (tp, dp)-nested state loads through DCP into an unsharded, un-TP'd optimizer.
+    dcp.save(opt.sharded_state_dict(), checkpoint_id=ckpt)
+    plain = _mimo(copy.deepcopy(ref_params), None, None)
+    loading = plain.sharded_state_dict(is_loading=True)
+    dcp.load(loading, checkpoint_id=ckpt)
+    plain.load_state_dict(loading)
+    want, got = ref.state_dict()["m"]["state"], plain.state_dict()["m"]["state"]
+    dcp_diff = max((got[n][k] - want[n][k]).abs().max().item()
+                   for n in want for k in ("exp_avg", "exp_avg_sq"))
+    return {"results": results, "diff": diff, "dcp_diff": dcp_diff,
+            "fragments": {n: tuple(f.shape) for n, f in zero.fragments}}
+
+
+def test_tensor_parallel_shards_split_their_local_rows(tmp_path: Path) -> None:
+    """ZeRO over DP of each TP rank's local shard steps like AdamW on the full tensors."""
+    out = run_ranks(4, _rank_tp, str(tmp_path / "ckpt"), timeout_s=120)
+    for r in out:
+        for (success, norm, zeros), (_, ref_norm, ref_zeros) in r["results"]:
+            assert success and norm == pytest.approx(ref_norm, rel=1e-6)
+            assert zeros == ref_zeros
+        assert r["diff"] < 1e-6 and r["dcp_diff"] < 1e-7
+    # Rank 0 (dp 0) and rank 2 (dp 1) split TP shard 0's local rows.
+    assert out[0]["fragments"] == {"w": (2, 3), "wo": (3, 2), "head": (1, 3), "bias": (2,),
+                                   "pos": (1, 4, 2)}
+    assert out[2]["fragments"] == {"w": (1, 3), "wo": (2, 2), "head": (1, 2), "bias": (1,),
+                                   "pos": (1, 3, 2)}
 
 
 # ---- engine level --------------------------------------------------------------------
