@@ -191,23 +191,23 @@ def ends_bytes_per_sample(cfg: MimoConfig, name: str, tokens: int, vocab_size: i
 
 
 def microbatches_in_flight(cfg: MimoConfig, layout: Layout, name: str, stage: int = 0) -> int:
-    """Micro-batches whose activations a stage holds at once: ``min(total - position, m)``.
+    """Forwards whose activations a stage holds at once, at the peak of its plan.
 
-    The 1F1B plan (:func:`mimotron.pipeline.plan.build_1f1b_plan`) runs
-    ``total - position - 1`` warm-up forwards before the first backward; an encoder on
-    its own ranks is a pipeline position ahead of the language model, so it keeps one
-    more micro-batch than its own pipeline depth. One with ``train.schedule`` other than
-    ``1f1b`` and in colocated layouts (one position). Under ``train.encoder_batching``
-    an encoder holds every micro-batch of the step (:func:`encoder_batching_factor`).
+    Replayed from the training plan the executor runs
+    (:func:`~mimotron.pipeline.in_flight.held_forwards_peak`): the 1F1B plan
+    (:func:`mimotron.pipeline.plan.build_1f1b_plan`) runs ``total - position - 1``
+    warm-up forwards before the first backward, so a stage holds ``min(total - position,
+    m)``; an encoder on its own ranks is a pipeline position ahead of the language
+    model, so it keeps one more micro-batch than its own pipeline depth, and more when
+    it feeds an interleaved language model (a longer warm-up). One with
+    ``train.schedule`` other than ``1f1b`` and in colocated layouts (one position).
+    Under interleaving the count is of model-chunk forwards
+    (:func:`interleaved_chunks_in_flight`). Under ``train.encoder_batching`` an encoder
+    holds every micro-batch of the step (:func:`encoder_batching_factor`).
     """
-    from mimotron.pipeline.plan import pipeline_positions
+    from mimotron.pipeline.in_flight import held_forwards_peak
 
-    if encoder_batching_factor(cfg, name) > 1:
-        return encoder_batching_factor(cfg, name)
-    if cfg.train.schedule != "1f1b":
-        return 1
-    pos = pipeline_positions(layout)[(name, stage)]
-    return max(1, min(pos.total - pos.index, cfg.num_microbatches))
+    return int(held_forwards_peak(cfg, layout, name, stage))
 
 
 def encoder_batching_factor(cfg: MimoConfig, name: str) -> int:
@@ -221,23 +221,30 @@ def encoder_batching_factor(cfg: MimoConfig, name: str) -> int:
     return 1
 
 
-def interleaved_chunks_in_flight(cfg: MimoConfig, name: str, stage: int) -> int:
-    """Model-chunk forwards an interleaved rank holds at once: Megatron's warm-up + 1.
+def interleaved_chunks_in_flight(cfg: MimoConfig, name: str, stage: int,
+                                 layout: Layout | None = None) -> int:
+    """Model-chunk forwards an interleaved rank holds at once, at the peak of its plan.
 
-    :func:`~mimotron.pipeline.interleaved_plan.num_warmup` forwards run before the first
-    backward, then the steady state adds one before each backward (capped at the step's
-    ``m x v``). An encoder feeding an interleaved language model warms up longer; that
-    extra is not counted.
+    Replayed from the rank's interleaved plan (:func:`microbatches_in_flight`):
+    Megatron's :func:`~mimotron.pipeline.interleaved_plan.num_warmup` forwards before
+    the first backward, then one more before each backward (capped at the step's ``m x
+    v``); an encoder feeding an interleaved language model warms up longer, and that is
+    counted. At ``pipeline = 8 x virtual_pipeline = 2`` stage 0 holds 23.
+
+    Args:
+        cfg: the run config.
+        name: the module.
+        stage: the pipeline stage.
+        layout: the config's layout (``None``: planned here).
     """
-    from mimotron.pipeline.interleaved_plan import num_warmup
+    from mimotron.parallel.layout import plan_layout
 
-    par, m = cfg.modules[name].parallel, cfg.num_microbatches
-    v = par.virtual_pipeline
-    return min(num_warmup(m, par.pipeline, v, stage) + 1, m * v)
+    return microbatches_in_flight(cfg, layout or plan_layout(cfg), name, stage)
 
 
 def activation_bytes(cfg: MimoConfig, name: str, vocab_size: int = 64,
-                     in_flight: int | None = None, stage: int = 0) -> int:
+                     in_flight: int | None = None, stage: int = 0,
+                     layout: Layout | None = None) -> int:
     """Activations kept for backward by one rank of a module stage (``in_flight`` copies).
 
     One micro-batch's share: the micro-batch slice of the DP rank (``micro_batch / dp``
@@ -247,23 +254,30 @@ def activation_bytes(cfg: MimoConfig, name: str, vocab_size: int = 64,
     ``seq / context`` positions per rank, so it divides all of it (logits included);
     attention then also saves the all-gathered keys and values of the other ranks'
     positions for backward (after the GQA repeat: ``2 x c`` bytes x ``hidden / t`` per
-    position). ``in_flight`` (``None``: :func:`microbatches_in_flight` of the config's
-    layout) multiplies the whole. Under interleaving (``virtual_pipeline = v > 1``)
-    ``in_flight`` counts model-chunk forwards (``None``:
-    :func:`interleaved_chunks_in_flight`), each holding ``1 / v`` of the rank's layers,
-    and the module's ends as many micro-batches as their chunk has in flight. A frozen
+    position). ``in_flight`` (``None``: :func:`microbatches_in_flight` of ``layout``,
+    default the config's) multiplies the whole. Under interleaving (``virtual_pipeline
+    = v > 1``) a model-chunk forward holds ``1 / v`` of the rank's layers, plus the
+    module's first (last) stage ends on its first (last) chunk: ``None`` takes the peak
+    of the rank's plan, each chunk weighted by its bytes
+    (:func:`~mimotron.pipeline.in_flight.held_forwards_peak`); a number ``in_flight``
+    spreads that many chunk forwards evenly over the chunks. A frozen
     encoder holds only its outputs (:func:`frozen_encoder_output_bytes`).
     """
     from mimotron.parallel.layout import plan_layout
+    from mimotron.pipeline.in_flight import held_forwards_peak
 
     mod = cfg.modules[name]
     par = mod.parallel
     samples = cfg.train.micro_batch_size // par.data
     tokens = (cfg.data.seq_length // par.context if mod.kind == "language"
               else mod.num_output_tokens)
+    if in_flight is None and layout is None:
+        layout = plan_layout(cfg)
     if mod.freeze and mod.is_encoder:
-        return frozen_encoder_output_bytes(cfg, name, stage) * samples * (
-            microbatches_in_flight(cfg, plan_layout(cfg), name, stage)
+        # Its outputs only: those of its last chunk's forwards held.
+        last_chunk = [0.0] * (par.virtual_pipeline - 1) + [1.0]
+        return frozen_encoder_output_bytes(cfg, name, stage) * samples * int(
+            held_forwards_peak(cfg, layout, name, stage, last_chunk)
             if in_flight is None else in_flight)
     layers, chunks = rank_layers(mod.num_layers, par, stage)
     whole, split = layer_bytes_per_token(cfg, name)
@@ -274,12 +288,16 @@ def activation_bytes(cfg: MimoConfig, name: str, vocab_size: int = 64,
     first, last = ends_bytes_per_sample(cfg, name, tokens, vocab_size)
     ends = (first if stage == 0 else 0) + (last if stage == par.pipeline - 1 else 0)
     if chunks is not None:
-        v = len(chunks)
-        n = interleaved_chunks_in_flight(cfg, name, stage) if in_flight is None else in_flight
-        return int((per_layer * len(layers) * n / v + ends * -(-n // v)) * samples)
+        v, layer_part = len(chunks), per_layer * len(layers)  # one micro-batch's, all chunks
+        if in_flight is not None:
+            return int((layer_part * in_flight / v + ends * -(-in_flight // v)) * samples)
+        per_chunk = [layer_part / v + (first if stage == 0 and c == 0 else 0)
+                     + (last if stage == par.pipeline - 1 and c == v - 1 else 0)
+                     for c in range(v)]
+        return int(held_forwards_peak(cfg, layout, name, stage, per_chunk) * samples)
     one = per_layer * len(layers) + ends
     if in_flight is None:
-        in_flight = microbatches_in_flight(cfg, plan_layout(cfg), name, stage)
+        in_flight = microbatches_in_flight(cfg, layout, name, stage)
     return int(one * samples * in_flight)
 
 
@@ -323,10 +341,15 @@ def estimate_memory(
     master = 4
     compute = BYTES[cfg.train.precision] if cfg.train.precision != "fp32" else 0
     out: dict[int, list[MemoryEstimate]] = {}
+    # Per (module, stage): the peak of its plan's held forwards (one replay per stage).
+    activations: dict[tuple[str, int], int] = {}
     for rank in range(layout.world_size) if ranks is None else ranks:
         out[rank] = []
         for role in layout.roles(rank):
             mod = cfg.modules[role.module]
+            if (role.module, role.pp) not in activations:
+                activations[(role.module, role.pp)] = activation_bytes(
+                    cfg, role.module, vocab_size, None, role.pp, layout)
             split = experts[role.module][role.pp] if experts[role.module] else None
             n = rank_parameter_count(cfg, role.module, counts[role.module][role.pp], split)
             frozen = mod.freeze
@@ -337,9 +360,7 @@ def estimate_memory(
                     weights=n * (master + compute),
                     grads=0 if frozen else n * 4,
                     optimizer=0 if frozen else optimizer_state_bytes(cfg, role.module, n, split),
-                    activations=activation_bytes(
-                        cfg, role.module, vocab_size,
-                        microbatches_in_flight(cfg, layout, role.module, role.pp), role.pp),
+                    activations=activations[(role.module, role.pp)],
                     workspace=0 if frozen else backward_workspace_bytes(cfg, role.module),
                     reduce_bucket=reduce_bucket_bytes(cfg, role.module, n),
                     param_gather=param_gather_bytes(cfg, role.module, n),
