@@ -27,6 +27,7 @@ Schedule = Literal["1f1b", "no_pipelining"]
 FeatureSelectStrategy = Literal["default", "full"]
 DownsampleMode = Literal["avg", "stack"]
 RouterScore = Literal["softmax", "sigmoid"]
+Recompute = Literal["none", "selective", "full"]
 
 ENCODER_KINDS: tuple[str, ...] = get_args(EncoderKind)
 LANGUAGE_KINDS: tuple[str, ...] = get_args(LanguageKind)
@@ -37,6 +38,7 @@ WEIGHT_DECAY_STYLES: tuple[str, ...] = get_args(WeightDecayStyle)
 OPTIMIZERS: tuple[str, ...] = get_args(OptimizerName)
 DATASETS: tuple[str, ...] = get_args(DatasetName)
 SCHEDULES: tuple[str, ...] = get_args(Schedule)
+RECOMPUTE_MODES: tuple[str, ...] = get_args(Recompute)
 
 
 @dataclass
@@ -297,6 +299,18 @@ class ModuleConfig:
     """Freeze the module: no gradients, no optimizer state, no gradient sync; not every
     module may be frozen.
     """
+    recompute: Recompute = "none"
+    """Activation recompute of the module's transformer layers: ``none``; ``selective``
+    (the attention core, RoPE + the context-parallel key/value gather + SDPA, runs again
+    in backward instead of keeping its tensors); ``full`` (a layer keeps only its input
+    and runs its whole forward again in backward). Same results, less activation memory
+    for more compute: docs/performance.md, "Activation recompute".
+    """
+    recompute_num_layers: int = 0
+    """Layers recomputed (0 <= n <= num_layers): 0 = every layer the rank holds; n = the
+    first n layers of each pipeline stage, of each model chunk under virtual_pipeline
+    (Megatron's ``block`` method). Needs recompute other than ``none``.
+    """
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     """The module's parallel layout (the ``[modules.<m>.parallel]`` table)."""
     optimizer: dict[str, Any] = field(default_factory=dict)
@@ -414,7 +428,15 @@ class TrainConfig:
     """``fp32``, ``bf16`` or ``fp16``: autocast compute; master weights and optimizer state
     stay fp32.
 
-    fp16 adds dynamic loss scaling (the optimizer's loss-scale keys).
+    Under bf16/fp16 the residual stream, the norms' outputs and the language model's
+    pipeline stage links are 16-bit too (see fp32_residual_connection), and each weight
+    is cast to 16 bits once per step, not once per micro-batch. fp16 adds dynamic loss
+    scaling (the optimizer's loss-scale keys).
+    """
+    fp32_residual_connection: bool = False
+    """bf16/fp16 only: keep the residual stream (and the language model's stage links) in
+    fp32, as Megatron's option of the same name; 2 more bytes per hidden value and token
+    that a layer keeps for backward. No effect under fp32.
     """
     schedule: Schedule = "1f1b"
     """Pipeline schedule: ``1f1b`` or ``no_pipelining`` (each micro-batch's backward before

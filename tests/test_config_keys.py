@@ -14,6 +14,7 @@ rejected with a ``ValueError`` naming the key:
   first training batch, the number of validation steps, the module groups' timeout;
 * ``step``: one training step (which pipeline schedule ran, loss, grad norm);
 * ``plan``: the layout plan and each module's layers per stage;
+* ``memory``: the per-rank memory estimate ``mimotron plan`` prints;
 * ``run``: a 2-3 iteration one-process ``train_mimo`` in a fresh directory: the files it
   writes, the metrics records, the console lines, the checkpoint saves, an exception;
 * ``rerun``: the same run twice in one directory: whether the second one is refused, and
@@ -47,6 +48,7 @@ from mimotron.config import (
     load_config,
 )
 from mimotron.parallel.layout import plan_layout, stage_layers
+from mimotron.parallel.memory import estimate_memory
 from mimotron.runtime import init_runtime
 from mimotron.training.loop import run_training, setup_mimo
 from mimotron.training.metrics import TrainingDivergedError
@@ -145,6 +147,11 @@ PROBES: dict[str, tuple[list[str], str, list[str]]] = {
     "modules.<m>.num_frames": (["modules.audio.num_frames=8"], "built", MOCK),
     "modules.<m>.num_audio_tokens": (["modules.audio.num_audio_tokens=8"], "built", []),
     "modules.<m>.freeze": (["modules.vision.freeze=true"], "built", []),
+    # Recompute changes no number (tests/test_recompute.py: parity, kept bytes); what it
+    # changes that one process can see is the activation memory the plan estimates.
+    "modules.<m>.recompute": (["modules.language.recompute='full'"], "memory", []),
+    "modules.<m>.recompute_num_layers": (["modules.language.recompute_num_layers=1"],
+                                         "memory", ["modules.language.recompute='full'"]),
     # The hf_path keys' effects (a loaded model, its sizes, its options) need Hugging
     # Face folders: tests/test_hf_training.py. Here: a folder that is not there, and
     # the HF-only options on a module without hf_path, are refused.
@@ -216,6 +223,9 @@ PROBES: dict[str, tuple[list[str], str, list[str]]] = {
     "train.micro_batch_size": (["train.micro_batch_size=4"], "built", []),
     "train.seed": (["train.seed=7"], "built", []),
     "train.precision": (["train.precision='fp16'"], "built", []),
+    # fp32 residual stream under bf16: more bytes kept per layer (and a different loss).
+    "train.fp32_residual_connection": (["train.fp32_residual_connection=true"], "memory",
+                                       ["train.precision='bf16'"]),
     "train.schedule": (["train.schedule='no_pipelining'"], "step", []),
     "train.exit_interval": (["train.exit_interval=1"], "run", RUN),
     "train.exit_duration_mins": (["train.exit_duration_mins=1e-9"], "run", RUN),
@@ -381,7 +391,12 @@ def _rerun(cfg: MimoConfig) -> Any:
     return refused, files
 
 
-OBSERVERS = {"built": _built, "step": _step, "plan": _plan, "run": _run, "rerun": _rerun}
+def _memory(cfg: MimoConfig) -> Any:
+    return estimate_memory(cfg, plan_layout(cfg), 64)
+
+
+OBSERVERS = {"built": _built, "step": _step, "plan": _plan, "memory": _memory, "run": _run,
+             "rerun": _rerun}
 
 
 def _observe(kind: str, overrides: list[str]) -> Any:

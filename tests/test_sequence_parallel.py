@@ -125,17 +125,17 @@ def test_activation_estimate_accounts_for_sequence_parallelism():
 
     h = load_config(DIGITS, BASE).modules["language"].hidden_size
     f = default_ffn_hidden_size(h)
-    # fp32: the norm regions (2 norms x input + normalised) and the linears' shared
-    # inputs are whole on every TP rank; attention (5 h) and SwiGLU (4 f) split.
-    norms, linear_inputs, split = 16 * h, 8 * h, 4 * (5 * h + 4 * f)
+    # fp32: the norms' inputs (2 x 4h) and the linears' shared inputs (2 x 4h) are whole
+    # on every TP rank; attention (q, k, v, output: 4 x 4h) and SwiGLU (4 x 4f) split.
+    norms, linear_inputs, split = 8 * h, 8 * h, 4 * (4 * h + 4 * f)
     assert per_token({}) == per_token({"tensor": 2}) == (norms + linear_inputs, split)
-    # SP splits the norm regions too; the gathered linear inputs stay whole.
-    assert per_token({"tensor": 2}, *SP) == (linear_inputs, split + norms)
+    # SP splits all of it: the norms see seq / tp, the linears keep their input's shard.
+    assert per_token({"tensor": 2}, *SP) == (0, split + norms + linear_inputs)
     # Against the saved tensors measured by benchmarks/sequence_parallel.py (wide model,
-    # README): 117.1 MiB without SP and 99.1 MiB with it, per TP-2 rank.
+    # docs/long-sequences.md): 95.1 MiB without SP and 78.1 MiB with it, per TP-2 rank.
     wide = ["modules.language.hidden_size=512", "modules.language.num_layers=4",
             "modules.language.num_heads=8", "train.global_batch_size=16",
             "train.micro_batch_size=16"]
-    for extra, measured in (((), 117.1), (SP, 99.1)):
+    for extra, measured in (((), 95.1), (SP, 78.1)):
         cfg = load_config(DIGITS, noncolocated({}, {}, {"tensor": 2}) + wide + list(extra))
         assert abs(activation_bytes(cfg, "language") / 2**20 / measured - 1) < 0.01

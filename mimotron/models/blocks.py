@@ -63,8 +63,96 @@ def residual_init_std(num_layers: int) -> float:
     return INIT_STD / math.sqrt(2 * max(num_layers, 1))
 
 
+def compute_dtype_of(x: torch.Tensor) -> torch.dtype:
+    """The dtype matmuls on ``x``'s device run in: autocast's where it is on, else ``x``'s."""
+    device_type = x.device.type
+    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return x.dtype
+
+
+def to_residual_dtype(x: torch.Tensor, fp32_residual: bool = False) -> torch.Tensor:
+    """Cast a stack's input to the residual stream's dtype.
+
+    Under autocast the residual stream runs in the compute dtype (bf16/fp16), as
+    Megatron's does with 16-bit parameters: the stream, the norms' saved inputs and the
+    pipeline stage links then take 2 bytes per value instead of 4. ``fp32_residual``
+    keeps it in fp32 (Megatron's ``fp32_residual_connection``). Without autocast (fp32
+    training) this is the identity.
+    """
+    if fp32_residual:
+        return x.float() if x.is_floating_point() else x
+    return x.to(compute_dtype_of(x))
+
+
+# Elements per chunk of RMSNorm's backward (16 MiB of fp32 per temporary).
+_NORM_CHUNK_ELEMENTS = 1 << 22
+
+
+class _RMSNormFunction(torch.autograd.Function):
+    """RMSNorm that saves only its input and the per-token ``1 / rms`` for backward.
+
+    Composed of plain ops, autograd would also keep the normalised tensor (for the
+    weight's gradient) and an fp32 copy of a 16-bit input; fused norms (Apex, Transformer
+    Engine) recompute both in backward instead, and so does this. All arithmetic is fp32.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float,  # noqa: ANN001
+                out_dtype: torch.dtype) -> torch.Tensor:
+        xf = x.float()
+        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return (xf * rstd * weight.float()).to(out_dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
+        x, weight, rstd = ctx.saved_tensors
+        dim = x.shape[-1]
+        x2, g2, r2 = x.reshape(-1, dim), grad.reshape(-1, dim), rstd.reshape(-1, 1)
+        w = weight.float()
+        grad_x = torch.empty_like(x2) if ctx.needs_input_grad[0] else None
+        grad_w = torch.zeros(dim, dtype=torch.float32, device=x.device)
+        # In chunks of rows: the fp32 temporaries then stay a few MiB, where whole they
+        # would be several times the layer's hidden states (a fused kernel has none).
+        rows = max(1, _NORM_CHUNK_ELEMENTS // dim)
+        for lo in range(0, x2.shape[0], rows):
+            normed = x2[lo:lo + rows].float() * r2[lo:lo + rows]
+            # A copy: the incoming gradient may also flow elsewhere (the residual path).
+            g = g2[lo:lo + rows].to(torch.float32, copy=True)
+            if ctx.needs_input_grad[1]:
+                grad_w += (g * normed).sum(0)
+            if grad_x is not None:
+                gn = g.mul_(w)
+                # d/dx of x * r(x): r * (gn - normed * mean(gn * normed)) over the last dim.
+                dot = (gn * normed).mean(-1, keepdim=True)
+                grad_x[lo:lo + rows] = gn.sub_(normed.mul_(dot)).mul_(r2[lo:lo + rows])
+        grad_weight = grad_w.to(weight.dtype) if ctx.needs_input_grad[1] else None
+        return (None if grad_x is None else grad_x.view_as(x)), grad_weight, None, None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``x / rms(x) * weight`` over the last dimension, computed in fp32.
+
+    Args:
+        x: the input, any float dtype.
+        weight: the learned scale, ``[x.shape[-1]]``.
+        eps: added to the mean square.
+        out_dtype: the result's dtype (``None``: ``x``'s).
+
+    Returns:
+        The normalised tensor; backward recomputes what it needs from ``x``.
+    """
+    return _RMSNormFunction.apply(x, weight, eps, out_dtype or x.dtype)
+
+
 class RMSNorm(nn.Module):
     """Root-mean-square layer norm with a learned scale and no bias.
+
+    The output is in the compute dtype (:func:`compute_dtype_of`): under autocast the
+    q/k/v (w1/w3) projections that read it then share one 16-bit tensor instead of each
+    casting its own copy.
 
     Args:
         dim: size of the normalised last dimension.
@@ -77,10 +165,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Normalise ``x`` over its last dimension (computed in fp32, returned in x's dtype)."""
-        xf = x.float()
-        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return normed.type_as(x) * self.weight
+        """Normalise ``x`` over its last dimension (fp32 arithmetic, compute-dtype result)."""
+        return rms_norm(x, self.weight, self.eps, compute_dtype_of(x))
 
 
 def rope_cache(
@@ -126,9 +212,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     """Rotate pairs ``(x[..., :d/2], x[..., d/2:])`` of ``x`` by position-dependent angles.
 
     Args:
-        x: ``[batch, num_heads, seq, head_dim]``.
-        cos: ``[seq, head_dim // 2]`` from :func:`rope_cache`.
-        sin: ``[seq, head_dim // 2]``.
+        x: ``[..., head_dim]``, e.g. ``[batch, num_heads, seq, head_dim]``.
+        cos: ``[seq, head_dim // 2]`` from :func:`rope_cache`, or any shape that
+            broadcasts against ``x[..., :head_dim // 2]`` (``[seq, 1, head_dim // 2]`` for
+            ``[batch, seq, heads, head_dim]``).
+        sin: like ``cos``.
 
     Returns:
         The rotated tensor, same shape and dtype as ``x``.
@@ -139,6 +227,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     # GPT-NeoX / Llama in HF) needs no interleaving reshapes.
     out = torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
     return out.type_as(x)
+
+
+def _seq_major(table: torch.Tensor) -> torch.Tensor:
+    """A RoPE table for ``[batch, seq, heads, head_dim]`` tensors.
+
+    ``[seq, d/2]`` becomes ``[seq, 1, d/2]``; a per-row ``[batch, 1, seq, d/2]`` (packed
+    rows, context parallelism) becomes ``[batch, seq, 1, d/2]``.
+    """
+    return table.unsqueeze(-2) if table.dim() == 2 else table.transpose(-3, -2)
 
 
 class Attention(nn.Module):
@@ -241,27 +338,52 @@ class Attention(nn.Module):
         k, v = (t.view(batch, seq, num_kv, self.head_dim) for t in (k, v))
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        out = self.core(q, k, v, rope, mask)
+        return self.wo(out.reshape(batch, seq, num_q * self.head_dim))
+
+    def core(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None, mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The attention core between the projections and ``wo``: RoPE, the
+        context-parallel key/value gather and SDPA.
+
+        It holds no parameters, which is what lets selective recompute
+        (:mod:`mimotron.models.recompute`) run it again in backward from its inputs.
+
+        Args:
+            q: ``[batch, seq, local heads, head_dim]`` queries (after the q norm, if any).
+            k: ``[batch, seq, local kv heads, head_dim]`` keys (after the k norm).
+            v: like ``k``, values.
+            rope: ``(cos, sin)`` as in :meth:`forward`, or ``None``.
+            mask: as in :meth:`forward`.
+
+        Returns:
+            ``[batch, seq, local heads, head_dim]``: a transposed view of SDPA's output.
+        """
         if rope is not None:
-            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+            # Rotated in [batch, seq, heads, head_dim] order: SDPA's output then comes
+            # back in that order too, so the heads merge for wo is a view of the tensor
+            # attention saved, not a second copy.
+            cos, sin = (_seq_major(t) for t in rope)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         if self.context_parallel_group is not None:
             if mask is None:
                 raise ValueError("context-parallel attention needs a mask over global "
                                  "positions (context_attention_mask); got mask=None")
-            # After RoPE (keys carry their global positions), before the GQA repeat
-            # (gather the fewer key/value heads).
+            # After RoPE (keys carry their global positions): gathers the fewer
+            # key/value heads of grouped-query attention.
             k, v = gather_kv(k, v, self.context_parallel_group)
-        if num_kv != num_q:
-            # Query head h reads key/value head h // group; contiguous TP shards of q and
-            # of k/v hold matching groups because tp divides num_kv_heads.
-            group = num_q // num_kv
-            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        # Grouped-query attention without expanding K/V: query head h reads key/value
+        # head h // (num_q / num_kv); contiguous TP shards of q and of k/v hold matching
+        # groups because tp divides num_kv_heads.
+        gqa = k.shape[1] != q.shape[1]
         if mask is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal, enable_gqa=gqa)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        out = out.transpose(1, 2).reshape(batch, seq, num_q * self.head_dim)
-        return self.wo(out)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        return out.transpose(1, 2)
 
 
 class SwiGLU(nn.Module):

@@ -240,6 +240,9 @@ def build_module(
         ValueError: unknown module or kind, or invalid sizes.
     """
     module = _construct(cfg, name, vocab_size, layer_ids, pre_process, post_process)
+    for sub in module.modules():
+        if hasattr(sub, "fp32_residual"):
+            sub.fp32_residual = cfg.train.fp32_residual_connection
     if not init:
         return module
     init_parameters_(module, cfg.train.seed, prefix=module_prefix(cfg, name))

@@ -13,7 +13,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mimotron.models.blocks import RMSNorm, chunk_modules, is_last_chunk, make_layers
+from mimotron.models.blocks import (
+    RMSNorm,
+    chunk_modules,
+    is_last_chunk,
+    make_layers,
+    to_residual_dtype,
+)
 
 
 class _EncoderStack(nn.Module):
@@ -62,6 +68,8 @@ class _EncoderStack(nn.Module):
         self.final_norm = RMSNorm(hidden_size) if post_process else None
         # Interleaved 1F1B: global layer ids of each model chunk held (see LanguageModel).
         self.layer_chunks: list[list[int]] | None = None
+        # The residual stream in fp32 under autocast (train.fp32_residual_connection).
+        self.fp32_residual = False
 
     def forward(self, x: torch.Tensor, chunk: int | None = None) -> torch.Tensor:
         """Encode raw input (first stage) or hidden states (later stages).
@@ -76,7 +84,10 @@ class _EncoderStack(nn.Module):
             ``[n, num_tokens, hidden]``: final-normed on the last stage (last chunk).
         """
         if self.front_end is not None and not chunk:
-            x = self.front_end(x) + self.pos_embed
+            # Contiguous: the front end's output is a transposed view, and every linear
+            # of the first layer would copy it (and save its copy) otherwise.
+            x = to_residual_dtype(self.front_end(x) + self.pos_embed, self.fp32_residual)
+            x = x.contiguous()
         for layer in chunk_modules(self.layers, self.layer_chunks, chunk):
             x = layer(x)
         if self.final_norm is not None and is_last_chunk(self.layer_chunks, chunk):

@@ -14,7 +14,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from mimotron.data.packing import document_mask
-from mimotron.models.blocks import RMSNorm, chunk_modules, is_last_chunk, make_layers, rope_cache
+from mimotron.models.blocks import (
+    RMSNorm,
+    chunk_modules,
+    is_last_chunk,
+    make_layers,
+    rope_cache,
+    to_residual_dtype,
+)
 from mimotron.models.moe import MoEOptions, check_layer_freq
 from mimotron.models.rope_scaling import rope_inv_freq, validate_rope_scaling
 from mimotron.parallel.context_attention import context_attention_mask
@@ -127,6 +134,8 @@ class LanguageModel(nn.Module):
             self.tie_weights()
         # The TP group when sequence parallelism is on (set by apply_tensor_parallel).
         self.sequence_parallel_group: dist.ProcessGroup | None = None
+        # The residual stream in fp32 under autocast (train.fp32_residual_connection).
+        self.fp32_residual = False
         # The CP group under context parallelism (set_context_parallel).
         self.context_parallel_group: dist.ProcessGroup | None = None
         # Interleaved 1F1B: global layer ids of each model chunk this instance holds
@@ -262,6 +271,7 @@ class LanguageModel(nn.Module):
                 seq, device=hidden.device).expand_as(doc_ids)
             rope = (rope[0][pos].unsqueeze(1), rope[1][pos].unsqueeze(1))
             mask = document_mask(doc_ids)
+        hidden = to_residual_dtype(hidden, self.fp32_residual)
         group = self.sequence_parallel_group
         if group is not None:
             # Sequence parallelism: layers and norms hold seq / tp; stages exchange whole

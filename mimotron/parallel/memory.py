@@ -118,67 +118,82 @@ def rank_parameter_count(cfg: MimoConfig, name: str, stage_count: int,
     return dense // par.tensor + whole + experts // (par.expert * par.expert_tensor)
 
 
-# Norms, residual stream and the loss stay in fp32 under autocast (embeddings and norm
-# weights are fp32; the residual adds promote the 16-bit branch outputs back to fp32).
+# The loss (log-softmax of the logits) and the norms' per-token statistics are fp32.
 FP32 = 4
+
+
+def residual_bytes(cfg: MimoConfig) -> int:
+    """Bytes per value of the residual stream: the compute dtype's, or fp32 under fp32 or
+    ``train.fp32_residual_connection`` (:func:`~mimotron.pipeline.shapes.residual_dtype`)."""
+    return FP32 if cfg.train.fp32_residual_connection else BYTES[cfg.train.precision]
+
+
+def attention_widths(cfg: MimoConfig, name: str) -> tuple[int, int]:
+    """``(query width, key/value width)`` of module ``name``'s attention, whole layer.
+
+    ``hidden`` for both, except a Hugging Face language model's (grouped-query
+    attention: ``num_kv_heads x head_dim`` for keys and values, read from config.json).
+    """
+    mod = cfg.modules[name]
+    if mod.kind == "language" and mod.hf_path:
+        from mimotron.models.hf.resolve import language_spec
+
+        spec = language_spec(mod)
+        head_dim = spec.head_dim or spec.hidden_size // spec.num_heads
+        return spec.num_heads * head_dim, spec.num_kv_heads * head_dim
+    return mod.hidden_size, mod.hidden_size
 
 
 def layer_bytes_per_token(cfg: MimoConfig, name: str) -> tuple[int, int]:
     """Bytes one transformer layer saves for backward per token: ``(whole, tp_split)``.
 
-    Counted from :class:`~mimotron.models.blocks.TransformerBlock` (``tests/test_memory.py``
-    checks the count against the tensors autograd saves), with ``h`` the width, ``f``
-    the SwiGLU width, ``c`` the compute dtype's bytes:
+    Counted from :class:`~mimotron.models.blocks.TransformerBlock` and checked against
+    what autograd saves (``tests/test_memory_estimate.py``, and at Llama-2-7B's shape
+    against the published analysis, ``tests/test_activation_bytes.py``), with ``h`` the
+    width, ``f`` the SwiGLU width, ``c`` the compute dtype's bytes, ``r`` the residual
+    stream's (:func:`residual_bytes`):
 
-    * norm regions, ``2 x 2 x 4h``: each RMSNorm keeps its input and the normalised
-      tensor before the weight, in fp32;
-    * the column-parallel linears' inputs: the norm's output (``2 x 4h``, shared by
-      q/k/v and by w1/w3) in fp32; under autocast each linear casts its own copy
-      (``5 x c h``: wq, wk, wv, w1, w3). An encoder's residual stream keeps its front
-      end's transposed memory order (``[n, hidden, tokens]``), so each of its linears
-      copies the input to a contiguous one in fp32 too (``5 x c h``);
-    * attention, ``5 x c h`` with RoPE (the language model): rotated q and k, v (after
-      the GQA repeat: all query heads), SDPA's output and the heads-merged input of
-      ``wo`` (a copy, because RoPE's output is contiguous per head); ``4 x c h`` without
-      (encoders: the merge is a view of the output);
-    * SwiGLU, ``4 x c f``: gate, silu(gate), up and their product.
+    * the two RMSNorms keep their input, ``2 x r h`` (and a per-token fp32 statistic,
+      left out);
+    * the column-parallel linears' input: each norm's output, in the compute dtype and
+      shared by q/k/v (by w1/w3), ``2 x c h``;
+    * attention keeps the rotated queries and keys, the values (``c`` x the query width
+      and twice the key/value width, :func:`attention_widths`) and SDPA's output, whose
+      heads merge is a view ``wo`` reads (``c`` x the query width);
+    * SwiGLU keeps gate, silu(gate), up and their product, ``4 x c f``.
 
-    With TP ``t`` the attention and SwiGLU tensors divide by ``t``, the rest is whole;
-    sequence parallelism (:mod:`mimotron.parallel.sequence_parallel`) divides the norm
-    regions too, but the DTensor plans gather the linears' input before the linear,
-    which saves the gathered tensor whole (Megatron saves the shard and gathers again
-    in backward).
+    This is Korthikanti et al.'s ``16h + 8f`` bytes (bf16, no dropout, flash attention,
+    SwiGLU). With TP ``t`` attention and SwiGLU divide by ``t``; sequence parallelism
+    (:mod:`mimotron.parallel.sequence_parallel`) divides the norms and the linears'
+    inputs too (it keeps their shard, :mod:`mimotron.parallel.sequence_saved`).
     """
     mod = cfg.modules[name]
-    h, c = mod.hidden_size, BYTES[cfg.train.precision]
+    h, c, r = mod.hidden_size, BYTES[cfg.train.precision], residual_bytes(cfg)
     f = mod.ffn_hidden_size or default_ffn_hidden_size(h)
-    norms = 2 * 2 * FP32 * h
-    if cfg.train.precision == "fp32" and mod.kind == "language":
-        linear_inputs = 2 * FP32 * h
-    else:
-        linear_inputs = 5 * c * h
-    attention = (5 if mod.kind == "language" else 4) * c * h
-    split = attention + 4 * c * f
+    q_width, kv_width = attention_widths(cfg, name)
+    whole = 2 * r * h + 2 * c * h
+    split = c * (2 * q_width + 2 * kv_width) + 4 * c * f
     if mod.parallel.sequence_parallel:
-        return linear_inputs, split + norms
-    return norms + linear_inputs, split
+        return 0, whole + split
+    return whole, split
 
 
 def ends_bytes_per_sample(cfg: MimoConfig, name: str, tokens: int, vocab_size: int
                           ) -> tuple[int, int]:
     """Saved bytes per sample outside the layers: ``(first stage, last stage)``.
 
-    Last stage: the final norm (input and normalised tensor, fp32) and the head's input;
-    for the language model the loss keeps the log-softmax of the logits (fp32, the
-    vocabulary divided by TP), for an encoder the projector keeps GELU's input and
-    ``fc2``'s input. First stage of an encoder: its front end's saved input (the raw
-    image or spectrogram, cast to the compute dtype) and, for audio, the frame-rate GELU
-    input and pooling-conv input. The language model's embedding saves only indices.
+    Last stage: the final norm's input (the residual dtype) and the head's input (its
+    output, compute dtype); for the language model the loss keeps the log-softmax of
+    the logits (fp32, the vocabulary divided by TP), for an encoder the projector keeps
+    GELU's input and ``fc2``'s input. First stage of an encoder: its front end's saved
+    input (the raw image or spectrogram, cast to the compute dtype) and, for audio, the
+    frame-rate GELU input and pooling-conv input. The language model's embedding saves
+    only indices.
     """
     mod = cfg.modules[name]
     h, c, t = mod.hidden_size, BYTES[cfg.train.precision], mod.parallel.tensor
-    head_input = FP32 * h if cfg.train.precision == "fp32" else c * h
-    norm = 2 * FP32 * h // (t if mod.parallel.sequence_parallel else 1)
+    head_input = c * h
+    norm = residual_bytes(cfg) * h // (t if mod.parallel.sequence_parallel else 1)
     if mod.kind == "language":
         return 0, tokens * (norm + head_input + FP32 * vocab_size // t)
     width = mod.projector_hidden_size or cfg.modules[LANGUAGE].hidden_size
@@ -261,7 +276,9 @@ def activation_bytes(cfg: MimoConfig, name: str, vocab_size: int = 64,
     of the rank's plan, each chunk weighted by its bytes
     (:func:`~mimotron.pipeline.in_flight.held_forwards_peak`); a number ``in_flight``
     spreads that many chunk forwards evenly over the chunks. A frozen
-    encoder holds only its outputs (:func:`frozen_encoder_output_bytes`).
+    encoder holds only its outputs (:func:`frozen_encoder_output_bytes`). Each layer
+    recomputed in backward (``modules.<m>.recompute``, :func:`recomputed_layers`) keeps
+    :func:`recompute_dropped_bytes` less.
     """
     from mimotron.parallel.layout import plan_layout
     from mimotron.pipeline.in_flight import held_forwards_peak
@@ -280,25 +297,107 @@ def activation_bytes(cfg: MimoConfig, name: str, vocab_size: int = 64,
             held_forwards_peak(cfg, layout, name, stage, last_chunk)
             if in_flight is None else in_flight)
     layers, chunks = rank_layers(mod.num_layers, par, stage)
-    whole, split = layer_bytes_per_token(cfg, name)
-    per_layer = tokens * (whole + split // par.tensor)
-    if mod.kind == "language" and par.context > 1:
-        others = cfg.data.seq_length - tokens  # the gathered K/V of the other CP ranks
-        per_layer += mod.hidden_size * others * 2 * BYTES[cfg.train.precision] // par.tensor
+    per_layer = layer_bytes_per_sample(cfg, name)
+    # Recomputed layers keep less (modules.<m>.recompute).
+    held = (per_layer * len(layers)
+            - recomputed_layers(cfg, name, stage) * recompute_dropped_bytes(cfg, name))
     first, last = ends_bytes_per_sample(cfg, name, tokens, vocab_size)
     ends = (first if stage == 0 else 0) + (last if stage == par.pipeline - 1 else 0)
     if chunks is not None:
-        v, layer_part = len(chunks), per_layer * len(layers)  # one micro-batch's, all chunks
+        v, layer_part = len(chunks), held  # one micro-batch's, all chunks
         if in_flight is not None:
             return int((layer_part * in_flight / v + ends * -(-in_flight // v)) * samples)
         per_chunk = [layer_part / v + (first if stage == 0 and c == 0 else 0)
                      + (last if stage == par.pipeline - 1 and c == v - 1 else 0)
                      for c in range(v)]
         return int(held_forwards_peak(cfg, layout, name, stage, per_chunk) * samples)
-    one = per_layer * len(layers) + ends
+    one = held + ends
     if in_flight is None:
         in_flight = microbatches_in_flight(cfg, layout, name, stage)
     return int(one * samples * in_flight)
+
+
+def layer_bytes_per_sample(cfg: MimoConfig, name: str) -> int:
+    """Bytes one transformer layer keeps for backward per sample, without recompute.
+
+    The tokens of one sample on this rank (``seq / context`` for the language model, the
+    output tokens for an encoder) times :func:`layer_bytes_per_token` (the TP-split part
+    divided by ``tensor``), plus, under context parallelism, the keys and values
+    attention gathered from the other CP ranks (after the GQA repeat: ``2 x c`` bytes x
+    ``hidden / tensor`` per position of theirs).
+    """
+    mod = cfg.modules[name]
+    par = mod.parallel
+    tokens = (cfg.data.seq_length // par.context if mod.kind == "language"
+              else mod.num_output_tokens)
+    whole, split = layer_bytes_per_token(cfg, name)
+    return tokens * (whole + split // par.tensor) + context_kv_bytes_per_sample(cfg, name)
+
+
+def context_kv_bytes_per_sample(cfg: MimoConfig, name: str) -> int:
+    """The other CP ranks' keys and values one layer's attention keeps (0 without CP)."""
+    mod = cfg.modules[name]
+    par = mod.parallel
+    if mod.kind != "language" or par.context == 1:
+        return 0
+    others = cfg.data.seq_length - cfg.data.seq_length // par.context
+    return mod.hidden_size * others * 2 * BYTES[cfg.train.precision] // par.tensor
+
+
+def recomputed_layers(cfg: MimoConfig, name: str, stage: int) -> int:
+    """Layers of a module stage that recompute their activations (``modules.<m>.recompute``).
+
+    The first ``recompute_num_layers`` of each model chunk the stage's ranks hold (all
+    with 0), as :func:`mimotron.models.recompute.apply_recompute` picks them; none for
+    ``recompute = "none"`` and for a frozen encoder (it saves nothing anyway).
+    """
+    from mimotron.models.recompute import recomputed_layer_ids
+
+    mod = cfg.modules[name]
+    if mod.recompute == "none" or (mod.freeze and mod.is_encoder):
+        return 0
+    layers, chunks = rank_layers(mod.num_layers, mod.parallel, stage)
+    return len(recomputed_layer_ids(chunks or [layers], mod.recompute_num_layers))
+
+
+def recompute_dropped_bytes(cfg: MimoConfig, name: str) -> int:
+    """Bytes per sample a recomputed layer does not keep for backward (its backward makes
+    them again, :mod:`mimotron.models.recompute`); 0 without recompute.
+
+    * ``full``: everything but the layer's input, the residual stream (``residual`` bytes
+      per value, fp32 today, and ``seq / tensor`` positions under sequence parallelism).
+    * ``selective``: the attention core's own saved tensors. With a fused SDPA kernel the
+      core's inputs (unrotated q and k, v) replace its rotated q and k one for one and
+      its output stays (``wo`` keeps a view of it), so what goes is the keys and values
+      gathered from the other CP ranks (:func:`context_kv_bytes_per_sample`; 0 without
+      CP) and SDPA's log-sum-exp (4 bytes per head and token, not counted, as without
+      recompute).
+    """
+    mod = cfg.modules[name]
+    if mod.recompute == "selective":
+        return context_kv_bytes_per_sample(cfg, name)
+    if mod.recompute != "full":
+        return 0
+    par = mod.parallel
+    tokens = (cfg.data.seq_length // par.context if mod.kind == "language"
+              else mod.num_output_tokens)
+    kept = (tokens * residual_bytes(cfg) * mod.hidden_size
+            // (par.tensor if par.sequence_parallel else 1))
+    return layer_bytes_per_sample(cfg, name) - kept
+
+
+def recompute_workspace_bytes(cfg: MimoConfig, name: str) -> int:
+    """The backward's extra temporary under recompute: one recomputed layer's activations.
+
+    A recomputed layer's backward first makes what it dropped
+    (:func:`recompute_dropped_bytes`, one micro-batch of this rank's samples), and that
+    lives until the layer's backward ends, on top of the workspace of
+    :func:`backward_workspace_bytes`. 0 when no layer of the module is recomputed.
+    """
+    mod = cfg.modules[name]
+    if mod.recompute == "none" or mod.freeze:
+        return 0
+    return cfg.train.micro_batch_size // mod.parallel.data * recompute_dropped_bytes(cfg, name)
 
 
 def frozen_encoder_output_bytes(cfg: MimoConfig, name: str, stage: int) -> int:
@@ -318,18 +417,29 @@ def frozen_encoder_output_bytes(cfg: MimoConfig, name: str, stage: int) -> int:
 def backward_workspace_bytes(cfg: MimoConfig, name: str) -> int:
     """The largest temporary of a backward on top of the saved activations.
 
-    Measured on the digits language model (``benchmarks/memory.py``, per-phase marks): the
-    peak comes in the backward of the last micro-batch's SwiGLU, where the gradient of
-    the inner width (``c f`` per token, divided by TP) is live while every saved tensor
-    of the layer still is.
+    The larger of two, measured on the digits language model (``benchmarks/memory.py``,
+    per-phase marks, and ``tests/test_memory_estimate.py``):
+
+    * the backward of the last micro-batch's SwiGLU, where the gradient of the inner
+      width (``c f`` per token, divided by TP) is live while every saved tensor of the
+      layer still is;
+    * an RMSNorm's backward: its input gradient (``c h`` per token) and three fp32
+      temporaries of one chunk of rows (at most ``_NORM_CHUNK_ELEMENTS`` values each,
+      :class:`~mimotron.models.blocks.RMSNorm`). Larger only for narrow FFNs or short
+      sequences.
     """
+    from mimotron.models.blocks import _NORM_CHUNK_ELEMENTS
+
     mod = cfg.modules[name]
     par = mod.parallel
     samples = cfg.train.micro_batch_size // par.data
     tokens = (cfg.data.seq_length // par.context if mod.kind == "language"
               else mod.num_output_tokens)
-    f = mod.ffn_hidden_size or default_ffn_hidden_size(mod.hidden_size)
-    return samples * tokens * BYTES[cfg.train.precision] * f // par.tensor
+    h, c = mod.hidden_size, BYTES[cfg.train.precision]
+    f = mod.ffn_hidden_size or default_ffn_hidden_size(h)
+    values = samples * tokens * h // (par.tensor if par.sequence_parallel else 1)
+    norm = c * values + 3 * FP32 * min(values, _NORM_CHUNK_ELEMENTS)
+    return max(samples * tokens * c * f // par.tensor, norm)
 
 
 def estimate_memory(
@@ -361,7 +471,8 @@ def estimate_memory(
                     grads=0 if frozen else n * 4,
                     optimizer=0 if frozen else optimizer_state_bytes(cfg, role.module, n, split),
                     activations=activations[(role.module, role.pp)],
-                    workspace=0 if frozen else backward_workspace_bytes(cfg, role.module),
+                    workspace=0 if frozen else (backward_workspace_bytes(cfg, role.module)
+                                                + recompute_workspace_bytes(cfg, role.module)),
                     reduce_bucket=reduce_bucket_bytes(cfg, role.module, n),
                     param_gather=param_gather_bytes(cfg, role.module, n),
                 )

@@ -119,9 +119,13 @@ def reduce_sequence_parallel_grads(module: nn.Module, group: dist.ProcessGroup |
 
 
 def _chunk(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """This rank's contiguous ``1 / tp`` of dim 1."""
+    """This rank's ``1 / tp`` of dim 1, in its own storage.
+
+    A copy even where the slice is already contiguous (one sample): the first norm keeps
+    it for backward, and a view would keep the whole replicated tensor alive with it.
+    """
     size = dist.get_world_size(group)
-    return x.chunk(size, dim=1)[dist.get_rank(group)].contiguous()
+    return x.chunk(size, dim=1)[dist.get_rank(group)].clone(memory_format=torch.contiguous_format)
 
 
 def _all_gather(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:

@@ -32,6 +32,7 @@ from mimotron.parallel.sequence_parallel import (
     mark_sequence_parallel_params,
     sequence_parallel_plan,
 )
+from mimotron.parallel.sequence_saved import keep_sharded_inputs
 
 # (projection, column-wise?) in the order the plan lists them.
 _PROJECTIONS = (("attn.wq", True), ("attn.wk", True), ("attn.wv", True), ("attn.wo", False),
@@ -139,6 +140,7 @@ def apply_tensor_parallel(module: nn.Module, mesh: DeviceMesh, is_language: bool
     parallelize_module(module, mesh, plan)
     if sequence_parallel:
         module.sequence_parallel_group = mesh.get_group()
+        keep_sharded_inputs(module.layers, mesh.get_group())
     mark_tensor_partial_params(module, sequence_parallel)
     if is_language and getattr(module, "tie_word_embeddings", False):
         module.tie_weights()

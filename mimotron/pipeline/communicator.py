@@ -148,6 +148,7 @@ class MultiModulePipelineCommunicator:
             when a process group is initialised (collective over the world: every rank
             constructs its communicator at the same point), else none.
         link_timeout: the timeout of the link groups created here.
+        stage_dtype: the dtype of the language model's stage links (its residual stream).
 
     Raises:
         ValueError: ``layout`` is colocated (use ``ColocatedTransport``).
@@ -158,7 +159,8 @@ class MultiModulePipelineCommunicator:
                  seq_length: int | None = None, hidden_size: int | None = None,
                  bridge_rows: dict[str, tuple[int, int]] | None = None,
                  link_groups: dict[Link, dist.ProcessGroup] | None = None,
-                 link_timeout: timedelta | None = None) -> None:
+                 link_timeout: timedelta | None = None,
+                 stage_dtype: torch.dtype = torch.float32) -> None:
         if layout.colocated:
             raise ValueError("a colocated layout has no pipeline transfers: use "
                              "mimotron.pipeline.colocated.ColocatedTransport")
@@ -191,7 +193,7 @@ class MultiModulePipelineCommunicator:
         self._received: dict[tuple[int, int, int], tuple[tuple[int, ...], torch.dtype]] = {}
         # Known to both ends of a language stage link from the config: no header.
         self._stage: LinkShape | None = (
-            stage_link_shape(layout, micro_batch_size, seq_length, hidden_size)
+            stage_link_shape(layout, micro_batch_size, seq_length, hidden_size, stage_dtype)
             if self.module == LANGUAGE else None)
         # (src leader, dst leader) -> the bridge tensor of that pair, where it is fixed.
         self._bridge: dict[tuple[int, int], LinkShape] = {

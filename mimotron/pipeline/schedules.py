@@ -76,7 +76,8 @@ def build_transport(layout: Layout, rank: int, micro_batch_size: int, edges: lis
                     tp_groups: dict[str, dist.ProcessGroup | None], device: torch.device,
                     seq_length: int | None = None, hidden_size: int | None = None,
                     bridge_rows: dict[str, tuple[int, int]] | None = None,
-                    link_timeout: timedelta | None = None) -> Transport:
+                    link_timeout: timedelta | None = None,
+                    stage_dtype: torch.dtype = torch.float32) -> Transport:
     """The run's transport, chosen once from the layout.
 
     Args:
@@ -93,12 +94,14 @@ def build_transport(layout: Layout, rank: int, micro_batch_size: int, edges: lis
             :func:`~mimotron.pipeline.shapes.bridge_row_shapes`): no header either.
         link_timeout: the timeout of the point-to-point link groups (split layouts
             only; created here, collectively: :mod:`mimotron.pipeline.links`).
+        stage_dtype: the language model's residual dtype, which its stage links carry
+            (:func:`~mimotron.pipeline.shapes.residual_dtype`).
     """
     if layout.colocated:
         return ColocatedTransport(layout, rank, micro_batch_size, edges)
     return MultiModulePipelineCommunicator(layout, rank, micro_batch_size, edges, tp_groups,
                                            device, seq_length, hidden_size, bridge_rows,
-                                           link_timeout=link_timeout)
+                                           link_timeout=link_timeout, stage_dtype=stage_dtype)
 
 
 @dataclass

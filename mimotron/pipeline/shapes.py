@@ -72,9 +72,7 @@ def stage_link_shape(layout: Layout, micro_batch_size: int, seq_length: int | No
         seq_length: every micro-batch's padded sequence length (``data.seq_length``);
             ``None``: unknown (the links keep their headers).
         hidden_size: the language model's hidden size; ``None``: unknown.
-        dtype: the residual stream's dtype. Parameters stay fp32 under every
-            ``train.precision`` (autocast computes matmuls in bf16/fp16 but the
-            residual additions promote back), so stage outputs are fp32.
+        dtype: the residual stream's dtype (:func:`residual_dtype`).
 
     Returns:
         ``None`` where the language model has one stage or a value is unknown.
@@ -90,6 +88,20 @@ def stage_link_shape(layout: Layout, micro_batch_size: int, seq_length: int | No
               f"data.seq_length={seq_length} / context={par.context}, hidden_size={hidden_size})")
     need = f"every micro-batch must hold {[shape[0], seq_length]} tokens per language DP rank"
     return LinkShape(shape, dtype, origin, need)
+
+
+def residual_dtype(cfg: MimoConfig) -> torch.dtype:
+    """The dtype of the residual stream, hence of the language model's stage links.
+
+    The compute dtype under bf16/fp16 (the stack casts its input to it,
+    :func:`~mimotron.models.blocks.to_residual_dtype`), fp32 under fp32 or with
+    ``train.fp32_residual_connection``.
+    """
+    from mimotron.runtime import compute_dtype
+
+    if cfg.train.fp32_residual_connection:
+        return torch.float32
+    return compute_dtype(cfg.train.precision)
 
 
 def always_present(cfg: MimoConfig) -> set[str]:

@@ -34,7 +34,7 @@ from mimotron.parallel.grid import HyperCommGrid
 from mimotron.parallel.groups import MultiModuleProcessGroupCollection
 from mimotron.pipeline.edges import build_edges
 from mimotron.pipeline.schedules import Transport, build_transport
-from mimotron.pipeline.shapes import bridge_row_shapes
+from mimotron.pipeline.shapes import bridge_row_shapes, residual_dtype
 from mimotron.run_dir import guard_fresh_start
 from mimotron.runtime import Runtime, seed_everything
 from mimotron.training.bridge_args import resolve_module_parts, resolve_pg_collection
@@ -107,7 +107,8 @@ def setup_mimo(cfg: MimoConfig, runtime: Runtime) -> MimoRun:
         {n: pg.tp for n, pg in infra.pg_collections.items()}, runtime.device,
         cfg.data.seq_length, getattr(model.language_model, "hidden_size", None),
         bridge_row_shapes(cfg, infra.layout),
-        link_timeout=timedelta(seconds=cfg.train.pg_timeout_s))
+        link_timeout=timedelta(seconds=cfg.train.pg_timeout_s),
+        stage_dtype=residual_dtype(cfg))
     state = GlobalState(cfg, runtime)
     state.skipped_samples = getattr(train_task, "num_skipped", None)
     state.vocab_size_unpadded = unpadded_vocab_size(cfg, tokenizer.vocab_size)

@@ -14,8 +14,7 @@ and zero slots and the logged loss, token, correct and sample sums.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -36,7 +35,6 @@ from mimotron.pipeline.schedules import (
     forward_backward_no_pipelining,
     forward_backward_pipelining_without_interleaving,
 )
-from mimotron.runtime import autocast_device_type, compute_dtype
 from mimotron.training.bridge_args import (
     check_batch_geometry,
     require_infra,
@@ -51,6 +49,8 @@ from mimotron.training.language_step import ForwardStepFunc, LanguageStep, check
 from mimotron.training.language_step import default_forward_step as default_forward_step
 from mimotron.training.language_step import language_input as language_input
 from mimotron.training.language_step import language_loss_step as language_loss_step
+from mimotron.training.precision import autocast_factory as autocast_factory
+from mimotron.training.precision import step_cast_scope
 from mimotron.training.state import GlobalState
 
 if TYPE_CHECKING:
@@ -127,14 +127,6 @@ def named_sums(sums: list[float]) -> dict[str, float]:
     """World sums of :func:`local_output_sums`, by name."""
     loss_sum, tokens, correct, samples = sums
     return {"loss_sum": loss_sum, "tokens": tokens, "correct": correct, "samples": samples}
-
-
-def autocast_factory(precision: str, device: torch.device) -> Callable[[], Any]:
-    """Mixed-precision context: compute in bf16/fp16, weights and optimizer in fp32."""
-    if precision == "fp32":
-        return contextlib.nullcontext
-    dtype = compute_dtype(precision)
-    return lambda: torch.autocast(device_type=autocast_device_type(device), dtype=dtype)
 
 
 def train_step_mimo(
@@ -219,7 +211,10 @@ def train_step_mimo(
     schedule = (forward_backward_pipelining_without_interleaving
                 if cfg.train.schedule == "1f1b" else forward_backward_no_pipelining)
     try:
-        outputs = schedule(ctx)
+        # One 16-bit copy of each weight for the step's micro-batches, freed before the
+        # optimizer changes the weights (mimotron.training.precision).
+        with step_cast_scope(cfg.train.precision, device):
+            outputs = schedule(ctx)
         num_tokens = token_count.value()
         timers("forward-backward").stop(sync=True)
         timers("grad-sync").start()

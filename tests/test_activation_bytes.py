@@ -1,0 +1,178 @@
+"""Activations at the field's level: what a layer keeps, checked against published figures.
+
+Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
+Models"), adjusted for SwiGLU, no dropout and flash attention, count ``16h + 8f`` bytes
+per token per layer in bf16: 600 MiB for a Llama-2-7B layer at 4096 tokens, 187 MiB at
+TP 8 (norms and the linears' inputs whole) and 75 MiB at TP 8 with sequence
+parallelism. :func:`mimotron.dryrun.saved_bytes.layer_activation_bytes` measures what
+our layer keeps (every storage autograd saves, once) under ``FakeTensorMode`` with
+TP applied over a ``fake`` group of 8, and must land within 1.2x of each.
+
+Also here: the pieces that get there, each tested on its own because the reference loop
+of the parity tests shares the model code. The RMSNorm function against plain ops; the
+one weight cast per step against autocast's default of one per micro-batch; the
+16-bit residual stream and stage links; GQA without expanded keys/values.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import mimotron.models.blocks as blocks
+from mimotron.config import load_config
+from mimotron.dryrun.saved_bytes import layer_activation_bytes, saved_bytes
+from mimotron.models.blocks import Attention, TransformerBlock, rms_norm
+from mimotron.parallel.memory import layer_bytes_per_token
+from mimotron.pipeline.shapes import residual_dtype
+from mimotron.training.precision import autocast_factory, step_cast_scope
+from tests.common import DIGITS
+
+MIB = 2**20
+H, F_WIDTH, SEQ = 4096, 11008, 4096
+LLAMA_7B_LAYER = [
+    "modules.language.hidden_size=4096", "modules.language.num_heads=32",
+    "modules.language.ffn_hidden_size=11008", "modules.language.num_layers=32",
+    f"data.seq_length={SEQ}", "train.micro_batch_size=1", "train.precision=bf16",
+]
+TP8 = ["modules.language.parallel.tensor=8"]
+SP = ["modules.language.parallel.sequence_parallel=true"]
+# (label, overrides, published bytes per layer)
+PUBLISHED = [
+    ("no parallelism", [], (16 * H + 8 * F_WIDTH) * SEQ),
+    ("TP 8", TP8, (8 * H + (8 * H + 8 * F_WIDTH) // 8) * SEQ),
+    ("TP 8 + SP", TP8 + SP, (16 * H + 8 * F_WIDTH) // 8 * SEQ),
+]
+
+
+@pytest.mark.parametrize(("label", "extra", "published"), PUBLISHED,
+                         ids=[p[0] for p in PUBLISHED])
+def test_layer_activations_match_the_published_analysis(label, extra, published):
+    cfg = load_config(DIGITS, LLAMA_7B_LAYER + extra)
+    measured = layer_activation_bytes(cfg)
+    ratio = measured / published
+    assert 1 / 1.2 <= ratio <= 1.2, f"{label}: {measured / MIB:.1f} MiB vs {published / MIB} MiB"
+    # And the plan's formula says the same (within the per-token statistics it leaves out).
+    whole, split = layer_bytes_per_token(cfg, "language")
+    estimate = SEQ * (whole + split // cfg.modules["language"].parallel.tensor)
+    assert 0.98 <= measured / estimate <= 1.02, (label, measured, estimate)
+
+
+def test_fp32_residual_keeps_the_stream_in_fp32():
+    base = load_config(DIGITS, LLAMA_7B_LAYER)
+    fp32 = load_config(DIGITS, LLAMA_7B_LAYER + ["train.fp32_residual_connection=true"])
+    assert residual_dtype(base) == torch.bfloat16 and residual_dtype(fp32) == torch.float32
+    # Two norm inputs per layer grow from 2 to 4 bytes per value: 4h per token.
+    assert layer_activation_bytes(fp32) - layer_activation_bytes(base) == pytest.approx(
+        4 * H * SEQ, rel=0.01)
+
+
+def _plain_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w.float()).to(x.dtype)
+
+
+@pytest.mark.parametrize("chunk", [1 << 22, 16], ids=["whole", "chunked"])
+def test_rms_norm_function_matches_plain_ops(chunk, monkeypatch):
+    monkeypatch.setattr(blocks, "_NORM_CHUNK_ELEMENTS", chunk)
+    torch.manual_seed(0)
+    x = torch.randn(3, 5, 8, requires_grad=True)
+    w = torch.randn(8, requires_grad=True)
+    g = torch.randn(3, 5, 8)
+    y = rms_norm(x, w, 1e-6)
+    gx, gw = torch.autograd.grad(y, (x, w), g)
+    y_ref = _plain_rms_norm(x, w, 1e-6)
+    rx, rw = torch.autograd.grad(y_ref, (x, w), g)
+    torch.testing.assert_close(y, y_ref, rtol=0, atol=0)
+    torch.testing.assert_close(gx, rx, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(gw, rw, rtol=1e-5, atol=1e-6)
+    # The incoming gradient is not modified (it may also flow down the residual path).
+    assert torch.equal(g, torch.randn(3, 5, 8).copy_(g))
+
+
+def test_rms_norm_saves_its_input_only():
+    x = torch.randn(2, 16, 64, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.nn.Parameter(torch.ones(64))
+    kept = saved_bytes(lambda: rms_norm(x, w, 1e-6), [w])
+    assert kept == x.numel() * 2 + 2 * 16 * 4  # the input and a per-token fp32 rstd
+
+
+def _saved_weight_copies(scoped: bool, microbatches: int = 4) -> int:
+    torch.manual_seed(0)
+    block = TransformerBlock(64, 4, 0, causal=True)
+    shapes = {tuple(p.shape) for p in block.parameters() if p.dim() == 2}
+    copies: set[int] = set()
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.dtype == torch.bfloat16 and tuple(t.shape) in shapes:
+            copies.add(t.untyped_storage().data_ptr())
+        return t
+
+    device = torch.device("cpu")
+    autocast = autocast_factory("bf16", device)
+    scope = step_cast_scope("bf16", device) if scoped else contextlib.nullcontext()
+    with scope, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        outs = []
+        for _ in range(microbatches):
+            with autocast():
+                outs.append(block(torch.randn(2, 8, 64)))
+        for out in outs:
+            out.float().sum().backward()
+    return len(copies)
+
+
+def test_one_weight_cast_per_step_not_per_microbatch():
+    linears = 7  # wq, wk, wv, wo, w1, w2, w3
+    assert _saved_weight_copies(scoped=False) == 4 * linears  # autocast's own behaviour
+    assert _saved_weight_copies(scoped=True) == linears
+
+
+def test_weight_cast_scope_changes_no_number():
+    torch.manual_seed(0)
+    block = TransformerBlock(64, 4, 0, causal=True)
+    xs = [torch.randn(2, 8, 64) for _ in range(3)]
+    device = torch.device("cpu")
+    autocast = autocast_factory("bf16", device)
+
+    def grads(scoped: bool) -> list[torch.Tensor]:
+        block.zero_grad()
+        scope = step_cast_scope("bf16", device) if scoped else contextlib.nullcontext()
+        with scope:
+            outs = []
+            for x in xs:
+                with autocast():
+                    outs.append(block(x))
+            for out in outs:
+                out.float().sum().backward()
+        return [p.grad.clone() for p in block.parameters()]
+
+    for a, b in zip(grads(False), grads(True), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_grouped_query_attention_matches_expanded_keys_and_keeps_them_grouped():
+    torch.manual_seed(0)
+    attn = Attention(64, 8, causal=True, num_kv_heads=2)
+    x = torch.randn(2, 16, 64, requires_grad=True)
+    out = attn(x)
+    # The expanded computation, written out (transformers' repeat_kv).
+    q = attn.wq(x).view(2, 16, 8, 8).transpose(1, 2)
+    k = attn.wk(x).view(2, 16, 2, 8).transpose(1, 2).repeat_interleave(4, dim=1)
+    v = attn.wv(x).view(2, 16, 2, 8).transpose(1, 2).repeat_interleave(4, dim=1)
+    ref = attn.wo(F.scaled_dot_product_attention(q, k, v, is_causal=True)
+                  .transpose(1, 2).reshape(2, 16, 64))
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    # Saved keys and values hold 2 heads, not 8.
+    shapes: list[tuple[int, ...]] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        shapes.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        attn(x)
+    assert (2, 2, 16, 8) in shapes and (2, 8, 16, 8) in shapes
+    assert shapes.count((2, 8, 16, 8)) <= 2  # queries and the output, never expanded K/V
