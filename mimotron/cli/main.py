@@ -32,6 +32,10 @@ def _parser() -> argparse.ArgumentParser:
                                 "accelerator (mimotron.dryrun): fails on any device mix")
             s.add_argument("--rank", type=int, action="append", default=None,
                            help="dry-run only this rank (repeatable; default: every rank)")
+            s.add_argument("--device-memory", default=None, metavar="SIZE",
+                           help="memory of one device (80GB, 80GiB, 81920MiB or bytes): "
+                                "say per rank whether its estimate fits, with the headroom "
+                                "(the exit status stays 0 when a rank does not fit)")
     s = sub.add_parser("plot", help="PNG curves from one or more runs' metrics.jsonl")
     s.add_argument("run_dirs", nargs="+", help="run directories (each holding metrics.jsonl)")
     s.add_argument("--out", default=None, help="output directory (default: the first run dir)")
@@ -68,7 +72,8 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "plan":
         from mimotron.cli.plan import run_plan
 
-        return run_plan(args.config, args.overrides, dry_run=args.dry_run, ranks=args.rank)
+        return run_plan(args.config, args.overrides, dry_run=args.dry_run, ranks=args.rank,
+                        device_memory=args.device_memory)
     if args.command == "train":
         from mimotron.cli.train import run_train
 

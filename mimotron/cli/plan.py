@@ -1,4 +1,11 @@
-"""``mimotron plan``: validate a config, print the rank map and a memory estimate."""
+"""``mimotron plan``: validate a config, print the rank map and a memory estimate.
+
+The config is checked by the same validator as ``mimotron train`` (``load_config``, then
+:func:`~mimotron.parallel.layout.plan_layout` with the rules a rank's set-up applies), so
+a config ``plan`` accepts is one ``train`` starts. With ``--device-memory`` each rank's
+estimated peak is compared with one device (:mod:`mimotron.cli.device_fit`): a verdict
+per rank and a summary line; the exit status stays 0 either way.
+"""
 
 from __future__ import annotations
 
@@ -6,10 +13,11 @@ import sys
 from typing import Any
 
 from mimotron.checkpoint.files import CheckpointError
-from mimotron.config import load_config
+from mimotron.cli.device_fit import fit_lines, parse_device_memory
+from mimotron.config import MimoConfig, load_config
 from mimotron.models.build import moe_options
 from mimotron.parallel.expert_layout import format_expert_layout
-from mimotron.parallel.layout import format_skipped, plan_layout
+from mimotron.parallel.layout import Layout, format_skipped, plan_layout
 from mimotron.parallel.memory import (
     estimate_memory,
     microbatches_in_flight,
@@ -18,19 +26,36 @@ from mimotron.parallel.memory import (
 )
 from mimotron.training.model_setup import padded_vocab_size
 
+LEGEND = """\
+activ: saved tensors of the forwards held at the peak of the rank's plan (in fl.: their
+number: the 1F1B warm-up + 1, under virtual_pipeline model-chunk forwards; a frozen
+encoder: its outputs only); bwd ws: the backward's largest temporary;
+bucket: the gradient reduction's buffers (one bucket, or every bucket with
+train.overlap_grad_reduce); gather: a ZeRO-1 module's parameter all-gather
+buffers (every bucket with train.overlap_param_gather); total = weights + grads
+  + optim + max(activ + bwd ws, bucket, gather)"""
+
 
 def _mib(n: int) -> str:
     return f"{n / 2**20:8.2f}"
 
 
 def run_plan(config: str, overrides: list[str], dry_run: bool = False,
-             ranks: list[int] | None = None) -> int:
+             ranks: list[int] | None = None, device_memory: str | None = None) -> int:
     """Print the plan; exit 0, or 2 with one line naming the problem.
 
-    With ``dry_run``, then run ``ranks`` (None: all) on a fake accelerator
-    (:func:`mimotron.dryrun.dry_run`) and print each rank's host syncs; exit 1 on a
-    device mix or a step the dry run cannot stand in for.
+    With ``device_memory`` (``80GB``, ``80GiB``, ``81920MiB``, bytes:
+    :func:`~mimotron.cli.device_fit.parse_device_memory`), also whether each rank's
+    estimate fits one device of that size, with its headroom, and a summary line; a
+    plan that does not fit still exits 0. With ``dry_run``, then run ``ranks`` (None:
+    all) on a fake accelerator (:func:`mimotron.dryrun.dry_run`) and print each rank's
+    host syncs; exit 1 on a device mix or a step the dry run cannot stand in for.
     """
+    try:
+        device = None if device_memory is None else parse_device_memory(device_memory)
+    except ValueError as exc:
+        print(f"mimotron plan: invalid option: {exc}", file=sys.stderr)
+        return 2
     try:
         cfg = load_config(config, overrides)
         layout = plan_layout(cfg)
@@ -46,6 +71,29 @@ def run_plan(config: str, overrides: list[str], dry_run: bool = False,
     vocab = padded_vocab_size(tokenizer.vocab_size)
     print(layout.format_rank_map())
     print()
+    _print_modules(cfg, vocab)
+    experts_table = format_expert_layout(cfg)
+    if experts_table:
+        print()
+        print(experts_table)
+    print()
+    _print_memory(cfg, layout, vocab)
+    if device is not None:
+        print()
+        print("\n".join(fit_lines(layout, lambda wanted: _rank_totals(cfg, layout, vocab, wanted),
+                                   device, layout.shown_ranks(), device_memory or "")))
+    print(f"\nmicro-batches per step: {cfg.num_microbatches} "
+          f"(global batch {cfg.train.global_batch_size}, micro-batch {cfg.train.micro_batch_size})")
+    if cfg.train.encoder_batching:
+        print(f"encoder batching: each encoder runs the step's {cfg.num_microbatches} "
+              f"micro-batches in one forward; its activations above hold all of them "
+              f"(x{cfg.num_microbatches})")
+    print(f"run directory: {run_dir}")
+    return _dry_run(cfg, ranks) if dry_run else 0
+
+
+def _print_modules(cfg: MimoConfig, vocab: int) -> None:
+    """One row per module: kind, parameters per stage, degrees, CP / SP / MoE notes."""
     print(f"{'module':<10} {'kind':<9} {'params':>10}  tp pp dp  stages (params)")
     for name, mod in cfg.modules.items():
         stages = stage_parameter_counts(cfg, name, vocab)
@@ -67,15 +115,15 @@ def run_plan(config: str, overrides: list[str], dry_run: bool = False,
             print(f"{'':<10} mixture of experts: {opts.num_experts} experts, top_k {opts.top_k}; "
                   f"routed expert params {experts:,}, router + shared {whole:,}, dense "
                   f"{sum(stages) - experts - whole:,}")
-    experts_table = format_expert_layout(cfg)
-    if experts_table:
-        print()
-        print(experts_table)
-    print()
+
+
+def _print_memory(cfg: MimoConfig, layout: Layout, vocab: int) -> None:
+    """The per-rank memory table (summarised past the rank map's limit) and its legend."""
     print(f"memory estimate per rank (MiB, precision {cfg.train.precision}):")
     print(f"{'rank':>4}  {'module':<10} {'weights':>8} {'grads':>8} {'optim':>8} {'activ':>8} "
           f"{'in fl.':>6} {'bwd ws':>8} {'bucket':>8} {'gather':>8} {'total':>8}")
     shown, previous = layout.shown_ranks(), -1  # A million ranks: a summary, not rows.
+    flights: dict[tuple[str, int], int] = {}  # One plan replay per module stage.
     for rank, items in estimate_memory(cfg, layout, vocab, shown).items():
         if rank > previous + 1:
             print(format_skipped(rank - previous - 1))
@@ -83,26 +131,22 @@ def run_plan(config: str, overrides: list[str], dry_run: bool = False,
         roles = {role.module: role for role in layout.roles(rank)}
         for i, e in enumerate(items):
             r = f"{rank:>4}" if i == 0 else " " * 4
-            flight = microbatches_in_flight(cfg, layout, e.module, roles[e.module].pp)
+            key = (e.module, roles[e.module].pp)
+            if key not in flights:
+                flights[key] = microbatches_in_flight(cfg, layout, *key)
             print(f"{r}  {e.module:<10} {_mib(e.weights)} {_mib(e.grads)} {_mib(e.optimizer)} "
-                  f"{_mib(e.activations)} {flight:>6} {_mib(e.workspace)} "
+                  f"{_mib(e.activations)} {flights[key]:>6} {_mib(e.workspace)} "
                   f"{_mib(e.reduce_bucket)} {_mib(e.param_gather)} {_mib(e.total)}")
     if previous < layout.world_size - 1:
         print(format_skipped(layout.world_size - 1 - previous))
-    print("activ: saved tensors of the micro-batches in flight (in fl., the 1F1B warm-up;\n"
-          "a frozen encoder: its outputs only); bwd ws: the backward's largest temporary;\n"
-          "bucket: the gradient reduction's buffers (one bucket, or every bucket with\n"
-          "train.overlap_grad_reduce); gather: a ZeRO-1 module's parameter all-gather\n"
-          "buffers (every bucket with train.overlap_param_gather); total = weights + grads\n"
-          "  + optim + max(activ + bwd ws, bucket, gather)")
-    print(f"\nmicro-batches per step: {cfg.num_microbatches} "
-          f"(global batch {cfg.train.global_batch_size}, micro-batch {cfg.train.micro_batch_size})")
-    if cfg.train.encoder_batching:
-        print(f"encoder batching: each encoder runs the step's {cfg.num_microbatches} "
-              f"micro-batches in one forward; its activations above hold all of them "
-              f"(x{cfg.num_microbatches})")
-    print(f"run directory: {run_dir}")
-    return _dry_run(cfg, ranks) if dry_run else 0
+    print(LEGEND)
+
+
+def _rank_totals(cfg: MimoConfig, layout: Layout, vocab: int, ranks: list[int]
+                 ) -> dict[int, list[tuple[str, int]]]:
+    """``rank -> [(module, estimated peak bytes)]`` for ``ranks``."""
+    return {rank: [(e.module, e.total) for e in items]
+            for rank, items in estimate_memory(cfg, layout, vocab, ranks).items()}
 
 
 def _dry_run(cfg: Any, ranks: list[int] | None) -> int:
