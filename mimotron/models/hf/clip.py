@@ -21,9 +21,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from mimotron.models.blocks import chunk_modules, is_last_chunk, make_layers
+from mimotron.models.blocks import chunk_modules, is_last_chunk, make_layers, to_residual_dtype
 from mimotron.models.hf.folder import read_keys, reject_set, select_config
-from mimotron.models.hf.layers import PreLNEncoderLayer, check_activation
+from mimotron.models.hf.layers import CastLayerNorm, PreLNEncoderLayer, check_activation
 from mimotron.models.hf.weights import WeightMap
 
 STRATEGIES = ("default", "full")
@@ -161,16 +161,18 @@ class ViTTower(nn.Module):
             self.class_embedding = (nn.Parameter(torch.zeros(1, hidden_size))
                                     if class_token else None)
             self.pos_embed = nn.Parameter(torch.zeros(self.num_positions, hidden_size))
-            self.pre_norm = nn.LayerNorm(hidden_size, eps=layer_norm_eps) if class_token else None
+            self.pre_norm = CastLayerNorm(hidden_size, eps=layer_norm_eps) if class_token else None
         self.layers = make_layers(
             layer_ids, self.num_layers, build=PreLNEncoderLayer, hidden=hidden_size,
             num_heads=num_attention_heads, ffn_hidden=intermediate_size, activation=hidden_act,
             eps=layer_norm_eps,
         )
-        self.final_norm = (nn.LayerNorm(hidden_size, eps=layer_norm_eps)
+        self.final_norm = (CastLayerNorm(hidden_size, eps=layer_norm_eps)
                            if post_process and post_layernorm else None)
         # Interleaved 1F1B: global layer ids of each model chunk held (LanguageModel's).
         self.layer_chunks: list[list[int]] | None = None
+        # The residual stream in fp32 under autocast (train.fp32_residual_connection).
+        self.fp32_residual = False
 
     def embed(self, pixels: torch.Tensor) -> torch.Tensor:
         """Patch, class and position embeddings (plus CLIP's pre-LayerNorm)."""
@@ -199,7 +201,7 @@ class ViTTower(nn.Module):
             ``[n, num_positions, hidden]``.
         """
         if self.pre_process and not chunk:
-            x = self.embed(x)
+            x = to_residual_dtype(self.embed(x), self.fp32_residual).contiguous()
         for layer in chunk_modules(self.layers, self.layer_chunks, chunk):
             x = layer(x)
         if not self.post_process or not is_last_chunk(self.layer_chunks, chunk):

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mimotron.models.blocks import residual_init_std
+from mimotron.models.blocks import compute_dtype_of, residual_init_std
 
 
 def _quick_gelu(x: torch.Tensor) -> torch.Tensor:
@@ -96,8 +96,14 @@ class BiasedAttention(nn.Module):
         # Under column-wise TP the projections return num_heads / tp heads.
         heads = q.shape[-1] // self.head_dim
         q, k, v = (t.view(batch, seq, heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
-        out = F.scaled_dot_product_attention(q, k, v)
+        out = self.core(q, k, v)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, heads * self.head_dim))
+
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The attention core between the projections and ``wo``: SDPA over
+        ``[batch, local heads, seq, head_dim]`` inputs, output alike. No parameters, so
+        selective recompute (:mod:`mimotron.models.recompute`) can run it again."""
+        return F.scaled_dot_product_attention(q, k, v)
 
 
 class FeedForward(nn.Module):
@@ -122,6 +128,29 @@ class FeedForward(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Apply the MLP to ``[..., hidden]``."""
         return self.w2(self.act(self.w1(x)))
+
+
+class CastLayerNorm(nn.LayerNorm):
+    """LayerNorm on the residual stream's own dtype, output in the compute dtype.
+
+    Under autocast ``layer_norm`` would upcast a 16-bit input to fp32 (and keep that copy
+    for backward) and return fp32, which each following linear casts back on its own.
+    Here the norm runs on the input as it is (fp32 statistics inside the kernel, fp32
+    weights) and its output is cast once to the compute dtype (bf16 under autocast), a
+    tensor the q/k/v projections (or ``fc1``) then share. Identical to ``nn.LayerNorm``
+    in fp32. The parameter names are ``nn.LayerNorm``'s, so checkpoints map as before.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Normalise ``x`` over the last dimension(s); compute-dtype result."""
+        out_dtype = compute_dtype_of(x)
+        device_type = x.device.type
+        if torch.amp.is_autocast_available(device_type):
+            with torch.autocast(device_type, enabled=False):
+                y = F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+        else:
+            y = F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+        return y.to(out_dtype)
 
 
 class PreLNEncoderLayer(nn.Module):
@@ -151,9 +180,9 @@ class PreLNEncoderLayer(nn.Module):
     ) -> None:
         super().__init__()
         self.clamp_fp16 = clamp_fp16
-        self.attn_norm = nn.LayerNorm(hidden, eps=eps)
+        self.attn_norm = CastLayerNorm(hidden, eps=eps)
         self.attn = BiasedAttention(hidden, num_heads, num_layers, key_bias=key_bias)
-        self.mlp_norm = nn.LayerNorm(hidden, eps=eps)
+        self.mlp_norm = CastLayerNorm(hidden, eps=eps)
         self.mlp = FeedForward(hidden, ffn_hidden, activation, num_layers)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -22,9 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mimotron.models.blocks import chunk_modules, is_last_chunk, make_layers
+from mimotron.models.blocks import chunk_modules, is_last_chunk, make_layers, to_residual_dtype
 from mimotron.models.hf.folder import read_keys, reject_set, select_config
-from mimotron.models.hf.layers import PreLNEncoderLayer, check_activation
+from mimotron.models.hf.layers import CastLayerNorm, PreLNEncoderLayer, check_activation
 from mimotron.models.hf.weights import WeightMap
 
 DOWNSAMPLE_MODES = ("avg", "stack")
@@ -130,7 +130,9 @@ class WhisperEncoderTower(nn.Module):
             num_heads=encoder_attention_heads, ffn_hidden=encoder_ffn_dim,
             activation=activation_function, eps=_LAYER_NORM_EPS, key_bias=False, clamp_fp16=True,
         )
-        self.final_norm = nn.LayerNorm(d_model, eps=_LAYER_NORM_EPS) if post_process else None
+        self.final_norm = CastLayerNorm(d_model, eps=_LAYER_NORM_EPS) if post_process else None
+        # The residual stream in fp32 under autocast (train.fp32_residual_connection).
+        self.fp32_residual = False
         # Interleaved 1F1B: global layer ids of each model chunk held (LanguageModel's).
         self.layer_chunks: list[list[int]] | None = None
 
@@ -170,7 +172,7 @@ class WhisperEncoderTower(nn.Module):
             ``[n, max_source_positions, d_model]``.
         """
         if self.pre_process and not chunk:
-            x = self.embed(x)
+            x = to_residual_dtype(self.embed(x), self.fp32_residual).contiguous()
         for layer in chunk_modules(self.layers, self.layer_chunks, chunk):
             x = layer(x)
         if self.final_norm is None or not is_last_chunk(self.layer_chunks, chunk):
