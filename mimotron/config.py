@@ -31,6 +31,7 @@ from mimotron.config_schema import (
     MODULE_KINDS,
     OPTIMIZERS,
     PRECISIONS,
+    RECOMPUTE_MODES,
     SCHEDULES,
     WEIGHT_DECAY_STYLES,
     CheckpointConfig,
@@ -63,6 +64,7 @@ __all__ = [
     "MODULE_KINDS",
     "OPTIMIZERS",
     "PRECISIONS",
+    "RECOMPUTE_MODES",
     "SCHEDULES",
     "WEIGHT_DECAY_STYLES",
     "CheckpointConfig",
@@ -248,6 +250,7 @@ def _validate_modules(cfg: MimoConfig) -> None:
                 f"a positive divisor of num_frames={mod.num_frames}",
             )
         _validate_moe(mod, p)
+        _validate_recompute(mod, p)
         _validate_parallel(mod.parallel, f"{p}.parallel")
 
 
@@ -269,6 +272,17 @@ def _validate_moe(mod: ModuleConfig, p: str) -> None:
     for key in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
         _check(getattr(mod, key) >= 0, f"{p}.{key}", getattr(mod, key), "a number >= 0")
     check_layer_freq(mod.moe_layer_freq, mod.num_layers, prefix=f"{p}.")
+
+
+def _validate_recompute(mod: ModuleConfig, p: str) -> None:
+    """``recompute`` and ``recompute_num_layers`` (the parser checks the choice for TOML)."""
+    _check(mod.recompute in RECOMPUTE_MODES, f"{p}.recompute", mod.recompute,
+           f"one of {RECOMPUTE_MODES}")
+    n = mod.recompute_num_layers
+    _check(0 <= n <= mod.num_layers, f"{p}.recompute_num_layers", n,
+           f"an integer in [0, num_layers={mod.num_layers}] (0 = every layer)")
+    _check(n == 0 or mod.recompute != "none", f"{p}.recompute_num_layers", n,
+           "0 with recompute='none' (set recompute to 'selective' or 'full')")
 
 
 # Keys that only mean something for one kind with hf_path (checked against their defaults).

@@ -10,6 +10,8 @@ then sharded over its ``ep`` (and ``expt_tp``) axes
 (:func:`mimotron.parallel.expert_parallel.shard_experts`), which also installs the
 expert-parallel dispatcher on every MoE block.
 Frozen modules (``modules.<m>.freeze``) are frozen here, before any optimizer exists.
+Activation recompute (``modules.<m>.recompute``) is applied to each part's layers
+(:func:`mimotron.models.recompute.apply_recompute`); it changes no parameter.
 A module with ``hf_path`` is built on the meta device, sharded, allocated and then
 filled from its folder (:func:`build_hf_part`): only its projector is drawn from
 ``(seed, name)``, and no rank ever allocates or reads more than it holds.
@@ -33,6 +35,7 @@ from mimotron.models.build import (
 )
 from mimotron.models.init import init_parameters_
 from mimotron.models.mimo import MimoModel, module_part
+from mimotron.models.recompute import apply_recompute
 from mimotron.names import LANGUAGE
 from mimotron.parallel.expert_parallel import shard_experts
 from mimotron.parallel.groups import EXPERT_VIEW
@@ -68,6 +71,7 @@ def build_rank_model(cfg: MimoConfig, infra: MimoModelInfra, vocab_size: int,
             parts[name] = build_module(cfg, name, vocab_size, **stage).to(device)
         if chunks is not None:
             set_layer_chunks(parts[name], chunks)
+        apply_recompute(parts[name], mod.recompute, mod.recompute_num_layers)
         if mod.hf_path:
             continue  # build_hf_part applied tensor parallelism (no EP for hf_path)
         if mesh is not None:
