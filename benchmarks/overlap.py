@@ -15,7 +15,7 @@ Method (chosen so that an idle machine resolves the 50% target): the runs step i
 *blocks* of a few steps, A and B alternating block by block (ABBA...), many blocks.
 Every block ends by landing B's pending parameter gather inside the timed region, so
 B never gains from A's steps running while its gather is in flight. Per step, the time
-spent inside the reduction's entry points is recorded (``finalize_model_grads``, and
+spent inside the reduction's entry points is recorded (``GradSync.finish``, and
 ZeRO's ``reduce_grads`` / ``gather_params`` / ``finish_gather``, outermost calls only):
 on A that is the whole standalone reduction ``t_reduction``, on B only what the step
 still waits for.
@@ -57,7 +57,6 @@ from typing import Any
 
 import torch.distributed as dist
 
-import mimotron.training.step as step_module
 from benchmarks.common import (
     TINY,
     CaseResult,
@@ -72,6 +71,7 @@ from benchmarks.common import (
     setup_run,
     summarize,
 )
+from mimotron.parallel.grad_sync import GradSync
 from mimotron.parallel.zero import ZeroShards
 from mimotron.testing import run_ranks
 
@@ -124,7 +124,7 @@ class CommClock:
 
 def _install(clock: CommClock) -> None:
     """Time this forked rank's reduction entry points (patched in this rank only)."""
-    step_module.finalize_model_grads = clock.wrap(step_module.finalize_model_grads)
+    GradSync.finish = clock.wrap(GradSync.finish)
     for name in ZERO_CALLS:
         setattr(ZeroShards, name, clock.wrap(getattr(ZeroShards, name)))
 

@@ -27,9 +27,9 @@ import pytest
 import torch
 
 from mimotron.config import load_config
+from mimotron.parallel.grad_sync import GradSync
 from mimotron.parallel.layout import plan_layout
 from mimotron.parallel.memory import activation_bytes
-from mimotron.parallel.overlap import OverlappedGradReducer
 from mimotron.pipeline.encoder_batching import BatchedEncoders, concat_encoder_inputs
 from mimotron.runtime import init_runtime
 from mimotron.testing import run_ranks
@@ -69,9 +69,9 @@ def counted_run(rank: int, world: int, overrides: list[str], num_iters: int) -> 
     """:func:`engine_run`, counting the reducer's early launches and empty encoder pieces."""
     launches: list[tuple[int, int]] = []
     empty_pieces = [0]
-    finish, rows = OverlappedGradReducer.finish, BatchedEncoders.rows
+    finish, rows = GradSync.finish, BatchedEncoders.rows
 
-    def counting_finish(self: OverlappedGradReducer) -> None:
+    def counting_finish(self: GradSync) -> None:
         launches.append((self.num_launched_early, len(self.buckets)))
         finish(self)
 
@@ -80,7 +80,7 @@ def counted_run(rank: int, world: int, overrides: list[str], num_iters: int) -> 
         empty_pieces[0] += int(piece.shape[0] == 0)
         return piece
 
-    OverlappedGradReducer.finish = counting_finish  # this forked rank only
+    GradSync.finish = counting_finish  # this forked rank only
     BatchedEncoders.rows = counting_rows
     return {**engine_run(rank, world, overrides, num_iters), "launches": launches,
             "empty_pieces": empty_pieces[0]}

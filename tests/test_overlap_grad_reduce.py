@@ -24,8 +24,8 @@ import pytest
 import torch
 
 from mimotron.config import load_config
+from mimotron.parallel.grad_sync import GradSync, backward_module_order
 from mimotron.parallel.layout import plan_layout
-from mimotron.parallel.overlap import OverlappedGradReducer, backward_module_order
 from mimotron.testing import run_ranks
 from tests.common import BASE, DIGITS, coloc, colocated, engine_run, noncolocated, par
 
@@ -61,13 +61,13 @@ def on_off_run(rank: int, world: int, overrides: list[str], num_iters: int) -> d
     """The engine with overlap off, then on, in this rank; with the reducer's counts."""
     off = engine_run(rank, world, overrides, num_iters)
     counts: list[tuple[int, int]] = []
-    finish = OverlappedGradReducer.finish
+    finish = GradSync.finish
 
-    def counting_finish(self: OverlappedGradReducer) -> None:
+    def counting_finish(self: GradSync) -> None:
         counts.append((self.num_launched_early, len(self.buckets)))
         finish(self)
 
-    OverlappedGradReducer.finish = counting_finish  # this forked rank only
+    GradSync.finish = counting_finish  # this forked rank only
     on = engine_run(rank, world, overrides + OVERLAP, num_iters)
     return {"off": off, "on": on, "counts": counts}
 

@@ -30,7 +30,7 @@ import torch
 from mimotron.checkpoint import save_checkpoint
 from mimotron.config import load_config
 from mimotron.optim.mimo_optimizer import MimoOptimizer
-from mimotron.parallel.overlap import OverlappedGradReducer
+from mimotron.parallel.grad_sync import GradSync
 from mimotron.parallel.zero import ZeroShards
 from mimotron.runtime import init_runtime
 from mimotron.testing import run_ranks
@@ -63,7 +63,7 @@ CASES: dict[str, list[str]] = {
 
 
 # The unpatched methods (each side patches them anew, in its forked rank only).
-REDUCE_GRADS, FINISH = ZeroShards.reduce_grads, OverlappedGradReducer.finish
+REDUCE_GRADS, FINISH = ZeroShards.reduce_grads, GradSync.finish
 
 
 def _record(rank_log: dict[str, list], optimizer: MimoOptimizer) -> None:
@@ -75,7 +75,7 @@ def _record(rank_log: dict[str, list], optimizer: MimoOptimizer) -> None:
         reduce_grads(self)
         rank_log["rows"].append([f.grad.clone() for _, f in self.fragments])
 
-    def logged_finish(self: OverlappedGradReducer) -> None:
+    def logged_finish(self: GradSync) -> None:
         rank_log["early"].append(self.num_launched_early)
         finish(self)
 
@@ -86,7 +86,7 @@ def _record(rank_log: dict[str, list], optimizer: MimoOptimizer) -> None:
         safety_net()
 
     ZeroShards.reduce_grads = logged_reduce
-    OverlappedGradReducer.finish = logged_finish
+    GradSync.finish = logged_finish
     optimizer.finish_param_gather = logged_safety_net
 
 

@@ -508,7 +508,7 @@ def reduce_bucket_bytes(cfg: MimoConfig, name: str, num_params: int) -> int:
 
     Nothing is reduced with one replica or for a frozen module. Otherwise one bucket
     (``train.grad_bucket_mb`` of fp32 gradients) at a time: the flat copy an all-reduce
-    sums (:func:`mimotron.parallel.data_parallel.allreduce_gradients`), or under ZeRO-1
+    sums (:class:`mimotron.parallel.grad_sync.GradSync`), or under ZeRO-1
     the padded rank-major copy a reduce-scatter sends plus the ``1 / replicas`` it
     receives. With ``train.overlap_grad_reduce`` every bucket is launched during the
     last backward and keeps its buffers until the step waits for them

@@ -26,7 +26,7 @@ order after the same micro-batch, and ranks of one encoder TP group hold the sam
 so they agree on every shape (an encoder slice without a sample of its modality runs a
 zero-row forward and backward, as without batching).
 
-With ``train.overlap_grad_reduce`` the reducer is armed before the last micro-batch's
+With ``train.overlap_grad_reduce`` the step's grad sync is armed before the last micro-batch's
 backward (:meth:`~mimotron.pipeline.schedules.StageRunner.backward`), which comes
 before :meth:`BatchedEncoders.backward`: the encoders' gradients land once, after
 arming, so each encoder bucket launches when the single encoder backward fills it.

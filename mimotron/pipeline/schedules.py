@@ -43,8 +43,8 @@ import torch.distributed as dist
 from mimotron.host_sync import host_copy
 from mimotron.models.moe import set_aux_loss_weights
 from mimotron.names import LANGUAGE
+from mimotron.parallel.grad_sync import GradSync
 from mimotron.parallel.layout import Layout
-from mimotron.parallel.overlap import OverlappedGradReducer
 from mimotron.parallel.virtual_pipeline import (
     chunk_holder,
     is_first_virtual_stage,
@@ -129,8 +129,9 @@ class StepContext:
     loss_scale: float = 1.0
     forward_only: bool = False
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
-    grad_reducer: OverlappedGradReducer | None = None
-    """Armed before the last micro-batch's backward (``train.overlap_grad_reduce``)."""
+    grad_sync: GradSync | None = None
+    """The step's gradient finalisation, armed before the last micro-batch's backward
+    (its hooks launch buckets under ``train.overlap_grad_reduce``)."""
     encoder_batching: bool = False
     """Colocated only: each encoder runs the step in one forward and one backward
     (``train.encoder_batching``; :mod:`mimotron.pipeline.encoder_batching`)."""
@@ -294,15 +295,15 @@ class StageRunner:
 
     def backward(self, k: int, grad: torch.Tensor | None, chunk: int = 0) -> Any:
         received, out = self._saved.pop((chunk, k))
-        if self.ctx.grad_reducer is not None and k == len(self.ctx.microbatches) - 1:
+        if self.ctx.grad_sync is not None and k == len(self.ctx.microbatches) - 1:
             # Each chunk's backwards run in micro-batch order: this one's gradients of
             # the chunk's parameters are final.
-            self.ctx.grad_reducer.arm(self._chunk_params(chunk))
+            self.ctx.grad_sync.arm(self._chunk_params(chunk))
         last_lm = self.colocated or (self.module == LANGUAGE and self._is_last(chunk))
         if last_lm:
             (out.float() * (self.ctx.loss_scale / self.ctx.divisor())).backward()
             if self.batched is not None and k == len(self.ctx.microbatches) - 1:
-                self.batched.backward()  # after the reducer was armed above
+                self.batched.backward()  # after the grad sync was armed above
         elif out.requires_grad and out.numel():
             out.backward(grad.to(out.dtype))
         if received is None:

@@ -24,10 +24,10 @@ from torch import nn
 from mimotron import host_sync
 from mimotron.names import LANGUAGE
 from mimotron.optim.scheduler import OptimizerParamScheduler
-from mimotron.parallel.data_parallel import finalize_model_grads, zero_grad_buffer_for_multimodule
+from mimotron.parallel.data_parallel import zero_grad_buffer_for_multimodule
+from mimotron.parallel.grad_sync import GradSync
 from mimotron.parallel.grid import HyperCommGrid
 from mimotron.parallel.groups import MultiModuleProcessGroupCollection
-from mimotron.parallel.overlap import OverlappedGradReducer
 from mimotron.pipeline.schedules import (
     MicrobatchOutput,
     StepContext,
@@ -199,14 +199,15 @@ def train_step_mimo(
             if info.zero is not None and info.is_active and n in parts}
     for shards in zero.values():  # forget reduce-scatters of a step that raised
         shards.zero_model_grads()
-    reducer = (OverlappedGradReducer(parts, pg_dict, frozen, bucket_bytes, zero)
-               if cfg.train.overlap_grad_reduce else None)
+    # Plain, overlapped or ZeRO-1: one finalisation (mimotron.parallel.grad_sync).
+    grad_sync = GradSync(parts, pg_dict, frozen, bucket_bytes, zero,
+                         overlap=cfg.train.overlap_grad_reduce, sharded=sharded)
     timers("forward-backward").start()
     ctx = StepContext(
         model=model, layout=infra.layout, rank=infra.rank, microbatches=microbatches,
         language=LanguageStep.of(forward_step_func), transport=multimodule_communicator,
         token_count=token_count.value, loss_scale=float(optimizer.get_loss_scale()),
-        autocast=autocast_factory(cfg.train.precision, device), grad_reducer=reducer,
+        autocast=autocast_factory(cfg.train.precision, device), grad_sync=grad_sync,
         encoder_batching=cfg.train.encoder_batching)
     schedule = (forward_backward_pipelining_without_interleaving
                 if cfg.train.schedule == "1f1b" else forward_backward_no_pipelining)
@@ -218,10 +219,9 @@ def train_step_mimo(
         num_tokens = token_count.value()
         timers("forward-backward").stop(sync=True)
         timers("grad-sync").start()
-        finalize_model_grads(parts, pg_dict, frozen, sharded, bucket_bytes, reducer)
+        grad_sync.finish()
     finally:
-        if reducer is not None:
-            reducer.close()
+        grad_sync.close()
     timers("grad-sync").stop(sync=True)
     timers("optimizer").start()
     # The logged loss sums ride on the optimizer's one world collective (found-inf, norm).
