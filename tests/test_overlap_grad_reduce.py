@@ -6,16 +6,19 @@ gradient as the optimizer steps it and the final weights are bitwise equal. The
 non-overlapped path is the one ``tests/test_parity.py`` compares with the plain PyTorch
 loop, so equality here carries that parity over.
 
-Evidence that the overlap happened: the reducer counts the buckets it launched from a
-gradient hook, i.e. during the backward; every case must have launched some. The
+Evidence that the overlap happened: the step's ``GradSync`` counts the buckets it
+launched from a gradient hook, i.e. during the backward; every case must have launched
+some. The interleaved case must also have flushed some (buckets of parameters outside
+the layers, armed at chunk 0's last backward after their gradients landed). The
 layouts cover colocated DP 4 with 0.01 MB buckets (many per module) and empty encoder
-slices (buckets that never complete on a rank and are flushed in order), a language
+slices (a zero-row forward and backward: their hooks still fire), a language
 TP 2 × DP 2 whose DTensor buckets launch during the backward too (placements aligned at
 the launch), language PP 2 × DP 2 (overlap with the last micro-batch's backward) and
 language CP 2 × DP 2 (the ``dp_cp`` replica group), language TP 2 × DP 2 with sequence
 parallelism (late buckets: TP-partial norm weights) and a MoE language model with EP 2
 in DP 4 (its expert buckets late). ZeRO-1 modules:
-``tests/test_overlap_zero.py``.
+``tests/test_overlap_zero.py``; buckets whose hooks fire partly or never, frozen parts
+and each branch of ``GradSync`` on its own: ``tests/test_grad_sync.py``.
 """
 
 from __future__ import annotations
@@ -58,14 +61,14 @@ CASES: dict[str, tuple[list[str], bool]] = {
 
 
 def on_off_run(rank: int, world: int, overrides: list[str], num_iters: int) -> dict:
-    """The engine with overlap off, then on, in this rank; with the reducer's counts."""
+    """The engine with overlap off, then on, in this rank; with the GradSync counts."""
     off = engine_run(rank, world, overrides, num_iters)
-    counts: list[tuple[int, int]] = []
+    counts: list[tuple[int, int, int]] = []
     finish = GradSync.finish
 
     def counting_finish(self: GradSync) -> None:
-        counts.append((self.num_launched_early, len(self.buckets)))
         finish(self)
+        counts.append((self.num_launched_early, len(self.buckets), self.num_flushed))
 
     GradSync.finish = counting_finish  # this forked rank only
     on = engine_run(rank, world, overrides + OVERLAP, num_iters)
@@ -95,10 +98,12 @@ def test_overlap_is_bitwise_equal(name):
     for rank, res in enumerate(results):
         assert_bitwise_equal(res["off"], res["on"], rank)
         assert len(res["counts"]) == NUM_ITERS, f"rank {rank}: the reducer did not run"
-    early = sum(launched for res in results for launched, _ in res["counts"])
+    early = sum(launched for res in results for launched, _, _ in res["counts"])
     assert (early > 0) == overlaps, f"{early} buckets launched during the backward"
     if TINY_BUCKETS[0] in overrides:
-        assert max(n for res in results for _, n in res["counts"]) > 3, "few buckets"
+        assert max(n for res in results for _, n, _ in res["counts"]) > 3, "few buckets"
+    if "vp2" in name:  # the flush launched buckets whose hooks fired before arming
+        assert sum(f for res in results for _, _, f in res["counts"]) > 0
 
 
 def test_backward_module_order():
