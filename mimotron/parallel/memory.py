@@ -512,7 +512,7 @@ def reduce_bucket_bytes(cfg: MimoConfig, name: str, num_params: int) -> int:
     the padded rank-major copy a reduce-scatter sends plus the ``1 / replicas`` it
     receives. With ``train.overlap_grad_reduce`` every bucket is launched during the
     last backward and keeps its buffers until the step waits for them
-    (:mod:`mimotron.parallel.overlap`): a whole extra gradient copy (ZeRO-1: plus
+    (:mod:`mimotron.parallel.grad_sync`): a whole extra gradient copy (ZeRO-1: plus
     ``1 / replicas``). The estimate counts it after the backward; while the last
     backward launches the first buckets it still holds part of one micro-batch's
     activations, which this leaves out.
