@@ -74,12 +74,24 @@ def canonical_name(name: str) -> str:
     return ".".join(p for p in name.split(".") if p not in _WRAPPER_PARTS)
 
 
-def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
+def model_state(model: nn.Module, optimizer: MimoOptimizer | None = None
+                ) -> dict[str, torch.Tensor]:
     """``{"model.<name>": tensor}`` for this rank's parameters and buffers.
 
-    The tensors share storage with the model, so DCP loads into it in place.
+    The tensors share storage with the model, so DCP loads into it in place. A ZeRO-1
+    module with 16-bit weights is represented by its fp32 masters
+    (:meth:`MimoOptimizer.master_weights`: this rank's rows as DTensors of the full
+    shape): a checkpoint always holds fp32 weights, whatever the layout and precision
+    that wrote it, and loading writes the masters (the 16-bit weights are cast from them
+    by :func:`apply_loaded`).
     """
-    return {MODEL + canonical_name(k): v for k, v in model.state_dict().items()}
+    state = {MODEL + canonical_name(k): v for k, v in model.state_dict().items()}
+    masters = optimizer.master_weights() if optimizer is not None else {}
+    if masters:
+        for name, p in model.named_parameters(remove_duplicate=False):
+            if id(p) in masters:
+                state[MODEL + canonical_name(name)] = masters[id(p)]
+    return state
 
 
 def layout_signature(infra: Any, device: torch.device) -> dict[str, Any]:
@@ -168,7 +180,7 @@ def build_save_state(
     """The flat dict this rank hands to ``dcp.save`` (see the module docstring)."""
     cfg, ts, runtime = global_state.cfg, global_state.train_state, global_state.runtime
     optimizer.finish_param_gather()  # train.overlap_param_gather: the rows must be in
-    state: dict[str, Any] = model_state(model)
+    state: dict[str, Any] = model_state(model, optimizer)
     state.update(optimizer_save_state(optimizer))
     for name, scheduler in schedulers.items():
         state[SCHEDULER + name] = json.dumps(scheduler.state_dict())
@@ -229,7 +241,7 @@ def build_load_request(
     Returns:
         The request; ``errors`` lists what does not fit (nothing has been read yet).
     """
-    req = LoadRequest(state=model_state(model))
+    req = LoadRequest(state=model_state(model, optimizer))
     saved = metadata.state_dict_metadata
     # A param whose state is absent as a whole never had a gradient when saved.
     saved_params = {
@@ -297,7 +309,9 @@ def apply_loaded(
 ) -> tuple[dict[str, Any], list[str]]:
     """Hand what DCP read to the optimizer, schedulers, train state and RNG.
 
-    The model needs nothing: DCP wrote into its tensors.
+    DCP wrote into the model's tensors, and into the fp32 masters of ZeRO-1 modules
+    with 16-bit weights, which are cast into the model here (a collective over each
+    such module's DP group).
 
     Returns:
         The checkpoint's ``meta`` (iteration, train state, config), and the modules
@@ -310,6 +324,7 @@ def apply_loaded(
     }
     flat.update(req.passthrough)
     optimizer.load_state_dict(flat)
+    optimizer.load_master_weights()
     saved_schedules = {
         k[len(SCHEDULER) :]: json.loads(v) for k, v in req.state.items() if k.startswith(SCHEDULER)
     }

@@ -24,6 +24,7 @@ from mimotron.parallel.data_parallel import replica_group
 from mimotron.parallel.expert_parallel import is_expert_param
 from mimotron.parallel.groups import ProcessGroupCollection
 from mimotron.parallel.zero import ExpertSplitShards, ZeroShards, remove_gather_hooks
+from mimotron.runtime import compute_dtype
 from mimotron.setup_rules import check_trainable
 
 
@@ -39,13 +40,15 @@ def _check_groups(name: str, grid: Any, pg: ProcessGroupCollection | None) -> No
 
 
 def _shards(name: str, mcfg: ModuleConfig, named: list[tuple[str, nn.Parameter]],
-            pg: ProcessGroupCollection | None,
-            bucket_bytes: int) -> ZeroShards | ExpertSplitShards | None:
+            pg: ProcessGroupCollection | None, bucket_bytes: int,
+            precision: str) -> ZeroShards | ExpertSplitShards | None:
     """Row shards for ``shard_optimizer`` modules with a DP group larger than one.
 
     Expert-parallel shards split their local rows over ``expt_dp`` instead
     (:class:`~mimotron.parallel.zero.ExpertSplitShards`). Buckets of ``bucket_bytes``
     (``train.grad_bucket_mb``): the overlapped reduce-scatter launches them one by one.
+    Under bf16 / fp16 the module's parameters become 16-bit with fp32 masters
+    (``param_dtype``, Megatron-Core's distributed optimizer).
     """
     if not (named and mcfg.parallel.shard_optimizer and pg is not None):
         return None
@@ -55,12 +58,13 @@ def _shards(name: str, mcfg: ModuleConfig, named: list[tuple[str, nn.Parameter]]
         return None  # one replica: sharding would change nothing
     experts = [(n, p) for n, p in named if is_expert_param(p)]
     dense = [(n, p) for n, p in named if not is_expert_param(p)]
+    dtype = compute_dtype(precision)
     try:
         if experts:
-            return ExpertSplitShards(ZeroShards(dense, group, bucket_bytes),
+            return ExpertSplitShards(ZeroShards(dense, group, bucket_bytes, param_dtype=dtype),
                                      ZeroShards(experts, pg.expt_dp, bucket_bytes,
-                                                expert=True))
-        return ZeroShards(named, group, bucket_bytes)
+                                                expert=True, param_dtype=dtype))
+        return ZeroShards(named, group, bucket_bytes, param_dtype=dtype)
     except ValueError as exc:
         raise ValueError(f"modules.{name}.parallel.shard_optimizer=true: {exc}") from None
 
@@ -150,8 +154,11 @@ def get_mimo_optimizer(
     config and ``requires_grad``. Modules with ``parallel.shard_optimizer``
     and a DP degree above one get a ZeRO-1 optimizer over their DP group
     (:class:`~mimotron.parallel.zero.ZeroShards`): the inner optimizer holds only this
-    rank's rows of every parameter. With ``train.overlap_param_gather`` their
-    parameter all-gather after the step is only launched, and forward pre-hooks on the
+    rank's rows of every parameter; under bf16 / fp16 those rows are fp32 masters and
+    the module's parameters are cast to 16 bits here (build the optimizer after the
+    model's weights are initialised or loaded: the masters copy them). With
+    ``train.overlap_param_gather`` their parameter all-gather after the step is only
+    launched, and forward pre-hooks on the
     module's submodules wait for it (:meth:`MimoOptimizer.finish_param_gather`); the
     optimizer keeps those hooks (removed by :meth:`MimoOptimizer.close`, or when another
     optimizer is built on the same model).
@@ -197,7 +204,8 @@ def get_mimo_optimizer(
         grid = grids.get(name) if grids is not None else None
         pg = pg_collections[name] if pg_collections is not None and name in pg_collections else None
         _check_groups(name, grid, pg)
-        zero = _shards(name, mcfg, named, pg, int(config.train.grad_bucket_mb * 2**20))
+        zero = _shards(name, mcfg, named, pg, int(config.train.grad_bucket_mb * 2**20),
+                       precision)
         if zero is not None and config.train.overlap_param_gather:
             hooks += zero.wait_before_forward(module)
         stepped = zero.fragments if zero is not None else named

@@ -457,13 +457,35 @@ class MimoOptimizer:
         """Re-view sharded fragments into the parameters' current storage.
 
         Needed after a model load that replaced parameter storage (``assign=True``); an
-        in-place ``load_state_dict`` keeps them valid. There are no separate fp32 main
-        parameters to refresh (weights are fp32 under autocast).
+        in-place ``load_state_dict`` keeps them valid. A sharded module with 16-bit
+        weights refreshes its fp32 masters from the model instead (to the 16-bit
+        precision the model holds; checkpoints load the masters themselves). Unsharded
+        modules have no separate main parameters (weights are fp32 under autocast).
         """
         del state_dict
         for info in self._active():
             if info.zero is not None:
                 info.zero.repoint()
+
+    def master_weights(self) -> dict[int, torch.Tensor]:
+        """``id(model parameter)`` -> its fp32 master rows (a DTensor of its global shape).
+
+        For the active sharded modules with 16-bit weights: what a checkpoint stores as
+        their model weights (see :meth:`~mimotron.parallel.zero.ZeroShards.master_weights`).
+        """
+        return {id(p): m for info in self._active() if info.zero is not None
+                for p, m in info.zero.master_weights()}
+
+    def load_master_weights(self) -> None:
+        """Cast the (just loaded) fp32 masters into the 16-bit model parameters.
+
+        Collective over each such module's DP group (an all-gather); a no-op for the
+        other modules.
+        """
+        self.finish_param_gather()
+        for info in self._active():
+            if info.zero is not None and info.zero.has_master:
+                info.zero.gather_params()
 
     def get_loss_scale(self) -> torch.Tensor:
         """The scale to multiply the loss by before backward (1.0 without fp16 scaling).

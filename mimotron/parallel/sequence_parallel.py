@@ -35,6 +35,7 @@ from torch import nn
 from mimotron.config import MimoConfig
 from mimotron.names import LANGUAGE
 from mimotron.parallel.context_parallel import moe_source
+from mimotron.parallel.main_grad import grad_buffer, set_grad_buffer, zeros_grad_buffer
 
 # Marks a plain parameter whose gradient is a partial sum over the TP group: the
 # sequence-sharded norms under SP, and the per-head norms under any TP.
@@ -101,20 +102,24 @@ def reduce_sequence_parallel_grads(module: nn.Module, group: dist.ProcessGroup |
     """SUM the marked (norm) gradients over the TP group, in one flat collective.
 
     Every TP rank holds the same marked parameters in the same order, so the collective
-    lines up; a marked parameter without a gradient contributes zeros.
+    lines up; a marked parameter without a gradient contributes zeros. A 16-bit
+    parameter of a ZeRO-1 module is summed in its fp32 ``main_grad``
+    (:func:`~mimotron.parallel.main_grad.grad_buffer`).
     """
     params = [p for p in module.parameters() if p.requires_grad and getattr(p, SP_ATTR, False)]
     if not params or group is None or dist.get_world_size(group) == 1:
         return
+    grads = []
     for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    flat = torch.cat([p.grad.reshape(-1) for p in params])
+        if grad_buffer(p) is None:
+            set_grad_buffer(p, zeros_grad_buffer(p))
+        grads.append(grad_buffer(p))
+    flat = torch.cat([g.reshape(-1) for g in grads])
     dist.all_reduce(flat, group=group)
     offset = 0
-    for p in params:
-        n = p.numel()
-        p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
+    for g in grads:
+        n = g.numel()
+        g.copy_(flat[offset:offset + n].view_as(g))
         offset += n
 
 

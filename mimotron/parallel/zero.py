@@ -7,22 +7,32 @@ DTensors with the parameter's own global shape: it reshards to another DP degree
 loads into an unsharded optimizer. The dimension is the first one larger than 1 because
 slicing it is a contiguous view (``pos_embed [1, T, H]`` splits along ``T``).
 
-A rank's optimizer steps only its *fragments*: leaf parameters that are views of its
-rows of the model parameters, so the step updates the model in place, with no fp32
-copy (weights are fp32 under autocast already). One step of a sharded module:
+A rank's optimizer steps only its *fragments*, leaf parameters holding its rows of the
+model parameters. Under ``train.precision = "fp32"`` they are views of the model's rows,
+so the step updates the model in place (the weights are their own master). Under bf16
+or fp16 (``param_dtype``) the module is held as Megatron-Core's distributed optimizer
+holds it, ``6 + 12 / D`` bytes per parameter: the model parameters in the 16-bit
+compute dtype (2 B), an fp32 gradient buffer per parameter (``main_grad``, 4 B,
+:mod:`~mimotron.parallel.main_grad`), and per rank the fp32 *master* copy of its rows
+(the fragments, 4 / D B) with their Adam moments (8 / D B). The masters start as the fp32
+values the model was built or loaded with; the model's 16-bit weights are cast from
+them after every step (never the other way round); the gradients are reduce-scattered
+from the fp32 ``main_grad`` and the received rows are written back into this rank's
+rows of it, which the fragment's ``.grad`` then views (no second fp32 copy); the
+all-gather sends the masters cast to 16 bits. One step of a sharded module:
 
 1. ``reduce_grads``: per bucket, the gradients are laid out rank-major (rank ``r``'s
    rows of every parameter, each padded to ``ceil(rows / D)`` rows, then rank
    ``r + 1``'s) and reduce-scattered (SUM): each rank receives exactly the summed rows it
-   steps. The data-parallel all-reduce skips the module (it is ``sharded`` in
-   :class:`~mimotron.parallel.grad_sync.GradSync`).
+   steps. The data-parallel all-reduce skips the module (``finalize_model_grads``'s
+   ``optimizer_reduced``).
 2. the optimizer unscales, takes the norm (a fragment sum over the DP group), clips and
    steps the fragments;
 3. ``gather_params``: the same layout all-gathered, so every replica holds every row.
 
 With ``train.overlap_grad_reduce`` the reduce-scatter of each bucket is launched during
 the last backward (:meth:`ZeroShards.launch_reduce`, called by
-:class:`~mimotron.parallel.grad_sync.GradSync`) and step 1 only waits. With
+:class:`~mimotron.parallel.overlap.OverlappedGradReducer`) and step 1 only waits. With
 ``train.overlap_param_gather`` step 3 only launches the all-gathers; the rows land in
 the model (:meth:`ZeroShards.finish_gather`) when the module next runs a forward (pre-hooks
 on every submodule), when its ``state_dict`` is read, or before anything else that reads
@@ -66,6 +76,13 @@ from mimotron.parallel.data_parallel import (
     same_placements,
 )
 from mimotron.parallel.expert_parallel import is_expert_param
+from mimotron.parallel.main_grad import (
+    cast_param_,
+    clear_main_grad,
+    grad_buffer,
+    set_grad_buffer,
+    use_main_grad,
+)
 
 
 def shard_dim(shape: torch.Size | tuple[int, ...]) -> int:
@@ -127,6 +144,10 @@ class ZeroShards:
         bucket_bytes: upper bound of one reduce-scatter / all-gather.
         expert: the parameters are expert-parallel shards (DTensors over an ``ep`` mesh
             axis) and ``group`` is ``expt_dp``, which may be a single rank.
+        param_dtype: hold the model parameters in this (16-bit) dtype with fp32 master
+            fragments and ``main_grad`` buffers (see the module docstring); the
+            parameters are cast here, after their fp32 values were copied into the
+            masters. ``None`` (or fp32): fragments are views of the fp32 parameters.
 
     Raises:
         ValueError: a parameter whose placements are not ``Shard``/``Replicate`` (FSDP's
@@ -141,6 +162,7 @@ class ZeroShards:
         group: dist.ProcessGroup,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         expert: bool = False,
+        param_dtype: torch.dtype | None = None,
     ) -> None:
         _check_params(named_params, expert)
         if dist.get_world_size(group) < 2 and not expert:
@@ -161,8 +183,16 @@ class ZeroShards:
                 offset += slot.padded_numel
             self._buckets.append((slots, offset))
         self._slots = {s.name: s for slots, _ in self._buckets for s in slots}
-        self.fragments = [(s.name, nn.Parameter(s.fragment_view())) for s in self._slots.values()]
+        self.has_master = param_dtype not in (None, torch.float32)
+        """Fragments are fp32 masters of 16-bit parameters (not views of the model)."""
+        self.fragments = [(s.name, nn.Parameter(self._master_rows(s) if self.has_master
+                                                else s.fragment_view()))
+                          for s in self._slots.values()]
         self._fragment = dict(self.fragments)
+        if self.has_master:
+            for s in self._slots.values():
+                cast_param_(s.param, param_dtype)
+                use_main_grad(s.param)
         # In-flight collectives: bucket index -> (received rows, handle) of a
         # reduce-scatter launched during the backward; one (rows, handle) per bucket of
         # an all-gather launched after the optimizer step.
@@ -176,6 +206,11 @@ class ZeroShards:
         start, end = chunk_range(rows, self.num_shards, self.shard_rank)
         return _Slot(name, p, dim, rows, local.numel() // rows,
                      math.ceil(rows / self.num_shards), start, end, offset)
+
+    @staticmethod
+    def _master_rows(s: _Slot) -> torch.Tensor:
+        """An fp32 copy of this rank's rows (from the parameter's current values)."""
+        return s.fragment_view().to(torch.float32, copy=True)
 
     # ---- the step --------------------------------------------------------------------
     @property
@@ -203,7 +238,9 @@ class ZeroShards:
         parts = []
         for s in slots:
             g = _aligned_local_grad(s.param)
-            rows = (torch.zeros(s.rows, s.row_numel, dtype=s.local.dtype, device=s.local.device)
+            # Masters: the fp32 main_grad is reduced (zeros of that dtype too).
+            grad_dtype = torch.float32 if self.has_master else s.local.dtype
+            rows = (torch.zeros(s.rows, s.row_numel, dtype=grad_dtype, device=s.local.device)
                     if g is None else g.reshape(s.rows, s.row_numel))
             rows = F.pad(rows, (0, 0, 0, s.chunk * d - s.rows))
             parts.append(rows.reshape(d, s.padded_numel))
@@ -217,7 +254,7 @@ class ZeroShards:
         """Reduce-scatter (SUM) the model gradients into the fragments' ``.grad``.
 
         Collective over the DP group. Buckets already launched (during the backward, by
-        :class:`~mimotron.parallel.grad_sync.GradSync`) are only waited for;
+        :class:`~mimotron.parallel.overlap.OverlappedGradReducer`) are only waited for;
         the others are launched here, in bucket order, each waited for before the next
         is launched. Either way each bucket is the same collective on the same buffer,
         so the result is the same.
@@ -231,7 +268,21 @@ class ZeroShards:
             handle.wait()
             for s in slots:
                 frag = self._fragment[s.name]
-                frag.grad = recv[s.offset : s.offset + s.local_numel].view(frag.shape)
+                rows = recv[s.offset : s.offset + s.local_numel].view(frag.shape)
+                frag.grad = self._own_rows(s, rows) if self.has_master else rows
+
+    def _own_rows(self, s: _Slot, rows: torch.Tensor) -> torch.Tensor:
+        """The reduced rows written into this rank's rows of ``main_grad`` (a view of them).
+
+        So the fragment's gradient needs no fp32 storage of its own; a parameter that
+        had no gradient here keeps a copy of the rows instead.
+        """
+        buf = _aligned_local_grad(s.param)
+        if buf is None:
+            return rows.clone()
+        own = buf.narrow(s.dim, s.start, s.end - s.start)
+        own.copy_(rows)
+        return own
 
     def gather_params(self, async_op: bool = False) -> None:
         """All-gather every rank's rows into the model parameters (collective over DP).
@@ -259,6 +310,7 @@ class ZeroShards:
             parts = []
             for s in slots:
                 local = self._fragment[s.name].detach().reshape(s.end - s.start, s.row_numel)
+                local = local.to(s.local.dtype)  # masters: the 16-bit rows are gathered
                 parts.append(F.pad(local, (0, 0, 0, s.chunk - (s.end - s.start))).reshape(-1))
             send = torch.cat(parts)
             recv = send.new_empty(self.num_shards * seg)
@@ -313,7 +365,9 @@ class ZeroShards:
         """
         self._pending_reduce.clear()
         for s in self._slots.values():
-            if set_to_none:
+            if self.has_master:
+                clear_main_grad(s.param)  # the fp32 buffer starts afresh each step
+            elif set_to_none:
                 s.param.grad = None
             elif s.param.grad is not None:
                 s.param.grad.zero_()
@@ -322,10 +376,32 @@ class ZeroShards:
         """Re-view the fragments into the current parameter storage.
 
         Needed only if a parameter's storage was replaced (``load_state_dict(assign=True)``,
-        ``.data = ...``); an in-place load keeps the views valid.
+        ``.data = ...``); an in-place load keeps the views valid. With masters, the
+        model's values were loaded instead: the masters are refreshed from them (to the
+        precision the model holds; a checkpoint loads the fp32 masters themselves, see
+        :meth:`master_weights`).
         """
         for s in self._slots.values():
-            self._fragment[s.name].data = s.fragment_view()
+            frag = self._fragment[s.name]
+            if self.has_master:
+                with torch.no_grad():
+                    frag.copy_(s.fragment_view())
+            else:
+                frag.data = s.fragment_view()
+
+    def master_weights(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        """``(model parameter, its fp32 master)`` pairs; empty without masters.
+
+        Each master is this rank's rows as a DTensor of the parameter's global shape
+        (:meth:`to_dtensor`), sharing the fragment's storage: a checkpoint stores it as
+        the model weight (fp32, so a plain fp32 run and any ZeRO layout load the same
+        values) and DCP loads into the fragment in place; :meth:`gather_params` then
+        casts it into the model.
+        """
+        if not self.has_master:
+            return []
+        return [(s.param, self.to_dtensor(s.name, self._fragment[s.name].detach()))
+                for s in self._slots.values()]
 
     def model_param(self, name: str) -> nn.Parameter:
         """The model parameter whose rows fragment ``name`` holds."""
@@ -454,6 +530,15 @@ class ExpertSplitShards:
         """See :meth:`ZeroShards.model_param`."""
         return self._part(name).model_param(name)
 
+    @property
+    def has_master(self) -> bool:
+        """See :attr:`ZeroShards.has_master`."""
+        return self.dense.has_master
+
+    def master_weights(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        """See :meth:`ZeroShards.master_weights`."""
+        return self.dense.master_weights() + self.expert.master_weights()
+
     def local_state(self, name: str, value: Any) -> Any:
         """See :meth:`ZeroShards.local_state`."""
         return self._part(name).local_state(name, value)
@@ -486,15 +571,17 @@ def outer_placements(p: torch.Tensor) -> list[Placement]:
 def _aligned_local_grad(p: nn.Parameter) -> torch.Tensor | None:
     """The local gradient laid out like the parameter's local tensor (detached), or None.
 
-    A DTensor gradient may come back replicated, partial or strided
-    (``align_grad_placements``); it is redistributed to the parameter's placements and
-    put back as the parameter's gradient (a collective over its mesh when partial), so
-    the model holds one local-shard-sized gradient as without ZeRO.
+    The gradient is ``.grad``, or the fp32 ``main_grad`` of a 16-bit parameter (any
+    ``.grad`` not yet added into it is added first). A DTensor gradient may come back
+    replicated, partial or strided (``align_grad_placements``); it is redistributed to
+    the parameter's placements and put back (a collective over its mesh when partial),
+    so the model holds one local-shard-sized gradient as without ZeRO.
     """
-    g = p.grad
+    g = grad_buffer(p)
     if isinstance(g, DTensor):
         if not same_placements(g.placements, p.placements):
-            p.grad = g = g.redistribute(p.device_mesh, p.placements)
+            g = g.redistribute(p.device_mesh, p.placements)
+            set_grad_buffer(p, g)
         g = g.to_local()
     return None if g is None else g.detach()
 
