@@ -24,15 +24,15 @@ all-gather sends the masters cast to 16 bits. One step of a sharded module:
 1. ``reduce_grads``: per bucket, the gradients are laid out rank-major (rank ``r``'s
    rows of every parameter, each padded to ``ceil(rows / D)`` rows, then rank
    ``r + 1``'s) and reduce-scattered (SUM): each rank receives exactly the summed rows it
-   steps. The data-parallel all-reduce skips the module (``finalize_model_grads``'s
-   ``optimizer_reduced``).
+   steps. The data-parallel all-reduce skips the module (it is ``sharded`` in
+   :class:`~mimotron.parallel.grad_sync.GradSync`).
 2. the optimizer unscales, takes the norm (a fragment sum over the DP group), clips and
    steps the fragments;
 3. ``gather_params``: the same layout all-gathered, so every replica holds every row.
 
 With ``train.overlap_grad_reduce`` the reduce-scatter of each bucket is launched during
 the last backward (:meth:`ZeroShards.launch_reduce`, called by
-:class:`~mimotron.parallel.overlap.OverlappedGradReducer`) and step 1 only waits. With
+:class:`~mimotron.parallel.grad_sync.GradSync`) and step 1 only waits. With
 ``train.overlap_param_gather`` step 3 only launches the all-gathers; the rows land in
 the model (:meth:`ZeroShards.finish_gather`) when the module next runs a forward (pre-hooks
 on every submodule), when its ``state_dict`` is read, or before anything else that reads
@@ -254,7 +254,7 @@ class ZeroShards:
         """Reduce-scatter (SUM) the model gradients into the fragments' ``.grad``.
 
         Collective over the DP group. Buckets already launched (during the backward, by
-        :class:`~mimotron.parallel.overlap.OverlappedGradReducer`) are only waited for;
+        :class:`~mimotron.parallel.grad_sync.GradSync`) are only waited for;
         the others are launched here, in bucket order, each waited for before the next
         is launched. Either way each bucket is the same collective on the same buffer,
         so the result is the same.
