@@ -249,7 +249,8 @@ class GradSync:
                  zero: dict[str, Shards] | None = None, overlap: bool = False,
                  sharded: Iterable[str] = ()) -> None:
         zero, frozen, sharded = zero or {}, set(frozen), set(sharded)
-        assert not (overlap and sharded - set(zero)), "overlap needs the ZeRO-1 shards"
+        trained = set(modules) - frozen
+        assert not (overlap and (sharded & trained) - set(zero)), "overlap needs the shards"
         self.overlap = overlap
         self.parts: dict[str, ModuleGradSync] = {
             name: ModuleGradSync(modules[name], pg_collections[name], bucket_bytes,
