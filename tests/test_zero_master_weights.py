@@ -19,12 +19,15 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
+from mimotron.checkpoint import read_full_model
 from mimotron.config import load_config
 from mimotron.data import collate
 from mimotron.models.build import build_mimo_model
@@ -33,7 +36,7 @@ from mimotron.parallel.main_grad import MAIN_GRAD
 from mimotron.parallel.zero import shard_dim
 from mimotron.runtime import init_runtime
 from mimotron.testing import run_ranks
-from mimotron.training.loop import setup_mimo
+from mimotron.training.loop import run_training, setup_mimo
 from tests.common import BASE, DIGITS, coloc, colocated, train_step
 from tests.reference import VOCAB_MULTIPLE, _data, _optimizer, lr_at, reference_run
 
@@ -236,3 +239,79 @@ def test_bf16_zero_trains_like_the_plain_bf16_loop():
             assert torch.equal(res["masters"][name], results[0]["masters"][name]), name
     far = max(_rel(results[0]["masters"][n], fp32.weights[n]) for n in ref["masters"])
     assert far > 1e-2, far
+
+
+# ---- checkpoints --------------------------------------------------------------------------
+COMMON = ["eval.iters=1", "log.interval=1", "log.progress=false", "checkpoint.interval=3",
+          "checkpoint.keep=4", *BF16]
+
+
+def _run(rank: int, world: int, overrides: list[str]) -> None:
+    run_training(load_config(DIGITS, BASE + overrides), init_runtime())
+
+
+def _launch(root: Path, name: str, world: int, layout: list[str], iters: int,
+            load: Path | None = None) -> Path:
+    """``run_training`` in ``root / name``; returns its checkpoint folder."""
+    ckpt = root / name / "ckpt"
+    extra = [f"checkpoint.load={load}"] if load is not None else []
+    run_ranks(world, _run, COMMON + layout + extra + [
+        f"train.iters={iters}", f"log.dir={root / name}", f"checkpoint.dir={ckpt}"],
+        timeout_s=300)
+    return ckpt
+
+
+def _records(log_dir: Path) -> list[tuple[int, float, float]]:
+    lines = [json.loads(x) for x in (log_dir / "metrics.jsonl").read_text().splitlines()]
+    return [(r["iteration"], r["loss"], r["grad_norm"]) for r in lines if "loss" in r]
+
+
+def _loaded(rank: int, world: int, overrides: list[str]) -> dict[str, dict[str, torch.Tensor]]:
+    """Set up a run that loads a checkpoint; its weights (full, own dtype) and masters."""
+    run = setup_mimo(load_config(DIGITS, BASE + COMMON + overrides), init_runtime())
+    run.optimizer.finish_param_gather()
+    masters = run.optimizer.master_weights()
+    out: dict[str, dict[str, torch.Tensor]] = {"weights": {}, "masters": {}}
+    for name, p in run.model.named_parameters():
+        out["weights"][name] = _full(p.detach()).clone()
+        if id(p) in masters:
+            out["masters"][name] = _full(masters[id(p)]).clone()
+    return out
+
+
+def _iter(ckpt: Path, iteration: int) -> Path:
+    return ckpt / f"iter_{iteration:07d}"
+
+
+def test_checkpoints_resume_bitwise_and_reshard_with_plain_bf16(tmp_path):
+    """ZeRO-bf16 DP 2 <-> plain bf16 on one rank, through the fp32 masters."""
+    zero, plain = colocated(2) + ZERO, colocated(1)
+    straight = _launch(tmp_path, "zero", 2, zero, 6)
+    resumed = _launch(tmp_path, "again", 2, zero + OVERLAP, 6, _iter(straight, 3))
+    want = {r[0]: r for r in _records(tmp_path / "zero")}
+    got = _records(tmp_path / "again")
+    assert [r[0] for r in got] == [4, 5, 6] and all(r == want[r[0]] for r in got), got
+    a, _ = read_full_model(_iter(straight, 6))
+    b, _ = read_full_model(_iter(resumed, 6))
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+    # The checkpoint holds the fp32 masters: most values are not bf16 numbers.
+    saved, _ = read_full_model(_iter(straight, 3))
+    for key, value in saved.items():
+        assert value.dtype == torch.float32, key
+    rounded = sum(int((v != v.bfloat16().float()).sum()) for v in saved.values())
+    assert rounded > 0.9 * sum(v.numel() for v in saved.values()), rounded
+    # ZeRO -> plain: the one-rank fp32 weights are the masters, bit for bit.
+    (as_plain,) = run_ranks(1, _loaded, plain + [f"checkpoint.load={_iter(straight, 3)}"],
+                            timeout_s=300)
+    assert sorted(as_plain["weights"]) == sorted(saved) and not as_plain["masters"]
+    for name, value in as_plain["weights"].items():
+        assert torch.equal(value, saved[name]), name
+    # plain -> ZeRO: a plain bf16 run's fp32 weights become the masters, bit for bit.
+    plain_ckpt = _launch(tmp_path, "plain", 1, plain, 3)
+    plain_saved, _ = read_full_model(_iter(plain_ckpt, 3))
+    for res in run_ranks(2, _loaded, zero + [f"checkpoint.load={_iter(plain_ckpt, 3)}"],
+                         timeout_s=300):
+        assert sorted(res["masters"]) == sorted(plain_saved)
+        for name, value in res["masters"].items():
+            assert torch.equal(value, plain_saved[name]), name
+            assert torch.equal(res["weights"][name], value.to(torch.bfloat16)), name
