@@ -262,12 +262,15 @@ def test_activation_estimate_divides_by_context():
     plain, cp2 = estimate({}), estimate({"context": 2})
     # Half the positions, plus the other half's keys and values, which attention saves
     # after the all-gather: 2 tensors x 2 bytes (16-bit) x hidden / tp per position and
-    # layer; 2 layers, 8 samples per micro-batch, fp32 (twice the 16-bit bytes).
+    # layer; 2 layers, 8 samples per micro-batch, fp32 (twice the 16-bit bytes). And the
+    # causal mask over the gathered keys, which SDPA keeps per layer in the queries'
+    # dtype: [1, 1, S / 2, S] per micro-batch.
     layers, samples, fp32 = 2, 8, 2
     gathered_kv = layers * 2 * 2 * HIDDEN * (SEQ // 2) * samples * fp32
-    assert cp2 == plain // 2 + gathered_kv
+    mask = layers * 4 * (SEQ // 2) * SEQ
+    assert cp2 == plain // 2 + gathered_kv + mask
     tp2_sp, cp2_tp2_sp = estimate({"tensor": 2}, *SP), estimate({"context": 2, "tensor": 2}, *SP)
-    assert cp2_tp2_sp == tp2_sp // 2 + gathered_kv // 2 and tp2_sp < plain
+    assert cp2_tp2_sp == tp2_sp // 2 + gathered_kv // 2 + mask and tp2_sp < plain
 
 
 def test_optimizer_estimate_shards_over_dp_times_cp():

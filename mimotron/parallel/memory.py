@@ -278,8 +278,11 @@ def activation_bytes(cfg: MimoConfig, name: str, vocab_size: int = 64,
     spreads that many chunk forwards evenly over the chunks. A frozen
     encoder holds only its outputs (:func:`frozen_encoder_output_bytes`). Each layer
     recomputed in backward (``modules.<m>.recompute``, :func:`recomputed_layers`) keeps
-    :func:`recompute_dropped_bytes` less.
+    :func:`recompute_dropped_bytes` less. MoE layers and attention masks (packing,
+    context parallelism) add :func:`~mimotron.parallel.activation_terms.
+    extra_layer_bytes_per_sample`.
     """
+    from mimotron.parallel.activation_terms import extra_layer_bytes_per_sample
     from mimotron.parallel.layout import plan_layout
     from mimotron.pipeline.in_flight import held_forwards_peak
 
@@ -299,8 +302,9 @@ def activation_bytes(cfg: MimoConfig, name: str, vocab_size: int = 64,
     layers, chunks = rank_layers(mod.num_layers, par, stage)
     per_layer = layer_bytes_per_sample(cfg, name)
     # Recomputed layers keep less (modules.<m>.recompute).
-    held = (per_layer * len(layers)
-            - recomputed_layers(cfg, name, stage) * recompute_dropped_bytes(cfg, name))
+    recomputed = recomputed_layers(cfg, name, stage)
+    held = (per_layer * len(layers) - recomputed * recompute_dropped_bytes(cfg, name)
+            + extra_layer_bytes_per_sample(cfg, name, layers, recomputed))  # MoE, masks
     first, last = ends_bytes_per_sample(cfg, name, tokens, vocab_size)
     ends = (first if stage == 0 else 0) + (last if stage == par.pipeline - 1 else 0)
     if chunks is not None:
@@ -467,9 +471,14 @@ def estimate_memory(
                 MemoryEstimate(
                     module=role.module,
                     num_params=n,
-                    weights=n * (master + compute),
+                    # ZeRO-1 under bf16 / fp16: 16-bit weights, the fp32 master in
+                    # the optimizer's share (master_weight_bytes).
+                    weights=n * (compute if has_master_weights(cfg, role.module)
+                                 else master + compute),
                     grads=0 if frozen else n * 4,
-                    optimizer=0 if frozen else optimizer_state_bytes(cfg, role.module, n, split),
+                    optimizer=0 if frozen else (
+                        optimizer_state_bytes(cfg, role.module, n, split)
+                        + master_weight_bytes(cfg, role.module, n, split)),
                     activations=activations[(role.module, role.pp)],
                     workspace=0 if frozen else (backward_workspace_bytes(cfg, role.module)
                                                 + recompute_workspace_bytes(cfg, role.module)),
@@ -482,19 +491,61 @@ def estimate_memory(
 
 def optimizer_state_bytes(cfg: MimoConfig, name: str, num_params: int,
                           expert_split: tuple[int, int] | None) -> int:
-    """Two fp32 Adam moments per parameter a rank holds (of its local TP / expert shards).
+    """The optimizer state of the parameters a rank holds (its local TP / expert shards).
 
-    Under ZeRO-1 (:mod:`mimotron.parallel.zero`) each rank keeps the moments of its rows
-    only: the dense part's divided by the replica group (``dp x cp``), the routed
-    experts' by ``expt_dp`` (the ranks holding the same expert shard). With one replica
-    nothing is sharded.
+    :func:`optimizer_state_bytes_per_param` per parameter. Under ZeRO-1
+    (:mod:`mimotron.parallel.zero`) each rank keeps the state of its rows only: the
+    dense part's divided by the replica group (``dp x cp``), the routed experts' by
+    ``expt_dp`` (the ranks holding the same expert shard). With one replica nothing is
+    sharded.
     """
     par = cfg.modules[name].parallel
+    per = optimizer_state_bytes_per_param(cfg, name)
     if not par.shard_optimizer or _replicas(cfg, name) == 1:
-        return num_params * 8
+        return num_params * per
     experts = 0 if expert_split is None else expert_split[0] // (par.expert * par.expert_tensor)
     expt_dp = par.size // (par.expert * par.expert_tensor * par.pipeline)
-    return (num_params - experts) * 8 // _replicas(cfg, name) + experts * 8 // expt_dp
+    return (num_params - experts) * per // _replicas(cfg, name) + experts * per // expt_dp
+
+
+def optimizer_state_bytes_per_param(cfg: MimoConfig, name: str) -> int:
+    """fp32 state per parameter of module ``name``'s optimizer (its effective ``name``).
+
+    Adam / AdamW keep two moments (8 bytes); SGD one momentum buffer (4) when
+    ``momentum > 0``, none without (``torch.optim.SGD`` creates no buffer then).
+    """
+    opt = cfg.effective_optimizer(name)
+    if opt.name in ("adam", "adamw"):
+        return 8
+    return 4 if opt.momentum else 0
+
+
+def has_master_weights(cfg: MimoConfig, name: str) -> bool:
+    """Module ``name`` holds 16-bit weights and fp32 master rows (ZeRO-1 under bf16 / fp16).
+
+    See :mod:`mimotron.parallel.zero`: a trainable module with ``shard_optimizer`` and
+    more than one replica, under a 16-bit ``train.precision``.
+    """
+    mod = cfg.modules[name]
+    return (mod.parallel.shard_optimizer and not mod.freeze and _replicas(cfg, name) > 1
+            and cfg.train.precision != "fp32")
+
+
+def master_weight_bytes(cfg: MimoConfig, name: str, num_params: int,
+                        expert_split: tuple[int, int] | None) -> int:
+    """The fp32 master rows a rank holds (4 B per parameter, split as the optimizer state).
+
+    0 unless :func:`has_master_weights`; then the dense part's 4 B are divided by the
+    replica group (``dp x cp``) and the routed experts' by ``expt_dp``, like
+    :func:`optimizer_state_bytes`. Megatron-Core's distributed optimizer: 2 B weights +
+    4 B gradients + (4 + 8) / d B per parameter.
+    """
+    if not has_master_weights(cfg, name):
+        return 0
+    par = cfg.modules[name].parallel
+    experts = 0 if expert_split is None else expert_split[0] // (par.expert * par.expert_tensor)
+    expt_dp = par.size // (par.expert * par.expert_tensor * par.pipeline)
+    return (num_params - experts) * FP32 // _replicas(cfg, name) + experts * FP32 // expt_dp
 
 
 def _replicas(cfg: MimoConfig, name: str) -> int:
@@ -529,17 +580,20 @@ def reduce_bucket_bytes(cfg: MimoConfig, name: str, num_params: int) -> int:
 def param_gather_bytes(cfg: MimoConfig, name: str, num_params: int) -> int:
     """Buffers of a ZeRO-1 module's parameter all-gather alive at once (0 if none).
 
-    One bucket at a time (the fp32 rows of every rank, plus the ``1 / replicas`` this
-    rank sends); with ``train.overlap_param_gather`` every bucket's, until the next
-    forward lands them (:meth:`mimotron.parallel.zero.ZeroShards.gather_params`): a
-    whole extra copy of the module's parameters.
+    One bucket at a time (the rows of every rank, plus the ``1 / replicas`` this rank
+    sends); with ``train.overlap_param_gather`` every bucket's, until the next forward
+    lands them (:meth:`mimotron.parallel.zero.ZeroShards.gather_params`): a whole extra
+    copy of the module's parameters. The rows are the weights' dtype: fp32, or 16 bits
+    with master weights (:func:`has_master_weights`), in buckets sized in fp32.
     """
     mod = cfg.modules[name]
     replicas = _replicas(cfg, name)
     if replicas == 1 or mod.freeze or not mod.parallel.shard_optimizer:
         return 0
-    weights = num_params * 4
-    held = weights if cfg.train.overlap_param_gather else min(weights, _bucket_bytes(cfg))
+    width = BYTES[cfg.train.precision] if has_master_weights(cfg, name) else FP32
+    weights = num_params * width
+    bucket = _bucket_bytes(cfg) * width // FP32
+    held = weights if cfg.train.overlap_param_gather else min(weights, bucket)
     return held + held // replicas
 
 

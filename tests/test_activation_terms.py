@@ -1,0 +1,88 @@
+"""MoE layers and attention masks in the activation estimate, against autograd's tensors.
+
+As ``tests/test_memory_estimate.py`` does for dense layers: the real language model runs
+forward (and its loss) for 3 and 2 samples, and the distinct storages autograd saves are
+counted; their difference is one sample's. The estimate
+(``activation_bytes(in_flight=1)`` per sample) must account for it within 1%, from
+below (small per-token terms are left out), with routed experts of several ``top_k``,
+expert and shared-expert widths, fp32 and bf16. Packed rows: the per-layer mask SDPA
+keeps, from the difference between packed and unpacked runs of 2 and 4 layers.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mimotron.config import load_config
+from mimotron.models.build import build_module
+from mimotron.parallel.activation_terms import mask_bytes_per_sample
+from mimotron.parallel.memory import activation_bytes
+from tests.test_memory_estimate import DIGITS, SEQ, VOCAB, _per_sample, _saved_bytes
+
+MOE_CASES = {
+    "E4-top1": ["modules.language.num_experts=4", "modules.language.top_k=1"],
+    "E4-top3": ["modules.language.num_experts=4", "modules.language.top_k=3"],
+    "E16-top2-narrow": ["modules.language.num_experts=16", "modules.language.top_k=2",
+                        "modules.language.moe_ffn_hidden_size=64"],
+    "shared-gated-every-2nd": ["modules.language.num_experts=4", "modules.language.top_k=2",
+                               "modules.language.num_shared_experts=1",
+                               "modules.language.moe_shared_expert_gate=true",
+                               "modules.language.num_layers=4",
+                               "modules.language.moe_layer_freq=2"],
+}
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("case", list(MOE_CASES))
+def test_moe_language_activations_match_saved_tensors(case: str, precision: str) -> None:
+    cfg = load_config(DIGITS, [f"train.precision={precision}", *MOE_CASES[case]])
+    torch.manual_seed(0)
+    lm = build_module(cfg, "language", VOCAB)
+    measured = _per_sample(lm, lambda n: torch.randn(n, SEQ, 128, requires_grad=True),
+                           precision, loss=True)
+    samples = cfg.train.micro_batch_size // cfg.modules["language"].parallel.data
+    estimate = activation_bytes(cfg, "language", VOCAB, in_flight=1) / samples
+    assert estimate <= measured <= estimate * 1.01, (measured, estimate)
+
+
+def test_top_k_moves_the_estimate_with_the_routed_rows() -> None:
+    def estimate(k: int) -> int:
+        cfg = load_config(DIGITS, ["modules.language.num_experts=4",
+                                   f"modules.language.top_k={k}"])
+        return activation_bytes(cfg, "language", VOCAB, in_flight=1)
+
+    assert estimate(1) < estimate(2) < estimate(3)
+    assert estimate(3) - estimate(2) == estimate(2) - estimate(1)  # linear in top_k
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_packed_rows_keep_a_mask_per_layer(precision: str) -> None:
+    def measured(layers: int, packed: bool) -> int:
+        cfg = load_config(DIGITS, [f"train.precision={precision}",
+                                   f"modules.language.num_layers={layers}"])
+        torch.manual_seed(0)
+        lm = build_module(cfg, "language", VOCAB)
+        ctx = (torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16"
+               else torch.autocast("cpu", enabled=False))
+
+        def run(n: int) -> torch.Tensor:
+            docs = (torch.arange(SEQ) >= SEQ // 2).long().expand(n, SEQ)  # two documents
+            with ctx:
+                return lm(torch.randn(n, SEQ, 128, requires_grad=True),
+                          **({"doc_ids": docs} if packed else {}))
+
+        return _saved_bytes(lambda: run(3)) - _saved_bytes(lambda: run(2))
+
+    cfg = load_config(DIGITS, [f"train.precision={precision}", "data.packing=true"])
+    per_layer = mask_bytes_per_sample(cfg, "language")
+    assert per_layer == (4 if precision == "fp32" else 2) * SEQ * SEQ
+    extra = {n: measured(n, True) - measured(n, False) for n in (2, 4)}
+    assert extra[4] - extra[2] == 2 * per_layer  # one converted mask per layer
+    # Once per forward: the boolean masks (2 bytes per position pair), left out.
+    assert extra[2] - 2 * per_layer == 2 * SEQ * SEQ
+    unpacked = load_config(DIGITS, [f"train.precision={precision}"])
+    samples = cfg.train.micro_batch_size // cfg.modules["language"].parallel.data
+    assert (activation_bytes(cfg, "language", VOCAB, in_flight=1)
+            - activation_bytes(unpacked, "language", VOCAB, in_flight=1)) == (
+        2 * per_layer * samples)
