@@ -37,8 +37,10 @@ How each part of the engine lives with it:
   CP key/value all-gather, the EP all-to-alls) are issued again during the backward, as
   Megatron does. ``early_stop=False``: torch would otherwise end a recomputation as
   soon as the last saved tensor is refilled, a point that depends on which tensors the
-  layer saved; running the whole function again makes every rank of a group re-issue
-  exactly its forward's collectives, in the forward's order.
+  layer saved; running the whole function again, as Megatron's ``CheckpointFunction``
+  does, makes every rank of a group re-issue exactly its forward's collectives, in the
+  forward's order. The price: the layer's last operations run again although nothing
+  needs them (under TP, ``w2``'s output reduction).
 * **Gradients** flow through the graph the forward built (non-reentrant checkpoint
   refills its saved tensors only), so gradient hooks (``train.overlap_grad_reduce``,
   ``register_multi_grad_hook`` timers) fire once, as without recompute.
