@@ -88,8 +88,12 @@ class ParallelConfig:
 
     No effect with one DP replica. With tensor > 1 each TP rank shards its own
     parameter shards over its DP group; routed experts (expert, expert_tensor) shard
-    their local shards over expt_dp. Per rank: fp32 weights and gradients of its shards,
-    Adam state divided by the DP degree.
+    their local shards over expt_dp. Per rank under precision fp32: fp32 weights and
+    gradients of its shards, Adam state divided by the DP degree (4 + 4 + 8/d bytes per
+    parameter). Under bf16 / fp16, as Megatron-Core's distributed optimizer: the
+    module's weights are held in 16 bits, gradients accumulate in an fp32 buffer, and
+    each rank keeps fp32 master copies of its rows with their Adam state
+    (2 + 4 + 12/d bytes); checkpoints store the fp32 masters as the weights.
     """
     virtual_pipeline: int = 1
     """Model chunks per pipeline rank (>= 1; > 1 = interleaved 1F1B, needs pipeline > 1).

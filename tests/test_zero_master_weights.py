@@ -32,7 +32,9 @@ from mimotron.config import load_config
 from mimotron.data import collate
 from mimotron.models.build import build_mimo_model
 from mimotron.optim.mimo_optimizer import MimoOptimizer
+from mimotron.parallel.layout import plan_layout
 from mimotron.parallel.main_grad import MAIN_GRAD
+from mimotron.parallel.memory import estimate_memory
 from mimotron.parallel.zero import shard_dim
 from mimotron.runtime import init_runtime
 from mimotron.testing import run_ranks
@@ -107,6 +109,15 @@ def test_bytes_per_parameter_per_rank(layout, dp):
             assert h["moments"] == 2 * h["masters"], where
             per_param = (h["weights"] + h["main_grads"] + h["masters"] + h["moments"]) / n
             assert per_param == pytest.approx(6 + 12 / d, abs=12 * h["one_row"] / n), where
+        # mimotron plan's estimate (norms are whole on each TP rank where the estimate
+        # divides every parameter by TP: a few hundred elements, hence 1%).
+        cfg = load_config(DIGITS, BASE + layout + ZERO + BF16)
+        estimates = estimate_memory(cfg, plan_layout(cfg), 64, [rank])[rank]
+        for e in estimates:
+            h = modules[e.module]
+            for got, want in ((e.weights, h["weights"]), (e.grads, h["main_grads"]),
+                              (e.optimizer, h["masters"] + h["moments"])):
+                assert got == pytest.approx(want, rel=0.01), (rank, e.module, got, want)
 
 
 # ---- parity against a one-process bf16 loop ----------------------------------------------

@@ -1,6 +1,8 @@
 """Mixed precision of a training step: autocast per forward, one weight cast per step.
 
-Weights and optimizer state stay fp32 (the master copy); each forward runs under
+Weights and optimizer state stay fp32 (the master copy; a ZeRO-1 module under bf16 /
+fp16 instead holds 16-bit weights, which autocast uses as they are, with fp32 masters in
+its optimizer: :mod:`mimotron.parallel.zero`); each forward runs under
 ``torch.autocast``, which casts a weight to the compute dtype the first time a matmul
 reads it. Autocast keeps those casts in a cache that it clears when the *outermost*
 autocast region exits. With one region per micro-batch forward, every micro-batch in
