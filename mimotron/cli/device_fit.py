@@ -105,8 +105,8 @@ def fit_lines(layout: Layout, totals: Callable[[list[int]], dict[int, list[tuple
     wanted = sorted(set(shown) | {rank for rank, _ in classes})
     fits = {rank: RankFit(rank, [m for m, _ in items], sum(t for _, t in items), device)
             for rank, items in totals(wanted).items()}
-    given = f"{label} = " if label else ""
-    lines = [f"fit on a device of {given}{_mib(device)} MiB per rank (MiB):",
+    size = f"{label} ({_mib(device)} MiB)" if label else f"{_mib(device)} MiB"
+    lines = [f"fit on a device of {size}; per rank, MiB:",
              f"{'rank':>4}  {'modules':<24} {'total':>10} {'headroom':>10}  verdict"]
     previous = -1
     for rank in shown:
