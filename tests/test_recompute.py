@@ -78,8 +78,8 @@ CASES: dict[str, tuple[list[str], list[str]]] = {
            "train.grad_bucket_mb=0.05", "modules.language.recompute_num_layers=1"]
         + recompute(vision="full", audio="selective", language="full"), []),
     # DTensor TP plans and the sequence-parallel all-gathers inside the layers.
-    "language-tp2-sp": (
-        noncolocated({}, {}, {"tensor": 2, "sequence_parallel": "true"})
+    "coloc-language-tp2-sp": (
+        coloc({"data": 2}, {"data": 2}, {"tensor": 2, "sequence_parallel": "true", "data": 1})
         + recompute(vision="full", audio="full", language="selective"), []),
     # Interleaved 1F1B: micro-batches and chunks in flight, recomputed out of order.
     "language-pp2vp2": (noncolocated({}, {}, {"pipeline": 2, "virtual_pipeline": 2})
@@ -141,10 +141,10 @@ def test_recompute_matches_plain_loop(name: str) -> None:
 
 
 def test_recompute_moe_with_expert_parallelism_matches_plain_loop() -> None:
-    """Full recompute of MoE layers, EP 2 over TP 2 peers: the all-to-alls, the TP
-    gathers of the routed output and the aux-loss injection all run again."""
-    overrides = MOE + noncolocated({}, {}, {"tensor": 2}) + par("language", expert=2) \
-        + recompute(language="full")
+    """Full recompute of MoE layers, EP 2 over TP 2 peers (colocated): the all-to-alls,
+    the TP gathers of the routed output and the aux-loss injection all run again."""
+    overrides = MOE + coloc({"data": 2}, {"data": 2}, {"tensor": 2, "data": 1}) \
+        + par("language", expert=2) + recompute(language="full")
     world = plan_layout(load_config(DIGITS, BASE + overrides)).world_size
     results = run_ranks(world, _counting, _expert_grads, overrides, timeout_s=300)
     ref = reference_run(tuple(MOE), 10, aux_objective)
