@@ -95,6 +95,14 @@ class ParallelConfig:
     each rank keeps fp32 master copies of its rows with their Adam state
     (2 + 4 + 12/d bytes); checkpoints store the fp32 masters as the weights.
     """
+    fsdp: bool = False
+    """FSDP2: shard the module's parameters, gradients and optimizer state over its DP
+    group with torch's ``fully_shard`` (each transformer block and each other child a
+    unit; with tensor > 1 on a 2-D (dp, tp) mesh; on pipeline stages too).
+
+    For modules whose weights do not fit a rank. No effect with one DP replica; not with
+    shard_optimizer, context or sequence parallelism, MoE, freeze, or tied embeddings.
+    """
     virtual_pipeline: int = 1
     """Model chunks per pipeline rank (>= 1; > 1 = interleaved 1F1B, needs pipeline > 1).
 

@@ -185,6 +185,10 @@ PROBES: dict[str, tuple[list[str], str, list[str]]] = {
     "modules.<m>.parallel.pipeline": (_par("pipeline=2"), "plan", NONCOLOCATED),
     "modules.<m>.parallel.data": (_par("data=2"), "plan", NONCOLOCATED),
     "modules.<m>.parallel.context": (_par("context=2"), "plan", NONCOLOCATED),
+    # FSDP2 shards the module's state over its DP group: the estimate holds 1 / dp of it
+    # (training with it: tests/test_fsdp.py).
+    "modules.<m>.parallel.fsdp": (_par("fsdp=true"), "memory",
+                                  [*NONCOLOCATED, "modules.language.parallel.data=2"]),
     "modules.<m>.parallel.expert": (_par("expert=2"), "error:plan", NONCOLOCATED),
     "modules.<m>.parallel.expert_tensor": (_par("expert_tensor=2"), "error:plan",
                                            NONCOLOCATED),

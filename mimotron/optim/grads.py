@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor.placement_types import _StridedShard
 
 
 def collective_device(group: dist.ProcessGroup | None,
@@ -114,9 +115,15 @@ def counted_on_rank(t: torch.Tensor, mp_ranks: set[int], tp_rank: int) -> bool:
         # Tensor parallelism shards parameters as DTensors; a plain one is whole on every
         # TP rank (norms, position embeddings, front ends) and is counted on TP rank 0.
         return tp_rank == 0
-    coord = t.device_mesh.get_coordinate()
+    mesh = t.device_mesh
+    if not any(mesh.size(dim) > 1 and dim_ranks(mesh, dim) <= mp_ranks
+               for dim in range(mesh.ndim)):
+        # Sharded over ranks outside mp only (FSDP over dp): whole on every TP rank, like a
+        # plain tensor, so counted on TP rank 0.
+        return tp_rank == 0
+    coord = mesh.get_coordinate()
     return not any(pl.is_replicate() and coord[dim] != 0
-                   and dim_ranks(t.device_mesh, dim) <= mp_ranks
+                   and dim_ranks(mesh, dim) <= mp_ranks
                    for dim, pl in enumerate(t.placements))
 
 
@@ -141,7 +148,8 @@ def sharded_outside(p: torch.Tensor, mp_ranks: set[int], dp_ranks: set[int], mod
         return False
     mesh, outside = p.device_mesh, False
     for dim, pl in enumerate(p.placements):
-        if not pl.is_shard() or mesh.size(dim) == 1:
+        # FSDP2 composed with TP shards dp with a _StridedShard, which is not is_shard().
+        if not (pl.is_shard() or isinstance(pl, _StridedShard)) or mesh.size(dim) == 1:
             continue
         ranks = dim_ranks(mesh, dim)
         if ranks <= mp_ranks:

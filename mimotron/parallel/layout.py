@@ -19,6 +19,7 @@ from mimotron.config import MimoConfig, ModuleConfig, ParallelConfig
 from mimotron.names import GRID_AXES, LANGUAGE
 from mimotron.parallel.context_parallel import check_context_parallel
 from mimotron.parallel.expert_layout import check_expert_layout
+from mimotron.parallel.fsdp import check_fsdp
 from mimotron.parallel.sequence_parallel import check_sequence_parallel
 from mimotron.parallel.virtual_pipeline import check_virtual_pipeline
 from mimotron.setup_rules import check_setup_rules
@@ -279,6 +280,7 @@ def _check_module_shape(cfg: MimoConfig, name: str, colocated: bool) -> None:
     check_context_parallel(cfg, name)
     check_expert_layout(cfg, name)
     check_virtual_pipeline(cfg, name, colocated)
+    check_fsdp(cfg, name)
 
 
 def _hf_shape_keys(name: str, mod: ModuleConfig) -> list[tuple[str, int]]:

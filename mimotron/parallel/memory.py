@@ -486,7 +486,23 @@ def estimate_memory(
                     param_gather=param_gather_bytes(cfg, role.module, n),
                 )
             )
+            if mod.parallel.fsdp and mod.parallel.data > 1:
+                out[rank][-1] = _with_fsdp(cfg, out[rank][-1], vocab_size)
     return out
+
+
+def _with_fsdp(cfg: MimoConfig, est: MemoryEstimate, vocab_size: int) -> MemoryEstimate:
+    """An FSDP2 module's estimate (:func:`~mimotron.parallel.fsdp.fsdp_memory_bytes`):
+    1 / dp of the fp32 state; its gather / reduce-scatter buffers on top of the
+    activations (in the workspace); no DP bucket of its own."""
+    from dataclasses import replace
+
+    from mimotron.parallel.fsdp import fsdp_memory_bytes
+
+    held = fsdp_memory_bytes(cfg, est.module, est.num_params, vocab_size)
+    return replace(est, weights=held["weights"], grads=held["grads"],
+                   optimizer=held["optimizer"], workspace=est.workspace + held["buffers"],
+                   reduce_bucket=0, param_gather=0)
 
 
 def optimizer_state_bytes(cfg: MimoConfig, name: str, num_params: int,

@@ -38,6 +38,7 @@ from mimotron.models.mimo import MimoModel, module_part
 from mimotron.models.recompute import apply_recompute
 from mimotron.names import LANGUAGE
 from mimotron.parallel.expert_parallel import shard_experts
+from mimotron.parallel.fsdp import apply_fsdp
 from mimotron.parallel.groups import EXPERT_VIEW
 from mimotron.parallel.tensor_parallel import apply_tensor_parallel, mark_tensor_partial_params
 from mimotron.parallel.virtual_pipeline import rank_layers, set_layer_chunks
@@ -61,8 +62,7 @@ def build_rank_model(cfg: MimoConfig, infra: MimoModelInfra, vocab_size: int,
     for name, role in infra.roles.items():
         mod = cfg.modules[name]
         layers, chunks = rank_layers(mod.num_layers, mod.parallel, role.pp)
-        mesh = (infra.grids[name].to_device_mesh(device.type, dims=["tp"])
-                if mod.parallel.tensor > 1 else None)
+        mesh, fsdp_mesh = _part_meshes(cfg, infra, name, device)
         stage = {"layer_ids": layers, "pre_process": role.is_first_stage,
                  "post_process": role.is_last_stage}
         if mod.hf_path:
@@ -72,14 +72,14 @@ def build_rank_model(cfg: MimoConfig, infra: MimoModelInfra, vocab_size: int,
         if chunks is not None:
             set_layer_chunks(parts[name], chunks)
         apply_recompute(parts[name], mod.recompute, mod.recompute_num_layers)
-        if mod.hf_path:
-            continue  # build_hf_part applied tensor parallelism (no EP for hf_path)
-        if mesh is not None:
+        if mesh is not None and not mod.hf_path:  # build_hf_part applied TP already
             apply_tensor_parallel(parts[name], mesh, name == LANGUAGE,
                                   mod.parallel.sequence_parallel)
-        if mod.parallel.expert > 1 or mod.parallel.expert_tensor > 1:
+        if mod.parallel.expert > 1 or mod.parallel.expert_tensor > 1:  # never with hf_path
             apply_expert_parallel(parts[name], infra, name, device,
                                   mod.parallel.expert_tensor > 1)
+        if fsdp_mesh is not None:
+            apply_fsdp(parts[name], fsdp_mesh, cfg.train.precision)
     language = parts.pop(LANGUAGE, None)
     if language is not None and cfg.modules[LANGUAGE].parallel.context > 1:
         language.set_context_parallel(infra.pg_collections[LANGUAGE].cp)
@@ -90,6 +90,24 @@ def build_rank_model(cfg: MimoConfig, infra: MimoModelInfra, vocab_size: int,
     model = MimoModel(parts, language, dict(placeholder_ids), modality_of, tp_group)
     freeze_modules(model, cfg)
     return model
+
+
+def _part_meshes(cfg: MimoConfig, infra: MimoModelInfra, name: str, device: torch.device
+                 ) -> tuple[DeviceMesh | None, DeviceMesh | None]:
+    """``(tp mesh, fsdp mesh)`` of a module part; ``None`` where it has no such axis.
+
+    FSDP composed with TP needs both on one ``(dp, tp)`` mesh (FSDP shards the TP shards
+    and must know their mesh); without FSDP the TP mesh is 1-D as before.
+    """
+    par = cfg.modules[name].parallel
+    grid = infra.grids[name]
+    if par.fsdp and par.data > 1:
+        if par.tensor > 1:
+            mesh2d = grid.to_device_mesh(device.type, dims=["tp", "dp"])
+            return mesh2d["tp"], mesh2d["dp"]
+        return None, grid.to_device_mesh(device.type, dims=["dp"])
+    tp = grid.to_device_mesh(device.type, dims=["tp"]) if par.tensor > 1 else None
+    return tp, None
 
 
 def apply_expert_parallel(part: nn.Module, infra: MimoModelInfra, name: str,

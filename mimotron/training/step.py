@@ -25,6 +25,7 @@ from mimotron import host_sync
 from mimotron.names import LANGUAGE
 from mimotron.optim.scheduler import OptimizerParamScheduler
 from mimotron.parallel.data_parallel import zero_grad_buffer_for_multimodule
+from mimotron.parallel.fsdp import fsdp_modules
 from mimotron.parallel.grad_sync import GradSync
 from mimotron.parallel.grid import HyperCommGrid
 from mimotron.parallel.groups import MultiModuleProcessGroupCollection
@@ -200,7 +201,10 @@ def train_step_mimo(
     for shards in zero.values():  # forget reduce-scatters of a step that raised
         shards.zero_model_grads()
     # Plain, overlapped or ZeRO-1: one finalisation (mimotron.parallel.grad_sync).
-    grad_sync = GradSync(parts, pg_dict, frozen, bucket_bytes, zero,
+    # FSDP2 modules reduce-scatter their gradients in their own backward hooks.
+    fsdp = fsdp_modules(cfg)
+    grad_sync = GradSync({n: p for n, p in parts.items() if n not in fsdp}, pg_dict, frozen,
+                         bucket_bytes, zero,
                          overlap=cfg.train.overlap_grad_reduce, sharded=sharded)
     timers("forward-backward").start()
     ctx = StepContext(

@@ -1,0 +1,191 @@
+"""FSDP2 per module trains like the plain PyTorch loop, saves, resumes and reshards.
+
+Each parity case trains ``NUM_ITERS`` fp32 iterations through the engine with
+``modules.<m>.parallel.fsdp = true`` and compares with the independent reference
+(``tests/reference.py``): losses, grad norms (global and per module, from the full
+gradients) and final weights, as ``tests/test_parity.py`` does for every other layout.
+The cases cover what FSDP composes with: colocated (every module sharded over DP 2),
+split (the language model on its own ranks), TP x FSDP on a 2-D ``(dp, tp)`` mesh, and
+a pipeline stage (PP 2 x DP 2), with overlapped DP reduction on for the modules that
+are not sharded.
+
+Checkpoints: a chain of runs resumes and reshards plain -> FSDP -> FSDP (same layout:
+bit for bit) -> ZeRO-1 -> FSDP -> plain, every run following the plain loop.
+
+Also: what a rank holds is ``1 / dp`` of the module (measured on the parameters'
+local shards), and the validator refuses what FSDP cannot do with one line.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.tensor import DTensor
+
+from mimotron.checkpoint import read_full_model
+from mimotron.config import load_config
+from mimotron.parallel.layout import plan_layout
+from mimotron.parallel.memory import estimate_memory
+from mimotron.testing import run_ranks
+from tests.common import BASE, DIGITS, coloc, colocated, engine_run, noncolocated, train_step
+from tests.test_parity import (
+    NUM_ITERS,
+    PARITY,
+    assert_module_norms_match,
+    assert_steps_match,
+    assert_weights_match,
+    checked_modules,
+    reference,
+    world_size,
+)
+from tests.test_zero_tensor_parallel import DP4_ZERO, PLAIN, _ckpt, _launch, _records
+
+
+def fsdp(*modules: str) -> list[str]:
+    return [f"modules.{m}.parallel.fsdp=true" for m in modules]
+
+
+ALL = ("vision", "audio", "language")
+CASES: dict[str, tuple[list[str], list[str]]] = {
+    "coloc-dp2-fsdp-all": (colocated(2) + fsdp(*ALL), []),
+    "split-language-dp2-fsdp-overlap": (
+        noncolocated({"data": 2}, {}, {"data": 2}) + fsdp("language")
+        + ["train.overlap_grad_reduce=true"], []),
+    "coloc-language-tp2dp2-fsdp": (
+        coloc({"data": 4}, {"data": 4}, {"tensor": 2, "data": 2}) + fsdp("language", "vision"),
+        []),
+    "language-pp2dp2-fsdp": (noncolocated({}, {}, {"pipeline": 2, "data": 2}) + fsdp("language"),
+                             []),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_fsdp_matches_plain_loop(name):
+    layout, extra = CASES[name]
+    overrides = PARITY + layout + extra
+    results = run_ranks(world_size(overrides), engine_run, overrides, NUM_ITERS, timeout_s=300)
+    ref = reference(extra)
+    assert_steps_match(results, ref)
+    assert_module_norms_match(results, ref, checked_modules(overrides))
+    assert_weights_match(results, ref)
+
+
+def _held_fraction(rank: int, world: int, overrides: list[str]) -> dict[str, float]:
+    from mimotron.runtime import init_runtime
+    from mimotron.training.loop import setup_mimo
+
+    run = setup_mimo(load_config(DIGITS, BASE + overrides), init_runtime())
+    local, full = {}, {}
+    for name, p in run.model.named_parameters():
+        module = name.split(".")[0]
+        value = p.to_local() if isinstance(p, DTensor) else p
+        local[module] = local.get(module, 0) + value.numel()
+        full[module] = full.get(module, 0) + p.numel()
+    return {m: local[m] / full[m] for m in local}
+
+
+def _held_after_a_step(rank: int, world: int, overrides: list[str]) -> dict[str, int]:
+    from mimotron.runtime import init_runtime
+    from mimotron.training.loop import setup_mimo
+
+    run = setup_mimo(load_config(DIGITS, BASE + overrides), init_runtime())
+    train_step(run)
+    info = run.optimizer.module_infos["language"]
+    local = [p.to_local() if isinstance(p, DTensor) else p for _, p in info.params]
+    grads = [g.to_local() if isinstance(g, DTensor) else g
+             for g in (p.grad for _, p in info.params) if g is not None]
+    moments = [v.to_local() if isinstance(v, DTensor) else v
+               for st in info.optimizer.state.values() for v in st.values()
+               if torch.is_tensor(v) and v.dim() > 0]
+    return {"vocab": run.model.language_model.embed.num_embeddings,
+            "weights": sum(t.numel() * t.element_size() for t in local),
+            "grads": sum(t.numel() * t.element_size() for t in grads),
+            "optimizer": sum(t.numel() * t.element_size() for t in moments)}
+
+
+def test_fsdp_rank_holds_what_the_estimate_says():
+    """Weights, gradients and Adam moments of an FSDP module: 4 + 4 + 8 bytes per parameter
+    over dp, measured on the tensors (summed over the DP ranks: dim-0 shards may be uneven)."""
+    overrides = colocated(2) + fsdp("language")
+    held = run_ranks(2, _held_after_a_step, overrides, timeout_s=120)
+    cfg = load_config(DIGITS, BASE + overrides)
+    vocab = held[0]["vocab"]
+    est = next(e for e in estimate_memory(cfg, plan_layout(cfg), vocab, [0])[0]
+               if e.module == "language")
+    for key in ("weights", "grads", "optimizer"):
+        measured = sum(h[key] for h in held) / 2
+        assert measured == pytest.approx(getattr(est, key), rel=0.01), key
+    assert sum(h["weights"] for h in held) == 4 * est.num_params
+
+
+def test_a_rank_holds_its_share_of_an_fsdp_module():
+    overrides = colocated(2) + fsdp("language")
+    for fractions in run_ranks(2, _held_fraction, overrides, timeout_s=120):
+        top = [m for m in fractions if m.startswith("language")]
+        assert top and all(abs(fractions[m] - 0.5) < 0.01 for m in top), fractions
+        others = [m for m in fractions if m not in top]
+        assert others and all(fractions[m] == 1.0 for m in others), fractions
+
+
+@pytest.mark.parametrize(("extra", "needle"), [
+    (["modules.language.parallel.shard_optimizer=true"], "shard_optimizer=true"),
+    (["modules.language.freeze=true"], "freeze=true"),
+    (["modules.language.num_experts=4"], "num_experts=4"),
+])
+def test_fsdp_refusals_name_the_field(extra, needle):
+    cfg = load_config(DIGITS, BASE + colocated(2) + fsdp("language") + extra)
+    with pytest.raises(ValueError, match=needle):
+        plan_layout(cfg)
+
+
+def test_reference_weights_are_full_tensors():
+    # The reference never shards: guard against a DTensor leaking into it.
+    ref = reference([])
+    assert all(isinstance(v, torch.Tensor) and not isinstance(v, DTensor)
+               for v in ref.weights.values())
+
+
+# ---- resume and reshard: plain -> FSDP -> (FSDP, bitwise) -> ZeRO-1 -> FSDP -> plain
+FSDP_TP = coloc({"data": 4}, {"data": 4}, {"tensor": 2, "data": 2}) + fsdp(*ALL)
+
+
+@pytest.fixture(scope="module")
+def chain(tmp_path_factory) -> Path:
+    """Every run of the chain (12 iterations, a checkpoint every 3); returns their root."""
+    root = tmp_path_factory.mktemp("fsdp_chain")
+    _launch(root, "ref", 1, PLAIN, None, 12)
+    _launch(root, "fsdp", 4, FSDP_TP, _ckpt(root, "ref", 3), 9)
+    _launch(root, "fsdp-again", 4, FSDP_TP, _ckpt(root, "fsdp", 6), 9)
+    _launch(root, "zero-from-fsdp", 4, DP4_ZERO, _ckpt(root, "fsdp", 6), 9)
+    _launch(root, "fsdp-from-zero", 4, FSDP_TP, _ckpt(root, "zero-from-fsdp", 9), 12)
+    _launch(root, "plain-from-fsdp", 1, PLAIN, _ckpt(root, "fsdp", 9), 12)
+    return root
+
+
+@pytest.mark.parametrize("name,first,last", [
+    ("fsdp", 4, 9), ("zero-from-fsdp", 7, 9), ("fsdp-from-zero", 10, 12),
+    ("plain-from-fsdp", 10, 12)])
+def test_resharded_fsdp_runs_follow_the_plain_loop(chain, name, first, last):
+    got = _records(chain / name)
+    want = {r["iteration"]: r for r in _records(chain / "ref")}
+    assert [r["iteration"] for r in got] == list(range(first, last + 1))
+    for r in got:
+        w = want[r["iteration"]]
+        assert r["loss"] == pytest.approx(w["loss"], rel=1e-4), (name, r["iteration"])
+        assert r["grad_norm"] == pytest.approx(w["grad_norm"], rel=1e-4), (name, r["iteration"])
+
+
+def test_fsdp_resume_in_the_same_layout_is_bitwise(chain):
+    straight = {r["iteration"]: r for r in _records(chain / "fsdp")}
+    resumed = _records(chain / "fsdp-again")
+    assert [r["iteration"] for r in resumed] == [7, 8, 9]
+    for r in resumed:
+        want = straight[r["iteration"]]
+        assert (r["loss"], r["grad_norm"]) == (want["loss"], want["grad_norm"])
+    a, _ = read_full_model(_ckpt(chain, "fsdp", 9))
+    b, _ = read_full_model(_ckpt(chain, "fsdp-again", 9))
+    assert sorted(a) == sorted(b)
+    for key, value in a.items():
+        assert torch.equal(value, b[key]), key
