@@ -25,6 +25,7 @@ for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
     os.environ.setdefault(_var, "1")
 
 import argparse  # noqa: E402
+import contextlib  # noqa: E402
 import gc  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
@@ -99,11 +100,11 @@ def module_input(cfg: MimoConfig, name: str, samples: int, context: int = 1) -> 
     return torch.randn(samples, mod.num_freq_bins, mod.num_frames)
 
 
-def build(cfg: MimoConfig, name: str, mode: str, group: dist.ProcessGroup | None = None
-          ) -> torch.nn.Module:
+def build(cfg: MimoConfig, name: str, mode: str, group: dist.ProcessGroup | None = None,
+          init: bool = True) -> torch.nn.Module:
     """Module ``name`` of ``cfg`` with recompute ``mode`` (and CP over ``group``)."""
     torch.manual_seed(0)
-    module = build_module(cfg, name, 64)
+    module = build_module(cfg, name, 64, init=init)
     if group is not None:
         module.set_context_parallel(group)
     apply_recompute(module, mode)
@@ -111,7 +112,7 @@ def build(cfg: MimoConfig, name: str, mode: str, group: dist.ProcessGroup | None
 
 
 def kept_per_layer(overrides: list[str], name: str, mode: str,
-                   group: dist.ProcessGroup | None = None) -> int:
+                   group: dist.ProcessGroup | None = None, fake: bool = False) -> int:
     """What one layer of module ``name`` keeps per sample under recompute ``mode``.
 
     Args:
@@ -119,17 +120,22 @@ def kept_per_layer(overrides: list[str], name: str, mode: str,
         name: the module.
         mode: ``modules.<name>.recompute``.
         group: a context-parallel group for the language model, or ``None``.
+        fake: build and run under ``FakeTensorMode`` (nothing allocated or computed;
+            the kernels' shape logic, SDPA's choice included, is the CPU's).
     """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
     kept = {}
     context = 1 if group is None else dist.get_world_size(group)
     for layers in (1, 2):
         cfg = load_config(DIGITS, [*overrides, f"modules.{name}.num_layers={layers}"])
-        module = build(cfg, name, mode, group)
-        bf16 = cfg.train.precision == "bf16"
-        for samples in (2, 3):
-            x = module_input(cfg, name, samples, context)
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-                kept[layers, samples] = kept_bytes(partial(module, x))
+        with FakeTensorMode() if fake else contextlib.nullcontext():
+            module = build(cfg, name, mode, group, init=not fake)
+            bf16 = cfg.train.precision == "bf16"
+            for samples in (2, 3):
+                x = module_input(cfg, name, samples, context)
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                    kept[layers, samples] = kept_bytes(partial(module, x))
     return (kept[2, 3] - kept[1, 3]) - (kept[2, 2] - kept[1, 2])
 
 
@@ -158,6 +164,16 @@ def _cp_rank(rank: int, world: int, overrides: list[str], mode: str) -> int:
     return kept_per_layer(overrides, "language", mode, dist.group.WORLD)
 
 
+def _fake_kept(overrides: list[str], name: str, mode: str, context: int) -> int:
+    """:func:`kept_per_layer` on fake tensors; under CP, rank 0 of a ``fake`` group."""
+    if context == 1:
+        return kept_per_layer(overrides, name, mode, fake=True)
+    from mimotron.dryrun.saved_bytes import fake_tensor_group
+
+    with fake_tensor_group(context):
+        return kept_per_layer(overrides, name, mode, dist.group.WORLD, fake=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--hidden", type=int, default=128)
@@ -167,10 +183,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--context", type=int, nargs="*", default=[1])
     p.add_argument("--vision", action="store_true", help="also the digits vision encoder")
     p.add_argument("--time", action="store_true", help="also a fwd+bwd wall time per mode")
+    p.add_argument("--ffn", type=int, default=0, help="SwiGLU width (0: the default)")
+    p.add_argument("--fake", action="store_true",
+                   help="on fake tensors: any shape in seconds (CP over a fake group)")
     args = p.parse_args(argv)
     shape = [f"modules.language.hidden_size={args.hidden}",
              f"modules.language.num_heads={args.heads}", f"data.seq_length={args.seq}",
-             f"train.precision={args.precision}"]
+             f"modules.language.ffn_hidden_size={args.ffn}", f"train.precision={args.precision}"]
     rows = [("language", c) for c in args.context] + ([("vision", 1)] if args.vision else [])
     print(f"bytes one layer keeps per sample ({args.precision}; language h={args.hidden}, "
           f"{args.heads} heads, seq {args.seq}): measured / estimated")
@@ -178,13 +197,15 @@ def main(argv: list[str] | None = None) -> int:
         cp = [f"modules.language.parallel.context={context}"] if context > 1 else []
         line = [f"{name}{f' CP {context}' if context > 1 else ''}:"]
         for mode in MODES:
-            if context > 1:
+            if args.fake:
+                got = _fake_kept(shape + cp, name, mode, context)
+            elif context > 1:
                 got = run_ranks(context, _cp_rank, shape + cp, mode, timeout_s=600)[0]
             else:
                 got = kept_per_layer(shape, name, mode)
             want = estimated_per_layer(shape + cp, name, mode)
             line.append(f"{mode} {got:,} / {want:,}")
-            if args.time and context == 1:
+            if args.time and context == 1 and not args.fake:
                 line.append(f"({step_seconds(shape, name, mode) * 1e3:.1f} ms fwd+bwd)")
         print("  ".join(line))
     return 0
