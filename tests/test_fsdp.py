@@ -7,7 +7,7 @@ gradients) and final weights, as ``tests/test_parity.py`` does for every other l
 The cases cover what FSDP composes with: colocated (every module sharded over DP 2),
 split (the language model on its own ranks), TP x FSDP on a 2-D ``(dp, tp)`` mesh, and
 a pipeline stage (PP 2 x DP 2), with overlapped DP reduction on for the modules that
-are not sharded.
+are not sharded, and activation recompute (selective, full) on two of them.
 
 Checkpoints: a chain of runs resumes and reshards plain -> FSDP -> FSDP (same layout:
 bit for bit) -> ZeRO-1 -> FSDP -> plain, every run following the plain loop.
@@ -53,11 +53,12 @@ CASES: dict[str, tuple[list[str], list[str]]] = {
     "split-language-dp2-fsdp-overlap": (
         noncolocated({"data": 2}, {}, {"data": 2}) + fsdp("language")
         + ["train.overlap_grad_reduce=true"], []),
-    "coloc-language-tp2dp2-fsdp": (
-        coloc({"data": 4}, {"data": 4}, {"tensor": 2, "data": 2}) + fsdp("language", "vision"),
-        []),
-    "language-pp2dp2-fsdp": (noncolocated({}, {}, {"pipeline": 2, "data": 2}) + fsdp("language"),
-                             []),
+    "coloc-language-tp2dp2-fsdp-selective": (
+        coloc({"data": 4}, {"data": 4}, {"tensor": 2, "data": 2}) + fsdp("language", "vision")
+        + ["modules.language.recompute='selective'"], []),
+    "language-pp2dp2-fsdp-full-recompute": (
+        noncolocated({}, {}, {"pipeline": 2, "data": 2}) + fsdp("language")
+        + ["modules.language.recompute='full'"], []),
 }
 
 
