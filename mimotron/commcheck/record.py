@@ -42,7 +42,8 @@ _P2P = {"isend": ("send", False), "irecv": ("recv", False),
         "send": ("send", True), "recv": ("recv", True)}
 # Collectives by their torch.distributed name; the object ones are synchronous.
 _COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single",
-                "reduce_scatter", "reduce_scatter_tensor", "broadcast", "all_to_all",
+                "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single",
+                "broadcast", "all_to_all",
                 "all_to_all_single", "barrier", "gather", "scatter", "reduce",
                 "all_gather_object", "broadcast_object_list", "gather_object",
                 "scatter_object_list", "monitored_barrier")
