@@ -21,7 +21,8 @@ naming each operand's origin. Host reads are stood in and counted per step
 (:class:`StepReport`).
 
 DTensor prices redistributions by devices per host, which the ``meta`` device has no
-module for; the dry run answers 1 for it (:func:`_meta_mesh`), nothing else is patched.
+module for; the dry run answers 1 for it (:func:`_meta_mesh`). Hugging Face weights are
+not read (:func:`_without_hf_weights`); nothing else is patched.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 from unittest import mock
@@ -40,6 +41,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import DTensor
 
 from mimotron.config import MimoConfig
+from mimotron.dryrun.memory_peak import PeakObserver, torch_optimizers
 from mimotron.dryrun.tracker import DeviceTracker, Wire
 from mimotron.parallel.layout import plan_layout
 from mimotron.pipeline.plan import pipeline_positions
@@ -112,7 +114,8 @@ class DryRunReport:
 
 
 def dry_run(cfg: MimoConfig, ranks: Sequence[int] | None = None, *, steps: int = 2,
-            evaluate: bool = True, checkpoint: bool = True) -> list[DryRunReport]:
+            evaluate: bool = True, checkpoint: bool = True,
+            observers: Mapping[int, PeakObserver] | None = None) -> list[DryRunReport]:
     """Run ranks of ``cfg``'s layout on a fake accelerator, one after the other.
 
     Ranks run in pipeline order (encoders before the language model, stage by stage),
@@ -127,6 +130,8 @@ def dry_run(cfg: MimoConfig, ranks: Sequence[int] | None = None, *, steps: int =
         steps: training steps per rank (two: the second sees the optimizer state).
         evaluate: run one evaluation step after the training steps.
         checkpoint: build the checkpoint state dict at the end.
+        observers: per rank, a memory observer entered around its set-up and each
+            training step (:class:`~mimotron.dryrun.memory_peak.PeakObserver`).
 
     Returns:
         One report per rank, in the order run.
@@ -152,31 +157,34 @@ def dry_run(cfg: MimoConfig, ranks: Sequence[int] | None = None, *, steps: int =
         return (min(positions[(r.module, r.pp)].index for r in layout.roles(rank)), rank)
 
     wire = Wire()
-    return [_run_one(cfg, rank, world, wire, steps, evaluate, checkpoint)
+    observers = observers or {}
+    return [_run_one(cfg, rank, world, wire, steps, evaluate, checkpoint, observers.get(rank))
             for rank in sorted(set(chosen), key=order)]
 
 
 def _run_one(cfg: MimoConfig, rank: int, world: int, wire: Wire, steps: int,
-             evaluate: bool, checkpoint: bool) -> DryRunReport:
+             evaluate: bool, checkpoint: bool, observer: PeakObserver | None) -> DryRunReport:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group(fake_backend(), store=FakeStore(), rank=rank, world_size=world)
     try:
         return _run_rank(cfg, Runtime(rank, world, rank, fake_accelerator(), "fake"), wire,
-                         steps, evaluate, checkpoint)
+                         steps, evaluate, checkpoint, observer)
     finally:
         dist.destroy_process_group()
 
 
 def _run_rank(cfg: MimoConfig, runtime: Runtime, wire: Wire, steps: int, evaluate: bool,
-              checkpoint: bool) -> DryRunReport:
+              checkpoint: bool, observer: PeakObserver | None = None) -> DryRunReport:
     from mimotron.checkpoint.state import build_save_state
     from mimotron.training.evaluate import evaluate as run_evaluation
     from mimotron.training.loop import setup_mimo
     from mimotron.training.step import module_parts, train_step_mimo
 
-    with _meta_mesh():
-        run = setup_mimo(cfg, runtime)
+    watch = observer or _NoObserver()
+    with _meta_mesh(), _without_hf_weights():
+        with watch.setup():
+            run = setup_mimo(cfg, runtime)
         tracker = DeviceTracker(runtime.device, wire)
         _name_parameters(tracker, run.model)
         language = LanguageStep(default_forward_step)
@@ -187,7 +195,7 @@ def _run_rank(cfg: MimoConfig, runtime: Runtime, wire: Wire, steps: int, evaluat
         for _ in range(steps):
             batches = _named(tracker, next(run.train_data_iterator), "step")
             tracker.reset_counts()
-            with fake, tracker:
+            with fake, tracker, watch.step(run.model, torch_optimizers(run.optimizer)):
                 loss, *_ = train_step_mimo(
                     language, iter((batches,)), run.model, run.optimizer, run.schedulers,
                     run.global_state, run.communicator, infra=run.infra)
@@ -216,6 +224,17 @@ def _run_rank(cfg: MimoConfig, runtime: Runtime, wire: Wire, steps: int, evaluat
                         losses)
 
 
+class _NoObserver:
+    """A rank without a memory observer: both phases untouched."""
+
+    def setup(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    def step(self, model: torch.nn.Module, optimizers: Any
+             ) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+
 @contextlib.contextmanager
 def _meta_mesh() -> Iterator[None]:
     """DTensor's cost model asks ``torch.<device type>`` for devices per host; ``meta``
@@ -229,6 +248,16 @@ def _meta_mesh() -> Iterator[None]:
         return 1 if device_type == "meta" else original(device_type)
 
     with mock.patch.object(env, "num_devices_per_host", staticmethod(per_host)):
+        yield
+
+
+@contextlib.contextmanager
+def _without_hf_weights() -> Iterator[None]:
+    """A dry run reads no weights: an ``hf_path`` module keeps its fake device's empty
+    shards (shapes only), so a folder with config.json alone is enough to dry-run it."""
+    from mimotron.training import model_setup
+
+    with mock.patch.object(model_setup, "load_hf_module", lambda cfg, name, part: part):
         yield
 
 

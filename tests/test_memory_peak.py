@@ -1,0 +1,89 @@
+"""The plan's memory estimate against the peak measured in the fake-device dry run.
+
+The models are LLaVA-1.5-7B's (CLIP ViT-L/14-336 + Llama-2-7B) at their real widths,
+heads, vocabulary, image size and 2048-token samples, from config.json-only folders
+(``tests/data/hf_configs``); only the layer counts are cut (2 language layers, 2 used
+vision layers) so a dry-run step takes seconds. Every full-size layout is in
+``benchmarks/plan_vs_measured.py`` (docs/performance.md). Also: ``mimotron plan
+--device-memory 80GB`` on Llama-2-70B + CLIP ViT-L over 64 GPUs.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from mimotron.config import load_config
+from mimotron.dryrun.memory_peak import measure_peak
+from mimotron.parallel.layout import plan_layout
+from mimotron.parallel.memory import estimate_memory
+
+ROOT = Path(__file__).resolve().parents[1]
+HF = ROOT / "tests" / "data" / "hf_configs"
+BAND = (0.85, 1.15)
+
+
+def _shallow(src: Path, dst: Path, layers: dict[str, int]) -> str:
+    """A copy of a config-only folder with fewer layers (keys of ``layers``, nested in
+    ``vision_config`` for CLIP)."""
+    dst.mkdir()
+    for file in src.iterdir():
+        config = json.loads(file.read_text())
+        if file.name == "config.json":
+            (config.get("vision_config") or config).update(layers)
+        (dst / file.name).write_text(json.dumps(config))
+    return str(dst)
+
+
+@pytest.fixture(scope="module")
+def llava_small(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    """Overrides pointing configs/llava15_7b_8gpu.toml at shallow copies of its models."""
+    root = tmp_path_factory.mktemp("hf")
+    vision = _shallow(HF / "clip_vit_l14_336", root / "clip", {"num_hidden_layers": 3})
+    language = _shallow(HF / "llama2_7b", root / "llama", {"num_hidden_layers": 2})
+    return [f"modules.vision.hf_path={vision}", f"modules.language.hf_path={language}",
+            f"log.dir={root / 'runs'}"]
+
+
+def _check(overrides: list[str], measured: list[int], run_first: list[int]) -> None:
+    from mimotron.data.llava_setup import build_tokenizer
+    from mimotron.training.model_setup import padded_vocab_size
+
+    cfg = load_config(str(ROOT / "configs" / "llava15_7b_8gpu.toml"), overrides)
+    vocab = padded_vocab_size(build_tokenizer(cfg).vocab_size)
+    estimate = estimate_memory(cfg, plan_layout(cfg), vocab, measured)
+    peaks = measure_peak(cfg, measured, run_first=run_first)
+    for rank in measured:
+        total = sum(e.total for e in estimate[rank])
+        peak = peaks[rank]
+        # The optimizer state the first step made is live in the second.
+        assert peak.breakdown["Optstate"] > 0, peak.format()
+        assert BAND[0] <= total / peak.peak <= BAND[1], (
+            f"estimate {total / 2**20:.0f} MiB vs {peak.format()}")
+
+
+def test_colocated_zero_recompute_within_band(llava_small: list[str]) -> None:
+    """Both modules on two ranks, DP 2 each: vision ZeRO-1, language full recompute;
+    rank 0 holds both."""
+    _check(llava_small + [
+        "modules.vision.parallel.data=2", "modules.vision.parallel.shard_optimizer=true",
+        "modules.language.parallel.tensor=1", "modules.language.parallel.data=2",
+        "modules.language.parallel.pipeline=1", "modules.language.parallel.layers_per_stage=[]",
+        "modules.language.parallel.rank_offset=0", "modules.language.recompute=full",
+        "train.global_batch_size=4",
+    ], [0], [])
+
+
+@pytest.mark.parametrize("overrides, verdict", [
+    ([], "fit: all 64 ranks fit"),  # vision TP 8 | language TP 8 SP x PP 7
+])
+def test_plan_device_memory_70b(overrides: list[str], verdict: str, tmp_path: Path,
+                                capsys: pytest.CaptureFixture[str]) -> None:
+    from mimotron.cli.plan import run_plan
+
+    code = run_plan(str(ROOT / "configs" / "llama2_70b_vit_64gpu.toml"),
+                    [*overrides, f"log.dir={tmp_path / 'runs'}"], device_memory="80GB")
+    assert code == 0
+    assert verdict in capsys.readouterr().out
