@@ -48,6 +48,8 @@ CASES: dict[str, tuple[list[str], list[int] | None]] = {
                          + ["train.encoder_batching=true"], [0]),
     "bf16-noncolocated": (noncolocated({}, {}, {"data": 2}) + ["train.precision=bf16"],
                           [0, 1, 2]),
+    # bf16 language stage links (their dtype follows the residual stream's on the device).
+    "bf16-pp2": (noncolocated({}, {}, {"pipeline": 2}) + ["train.precision=bf16"], None),
 }
 # Two steps where the second differs (optimizer state, the overlapped param gather).
 TWO_STEPS = ("noncolocated", "zero1-overlap")

@@ -90,16 +90,19 @@ def stage_link_shape(layout: Layout, micro_batch_size: int, seq_length: int | No
     return LinkShape(shape, dtype, origin, need)
 
 
-def residual_dtype(cfg: MimoConfig) -> torch.dtype:
+def residual_dtype(cfg: MimoConfig, device: torch.device | None = None) -> torch.dtype:
     """The dtype of the residual stream, hence of the language model's stage links.
 
-    The compute dtype under bf16/fp16 (the stack casts its input to it,
+    The compute dtype under bf16/fp16 (the stack casts its input to autocast's dtype,
     :func:`~mimotron.models.blocks.to_residual_dtype`), fp32 under fp32 or with
-    ``train.fp32_residual_connection``.
+    ``train.fp32_residual_connection``, and fp32 on a device without autocast (the
+    dry run's ``meta`` stand-in computes in fp32, so its stream stays fp32).
     """
     from mimotron.runtime import compute_dtype
 
     if cfg.train.fp32_residual_connection:
+        return torch.float32
+    if device is not None and not torch.amp.is_autocast_available(device.type):
         return torch.float32
     return compute_dtype(cfg.train.precision)
 

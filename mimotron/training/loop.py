@@ -108,7 +108,7 @@ def setup_mimo(cfg: MimoConfig, runtime: Runtime) -> MimoRun:
         cfg.data.seq_length, getattr(model.language_model, "hidden_size", None),
         bridge_row_shapes(cfg, infra.layout),
         link_timeout=timedelta(seconds=cfg.train.pg_timeout_s),
-        stage_dtype=residual_dtype(cfg))
+        stage_dtype=residual_dtype(cfg, runtime.device))
     state = GlobalState(cfg, runtime)
     state.skipped_samples = getattr(train_task, "num_skipped", None)
     state.vocab_size_unpadded = unpadded_vocab_size(cfg, tokenizer.vocab_size)
