@@ -176,3 +176,37 @@ def test_grouped_query_attention_matches_expanded_keys_and_keeps_them_grouped():
         attn(x)
     assert (2, 2, 16, 8) in shapes and (2, 8, 16, 8) in shapes
     assert shapes.count((2, 8, 16, 8)) <= 2  # queries and the output, never expanded K/V
+
+
+def _vocab_parallel_loss_saved(rank: int, world: int) -> tuple[int, int, float]:
+    import torch.distributed as dist
+
+    from mimotron.parallel.tensor_parallel import vocab_parallel_loss
+
+    torch.manual_seed(0)
+    logits = torch.randn(2, 16, 96, requires_grad=True)
+    labels = torch.randint(0, 96 * world, (2, 16))
+    mask = torch.ones(2, 16)
+    group = dist.new_group(list(range(world)))
+    kept = saved_bytes(lambda: vocab_parallel_loss(logits, labels, mask, group)[0])
+    loss = vocab_parallel_loss(logits, labels, mask, group)[0]
+    (grad,) = torch.autograd.grad(loss, logits)
+    # The plain cross entropy's gradient, on this rank's shard of the vocabulary.
+    full = [torch.empty_like(logits) for _ in range(world)]
+    dist.all_gather(full, logits.detach())
+    ref_logits = torch.cat(full, dim=-1).requires_grad_(True)
+    ref = torch.nn.functional.cross_entropy(ref_logits.flatten(0, 1), labels.flatten(),
+                                            reduction="sum")
+    (ref_grad,) = torch.autograd.grad(ref, ref_logits)
+    mine = ref_grad[..., rank * 96:(rank + 1) * 96]
+    return kept, logits.numel(), float((grad - mine).abs().max())
+
+
+def test_vocab_parallel_loss_keeps_one_fp32_copy_of_the_logits():
+    """The loss keeps its exp (4 bytes per logit) and the label indices, not the shifted
+    logits ``gather`` would keep; the gradient is the plain cross entropy's."""
+    from mimotron.testing import run_ranks
+
+    for kept, numel, err in run_ranks(2, _vocab_parallel_loss_saved, timeout_s=60):
+        assert 4 * numel <= kept <= 4 * numel + 4096, kept
+        assert err < 1e-5

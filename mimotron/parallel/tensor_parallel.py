@@ -166,6 +166,26 @@ class _ReplicatedSum(torch.autograd.Function):
         return grad, None
 
 
+class _PickLogit(torch.autograd.Function):
+    """``x.gather(-1, index[..., None])[..., 0]`` keeping only the index for backward.
+
+    ``gather`` would save its whole input (the shifted fp32 logits, 4 bytes per logit);
+    its gradient needs only the input's shape.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+        ctx.save_for_backward(index)
+        ctx.shape, ctx.dtype = x.shape, x.dtype
+        return x.gather(-1, index.unsqueeze(-1)).squeeze(-1)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
+        (index,) = ctx.saved_tensors
+        out = torch.zeros(ctx.shape, dtype=ctx.dtype, device=grad.device)
+        return out.scatter_(-1, index.unsqueeze(-1), grad.unsqueeze(-1).to(ctx.dtype)), None
+
+
 def vocab_parallel_loss(logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor,
                         group: dist.ProcessGroup) -> tuple[torch.Tensor, torch.Tensor,
                                                            torch.Tensor]:
@@ -193,7 +213,7 @@ def vocab_parallel_loss(logits: torch.Tensor, labels: torch.Tensor, loss_mask: t
     sum_exp = _ReplicatedSum.apply(shifted.exp().sum(dim=-1), group)
     local_ids = labels - start
     in_range = (local_ids >= 0) & (local_ids < shard)
-    picked = shifted.gather(-1, local_ids.clamp(0, shard - 1).unsqueeze(-1)).squeeze(-1)
+    picked = _PickLogit.apply(shifted, local_ids.clamp(0, shard - 1))
     target = _ReplicatedSum.apply(torch.where(in_range, picked, torch.zeros_like(picked)),
                                   group)
     token_loss = torch.log(sum_exp) - target
