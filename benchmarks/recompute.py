@@ -38,7 +38,10 @@ from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+from torch.utils._python_dispatch import (  # noqa: E402
+    TorchDispatchMode,
+    is_traceable_wrapper_subclass,
+)
 from torch.utils._pytree import tree_leaves  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -63,9 +66,19 @@ class _Created(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
                            kwargs: dict | None = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        self.refs += [weakref.ref(t.untyped_storage()) for t in tree_leaves(out)
-                      if isinstance(t, torch.Tensor)]
+        self.refs += [weakref.ref(d.untyped_storage()) for t in tree_leaves(out)
+                      if isinstance(t, torch.Tensor) for d in _data_tensors(t)]
         return out
+
+
+def _data_tensors(t: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors holding ``t``'s data: a wrapper subclass's (a DTensor's local tensor,
+    an ``AsyncCollectiveTensor``'s result) instead of its own storage, which holds none."""
+    if not is_traceable_wrapper_subclass(t):
+        return [t]
+    names, _ = t.__tensor_flatten__()
+    inner = [getattr(t, name) for name in names]
+    return [d for i in inner if isinstance(i, torch.Tensor) for d in _data_tensors(i)]
 
 
 def kept_bytes(run: Callable[[], Any]) -> int:

@@ -8,34 +8,35 @@ part of the forward again during the backward.
   ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``. It keeps only its input
   (the residual stream) between its forward and its backward, and its backward first
   runs its whole forward again.
-* ``selective``: only the attention core of every chosen layer is checkpointed: the
-  parameter-free part between the q/k/v projections and ``wo`` (RoPE, the
-  context-parallel key/value all-gather, SDPA; ``Attention.core``). Its saved tensors
-  (the rotated queries and keys, the gathered keys and values, SDPA's log-sum-exp) are
-  dropped and its unrotated inputs kept instead; the projections and the MLP keep theirs.
-  Why a checkpointed function and not a selective-checkpoint policy
-  (``create_selective_checkpoint_contexts``): a policy decides per operator, and the
-  core's operators (``mul``, ``cat``, copies) are also the norms' and the MLP's, so a
-  policy could not name RoPE's ``mul`` without marking the region first, and a marked
-  region is what a function is. It also keeps the core's collectives (the CP gather)
-  out of a policy's cache.
+* ``selective``: every chosen layer runs under the same checkpoint with a
+  selective-checkpoint policy (:class:`~mimotron.models.save_policy.SavePolicy`,
+  ``create_selective_checkpoint_contexts``): its forward keeps the outputs of the
+  matmuls, of SDPA and of the functional collectives, and the recomputation makes
+  everything else again from them (norms, RoPE, SiLU and the gate product, residual
+  adds, casts), as torchtitan's selective ``op`` mode and Megatron-Core's
+  ``recompute_modules``. It keeps the layer's input, q, k, v, SDPA's output and
+  log-sum-exp, ``wo``'s and ``w2``'s outputs and the gate and up projections: about a
+  third less than without recompute at Llama-2-7B's shape. What it does not keep
+  (c10d's in-place collectives: the CP key/value gather, the MoE all-to-alls; the
+  sequence-parallel input gathers) is issued again in the recomputation.
 * ``recompute_num_layers = n > 0``: only the first ``n`` layers of each model chunk the
   rank holds (its whole stage without interleaving) are recomputed, Megatron's
   ``block`` method; ``0`` = every layer.
 
 Applied after the module is built and sharded (:func:`apply_recompute`, from
-``training/model_setup.py``), like the TP plans: the layer's ``forward`` (``full``) or its
-attention's ``core`` (``selective``) is replaced on the instance by a checkpointing
-wrapper of the original. No wrapper module is inserted, so parameter names,
-initialisation, checkpoints, TP/EP plans and Hugging Face weight maps are unchanged,
-and forward hooks on the layer's submodules (ZeRO-1's gather pre-hooks, DTensor's
-input/output redistributions) run again in the recomputation like any other forward.
+``training/model_setup.py``), like the TP plans: the layer's ``forward`` is replaced on
+the instance by a checkpointing wrapper of the original. No wrapper module is inserted,
+so parameter names, initialisation, checkpoints, TP/EP plans and Hugging Face weight
+maps are unchanged, and forward hooks on the layer's submodules (ZeRO-1's gather
+pre-hooks, DTensor's input/output redistributions) run again in the recomputation
+like any other forward.
 
 How each part of the engine lives with it:
 
 * **Collectives inside a layer** (TP all-reduces, the sequence-parallel all-gathers, the
-  CP key/value all-gather, the EP all-to-alls) are issued again during the backward, as
-  Megatron does. ``early_stop=False``: torch would otherwise end a recomputation as
+  CP key/value all-gather, the EP all-to-alls) are issued again during the backward
+  under ``full``, as Megatron does; under ``selective`` only those the policy does not
+  keep are. ``early_stop=False``: torch would otherwise end a recomputation as
   soon as the last saved tensor is refilled, a point that depends on which tensors the
   layer saved; running the whole function again, as Megatron's ``CheckpointFunction``
   does, makes every rank of a group re-issue exactly its forward's collectives, in the
@@ -62,10 +63,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 from mimotron.config_schema import RECOMPUTE_MODES
 from mimotron.models.moe import MoEFeedForward, MoEStats, moe_layers
+from mimotron.models.save_policy import SavePolicy
 from mimotron.parallel.virtual_pipeline import chunk_holder
 
 MODE_ATTR = "_mimotron_recompute"
@@ -106,8 +108,7 @@ def apply_recompute(part: nn.Module, mode: str, num_layers: int = 0) -> list[int
         The global ids of the recomputed layers.
 
     Raises:
-        ValueError: an unknown mode or a negative ``num_layers``, or ``selective`` on a
-            layer whose attention has no ``core``.
+        ValueError: an unknown mode or a negative ``num_layers``.
     """
     if mode not in RECOMPUTE_MODES:
         raise ValueError(f"recompute={mode!r} is invalid: expected one of {RECOMPUTE_MODES}")
@@ -118,46 +119,45 @@ def apply_recompute(part: nn.Module, mode: str, num_layers: int = 0) -> list[int
     holder = chunk_holder(part)
     chunks = holder.layer_chunks or [sorted(int(i) for i in holder.layers)]
     chosen = recomputed_layer_ids(chunks, num_layers)
+    sequence_parallel = _is_sequence_parallel(holder)
     for i in chosen:
         layer = holder.layers[str(i)]
         assert recompute_mode(layer) == "none", f"recompute applied twice to layer {i}"
-        if mode == "full":
-            _checkpoint_layer(layer)
-        else:
-            _checkpoint_attention_core(layer)
+        _checkpoint_layer(layer, mode == "selective", sequence_parallel)
         layer.__dict__[MODE_ATTR] = mode
     return chosen
 
 
-def _checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """``function(*args, **kwargs)`` under non-reentrant checkpoint, recomputed in full."""
+def _is_sequence_parallel(holder: nn.Module) -> bool:
+    """Whether the layers' linear inputs are gathered over TP (sequence parallelism)."""
+    return getattr(holder, "sequence_parallel_group", None) is not None
+
+
+def _checkpoint(function: Callable[..., Any], *args: Any,
+                policy: Callable[[], SavePolicy] | None = None, **kwargs: Any) -> Any:
+    """``function(*args, **kwargs)`` under non-reentrant checkpoint, recomputed in full.
+
+    ``policy``: makes the selective-checkpoint policy of this call (``None``: keep
+    nothing but the inputs).
+    """
+    extra = {}
+    if policy is not None:
+        extra["context_fn"] = lambda: create_selective_checkpoint_contexts(policy())
     return checkpoint(function, *args, use_reentrant=False, preserve_rng_state=True,
-                      early_stop=False, **kwargs)
+                      early_stop=False, **extra, **kwargs)
 
 
-def _checkpoint_layer(layer: nn.Module) -> None:
-    """``full``: the layer's forward, on the instance, becomes a checkpointed call of itself."""
+def _checkpoint_layer(layer: nn.Module, selective: bool, sequence_parallel: bool) -> None:
+    """The layer's forward, on the instance, becomes a checkpointed call of itself
+    (with :class:`SavePolicy` when ``selective``)."""
     forward = layer.forward
     moe = list(moe_layers(layer).values())
+    policy = (lambda: SavePolicy(keep_gathers=not sequence_parallel)) if selective else None
 
     def recomputed_forward(*args: Any, **kwargs: Any) -> Any:
-        return _checkpoint(_Replayed(forward, moe), *args, **kwargs)
+        return _checkpoint(_Replayed(forward, moe), *args, policy=policy, **kwargs)
 
     layer.forward = recomputed_forward
-
-
-def _checkpoint_attention_core(layer: nn.Module) -> None:
-    """``selective``: the layer's ``attn.core``, on the instance, becomes a checkpointed call."""
-    attn = getattr(layer, "attn", None)
-    core = getattr(attn, "core", None)
-    if core is None:
-        raise ValueError(f"recompute='selective' needs a layer whose attention has a core "
-                         f"method; {type(layer).__name__}.attn has none (use 'full')")
-
-    def recomputed_core(*args: Any, **kwargs: Any) -> Any:
-        return _checkpoint(core, *args, **kwargs)
-
-    attn.core = recomputed_core
 
 
 class _Replayed:

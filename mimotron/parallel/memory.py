@@ -370,16 +370,18 @@ def recompute_dropped_bytes(cfg: MimoConfig, name: str) -> int:
 
     * ``full``: everything but the layer's input, the residual stream (``residual`` bytes
       per value, fp32 today, and ``seq / tensor`` positions under sequence parallelism).
-    * ``selective``: the attention core's own saved tensors. With a fused SDPA kernel the
-      core's inputs (unrotated q and k, v) replace its rotated q and k one for one and
-      its output stays (``wo`` keeps a view of it), so what goes is the keys and values
-      gathered from the other CP ranks (:func:`context_kv_bytes_per_sample`; 0 without
-      CP) and SDPA's log-sum-exp (4 bytes per head and token, not counted, as without
-      recompute).
+    * ``selective``: everything but what the layer's selective-checkpoint policy keeps
+      (:mod:`mimotron.models.save_policy`): the input (as ``full``), q, k, v and SDPA's
+      output (``c`` x the query width and twice the key/value width, divided by TP),
+      ``wo``'s and ``w2``'s reduced outputs (``2 x c h``, whole under TP without
+      sequence parallelism) and the SwiGLU gate and up projections (``2 x c f`` over
+      TP); under sequence parallelism every term is divided by TP. Under context
+      parallelism the gathered keys and values go too (the gather runs again). SDPA's
+      log-sum-exp stays and is not counted, as without recompute.
     """
     mod = cfg.modules[name]
     if mod.recompute == "selective":
-        return context_kv_bytes_per_sample(cfg, name)
+        return layer_bytes_per_sample(cfg, name) - _selective_kept_bytes(cfg, name)
     if mod.recompute != "full":
         return 0
     par = mod.parallel
@@ -388,6 +390,23 @@ def recompute_dropped_bytes(cfg: MimoConfig, name: str) -> int:
     kept = (tokens * residual_bytes(cfg) * mod.hidden_size
             // (par.tensor if par.sequence_parallel else 1))
     return layer_bytes_per_sample(cfg, name) - kept
+
+
+def _selective_kept_bytes(cfg: MimoConfig, name: str) -> int:
+    """Bytes per sample a layer keeps under ``recompute = "selective"``
+    (:func:`recompute_dropped_bytes`)."""
+    mod = cfg.modules[name]
+    par = mod.parallel
+    h, c = mod.hidden_size, BYTES[cfg.train.precision]
+    f = mod.ffn_hidden_size or default_ffn_hidden_size(h)
+    q_width, kv_width = attention_widths(cfg, name)
+    tokens = (cfg.data.seq_length // par.context if mod.kind == "language"
+              else mod.num_output_tokens)
+    whole = residual_bytes(cfg) * h + 2 * c * h
+    split = c * (2 * q_width + 2 * kv_width) + 2 * c * f
+    if par.sequence_parallel:
+        whole, split = 0, whole + split
+    return tokens * (whole + split // par.tensor)
 
 
 def recompute_workspace_bytes(cfg: MimoConfig, name: str) -> int:
@@ -418,7 +437,8 @@ def frozen_encoder_output_bytes(cfg: MimoConfig, name: str, stage: int) -> int:
     return mod.num_output_tokens * cfg.modules[LANGUAGE].hidden_size * BYTES[cfg.train.precision]
 
 
-def backward_workspace_bytes(cfg: MimoConfig, name: str) -> int:
+def backward_workspace_bytes(cfg: MimoConfig, name: str, vocab_size: int = 0,
+                             last_stage: bool = False) -> int:
     """The largest temporary of a backward on top of the saved activations.
 
     The larger of two, measured on the digits language model (``benchmarks/memory.py``,
@@ -430,7 +450,12 @@ def backward_workspace_bytes(cfg: MimoConfig, name: str) -> int:
     * an RMSNorm's backward: its input gradient (``c h`` per token) and three fp32
       temporaries of one chunk of rows (at most ``_NORM_CHUNK_ELEMENTS`` values each,
       :class:`~mimotron.models.blocks.RMSNorm`). Larger only for narrow FFNs or short
-      sequences.
+      sequences;
+    * on the language model's last stage (``last_stage``, ``vocab_size`` given), the
+      loss's backward: 8 bytes per logit of the rank's vocabulary shard above what the
+      loss keeps (the fp32 gradient of the log-softmax and the logits' gradient,
+      measured with ``language_loss`` and ``vocab_parallel_loss`` alike). With a real
+      vocabulary this is the largest: 32,000 logits against an 11,008-wide SwiGLU.
     """
     from mimotron.models.blocks import _NORM_CHUNK_ELEMENTS
 
@@ -443,13 +468,24 @@ def backward_workspace_bytes(cfg: MimoConfig, name: str) -> int:
     f = mod.ffn_hidden_size or default_ffn_hidden_size(h)
     values = samples * tokens * h // (par.tensor if par.sequence_parallel else 1)
     norm = c * values + 3 * FP32 * min(values, _NORM_CHUNK_ELEMENTS)
-    return max(samples * tokens * c * f // par.tensor, norm)
+    loss = 0
+    if last_stage and mod.kind == "language":
+        loss = 2 * FP32 * samples * tokens * vocab_size // par.tensor
+    return max(samples * tokens * c * f // par.tensor, norm, loss)
 
 
 def estimate_memory(
     cfg: MimoConfig, layout: Layout, vocab_size: int, ranks: list[int] | None = None
 ) -> dict[int, list[MemoryEstimate]]:
-    """Per-rank estimates, one entry per module the rank holds (of ``ranks``; None: all)."""
+    """Per-rank estimates, one entry per module the rank holds (of ``ranks``; None: all).
+
+    ``vocab_size`` is the tokenizer's; the logits count the language model's own
+    vocabulary (a checkpoint's ``config.json`` one where larger, padded:
+    :func:`~mimotron.models.build.model_vocab_size`).
+    """
+    from mimotron.models.build import model_vocab_size
+
+    vocab_size = model_vocab_size(cfg, vocab_size)
     counts = {n: stage_parameter_counts(cfg, n, vocab_size) for n in cfg.modules}
     experts = {n: stage_expert_counts(cfg, n, vocab_size) for n in cfg.modules}
     master = 4
@@ -480,7 +516,8 @@ def estimate_memory(
                         optimizer_state_bytes(cfg, role.module, n, split)
                         + master_weight_bytes(cfg, role.module, n, split)),
                     activations=activations[(role.module, role.pp)],
-                    workspace=0 if frozen else (backward_workspace_bytes(cfg, role.module)
+                    workspace=0 if frozen else (backward_workspace_bytes(
+                        cfg, role.module, vocab_size, role.pp == mod.parallel.pipeline - 1)
                                                 + recompute_workspace_bytes(cfg, role.module)),
                     reduce_bucket=reduce_bucket_bytes(cfg, role.module, n),
                     param_gather=param_gather_bytes(cfg, role.module, n),

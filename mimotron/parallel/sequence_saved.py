@@ -59,13 +59,19 @@ class _Packed:
     offset: int
     spec: Any = None  # the DTensor spec when the saved tensor was a DTensor
     shard: Any = None  # what the enclosing pack hook made of the shard, if there is one
+    outer_unpack: Any = None  # the unpack hook paired with that pack hook
 
 
 @dataclass
 class _Outer:
-    """A saved tensor handed to the enclosing pack hook (checkpoint, a measurement)."""
+    """A saved tensor handed to the enclosing pack hook (checkpoint, a measurement).
+
+    The unpack hook is the one paired with that pack hook at packing time: by the time of
+    the backward the keeper's ``outer`` may be another pair (a recomputation's).
+    """
 
     packed: Any
+    unpack: Any
 
 
 @dataclass
@@ -95,26 +101,30 @@ class _ShardKeeper:
     def after_forward(self, module: nn.Module, args: tuple, output: Any) -> None:
         if self.contexts:
             self.contexts.pop().__exit__(None, None, None)
+        if self.current is not None and self.outer is not None:
+            # Every pack handed the shard to the enclosing hook, and unpack takes it from
+            # there: holding it here too would keep what checkpointing drops.
+            self.current.shard = None
         self.current = None
 
     def pack(self, t: torch.Tensor) -> Any:
         local = _local(t)
         if self.current is None or _storage(local) != self.current.storage:
-            return t if self.outer is None else _Outer(self.outer[0](t))
+            return t if self.outer is None else _Outer(self.outer[0](t), self.outer[1])
         source = self.current
         kept = None if self.outer is None else self.outer[0](source.shard)
         return _Packed(source, tuple(local.shape), tuple(local.stride()),
-                       local.storage_offset(), getattr(t, "_spec", None), kept)
+                       local.storage_offset(), getattr(t, "_spec", None), kept,
+                       None if self.outer is None else self.outer[1])
 
     def unpack(self, packed: Any) -> torch.Tensor:
         if isinstance(packed, _Outer):
-            assert self.outer is not None, "packed for an enclosing hook that is gone"
-            return self.outer[1](packed.packed)
+            return packed.unpack(packed.packed)
         if not isinstance(packed, _Packed):
             return packed
-        if packed.shard is not None and self.outer is not None:
+        if packed.shard is not None:
             # The enclosing hook's own copy of the shard (recomputed under checkpoint).
-            packed.source.shard = self.outer[1](packed.shard)
+            packed.source.shard = packed.outer_unpack(packed.shard)
             packed.shard = None
         full = packed.source.regather()
         local = full.as_strided(packed.size, packed.stride, packed.offset)
