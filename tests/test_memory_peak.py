@@ -76,9 +76,24 @@ def test_colocated_zero_recompute_within_band(llava_small: list[str]) -> None:
     ], [0], [])
 
 
+# Every module on all 64 ranks: vision DP 8 x TP 8, language TP 8 x DP 8 with FSDP2 over
+# DP (a colocated language model cannot pipeline; TP stops at the 8 key/value heads, so
+# only sharding over DP brings its 70B parameters under 80 GB) and full recompute.
+COLOCATED_70B = [
+    "modules.vision.parallel.data=8", "modules.language.parallel.data=8",
+    "modules.language.parallel.pipeline=1", "modules.language.parallel.layers_per_stage=[]",
+    "modules.language.parallel.rank_offset=0", "modules.language.parallel.fsdp=true",
+    "modules.language.parallel.sequence_parallel=false", "modules.language.recompute=full",
+    "train.global_batch_size=64", "train.micro_batch_size=8",
+]
+
+
 @pytest.mark.parametrize("overrides, verdict", [
     ([], "fit: all 64 ranks fit"),  # vision TP 8 | language TP 8 SP x PP 7
-])
+    (COLOCATED_70B, "fit: all 64 ranks fit"),
+    # The same without FSDP: 8.6e9 parameters per rank do not fit.
+    ([*COLOCATED_70B, "modules.language.parallel.fsdp=false"], "do not fit"),
+], ids=["split", "colocated-fsdp", "colocated-without-fsdp"])
 def test_plan_device_memory_70b(overrides: list[str], verdict: str, tmp_path: Path,
                                 capsys: pytest.CaptureFixture[str]) -> None:
     from mimotron.cli.plan import run_plan
