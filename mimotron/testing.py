@@ -17,6 +17,7 @@ own tests can use it too.
 from __future__ import annotations
 
 import contextlib
+import gc
 import multiprocessing as mp
 import os
 import pickle
@@ -152,6 +153,21 @@ def run_ranks(
                       pg_timeout_s=pg_timeout_s)[0]
 
 
+def _start_frozen(process: mp.process.BaseProcess) -> None:
+    """Fork ``process`` with this process's objects frozen out of its garbage collector.
+
+    What the parent holds may include cyclic garbage from a process group it already
+    destroyed (a fake-backend dry run, an in-process measurement); collected in a forked
+    child, whose copy lacks the parent's threads, its destructors can crash the rank (a
+    segfault while garbage-collecting). Frozen objects are never collected in the child.
+    """
+    gc.freeze()
+    try:
+        process.start()
+    finally:
+        gc.unfreeze()
+
+
 def run_groups(
     groups: list[tuple[int, Callable[..., Any], tuple, dict]],
     timeout_s: float = 120.0,
@@ -192,7 +208,7 @@ def run_groups(
                         args=(fn, rank, world_size, tmp, child, pg_timeout_s, args, kwargs),
                         daemon=True,
                     )
-                    p.start()
+                    _start_frozen(p)
                     child.close()
                     procs.append(p)
                     conns.append(parent)

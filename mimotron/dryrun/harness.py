@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 import itertools
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -171,6 +172,7 @@ def _run_one(cfg: MimoConfig, rank: int, world: int, wire: Wire, steps: int,
         return _run_rank(cfg, Runtime(rank, world, rank, fake_accelerator(), "fake"), wire,
                          steps, evaluate, checkpoint, observer)
     finally:
+        gc.collect()  # the rank's model and meshes (reference cycles) go before its group
         dist.destroy_process_group()
 
 
