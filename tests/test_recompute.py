@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import copy
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import mimotron.models.recompute as recompute_module
 import tests.test_hf_training as hf_training
@@ -195,12 +197,13 @@ def test_full_keeps_the_layer_input_and_selective_less_than_none(name: str, prec
     # estimate keeps exactly that per layer.
     assert kept["full"] == layer_bytes_per_sample(cfg["full"], name) - recompute_dropped_bytes(
         cfg["full"], name), kept
-    # selective, without CP: SDPA's log-sum-exp only (4 bytes per head and token), which
-    # the estimate leaves out as it does without recompute.
+    # selective: the input, the matmuls' and SDPA's outputs; the estimate counts all
+    # but SDPA's log-sum-exp (4 bytes per head and token), as it does without recompute.
     mod = cfg["none"].modules[name]
     tokens = cfg["none"].data.seq_length if name == "language" else mod.num_output_tokens
-    assert kept["none"] - kept["selective"] == 4 * mod.num_heads * tokens
-    assert recompute_dropped_bytes(cfg["selective"], name) == 0
+    assert kept["selective"] == layer_bytes_per_sample(cfg["selective"], name) \
+        - recompute_dropped_bytes(cfg["selective"], name) + 4 * mod.num_heads * tokens
+    assert kept["selective"] < 0.7 * kept["none"], kept
 
 
 def _cp_kept(rank: int, world: int, mode: str) -> int:
@@ -212,12 +215,95 @@ def test_selective_drops_the_gathered_keys_and_values_under_context_parallelism(
     cp = ["modules.language.parallel.context=2"]
     cfg = load_config(DIGITS, cp)
     heads, local = cfg.modules["language"].num_heads, cfg.data.seq_length // 2
-    for rank in range(2):
-        dropped = none[rank] - selective[rank]
-        # The other rank's keys and values, plus the log-sum-exp of the local queries.
-        assert dropped == context_kv_bytes_per_sample(cfg, "language") + 4 * heads * local
     sel = load_config(DIGITS, cp + recompute(language="selective"))
-    assert recompute_dropped_bytes(sel, "language") == context_kv_bytes_per_sample(cfg, "language")
+    kept = layer_bytes_per_sample(sel, "language") - recompute_dropped_bytes(sel, "language")
+    for rank in range(2):
+        # The gathered keys and values are not kept (the gather runs again), SDPA's
+        # log-sum-exp is (4 bytes per head and local query, not in the estimate).
+        assert selective[rank] == kept + 4 * heads * local
+        assert none[rank] - selective[rank] > context_kv_bytes_per_sample(cfg, "language")
+
+
+class _Collectives(TorchDispatchMode):
+    """Counts the collectives (functional and c10d) dispatched while on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
+                           kwargs: dict | None = None) -> Any:
+        if func.namespace in ("_c10d_functional", "c10d"):
+            self.calls[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _tp_selective(rank: int, world: int, sequence_parallel: bool) -> dict[str, Any]:
+    """One TP 2 language layer (bf16) per mode: the collectives of its backward, its
+    gradients, and what it keeps per sample (two layers minus one, 3 samples minus 2)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from benchmarks.recompute import kept_bytes
+    from mimotron.parallel.tensor_parallel import apply_tensor_parallel
+
+    mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
+
+    def built(mode: str, layers: int) -> nn.Module:
+        cfg = load_config(DIGITS, ["train.precision=bf16", f"modules.language.num_layers={layers}"])
+        torch.manual_seed(0)
+        module = apply_tensor_parallel(build_module(cfg, "language", 64), mesh, True,
+                                       sequence_parallel)
+        apply_recompute(module, mode)
+        return module
+
+    out: dict[str, Any] = {}
+    for mode in ("none", "selective"):
+        kept = {}
+        for layers, samples in ((1, 2), (1, 3), (2, 2), (2, 3)):
+            module = built(mode, layers)
+            x = torch.randn(samples, 64, 128, requires_grad=True)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                kept[layers, samples] = kept_bytes(lambda m=module, x=x: m(x))
+            module = built(mode, layers)  # autocast's weight casts are cached per module
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                y = module(x)
+            comm = _Collectives()
+            with comm:
+                _full(y).float().square().mean().backward()
+        grads = {n: _full(p.grad) for n, p in module.named_parameters() if p.grad is not None}
+        out[mode] = (dict(comm.calls), None, grads,
+                     (kept[2, 3] - kept[1, 3]) - (kept[2, 2] - kept[1, 2]))
+    return out
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_selective_under_tensor_parallelism_keeps_collectives(sequence_parallel: bool) -> None:
+    """TP 2 (and + SP): selective keeps the reductions' outputs, so its backward issues
+    no collective that the backward without recompute does not, but the sequence-parallel
+    input gathers (two per layer: their outputs are the gathered input SP does not keep);
+    gradients are bitwise those without recompute; the layer keeps what the estimate
+    says (plus SDPA's log-sum-exp) and, under SP, less than SP alone."""
+    results = run_ranks(2, _tp_selective, sequence_parallel, timeout_s=180)
+    sp = "true" if sequence_parallel else "false"
+    cfg = load_config(DIGITS, ["train.precision=bf16", "modules.language.parallel.tensor=2",
+                               f"modules.language.parallel.sequence_parallel={sp}",
+                               *recompute(language="selective")])
+    estimate = layer_bytes_per_sample(cfg, "language") - recompute_dropped_bytes(cfg, "language")
+    lse = 4 * 2 * 64  # 2 local heads x 64 tokens, fp32
+    gather = "_c10d_functional.all_gather_into_tensor.default"
+    for r in results:
+        (none_comm, _, none_grads, none_kept), (comm, _, grads, kept) = \
+            r["none"], r["selective"]
+        extra = Counter(comm) - Counter(none_comm)
+        assert set(extra) <= {gather, "_c10d_functional.wait_tensor.default",
+                              "_c10d_functional._wrap_tensor_autograd.default"}, extra
+        assert extra[gather] == (2 * 2 if sequence_parallel else 0), extra
+        assert all(torch.equal(grads[n], none_grads[n]) for n in none_grads)
+        assert kept == estimate + lse and kept < none_kept, (kept, estimate, none_kept)
 
 
 # ---- recomputation runs, exactly ------------------------------------------------------
@@ -265,7 +351,7 @@ def test_a_checkpointed_layer_runs_its_forward_again_in_backward_and_exactly() -
     # Per layer: 1 forward, + 1 recomputation where checkpointed (the core inside the
     # layer's forward too).
     assert none[1] == {"norm": 3, "core": 3}
-    assert results["selective", 0][1] == {"norm": 3, "core": 6}
+    assert results["selective", 0][1] == {"norm": 6, "core": 6}
     assert results["full", 0][1] == {"norm": 6, "core": 6}
     assert results["full", 2][1] == {"norm": 5, "core": 5}
     for key, (_, _, grad_x, grads) in results.items():
@@ -287,7 +373,7 @@ def test_moe_recomputation_sees_its_own_micro_batchs_aux_weights() -> None:
     weights = [torch.tensor([1.0, 2.0]), torch.tensor([3.0, 0.5])]
     pending = torch.tensor([7.0, 9.0])
     out = {}
-    for mode in ("none", "full"):
+    for mode in ("none", "full", "selective"):
         module = copy.deepcopy(base)
         apply_recompute(module, mode)
         losses = []
@@ -305,12 +391,13 @@ def test_moe_recomputation_sees_its_own_micro_batchs_aux_weights() -> None:
                       for n, s in stats.items()})
         for x in xs:
             x.grad = None
-    grads, x_grads, stats = out["full"]
-    assert grads.keys() == out["none"][0].keys()
-    assert all(torch.equal(grads[n], out["none"][0][n]) for n in grads)
-    assert all(torch.equal(a, b) for a, b in zip(x_grads, out["none"][1], strict=True))
-    assert {n: (s[0].tolist(), s[1], s[2]) for n, s in stats.items()} == {
-        n: (s[0].tolist(), s[1], s[2]) for n, s in out["none"][2].items()}
+    for mode in ("full", "selective"):
+        grads, x_grads, stats = out[mode]
+        assert grads.keys() == out["none"][0].keys()
+        assert all(torch.equal(grads[n], out["none"][0][n]) for n in grads), mode
+        assert all(torch.equal(a, b) for a, b in zip(x_grads, out["none"][1], strict=True))
+        assert {n: (s[0].tolist(), s[1], s[2]) for n, s in stats.items()} == {
+            n: (s[0].tolist(), s[1], s[2]) for n, s in out["none"][2].items()}, mode
 
 
 # ---- configuration and estimate -------------------------------------------------------
@@ -353,9 +440,8 @@ def test_estimate_follows_recompute() -> None:
         assert activation_bytes(cfg, "language", 64, 1, 0) == int(want), (mode, n)
         est = {e.module: e for e in estimate_memory(cfg, plan_layout(cfg), 64, [2])[2]}
         by_mode[mode, n] = (est["language"].activations, est["language"].workspace, per_layer)
-    none, full = by_mode["none", 0], by_mode["full", 0]
-    assert by_mode["selective", 0] == none  # no CP: nothing the estimate counts goes
-    assert full[0] < by_mode["full", 1][0] < none[0]
+    none, full, selective = by_mode["none", 0], by_mode["full", 0], by_mode["selective", 0]
+    assert full[0] < selective[0] < none[0] and full[0] < by_mode["full", 1][0] < none[0]
     # The backward of a recomputed layer holds its recomputed activations once more.
     cfg = load_config(DIGITS, BASE + layout + recompute(language="full"))
     assert full[1] - none[1] == cfg.train.micro_batch_size * recompute_dropped_bytes(
@@ -392,6 +478,8 @@ def test_bf16_step_is_bitwise_the_same_with_recompute() -> None:
     """Under autocast (one weight cast per step, kept across the backward) the
     recomputation casts nothing anew: loss, grad norm and updated weights are bitwise
     those without recompute."""
-    none, full = _bf16_step("none"), _bf16_step("full")
-    assert full[:2] == none[:2]
-    assert all(torch.equal(full[2][n], none[2][n]) for n in none[2])
+    none = _bf16_step("none")
+    for mode in ("selective", "full"):
+        got = _bf16_step(mode)
+        assert got[:2] == none[:2], mode
+        assert all(torch.equal(got[2][n], none[2][n]) for n in none[2]), mode
