@@ -313,8 +313,9 @@ class ModuleConfig:
     """
     recompute: Recompute = "none"
     """Activation recompute of the module's transformer layers: ``none``; ``selective``
-    (the attention core, RoPE + the context-parallel key/value gather + SDPA, runs again
-    in backward instead of keeping its tensors); ``full`` (a layer keeps only its input
+    (a layer keeps its matmuls', SDPA's and TP reductions' outputs and runs the rest,
+    norms, RoPE, activations, the context-parallel key/value gather, again in backward:
+    a third less at Llama-2-7B's shape); ``full`` (a layer keeps only its input
     and runs its whole forward again in backward). Same results, less activation memory
     for more compute: docs/performance.md, "Activation recompute".
     """
