@@ -29,17 +29,8 @@ from mimotron.config import load_config
 from mimotron.parallel.layout import plan_layout
 from mimotron.parallel.memory import estimate_memory
 from mimotron.testing import run_ranks
-from tests.common import BASE, DIGITS, coloc, colocated, engine_run, noncolocated, train_step
-from tests.test_parity import (
-    NUM_ITERS,
-    PARITY,
-    assert_module_norms_match,
-    assert_steps_match,
-    assert_weights_match,
-    checked_modules,
-    reference,
-    world_size,
-)
+from tests.common import BASE, DIGITS, coloc, colocated, noncolocated, train_step
+from tests.test_parity import reference, run_against_plain_loop
 from tests.test_zero_tensor_parallel import DP4_ZERO, PLAIN, _ckpt, _launch, _records
 
 
@@ -64,13 +55,7 @@ CASES: dict[str, tuple[list[str], list[str]]] = {
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_fsdp_matches_plain_loop(name):
-    layout, extra = CASES[name]
-    overrides = PARITY + layout + extra
-    results = run_ranks(world_size(overrides), engine_run, overrides, NUM_ITERS, timeout_s=300)
-    ref = reference(extra)
-    assert_steps_match(results, ref)
-    assert_module_norms_match(results, ref, checked_modules(overrides))
-    assert_weights_match(results, ref)
+    run_against_plain_loop(*CASES[name])
 
 
 def _held_fraction(rank: int, world: int, overrides: list[str]) -> dict[str, float]:

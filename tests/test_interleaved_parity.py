@@ -27,9 +27,7 @@ from tests.test_parity import (
     assert_module_norms_match,
     assert_steps_match,
     assert_weights_match,
-    checked_modules,
-    reference,
-    world_size,
+    run_against_plain_loop,
 )
 
 FOUR_MB = ["train.micro_batch_size=4"]  # 16 samples: 4 micro-batches, a multiple of p = 2
@@ -57,13 +55,7 @@ CASES: dict[str, tuple[list[str], list[str]]] = {
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_interleaved_layout_matches_plain_loop(name):
-    layout, extra = CASES[name]
-    overrides = PARITY + layout + extra
-    results = run_ranks(world_size(overrides), engine_run, overrides, NUM_ITERS, timeout_s=300)
-    ref = reference(extra)
-    assert_steps_match(results, ref)
-    assert_module_norms_match(results, ref, checked_modules(overrides))
-    assert_weights_match(results, ref)
+    run_against_plain_loop(*CASES[name])
 
 
 def _without_encoders(path, overrides):

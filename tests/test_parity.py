@@ -20,6 +20,7 @@ that the path really ran.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -147,6 +148,28 @@ def run_case(name: str) -> tuple[list[dict], ReferenceRun, set[str]]:
     overrides = PARITY + layout + extra
     results = run_ranks(world_size(overrides), engine_run, overrides, NUM_ITERS, timeout_s=300)
     return results, reference(extra), checked_modules(overrides)
+
+
+def run_against_plain_loop(layout: list[str], extra: list[str],
+                           run: Callable[..., dict] = engine_run) -> list[dict]:
+    """Train ``layout + extra`` through the engine (``run`` on every rank) and check it
+    against the plain loop of ``extra``: steps, per-module norms, final weights.
+
+    Args:
+        layout: overrides of the engine only (the layout, engine options).
+        extra: overrides shared with the reference (model, optimizer, batch).
+        run: the per-rank function (``engine_run`` or a wrapper counting more).
+
+    Returns:
+        Every rank's results, for a case's own further checks.
+    """
+    overrides = PARITY + layout + extra
+    results = run_ranks(world_size(overrides), run, overrides, NUM_ITERS, timeout_s=300)
+    ref = reference(extra)
+    assert_steps_match(results, ref)
+    assert_module_norms_match(results, ref, checked_modules(overrides))
+    assert_weights_match(results, ref)
+    return results
 
 
 def _rel(got: float, want: float) -> float:

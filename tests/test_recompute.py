@@ -51,14 +51,9 @@ from tests.common import BASE, DIGITS, coloc, colocated, engine_run, noncolocate
 from tests.reference import reference_run
 from tests.test_moe_parity import MOE, _assert_module_norms, _expert_grads, aux_objective
 from tests.test_parity import (
-    NUM_ITERS,
-    PARITY,
-    assert_module_norms_match,
     assert_steps_match,
     assert_weights_match,
-    checked_modules,
-    reference,
-    world_size,
+    run_against_plain_loop,
 )
 
 ZERO = [f"modules.{m}.parallel.shard_optimizer=true" for m in ("vision", "audio", "language")]
@@ -131,14 +126,7 @@ def _assert_recomputed(results: list[dict]) -> None:
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_recompute_matches_plain_loop(name: str) -> None:
-    layout, extra = CASES[name]
-    overrides = PARITY + layout + extra
-    results = run_ranks(world_size(overrides), _counted_engine_run, overrides, NUM_ITERS,
-                        timeout_s=300)
-    ref = reference(extra)
-    assert_steps_match(results, ref)
-    assert_module_norms_match(results, ref, checked_modules(overrides))
-    assert_weights_match(results, ref)
+    results = run_against_plain_loop(*CASES[name], run=_counted_engine_run)
     _assert_recomputed(results)
 
 
