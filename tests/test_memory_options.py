@@ -82,6 +82,7 @@ PROBES: dict[str, tuple[list[str], list[str], str, str, int]] = {
                                                "activations", -1),
     "modules.<m>.parallel.shard_optimizer": (NC, par(LM, shard_optimizer="true"), LM,
                                              "optimizer", -1),
+    "modules.<m>.parallel.fsdp": (NC, par(LM, fsdp="true"), LM, "weights", -1),
     "modules.<m>.parallel.virtual_pipeline": (PP2, par(LM, virtual_pipeline=2), LM,
                                               "activations", 1),
     "modules.<m>.parallel.layers_per_stage": (PP2, ["modules.language.parallel."

@@ -116,7 +116,8 @@ class DryRunReport:
 
 def dry_run(cfg: MimoConfig, ranks: Sequence[int] | None = None, *, steps: int = 2,
             evaluate: bool = True, checkpoint: bool = True,
-            observers: Mapping[int, PeakObserver] | None = None) -> list[DryRunReport]:
+            observers: Mapping[int, PeakObserver] | None = None,
+            device: torch.device | None = None) -> list[DryRunReport]:
     """Run ranks of ``cfg``'s layout on a fake accelerator, one after the other.
 
     Ranks run in pipeline order (encoders before the language model, stage by stage),
@@ -133,6 +134,10 @@ def dry_run(cfg: MimoConfig, ranks: Sequence[int] | None = None, *, steps: int =
         checkpoint: build the checkpoint state dict at the end.
         observers: per rank, a memory observer entered around its set-up and each
             training step (:class:`~mimotron.dryrun.memory_peak.PeakObserver`).
+        device: the fake device the ranks compute on (``None``: the accelerator,
+            :func:`~mimotron.runtime.fake_accelerator`). ``cpu`` runs fake CPU tensors,
+            which autocast and SDPA's fused kernels treat as real ones (for memory
+            measurement on a CPU-only build); device mixes cannot be seen then.
 
     Returns:
         One report per rank, in the order run.
@@ -159,17 +164,20 @@ def dry_run(cfg: MimoConfig, ranks: Sequence[int] | None = None, *, steps: int =
 
     wire = Wire()
     observers = observers or {}
-    return [_run_one(cfg, rank, world, wire, steps, evaluate, checkpoint, observers.get(rank))
+    device = device or fake_accelerator()
+    return [_run_one(cfg, rank, world, wire, steps, evaluate, checkpoint, observers.get(rank),
+                     device)
             for rank in sorted(set(chosen), key=order)]
 
 
 def _run_one(cfg: MimoConfig, rank: int, world: int, wire: Wire, steps: int,
-             evaluate: bool, checkpoint: bool, observer: PeakObserver | None) -> DryRunReport:
+             evaluate: bool, checkpoint: bool, observer: PeakObserver | None,
+             device: torch.device) -> DryRunReport:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group(fake_backend(), store=FakeStore(), rank=rank, world_size=world)
     try:
-        return _run_rank(cfg, Runtime(rank, world, rank, fake_accelerator(), "fake"), wire,
+        return _run_rank(cfg, Runtime(rank, world, rank, device, "fake"), wire,
                          steps, evaluate, checkpoint, observer)
     finally:
         gc.collect()  # the rank's model and meshes (reference cycles) go before its group

@@ -159,7 +159,12 @@ def measure_peak(cfg: MimoConfig, ranks: Sequence[int], *, run_first: Sequence[i
     from mimotron.runtime import fake_accelerator
 
     device = fake_accelerator()
+    if device.type == "meta":
+        # A CPU-only torch build stands in ``meta`` for the accelerator, which has no
+        # autocast (bf16 would compute in fp32) and whose SDPA is the unfused math kernel
+        # (it keeps S x S probabilities). Fake CPU tensors get both as a GPU would.
+        device = torch.device("cpu")
     observers = {r: PeakObserver(r, device) for r in ranks}
     dry_run(cfg, sorted(set(ranks) | set(run_first)), steps=steps, evaluate=False,
-            checkpoint=False, observers=observers)
+            checkpoint=False, observers=observers, device=device)
     return {r: o.result() for r, o in observers.items()}

@@ -188,12 +188,13 @@ def largest_unit_params(cfg: MimoConfig, name: str, vocab_size: int) -> int:
     """Parameters of the largest FSDP unit a rank gathers, TP-local: a transformer layer
     or, for the language model, the embedding / output head (vocabulary x hidden)."""
     from mimotron.models.blocks import default_ffn_hidden_size
-    from mimotron.parallel.memory import attention_widths
+    from mimotron.parallel.memory import attention_widths, mlp_saved_tensors
 
     mod = cfg.modules[name]
     h = mod.hidden_size
     f = mod.ffn_hidden_size or default_ffn_hidden_size(h)
     q_width, kv_width = attention_widths(cfg, name)
-    layer = h * (2 * q_width + 2 * kv_width) + 3 * h * f
+    matrices = 3 if mlp_saved_tensors(cfg, name) == 4 else 2  # SwiGLU or fc1/fc2
+    layer = h * (2 * q_width + 2 * kv_width) + matrices * h * f
     ends = vocab_size * h if mod.kind == "language" else 0
     return max(layer, ends) // mod.parallel.tensor

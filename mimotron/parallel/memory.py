@@ -172,10 +172,18 @@ def layer_bytes_per_token(cfg: MimoConfig, name: str) -> tuple[int, int]:
     f = mod.ffn_hidden_size or default_ffn_hidden_size(h)
     q_width, kv_width = attention_widths(cfg, name)
     whole = 2 * r * h + 2 * c * h
-    split = c * (2 * q_width + 2 * kv_width) + 4 * c * f
+    split = c * (2 * q_width + 2 * kv_width) + mlp_saved_tensors(cfg, name) * c * f
     if mod.parallel.sequence_parallel:
         return 0, whole + split
     return whole, split
+
+
+def mlp_saved_tensors(cfg: MimoConfig, name: str) -> int:
+    """Tensors of the inner width module ``name``'s MLP keeps for backward: 4 for SwiGLU
+    (gate, silu(gate), up, product: the built-in blocks, Hugging Face decoders), 2 for
+    the Hugging Face encoders' ``fc2(act(fc1 x))`` (CLIP, SigLIP, Whisper)."""
+    mod = cfg.modules[name]
+    return 2 if mod.hf_path and mod.is_encoder else 4
 
 
 def ends_bytes_per_sample(cfg: MimoConfig, name: str, tokens: int, vocab_size: int
@@ -403,7 +411,7 @@ def _selective_kept_bytes(cfg: MimoConfig, name: str) -> int:
     tokens = (cfg.data.seq_length // par.context if mod.kind == "language"
               else mod.num_output_tokens)
     whole = residual_bytes(cfg) * h + 2 * c * h
-    split = c * (2 * q_width + 2 * kv_width) + 2 * c * f
+    split = c * (2 * q_width + 2 * kv_width) + mlp_saved_tensors(cfg, name) // 2 * c * f
     if par.sequence_parallel:
         whole, split = 0, whole + split
     return tokens * (whole + split // par.tensor)
