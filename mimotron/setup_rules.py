@@ -122,7 +122,7 @@ def check_tensor_widths(cfg: MimoConfig, name: str) -> None:
         ValueError: naming the module's ``parallel.tensor`` and the width's key.
     """
     from mimotron.models.blocks import default_ffn_hidden_size
-    from mimotron.models.build import moe_options
+    from mimotron.models.moe import moe_options
 
     mod = cfg.modules[name]
     tp = mod.parallel.tensor
@@ -150,14 +150,14 @@ def check_vocab_split(cfg: MimoConfig) -> None:
 
     The embedding and the head split the vocabulary over TP
     (:func:`~mimotron.parallel.tensor_parallel.apply_tensor_parallel`). It is padded to
-    a multiple of :data:`~mimotron.models.build.VOCAB_MULTIPLE`, so only a degree that
+    a multiple of :data:`~mimotron.models.vocab_size.VOCAB_MULTIPLE`, so only a degree that
     does not divide that multiple needs the tokenizer's size (the run's tokenizer is
     built for it: characters, or the ``data.tokenizer`` folder).
 
     Raises:
         ValueError: naming ``modules.language.parallel.tensor`` and the padded size.
     """
-    from mimotron.models.build import VOCAB_MULTIPLE, model_vocab_size
+    from mimotron.models.vocab_size import VOCAB_MULTIPLE, model_vocab_size
 
     tp = cfg.modules[LANGUAGE].parallel.tensor
     if VOCAB_MULTIPLE % tp == 0:

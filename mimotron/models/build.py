@@ -22,49 +22,13 @@ from mimotron.models.hf.whisper import WhisperEncoderTower
 from mimotron.models.init import init_parameters_
 from mimotron.models.language import LanguageModel
 from mimotron.models.mimo import MimoModel
-from mimotron.models.moe import MoEOptions
+from mimotron.models.moe import moe_options as moe_options
+from mimotron.models.vocab_size import VOCAB_MULTIPLE as VOCAB_MULTIPLE
+from mimotron.models.vocab_size import model_vocab_size
+from mimotron.models.vocab_size import padded_vocab_size as padded_vocab_size
+from mimotron.models.vocab_size import unpadded_vocab_size as unpadded_vocab_size
 from mimotron.names import LANGUAGE
 from mimotron.names import module_prefix as parameter_prefix
-
-# The vocabulary is padded to a multiple of this (Megatron's make-vocab-divisible), the
-# same for every layout, so TP can split it and layouts share one model.
-VOCAB_MULTIPLE = 64
-
-
-def padded_vocab_size(vocab_size: int, multiple: int = VOCAB_MULTIPLE) -> int:
-    """Round the tokenizer's vocabulary up to a multiple of ``multiple``."""
-    return -(-vocab_size // multiple) * multiple
-
-
-def unpadded_vocab_size(cfg: MimoConfig, vocab_size: int) -> int:
-    """The language model's real vocabulary: the tokenizer's, or a checkpoint's if larger.
-
-    Args:
-        cfg: run config.
-        vocab_size: the tokenizer's vocabulary (its added placeholders included).
-
-    Returns:
-        ``max(vocab_size, config.json vocab_size)`` for a language model with
-        ``hf_path``, else ``vocab_size``; no padding.
-    """
-    lm = cfg.modules.get(LANGUAGE)
-    if lm is not None and lm.hf_path:
-        vocab_size = max(vocab_size, language_spec(lm).vocab_size)
-    return vocab_size
-
-
-def model_vocab_size(cfg: MimoConfig, vocab_size: int) -> int:
-    """The language model's vocabulary: the tokenizer's, or a checkpoint's if larger.
-
-    Args:
-        cfg: run config.
-        vocab_size: the tokenizer's vocabulary (padded or not).
-
-    Returns:
-        :func:`unpadded_vocab_size` padded to ``VOCAB_MULTIPLE``; rows past the
-        checkpoint's are initialised by :mod:`mimotron.models.hf.vocab`.
-    """
-    return padded_vocab_size(unpadded_vocab_size(cfg, vocab_size))
 
 
 def module_prefix(cfg: MimoConfig, name: str) -> str:
@@ -128,26 +92,6 @@ def _construct(
     else:
         raise ValueError(f"modules.{name}.kind={mod.kind!r} cannot be built by mimotron.models")
     return ModalitySubmodule(encoder, _projector(cfg, mod, mod.hidden_size, post_process))
-
-
-def moe_options(mod: ModuleConfig) -> MoEOptions | None:
-    """The module's mixture-of-experts options, ``None`` for a dense module.
-
-    From the ``moe_*`` keys, or for a language ``hf_path`` from its config.json
-    (Qwen2-MoE / Qwen3-MoE).
-    """
-    if mod.hf_path and mod.kind == "language":
-        return language_spec(mod).moe
-    if mod.num_experts == 0:
-        return None
-    freq = mod.moe_layer_freq
-    return MoEOptions(
-        num_experts=mod.num_experts, top_k=mod.top_k,
-        ffn_hidden_size=mod.moe_ffn_hidden_size or mod.ffn_hidden_size,
-        num_shared_experts=mod.num_shared_experts, shared_expert_gate=mod.moe_shared_expert_gate,
-        router_score=mod.moe_router_score, norm_topk_prob=mod.moe_norm_topk_prob,
-        aux_loss_coeff=mod.moe_aux_loss_coeff, z_loss_coeff=mod.moe_z_loss_coeff,
-        layer_freq=freq if isinstance(freq, int) else tuple(freq))
 
 
 def _projector(cfg: MimoConfig, mod: ModuleConfig, width: int, post_process: bool

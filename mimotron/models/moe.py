@@ -56,7 +56,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -64,6 +64,9 @@ from torch import nn
 
 from mimotron.host_sync import EXPERT_COUNTS, to_host
 from mimotron.models.blocks import SwiGLU, default_ffn_hidden_size, residual_init_std
+
+if TYPE_CHECKING:
+    from mimotron.config_schema import ModuleConfig
 
 RouterScore = Literal["softmax", "sigmoid"]
 ROUTER_SCORES: tuple[str, ...] = ("softmax", "sigmoid")
@@ -484,3 +487,25 @@ def pop_moe_stats(module: nn.Module) -> dict[str, MoEStats]:
     for name, layer in moe_layers(module).items():
         out[name], layer.stats = layer.stats, MoEStats()
     return out
+
+
+def moe_options(mod: ModuleConfig) -> MoEOptions | None:
+    """The module's mixture-of-experts options, ``None`` for a dense module.
+
+    From the ``moe_*`` keys, or for a language ``hf_path`` from its config.json
+    (Qwen2-MoE / Qwen3-MoE).
+    """
+    if mod.hf_path and mod.kind == "language":
+        from mimotron.models.hf.resolve import language_spec  # reads config.json
+
+        return language_spec(mod).moe
+    if mod.num_experts == 0:
+        return None
+    freq = mod.moe_layer_freq
+    return MoEOptions(
+        num_experts=mod.num_experts, top_k=mod.top_k,
+        ffn_hidden_size=mod.moe_ffn_hidden_size or mod.ffn_hidden_size,
+        num_shared_experts=mod.num_shared_experts, shared_expert_gate=mod.moe_shared_expert_gate,
+        router_score=mod.moe_router_score, norm_topk_prob=mod.moe_norm_topk_prob,
+        aux_loss_coeff=mod.moe_aux_loss_coeff, z_loss_coeff=mod.moe_z_loss_coeff,
+        layer_freq=freq if isinstance(freq, int) else tuple(freq))

@@ -35,7 +35,6 @@ from torch import nn
 from mimotron.config import MimoConfig
 from mimotron.names import LANGUAGE
 from mimotron.parallel.context_parallel import moe_source
-from mimotron.parallel.main_grad import grad_buffer, set_grad_buffer, zeros_grad_buffer
 
 # Marks a plain parameter whose gradient is a partial sum over the TP group: the
 # sequence-sharded norms under SP, and the per-head norms under any TP.
@@ -106,6 +105,9 @@ def reduce_sequence_parallel_grads(module: nn.Module, group: dist.ProcessGroup |
     parameter of a ZeRO-1 module is summed in its fp32 ``main_grad``
     (:func:`~mimotron.parallel.main_grad.grad_buffer`).
     """
+    # Here, not at the top: it imports DTensor, which the launcher's checks never need.
+    from mimotron.parallel.main_grad import grad_buffer, set_grad_buffer, zeros_grad_buffer
+
     params = [p for p in module.parameters() if p.requires_grad and getattr(p, SP_ATTR, False)]
     if not params or group is None or dist.get_world_size(group) == 1:
         return
