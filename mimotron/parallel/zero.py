@@ -358,12 +358,19 @@ class ZeroShards:
         return hooks
 
     def zero_model_grads(self, set_to_none: bool = True) -> None:
-        """Clear the (unreduced) gradients of the model parameters.
+        """Clear the gradients of the model parameters and of the fragments.
 
-        Also forgets reduce-scatters a hook launched in a step that then raised: the
-        next step launches its buckets anew (an abandoned one would assert otherwise).
+        The fragments' gradients go too (every step's :meth:`reduce_grads` sets them
+        anew): with masters each views its rows of the last step's fp32 ``main_grad``,
+        and a view keeps the whole buffer alive, so the next backward would hold a
+        second fp32 copy of the module's gradients; without, they view the received
+        buckets. Also forgets reduce-scatters a hook launched in a step that then
+        raised: the next step launches its buckets anew (an abandoned one would assert
+        otherwise).
         """
         self._pending_reduce.clear()
+        for _, frag in self.fragments:
+            frag.grad = None
         for s in self._slots.values():
             if self.has_master:
                 clear_main_grad(s.param)  # the fp32 buffer starts afresh each step
