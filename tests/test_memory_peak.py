@@ -65,10 +65,12 @@ def _check(overrides: list[str], measured: list[int], run_first: list[int]) -> N
 
 
 def test_colocated_zero_recompute_within_band(llava_small: list[str]) -> None:
-    """Both modules on two ranks, DP 2 each: vision ZeRO-1, language full recompute;
-    rank 0 holds both."""
+    """Both modules on two ranks, DP 2 each: both ZeRO-1 (the language model's 16-bit
+    weights with fp32 main_grad and masters), language full recompute; rank 0 holds
+    both. The second step's peak holds one fp32 gradient copy, as the estimate counts."""
     _check(llava_small + [
         "modules.vision.parallel.data=2", "modules.vision.parallel.shard_optimizer=true",
+        "modules.language.parallel.shard_optimizer=true",
         "modules.language.parallel.tensor=1", "modules.language.parallel.data=2",
         "modules.language.parallel.pipeline=1", "modules.language.parallel.layers_per_stage=[]",
         "modules.language.parallel.rank_offset=0", "modules.language.recompute=full",
