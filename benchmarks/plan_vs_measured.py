@@ -83,6 +83,25 @@ CASES: dict[str, Case] = {
         "modules.language.parallel.rank_offset=0", "modules.language.recompute=full",
         "train.micro_batch_size=64", "train.global_batch_size=64",
     ], [0], [], "colocated: vision DP 64, language TP 8 SP x DP 8, full recompute"),
+    # Vision DP 8 on 0-7 (no TP); language TP 8 (SP) x PP 7 on 8-63, first stage measured.
+    "70b-split-vision-dp": Case(LLAMA_70B, [
+        "modules.vision.parallel.tensor=1", "modules.vision.parallel.data=8",
+        "train.micro_batch_size=8", "train.global_batch_size=16",
+    ], [8], list(range(8)), "vision DP 8 | language TP 8 SP x PP 7, micro-batch 8"),
+    # As above with full recompute of the language model.
+    "70b-split-vision-dp-recompute": Case(LLAMA_70B, [
+        "modules.vision.parallel.tensor=1", "modules.vision.parallel.data=8",
+        "train.micro_batch_size=8", "train.global_batch_size=16",
+        "modules.language.recompute=full",
+    ], [8], list(range(8)), "vision DP 8 | language TP 8 SP x PP 7, full recompute"),
+    # Both on 0-63: vision TP 8 x DP 8, language TP 8 x DP 8 under FSDP2, full recompute.
+    "70b-colocated-fsdp": Case(LLAMA_70B, [
+        "modules.vision.parallel.data=8", "modules.language.parallel.data=8",
+        "modules.language.parallel.pipeline=1", "modules.language.parallel.layers_per_stage=[]",
+        "modules.language.parallel.rank_offset=0", "modules.language.parallel.fsdp=true",
+        "modules.language.parallel.sequence_parallel=false", "modules.language.recompute=full",
+        "train.global_batch_size=64", "train.micro_batch_size=8",
+    ], [0], [], "colocated: vision TP 8 x DP 8, language TP 8 x DP 8 FSDP2, full recompute"),
     # The split layout with full recompute of the language model.
     "70b-split-recompute": Case(LLAMA_70B, ["modules.language.recompute=full"], [8],
                                 list(range(8)), "as 70b-split, language full recompute"),
