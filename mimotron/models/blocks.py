@@ -85,6 +85,29 @@ def to_residual_dtype(x: torch.Tensor, fp32_residual: bool = False) -> torch.Ten
     return x.to(compute_dtype_of(x))
 
 
+def linear_on_rows(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Apply ``linear`` to ``[..., in]`` as one ``[rows, in]`` matrix: ``[..., out]``.
+
+    A DTensor (tensor-parallel) linear given a 3-D input flattens it, multiplies, and
+    views the product back to 3-D inside the sharded op. With zero rows (an encoder's
+    data-parallel slice that holds no sample of its modality) DTensor cannot place that
+    view when the token count does not divide by the TP degree (a CLIP tower's 577
+    positions at TP 8) and raises. Here the reshapes act on the plain tensors around the
+    layer, so the sharded op only ever sees a matrix. For contiguous inputs both are views.
+
+    Args:
+        linear: a ``nn.Linear``, plain or parallelised with a column-/row-wise plan whose
+            input and output are local tensors.
+        x: ``[..., in]``, any number of leading dims (sizes may be 0).
+
+    Returns:
+        ``[..., out]`` (``out`` = this rank's output width under column-wise TP).
+    """
+    out = linear(x.flatten(0, -2))
+    # An explicit width: view(..., -1) is ambiguous when there are no rows.
+    return out.view(*x.shape[:-1], out.shape[-1])
+
+
 # Elements per chunk of RMSNorm's backward (16 MiB of fp32 per temporary).
 _NORM_CHUNK_ELEMENTS = 1 << 22
 

@@ -17,6 +17,7 @@ from mimotron.models.blocks import (
     RMSNorm,
     chunk_modules,
     is_last_chunk,
+    linear_on_rows,
     make_layers,
     to_residual_dtype,
 )
@@ -280,7 +281,9 @@ class Projector(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[..., in_size] -> [..., out_size]``."""
-        return self.fc2(F.gelu(self.fc1(x)))
+        # As matrices: under TP a sharded linear cannot view zero rows (an empty slice)
+        # back to [0, tokens, ...] unless tokens divide by the degree (linear_on_rows).
+        return linear_on_rows(self.fc2, F.gelu(linear_on_rows(self.fc1, x)))
 
 
 class ModalitySubmodule(nn.Module):

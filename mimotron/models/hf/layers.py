@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mimotron.models.blocks import compute_dtype_of, residual_init_std
+from mimotron.models.blocks import compute_dtype_of, linear_on_rows, residual_init_std
 
 
 def _quick_gelu(x: torch.Tensor) -> torch.Tensor:
@@ -92,12 +92,14 @@ class BiasedAttention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[batch, seq, hidden] -> [batch, seq, hidden]``."""
         batch, seq = x.shape[0], x.shape[1]
-        q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        # As matrices: a sharded linear cannot view zero rows back (linear_on_rows).
+        q, k, v = (linear_on_rows(w, x) for w in (self.wq, self.wk, self.wv))
         # Under column-wise TP the projections return num_heads / tp heads.
         heads = q.shape[-1] // self.head_dim
         q, k, v = (t.view(batch, seq, heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
         out = self.core(q, k, v)
-        return self.wo(out.transpose(1, 2).reshape(batch, seq, heads * self.head_dim))
+        return linear_on_rows(self.wo,
+                              out.transpose(1, 2).reshape(batch, seq, heads * self.head_dim))
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """The attention core between the projections and ``wo``: SDPA over
@@ -127,7 +129,7 @@ class FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Apply the MLP to ``[..., hidden]``."""
-        return self.w2(self.act(self.w1(x)))
+        return linear_on_rows(self.w2, self.act(linear_on_rows(self.w1, x)))
 
 
 class CastLayerNorm(nn.LayerNorm):
