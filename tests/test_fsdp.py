@@ -31,7 +31,7 @@ from mimotron.parallel.memory import estimate_memory
 from mimotron.testing import run_ranks
 from tests.common import BASE, DIGITS, coloc, colocated, noncolocated, train_step
 from tests.test_parity import reference, run_against_plain_loop
-from tests.test_zero_tensor_parallel import DP4_ZERO, PLAIN, _ckpt, _launch, _records
+from tests.test_zero_tensor_parallel import PLAIN, _ckpt, _launch, _records
 
 
 def fsdp(*modules: str) -> list[str]:
@@ -134,7 +134,10 @@ def test_reference_weights_are_full_tensors():
 
 
 # ---- resume and reshard: plain -> FSDP -> (FSDP, bitwise) -> ZeRO-1 -> FSDP -> plain
-FSDP_TP = coloc({"data": 4}, {"data": 4}, {"tensor": 2, "data": 2}) + fsdp(*ALL)
+# On 2 ranks (TP x FSDP is covered by the parity cases above): every module FSDP over DP 2,
+# or every module ZeRO-1 over DP 2.
+FSDP_DP2 = colocated(2) + fsdp(*ALL)
+ZERO_DP2 = colocated(2) + [f"modules.{m}.parallel.shard_optimizer=true" for m in ALL]
 
 
 @pytest.fixture(scope="module")
@@ -142,10 +145,10 @@ def chain(tmp_path_factory) -> Path:
     """Every run of the chain (12 iterations, a checkpoint every 3); returns their root."""
     root = tmp_path_factory.mktemp("fsdp_chain")
     _launch(root, "ref", 1, PLAIN, None, 12)
-    _launch(root, "fsdp", 4, FSDP_TP, _ckpt(root, "ref", 3), 9)
-    _launch(root, "fsdp-again", 4, FSDP_TP, _ckpt(root, "fsdp", 6), 9)
-    _launch(root, "zero-from-fsdp", 4, DP4_ZERO, _ckpt(root, "fsdp", 6), 9)
-    _launch(root, "fsdp-from-zero", 4, FSDP_TP, _ckpt(root, "zero-from-fsdp", 9), 12)
+    _launch(root, "fsdp", 2, FSDP_DP2, _ckpt(root, "ref", 3), 9)
+    _launch(root, "fsdp-again", 2, FSDP_DP2, _ckpt(root, "fsdp", 6), 9)
+    _launch(root, "zero-from-fsdp", 2, ZERO_DP2, _ckpt(root, "fsdp", 6), 9)
+    _launch(root, "fsdp-from-zero", 2, FSDP_DP2, _ckpt(root, "zero-from-fsdp", 9), 12)
     _launch(root, "plain-from-fsdp", 1, PLAIN, _ckpt(root, "fsdp", 9), 12)
     return root
 
