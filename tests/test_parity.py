@@ -132,15 +132,15 @@ def world_size(overrides: list[str]) -> int:
     return plan_layout(load_config(DIGITS, BASE + overrides)).world_size
 
 
-_REFERENCES: dict[tuple[str, ...], ReferenceRun] = {}
+_REFERENCES: dict[tuple[tuple[str, ...], int], ReferenceRun] = {}
 
 
-def reference(extra: list[str]) -> ReferenceRun:
+def reference(extra: list[str], num_iters: int = NUM_ITERS) -> ReferenceRun:
     """The plain loop for the model/optimizer/batch overrides of a case (cached)."""
     key = tuple(PARITY + extra)
-    if key not in _REFERENCES:
-        _REFERENCES[key] = reference_run(key, NUM_ITERS)
-    return _REFERENCES[key]
+    if (key, num_iters) not in _REFERENCES:
+        _REFERENCES[(key, num_iters)] = reference_run(key, num_iters)
+    return _REFERENCES[(key, num_iters)]
 
 
 def run_case(name: str) -> tuple[list[dict], ReferenceRun, set[str]]:
@@ -152,7 +152,8 @@ def run_case(name: str) -> tuple[list[dict], ReferenceRun, set[str]]:
 
 
 def run_against_plain_loop(layout: list[str], extra: list[str],
-                           run: Callable[..., dict] = engine_run) -> list[dict]:
+                           run: Callable[..., dict] = engine_run,
+                           num_iters: int = NUM_ITERS) -> list[dict]:
     """Train ``layout + extra`` through the engine (``run`` on every rank) and check it
     against the plain loop of ``extra``: steps, per-module norms, final weights.
 
@@ -160,13 +161,14 @@ def run_against_plain_loop(layout: list[str], extra: list[str],
         layout: overrides of the engine only (the layout, engine options).
         extra: overrides shared with the reference (model, optimizer, batch).
         run: the per-rank function (``engine_run`` or a wrapper counting more).
+        num_iters: iterations to train (at least 10).
 
     Returns:
         Every rank's results, for a case's own further checks.
     """
     overrides = PARITY + layout + extra
-    results = run_ranks(world_size(overrides), run, overrides, NUM_ITERS, timeout_s=300)
-    ref = reference(extra)
+    results = run_ranks(world_size(overrides), run, overrides, num_iters, timeout_s=300)
+    ref = reference(extra, num_iters)
     assert_steps_match(results, ref)
     assert_module_norms_match(results, ref, checked_modules(overrides))
     assert_weights_match(results, ref)
