@@ -151,7 +151,7 @@ def _without_key_bias(results: list[dict], ref: ReferenceRun) -> tuple[list[dict
 def test_hf_towers_tp2_with_empty_slices_train_like_one_process(tmp_path: Path) -> None:
     """Colocated on 2 ranks: CLIP and Whisper at TP 2, the language model at DP 2;
     micro-batches of 2 samples, so an encoder's slice (the whole micro-batch) at times
-    holds no sample of its modality; 12 iterations."""
+    holds no sample of its modality; NUM_ITERS iterations of the parity schedule."""
     pytest.importorskip("transformers")
     paths = _save_folders(tmp_path)
     shared = [f"modules.vision.hf_path='{paths['vision']}'",
