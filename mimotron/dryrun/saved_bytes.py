@@ -127,7 +127,45 @@ def layer_activation_bytes(cfg: MimoConfig, name: str = "language") -> int:
     if cfg.modules[name].num_layers < 2:
         raise ValueError(f"modules.{name}.num_layers={cfg.modules[name].num_layers}: measuring "
                          "one layer needs a module of at least 2 layers")
+    if dist.is_initialized():
+        raise ValueError("layer_activation_bytes needs no process group (it creates a fake one)")
+    return _in_child(_layer_bytes, cfg, name)
+
+
+def _layer_bytes(cfg: MimoConfig, name: str) -> int:
     return _stage_bytes(cfg, name, 2) - _stage_bytes(cfg, name, 1)
+
+
+def _in_child(fn: Callable[..., int], *args: Any) -> int:
+    """``fn(*args)`` in a forked child process.
+
+    The measurement creates and destroys a fake default process group and DTensor meshes
+    over it; torch keeps some of that state process-wide, and a process that later forks
+    gloo ranks (a test suite) must not inherit it. A child keeps it to itself.
+    """
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    parent, child = ctx.Pipe(duplex=False)
+
+    def target() -> None:
+        try:
+            child.send(("ok", fn(*args)))
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
+            child.send(("error", f"{type(exc).__name__}: {exc}"))
+
+    proc = ctx.Process(target=target, daemon=True)
+    proc.start()
+    child.close()
+    try:
+        status, value = parent.recv()
+    except EOFError:
+        proc.join()
+        raise RuntimeError(f"the measurement process died (exit code {proc.exitcode})") from None
+    proc.join()
+    if status != "ok":
+        raise RuntimeError(f"the measurement failed: {value}")
+    return value
 
 
 def _stage_bytes(cfg: MimoConfig, name: str, num_layers: int) -> int:
