@@ -127,6 +127,18 @@ def _data(cfg_key: tuple[str, ...]) -> tuple:
     return tokenizer, task
 
 
+def reference_setup(overrides: tuple[str, ...] | list[str]
+                    ) -> tuple[MimoConfig, object, Callable[[], torch.nn.Module]]:
+    """The config, the data task and a builder of the whole model for ``BASE + overrides``
+    (the vocabulary padded as the engine pads it, the tokenizer's placeholder ids)."""
+    cfg = load_config(DIGITS, BASE + list(overrides))
+    tokenizer, task = _data(tuple(overrides))
+    vocab = -(-tokenizer.vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+    placeholders = {n: tokenizer.placeholder_id(cfg.modules[n].modality)
+                    for n in cfg.encoder_names}
+    return cfg, task, lambda: build_mimo_model(cfg, vocab, placeholders)
+
+
 def reference_run(overrides: tuple[str, ...], num_iters: int,
                   extra_objective: Callable[[torch.nn.Module], Callable[[dict], torch.Tensor]]
                   | None = None,
@@ -143,12 +155,8 @@ def reference_run(overrides: tuple[str, ...], num_iters: int,
         batch_at: ``(task, stream, iteration, global_batch_size) -> batch``, the global
             batch of an iteration (``None``: ``collate`` of the stream's next samples).
     """
-    cfg = load_config(DIGITS, BASE + list(overrides))
-    tokenizer, task = _data(tuple(overrides))
-    vocab = -(-tokenizer.vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
-    placeholders = {n: tokenizer.placeholder_id(cfg.modules[n].modality)
-                    for n in cfg.encoder_names}
-    model = build_mimo_model(cfg, vocab, placeholders)
+    cfg, task, build = reference_setup(overrides)
+    model = build()
     for n, p in model.named_parameters():
         p.requires_grad_(not cfg.modules[module_of(n)].freeze)
     initial = {n: p.detach().clone() for n, p in model.named_parameters()}

@@ -30,7 +30,6 @@ from torch.distributed.tensor import DTensor
 from mimotron.checkpoint import read_full_model
 from mimotron.config import load_config
 from mimotron.data import collate
-from mimotron.models.build import build_mimo_model
 from mimotron.optim.mimo_optimizer import MimoOptimizer
 from mimotron.parallel.layout import plan_layout
 from mimotron.parallel.main_grad import MAIN_GRAD
@@ -40,7 +39,7 @@ from mimotron.runtime import init_runtime
 from mimotron.testing import run_ranks
 from mimotron.training.loop import run_training, setup_mimo
 from tests.common import BASE, DIGITS, coloc, colocated, train_step
-from tests.reference import VOCAB_MULTIPLE, _data, _optimizer, lr_at, reference_run
+from tests.reference import _optimizer, lr_at, reference_run, reference_setup
 
 ZERO = [f"modules.{m}.parallel.shard_optimizer=true" for m in ("vision", "audio", "language")]
 BF16 = ["train.precision=bf16"]
@@ -134,13 +133,8 @@ def bf16_reference(overrides: tuple[str, ...], num_iters: int, dp: int) -> dict[
     buffers summed; ``clip_grad_norm_`` on those fp32 gradients, AdamW (the reference's
     groups and schedule) on the masters, the masters cast back into the model.
     """
-    cfg = load_config(DIGITS, BASE + list(overrides))
-    tokenizer, task = _data(tuple(overrides))
-    vocab = -(-tokenizer.vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
-    placeholders = {n: tokenizer.placeholder_id(cfg.modules[n].modality)
-                    for n in cfg.encoder_names}
-    model = build_mimo_model(cfg, vocab, placeholders)
-    master = build_mimo_model(cfg, vocab, placeholders)
+    cfg, task, build = reference_setup(overrides)
+    model, master = build(), build()
     master.load_state_dict(model.state_dict())
     for p in model.parameters():
         p.data = p.data.to(torch.bfloat16)
