@@ -18,7 +18,13 @@ from mimotron.config import load_config
 from mimotron.models.build import build_module
 from mimotron.parallel.activation_terms import mask_bytes_per_sample
 from mimotron.parallel.memory import activation_bytes
-from tests.test_memory_estimate import DIGITS, SEQ, VOCAB, _per_sample, _saved_bytes
+from tests.test_memory_estimate import (
+    DIGITS,
+    SEQ,
+    VOCAB,
+    _saved_bytes,
+    language_bytes_per_sample,
+)
 
 MOE_CASES = {
     "E4-top1": ["modules.language.num_experts=4", "modules.language.top_k=1"],
@@ -37,12 +43,7 @@ MOE_CASES = {
 @pytest.mark.parametrize("case", list(MOE_CASES))
 def test_moe_language_activations_match_saved_tensors(case: str, precision: str) -> None:
     cfg = load_config(DIGITS, [f"train.precision={precision}", *MOE_CASES[case]])
-    torch.manual_seed(0)
-    lm = build_module(cfg, "language", VOCAB)
-    measured = _per_sample(lm, lambda n: torch.randn(n, SEQ, 128, requires_grad=True),
-                           precision, loss=True)
-    samples = cfg.train.micro_batch_size // cfg.modules["language"].parallel.data
-    estimate = activation_bytes(cfg, "language", VOCAB, in_flight=1) / samples
+    measured, estimate = language_bytes_per_sample(cfg, precision)
     assert estimate <= measured <= estimate * 1.01, (measured, estimate)
 
 

@@ -73,15 +73,20 @@ def _cfg(precision: str, *extra: str):
     return load_config(DIGITS, [f"train.precision={precision}", *extra])
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_language_activations_match_saved_tensors(precision):
-    cfg = _cfg(precision)
+def language_bytes_per_sample(cfg, precision: str) -> tuple[int, float]:
+    """``(measured, estimated)`` activation bytes per sample of the config's language model
+    (what autograd saves through a forward with the loss; ``activation_bytes``)."""
     torch.manual_seed(0)
     lm = build_module(cfg, "language", VOCAB)
     measured = _per_sample(lm, lambda n: torch.randn(n, SEQ, 128, requires_grad=True),
                            precision, loss=True)
     samples = cfg.train.micro_batch_size // cfg.modules["language"].parallel.data
-    estimate = activation_bytes(cfg, "language", VOCAB, in_flight=1) / samples
+    return measured, activation_bytes(cfg, "language", VOCAB, in_flight=1) / samples
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_language_activations_match_saved_tensors(precision):
+    measured, estimate = language_bytes_per_sample(_cfg(precision), precision)
     # Left out: RMSNorm's per-token rsqrt, SDPA's logsumexp, the loss's per-token terms.
     assert estimate <= measured <= estimate * 1.02, (measured, estimate)
 
