@@ -11,7 +11,8 @@ two layers and one of one layer, at three samples minus two, so that what does n
 scale with both (the ends, 16-bit weight casts, RoPE tables, the RNG states checkpoint
 keeps) cancels. Through the module's own forward, so a layer's input has the dtype it
 has in training. ``--context C`` runs the language model on ``C`` forked gloo ranks
-with context parallelism (rank 0's count). The analytic figure next to each is
+with context parallelism (rank 0's count; its collectives run over a ``fake``
+group, since only sizes matter here). The analytic figure next to each is
 ``mimotron plan``'s (:func:`mimotron.parallel.memory.layer_bytes_per_sample` minus
 :func:`~mimotron.parallel.memory.recompute_dropped_bytes`). ``--time`` adds the
 median CPU wall time of a forward and backward of the two-layer module.
@@ -174,7 +175,18 @@ def step_seconds(overrides: list[str], name: str, mode: str, reps: int = 5) -> f
 
 
 def _cp_rank(rank: int, world: int, overrides: list[str], mode: str) -> int:
-    return kept_per_layer(overrides, "language", mode, dist.group.WORLD)
+    # A fake group over the same ranks: a gloo worker thread lets go of a finished
+    # collective's buffers a moment after its wait returns, which a byte count can see.
+    return kept_per_layer(overrides, "language", mode, fake_group())
+
+
+def fake_group() -> dist.ProcessGroup:
+    """A ``fake`` process group over the default group's ranks, for counting bytes: its
+    collectives finish at once and hold nothing, where a gloo worker thread lets go of
+    a finished collective's buffers a moment after its wait returns."""
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers "fake")
+
+    return dist.new_group(backend="fake")
 
 
 def _fake_kept(overrides: list[str], name: str, mode: str, context: int) -> int:

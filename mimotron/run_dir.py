@@ -46,6 +46,7 @@ from mimotron.checkpoint.files import (
     resolve_load,
 )
 from mimotron.config import MimoConfig
+from mimotron.outputs import check_output_dir
 
 METRICS = "metrics.jsonl"
 LOG_ENTRIES = (METRICS, "tensorboard", "profile")
@@ -140,9 +141,8 @@ def move_aside(cfg: MimoConfig, entries: list[Path]) -> Path:
     return dest
 
 
-def _probe(path: Path, key: str, keep: bool) -> None:
+def _probe(path: Path, key: str) -> None:
     """Create ``path`` if missing and create/delete a file in it; ValueError if not."""
-    missing = [p for p in (path, *path.parents) if not p.exists()]
     probe = path / f".mimotron-write-test-{os.getpid()}"
     try:
         path.mkdir(parents=True, exist_ok=True)
@@ -151,22 +151,31 @@ def _probe(path: Path, key: str, keep: bool) -> None:
     except OSError as exc:
         raise ValueError(f"{key}={str(path)!r} is not writable: {exc.strerror or exc} "
                          "(it must be a directory this user can create files in)") from None
-    if not keep:  # Only checked: leave no empty folder behind (saves create it).
-        for p in missing:
-            try:
-                p.rmdir()
-            except OSError:
-                break
+
+
+def _check_creatable(path: Path, key: str) -> None:
+    """``path`` is, or could be made, a writable folder; a missing one is not created.
+
+    Creating it and removing it again would race with the other ranks, which list it
+    at the same time: one that saw it exist could fail reading it.
+    """
+    try:
+        check_output_dir(path)
+    except ValueError as exc:
+        detail = str(exc).split(" is invalid: ", 1)[-1]
+        raise ValueError(f"{key}={str(path)!r}: {detail} (it must be a directory this "
+                         "user can create files in)") from None
 
 
 def check_writable(cfg: MimoConfig) -> None:
-    """log.dir and checkpoint.dir can be written (each created if missing).
+    """log.dir can be written (created if missing) and checkpoint.dir can be made (not
+    created: saves create it).
 
     Raises:
         ValueError: one line naming the key and the directory.
     """
-    _probe(cfg.log_dir, "log.dir", keep=True)
-    _probe(cfg.checkpoint_dir, "checkpoint.dir", keep=False)
+    _probe(cfg.log_dir, "log.dir")
+    _check_creatable(cfg.checkpoint_dir, "checkpoint.dir")
 
 
 def prepare_run_dir(cfg: MimoConfig) -> None:

@@ -187,3 +187,32 @@ def test_a_signal_around_the_ranks_leaves_no_failure_folder(tmp_path, where):
     assert "SIGTERM" in out and "Traceback" not in out, out[-4000:]
     assert _failure_folders(tmp) == []
     assert not (tmp_path / "run" / LOCK).exists()
+
+
+def test_the_writability_check_never_makes_a_checkpoint_folder_appear(tmp_path, monkeypatch):
+    """Every rank lists ``checkpoint.dir`` while rank 0 checks that it can be written.
+    The check created the missing folder and removed it again, so a rank that saw it
+    exist could fail listing it ("FileNotFoundError", seen under a start-up signal).
+    Now a missing folder is checked through its nearest existing parent: it never
+    appears, and an unwritable one is still one line naming the key."""
+    from mimotron.run_dir import check_writable
+
+    ckpt = tmp_path / "a" / "ckpt"
+    cfg = load_config(DIGITS, [f"log.dir={tmp_path / 'run'}", f"checkpoint.dir={ckpt}"])
+    made: list[Path] = []
+    real_mkdir = Path.mkdir
+
+    def mkdir(self: Path, *args, **kwargs) -> None:
+        made.append(Path(self))
+        real_mkdir(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "mkdir", mkdir)
+    check_writable(cfg)
+    assert ckpt not in made and ckpt.parent not in made, made
+    assert not ckpt.parent.exists() and (tmp_path / "run").is_dir()
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    cfg = load_config(DIGITS, [f"log.dir={tmp_path / 'run'}",
+                               f"checkpoint.dir={blocker / 'ckpt'}"])
+    with pytest.raises(ValueError, match=r"^checkpoint.dir=.*file exists and is not a dir"):
+        check_writable(cfg)
