@@ -29,6 +29,13 @@ preprocessing), ``audio`` Float[mel bins, frames] (Whisper's log-mel), explicit
 ``has_image`` / ``has_audio`` flags, ``answer`` (the last assistant reply) and
 ``sample_id``. :meth:`LlavaDataset.restrict_loading` makes a rank load only the parts
 its modules use (the training loop does, from the layout).
+
+**Lengths.** The check tokenises every conversation, so it records each kept sample's
+token count, placeholders expanded (:attr:`LlavaRecord.length`,
+:meth:`LlavaTask.length_of`; a loaded sample carries it as ``length`` whatever parts
+are loaded). Every rank thus knows the length of every sample without loading it: what
+sequence packing (``data.packing``) decides its rows from, the same on every rank, on
+an encoder rank that never tokenises too.
 """
 
 from __future__ import annotations
@@ -72,13 +79,15 @@ class BadSample:
 
 @dataclass(frozen=True)
 class LlavaRecord:
-    """A checked sample: its location, id, resolved files and chat messages."""
+    """A checked sample: its location, id, resolved files, chat messages and token count
+    (``length``: the tokens it trains on, placeholders expanded)."""
 
     location: str
     sample_id: str | None
     images: tuple[Path, ...]
     audios: tuple[Path, ...]
     messages: tuple[dict[str, str], ...]
+    length: int
 
 
 class LlavaDataset:
@@ -201,12 +210,14 @@ class LlavaDataset:
         files = {m: self._files(raw, m) for m in ("image", "audio")}
         for modality, paths in files.items():
             self._check_files(modality, paths, messages)
-        record = LlavaRecord(location, sample_id, files["image"], files["audio"], tuple(messages))
         try:
-            self._encode(record)
+            # Tokenised once here, whatever this rank loads later: every rank knows every
+            # sample's length (sequence packing decides rows from it).
+            length = int(self._tokenize(tuple(messages))["tokens"].numel())
         except ValueError as exc:
             raise SampleError(str(exc)) from None
-        return record
+        return LlavaRecord(location, sample_id, files["image"], files["audio"],
+                           tuple(messages), length)  # fmt: skip
 
     def _files(self, raw: dict, key: str) -> tuple[Path, ...]:
         value = raw.get(key)
@@ -275,13 +286,16 @@ class LlavaDataset:
             raise ValueError(f"parts {unknown} are invalid: expected some of {list(known)}")
         self.load_parts = frozenset(parts)
 
+    def _tokenize(self, messages: Sequence[dict[str, str]]) -> dict[str, torch.Tensor]:
+        with self._tokenizer_lock:
+            encoded = encode_conversation(self.tokenizer, messages, self.num_tokens)
+        return shifted_sample(encoded, self.pad_id, self.seq_length)
+
     def _encode(self, record: LlavaRecord) -> dict[str, torch.Tensor]:
         if "text" not in self.load_parts:
             empty = torch.zeros(0, dtype=torch.long)
             return {"tokens": empty, "labels": empty, "loss_mask": empty.float()}
-        with self._tokenizer_lock:
-            encoded = encode_conversation(self.tokenizer, record.messages, self.num_tokens)
-        return shifted_sample(encoded, self.pad_id, self.seq_length)
+        return self._tokenize(record.messages)
 
     def load(self, index: int) -> Sample:
         """Sample ``index`` (of the kept samples, in file order).
@@ -310,7 +324,7 @@ class LlavaDataset:
                 (False, False): "text"}[has]  # fmt: skip
         answer = [m["content"] for m in record.messages if m["role"] == "assistant"][-1]
         sample.update(image=image, audio=audio, has_image=has[0], has_audio=has[1],
-                      answer=answer, index=index, kind=kind,
+                      answer=answer, index=index, kind=kind, length=record.length,
                       sample_id=record.sample_id)  # fmt: skip
         return sample
 
@@ -399,6 +413,11 @@ class LlavaTask:
     def stream(self, seed: int, shuffle: bool = True) -> SampleStream:
         """The endless, layout-independent order of this split's samples for ``seed``."""
         return SampleStream(self, seed, shuffle)
+
+    def length_of(self, index: int) -> int:
+        """Token count of sample ``index`` of this split (placeholders expanded), known on
+        every rank without loading the sample (recorded when the dataset was checked)."""
+        return self.dataset.records[int(self.indices[index])].length
 
     def get(self, index: int, epoch: int = 0) -> Sample:
         """Sample ``index`` of this split (``epoch`` is ignored: no augmentation)."""

@@ -6,6 +6,9 @@ consecutive samples while they fit in ``seq_length`` tokens. The packing is a pu
 function of the sample sequence from the batch's first position, so every rank, in every
 layout, builds the same rows; a global batch is ``global_batch_size`` rows and the next
 one starts at the first sample not packed (the resume position, ``consumed_samples``).
+The decision needs only each sample's token count (:func:`pack_lengths`): a task that
+knows its samples' lengths without loading them (LLaVA data, whose ranks load only
+their modules' parts) packs from those, and each rank then loads only its own rows.
 
 **Batch format.** As :func:`~mimotron.data.collate.collate`, except that a row may hold
 several media items of a modality: ``image`` is Float[B, K, ...] and ``has_image``
@@ -37,15 +40,61 @@ def has_media(sample: Sample, key: str) -> bool:
     return bool(sample.get(f"has_{key}", sample.get(key) is not None))
 
 
+def sample_length(sample: Sample) -> int:
+    """A sample's token count: its ``length`` when it has one, else its tokens'.
+
+    A LLaVA sample carries ``length`` (placeholders expanded) even where its tokens are
+    not loaded (an encoder rank), so every rank packs it the same way.
+    """
+    if "length" in sample:
+        return int(sample["length"])
+    return int(sample["tokens"].numel())
+
+
 def fits(row: Sequence[Sample], sample: Sample, seq_length: int) -> bool:
     """Whether ``sample`` can join ``row`` (the row's tokens plus its fit ``seq_length``)."""
-    used = sum(int(s["tokens"].numel()) for s in row)
-    return used + int(sample["tokens"].numel()) <= seq_length
+    used = sum(sample_length(s) for s in row)
+    return used + sample_length(sample) <= seq_length
+
+
+def pack_lengths(lengths: Callable[[int, int], Sequence[int]], start: int, num_rows: int,
+                 seq_length: int, chunk: int = 64) -> tuple[list[list[int]], int]:
+    """Greedily pack ``num_rows`` rows from stream position ``start``, from lengths alone.
+
+    A row takes consecutive samples while their token counts sum to at most
+    ``seq_length``; a row's first sample always joins it.
+
+    Args:
+        lengths: ``f(start, count) -> token counts`` of the samples at those positions.
+        start: position of the first sample.
+        num_rows: rows to fill.
+        seq_length: tokens per row.
+        chunk: lengths read per call (the result does not depend on it).
+
+    Returns:
+        ``(rows, next_start)``: each row as the token counts of its samples (row ``r``
+        holds the positions that follow row ``r - 1``'s) and the position of the first
+        sample not packed.
+    """
+    rows: list[list[int]] = []
+    row: list[int] = []
+    pos, buffer = start, []
+    while True:
+        if not buffer:
+            buffer = [int(n) for n in lengths(pos, chunk)]
+        if row and sum(row) + buffer[0] > seq_length:
+            rows.append(row)
+            row = []
+            if len(rows) == num_rows:
+                return rows, pos
+        row.append(buffer.pop(0))
+        pos += 1
 
 
 def pack_rows(read: Callable[[int, int], list[Sample]], start: int, num_rows: int,
               seq_length: int, chunk: int = 64) -> tuple[list[list[Sample]], int]:
-    """Greedily pack ``num_rows`` rows from stream position ``start``.
+    """Greedily pack ``num_rows`` rows from stream position ``start`` (:func:`pack_lengths`
+    on the loaded samples' :func:`sample_length`).
 
     Args:
         read: ``f(start, count) -> samples`` over the global stream.
@@ -58,20 +107,19 @@ def pack_rows(read: Callable[[int, int], list[Sample]], start: int, num_rows: in
         ``(rows, next_start)``: the rows (lists of samples, in stream order) and the
         position of the first sample not packed.
     """
-    rows: list[list[Sample]] = []
-    row: list[Sample] = []
-    pos, buffer = start, []
-    while True:
-        if not buffer:
-            buffer = list(read(pos, chunk))
-        sample = buffer[0]
-        if row and not fits(row, sample, seq_length):
-            rows.append(row)
-            row = []
-            if len(rows) == num_rows:
-                return rows, pos
-        row.append(buffer.pop(0))
-        pos += 1
+    loaded: dict[int, Sample] = {}
+
+    def lengths(first: int, count: int) -> list[int]:
+        samples = read(first, count)
+        loaded.update(enumerate(samples, first))
+        return [sample_length(s) for s in samples]
+
+    counts, next_start = pack_lengths(lengths, start, num_rows, seq_length, chunk)
+    rows, pos = [], start
+    for row in counts:
+        rows.append([loaded[p] for p in range(pos, pos + len(row))])
+        pos += len(row)
+    return rows, next_start
 
 
 def _concat(row: Sequence[Sample]) -> Sample:
@@ -132,18 +180,6 @@ def collate_packed(rows: Sequence[Sequence[Sample]], seq_length: int, pad_id: in
             out[i, : s[key].numel()] = s[key]
         batch[key] = out
     return batch
-
-
-def document_mask(doc_ids: torch.Tensor) -> torch.Tensor:
-    """Block-diagonal causal attention mask ``[B, 1, S, S]`` (True = may attend).
-
-    Position ``q`` sees ``k <= q`` of its own document only; padding (-1) forms one
-    document of its own, so no query row is empty.
-    """
-    seq = doc_ids.shape[-1]
-    causal = torch.ones(seq, seq, dtype=torch.bool, device=doc_ids.device).tril()
-    same = doc_ids.unsqueeze(-1) == doc_ids.unsqueeze(-2)
-    return (same & causal).unsqueeze(1)
 
 
 def real_tokens(batch: Batch) -> torch.Tensor:

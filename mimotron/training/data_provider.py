@@ -11,7 +11,11 @@ are packed from the global stream position ``start`` by
 :func:`~mimotron.data.packing.pack_rows`, identically on every rank; the rules above then
 hold with rows in place of samples (global batch = ``global_batch_size`` rows). The next
 step starts at the first sample not packed, which is what ``consumed_samples`` records,
-so a resume continues with the rows a straight run would have built.
+so a resume continues with the rows a straight run would have built. Where the task
+knows its samples' token counts without loading them (LLaVA data, :func:`stream_lengths`)
+the rows are decided from those counts alone and a rank loads only the samples of its
+own rows, with the parts it loads: an encoder rank that never tokenises packs the same
+rows as the language ranks and feeds each row's media in document order.
 
 **Device placement.** Batches are collated on the host; :func:`microbatches_to_device`
 (called by the step and by evaluation) moves them to the rank's device. On the CPU it
@@ -23,20 +27,23 @@ issues the asynchronous copies.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from itertools import accumulate
 from typing import Any
 
 import torch
 
-from mimotron.data.collate import collate, slice_batch
-from mimotron.data.packing import collate_packed, pack_rows
+from mimotron.data.collate import Sample, collate, slice_batch
+from mimotron.data.packing import collate_packed, pack_lengths, pack_rows, sample_length
 from mimotron.host_sync import HOST
 from mimotron.parallel.layout import Layout
 from mimotron.pipeline.edges import slice_range
 from mimotron.runtime import pins_memory
 
 Microbatch = dict[str, dict[str, torch.Tensor]]
+LengthsAt = Callable[[int, int], Sequence[int]]
+"""``f(start, count) -> token counts`` of the stream's samples at those positions."""
 
 
 class MicrobatchProvider:
@@ -205,8 +212,19 @@ class PackedMicrobatchProvider(MicrobatchProvider):
     """Builds this rank's slices of every micro-batch of a packed step.
 
     Constructed as :class:`~mimotron.training.data_provider.MicrobatchProvider`
-    (``micro_batch_size`` counts rows).
+    (``micro_batch_size`` counts rows), plus:
+
+    Args:
+        lengths_at: the samples' token counts by stream position without loading them
+            (:func:`stream_lengths`), or ``None``: the lengths are read from the loaded
+            samples (every rank then loads every sample of the step).
     """
+
+    def __init__(self, layout: Layout, rank: int, micro_batch_size: int, seq_length: int,
+                 sample_at: Any, collate_kwargs: dict[str, Any] | None = None,
+                 lengths_at: LengthsAt | None = None) -> None:
+        super().__init__(layout, rank, micro_batch_size, seq_length, sample_at, collate_kwargs)
+        self.lengths_at = lengths_at
 
     def packed_step(self, start: int, num_microbatches: int
                     ) -> tuple[list[Microbatch], int, int]:
@@ -215,9 +233,17 @@ class PackedMicrobatchProvider(MicrobatchProvider):
         Returns:
             ``(micro-batches, next start, real tokens of the whole global batch)``.
         """
-        rows, next_start = pack_rows(self.sample_at, start, num_microbatches * self.mbs,
-                                     self.seq_length)
-        real = sum(int(s["tokens"].numel()) for row in rows for s in row)
+        num_rows = num_microbatches * self.mbs
+        rows_in: Callable[[int, int], list[list[Sample]]]
+        if self.lengths_at is None:
+            rows, next_start = pack_rows(self.sample_at, start, num_rows, self.seq_length)
+            real = sum(sample_length(s) for row in rows for s in row)
+            rows_in = lambda a, b: rows[a:b]  # noqa: E731
+        else:
+            lengths, next_start = pack_lengths(self.lengths_at, start, num_rows,
+                                               self.seq_length)
+            real = sum(sum(row) for row in lengths)
+            rows_in = _RowLoader(self.sample_at, lengths, start).rows
         span = self.span
         out: list[Microbatch] = []
         for j in range(num_microbatches):
@@ -225,11 +251,61 @@ class PackedMicrobatchProvider(MicrobatchProvider):
                 out.append({})
                 continue
             lo, hi = span
-            mb_rows = rows[j * self.mbs + lo: j * self.mbs + hi]
+            mb_rows = rows_in(j * self.mbs + lo, j * self.mbs + hi)
             batch = collate_packed(mb_rows, self.seq_length, **self.collate_kwargs)
             out.append({name: slice_batch(batch, s - lo, e - lo)
                         for name, (s, e) in self.slices.items()})
         return out, next_start, real
+
+
+class _RowLoader:
+    """Loads rows ``[a, b)`` of a step packed from lengths: only their samples, in one read.
+
+    Args:
+        sample_at: ``f(start, count) -> samples`` over the global stream.
+        lengths: the step's rows as token counts (:func:`~mimotron.data.packing.pack_lengths`).
+        start: the stream position of row 0's first sample.
+    """
+
+    def __init__(self, sample_at: Any, lengths: list[list[int]], start: int) -> None:
+        self.sample_at = sample_at
+        self.sizes = [len(row) for row in lengths]
+        # firsts[r]: stream position of row r's first sample (firsts[-1]: past the last).
+        self.firsts = list(accumulate(self.sizes, initial=start))
+
+    def rows(self, a: int, b: int) -> list[list[Sample]]:
+        """Rows ``[a, b)``: consecutive stream positions, read at once and cut by row."""
+        first, end = self.firsts[a], self.firsts[b]
+        samples = list(self.sample_at(first, end - first)) if end > first else []
+        out = [samples[self.firsts[r] - first:self.firsts[r + 1] - first] for r in range(a, b)]
+        for row, size in zip(out, self.sizes[a:b], strict=True):
+            assert len(row) == size, "the reader returned fewer samples than asked"
+        return out
+
+
+def stream_lengths(stream: Any) -> LengthsAt | None:
+    """Token counts by stream position without loading, where the task knows them.
+
+    A LLaVA task records every sample's length when it checks the file
+    (:meth:`~mimotron.data.llava.LlavaTask.length_of`), on every rank, whatever parts the
+    rank loads; packing then decides its rows from them and each rank loads only its own
+    rows. The synthetic tasks have no such table (``None``): their samples are cheap and
+    loaded whole on every rank.
+
+    Args:
+        stream: a :class:`~mimotron.data.digits.SampleStream` (``items`` and ``dataset``).
+
+    Returns:
+        ``f(start, count) -> [length, ...]``, or ``None``.
+    """
+    length_of = getattr(stream.dataset, "length_of", None)
+    if length_of is None:
+        return None
+
+    def lengths(start: int, count: int) -> list[int]:
+        return [length_of(index) for index, _ in stream.items(start, count)]
+
+    return lengths
 
 
 class PackedTrainIterator(Iterator[list[Microbatch]]):

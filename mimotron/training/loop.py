@@ -45,6 +45,7 @@ from mimotron.training.data_provider import (
     StepPrefetcher,
     make_pad_sample,
     padded_reader,
+    stream_lengths,
     train_iterator,
 )
 from mimotron.training.evaluate import evaluate
@@ -117,11 +118,12 @@ def setup_mimo(cfg: MimoConfig, runtime: Runtime) -> MimoRun:
     stream = train_task.stream(cfg.train.seed)
     # 0 workers: the stream itself, exactly today's synchronous path.
     reader = PrefetchingReader(stream, cfg.data.num_workers) if cfg.data.num_workers else None
-    provider_type = PackedMicrobatchProvider if cfg.data.packing else MicrobatchProvider
-    provider = provider_type(infra.layout, runtime.rank, cfg.train.micro_batch_size,
-                             cfg.data.seq_length,
-                             reader.samples if reader is not None else stream.samples,
-                             _collate_kwargs(train_task))
+    provider_args = (infra.layout, runtime.rank, cfg.train.micro_batch_size, cfg.data.seq_length,
+                     reader.samples if reader is not None else stream.samples,
+                     _collate_kwargs(train_task))
+    # Packing decides rows from lengths known on every rank where the task has them (llava).
+    provider = (PackedMicrobatchProvider(*provider_args, lengths_at=stream_lengths(stream))
+                if cfg.data.packing else MicrobatchProvider(*provider_args))
     iterator_type = PackedTrainIterator if cfg.data.packing else train_iterator
     train_iter = iterator_type(provider, state.train_state.consumed_samples,
                                cfg.train.global_batch_size)
