@@ -10,7 +10,10 @@ here, so a bug there cannot hide in both sides of a comparison.
 
 What it borrows from mimotron is what a user would borrow: the config file and its
 resolved per-module values, the tokenizer and data API (the global sample order), and
-the model classes (``build_mimo_model``).
+the model classes (``build_mimo_model``). The language model's attention core is not
+borrowed: :func:`reference_run` replaces it in every decoder layer with its own
+(:mod:`tests.reference_attention`: RoPE positions, the causal and per-document mask of
+packed rows and grouped-query attention, from the batch's ``doc_ids`` alone).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from mimotron.config import MimoConfig, load_config
 from mimotron.data import CharTokenizer, build_datasets, collate
 from mimotron.models.build import build_mimo_model
 from tests.common import BASE, DIGITS, module_of
+from tests.reference_attention import install_reference_attention
 
 # The language model's vocabulary is padded to a multiple of 64 (so TP can split it).
 VOCAB_MULTIPLE = 64
@@ -130,7 +134,9 @@ def _data(cfg_key: tuple[str, ...]) -> tuple:
 def reference_setup(overrides: tuple[str, ...] | list[str]
                     ) -> tuple[MimoConfig, object, Callable[[], torch.nn.Module]]:
     """The config, the data task and a builder of the whole model for ``BASE + overrides``
-    (the vocabulary padded as the engine pads it, the tokenizer's placeholder ids)."""
+    (the vocabulary padded as the engine pads it, the tokenizer's placeholder ids). The
+    model is as built, with the engine's attention core; :func:`reference_run` installs
+    its own."""
     cfg = load_config(DIGITS, BASE + list(overrides))
     tokenizer, task = _data(tuple(overrides))
     vocab = -(-tokenizer.vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
@@ -157,6 +163,8 @@ def reference_run(overrides: tuple[str, ...], num_iters: int,
     """
     cfg, task, build = reference_setup(overrides)
     model = build()
+    attention = install_reference_attention(model)
+    num_layers = len(model.language_model.layers)
     for n, p in model.named_parameters():
         p.requires_grad_(not cfg.modules[module_of(n)].freeze)
     initial = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -171,7 +179,10 @@ def reference_run(overrides: tuple[str, ...], num_iters: int,
             stream.samples(k * gbs, gbs), task.seq_length, pad_id=task.pad_id,
             image_shape=task.image_shape, audio_shape=task.audio_shape)
         optimizer.zero_grad(set_to_none=True)
+        attention.doc_ids = batch.get("doc_ids")  # None: unpacked rows
+        calls = attention.calls
         loss_sum, num_tokens, _ = model(batch)
+        assert attention.calls == calls + num_layers, "a decoder layer bypassed attn.core"
         objective = loss_sum if extra is None else loss_sum + extra(batch)
         (objective / num_tokens).backward()
         out.num_zeros.append(sum(p.numel() if p.grad is None else int((p.grad == 0).sum())
