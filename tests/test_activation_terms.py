@@ -1,12 +1,12 @@
-"""MoE layers and attention masks in the activation estimate, against autograd's tensors.
+"""MoE layers and packed rows in the activation estimate, against autograd's tensors.
 
 As ``tests/test_memory_estimate.py`` does for dense layers: the real language model runs
 forward (and its loss) for 3 and 2 samples, and the distinct storages autograd saves are
 counted; their difference is one sample's. The estimate
 (``activation_bytes(in_flight=1)`` per sample) must account for it within 1%, from
 below (small per-token terms are left out), with routed experts of several ``top_k``,
-expert and shared-expert widths, fp32 and bf16. Packed rows: the per-layer mask SDPA
-keeps, from the difference between packed and unpacked runs of 2 and 4 layers.
+expert and shared-expert widths, fp32 and bf16. Packed rows: no mask, from the difference
+between packed and unpacked runs of 2 and 4 layers.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from mimotron.config import load_config
+from mimotron.models.attention import Documents
 from mimotron.models.build import build_module
-from mimotron.parallel.activation_terms import mask_bytes_per_sample
 from mimotron.parallel.memory import activation_bytes
 from tests.test_memory_estimate import (
     DIGITS,
@@ -58,7 +58,11 @@ def test_top_k_moves_the_estimate_with_the_routed_rows() -> None:
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_packed_rows_keep_a_mask_per_layer(precision: str) -> None:
+def test_packed_rows_keep_no_mask(precision: str) -> None:
+    """Packed rows (two documents a row) keep no mask and nothing of ``S x S``: per layer
+    and sample, beyond the unpacked layer, only the CPU kernel's concatenated output
+    (one ``c x hidden`` row per token: each document's SDPA keeps its own output and
+    ``wo`` reads their concatenation; the GPU's one variable-length call keeps one)."""
     def measured(layers: int, packed: bool) -> int:
         cfg = load_config(DIGITS, [f"train.precision={precision}",
                                    f"modules.language.num_layers={layers}"])
@@ -69,21 +73,19 @@ def test_packed_rows_keep_a_mask_per_layer(precision: str) -> None:
 
         def run(n: int) -> torch.Tensor:
             docs = (torch.arange(SEQ) >= SEQ // 2).long().expand(n, SEQ)  # two documents
+            args = {"documents": Documents.from_doc_ids(docs)} if packed else {}
             with ctx:
-                return lm(torch.randn(n, SEQ, 128, requires_grad=True),
-                          **({"doc_ids": docs} if packed else {}))
+                return lm(torch.randn(n, SEQ, 128, requires_grad=True), **args)
 
         return _saved_bytes(lambda: run(3)) - _saved_bytes(lambda: run(2))
 
-    cfg = load_config(DIGITS, [f"train.precision={precision}", "data.packing=true"])
-    per_layer = mask_bytes_per_sample(cfg, "language")
-    assert per_layer == (4 if precision == "fp32" else 2) * SEQ * SEQ
+    c = 4 if precision == "fp32" else 2
     extra = {n: measured(n, True) - measured(n, False) for n in (2, 4)}
-    assert extra[4] - extra[2] == 2 * per_layer  # one converted mask per layer
-    # Once per forward: the boolean masks (2 bytes per position pair), left out.
-    assert extra[2] - 2 * per_layer == 2 * SEQ * SEQ
+    assert extra[4] - extra[2] == 2 * c * 128 * SEQ, extra  # per layer: the output copy
+    # Once per forward: the per-document RoPE rows (cos and sin, fp32, head_dim / 2 each).
+    head_dim = 128 // load_config(DIGITS).modules["language"].num_heads
+    assert extra[2] == 2 * c * 128 * SEQ + 2 * 4 * SEQ * head_dim // 2, extra
+    cfg = load_config(DIGITS, [f"train.precision={precision}", "data.packing=true"])
     unpacked = load_config(DIGITS, [f"train.precision={precision}"])
-    samples = cfg.train.micro_batch_size // cfg.modules["language"].parallel.data
-    assert (activation_bytes(cfg, "language", VOCAB, in_flight=1)
-            - activation_bytes(unpacked, "language", VOCAB, in_flight=1)) == (
-        2 * per_layer * samples)
+    assert activation_bytes(cfg, "language", VOCAB, in_flight=1) == activation_bytes(
+        unpacked, "language", VOCAB, in_flight=1)

@@ -20,18 +20,19 @@ from __future__ import annotations
 import json
 from functools import cache
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 import mimotron.models.blocks as blocks_module
 from mimotron.config import load_config
-from mimotron.data.packing import document_mask
-from mimotron.models.blocks import Attention, rope_cache
+from mimotron.models.attention import Documents, plan_attention
+from mimotron.models.blocks import Attention, apply_rope, rope_cache
 from mimotron.models.language import LanguageModel, language_loss
 from mimotron.models.mimo import MimoModel
-from mimotron.parallel.context_attention import context_attention_mask
 from mimotron.parallel.context_parallel import load_balanced_positions
 from mimotron.parallel.layout import plan_layout
 from mimotron.runtime import init_runtime
@@ -80,9 +81,9 @@ def cp_engine_run(rank: int, world: int, overrides: list[str], num_iters: int) -
         encoded_rows.append(out.shape[0] * out.shape[1])
         return out
 
-    def recording_gather(k, v, group):  # noqa: ANN001, ANN202
-        local_keys.append(k.shape[-2])
-        return gather(k, v, group)
+    def recording_gather(k, v, group, dim):  # noqa: ANN001, ANN202
+        local_keys.append(k.shape[dim])
+        return gather(k, v, group, dim)
 
     def recording_exchange(out: list, *args: object) -> list:
         sends.extend((peer, tuple(t.shape)) for peer, t in out)
@@ -184,23 +185,42 @@ def test_packed_context_parallel_matches_plain_loop(name):
     _check_run(results, _packed_reference(), overrides)
 
 
+def _dense_core(doc_ids: torch.Tensor | None):
+    """An attention core over whole rows with the mask written out here: causal, and
+    within one document for packed rows (RoPE by the model's own function)."""
+    def core(q, k, v, rope=None, plan=None):
+        cos, sin = (t[:, None, :] for t in rope)  # [S, 1, d/2] for [B, S, h, d]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        seq = q.shape[1]
+        allowed = torch.ones(seq, seq, dtype=torch.bool).tril()
+        if doc_ids is not None:
+            allowed = allowed & (doc_ids[:, :, None] == doc_ids[:, None, :])
+        group = q.shape[2] // k.shape[2]
+        k, v = (t.repeat_interleave(group, dim=2) for t in (k, v))
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        mask = allowed if allowed.dim() == 2 else allowed[:, None]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2)
+    return core
+
+
 def _attention_rows(rank: int, world: int, packed: bool) -> dict:
-    """CP attention on this rank's positions vs full attention (same weights, same input)."""
+    """CP attention on this rank's positions (the engine's plan and kernel) vs attention
+    over the whole rows with a dense mask written in the test (same weights and input)."""
     torch.manual_seed(0)
     seq, hidden = 16, 32
     attn = Attention(hidden, num_heads=4, causal=True, num_kv_heads=2)
     x = torch.randn(2, seq, hidden)
     doc_ids = torch.tensor([[0] * 5 + [1] * 7 + [2] * 4, [0] * 9 + [1] * 7])
     cos, sin = rope_cache(seq, attn.head_dim)
-    full_mask = document_mask(doc_ids) if packed else None
     full_x = x.clone().requires_grad_(True)
-    full = attn(full_x, (cos, sin), full_mask)
+    with mock.patch.object(attn, "core", _dense_core(doc_ids if packed else None)):
+        full = attn(full_x, (cos, sin))
     full.square().sum().backward()
     pos = load_balanced_positions(seq, world, rank)
     attn.context_parallel_group = dist.group.WORLD
     local_x = x[:, pos].clone().requires_grad_(True)
-    mask = context_attention_mask(seq, world, rank, x.device, doc_ids if packed else None)
-    local = attn(local_x, (cos[pos], sin[pos]), mask)
+    docs = Documents.from_doc_ids(doc_ids) if packed else Documents.whole(2, seq)
+    local = attn(local_x, (cos[pos], sin[pos]), plan_attention(docs, x.device, world, rank))
     local.square().sum().backward()
     return {"out_err": float((local - full[:, pos]).abs().max()),
             "grad_err": float((local_x.grad - full_x.grad[:, pos]).abs().max()),
@@ -260,17 +280,15 @@ def test_activation_estimate_divides_by_context():
         return activation_bytes(cfg, "language")
 
     plain, cp2 = estimate({}), estimate({"context": 2})
-    # Half the positions, plus the other half's keys and values, which attention saves
-    # after the all-gather: 2 tensors x 2 bytes (16-bit) x hidden / tp per position and
-    # layer; 2 layers, 8 samples per micro-batch, fp32 (twice the 16-bit bytes). And the
-    # causal mask over the gathered keys, which SDPA keeps per layer in the queries'
-    # dtype: [1, 1, S / 2, S] per micro-batch.
+    # Half the positions, plus the keys and values attention reads beyond its own: each
+    # chunk of S / 4 reads the keys up to its end, S + S / 4 in all, S / 4 + S / 2 of
+    # them not its own. 2 tensors x 2 bytes (16-bit) x hidden / tp per key and layer;
+    # 2 layers, 8 samples per micro-batch, fp32 (twice the 16-bit bytes). No mask.
     layers, samples, fp32 = 2, 8, 2
-    gathered_kv = layers * 2 * 2 * HIDDEN * (SEQ // 2) * samples * fp32
-    mask = layers * 4 * (SEQ // 2) * SEQ
-    assert cp2 == plain // 2 + gathered_kv + mask
+    read_kv = layers * 2 * 2 * HIDDEN * (SEQ // 4 + SEQ // 2) * samples * fp32
+    assert cp2 == plain // 2 + read_kv
     tp2_sp, cp2_tp2_sp = estimate({"tensor": 2}, *SP), estimate({"context": 2, "tensor": 2}, *SP)
-    assert cp2_tp2_sp == tp2_sp // 2 + gathered_kv // 2 + mask and tp2_sp < plain
+    assert cp2_tp2_sp == tp2_sp // 2 + read_kv // 2 and tp2_sp < plain
 
 
 def test_optimizer_estimate_shards_over_dp_times_cp():

@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from mimotron.models.attention import AttentionPlan, attend
 from mimotron.parallel.context_attention import gather_kv
 
 # GPT-2's std, used for embeddings and (divided by sqrt(2 * num_layers)) for projections
@@ -331,22 +332,22 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, norm_eps) if qk_norm else None
         # Context parallelism (set by LanguageModel.set_context_parallel): x holds this
         # rank's positions only; keys/values are all-gathered over this group and the
-        # caller's mask compares global positions (mimotron.parallel.context_attention).
+        # caller's attention plan reads them by global position (mimotron.models.attention).
         self.context_parallel_group: dist.ProcessGroup | None = None
 
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-        mask: torch.Tensor | None = None,
+        plan: AttentionPlan | None = None,
     ) -> torch.Tensor:
         """Attend over the sequence.
 
         Args:
             x: ``[batch, seq, hidden]``.
             rope: ``(cos, sin)`` for the sequence, or ``None`` for no rotary embedding.
-            mask: bool ``[batch, 1, seq, seq]`` (True = may attend) replacing the causal
-                mask (packed documents, :func:`~mimotron.data.packing.document_mask`);
-                under context parallelism ``[*, 1, seq, c * seq]`` against the gathered
-                keys (required then).
+            plan: packed documents or context-parallel chunks: which keys each query
+                reads (:func:`~mimotron.models.attention.plan_attention`; required under
+                context parallelism); ``None`` = plain causal (or bidirectional)
+                attention over the row.
 
         Returns:
             ``[batch, seq, hidden]``.
@@ -361,15 +362,16 @@ class Attention(nn.Module):
         k, v = (t.view(batch, seq, num_kv, self.head_dim) for t in (k, v))
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        out = self.core(q, k, v, rope, mask)
+        out = self.core(q, k, v, rope, plan)
         return self.wo(out.reshape(batch, seq, num_q * self.head_dim))
 
     def core(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor] | None = None, mask: torch.Tensor | None = None,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None, plan: AttentionPlan | None = None,
     ) -> torch.Tensor:
         """The attention core between the projections and ``wo``: RoPE, the
-        context-parallel key/value gather and SDPA.
+        context-parallel key/value gather and the kernel (:func:`~mimotron.models.
+        attention.attend`).
 
         It holds no parameters, which is what lets selective recompute
         (:mod:`mimotron.models.recompute`) run it again in backward from its inputs.
@@ -379,10 +381,11 @@ class Attention(nn.Module):
             k: ``[batch, seq, local kv heads, head_dim]`` keys (after the k norm).
             v: like ``k``, values.
             rope: ``(cos, sin)`` as in :meth:`forward`, or ``None``.
-            mask: as in :meth:`forward`.
+            plan: as in :meth:`forward`.
 
         Returns:
-            ``[batch, seq, local heads, head_dim]``: a transposed view of SDPA's output.
+            ``[batch, seq, local heads, head_dim]`` (without a plan, a transposed view of
+            SDPA's output).
         """
         if rope is not None:
             # Rotated in [batch, seq, heads, head_dim] order: SDPA's output then comes
@@ -390,23 +393,17 @@ class Attention(nn.Module):
             # attention saved, not a second copy.
             cos, sin = (_seq_major(t) for t in rope)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         if self.context_parallel_group is not None:
-            if mask is None:
-                raise ValueError("context-parallel attention needs a mask over global "
-                                 "positions (context_attention_mask); got mask=None")
+            if plan is None:
+                raise ValueError("context-parallel attention needs an attention plan over "
+                                 "global positions (plan_attention); got plan=None")
             # After RoPE (keys carry their global positions): gathers the fewer
             # key/value heads of grouped-query attention.
-            k, v = gather_kv(k, v, self.context_parallel_group)
+            k, v = gather_kv(k, v, self.context_parallel_group, dim=1)
         # Grouped-query attention without expanding K/V: query head h reads key/value
         # head h // (num_q / num_kv); contiguous TP shards of q and of k/v hold matching
         # groups because tp divides num_kv_heads.
-        gqa = k.shape[1] != q.shape[1]
-        if mask is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal, enable_gqa=gqa)
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-        return out.transpose(1, 2)
+        return attend(q, k, v, plan, causal=self.causal)
 
 
 class SwiGLU(nn.Module):
@@ -491,10 +488,10 @@ class TransformerBlock(nn.Module):
 
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-        mask: torch.Tensor | None = None,
+        plan: AttentionPlan | None = None,
     ) -> torch.Tensor:
-        """Run the layer on ``[batch, seq, hidden]``; ``rope``/``mask`` as in :class:`Attention`."""
-        x = x + self.attn(self.attn_norm(x), rope, mask)
+        """Run the layer on ``[batch, seq, hidden]``; ``rope``/``plan`` as in :class:`Attention`."""
+        x = x + self.attn(self.attn_norm(x), rope, plan)
         return x + self.mlp(self.mlp_norm(x))
 
 

@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from mimotron.data.packing import document_mask
+from mimotron.models.attention import AttentionPlan, Documents, plan_attention
 from mimotron.models.blocks import (
     RMSNorm,
     chunk_modules,
@@ -24,7 +24,6 @@ from mimotron.models.blocks import (
 )
 from mimotron.models.moe import MoEOptions, check_layer_freq
 from mimotron.models.rope_scaling import rope_inv_freq, validate_rope_scaling
-from mimotron.parallel.context_attention import context_attention_mask
 from mimotron.parallel.context_parallel import load_balanced_positions
 from mimotron.parallel.sequence_parallel import gather_sequence, scatter_sequence
 
@@ -164,23 +163,31 @@ class LanguageModel(nn.Module):
         return load_balanced_positions(seq_len, dist.get_world_size(group),
                                        dist.get_rank(group), device)
 
-    def _context_rope_and_mask(
-        self, seq: int, rope: tuple[torch.Tensor, torch.Tensor], doc_ids: torch.Tensor | None,
-        position_ids: torch.Tensor | None,
-    ) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
-        """RoPE rows at this CP rank's global positions, and its mask vs the gathered keys."""
+    def _rope_and_plan(
+        self, seq: int, batch: int, rope: tuple[torch.Tensor, torch.Tensor],
+        documents: Documents | None, position_ids: torch.Tensor | None,
+    ) -> tuple[tuple[torch.Tensor, torch.Tensor], AttentionPlan | None]:
+        """RoPE rows at this rank's positions, and the attention plan of its queries.
+
+        No plan for an unpacked row without context parallelism (plain causal SDPA).
+        Packed rows index RoPE by ``position_ids`` (restarting per document).
+        """
         group = self.context_parallel_group
-        assert group is not None
-        cp_size, cp_rank = dist.get_world_size(group), dist.get_rank(group)
-        pos = load_balanced_positions(seq, cp_size, cp_rank, rope[0].device)
-        if doc_ids is None:
+        cp_size, cp_rank = (1, 0) if group is None else (dist.get_world_size(group),
+                                                         dist.get_rank(group))
+        if documents is None and cp_size == 1:
+            return rope, None
+        device = rope[0].device
+        pos = None if cp_size == 1 else load_balanced_positions(seq, cp_size, cp_rank, device)
+        if documents is None:
+            documents = Documents.whole(batch, seq)
             rope = (rope[0][pos], rope[1][pos])
         else:
-            # Packed rows: each position's RoPE index restarts per document.
             rows = (position_ids if position_ids is not None
-                    else torch.arange(seq, device=doc_ids.device).expand_as(doc_ids))[:, pos]
+                    else torch.arange(seq, device=device).expand(batch, seq))
+            rows = rows if pos is None else rows[:, pos]
             rope = (rope[0][rows].unsqueeze(1), rope[1][rows].unsqueeze(1))
-        return rope, context_attention_mask(seq, cp_size, cp_rank, rope[0].device, doc_ids)
+        return rope, plan_attention(documents, device, cp_size, cp_rank)
 
     @staticmethod
     def _check_sizes(
@@ -231,7 +238,7 @@ class LanguageModel(nn.Module):
             raise ValueError("embed_tokens called on a LanguageModel built with pre_process=False")
         return self.embed(tokens)
 
-    def forward(self, hidden: torch.Tensor, doc_ids: torch.Tensor | None = None,
+    def forward(self, hidden: torch.Tensor, documents: Documents | None = None,
                 position_ids: torch.Tensor | None = None, chunk: int | None = None
                 ) -> torch.Tensor:
         """Run this stage's layers (and, on the last stage, the norm and output head).
@@ -239,10 +246,11 @@ class LanguageModel(nn.Module):
         Args:
             hidden: ``[B, S, hidden]`` embeddings (merged) or a previous stage's output;
                 under context parallelism ``[B, S / c, hidden]``, this rank's positions.
-            doc_ids: packed rows only (``data.packing``): ``[B, S]`` document of each
-                position; attention is then causal within each document only. Whole
+            documents: packed rows only (``data.packing``): where each row's documents
+                start (:meth:`~mimotron.models.attention.Documents.from_doc_ids`);
+                attention is then causal within each document only. Whole rows
                 (``S`` positions) under context parallelism too.
-            position_ids: with ``doc_ids``: ``[B, S]`` RoPE positions (restarting at 0
+            position_ids: with ``documents``: ``[B, S]`` RoPE positions (restarting at 0
                 for every document); whole under context parallelism too.
             chunk: interleaved pipelines only: run model chunk ``chunk`` of
                 ``layer_chunks`` (the head only after the last one); ``None`` = every layer.
@@ -251,26 +259,21 @@ class LanguageModel(nn.Module):
             Logits ``[B, S, vocab]`` on the last stage, else hidden states ``[B, S, hidden]``.
 
         Raises:
-            ValueError: if ``S`` exceeds ``max_seq_len``.
+            ValueError: if ``S`` exceeds ``max_seq_len``, or ``documents`` do not match it.
         """
         seq = hidden.shape[1]
         if self.context_parallel_group is not None:
             seq *= dist.get_world_size(self.context_parallel_group)
         if seq > self.max_seq_len:
             raise ValueError(f"sequence length {seq} exceeds max_seq_len={self.max_seq_len}")
+        if documents is not None and (documents.seq_len, documents.num_rows) != (
+                seq, hidden.shape[0]):
+            raise ValueError(f"documents of {documents.num_rows} rows x {documents.seq_len} "
+                             f"positions for hidden states of {hidden.shape[0]} x {seq}")
         # Recomputed per call: tiny, and avoids buffers that meta-device builds and
         # checkpoints would have to special-case.
-        rope = self.rope(seq, hidden.device)
-        mask = None
-        if self.context_parallel_group is not None:
-            rope, mask = self._context_rope_and_mask(seq, rope, doc_ids, position_ids)
-        elif doc_ids is not None:
-            # Packed rows: per-row positions select rows of the tables ([B, 1, S, d/2]
-            # broadcasts over heads), and the mask keeps documents apart.
-            pos = position_ids if position_ids is not None else torch.arange(
-                seq, device=hidden.device).expand_as(doc_ids)
-            rope = (rope[0][pos].unsqueeze(1), rope[1][pos].unsqueeze(1))
-            mask = document_mask(doc_ids)
+        rope, plan = self._rope_and_plan(seq, hidden.shape[0], self.rope(seq, hidden.device),
+                                         documents, position_ids)
         hidden = to_residual_dtype(hidden, self.fp32_residual)
         group = self.sequence_parallel_group
         if group is not None:
@@ -278,7 +281,7 @@ class LanguageModel(nn.Module):
             # sequences (mimotron.parallel.sequence_parallel).
             hidden = scatter_sequence(hidden, group)
         for layer in chunk_modules(self.layers, self.layer_chunks, chunk):
-            hidden = layer(hidden, rope) if mask is None else layer(hidden, rope, mask)
+            hidden = layer(hidden, rope) if plan is None else layer(hidden, rope, plan)
         last = is_last_chunk(self.layer_chunks, chunk)
         if self.final_norm is None or self.output is None or not last:
             return hidden if group is None else gather_sequence(hidden, group)

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mimotron.host_sync import host_copy
+from mimotron.models.attention import document_args
 from mimotron.models.encoders import ModalitySubmodule
 from mimotron.models.language import LanguageModel, language_loss
 from mimotron.names import LANGUAGE
@@ -254,9 +255,7 @@ class MimoModel(nn.Module):
             present,
         )
         # Packed rows (data.packing) carry their documents; see mimotron.data.packing.
-        packed = ({"doc_ids": batch["doc_ids"], "position_ids": batch["position_ids"]}
-                  if "doc_ids" in batch else {})
-        logits = self.language_model(hidden, **packed)
+        logits = self.language_model(hidden, **document_args(batch))
         return language_loss(logits, batch["labels"], batch["loss_mask"])
 
 

@@ -38,6 +38,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.attention.varlen  # noqa: F401  (registers torch_attn._varlen_attn)
 from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext
 
 _aten = torch.ops.aten
@@ -48,7 +49,8 @@ _SDPA_OPS = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_a
              "_flash_attention_forward", "_efficient_attention_forward")
 
 SAVED_OPS: frozenset[Any] = frozenset(
-    [_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.linear.default]
+    [_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.linear.default,
+     torch.ops.torch_attn._varlen_attn.default]  # packed/context-parallel rows on a GPU
     + [getattr(_aten, name).default for name in _SDPA_OPS if hasattr(_aten, name)])
 """The compute ops whose outputs :class:`SavePolicy` keeps (overload packets resolved)."""
 

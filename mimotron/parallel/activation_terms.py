@@ -1,7 +1,7 @@
-"""Saved activations the dense layer count leaves out: MoE layers and attention masks.
+"""Saved activations the dense layer count leaves out: MoE layers.
 
 :func:`mimotron.parallel.memory.layer_bytes_per_token` counts a dense transformer layer
-run by SDPA without a mask. Two options change what a layer keeps beyond that, and
+run by SDPA without a mask. Mixture of experts changes what a layer keeps, and
 :func:`extra_layer_bytes_per_sample` adds them for a module stage:
 
 * **Mixture of experts** (``num_experts > 0``): an MoE layer keeps, in place of the
@@ -15,17 +15,11 @@ run by SDPA without a mask. Two options change what a layer keeps beyond that, a
   (``tests/test_activation_terms.py``: the whole model within 0.6%). Expert-parallel
   ranks are counted as if routing were balanced (each rank computes ``T x top_k``
   rows); the all-to-all's own buffers are not counted.
-* **Attention masks** (``data.packing``, or ``context > 1``): the attention then runs
-  with an explicit boolean mask (:func:`~mimotron.parallel.context_attention.
-  context_attention_mask`), which SDPA converts to the queries' dtype in every layer
-  and keeps for backward: ``c x (S / cp) x S`` bytes per layer, per sample for packed
-  rows (``[B, 1, S/cp, S]``), per micro-batch for the causal context-parallel mask
-  (``[1, 1, S/cp, S]``). The boolean masks of a forward (2 bytes per position pair
-  and sample, measured, whatever the depth) are left out.
+* **Packed documents and context parallelism** need no term here: attention runs
+  without a mask (:mod:`mimotron.models.attention`), and the keys a context-parallel
+  rank reads are :func:`~mimotron.parallel.memory.context_kv_bytes_per_sample`.
 
-A recomputed layer (``modules.<m>.recompute``) runs its attention core again in
-backward, so keeps no converted mask; under ``full`` recompute it keeps none of its MoE
-tensors either.
+A recomputed layer (``modules.<m>.recompute = "full"``) keeps none of its MoE tensors.
 """
 
 from __future__ import annotations
@@ -72,22 +66,9 @@ def num_moe_layers(cfg: MimoConfig, name: str, layers: list[int]) -> int:
     return 0 if opts is None else sum(opts.is_moe_layer(i) for i in layers)
 
 
-def mask_bytes_per_sample(cfg: MimoConfig, name: str) -> float:
-    """One layer's converted attention mask, per sample of the micro-batch (0 without)."""
-    mod = cfg.modules[name]
-    par = mod.parallel
-    if name != LANGUAGE or not (cfg.data.packing or par.context > 1):
-        return 0.0
-    seq = cfg.data.seq_length
-    mask = BYTES[cfg.train.precision] * (seq // par.context) * seq
-    if cfg.data.packing:
-        return float(mask)  # [B, 1, S / cp, S]: one row block per sample
-    return mask / (cfg.train.micro_batch_size // par.data)  # [1, 1, S / cp, S]
-
-
 def extra_layer_bytes_per_sample(cfg: MimoConfig, name: str, layers: list[int],
                                  recomputed: int) -> float:
-    """The MoE and mask terms of a stage holding ``layers``, per sample of a micro-batch.
+    """The MoE term of a stage holding ``layers``, per sample of a micro-batch.
 
     Args:
         cfg: the run config.
@@ -99,4 +80,43 @@ def extra_layer_bytes_per_sample(cfg: MimoConfig, name: str, layers: list[int],
     tokens = cfg.data.seq_length // mod.parallel.context if name == LANGUAGE else 0
     kept = 1.0 - (recomputed / len(layers) if layers and mod.recompute == "full" else 0.0)
     moe = num_moe_layers(cfg, name, layers) * tokens * moe_extra_bytes_per_token(cfg, name)
-    return moe * kept + (len(layers) - recomputed) * mask_bytes_per_sample(cfg, name)
+    return moe * kept
+
+
+def context_keys_read(seq_len: int, context: int) -> int:
+    """Keys (per sample) one context-parallel rank's attention reads and keeps.
+
+    A rank holds a head and a tail chunk of ``L = S / 2c`` positions; each attends to
+    the keys up to its end (:mod:`mimotron.models.attention.documents`), chunk ``r``
+    to ``(r + 1) L`` keys and chunk ``2c - 1 - r`` to ``(2c - r) L``: ``S + L`` on
+    every rank. Packed documents read fewer (a document's keys only), so this is
+    their upper bound. ``S`` without context parallelism.
+    """
+    if context == 1:
+        return seq_len
+    return seq_len + seq_len // (2 * context)
+
+
+def attention_bytes_per_sample(cfg: MimoConfig, name: str) -> int:
+    """What one layer's attention kernel keeps per sample: the rotated queries, the keys
+    and values it reads, its output (the compute dtype) and its fp32 log-sum-exp per
+    query and head. Divided by ``tensor`` (local heads). No mask and no score matrix
+    at any length: the attention backend (:mod:`mimotron.models.attention`) makes
+    none. The layer estimate counts all of it but the log-sum-exp (4 bytes per head
+    and token, under 0.1% of a layer at the 7B shape).
+    """
+    from mimotron.parallel.memory import attention_widths
+
+    mod = cfg.modules[name]
+    par = mod.parallel
+    q_width, kv_width = attention_widths(cfg, name)
+    num_heads = mod.num_heads
+    if mod.hf_path:
+        from mimotron.models.hf.resolve import language_spec
+
+        num_heads = language_spec(mod).num_heads
+    c = BYTES[cfg.train.precision]
+    tokens = cfg.data.seq_length // par.context
+    keys = context_keys_read(cfg.data.seq_length, par.context)
+    lse = 4 * (num_heads // par.tensor) * tokens
+    return c * (2 * q_width * tokens + 2 * kv_width * keys) // par.tensor + lse

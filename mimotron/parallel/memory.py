@@ -17,6 +17,7 @@ import torch
 from mimotron.config import MimoConfig
 from mimotron.models.blocks import default_ffn_hidden_size
 from mimotron.names import LANGUAGE
+from mimotron.parallel.activation_terms import context_keys_read
 from mimotron.parallel.layout import Layout
 from mimotron.parallel.virtual_pipeline import rank_layers
 
@@ -335,8 +336,7 @@ def layer_bytes_per_sample(cfg: MimoConfig, name: str) -> int:
     The tokens of one sample on this rank (``seq / context`` for the language model, the
     output tokens for an encoder) times :func:`layer_bytes_per_token` (the TP-split part
     divided by ``tensor``), plus, under context parallelism, the keys and values
-    attention gathered from the other CP ranks (after the GQA repeat: ``2 x c`` bytes x
-    ``hidden / tensor`` per position of theirs).
+    attention reads beyond its own (:func:`context_kv_bytes_per_sample`).
     """
     mod = cfg.modules[name]
     par = mod.parallel
@@ -347,13 +347,16 @@ def layer_bytes_per_sample(cfg: MimoConfig, name: str) -> int:
 
 
 def context_kv_bytes_per_sample(cfg: MimoConfig, name: str) -> int:
-    """The other CP ranks' keys and values one layer's attention keeps (0 without CP)."""
+    """The keys and values one layer's attention keeps under CP beyond the rank's own
+    (0 without CP): see :func:`~mimotron.parallel.activation_terms.context_keys_read`."""
     mod = cfg.modules[name]
     par = mod.parallel
     if mod.kind != "language" or par.context == 1:
         return 0
-    others = cfg.data.seq_length - cfg.data.seq_length // par.context
-    return mod.hidden_size * others * 2 * BYTES[cfg.train.precision] // par.tensor
+    seq = cfg.data.seq_length
+    others = context_keys_read(seq, par.context) - seq // par.context
+    _, kv_width = attention_widths(cfg, name)
+    return kv_width * others * 2 * BYTES[cfg.train.precision] // par.tensor
 
 
 def recomputed_layers(cfg: MimoConfig, name: str, stage: int) -> int:

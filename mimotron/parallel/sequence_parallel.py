@@ -66,7 +66,7 @@ def sequence_parallel_plan(layers: nn.ModuleDict, has_output: bool) -> dict[str,
     for idx in layers:
         base = f"layers.{idx}"
         # attn(x, rope): only x is a sequence-sharded tensor.
-        # attn(x, rope, mask): only x is sharded (rope tables and the packing mask are not).
+        # attn(x, rope, plan): only x is sharded (rope tables and the attention plan are not).
         plan[f"{base}.attn"] = PrepareModuleInput(
             input_layouts=(Shard(1), None, None),
             desired_input_layouts=(Replicate(), None, None))

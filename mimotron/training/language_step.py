@@ -16,12 +16,14 @@ metric besides ``correct`` and ``samples``) until the loop takes them with
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from mimotron.host_sync import host_copy
+from mimotron.models.attention import document_args
 from mimotron.models.language import language_loss
 from mimotron.parallel.tensor_parallel import vocab_parallel_loss
 
@@ -59,15 +61,10 @@ def language_input(model: nn.Module, batch: dict[str, torch.Tensor],
                                   present, host_tokens=host_tokens)
 
 
-def packing_args(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The language model's document arguments of a packed batch (``{}`` unpacked).
-
-    They travel with every stage's micro-batch (not as module state), so tensor- and
-    pipeline-parallel stages all mask the same documents.
-    """
-    if "doc_ids" not in batch:
-        return {}
-    return {"doc_ids": batch["doc_ids"], "position_ids": batch["position_ids"]}
+def packing_args(batch: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """The language model's document arguments of a packed batch (``{}`` unpacked);
+    see :func:`~mimotron.models.attention.document_args`."""
+    return document_args(batch)
 
 
 def language_loss_step(model: nn.Module, batch: dict[str, torch.Tensor], logits: torch.Tensor
