@@ -258,6 +258,18 @@ class MetricsWriter:
             self._tb.close()
 
 
+def _attention_line(cfg: Any, device: torch.device) -> str:
+    """Which attention kernel the language model runs (mimotron.models.attention)."""
+    from mimotron.models.attention import attention_kernel
+
+    planned = cfg.data.packing or cfg.modules[LANGUAGE].parallel.context > 1
+    kernel = attention_kernel(device, compute_dtype(cfg.train.precision), planned)
+    what = {"sdpa-causal": "causal SDPA (no mask)",
+            "varlen": "variable-length flash attention per document/chunk (no mask)",
+            "segments": "one SDPA per document/chunk (no mask)"}[kernel]
+    return f"attention: {what}"
+
+
 def format_banner(global_state: GlobalState, infra: MimoModelInfra,
                   params: dict[str, tuple[int, int]]) -> str:
     """The start-up banner: run, rank map, parameter counts, batch and outputs.
@@ -285,6 +297,7 @@ def format_banner(global_state: GlobalState, infra: MimoModelInfra,
                  f"micro-batch(es) of {cfg.train.micro_batch_size}, seq length "
                  f"{cfg.data.seq_length}; log every {cfg.log.interval}, eval every "
                  f"{cfg.eval.interval}; metrics -> {cfg.log_dir / 'metrics.jsonl'}")
+    lines.append(_attention_line(cfg, rt.device))
     if cfg.data.num_workers:
         lines.append(f"data: training samples loaded ahead by {cfg.data.num_workers} "
                      "background worker(s)")
