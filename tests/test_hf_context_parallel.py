@@ -11,7 +11,9 @@ plus sequence parallelism (q/k norms after the all-gather, the row-parallel ``wo
 added once after the reduce-scatter), and must match the plain one-process reference
 loop (tests/reference.py) in losses, global grad norm, per-module grad norms and final
 weights at 1e-4 relative. Each run also checks that attention held ``S / 2`` positions
-and gathered the 2 local key/value heads (the GQA repeat comes after the gather).
+and gathered the 2 local key/value heads (the kernel reads them grouped). Packed rows
+(``data.packing``) train likewise under CP 2 x TP 2 + SP and under CP 4, against the
+plain loop fed by an independent packer.
 
 An MoE checkpoint stays refused under CP and SP, with the field named.
 """
@@ -84,9 +86,9 @@ def hf_cp_engine_run(rank: int, world: int, overrides: list[str], num_iters: int
     sharded: list[int] = []
     gather, scatter = blocks_module.gather_kv, language_module.scatter_sequence
 
-    def recording_gather(k, v, group):  # noqa: ANN001, ANN202
-        gathered.append((k.shape[1], k.shape[2]))  # (local kv heads, local positions)
-        return gather(k, v, group)
+    def recording_gather(k, v, group, dim):  # noqa: ANN001, ANN202
+        gathered.append((k.shape[2], k.shape[dim]))  # (local kv heads, local positions)
+        return gather(k, v, group, dim)
 
     def recording_scatter(x, group):  # noqa: ANN001, ANN202
         out = scatter(x, group)
@@ -149,3 +151,36 @@ def test_moe_checkpoint_stays_refused(tmp_path: Path, extra: list[str]) -> None:
     with pytest.raises(ValueError, match=rf"{field}=\S+ is invalid with modules\.language\."
                                          r"hf_path \(a qwen3_moe checkpoint with 4 experts\)"):
         plan_layout(cfg)
+
+
+PACKED = {
+    # Packed rows under CP 2 x TP 2 with sequence parallelism, and under CP 4 (chunks of
+    # 8 positions: documents span chunks and ranks).
+    "packed-cp2tp2-sp": noncolocated({}, {}, {"context": 2, "tensor": 2}) + SP,
+    "packed-cp4": noncolocated({}, {}, {"context": 4}),
+}
+
+
+@cache
+def _packed_reference(path: Path) -> ReferenceRun:
+    from tests.test_packing import _reference_packer, _setup
+
+    cfg, task, _ = _setup()
+    return reference_run(tuple(_shared(path) + ["data.packing=true"]), NUM_ITERS,
+                         batch_at=_reference_packer(task, task.stream(cfg.train.seed),
+                                                    cfg.train.global_batch_size))
+
+
+@pytest.mark.parametrize("name", list(PACKED))
+def test_hf_decoder_packed_matches_plain_loop(qwen3_dir: Path, name: str) -> None:
+    """Packed rows of the Qwen3 decoder (GQA, q/k norms, llama3 RoPE restarting per
+    document) against the plain loop, whose attention and document mask are its own."""
+    overrides = _shared(qwen3_dir) + ["data.packing=true"] + PACKED[name]
+    cfg = load_config(DIGITS, BASE + overrides)
+    results = run_ranks(plan_layout(cfg).world_size, engine_run, overrides, NUM_ITERS,
+                        timeout_s=300)
+    ref = _packed_reference(qwen3_dir)
+    assert ref.losses[-1] < ref.losses[0]
+    assert_steps_match(results, ref)
+    assert_module_norms_match(results, ref, checked_modules(overrides))
+    assert_weights_match(results, ref)
