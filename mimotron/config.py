@@ -411,11 +411,6 @@ def _validate_data(cfg: MimoConfig) -> None:
         # The MoE aux loss is weighted per row: packed documents would change it.
         raise ValueError(f"data.packing=True is invalid with modules.language.num_experts="
                          f"{experts}: set data.packing=false or num_experts=0")
-    # A llava rank loads only its modules' parts (no tokens on an encoder rank), so the
-    # sample lengths the packing depends on are not known on every rank.
-    _check(not (d.packing and d.dataset == "llava"), "data.packing", d.packing,
-           "false with data.dataset='llava' (packing needs every sample's length on every "
-           "rank; use digits or mock)")
     if d.dataset == "llava":
         _validate_llava(cfg)
         return  # The dataset checks each sample's length against seq_length.

@@ -75,6 +75,10 @@ def pack_lengths(lengths: Callable[[int, int], Sequence[int]], start: int, num_r
         ``(rows, next_start)``: each row as the token counts of its samples (row ``r``
         holds the positions that follow row ``r - 1``'s) and the position of the first
         sample not packed.
+
+    Raises:
+        ValueError: a length below 1 (a sample loaded without its tokens and no
+            ``length``: the rows would never fill).
     """
     rows: list[list[int]] = []
     row: list[int] = []
@@ -82,6 +86,9 @@ def pack_lengths(lengths: Callable[[int, int], Sequence[int]], start: int, num_r
     while True:
         if not buffer:
             buffer = [int(n) for n in lengths(pos, chunk)]
+            if min(buffer) < 1:
+                raise ValueError(f"sample at stream position {pos + buffer.index(min(buffer))} "
+                                 f"has length {min(buffer)}: packing needs lengths >= 1")
         if row and sum(row) + buffer[0] > seq_length:
             rows.append(row)
             row = []
