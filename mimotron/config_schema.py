@@ -414,10 +414,11 @@ class DataConfig:
     """LLaVA: a system message put first in conversations that have none; empty = none."""
     packing: bool = False
     """Pack several training samples into each row of ``seq_length`` (consecutive samples
-    while they fit, at most one image and one tone per row); attention stays within each
-    sample and positions restart per sample. A global batch is then
-    ``global_batch_size`` rows. Not with an MoE language model (its aux loss is per row)
-    nor with ``dataset = "llava"`` (its ranks load only their parts of each sample).
+    while they fit; a row holds each sample's images and tones); attention stays within
+    each sample and positions restart per sample. A global batch is then
+    ``global_batch_size`` rows. With ``dataset = "llava"`` the rows are decided from the
+    token counts recorded when the file is checked, so every rank packs the same rows.
+    Not with an MoE language model (its aux loss is per row).
     """
 
 
