@@ -16,6 +16,15 @@ be called through its own ``forward`` for its parameters to be gathered, and the
 calls several of them directly (``embed_tokens``, the projector), which is why the part
 itself is not a unit.
 
+No module above the units is sharded, so each unit is an FSDP root of its own, and
+FSDP2 keeps a root's last reduce-scatter input (the unit's gradients in fp32, unsharded)
+in its communication context until that context's next reduce-scatter or the end of
+the backward. With a context per unit every unit's input would stay alive to the end
+of the backward: the whole module's gradients in fp32, 32 GiB a rank on Llama-2-70B at
+TP 8. The units of a part therefore share one context (``share_comm_ctx``, FSDP2's way
+for several roots): one reduce-scatter input is in flight at a time, as under a single
+root (``tests/test_memory_peak.py`` measures it).
+
 Semantics kept from the rest of the engine:
 
 * **SUM, not average.** The loss each rank backpropagates is already divided by the
@@ -139,7 +148,7 @@ def apply_fsdp(part: nn.Module, mesh: DeviceMesh, precision: str) -> list[nn.Mod
     Returns:
         The units, in the order sharded.
     """
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, share_comm_ctx
 
     param_dtype = None if precision == "fp32" else compute_dtype(precision)
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
@@ -151,6 +160,10 @@ def apply_fsdp(part: nn.Module, mesh: DeviceMesh, precision: str) -> list[nn.Mod
         # gloo does not.
         unit.set_gradient_divide_factor(1.0)
         unit.set_force_sum_reduction_for_comms(True)
+    # One communication context for the part's units (see the module docstring): each
+    # unit's reduce-scatter input is released at the next unit's, not at the backward's
+    # end.
+    share_comm_ctx(units)
     return units
 
 
