@@ -145,9 +145,10 @@ def plan_attention(docs: Documents, device: torch.device, cp_size: int = 1,
     if cp_size > 1:
         # Keys arrive in rank order; row r's key at global position p is gathered row
         # r * S + inverse[p].
-        inverse = torch.argsort(gathered_positions(docs.seq_len, cp_size))
-        k_index = torch.cat([row * docs.seq_len + inverse[d0:q1] for row, d0, _, q1 in segments]
-                            ).to(device)
+        # Built on the device: no host tensor to copy per forward.
+        inverse = torch.argsort(gathered_positions(docs.seq_len, cp_size, device))
+        k_index = torch.cat([row * docs.seq_len + inverse[d0:q1] for row, d0, _, q1 in segments])
+    # The kernel's cumulative lengths: two small copies from the host per forward.
     return AttentionPlan(
         q_bounds, k_bounds, max(q_len), max(k_len), k_index,
         torch.tensor(q_bounds, dtype=torch.int32).to(device),
