@@ -19,10 +19,10 @@
     (``benchmarks/attention.py``), this beats a dense-mask SDPA over the row at
     every length from 1k tokens up, and keeps ``O(S)`` bytes per layer.
 
-``flex_attention`` with a block mask is not used: without ``torch.compile`` it
-materialises the whole score matrix, and compiling it per shape costs more than the
-CPU runs it would serve; on a GPU ``varlen`` is the flash kernel it would compile to
-for document masks.
+``flex_attention`` with a block mask is not used: on the CPU torch 2.13 has no backward
+for it ("FlexAttention does not support backward on CPU"), without ``torch.compile``
+it materialises the whole score matrix, and on a GPU ``varlen`` is the flash kernel
+that document masking needs, with no block mask to build per batch.
 
 Under context parallelism the keys arrive gathered in rank order; the plan's
 ``k_index`` picks each segment's keys from them (``O(S)`` rows, at most twice the row).
