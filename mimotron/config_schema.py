@@ -28,6 +28,8 @@ FeatureSelectStrategy = Literal["default", "full"]
 DownsampleMode = Literal["avg", "stack"]
 RouterScore = Literal["softmax", "sigmoid"]
 Recompute = Literal["none", "selective", "full"]
+FreezePart = Literal["encoder"]
+"""The part of a module ``modules.<m>.freeze`` may name besides ``true`` / ``false``."""
 
 ENCODER_KINDS: tuple[str, ...] = get_args(EncoderKind)
 LANGUAGE_KINDS: tuple[str, ...] = get_args(LanguageKind)
@@ -39,6 +41,7 @@ OPTIMIZERS: tuple[str, ...] = get_args(OptimizerName)
 DATASETS: tuple[str, ...] = get_args(DatasetName)
 SCHEDULES: tuple[str, ...] = get_args(Schedule)
 RECOMPUTE_MODES: tuple[str, ...] = get_args(Recompute)
+FREEZE_PARTS: tuple[str, ...] = get_args(FreezePart)
 
 
 @dataclass
@@ -307,9 +310,12 @@ class ModuleConfig:
     """Weight (>= 0) of the router z-loss mean(logsumexp(logits)^2); 0 = off. Logged as
     moe_z_loss when on.
     """
-    freeze: bool = False
-    """Freeze the module: no gradients, no optimizer state, no gradient sync; not every
-    module may be frozen.
+    freeze: bool | FreezePart = False
+    """What of the module does not train: ``false`` (all of it trains), ``true`` (none of
+    it: no gradients, no optimizer state, no gradient sync), or, for an encoder,
+    ``"encoder"``: its tower (the vision or audio encoder) is frozen and its projector
+    trains (LLaVA's stage 1, with ``modules.language.freeze = true``). Something must
+    train: a module or a projector.
     """
     recompute: Recompute = "none"
     """Activation recompute of the module's transformer layers: ``none``; ``selective``
@@ -339,6 +345,16 @@ class ModuleConfig:
     def is_encoder(self) -> bool:
         """Whether the module is an encoder (any kind but ``language``)."""
         return self.kind in ENCODER_KINDS
+
+    @property
+    def fully_frozen(self) -> bool:
+        """Nothing of the module trains (``freeze = true``)."""
+        return self.freeze is True
+
+    @property
+    def tower_frozen(self) -> bool:
+        """The encoder's tower is frozen and its projector trains (``freeze = "encoder"``)."""
+        return self.freeze == "encoder"
 
     @property
     def modality(self) -> str | None:
@@ -374,7 +390,8 @@ class DataConfig:
     train_fraction: float = 0.8
     """Share of the items in the train split, in (0, 1); the rest is validation.
 
-    Both splits must be non-empty (digits: 0.8 gives 1438 / 359 images).
+    Both splits must be non-empty (digits: 0.8 gives 1438 / 359 images). With
+    ``valid_path`` set, ``path`` trains in full: the only value is 1.0, its default then.
     """
     p_image: float = 0.3
     """Digits: weight of image-only samples (the four ``p_*`` weights are normalised; >= 0,
@@ -392,6 +409,11 @@ class DataConfig:
     """Mock: samples in the dataset (>= 2), split by train_fraction."""
     path: str = ""
     """LLaVA: the JSON list or JSONL file of samples (required with ``dataset = "llava"``)."""
+    valid_path: str = ""
+    """LLaVA: a separate validation file (the same format and checks as ``path``); empty =
+    validation is the ``train_fraction`` split of ``path``. Its media paths are relative to
+    ``root``, or to its own folder when ``root`` is empty.
+    """
     root: str = ""
     """LLaVA: folder the image/audio paths are relative to; empty = the folder of ``path``."""
     allow_outside_root: bool = False
@@ -399,8 +421,9 @@ class DataConfig:
     paths, symlinks out of it); when false such a sample is a bad sample.
     """
     tokenizer: str = ""
-    """LLaVA: a local Hugging Face tokenizer folder with a chat template (required with
-    ``dataset = "llava"``); ``<image>`` / ``<audio>`` placeholders are added if missing.
+    """LLaVA: a local Hugging Face tokenizer folder with a chat template; empty = the
+    language model's folder (``modules.language.hf_path``), one of the two is required
+    with ``dataset = "llava"``. ``<image>`` / ``<audio>`` placeholders are added if missing.
     """
     skip_bad_samples: bool = False
     """LLaVA: leave bad samples out (counted in the banner and ``skipped_samples`` of the
@@ -549,7 +572,19 @@ class LogConfig:
     tensorboard: bool = False
     """Also write TensorBoard scalars under ``<log.dir>/tensorboard``."""
     progress: bool = True
-    """Print to the console: banner, a line per log interval, summary (a bar on a terminal)."""
+    """Print to the console: banner, a line per log interval, summary; on a terminal also
+    a bar and a line redrawn every iteration (iteration, loss, ETA).
+    """
+    wandb: bool = False
+    """Also log every record of metrics.jsonl to a Weights & Biases run (needs the
+    ``wandb`` package: ``pip install 'mimotron[wandb]'``); written under
+    ``<log.dir>/wandb``, offline with ``WANDB_MODE=offline`` (upload later with
+    ``wandb sync``). A resumed run continues the same wandb run.
+    """
+    wandb_project: str = ""
+    """The wandb project of ``log.wandb`` (only with ``log.wandb = true``); empty =
+    ``mimotron``. The wandb run is named after ``name``.
+    """
 
 
 @dataclass
