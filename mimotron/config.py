@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import importlib.util
 import tomllib
 import types
 import typing
@@ -27,6 +28,7 @@ from mimotron.config_schema import (
     DATASETS,
     DECAY_STYLES,
     ENCODER_KINDS,
+    FREEZE_PARTS,
     LANGUAGE_KINDS,
     MODULE_KINDS,
     OPTIMIZERS,
@@ -60,6 +62,7 @@ __all__ = [
     "DATASETS",
     "DECAY_STYLES",
     "ENCODER_KINDS",
+    "FREEZE_PARTS",
     "LANGUAGE_KINDS",
     "MODULE_KINDS",
     "OPTIMIZERS",
@@ -185,6 +188,7 @@ class MimoConfig:
         )
         _check(self.checkpoint.keep >= 1, "checkpoint.keep", self.checkpoint.keep, ">= 1")
         _check(self.log.interval >= 1, "log.interval", self.log.interval, "an integer >= 1")
+        _validate_wandb(self)
         _check(
             0 <= self.profile.start <= self.profile.end,
             "profile.start",
@@ -193,6 +197,16 @@ class MimoConfig:
         )
         check_limits(self)  # Timeouts torch takes; a model size some machine could hold.
         return self
+
+
+def _validate_wandb(cfg: MimoConfig) -> None:
+    """``log.wandb*``: the package is there (found, not imported: that takes a second)."""
+    log = cfg.log
+    _check(log.wandb or not log.wandb_project, "log.wandb_project", log.wandb_project,
+           "unset with log.wandb=false (set log.wandb=true to log to wandb)")
+    if log.wandb and importlib.util.find_spec("wandb") is None:
+        raise ValueError("log.wandb=True is invalid: the wandb package is not installed "
+                         "(pip install 'mimotron[wandb]')")
 
 
 def _check(ok: bool, name: str, value: Any, valid: str) -> None:
@@ -249,6 +263,7 @@ def _validate_modules(cfg: MimoConfig) -> None:
                 mod.num_audio_tokens,
                 f"a positive divisor of num_frames={mod.num_frames}",
             )
+        _validate_freeze(mod, p)
         _validate_moe(mod, p)
         _validate_recompute(mod, p)
         _validate_parallel(mod.parallel, f"{p}.parallel")
@@ -272,6 +287,16 @@ def _validate_moe(mod: ModuleConfig, p: str) -> None:
     for key in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
         _check(getattr(mod, key) >= 0, f"{p}.{key}", getattr(mod, key), "a number >= 0")
     check_layer_freq(mod.moe_layer_freq, mod.num_layers, prefix=f"{p}.")
+
+
+def _validate_freeze(mod: ModuleConfig, p: str) -> None:
+    """``freeze``: a bool, or a part only an encoder has (the language model has no tower)."""
+    if isinstance(mod.freeze, bool):
+        return
+    parts = " or ".join(f'"{x}" (its tower frozen, its projector trained)' for x in FREEZE_PARTS)
+    valid = f"true, false or {parts}" if mod.is_encoder else (
+        "true or false (a part can be frozen in an encoder only)")
+    _check(mod.is_encoder and mod.freeze in FREEZE_PARTS, f"{p}.freeze", mod.freeze, valid)
 
 
 def _validate_recompute(mod: ModuleConfig, p: str) -> None:
@@ -397,7 +422,12 @@ def _validate_scheduler(s: SchedulerConfig, p: str) -> None:
 def _validate_data(cfg: MimoConfig) -> None:
     d = cfg.data
     _check(d.dataset in DATASETS, "data.dataset", d.dataset, f"one of {DATASETS}")
-    _check(0 < d.train_fraction < 1, "data.train_fraction", d.train_fraction, "a number in (0, 1)")
+    if d.valid_path:  # data.path trains in full: a share of it left out would be lost
+        _check(d.train_fraction == 1.0, "data.train_fraction", d.train_fraction,
+               "1.0 with data.valid_path set (data.path trains in full; leave it unset)")
+    else:
+        _check(0 < d.train_fraction < 1, "data.train_fraction", d.train_fraction,
+               "a number in (0, 1) (or 1.0 with a LLaVA validation file: data.valid_path)")
     probs = (d.p_image, d.p_audio, d.p_both, d.p_text)
     _check(
         all(p >= 0 for p in probs) and sum(probs) > 0,
@@ -414,8 +444,8 @@ def _validate_data(cfg: MimoConfig) -> None:
     if d.dataset == "llava":
         _validate_llava(cfg)
         return  # The dataset checks each sample's length against seq_length.
-    for key in ("path", "root", "allow_outside_root", "tokenizer", "skip_bad_samples",
-                "system_prompt"):
+    for key in ("path", "valid_path", "root", "allow_outside_root", "tokenizer",
+                "skip_bad_samples", "system_prompt"):
         # Never silently ignored: these only mean something for a file dataset.
         _check(not getattr(d, key), f"data.{key}", getattr(d, key),
                f"unset with data.dataset={d.dataset!r} (it is read by 'llava' only)")
@@ -441,7 +471,13 @@ def _validate_llava(cfg: MimoConfig) -> None:
            "an existing LLaVA JSON or JSONL file")
     _check(not d.root or Path(d.root).is_dir(), "data.root", d.root,
            "an existing folder (or empty: the folder of data.path)")
-    _check(bool(d.tokenizer) and Path(d.tokenizer).is_dir(), "data.tokenizer", d.tokenizer,
+    _check(not d.valid_path or Path(d.valid_path).is_file(), "data.valid_path", d.valid_path,
+           "an existing LLaVA JSON or JSONL file (or empty: a split of data.path)")
+    if not d.tokenizer:  # config_from_dict fills it from modules.language.hf_path
+        raise ValueError("data.tokenizer is unset and so is modules.language.hf_path: set "
+                         "data.tokenizer to a local Hugging Face tokenizer folder (or "
+                         "modules.language.hf_path to a folder holding one)")
+    _check(Path(d.tokenizer).is_dir(), "data.tokenizer", d.tokenizer,
            "an existing local Hugging Face tokenizer folder (nothing is downloaded)")
     for name, m in cfg.modules.items():
         hf_path = getattr(m, "hf_path", "")  # Set by Hugging Face modules only.
@@ -548,7 +584,23 @@ def config_from_dict(raw: dict[str, Any]) -> MimoConfig:
             # The keys the table set: one equal to the default still contradicts.
             resolve_hf_module(name, cfg.modules[name], explicit=set(table))
         _check_override_keys(cfg.modules[name].optimizer, f"modules.{name}.optimizer")
+    _data_defaults(cfg, raw.get("data") or {})
     return cfg
+
+
+def _data_defaults(cfg: MimoConfig, table: dict[str, Any]) -> None:
+    """Defaults that depend on other keys, filled in once so the recorded config has them.
+
+    A LLaVA run without ``data.tokenizer`` reads the language model's folder
+    (``modules.language.hf_path``); with ``data.valid_path`` and no ``data.train_fraction``
+    the whole of ``data.path`` trains (1.0 instead of 0.8).
+    """
+    d = cfg.data
+    language = cfg.modules.get(LANGUAGE)
+    if d.dataset == "llava" and not d.tokenizer and language is not None:
+        d.tokenizer = getattr(language, "hf_path", "") or ""
+    if d.valid_path and "train_fraction" not in table:
+        d.train_fraction = 1.0
 
 
 def _check_override_keys(over: dict[str, Any], p: str) -> None:
@@ -591,12 +643,23 @@ def _coerce(hint: Any, value: Any, name: str) -> Any:
         args = [a for a in typing.get_args(hint) if a is not type(None)]
         if value is None:
             return None
-        # The first alternative that takes the value (``int | list[int]``); else its error.
+        # The first alternative that takes the value (``int | list[int]``, ``bool |
+        # Literal[...]``); else the first alternative's error, naming the choices too.
         for alt in args[1:]:
             cls = typing.get_origin(alt) or alt
-            if isinstance(cls, type) and isinstance(value, cls):
+            if cls is typing.Literal:
+                if isinstance(value, str) and value in typing.get_args(alt):
+                    return value
+            elif isinstance(cls, type) and isinstance(value, cls):
                 return _coerce(alt, value, name)
-        return _coerce(args[0], value, name)
+        choices = [c for alt in args if typing.get_origin(alt) is typing.Literal
+                   for c in typing.get_args(alt)]
+        try:
+            return _coerce(args[0], value, name)
+        except ValueError as exc:
+            if not choices:
+                raise
+            raise ValueError(f"{exc} or one of {tuple(choices)}") from None
     if origin is list:
         if not isinstance(value, list):
             raise ValueError(f"{name}={value!r} is invalid: expected a list")
