@@ -1,4 +1,4 @@
-"""The ``mimotron`` command: ``train``, ``plan``, ``plot``, ``export``.
+"""The ``mimotron`` command: ``train``, ``plan``, ``plot``, ``export``, ``generate``.
 
 Errors are one line each. ``mimotron --debug <command>`` (or ``MIMOTRON_DEBUG=1``) asks
 for full tracebacks instead: the flag sets ``MIMOTRON_DEBUG=1`` in the environment, so
@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+
+from mimotron.cli.generate import add_parser as add_generate_parser
 
 DEBUG_ENV = "MIMOTRON_DEBUG"
 EXIT_UNEXPECTED = 1
@@ -44,10 +46,15 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("checkpoint", help="checkpoint dir holding 'latest', or an iter_NNNNNNN dir")
     s.add_argument("out_dir", help="output directory (mimotron: <module>.safetensors + "
                                    "config.json; hf: <module>/ per hf_path module)")
-    s.add_argument("--format", choices=("mimotron", "hf"), default="mimotron",
+    s.add_argument("--format", choices=("mimotron", "hf", "hf-llava"), default="mimotron",
                    help="mimotron (default): safetensors per module; hf: a folder per module "
                         "loaded from hf_path that transformers' from_pretrained loads, with "
-                        "the original names, plus the tokenizer")
+                        "the original names, plus the tokenizer; hf-llava: one "
+                        "LlavaForConditionalGeneration folder with its processor")
+    s.add_argument("--modules", default=None, metavar="M1,M2",
+                   help="hf-llava: the modules to export (e.g. vision,language), leaving "
+                        "out the run's others (an audio encoder)")
+    add_generate_parser(sub)
     return p
 
 
@@ -81,7 +88,11 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "export":
         from mimotron.cli.export import run_export
 
-        return run_export(args.checkpoint, args.out_dir, args.format)
+        return run_export(args.checkpoint, args.out_dir, args.format, args.modules)
+    if args.command == "generate":
+        from mimotron.cli.generate import run_generate
+
+        return run_generate(args)
     from mimotron.cli.plot import run_plot
 
     return run_plot(args.run_dirs, args.out)
