@@ -187,6 +187,7 @@ class MimoConfig:
             "an integer >= 0 (0 = no periodic saves)",
         )
         _check(self.checkpoint.keep >= 1, "checkpoint.keep", self.checkpoint.keep, ">= 1")
+        _validate_pretrained(self.checkpoint)
         _check(self.log.interval >= 1, "log.interval", self.log.interval, "an integer >= 1")
         _validate_wandb(self)
         _check(
@@ -287,6 +288,14 @@ def _validate_moe(mod: ModuleConfig, p: str) -> None:
     for key in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
         _check(getattr(mod, key) >= 0, f"{p}.{key}", getattr(mod, key), "a number >= 0")
     check_layer_freq(mod.moe_layer_freq, mod.num_layers, prefix=f"{p}.")
+
+
+def _validate_pretrained(ck: CheckpointConfig) -> None:
+    """What to keep of ``checkpoint.pretrained`` needs a pretrained checkpoint."""
+    for key in ("pretrained_optimizer", "pretrained_schedule"):
+        _check(not getattr(ck, key) or bool(ck.pretrained), f"checkpoint.{key}",
+               getattr(ck, key), "false without checkpoint.pretrained (the checkpoint to "
+               "start from)")
 
 
 def _validate_freeze(mod: ModuleConfig, p: str) -> None:

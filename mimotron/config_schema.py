@@ -550,6 +550,25 @@ class CheckpointConfig:
     the newest complete ``iter_*`` folder. Starting fresh over a previous run needs
     train.overwrite.
     """
+    pretrained: str = ""
+    """A checkpoint to start a new run from (fine-tuning; LLaVA's stage 2 from stage 1):
+    a mimotron checkpoint (a dir holding ``latest``, or an ``iter_*`` folder, written by
+    any layout) or a ``mimotron export`` folder. ``""`` = none.
+
+    Read only when the run starts fresh (load = "none", or "auto" finding no checkpoint
+    in dir): its weights are loaded, and the run starts at iteration 0 with a fresh
+    optimizer and schedule and the data from the start (see pretrained_optimizer and
+    pretrained_schedule), in its own log.dir. Once the run has saved, a relaunch resumes
+    its own checkpoints. It may not lie inside this run's checkpoint dir.
+    """
+    pretrained_optimizer: bool = False
+    """Also load the optimizer state (Adam moments, loss scale) from pretrained (a mimotron
+    checkpoint only); a module with no state there starts fresh.
+    """
+    pretrained_schedule: bool = False
+    """Also continue pretrained's count: its iteration, learning-rate schedules and data
+    position (a mimotron checkpoint only); train.iters must lie beyond its iteration.
+    """
     async_save: bool = False
     """Save on a background thread (own process group) while training continues."""
     keep: int = 3
