@@ -3,7 +3,13 @@
 **Tokenizer.** The synthetic datasets (``digits``, ``mock``) use the character tokenizer;
 ``llava`` loads the Hugging Face tokenizer folder ``data.tokenizer``
 (:class:`~mimotron.data.hf_tokenizer.HFTokenizer`) with one placeholder per modality the
-configured encoders consume.
+configured encoders consume. Unset, ``data.tokenizer`` is the language model's folder
+(``modules.language.hf_path``; filled in when the config is loaded).
+
+**Validation data** is the ``data.train_fraction`` split of ``data.path``, or, with
+``data.valid_path``, that whole file (checked by the same rules; media relative to
+``data.root``, or to the file's own folder when ``data.root`` is empty) while
+``data.path`` trains in full.
 
 **Placeholders per sample** are each encoder's ``num_output_tokens`` (what the model
 scatters into the placeholder positions), as for the synthetic datasets.
@@ -72,7 +78,14 @@ def build_tokenizer(cfg: MimoConfig) -> CharTokenizer | HFTokenizer:
     """
     if cfg.data.dataset != "llava":
         return CharTokenizer()
-    return run_hf_tokenizer(cfg.data.tokenizer, [m.kind for m in cfg.modules.values()])
+    try:
+        return run_hf_tokenizer(cfg.data.tokenizer, [m.kind for m in cfg.modules.values()])
+    except ValueError as exc:
+        if cfg.data.tokenizer != cfg.modules[LANGUAGE].hf_path:
+            raise
+        # The folder may be a model without a tokenizer: say where the path came from.
+        raise ValueError(f"{exc} (data.tokenizer is modules.language.hf_path's folder, its "
+                         "default: set data.tokenizer to the tokenizer's folder)") from None
 
 
 def image_processor(cfg: MimoConfig, module: str) -> ImageProcessor:
@@ -126,13 +139,13 @@ def check_input_shapes(cfg: MimoConfig, images: ImageProcessor | None,
                              f"takes {want}; make the preprocessing produce {want}")
 
 
-def data_root(cfg: MimoConfig) -> Path:
-    """``data.root``, or the folder of ``data.path`` when it is empty."""
-    return Path(cfg.data.root) if cfg.data.root else Path(cfg.data.path).parent
+def data_root(cfg: MimoConfig, path: str = "") -> Path:
+    """``data.root``, or the folder of ``path`` (default ``data.path``) when it is empty."""
+    return Path(cfg.data.root) if cfg.data.root else Path(path or cfg.data.path).parent
 
 
 def build_llava_tasks(cfg: MimoConfig, tokenizer: HFTokenizer) -> tuple[LlavaTask, LlavaTask]:
-    """Train and validation splits of ``data.path``, every sample checked.
+    """Train and validation data: splits of ``data.path``, or it and ``data.valid_path``.
 
     Args:
         cfg: the run config (``data``, the encoder modules).
@@ -140,7 +153,7 @@ def build_llava_tasks(cfg: MimoConfig, tokenizer: HFTokenizer) -> tuple[LlavaTas
 
     Returns:
         ``(train_task, validation_task)``; ``task.num_skipped`` counts the bad samples
-        left out with ``data.skip_bad_samples``.
+        its file had left out with ``data.skip_bad_samples``.
 
     Raises:
         ValueError: the first bad sample (file, line or item, sample id, reason) unless
@@ -152,13 +165,25 @@ def build_llava_tasks(cfg: MimoConfig, tokenizer: HFTokenizer) -> tuple[LlavaTas
     images = image_processor(cfg, encoders["image"]) if "image" in encoders else None
     audio = audio_features(cfg, encoders["audio"]) if "audio" in encoders else None
     check_input_shapes(cfg, images, audio)
-    dataset = LlavaDataset(d.path, data_root(cfg), tokenizer, d.seq_length, num_tokens,
-                           image_processor=images, audio_features=audio,
-                           skip_bad_samples=d.skip_bad_samples,
-                           system_prompt=d.system_prompt or None,
-                           num_workers=d.num_workers,
-                           allow_outside_root=d.allow_outside_root)  # fmt: skip
-    return llava_tasks(dataset, d.train_fraction)
+
+    def dataset(path: str) -> LlavaDataset:
+        return LlavaDataset(path, data_root(cfg, path), tokenizer, d.seq_length, num_tokens,
+                            image_processor=images, audio_features=audio,
+                            skip_bad_samples=d.skip_bad_samples,
+                            system_prompt=d.system_prompt or None,
+                            num_workers=d.num_workers,
+                            allow_outside_root=d.allow_outside_root)  # fmt: skip
+
+    if not d.valid_path:
+        return llava_tasks(dataset(d.path), d.train_fraction)
+    train = dataset(d.path)
+    try:
+        valid = dataset(d.valid_path)
+    except ValueError as exc:
+        # The file-level messages name the key data.path; this file is data.valid_path.
+        raise ValueError(str(exc).replace("data.path=", "data.valid_path=", 1)) from None
+    return (LlavaTask(train, range(len(train)), "train"),
+            LlavaTask(valid, range(len(valid)), "validation"))
 
 
 def restrict_to_rank(task: object, cfg: MimoConfig, layout: Layout, rank: int) -> None:
@@ -204,5 +229,5 @@ def check_data(cfg: MimoConfig) -> CharTokenizer | HFTokenizer:
         check_hf_weight_files(cfg)  # Safetensors headers: one line naming a bad file.
     tokenizer = build_tokenizer(cfg)
     if isinstance(tokenizer, HFTokenizer):
-        build_llava_tasks(cfg, tokenizer)
+        build_llava_tasks(cfg, tokenizer)  # both files with data.valid_path
     return tokenizer

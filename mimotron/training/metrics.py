@@ -43,9 +43,9 @@ import math
 import sys
 import time
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TextIO
 
 import torch
 import torch.distributed as dist
@@ -54,6 +54,7 @@ from torch import nn
 from mimotron.data.packing import real_tokens
 from mimotron.names import LANGUAGE
 from mimotron.runtime import compute_dtype, device_peak_flops, peak_memory_bytes
+from mimotron.training.console import LiveLine, fmt_duration, format_lrs, progress_bar
 from mimotron.training.flops import model_flops_per_iteration
 from mimotron.training.infra import MimoModelInfra
 from mimotron.training.interval import LAST, IntervalMeans, aux_value
@@ -73,13 +74,7 @@ REAL_TOKENS = "__real_tokens__"
 
 if TYPE_CHECKING:
     from mimotron.optim.mimo_optimizer import MimoOptimizer
-
-
-def _fmt_duration(seconds: float) -> str:
-    seconds = max(0, int(seconds))
-    h, rem = divmod(seconds, 3600)
-    m, s = divmod(rem, 60)
-    return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s"
+    from mimotron.training.wandb_sink import WandbSink
 
 
 def _fmt_count(x: float) -> str:
@@ -160,17 +155,22 @@ class MetricsWriter:
             ``null`` (see :mod:`mimotron.training.metrics_file`).
         total_iters: for the ETA and progress display.
         tensorboard: also write TensorBoard scalars under ``log_dir/tensorboard``.
-        progress: print to the console (banner, a line per log interval, summary); a
-            progress bar is drawn when stdout is a terminal.
+        progress: print to the console (banner, a line per log interval, summary); on a
+            terminal a progress bar, and a live line redrawn every iteration
+            (:class:`~mimotron.training.console.LiveLine`).
         append: keep existing lines (resume); a torn last line is dropped (and said).
         resumed_at: on resume, the checkpoint's iteration: lines logged after it (by a run
             that went on past its last checkpoint before it stopped) are dropped, so each
             iteration appears once.
+        stream: the console; ``None``: ``sys.stdout`` when written to.
+        wandb: a wandb run that gets every record too (``log.wandb``); closed with this.
+        module_order: the order per-module learning rates are shown in (the config's).
     """
 
     def __init__(self, log_dir: Path, total_iters: int, tensorboard: bool = False,
-                 progress: bool = True, append: bool = False, resumed_at: int | None = None
-                 ) -> None:
+                 progress: bool = True, append: bool = False, resumed_at: int | None = None,
+                 stream: TextIO | None = None, wandb: WandbSink | None = None,
+                 module_order: Sequence[str] = ()) -> None:
         log_dir.mkdir(parents=True, exist_ok=True)
         self.path = log_dir / METRICS_FILE
         if append and self.path.is_file():
@@ -178,7 +178,10 @@ class MetricsWriter:
         self._file = self.path.open("a" if append else "w")
         self.total_iters = total_iters
         self.progress = progress
-        self._tty = sys.stdout.isatty()
+        self.live = LiveLine(total_iters, stream)
+        self._tty = self.live.is_terminal()
+        self._wandb = wandb
+        self._module_order = tuple(module_order)
         self._tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -217,31 +220,37 @@ class MetricsWriter:
             for tag, value in _scalars("", {k: v for k, v in record.items()
                                             if k != "iteration"}):
                 self._tb.add_scalar(tag, value, step)
+        if self._wandb is not None:
+            self._wandb.log(record)
 
     def print(self, text: str) -> None:
-        """Print ``text`` when console output is on."""
+        """Print ``text`` when console output is on (over the live line, if drawn)."""
         if self.progress:
-            print(text, flush=True)
+            self.live.clear()
+            print(text, file=self.live.stream, flush=True)
+
+    def tick(self, iteration: int, loss: float, step_time_s: float) -> None:
+        """Redraw the live line for an iteration that logs no record (terminal only)."""
+        if self.progress and self._tty:
+            self.live.update(iteration, loss, step_time_s)
 
     def console(self, record: dict[str, Any], elapsed_s: float) -> None:
         """One progress line per logged iteration (with a bar on a terminal)."""
         it = record["iteration"]
-        lrs = record.get("lr", {})
-        lr = max(lrs.values()) if lrs else 0.0
         eta = (self.total_iters - it) * record["step_time_s"]
         norm = record.get("grad_norm")
         line = (f"iter {it:>6}/{self.total_iters} | loss {record['loss']:.4f} | grad "
-                f"{norm if norm is None else f'{norm:.3f}'} | lr {lr:.2e} | "
+                f"{norm if norm is None else f'{norm:.3f}'} | "
+                f"{format_lrs(record.get('lr', {}), self._module_order)} | "
                 f"{_fmt_count(record['tokens_per_second'])} tok/s | "
                 f"{record['step_time_s'] * 1e3:.0f} ms/it")
         if record.get("mfu") is not None:
             line += f" | MFU {100 * record['mfu']:.1f}%"
-        line += f" | elapsed {_fmt_duration(elapsed_s)} | ETA {_fmt_duration(eta)}"
+        line += f" | elapsed {fmt_duration(elapsed_s)} | ETA {fmt_duration(eta)}"
         if record.get("skipped"):
             line += " | skipped"
         if self._tty:
-            done = int(30 * it / max(self.total_iters, 1))
-            line = f"[{'#' * done}{'.' * (30 - done)}] " + line
+            line = f"{progress_bar(it, self.total_iters)} " + line
         self.print(line)
 
     def eval_line(self, record: dict[str, Any]) -> None:
@@ -252,10 +261,13 @@ class MetricsWriter:
                    f"{extra}")
 
     def close(self) -> None:
-        """Close the file and TensorBoard writer."""
+        """Close the file, the TensorBoard writer and the wandb run."""
         self._file.close()
         if self._tb is not None:
             self._tb.close()
+        if self._wandb is not None:
+            wandb, self._wandb = self._wandb, None
+            wandb.close()
 
 
 def _attention_line(cfg: Any, device: torch.device) -> str:
@@ -298,6 +310,8 @@ def format_banner(global_state: GlobalState, infra: MimoModelInfra,
                  f"{cfg.data.seq_length}; log every {cfg.log.interval}, eval every "
                  f"{cfg.eval.interval}; metrics -> {cfg.log_dir / 'metrics.jsonl'}")
     lines.append(_attention_line(cfg, rt.device))
+    if global_state.data_summary is not None:
+        lines.extend(global_state.data_summary.lines())
     if cfg.data.num_workers:
         lines.append(f"data: training samples loaded ahead by {cfg.data.num_workers} "
                      "background worker(s)")
@@ -318,7 +332,7 @@ def format_summary(summary: dict[str, Any], metrics_path: Path | None = None) ->
         The table text.
     """
     rows = [("iterations", f"{summary['iteration']}"),
-            ("wall time", _fmt_duration(summary["wall_time_s"])
+            ("wall time", fmt_duration(summary["wall_time_s"])
              + f" ({summary['wall_time_s']:.1f} s)"),
             ("final loss", f"{summary.get('loss', float('nan')):.4f}")]
     rows += [(k, f"{v:.4f}") for k, v in summary.get("eval", {}).items() if k != "eval_samples"]
@@ -363,9 +377,15 @@ class LoopMonitor:
         self.state, self.infra, self.model, self.optimizer = global_state, infra, model, optimizer
         self.writer = None
         if infra.is_logging_rank:
+            wandb = None
+            if cfg.log.wandb:
+                from mimotron.training.wandb_sink import WandbSink  # imports wandb: ~1 s
+
+                wandb = WandbSink(cfg, resume=ts.iteration > 0)
             self.writer = MetricsWriter(cfg.log_dir, cfg.train.iters, cfg.log.tensorboard,
                                         cfg.log.progress, append=ts.iteration > 0,
-                                        resumed_at=ts.iteration)
+                                        resumed_at=ts.iteration, wandb=wandb,
+                                        module_order=list(cfg.modules))
         self.module_times = ModuleTimes(module_parts(model), global_state.runtime.device)
         self._counted = {r.module for r in infra.layout.roles(infra.rank)
                          if r.module != LANGUAGE and r.tp == 0 and r.cp == 0
@@ -461,6 +481,10 @@ class LoopMonitor:
                            (aux or {}) if self.infra.is_loss_leader else {})
         self._transfer_s += transfer_s
         if ts.iteration % cfg.log.interval and ts.iteration != cfg.train.iters:
+            if self.writer is not None:  # no collective: this rank's clock and loss
+                done = max(ts.iteration - self._last_iter, 1)
+                elapsed = time.perf_counter() - self._interval_start - self._excluded_s
+                self.writer.tick(ts.iteration, loss_dict["loss"], elapsed / done)
             return None
         now = time.perf_counter()
         num_iters = max(ts.iteration - self._last_iter, 1)
