@@ -22,6 +22,7 @@ from torch import nn
 from mimotron.checkpoint import CheckpointManager, maybe_load_checkpoint
 from mimotron.config import MimoConfig
 from mimotron.data import build_datasets
+from mimotron.data.data_summary import summarize_data
 from mimotron.data.hf_tokenizer import HFTokenizer
 from mimotron.data.llava_setup import build_tokenizer, restrict_to_rank
 from mimotron.data.prefetch import PrefetchingReader
@@ -94,7 +95,8 @@ def setup_mimo(cfg: MimoConfig, runtime: Runtime) -> MimoRun:
     train_task, valid_task = build_datasets(cfg, tokenizer)
     seed_everything(cfg.train.seed)
     infra = build_infra(cfg, runtime.rank, runtime.world_size)
-    restrict_to_rank(train_task, cfg, infra.layout, runtime.rank)  # shared by both splits
+    for task in (train_task, valid_task):  # one dataset for both, or one each (valid_path)
+        restrict_to_rank(task, cfg, infra.layout, runtime.rank)
     placeholders = {n: tokenizer.placeholder_id(cfg.modules[n].modality) for n in cfg.encoder_names}
     model = build_rank_model(cfg, infra, padded_vocab_size(tokenizer.vocab_size), placeholders,
                              runtime.device)
@@ -112,6 +114,8 @@ def setup_mimo(cfg: MimoConfig, runtime: Runtime) -> MimoRun:
         stage_dtype=residual_dtype(cfg, runtime.device))
     state = GlobalState(cfg, runtime)
     state.skipped_samples = getattr(train_task, "num_skipped", None)
+    if infra.is_logging_rank and cfg.log.progress:  # what the banner shows; nothing is read
+        state.data_summary = summarize_data(cfg, train_task, valid_task)
     state.vocab_size_unpadded = unpadded_vocab_size(cfg, tokenizer.vocab_size)
     # Before the data iterator: the restored consumed_samples is the data position.
     maybe_load_checkpoint(model, optimizer, schedulers, state, infra)
