@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from mimotron.config import MimoConfig
 from mimotron.runtime import Runtime, synchronize
+
+if TYPE_CHECKING:
+    from mimotron.data.data_summary import DataSummary
 
 
 @dataclass
@@ -88,6 +91,9 @@ class GlobalState:
     skipped_samples: int | None = None
     """Bad samples the dataset left out (``data.skip_bad_samples``); ``None``: a dataset
     without such checks. The same on every rank (each checks the same file)."""
+    data_summary: DataSummary | None = None
+    """The run's data at a glance for the banner (``setup_mimo`` sets it on the logging
+    rank); ``None``: not known (a caller's own data), no ``data:`` lines."""
     vocab_size_unpadded: int | None = None
     """The language model's real vocabulary (no padding rows), recorded in checkpoints so
     an export drops exactly the padding; ``None``: unknown (not recorded)."""
