@@ -22,6 +22,8 @@ from typing import Any, TextIO
 class LineWriter(io.TextIOBase):
     """A text stream that writes only complete lines, each in one system call.
 
+    A line is complete at ``"\n"``, or at ``"\r"`` (a line redrawn in place on a terminal).
+
     Args:
         stream: the stream to replace (its file descriptor and encoding are used).
     """
@@ -57,6 +59,11 @@ class LineWriter(io.TextIOBase):
         *lines, self._pending = self._pending.split("\n")
         for line in lines:
             self._write_all(f"{line}\n".encode(self._encoding, "backslashreplace"))
+        # A progress line a terminal redraws in place ends at "\r": whole too, written now.
+        cut = self._pending.rfind("\r") + 1
+        if cut:
+            redrawn, self._pending = self._pending[:cut], self._pending[cut:]
+            self._write_all(redrawn.encode(self._encoding, "backslashreplace"))
         return len(text)
 
     def flush(self) -> None:
