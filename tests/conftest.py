@@ -30,6 +30,12 @@ def _nccl_rules() -> None:
     os.environ.setdefault(NCCL_CHECK_ENV, "1")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _wandb_offline() -> None:
+    """A run with ``log.wandb`` writes its wandb run locally: no test reaches a server."""
+    os.environ["WANDB_MODE"] = "offline"
+
+
 @pytest.fixture(autouse=True)
 def _no_leaked_process_group() -> None:
     """A test that trained in this process leaves no default group for later forks."""
