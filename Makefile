@@ -15,7 +15,7 @@ $(PY):
 # torch is installed first and pinned, so the project's `torch>=2.9` never pulls a CUDA build.
 $(STAMP): pyproject.toml | $(PY)
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e ".[dev,tensorboard]"
+	$(PY) -m pip install -q -e ".[dev,tensorboard,wandb]"
 	@touch $(STAMP)
 
 venv: $(STAMP)
