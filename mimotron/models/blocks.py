@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mimotron.models.attention import AttentionPlan, attend
+from mimotron.models.kv_cache import LayerCache, attend_cached
 from mimotron.parallel.context_attention import gather_kv
 
 # GPT-2's std, used for embeddings and (divided by sqrt(2 * num_layers)) for projections
@@ -337,7 +338,7 @@ class Attention(nn.Module):
 
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-        plan: AttentionPlan | None = None,
+        plan: AttentionPlan | None = None, cache: LayerCache | None = None,
     ) -> torch.Tensor:
         """Attend over the sequence.
 
@@ -348,6 +349,10 @@ class Attention(nn.Module):
                 reads (:func:`~mimotron.models.attention.plan_attention`; required under
                 context parallelism); ``None`` = plain causal (or bidirectional)
                 attention over the row.
+            cache: incremental decoding only (:mod:`mimotron.models.kv_cache`): ``x``
+                holds the positions after the cached ones (``rope`` at those
+                positions), which attend causally to every cached key; training passes
+                ``None``.
 
         Returns:
             ``[batch, seq, hidden]``.
@@ -362,8 +367,28 @@ class Attention(nn.Module):
         k, v = (t.view(batch, seq, num_kv, self.head_dim) for t in (k, v))
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        out = self.core(q, k, v, rope, plan)
+        if cache is None:
+            out = self.core(q, k, v, rope, plan)
+        else:
+            out = self.cached_core(q, k, v, rope, cache)
         return self.wo(out.reshape(batch, seq, num_q * self.head_dim))
+
+    def cached_core(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor] | None, cache: LayerCache,
+    ) -> torch.Tensor:
+        """:meth:`core` of incremental decoding: RoPE, append to the cache, attend to it.
+
+        One process only (no context parallelism, no plan); see
+        :mod:`mimotron.models.kv_cache`.
+        """
+        assert self.context_parallel_group is None, "a KV cache under context parallelism"
+        assert self.causal, "a KV cache in bidirectional attention"
+        if rope is not None:
+            cos, sin = (_seq_major(t) for t in rope)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        k, v = cache.append(k, v)
+        return attend_cached(q, k, v)
 
     def core(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -488,10 +513,16 @@ class TransformerBlock(nn.Module):
 
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-        plan: AttentionPlan | None = None,
+        plan: AttentionPlan | None = None, cache: LayerCache | None = None,
     ) -> torch.Tensor:
-        """Run the layer on ``[batch, seq, hidden]``; ``rope``/``plan`` as in :class:`Attention`."""
-        x = x + self.attn(self.attn_norm(x), rope, plan)
+        """Run the layer on ``[batch, seq, hidden]``; ``rope``/``plan``/``cache`` as in
+        :class:`Attention`."""
+        if cache is None:
+            # Training: three arguments, the input sequence parallelism's
+            # PrepareModuleInput on ``attn`` lays out (mimotron.parallel.sequence_parallel).
+            x = x + self.attn(self.attn_norm(x), rope, plan)
+        else:
+            x = x + self.attn(self.attn_norm(x), rope, plan, cache)
         return x + self.mlp(self.mlp_norm(x))
 
 

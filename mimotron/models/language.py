@@ -22,6 +22,7 @@ from mimotron.models.blocks import (
     rope_cache,
     to_residual_dtype,
 )
+from mimotron.models.kv_cache import KVCache
 from mimotron.models.moe import MoEOptions, check_layer_freq
 from mimotron.models.rope_scaling import rope_inv_freq, validate_rope_scaling
 from mimotron.parallel.context_parallel import load_balanced_positions
@@ -239,8 +240,8 @@ class LanguageModel(nn.Module):
         return self.embed(tokens)
 
     def forward(self, hidden: torch.Tensor, documents: Documents | None = None,
-                position_ids: torch.Tensor | None = None, chunk: int | None = None
-                ) -> torch.Tensor:
+                position_ids: torch.Tensor | None = None, chunk: int | None = None,
+                cache: KVCache | None = None) -> torch.Tensor:
         """Run this stage's layers (and, on the last stage, the norm and output head).
 
         Args:
@@ -254,6 +255,10 @@ class LanguageModel(nn.Module):
                 for every document); whole under context parallelism too.
             chunk: interleaved pipelines only: run model chunk ``chunk`` of
                 ``layer_chunks`` (the head only after the last one); ``None`` = every layer.
+            cache: incremental decoding (:mod:`mimotron.models.kv_cache`; one process,
+                the whole model): ``hidden`` holds the ``S`` positions after the
+                ``cache.length`` cached ones, which attend to all of them; the cache
+                then holds them too. Training passes ``None``.
 
         Returns:
             Logits ``[B, S, vocab]`` on the last stage, else hidden states ``[B, S, hidden]``.
@@ -261,6 +266,8 @@ class LanguageModel(nn.Module):
         Raises:
             ValueError: if ``S`` exceeds ``max_seq_len``, or ``documents`` do not match it.
         """
+        if cache is not None:
+            return self._cached_forward(hidden, cache)
         seq = hidden.shape[1]
         if self.context_parallel_group is not None:
             seq *= dist.get_world_size(self.context_parallel_group)
@@ -285,6 +292,27 @@ class LanguageModel(nn.Module):
         last = is_last_chunk(self.layer_chunks, chunk)
         if self.final_norm is None or self.output is None or not last:
             return hidden if group is None else gather_sequence(hidden, group)
+        return self.output(self.final_norm(hidden))
+
+    def _cached_forward(self, hidden: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """:meth:`forward` of positions ``[cache.length, cache.length + S)`` (see there)."""
+        whole = self.pre_process and self.post_process and self.layer_chunks is None
+        parallel = (self.context_parallel_group is not None
+                    or self.sequence_parallel_group is not None)
+        if not whole or parallel:
+            raise ValueError("a KV cache needs the whole language model on one process (no "
+                             "pipeline stage, context or sequence parallelism)")
+        start, seq = cache.length, hidden.shape[1]
+        if start + seq > self.max_seq_len:
+            raise ValueError(f"sequence length {start + seq} exceeds "
+                             f"max_seq_len={self.max_seq_len}")
+        cos, sin = self.rope(start + seq, hidden.device)
+        rope = (cos[start:], sin[start:])
+        hidden = to_residual_dtype(hidden, self.fp32_residual)
+        for key, layer in self.layers.items():
+            hidden = layer(hidden, rope, None, cache.layer(key))
+        cache.advance(seq)
+        assert self.final_norm is not None and self.output is not None
         return self.output(self.final_norm(hidden))
 
 
