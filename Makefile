@@ -44,9 +44,9 @@ lint: $(STAMP)
 plan: $(STAMP)
 	$(VENV)/bin/mimotron plan configs/digits.toml
 
-# README's configuration table, generated from the config dataclasses' field docstrings.
+# docs/configuration.md's configuration table, generated from the config dataclasses' field docstrings.
 docs: $(STAMP)
-	$(PY) -m mimotron.config_docs README.md
+	$(PY) -m mimotron.config_docs docs/configuration.md
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache

@@ -1,4 +1,4 @@
-"""The README's configuration table, generated from the config dataclasses.
+"""The configuration table of docs/configuration.md, generated from the config dataclasses.
 
 Every config field carries an attribute docstring: a string literal right after the
 field, as in torchtitan's ``JobConfig`` (:mod:`mimotron.config_schema`). Python keeps no
@@ -7,9 +7,9 @@ such docstring at runtime, so :func:`field_docs` reads it from the class source 
 :func:`render_table` turns the fields into a Markdown table (table, key, default,
 meaning = the docstring's first paragraph) and :func:`update_readme` writes it between
 the ``<!-- config-table:start -->`` / ``<!-- config-table:end -->`` markers of
-README.md. ``make docs`` runs ``python -m mimotron.config_docs README.md``;
+docs/configuration.md. ``make docs`` runs ``python -m mimotron.config_docs docs/configuration.md``;
 ``--check`` only reports whether the file is up to date. tests/test_config_docs.py
-fails when the README's table differs from the generated one or a field has no
+fails when the table differs from the generated one or a field has no
 docstring.
 """
 
@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     """
     parser = argparse.ArgumentParser(prog="python -m mimotron.config_docs",
                                      description=__doc__.split("\n", 1)[0])
-    parser.add_argument("readme", nargs="?", default="README.md", type=Path)
+    parser.add_argument("readme", nargs="?", default="docs/configuration.md", type=Path)
     parser.add_argument("--check", action="store_true",
                         help="do not write; exit 1 when the table is out of date")
     args = parser.parse_args(argv)

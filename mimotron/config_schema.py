@@ -3,7 +3,7 @@
 Each field carries an attribute docstring (a string literal right after it, as in
 torchtitan's ``JobConfig``): what it means, its unit, the valid values and how it
 interacts with other keys. :mod:`mimotron.config_docs` reads these docstrings to render
-the README's configuration table, so they are the one source of the config docs. Fields
+docs/configuration.md's configuration table, so they are the one source of the config docs. Fields
 with a fixed set of values are typed ``Literal[...]``; the parser
 (:func:`mimotron.config.config_from_dict`) rejects any other value, and the tuples
 ``PRECISIONS``, ``DECAY_STYLES``, ... are derived from those types. The whole run,
@@ -382,8 +382,8 @@ class DataConfig:
 
     dataset: DatasetName = "digits"
     """``digits`` (sklearn digits images + synthesised DTMF audio), ``mock`` (random
-    tensors for tests) or ``llava`` (a LLaVA-format JSON / JSONL file: ``path``,
-    ``tokenizer``).
+    tensors for tests) or ``llava`` (a LLaVA-format JSON / JSONL file or WebDataset tar
+    shards: ``path``, ``tokenizer``).
     """
     seq_length: int = 64
     """Tokens per sample, placeholders included; too small for the prompt and answer is an error."""
@@ -408,7 +408,11 @@ class DataConfig:
     mock_num_samples: int = 256
     """Mock: samples in the dataset (>= 2), split by train_fraction."""
     path: str = ""
-    """LLaVA: the JSON list or JSONL file of samples (required with ``dataset = "llava"``)."""
+    """LLaVA: the JSON list or JSONL file of samples, or tar shards in the WebDataset layout
+    (a folder of ``*.tar``, one ``.tar``, a glob or a ``shard-{000000..000009}.tar`` range;
+    each sample a ``<key>.json`` conversation with its ``<key>.jpg``/``.png``/``.wav``
+    members); required with ``dataset = "llava"``.
+    """
     valid_path: str = ""
     """LLaVA: a separate validation file (the same format and checks as ``path``); empty =
     validation is the ``train_fraction`` split of ``path``. Its media paths are relative to
@@ -435,6 +439,12 @@ class DataConfig:
     """
     system_prompt: str = ""
     """LLaVA: a system message put first in conversations that have none; empty = none."""
+    index_dir: str = ""
+    """LLaVA: folder of the sample indexes (each data file's checked samples: addresses,
+    token counts, skipped samples), built once per run before training and reused by
+    later runs over the same unchanged file and settings; empty = ``<log.dir>/data_index``.
+    Must be shared by all ranks' nodes.
+    """
     packing: bool = False
     """Pack several training samples into each row of ``seq_length`` (consecutive samples
     while they fit; a row holds each sample's images and tones); attention stays within

@@ -1,4 +1,4 @@
-"""The config docs have one source: field docstrings, rendered into README.md."""
+"""The config docs have one source: field docstrings, rendered into docs/configuration.md."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from mimotron.config_docs import (
     update_readme,
 )
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
 
 
 def test_every_config_field_has_a_docstring():
@@ -29,9 +29,9 @@ def test_every_config_field_has_a_docstring():
 
 def test_readme_table_matches_the_dataclasses():
     text = README.read_text()
-    assert START in text and END in text, f"README.md lacks the markers {START} / {END}"
+    assert START in text and END in text, f"docs/configuration.md lacks the markers {START} / {END}"
     table = text[text.index(START) + len(START):text.index(END)].strip()
-    assert table == render_table(), "README configuration table is out of date: run `make docs`"
+    assert table == render_table(), "docs/configuration.md's table is out of date: run `make docs`"
 
 
 def test_field_docs_reads_attribute_docstrings():

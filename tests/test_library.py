@@ -1,4 +1,4 @@
-"""Library use: ``train_mimo`` driven by a user's forward step (the README example).
+"""Library use: ``train_mimo`` driven by a user's forward step (the example of docs/operations.md).
 
 The test runs ``examples/custom_forward_step.py`` verbatim as ``__main__`` on four forked
 ranks (the digits layout: vision | audio | language data-parallel over two ranks), with a

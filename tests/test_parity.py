@@ -45,7 +45,7 @@ NUM_ITERS = 10
 PARITY = ["train.iters=12"]
 SMALL_MB = ["train.micro_batch_size=4"]  # 4 micro-batches; DP slices of 1-2 samples
 LOSS_REL = 1e-4
-WEIGHT_REL = 1e-4  # the worst measured is 2.2e-6 (README, Heterogeneous parallelism)
+WEIGHT_REL = 1e-4  # the worst measured is 2.2e-6 (docs/layouts.md, Heterogeneous parallelism)
 
 
 ZERO = [f"modules.{m}.parallel.shard_optimizer=true" for m in ("vision", "audio", "language")]

@@ -175,7 +175,7 @@ def train_mimo(
 ) -> dict[str, Any]:
     """Train until ``train.iters`` (or another exit condition); evaluate and log.
 
-    Megatron-Bridge's signature (parameter names and order); see the README, "Library
+    Megatron-Bridge's signature (parameter names and order); see docs/operations.md, "Library
     use", for what differs.
 
     Args:

@@ -7,7 +7,7 @@ module, encoder sample counts and auxiliary losses; the logging rank (language m
 DP 0, TP 0, last stage) turns them into one record and is the only writer, so
 ``metrics.jsonl`` is written once per run, not once per rank.
 
-A train record holds the contract fields of the README ("Metrics, console, profiling"):
+A train record holds the contract fields of docs/operations.md ("Metrics, console, profiling"):
 ``iteration``, ``loss`` (the token-weighted mean over the iterations since the previous
 record, see :mod:`mimotron.training.interval`), ``grad_norm``, ``lr`` {module: lr},
 ``loss_scale``, ``skipped``, ``num_zeros``, ``consumed_samples``, ``tokens_per_second``
