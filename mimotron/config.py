@@ -454,7 +454,7 @@ def _validate_data(cfg: MimoConfig) -> None:
         _validate_llava(cfg)
         return  # The dataset checks each sample's length against seq_length.
     for key in ("path", "valid_path", "root", "allow_outside_root", "tokenizer",
-                "skip_bad_samples", "system_prompt"):
+                "skip_bad_samples", "system_prompt", "index_dir"):
         # Never silently ignored: these only mean something for a file dataset.
         _check(not getattr(d, key), f"data.{key}", getattr(d, key),
                f"unset with data.dataset={d.dataset!r} (it is read by 'llava' only)")
@@ -473,15 +473,28 @@ def _validate_data(cfg: MimoConfig) -> None:
 TOY_AUDIO_RATE = 16000
 
 
+def _data_files_exist(path: str) -> bool:
+    """A file, or the tar shards a folder/glob/brace range names (``data/webdataset.py``)."""
+    from mimotron.data.webdataset import is_shard_path, shard_paths
+
+    if Path(path).is_file():
+        return True
+    try:
+        return is_shard_path(path) and bool(shard_paths(path))
+    except ValueError:
+        return False
+
+
 def _validate_llava(cfg: MimoConfig) -> None:
     """Files and folders a LLaVA run reads; the samples are checked when the data is built."""
     d = cfg.data
-    _check(bool(d.path) and Path(d.path).is_file(), "data.path", d.path,
-           "an existing LLaVA JSON or JSONL file")
+    _check(bool(d.path) and _data_files_exist(d.path), "data.path", d.path,
+           "an existing LLaVA JSON or JSONL file, or WebDataset .tar shards")
     _check(not d.root or Path(d.root).is_dir(), "data.root", d.root,
            "an existing folder (or empty: the folder of data.path)")
-    _check(not d.valid_path or Path(d.valid_path).is_file(), "data.valid_path", d.valid_path,
-           "an existing LLaVA JSON or JSONL file (or empty: a split of data.path)")
+    _check(not d.valid_path or _data_files_exist(d.valid_path), "data.valid_path",
+           d.valid_path, "an existing LLaVA JSON or JSONL file, or WebDataset .tar shards "
+           "(or empty: a split of data.path)")
     if not d.tokenizer:  # config_from_dict fills it from modules.language.hf_path
         raise ValueError("data.tokenizer is unset and so is modules.language.hf_path: set "
                          "data.tokenizer to a local Hugging Face tokenizer folder (or "

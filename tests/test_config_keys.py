@@ -220,6 +220,7 @@ PROBES: dict[str, tuple[list[str], str, list[str]]] = {
     "data.tokenizer": (["data.tokenizer='x'"], "error:built", []),
     "data.skip_bad_samples": (["data.skip_bad_samples=true"], "error:built", []),
     "data.system_prompt": (["data.system_prompt='x'"], "error:built", []),
+    "data.index_dir": (["data.index_dir='x'"], "error:built", []),
     "data.num_workers": (["data.num_workers=2"], "run", ["log.progress=true"]),
     "data.packing": (["data.packing=true"], "built", []),  # the first training batch
     "train.iters": (["train.iters=12"], "built", []),
@@ -247,6 +248,13 @@ PROBES: dict[str, tuple[list[str], str, list[str]]] = {
     "checkpoint.dir": (["checkpoint.dir='ck'"], "run", SAVE),
     "checkpoint.interval": (["checkpoint.interval=1"], "run", RUN),
     "checkpoint.load": (["checkpoint.load='missing'"], "error:built", []),
+    # Their effect (a new run from the weights, optimizer state or schedule of another
+    # run's checkpoint) is asserted by tests/test_finetune.py.
+    "checkpoint.pretrained": (["checkpoint.pretrained='missing'"], "error:built", []),
+    "checkpoint.pretrained_optimizer": (["checkpoint.pretrained_optimizer=true"],
+                                        "error:built", []),
+    "checkpoint.pretrained_schedule": (["checkpoint.pretrained_schedule=true"], "error:built",
+                                       []),
     "checkpoint.async_save": (["checkpoint.async_save=true"], "run", SAVE),
     "checkpoint.keep": (["checkpoint.keep=1"], "run", [*SAVE, "train.iters=3"]),
     "log.dir": (["log.dir='elsewhere'"], "run", RUN),
