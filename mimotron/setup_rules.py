@@ -8,7 +8,7 @@ started, where it fails on some ranks while their peers wait in a collective. Ea
 is one named function, also called by the rank-side code that relies on it, so the two
 can never disagree:
 
-* :func:`check_trainable`: not every module frozen (the optimizer factory);
+* :func:`check_trainable`: something trains (a module, or an encoder's projector);
 * :func:`check_weight_decay_schedule`: a weight decay that moves from start to end
   needs a ``linear`` or ``cosine`` style (the LR scheduler);
 * :func:`check_loss_scale`: the dynamic loss scale's floor is positive (fp16);
@@ -51,15 +51,21 @@ def check_setup_rules(cfg: MimoConfig, world_size: int) -> None:
 
 
 def check_trainable(cfg: MimoConfig) -> None:
-    """Raise when every module is frozen: nothing would train.
+    """Raise when nothing trains: every module frozen whole (``freeze = true``).
+
+    An encoder with ``freeze = "encoder"`` trains its projector, so a run whose other
+    modules are all frozen (LLaVA's stage 1) still trains.
 
     Raises:
         ValueError: naming ``modules.*.freeze``.
     """
-    if cfg.modules and all(m.freeze for m in cfg.modules.values()):
+    if cfg.modules and all(m.fully_frozen for m in cfg.modules.values()):
+        encoders = [n for n in sorted(cfg.modules) if cfg.modules[n].is_encoder]
+        part = (f'; or freeze only an encoder\'s tower (modules.{encoders[0]}.freeze = '
+                '"encoder") so its projector trains' if encoders else "")
         raise ValueError(
-            f"modules.*.freeze: every module ({sorted(cfg.modules)}) is frozen, so "
-            "nothing would train; unfreeze at least one"
+            f"modules.*.freeze: nothing trains: every module ({sorted(cfg.modules)}) is "
+            f"frozen; unfreeze at least one{part}"
         )
 
 

@@ -77,14 +77,15 @@ def _optimizer(cfg: MimoConfig, model: torch.nn.Module) -> tuple[torch.optim.Ada
     """AdamW with two groups per trainable module (decay / no decay); group schedules."""
     groups, schedules = [], []
     for name in sorted(cfg.modules):
-        if cfg.modules[name].freeze:
+        if cfg.modules[name].freeze is True:
             continue
         opt, sched = cfg.effective_optimizer(name), cfg.effective_scheduler(name)
         assert opt.name == "adamw", "the reference implements AdamW only"
         assert sched.decay_style in ("cosine", "linear", "constant"), sched.decay_style
         assert sched.start_weight_decay is None and sched.end_weight_decay is None, (
             "the reference implements a constant weight decay only")
-        named = [(n, p) for n, p in model.named_parameters() if module_of(n) == name]
+        named = [(n, p) for n, p in model.named_parameters()
+                 if module_of(n) == name and p.requires_grad]
         min_lr = opt.min_lr if sched.min_lr is None else sched.min_lr
         decay_iters = sched.decay_iters or cfg.train.iters
         split = opt.expert_lr is not None or opt.expert_weight_decay is not None
@@ -145,11 +146,21 @@ def reference_setup(overrides: tuple[str, ...] | list[str]
     return cfg, task, lambda: build_mimo_model(cfg, vocab, placeholders)
 
 
+def frozen(cfg: MimoConfig, name: str) -> bool:
+    """Whether ``modules.<m>.freeze`` freezes parameter ``name`` (as inside ``MimoModel``):
+    every parameter of a module with ``true``; the encoder tower's (``modality_submodules.
+    <m>.encoder.*``, not its projector) with ``"encoder"``."""
+    freeze = cfg.modules[module_of(name)].freeze
+    if freeze == "encoder":
+        return name.split(".")[2] == "encoder"
+    return freeze is True
+
+
 def reference_run(overrides: tuple[str, ...], num_iters: int,
                   extra_objective: Callable[[torch.nn.Module], Callable[[dict], torch.Tensor]]
                   | None = None,
-                  batch_at: Callable[[object, object, int, int], dict] | None = None
-                  ) -> ReferenceRun:
+                  batch_at: Callable[[object, object, int, int], dict] | None = None,
+                  start_from: dict[str, torch.Tensor] | None = None) -> ReferenceRun:
     """Train ``num_iters`` iterations of the ``BASE + overrides`` config in one process.
 
     Args:
@@ -160,13 +171,19 @@ def reference_run(overrides: tuple[str, ...], num_iters: int,
             sum before the division by the token count (e.g. MoE auxiliary losses).
         batch_at: ``(task, stream, iteration, global_batch_size) -> batch``, the global
             batch of an iteration (``None``: ``collate`` of the stream's next samples).
+        start_from: parameter name -> value to start from instead of the initialisation
+            (a fine-tune from earlier weights); every parameter must be given.
     """
     cfg, task, build = reference_setup(overrides)
     model = build()
     attention = install_reference_attention(model)
     num_layers = len(model.language_model.layers)
+    if start_from is not None:
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                p.copy_(start_from[n])
     for n, p in model.named_parameters():
-        p.requires_grad_(not cfg.modules[module_of(n)].freeze)
+        p.requires_grad_(not frozen(cfg, n))
     initial = {n: p.detach().clone() for n, p in model.named_parameters()}
     optimizer, schedules = _optimizer(cfg, model)
     params = [p for g in optimizer.param_groups for p in g["params"]]

@@ -162,7 +162,9 @@ NO_EFFECT: dict[str, str] = {
                                     "skip_bad_samples", "system_prompt")},
     **{f"eval.{k}": "evaluation runs forward only, keeping nothing for backward: below "
                     "the training peak" for k in ("interval", "iters")},
-    **{f"checkpoint.{k}": _HOST for k in ("async_save", "dir", "interval", "keep", "load")},
+    **{f"checkpoint.{k}": _HOST for k in ("async_save", "dir", "interval", "keep", "load",
+                                          "pretrained", "pretrained_optimizer",
+                                          "pretrained_schedule")},
     **{f"log.{k}": _HOST for k in ("dir", "interval", "progress", "tensorboard")},
     **{f"profile.{k}": _HOST for k in ("enabled", "start", "end", "ranks")},
     "name": _HOST,

@@ -14,7 +14,7 @@ from typing import Any
 
 from mimotron.checkpoint.files import CheckpointError
 from mimotron.cli.device_fit import fit_lines, parse_device_memory
-from mimotron.config import MimoConfig, load_config
+from mimotron.config import MimoConfig, ModuleConfig, load_config
 from mimotron.models.build import moe_options
 from mimotron.parallel.expert_layout import format_expert_layout
 from mimotron.parallel.layout import Layout, format_skipped, plan_layout
@@ -92,6 +92,13 @@ def run_plan(config: str, overrides: list[str], dry_run: bool = False,
     return _dry_run(cfg, ranks) if dry_run else 0
 
 
+def _frozen_note(mod: ModuleConfig) -> str:
+    """The module row's note on ``freeze``: nothing trains, or only its projector."""
+    if mod.fully_frozen:
+        return "  (frozen)"
+    return "  (tower frozen, projector trains)" if mod.tower_frozen else ""
+
+
 def _print_modules(cfg: MimoConfig, vocab: int) -> None:
     """One row per module: kind, parameters per stage, degrees, CP / SP / MoE notes."""
     print(f"{'module':<10} {'kind':<9} {'params':>10}  tp pp dp  stages (params)")
@@ -99,7 +106,7 @@ def _print_modules(cfg: MimoConfig, vocab: int) -> None:
         stages = stage_parameter_counts(cfg, name, vocab)
         p = mod.parallel
         print(f"{name:<10} {mod.kind:<9} {sum(stages):>10,}  {p.tensor:>2} {p.pipeline:>2} "
-              f"{p.data:>2}  {stages}{'  (frozen)' if mod.freeze else ''}")
+              f"{p.data:>2}  {stages}{_frozen_note(mod)}")
         if p.context > 1:
             print(f"{'':<10} context parallel: each of {p.context} CP ranks holds seq / "
                   f"{p.context} = {cfg.data.seq_length // p.context} positions (2 chunks)")

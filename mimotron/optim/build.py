@@ -16,6 +16,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from mimotron.config import PRECISIONS, MimoConfig, ModuleConfig, OptimizerConfig
+from mimotron.models.freeze import is_frozen_parameter
 from mimotron.models.mimo import MimoModel, module_part
 from mimotron.optim.loss_scaler import ConstantLossScaler, DynamicLossScaler, LossScaler
 from mimotron.optim.mimo_optimizer import MimoOptimizer, ModuleOptimizerInfo
@@ -67,6 +68,19 @@ def _shards(name: str, mcfg: ModuleConfig, named: list[tuple[str, nn.Parameter]]
         return ZeroShards(named, group, bucket_bytes, param_dtype=dtype)
     except ValueError as exc:
         raise ValueError(f"modules.{name}.parallel.shard_optimizer=true: {exc}") from None
+
+
+def _check_frozen(name: str, mcfg: ModuleConfig, module: nn.Module | None) -> None:
+    """What ``freeze`` freezes must no longer require gradients (model setup's job)."""
+    if module is None or not mcfg.freeze:
+        return
+    live = [n for n, p in module.named_parameters()
+            if p.requires_grad and is_frozen_parameter(mcfg, n)]
+    if live:
+        raise ValueError(
+            f"modules.{name}.freeze={mcfg.freeze!r} but {live[0]} still requires gradients: "
+            "call mimotron.training.model_setup.freeze_modules(model, cfg) when building "
+            "the model (build_rank_model does)")
 
 
 def _check_config(config: MimoConfig, precision: str) -> None:
@@ -148,10 +162,11 @@ def get_mimo_optimizer(
     from its effective optimizer config (``[optimizer]`` with its overrides); see
     :mod:`mimotron.optim.mimo_optimizer` for the per-module clipping and loss-scale rules.
 
-    Frozen modules (``modules.<m>.freeze``) get no optimizer; freezing their parameters
-    (``requires_grad=False``) is model setup's job
-    (:func:`mimotron.training.model_setup.freeze_modules`), this factory only reads the
-    config and ``requires_grad``. Modules with ``parallel.shard_optimizer``
+    Frozen modules (``modules.<m>.freeze = true``) get no optimizer, a frozen tower
+    (``freeze = "encoder"``) is left out of its module's (the projector's parameters
+    alone are stepped); freezing parameters (``requires_grad=False``) is model setup's
+    job (:func:`mimotron.training.model_setup.freeze_modules`), this factory only reads
+    the config and ``requires_grad``. Modules with ``parallel.shard_optimizer``
     and a DP degree above one get a ZeRO-1 optimizer over their DP group
     (:class:`~mimotron.parallel.zero.ZeroShards`): the inner optimizer holds only this
     rank's rows of every parameter; under bf16 / fp16 those rows are fp32 masters and
@@ -192,13 +207,8 @@ def get_mimo_optimizer(
         module = module_part(mimo_model, name)
         if module is not None:  # a previous optimizer's gather hooks go with it
             remove_gather_hooks(module)
-        if mcfg.freeze and module is not None and any(p.requires_grad
-                                                      for p in module.parameters()):
-            raise ValueError(
-                f"modules.{name}.freeze=true but its parameters still require gradients: "
-                "call mimotron.training.model_setup.freeze_modules(model, cfg) when building "
-                "the model (build_rank_model does)")
-        named = [] if module is None or mcfg.freeze else [
+        _check_frozen(name, mcfg, module)
+        named = [] if module is None or mcfg.fully_frozen else [
             (n, p) for n, p in module.named_parameters() if p.requires_grad
         ]
         grid = grids.get(name) if grids is not None else None
@@ -218,7 +228,7 @@ def get_mimo_optimizer(
             is_active=bool(named),
             params=stepped,
             loss_scaler=_loss_scaler(oc, precision),
-            frozen=mcfg.freeze,
+            frozen=mcfg.fully_frozen,
             zero=zero,
             clip_grad=oc.clip_grad,
         )

@@ -45,7 +45,10 @@ Semantics kept from the rest of the engine:
 
 Refused (:func:`check_fsdp`, before any rank starts): with ``shard_optimizer`` (FSDP
 already shards the optimizer), context or sequence parallelism, mixture-of-experts
-modules, frozen modules, and tied input/output embeddings.
+modules, frozen modules, and tied input/output embeddings. An encoder whose tower is
+frozen (``freeze = "encoder"``) is sharded like any other: the tower's units are
+gathered for the forward and reduce nothing (FSDP2 reduce-scatters only parameters that
+require gradients), the projector's units train.
 """
 
 from __future__ import annotations
@@ -82,8 +85,8 @@ def check_fsdp(cfg: MimoConfig, name: str) -> None:
          "use context=1 with FSDP"),
         (par.sequence_parallel, f"modules.{name}.parallel.sequence_parallel=true",
          "use sequence_parallel=false with FSDP"),
-        (mod.freeze, f"modules.{name}.freeze=true", "a frozen module has nothing to shard "
-         "over data parallelism; use fsdp=false"),
+        (mod.fully_frozen, f"modules.{name}.freeze=true", "a frozen module has nothing to "
+         "shard over data parallelism; use fsdp=false"),
     ]
     for bad, field, fix in conflicts:
         if bad:
@@ -172,8 +175,8 @@ def fsdp_modules(cfg: MimoConfig) -> set[str]:
     return {n for n, m in cfg.modules.items() if m.parallel.fsdp}
 
 
-def fsdp_memory_bytes(cfg: MimoConfig, name: str, num_params: int, vocab_size: int
-                      ) -> dict[str, int]:
+def fsdp_memory_bytes(cfg: MimoConfig, name: str, num_params: int, vocab_size: int,
+                      num_trainable: int | None = None) -> dict[str, int]:
     """What an FSDP2 rank holds for module ``name``: ``weights``, ``grads``, ``optimizer``
     and ``buffers`` (bytes), given the ``num_params`` of its (TP-local) stage.
 
@@ -182,6 +185,8 @@ def fsdp_memory_bytes(cfg: MimoConfig, name: str, num_params: int, vocab_size: i
     (compute dtype) are added, and the next one's, prefetched; while its gradients are
     reduce-scattered, their fp32 full size. ``buffers`` counts the largest unit twice in
     the gathered dtype plus its fp32 gradients, and is held on top of the activations.
+    ``num_trainable`` (default: all ``num_params``) are those with gradients and
+    optimizer state (a frozen tower has neither).
     """
     from mimotron.parallel.memory import BYTES, optimizer_state_bytes_per_param
 
@@ -189,10 +194,11 @@ def fsdp_memory_bytes(cfg: MimoConfig, name: str, num_params: int, vocab_size: i
     dp = mod.parallel.data
     gathered = 4 if cfg.train.precision == "fp32" else BYTES[cfg.train.precision]
     unit = largest_unit_params(cfg, name, vocab_size)
+    trained = num_params if num_trainable is None else num_trainable
     return {
         "weights": num_params * 4 // dp,
-        "grads": num_params * 4 // dp,
-        "optimizer": num_params * optimizer_state_bytes_per_param(cfg, name) // dp,
+        "grads": trained * 4 // dp,
+        "optimizer": trained * optimizer_state_bytes_per_param(cfg, name) // dp,
         "buffers": unit * (2 * gathered + 4),
     }
 

@@ -10,7 +10,7 @@ rank) are not divided.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -75,6 +75,30 @@ def stage_parameter_counts(cfg: MimoConfig, name: str, vocab_size: int) -> list[
                 init=False,
             )
         counts.append(sum(p.numel() for p in mod.parameters()))
+    return counts
+
+
+def stage_trainable_counts(cfg: MimoConfig, name: str, vocab_size: int) -> list[int]:
+    """Parameters of each pipeline stage that train (``modules.<m>.freeze``).
+
+    All of :func:`stage_parameter_counts` for a trainable module, none for a frozen one,
+    and for an encoder whose tower is frozen its projector's (on the last stage).
+    """
+    from mimotron.models.build import build_module
+    from mimotron.models.freeze import trainable_parameter_count
+
+    mod = cfg.modules[name]
+    par = mod.parallel
+    if not mod.freeze:
+        return stage_parameter_counts(cfg, name, vocab_size)
+    if mod.fully_frozen:
+        return [0] * par.pipeline
+    counts = [0] * par.pipeline
+    layers = rank_layers(mod.num_layers, par, par.pipeline - 1)[0]
+    with torch.device("meta"):
+        part = build_module(cfg, name, vocab_size, layer_ids=layers,
+                            pre_process=par.pipeline == 1, post_process=True, init=False)
+    counts[-1] = trainable_parameter_count(part, mod)
     return counts
 
 
@@ -285,7 +309,8 @@ def activation_bytes(cfg: MimoConfig, name: str, vocab_size: int = 64,
     of the rank's plan, each chunk weighted by its bytes
     (:func:`~mimotron.pipeline.in_flight.held_forwards_peak`); a number ``in_flight``
     spreads that many chunk forwards evenly over the chunks. A frozen
-    encoder holds only its outputs (:func:`frozen_encoder_output_bytes`). Each layer
+    encoder holds only its outputs (:func:`frozen_encoder_output_bytes`), one whose tower
+    is frozen only its projector's saved tensors (:func:`projector_saved_bytes`). Each layer
     recomputed in backward (``modules.<m>.recompute``, :func:`recomputed_layers`) keeps
     :func:`recompute_dropped_bytes` less. MoE layers and attention masks (packing,
     context parallelism) add :func:`~mimotron.parallel.activation_terms.
@@ -303,9 +328,11 @@ def activation_bytes(cfg: MimoConfig, name: str, vocab_size: int = 64,
     if in_flight is None and layout is None:
         layout = plan_layout(cfg)
     if mod.freeze and mod.is_encoder:
-        # Its outputs only: those of its last chunk's forwards held.
+        # Its outputs, or its projector's saved tensors: those of its last chunk's forwards.
         last_chunk = [0.0] * (par.virtual_pipeline - 1) + [1.0]
-        return frozen_encoder_output_bytes(cfg, name, stage) * samples * int(
+        held_bytes = (frozen_encoder_output_bytes if mod.fully_frozen
+                      else projector_saved_bytes)(cfg, name, stage)
+        return held_bytes * samples * int(
             held_forwards_peak(cfg, layout, name, stage, last_chunk)
             if in_flight is None else in_flight)
     layers, chunks = rank_layers(mod.num_layers, par, stage)
@@ -364,7 +391,7 @@ def recomputed_layers(cfg: MimoConfig, name: str, stage: int) -> int:
 
     The first ``recompute_num_layers`` of each model chunk the stage's ranks hold (all
     with 0), as :func:`mimotron.models.recompute.apply_recompute` picks them; none for
-    ``recompute = "none"`` and for a frozen encoder (it saves nothing anyway).
+    ``recompute = "none"`` and for a frozen encoder or tower (its layers save nothing).
     """
     from mimotron.models.recompute import recomputed_layer_ids
 
@@ -426,10 +453,12 @@ def recompute_workspace_bytes(cfg: MimoConfig, name: str) -> int:
     A recomputed layer's backward first makes what it dropped
     (:func:`recompute_dropped_bytes`, one micro-batch of this rank's samples), and that
     lives until the layer's backward ends, on top of the workspace of
-    :func:`backward_workspace_bytes`. 0 when no layer of the module is recomputed.
+    :func:`backward_workspace_bytes`. 0 when no layer of the module is recomputed, or its
+    layers run no backward (a frozen encoder or tower; a frozen language model
+    back-propagates to its input, through its layers).
     """
     mod = cfg.modules[name]
-    if mod.recompute == "none" or mod.freeze:
+    if mod.recompute == "none" or (mod.freeze and mod.is_encoder):
         return 0
     return cfg.train.micro_batch_size // mod.parallel.data * recompute_dropped_bytes(cfg, name)
 
@@ -446,6 +475,34 @@ def frozen_encoder_output_bytes(cfg: MimoConfig, name: str, stage: int) -> int:
     if stage != mod.parallel.pipeline - 1:
         return 0
     return mod.num_output_tokens * cfg.modules[LANGUAGE].hidden_size * BYTES[cfg.train.precision]
+
+
+def projector_saved_bytes(cfg: MimoConfig, name: str, stage: int) -> int:
+    """Bytes per sample an encoder stage with a frozen tower (``freeze = "encoder"``) saves.
+
+    The tower's input is data and its parameters are frozen, so it saves nothing; the
+    projector saves its input (the tower's output, compute dtype), GELU's input and
+    ``fc2``'s input (the projector's width), as in :func:`ends_bytes_per_sample`, on
+    the last stage (the only one that holds the projector).
+    """
+    mod = cfg.modules[name]
+    if stage != mod.parallel.pipeline - 1:
+        return 0
+    c = BYTES[cfg.train.precision]
+    width = mod.projector_hidden_size or cfg.modules[LANGUAGE].hidden_size
+    return mod.num_output_tokens * (c * mod.hidden_size + 2 * c * width)
+
+
+def projector_workspace_bytes(cfg: MimoConfig, name: str) -> int:
+    """The backward temporary of an encoder whose tower is frozen: its projector's.
+
+    Only the projector runs a backward; its largest temporary is the gradient of its
+    hidden width (compute dtype) for one micro-batch of this rank's samples.
+    """
+    mod = cfg.modules[name]
+    samples = cfg.train.micro_batch_size // mod.parallel.data
+    width = mod.projector_hidden_size or cfg.modules[LANGUAGE].hidden_size
+    return samples * mod.num_output_tokens * BYTES[cfg.train.precision] * width
 
 
 def backward_workspace_bytes(cfg: MimoConfig, name: str, vocab_size: int = 0,
@@ -492,62 +549,82 @@ def estimate_memory(
 
     ``vocab_size`` is the tokenizer's; the logits count the language model's own
     vocabulary (a checkpoint's ``config.json`` one where larger, padded:
-    :func:`~mimotron.models.build.model_vocab_size`).
+    :func:`~mimotron.models.build.model_vocab_size`). Gradients, optimizer state and
+    the reduction's buffers count the parameters that train
+    (:func:`stage_trainable_counts`): none of a frozen module, only the projector of an
+    encoder whose tower is frozen.
     """
     from mimotron.models.build import model_vocab_size
 
     vocab_size = model_vocab_size(cfg, vocab_size)
     counts = {n: stage_parameter_counts(cfg, n, vocab_size) for n in cfg.modules}
+    trained = {n: stage_trainable_counts(cfg, n, vocab_size) for n in cfg.modules}
     experts = {n: stage_expert_counts(cfg, n, vocab_size) for n in cfg.modules}
-    master = 4
-    compute = BYTES[cfg.train.precision] if cfg.train.precision != "fp32" else 0
     out: dict[int, list[MemoryEstimate]] = {}
     # Per (module, stage): the peak of its plan's held forwards (one replay per stage).
     activations: dict[tuple[str, int], int] = {}
     for rank in range(layout.world_size) if ranks is None else ranks:
         out[rank] = []
         for role in layout.roles(rank):
-            mod = cfg.modules[role.module]
-            if (role.module, role.pp) not in activations:
-                activations[(role.module, role.pp)] = activation_bytes(
-                    cfg, role.module, vocab_size, None, role.pp, layout)
-            split = experts[role.module][role.pp] if experts[role.module] else None
-            n = rank_parameter_count(cfg, role.module, counts[role.module][role.pp], split)
-            frozen = mod.freeze
-            out[rank].append(
-                MemoryEstimate(
-                    module=role.module,
-                    num_params=n,
-                    # ZeRO-1 under bf16 / fp16: 16-bit weights, the fp32 master in
-                    # the optimizer's share (master_weight_bytes).
-                    weights=n * (compute if has_master_weights(cfg, role.module)
-                                 else master + compute),
-                    grads=0 if frozen else n * 4,
-                    optimizer=0 if frozen else (
-                        optimizer_state_bytes(cfg, role.module, n, split)
-                        + master_weight_bytes(cfg, role.module, n, split)),
-                    activations=activations[(role.module, role.pp)],
-                    workspace=0 if frozen else (backward_workspace_bytes(
-                        cfg, role.module, vocab_size, role.pp == mod.parallel.pipeline - 1)
-                                                + recompute_workspace_bytes(cfg, role.module)),
-                    reduce_bucket=reduce_bucket_bytes(cfg, role.module, n),
-                    param_gather=param_gather_bytes(cfg, role.module, n),
-                )
-            )
+            name, stage, mod = role.module, role.pp, cfg.modules[role.module]
+            if (name, stage) not in activations:
+                activations[(name, stage)] = activation_bytes(
+                    cfg, name, vocab_size, None, stage, layout)
+            split = experts[name][stage] if experts[name] else None
+            n = rank_parameter_count(cfg, name, counts[name][stage], split)
+            t = n if not mod.freeze else (
+                0 if mod.fully_frozen else rank_parameter_count(cfg, name, trained[name][stage],
+                                                                split))
+            est = _rank_estimate(cfg, name, stage, n, t, split, vocab_size)
+            out[rank].append(replace(est, activations=activations[(name, stage)]))
             if mod.parallel.fsdp and mod.parallel.data > 1:
-                out[rank][-1] = _with_fsdp(cfg, out[rank][-1], vocab_size)
+                out[rank][-1] = _with_fsdp(cfg, out[rank][-1], vocab_size, t)
     return out
 
 
-def _with_fsdp(cfg: MimoConfig, est: MemoryEstimate, vocab_size: int) -> MemoryEstimate:
+def _rank_estimate(cfg: MimoConfig, name: str, stage: int, n: int, trained: int,
+                   split: tuple[int, int] | None, vocab_size: int) -> MemoryEstimate:
+    """One rank's estimate of a module stage holding ``n`` parameters, ``trained`` of which
+    train (activations left at 0 for the caller)."""
+    mod = cfg.modules[name]
+    master = FP32
+    compute = BYTES[cfg.train.precision] if cfg.train.precision != "fp32" else 0
+    # ZeRO-1 under bf16 / fp16: 16-bit weights for what trains, the fp32 master in the
+    # optimizer's share (master_weight_bytes); frozen parameters stay fp32.
+    masters = has_master_weights(cfg, name)
+    weights = (trained * compute + (n - trained) * (master + compute) if masters
+               else n * (master + compute))
+    if mod.fully_frozen and mod.is_encoder:
+        workspace = 0  # no backward at all
+    elif mod.tower_frozen:  # only the projector (last stage) runs a backward
+        last = stage == mod.parallel.pipeline - 1
+        workspace = projector_workspace_bytes(cfg, name) if last else 0
+    else:  # a frozen language model still back-propagates to its input
+        workspace = (backward_workspace_bytes(cfg, name, vocab_size,
+                                              stage == mod.parallel.pipeline - 1)
+                     + recompute_workspace_bytes(cfg, name))
+    return MemoryEstimate(
+        module=name,
+        num_params=n,
+        weights=weights,
+        grads=trained * FP32,
+        optimizer=(optimizer_state_bytes(cfg, name, trained, split)
+                   + master_weight_bytes(cfg, name, trained, split)) if trained else 0,
+        activations=0,
+        workspace=workspace,
+        reduce_bucket=reduce_bucket_bytes(cfg, name, trained),
+        param_gather=param_gather_bytes(cfg, name, trained),
+    )
+
+
+def _with_fsdp(cfg: MimoConfig, est: MemoryEstimate, vocab_size: int,
+               num_trainable: int) -> MemoryEstimate:
     """An FSDP2 module's estimate (:func:`~mimotron.parallel.fsdp.fsdp_memory_bytes`):
     1 / dp of the fp32 state; its gather / reduce-scatter buffers on top of the
     activations (in the workspace); no DP bucket of its own."""
-    from dataclasses import replace
-
     from mimotron.parallel.fsdp import fsdp_memory_bytes
 
-    held = fsdp_memory_bytes(cfg, est.module, est.num_params, vocab_size)
+    held = fsdp_memory_bytes(cfg, est.module, est.num_params, vocab_size, num_trainable)
     return replace(est, weights=held["weights"], grads=held["grads"],
                    optimizer=held["optimizer"], workspace=est.workspace + held["buffers"],
                    reduce_bucket=0, param_gather=0)
@@ -591,7 +668,7 @@ def has_master_weights(cfg: MimoConfig, name: str) -> bool:
     more than one replica, under a 16-bit ``train.precision``.
     """
     mod = cfg.modules[name]
-    return (mod.parallel.shard_optimizer and not mod.freeze and _replicas(cfg, name) > 1
+    return (mod.parallel.shard_optimizer and not mod.fully_frozen and _replicas(cfg, name) > 1
             and cfg.train.precision != "fp32")
 
 
@@ -621,6 +698,7 @@ def _replicas(cfg: MimoConfig, name: str) -> int:
 def reduce_bucket_bytes(cfg: MimoConfig, name: str, num_params: int) -> int:
     """Buffers of the data-parallel gradient reduction alive at once (0 if none).
 
+    ``num_params`` are the parameters that train (a frozen tower's are not reduced).
     Nothing is reduced with one replica or for a frozen module. Otherwise one bucket
     (``train.grad_bucket_mb`` of fp32 gradients) at a time: the flat copy an all-reduce
     sums (:class:`mimotron.parallel.grad_sync.GradSync`), or under ZeRO-1
@@ -634,7 +712,7 @@ def reduce_bucket_bytes(cfg: MimoConfig, name: str, num_params: int) -> int:
     """
     mod = cfg.modules[name]
     replicas = _replicas(cfg, name)
-    if replicas == 1 or mod.freeze:
+    if replicas == 1 or mod.fully_frozen or num_params == 0:
         return 0
     grads = num_params * 4
     held = grads if cfg.train.overlap_grad_reduce else min(grads, _bucket_bytes(cfg))
@@ -649,10 +727,11 @@ def param_gather_bytes(cfg: MimoConfig, name: str, num_params: int) -> int:
     lands them (:meth:`mimotron.parallel.zero.ZeroShards.gather_params`): a whole extra
     copy of the module's parameters. The rows are the weights' dtype: fp32, or 16 bits
     with master weights (:func:`has_master_weights`), in buckets sized in fp32.
+    ``num_params`` are the parameters that train (only those are sharded).
     """
     mod = cfg.modules[name]
     replicas = _replicas(cfg, name)
-    if replicas == 1 or mod.freeze or not mod.parallel.shard_optimizer:
+    if replicas == 1 or mod.fully_frozen or num_params == 0 or not mod.parallel.shard_optimizer:
         return 0
     width = BYTES[cfg.train.precision] if has_master_weights(cfg, name) else FP32
     weights = num_params * width

@@ -27,8 +27,9 @@ projector               ``2·N·h_enc·h_mid + 2·N·h_mid·h_lm``
 Norms, rotary embeddings, softmax and activations are elementwise and not counted.
 Training multiplies by 3 (backward computes a gradient for the input and one for the
 weight of every matmul, each as costly as the forward) for trainable modules. A frozen
-encoder runs forward only (nothing upstream of it needs a gradient); a frozen language
-model still back-propagates to its input when an encoder trains (×2). The "×3" slightly
+encoder runs forward only (nothing upstream of it needs a gradient), so does a frozen
+tower (``freeze = "encoder"``) while its projector trains (×3); a frozen language
+model still back-propagates to its input when an encoder or projector trains (×2). The "×3" slightly
 overcounts the very first layer of each encoder, whose raw input needs no gradient —
 the standard convention, kept so numbers compare with other frameworks.
 
@@ -143,20 +144,26 @@ def encoder_flops(mod: ModuleConfig, lm_hidden_size: int, num_samples: float) ->
         raise ValueError(f"kind={mod.kind!r} has no FLOP count: expected 'vit' or 'audio'")
     layers = mod.num_layers * transformer_layer_flops(num_samples, tokens, h,
                                                       mod.ffn_hidden_size)
+    return front + layers + projector_flops(mod, lm_hidden_size, num_samples)
+
+
+def projector_flops(mod: ModuleConfig, lm_hidden_size: int, num_samples: float) -> float:
+    """Forward FLOPs of an encoder's projector (its two matmuls) for ``num_samples``."""
+    tokens, h = mod.num_output_tokens, mod.hidden_size
     mid = mod.projector_hidden_size or lm_hidden_size
-    projector = (matmul_flops(num_samples * tokens, mid, h)
-                 + matmul_flops(num_samples * tokens, lm_hidden_size, mid))
-    return front + layers + projector
+    return (matmul_flops(num_samples * tokens, mid, h)
+            + matmul_flops(num_samples * tokens, lm_hidden_size, mid))
 
 
 def training_multiplier(cfg: MimoConfig, name: str) -> int:
-    """3 for a trainable module, 1 for a frozen encoder, 2 or 1 for a frozen LM (see above)."""
+    """3 for a trainable module, 1 for a frozen encoder or tower (its projector is added
+    apart), 2 or 1 for a frozen LM (see above)."""
     mod = cfg.modules[name]
     if not mod.freeze:
         return 3
     if mod.is_encoder:
         return 1
-    encoders_train = any(not cfg.modules[n].freeze for n in cfg.encoder_names)
+    encoders_train = any(not cfg.modules[n].fully_frozen for n in cfg.encoder_names)
     return 2 if encoders_train else 1
 
 
@@ -179,6 +186,8 @@ def model_flops_per_iteration(cfg: MimoConfig, vocab_size: int,
     out = {LANGUAGE: training_multiplier(cfg, LANGUAGE) * language_model_flops(
         lm, vocab_size, samples, cfg.data.seq_length)}
     for name in cfg.encoder_names:
-        fwd = encoder_flops(cfg.modules[name], lm.hidden_size, encoder_samples.get(name, 0.0))
-        out[name] = training_multiplier(cfg, name) * fwd
+        mod, n = cfg.modules[name], encoder_samples.get(name, 0.0)
+        out[name] = training_multiplier(cfg, name) * encoder_flops(mod, lm.hidden_size, n)
+        if mod.tower_frozen:  # its projector trains: backward x2 on top of the forward
+            out[name] += 2 * projector_flops(mod, lm.hidden_size, n)
     return out

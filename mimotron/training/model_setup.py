@@ -9,7 +9,8 @@ MoE experts of a module with ``parallel.expert > 1`` (or ``expert_tensor > 1``) 
 then sharded over its ``ep`` (and ``expt_tp``) axes
 (:func:`mimotron.parallel.expert_parallel.shard_experts`), which also installs the
 expert-parallel dispatcher on every MoE block.
-Frozen modules (``modules.<m>.freeze``) are frozen here, before any optimizer exists.
+Frozen modules and towers (``modules.<m>.freeze``) are frozen here, before any optimizer
+exists (after TP and FSDP, which re-create parameters).
 Activation recompute (``modules.<m>.recompute``) is applied to each part's layers
 (:func:`mimotron.models.recompute.apply_recompute`); it changes no parameter.
 A module with ``hf_path`` is built on the meta device, sharded, allocated and then
@@ -33,6 +34,7 @@ from mimotron.models.build import (
     module_prefix,
     padded_vocab_size,
 )
+from mimotron.models.freeze import freeze_part
 from mimotron.models.init import init_parameters_
 from mimotron.models.mimo import MimoModel, module_part
 from mimotron.models.recompute import apply_recompute
@@ -148,13 +150,15 @@ def build_hf_part(cfg: MimoConfig, name: str, vocab_size: int, stage: dict[str, 
 
 
 def freeze_modules(mimo_model: MimoModel, cfg: MimoConfig) -> list[str]:
-    """Stop gradients for every frozen module held on this rank (``requires_grad=False``).
+    """Stop gradients for what ``modules.<m>.freeze`` freezes on this rank.
 
-    Autograd then neither computes nor stores anything for the module: its encoder
-    output carries no graph (the same as running it under ``no_grad``, since its only
-    input is data), the data-parallel sync skips it, and the optimizer factory builds no
-    optimizer for it. Parameters are never switched back on here (a user may have
-    frozen pieces).
+    ``freeze = true`` freezes the whole module, ``freeze = "encoder"`` an encoder's tower
+    (its projector trains): ``requires_grad = False`` (:func:`~mimotron.models.freeze.
+    freeze_part`). Autograd then neither computes nor stores anything for those
+    parameters (a frozen encoder's or tower's output carries no graph, the same as
+    running it under ``no_grad``, since its only input is data), the data-parallel sync
+    skips them, and the optimizer factory leaves them out. Parameters are never switched
+    back on here (a user may have frozen pieces).
 
     Args:
         mimo_model: has ``modality_submodules`` (encoders) and ``language_model``;
@@ -162,14 +166,11 @@ def freeze_modules(mimo_model: MimoModel, cfg: MimoConfig) -> list[str]:
         cfg: the run config (``modules.<m>.freeze``).
 
     Returns:
-        The frozen modules this rank holds.
+        The modules this rank holds of which something is frozen.
     """
     frozen = []
     for name, mcfg in cfg.modules.items():
-        if not mcfg.freeze:
-            continue
         module = module_part(mimo_model, name)
-        if module is not None:
-            module.requires_grad_(False)
+        if module is not None and freeze_part(module, mcfg):
             frozen.append(name)
     return frozen

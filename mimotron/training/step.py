@@ -192,7 +192,8 @@ def train_step_mimo(
     timers("data").stop()
     zero_grad_buffer_for_multimodule(parts)
     token_count = GlobalTokenCount(microbatches, infra, device)  # waited for on first use
-    frozen = {n for n, m in cfg.modules.items() if m.freeze}
+    # A frozen tower (freeze = "encoder") is left out by requires_grad, not by name.
+    frozen = {n for n, m in cfg.modules.items() if m.fully_frozen}
     sharded = {n for n, info in optimizer.module_infos.items() if info.zero is not None}
     bucket_bytes = int(cfg.train.grad_bucket_mb * 2**20)
     pg_dict = dict(pgs.items())
