@@ -215,6 +215,7 @@ PROBES: dict[str, tuple[list[str], str, list[str]]] = {
     # The llava keys are refused with the synthetic datasets (their effect on a llava run
     # is asserted by tests/test_llava_training.py); num_workers shows in the banner.
     "data.path": (["data.path='x.jsonl'"], "error:built", []),
+    "data.valid_path": (["data.valid_path='x.jsonl'"], "error:built", []),
     "data.root": (["data.root='x'"], "error:built", []),
     "data.allow_outside_root": (["data.allow_outside_root=true"], "error:built", []),
     "data.tokenizer": (["data.tokenizer='x'"], "error:built", []),
@@ -260,6 +261,9 @@ PROBES: dict[str, tuple[list[str], str, list[str]]] = {
     "log.dir": (["log.dir='elsewhere'"], "run", RUN),
     "log.interval": (["log.interval=2"], "run", [*RUN, "log.interval=1"]),
     "log.tensorboard": (["log.tensorboard=true"], "run", RUN),
+    # Offline (WANDB_MODE, tests/conftest.py): the run's folder under log.dir/wandb.
+    "log.wandb": (["log.wandb=true"], "run", RUN),
+    "log.wandb_project": (["log.wandb_project='x'"], "error:built", []),
     "log.progress": (["log.progress=true"], "run", RUN),
     "profile.enabled": (["profile.enabled=true"], "run",
                         [*RUN, "profile.start=1", "profile.end=1"]),
