@@ -279,8 +279,13 @@ def test_processor_shape_contradicting_the_tower_is_an_error(
     assert f"modules.{module}.hf_path" in message and want in message, message
 
 
-def test_mimotron_format_export_of_a_hf_run_is_refused_on_load(trained: dict[str, Any]) -> None:
+def test_mimotron_format_export_of_a_hf_run_loads(trained: dict[str, Any]) -> None:
+    """The default export loads back (architectures from the hf_path folders, vocabulary
+    from the tokenizer) into a model holding the checkpoint's tensors bit for bit."""
     out = trained["root"] / "export-mimotron"
     assert cli_main(["export", str(trained["checkpoint"]), str(out)]) == 0
-    with pytest.raises(ValueError, match=r"modules \[.*'language'.*--format hf"):
-        load_exported(out)
+    _, model = load_exported(out)
+    tensors, _ = read_full_model(trained["checkpoint"])
+    state = model.state_dict()
+    assert sorted(state) == sorted(tensors)
+    assert all(torch.equal(state[name], tensor) for name, tensor in tensors.items())

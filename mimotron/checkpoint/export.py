@@ -35,7 +35,7 @@ from mimotron.checkpoint.load import SafeLoadPlanner, read_metadata, verify_shar
 from mimotron.checkpoint.safe_metadata import SafeFileSystemReader
 from mimotron.checkpoint.state import META, MODEL
 from mimotron.config import MimoConfig, config_from_dict
-from mimotron.data.tokenizer import CharTokenizer
+from mimotron.data.llava_setup import build_tokenizer
 from mimotron.models.build import build_mimo_model
 from mimotron.models.mimo import MimoModel
 from mimotron.names import ENCODER_PREFIX, LANGUAGE, LANGUAGE_MODEL_PREFIX
@@ -166,6 +166,14 @@ def load_exported(
 ) -> tuple[MimoConfig, MimoModel]:
     """Rebuild the whole model from an export folder (no ``torch.distributed`` needed).
 
+    A run trained from Hugging Face folders or on LLaVA data loads too: its
+    architectures are read from the ``modules.<m>.hf_path`` folders and its vocabulary
+    and placeholder ids from the tokenizer (``data.tokenizer``), exactly as training
+    built them, so those folders must still be where the run config names them (the
+    data files need not be). Each module is built as training builds it (a Hugging Face
+    module also reads its folder, which fills the fixed buffers no export holds, such as
+    Whisper's positions), then every parameter is loaded from the export, strictly.
+
     Args:
         out_dir: a folder written by :func:`export_checkpoint`.
         device: where to put the model.
@@ -174,21 +182,18 @@ def load_exported(
         ``(config, model)`` with every module's weights loaded (strict).
 
     Raises:
-        ValueError: the folder lacks the config or a module's file, or they disagree.
+        ValueError: the folder lacks the config or a module's file, they disagree, or a
+            folder the run config names (an ``hf_path``, the tokenizer) is gone.
     """
     out = Path(out_dir)
     if not (out / CONFIG_FILE).is_file():
         raise ValueError(f"export folder {str(out)!r} is invalid: {CONFIG_FILE} is missing")
-    cfg = config_from_dict(json.loads((out / CONFIG_FILE).read_text())).validate()
-    hf_modules = [n for n, m in cfg.modules.items() if m.hf_path]
-    if hf_modules or cfg.data.dataset == "llava":
-        # Their architecture and vocabulary live in the Hugging Face folders and the
-        # tokenizer, not in this folder: rebuilding them here would guess.
-        what = f"modules {hf_modules} from Hugging Face folders" if hf_modules else "LLaVA data"
-        raise ValueError(f"export folder {str(out)!r} holds a run trained with {what}: export "
-                         "its checkpoint with `mimotron export --format hf` and load each "
-                         "module with transformers' from_pretrained instead")
-    tokenizer = CharTokenizer()
+    cfg = config_from_dict(json.loads((out / CONFIG_FILE).read_text()))
+    if cfg.data.dataset != "llava":
+        # A LLaVA run's validation checks its training files (data.path), which the
+        # weights do not need; the folders the model needs are read when it is built.
+        cfg.validate()
+    tokenizer = build_tokenizer(cfg)
     placeholders = {n: tokenizer.placeholder_id(cfg.modules[n].modality) for n in cfg.encoder_names}
     # The same (padded) vocabulary as training (see setup_mimo).
     model = build_mimo_model(cfg, padded_vocab_size(tokenizer.vocab_size), placeholders)

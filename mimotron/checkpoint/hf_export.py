@@ -19,7 +19,9 @@ run config the checkpoint records) becomes ``OUT_DIR/<m>/``, a folder that
 - the original folder's other files (``generation_config.json``,
   ``preprocessor_config.json``, ...); weight files are never copied.
 - for the language module, the tokenizer of ``data.tokenizer``, with the modality
-  placeholders training added.
+  placeholders training added: only its tokenizer files (:func:`is_tokenizer_file`), in
+  place of the model folder's own. ``data.tokenizer`` is usually the model folder
+  itself; its ``config.json`` never replaces the exported one.
 
 The language model's embedding may carry padding rows beyond the real vocabulary (a
 multiple for tensor parallelism); they are dropped. The real vocabulary is the
@@ -40,7 +42,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -73,6 +75,11 @@ RUN_CONFIG_FILE = "mimotron_config.json"
 # copy transformers might prefer). Export deletes none of them anywhere.
 _WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json", ".bin", ".bin.index.json",
                     ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
+# Tokenizer files besides tokenizer*: what the tokenizer classes of transformers read.
+_TOKENIZER_NAMES = frozenset({"special_tokens_map.json", "added_tokens.json", "vocab.json",
+                              "vocab.txt", "merges.txt", "chat_template.jinja",
+                              "chat_template.json"})
+_TOKENIZER_SUFFIXES = (".model", ".tiktoken")  # spiece.model, sentencepiece.bpe.model, ...
 
 
 @dataclass(frozen=True)
@@ -172,7 +179,7 @@ def export_hf_checkpoint(checkpoint: str | Path, out_dir: str | Path) -> dict[st
         for module, path in paths.items():
             config = read_hf_config(check_hf_folder(path, module))
             family_of(config, f"modules.{module}.hf_path={path!r}")
-        found["tokenizer"] = _run_tokenizer(meta["config"]) if LANGUAGE in paths else None
+        found["tokenizer"] = run_tokenizer(meta["config"]) if LANGUAGE in paths else None
 
     tensors, meta = read_full_model(checkpoint, check_meta=check)
     paths, iteration = hf_paths(meta["config"]), int(meta["iteration"])
@@ -209,7 +216,7 @@ def _split_tower(
     return tower, rest
 
 
-def _run_tokenizer(run_config: Mapping[str, Any]) -> Any:
+def run_tokenizer(run_config: Mapping[str, Any]) -> Any:
     """The run's Hugging Face tokenizer with its placeholders, or ``None`` if it had none.
 
     Built by the function training builds it with
@@ -284,6 +291,63 @@ def _write_hf_module(
 ) -> Path:
     """:func:`export_hf_module` into ``subfolder`` (``""``: the top) of a checked folder."""
     folder = check_hf_folder(hf_path, module)
+    weights, config = hf_module_weights(tensors, hf_path, module=module, vocab_size=vocab_size,
+                                        tokenizer=tokenizer)
+    prefix = f"{subfolder}/" if subfolder else ""
+    # With a run tokenizer, the folder's own tokenizer files (when it ships one) give way
+    # to it: the tokenizer training used, placeholders included, is written below.
+    written = _copy_files(folder, target, prefix,
+                          keep=lambda name: tokenizer is None or not is_tokenizer_file(name))
+    if config != read_hf_config(folder):
+        written.append(target.file(prefix + CONFIG_FILE))
+        written[-1].write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    if tokenizer is not None:
+        written += write_tokenizer(tokenizer, target, prefix)
+    written.append(target.file(prefix + SINGLE_FILE))
+    # transformers refuses a safetensors file without format=pt in its header.
+    save_file(weights, str(written[-1]), metadata={**(metadata or {}), "format": "pt"})
+    set_file_modes(written)
+    return written[-1].parent
+
+
+def set_file_modes(files: Sequence[Path]) -> None:
+    """Give written files the mode any new file gets in their folder (0o666 less umask).
+
+    safetensors writes 0600 (a temp file renamed), ``save_pretrained`` its own modes.
+    """
+    for file in files:
+        os.chmod(file, new_file_mode(file.parent))
+
+
+def hf_module_weights(
+    tensors: Mapping[str, torch.Tensor],
+    hf_path: str | os.PathLike[str],
+    *,
+    module: str,
+    vocab_size: int | None,
+    tokenizer: Any,
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """A module's tensors as its original folder holds them, and its ``config.json``.
+
+    Args:
+        tensors: the module's full tensors under our module-local names (see
+            :func:`export_hf_module`).
+        hf_path: the folder the module was loaded from.
+        module: the module's name, for messages.
+        vocab_size: language only: the real vocabulary (see :func:`export_hf_module`).
+        tokenizer: language only: the run's ``HFTokenizer`` (its length bounds the
+            vocabulary when ``vocab_size`` is ``None``), or ``None``.
+
+    Returns:
+        ``(every tensor of the folder under its original name and dtype, ours in place;
+        config.json with vocab_size set to the exported rows)``. A tied output head is
+        left out (transformers ties it on load).
+
+    Raises:
+        ValueError: the folder is gone or not a supported family, or the tensors do not
+            belong to its checkpoint (names every mismatch).
+    """
+    folder = check_hf_folder(hf_path, module)
     config = read_hf_config(folder)
     family = family_of(config, f"modules.{module}.hf_path={str(hf_path)!r}")
     ours = dict(tensors)
@@ -295,22 +359,8 @@ def _write_hf_module(
         if vocab_size is None and tokenizer is not None:
             vocab_size = max(int(config["vocab_size"]), int(tokenizer.vocab_size))
         ours, config = _fit_vocab(ours, config, vocab_size, module)
-    files = tensor_files(folder)
-    weights = _merge(ours, dropped, files, family.weight_map, module)
-    prefix = f"{subfolder}/" if subfolder else ""
-    written = _copy_files(folder, target, prefix)
-    if config != read_hf_config(folder):
-        written.append(target.file(prefix + CONFIG_FILE))
-        written[-1].write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    if tokenizer is not None:
-        written += _write_tokenizer(tokenizer, target, prefix)
-    written.append(target.file(prefix + SINGLE_FILE))
-    # transformers refuses a safetensors file without format=pt in its header.
-    save_file(weights, str(written[-1]), metadata={**(metadata or {}), "format": "pt"})
-    mode = new_file_mode(written[-1].parent)
-    for file in written:
-        os.chmod(file, mode)  # safetensors writes 0600: every file gets the usual mode
-    return written[-1].parent
+    weights = _merge(ours, dropped, tensor_files(folder), family.weight_map, module)
+    return weights, config
 
 
 def _fit_vocab(
@@ -409,26 +459,41 @@ def _is_weight_file(name: str) -> bool:
     return name.endswith(_WEIGHT_SUFFIXES) or name in (SINGLE_FILE, INDEX_FILE)
 
 
-def _copy_files(source: Path, target: ExportFolder, prefix: str) -> list[Path]:
+def is_tokenizer_file(name: str) -> bool:
+    """Whether a top-level file of a Hugging Face folder belongs to its tokenizer.
+
+    ``tokenizer.json``, ``tokenizer_config.json``, ``tokenizer.model``, vocabularies and
+    merges, added and special tokens, chat templates, SentencePiece / tiktoken models.
+    """
+    return (name.startswith("tokenizer") or name in _TOKENIZER_NAMES
+            or name.endswith(_TOKENIZER_SUFFIXES))
+
+
+def _copy_files(source: Path, target: ExportFolder, prefix: str,
+                keep: Callable[[str], bool] = lambda name: True) -> list[Path]:
     """Copy the top-level non-weight files of ``source`` (config, generation config, ...)
-    to ``prefix<name>`` in the export folder; the files written."""
+    that ``keep`` accepts to ``prefix<name>`` in the export folder; the files written."""
     written = []
     for file in sorted(source.iterdir()):
-        if file.is_file() and not _is_weight_file(file.name):
+        if file.is_file() and not _is_weight_file(file.name) and keep(file.name):
             written.append(target.file(prefix + file.name))
             shutil.copyfile(file, written[-1])
     return written
 
 
-def _write_tokenizer(tokenizer: Any, target: ExportFolder, prefix: str) -> list[Path]:
-    """The tokenizer folder's files, then (placeholders added) the tokenizer as trained;
-    the files written."""
-    written = _copy_files(Path(tokenizer.path), target, prefix)
+def write_tokenizer(tokenizer: Any, target: ExportFolder, prefix: str) -> list[Path]:
+    """The tokenizer folder's tokenizer files, then (placeholders added) the tokenizer as
+    trained; the files written.
+
+    Only tokenizer files (:func:`is_tokenizer_file`): ``data.tokenizer`` is often the
+    language model's own folder, whose ``config.json`` must not replace the export's.
+    """
+    written = _copy_files(Path(tokenizer.path), target, prefix, keep=is_tokenizer_file)
     if tokenizer.num_added:
         # save_pretrained picks its own file names: saved aside, then each one recorded.
         with tempfile.TemporaryDirectory(prefix="mimotron-tokenizer-") as temp:
             tokenizer.tokenizer.save_pretrained(temp)
-            for file in _copy_files(Path(temp), target, prefix):
+            for file in _copy_files(Path(temp), target, prefix, keep=is_tokenizer_file):
                 if file not in written:
                     written.append(file)
     return written
