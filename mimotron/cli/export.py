@@ -1,9 +1,12 @@
-"""``mimotron export [--format mimotron|hf] CHECKPOINT OUT_DIR``: a checkpoint's full model.
+"""``mimotron export [--format mimotron|hf|hf-llava] CHECKPOINT OUT_DIR``: a checkpoint's model.
 
 ``--format mimotron`` (the default): one safetensors file per module plus the run
 config (:mod:`mimotron.checkpoint.export`). ``--format hf``: every module loaded from a
 Hugging Face folder as a folder ``transformers`` loads, the others as with the default
-(:mod:`mimotron.checkpoint.hf_export`).
+(:mod:`mimotron.checkpoint.hf_export`). ``--format hf-llava``: the vision tower, its
+projector and the language model as one ``LlavaForConditionalGeneration`` folder with
+its processor (:mod:`mimotron.checkpoint.llava_export`); ``--modules vision,language``
+names the modules to keep when the run has others (an audio encoder).
 
 Runs in this one process, without ``torch.distributed``. The output folder is checked
 first, before any tensor is read: it must be new, empty or a previous export's own, and
@@ -20,25 +23,33 @@ from pathlib import Path
 
 from mimotron.outputs import EXIT_FAILED, EXIT_USAGE, report_error
 
-FORMATS = ("mimotron", "hf")
+FORMATS = ("mimotron", "hf", "hf-llava")
 
 
-def run_export(checkpoint: str, out_dir: str, format: str = "mimotron") -> int:  # noqa: A002
+def run_export(checkpoint: str, out_dir: str, format: str = "mimotron",  # noqa: A002
+               modules: str | None = None) -> int:
     """Export ``checkpoint`` (a root holding ``latest`` or an ``iter_NNNNNNN`` dir).
 
     Args:
         checkpoint: the checkpoint path.
         out_dir: the output folder.
         format: one of :data:`FORMATS`.
+        modules: ``hf-llava`` only: comma-separated modules to export (``None``: all).
 
     Returns:
         The process exit code.
     """
     from mimotron.checkpoint import CheckpointError, export_checkpoint
     from mimotron.checkpoint.hf_export import export_hf_checkpoint
+    from mimotron.checkpoint.llava_export import export_llava_checkpoint
 
     try:
-        if format == "hf":
+        if modules is not None and format != "hf-llava":
+            raise ValueError(f"--modules applies to --format hf-llava only, not {format!r}")
+        if format == "hf-llava":
+            names = None if modules is None else [m.strip() for m in modules.split(",")]
+            written = export_llava_checkpoint(checkpoint, out_dir, names)
+        elif format == "hf":
             written = export_hf_checkpoint(checkpoint, out_dir)
         else:
             written = export_checkpoint(checkpoint, out_dir)
