@@ -26,11 +26,20 @@ Library users get :func:`guard_fresh_start` at the start of ``train_mimo``: ever
 refuses alike; a single process moves the previous run aside itself, but several ranks
 cannot without a collective (one rank would move files another is about to open), so
 they are told to move it before starting the ranks.
+
+A run that starts fresh with ``checkpoint.pretrained`` (a fine-tune: another run's
+checkpoint or a ``mimotron export`` folder) is a fresh start like any other: it needs a
+log.dir without a previous run (or ``train.overwrite``), and the checkpoint it starts
+from may not lie inside its checkpoint.dir (``auto`` would resume it as this run's own,
+and ``train.overwrite`` would move it aside). Once it has saved, a relaunch resumes its
+own checkpoints; ``pretrained`` is not read again. :func:`pretrained_source` checks the
+path before any rank starts.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import sys
 import time
@@ -43,6 +52,7 @@ from mimotron.checkpoint.files import (
     parse_iteration,
     read_latest,
     read_manifest,
+    resolve_checkpoint,
     resolve_load,
 )
 from mimotron.config import MimoConfig
@@ -185,9 +195,11 @@ def prepare_run_dir(cfg: MimoConfig) -> None:
     the module docstring for who checks and who moves).
 
     Raises:
-        ValueError: an unwritable directory, an invalid ``checkpoint.load``, or a
-            previous run without ``train.overwrite`` (one line each).
-        RunRefused: the checkpoint to resume already reached train.iters.
+        ValueError: an unwritable directory, an invalid ``checkpoint.load`` or
+            ``checkpoint.pretrained``, or a previous run without ``train.overwrite`` (one
+            line each).
+        RunRefused: the checkpoint to resume (or to continue with
+            ``checkpoint.pretrained_schedule``) already reached train.iters.
         CheckpointError: ``latest`` names a missing or incomplete checkpoint.
     """
     mover = is_mover()
@@ -199,6 +211,7 @@ def prepare_run_dir(cfg: MimoConfig) -> None:
         if cfg.checkpoint.load != "auto":  # auto follows `latest`, rewound or not.
             _check_newer(cfg, loaded, mover)
         return  # Resuming: the run continues from the loaded checkpoint.
+    pretrained_source(cfg)  # A fine-tune starts fresh: its source is checked first.
     if cfg.train.overwrite and not mover:
         return  # RANK 0 moves; looking now could race with it.
     entries = previous_run(cfg)
@@ -285,13 +298,116 @@ def describe_run_dir(cfg: MimoConfig) -> str:
         except RunRefused as exc:
             return f"train would refuse: {exc}"
         return f"resumes from {path}"
+    try:
+        source = pretrained_source(cfg)
+    except RunRefused as exc:
+        return f"train would refuse: {exc}"
+    start = "" if source is None else f" from {describe_pretrained(cfg, source)}"
     entries = previous_run(cfg)
     if not entries:
-        return f"starts fresh in {cfg.log_dir}"
+        return f"starts fresh in {cfg.log_dir}{start}"
     if cfg.train.overwrite:
-        return (f"starts fresh in {cfg.log_dir}; train.overwrite=true moves the previous run "
-                f"({len(entries)} entries) into {cfg.log_dir}/{PREVIOUS}<time>/")
+        return (f"starts fresh in {cfg.log_dir}{start}; train.overwrite=true moves the "
+                f"previous run ({len(entries)} entries) into {cfg.log_dir}/{PREVIOUS}<time>/")
     return "train would refuse: " + _refusal(cfg, entries)
+
+
+MODULE_FILE = "{}.safetensors"
+"""A ``mimotron export`` folder's file of one module (with ``config.json``)."""
+EXPORT_FORMAT = "mimotron"
+"""The ``format`` its files' safetensors metadata names."""
+
+
+def pretrained_source(cfg: MimoConfig) -> tuple[Path, bool] | None:
+    """``checkpoint.pretrained`` resolved: ``(checkpoint folder, False)`` or ``(export
+    folder, True)``; None when unset. Reads headers only (no tensor, no collective).
+
+    Raises:
+        ValueError: the path is neither a complete mimotron checkpoint nor an export
+            folder holding every module of this config, lies inside this run's
+            checkpoint.dir, or is an export with ``pretrained_optimizer`` /
+            ``pretrained_schedule`` (one line naming the field).
+        RunRefused: ``pretrained_schedule`` continues from an iteration that already
+            reached train.iters.
+        CheckpointError: ``latest`` names a missing or incomplete checkpoint.
+    """
+    ck = cfg.checkpoint
+    if not ck.pretrained:
+        return None
+    key, path = f"checkpoint.pretrained={ck.pretrained!r}", Path(ck.pretrained)
+    if not path.exists():
+        raise ValueError(f"{key} is invalid: expected a mimotron checkpoint or a `mimotron "
+                         "export` folder (path does not exist)")
+    if _inside(path, cfg.checkpoint_dir) is not None:
+        raise ValueError(f"{key} lies inside this run's checkpoint.dir "
+                         f"({cfg.checkpoint_dir}): a fine-tune is a new run; give it another "
+                         "log.dir (or name)")
+    if _is_export(path):
+        _check_export(cfg, path, key)
+        return path, True
+    try:
+        loaded = resolve_checkpoint(path)
+    except ValueError:
+        raise ValueError(f"{key} is invalid: expected a mimotron checkpoint (a folder holding "
+                         f"'{LATEST}' or an iter_NNNNNNN folder) or a `mimotron export` "
+                         "folder (config.json and one <module>.safetensors per module)") from None
+    if ck.pretrained_schedule:
+        reached = checkpoint_iteration(loaded)
+        if reached is not None and reached >= cfg.train.iters:
+            raise RunRefused(
+                f"nothing to train: iteration {reached} already reached (checkpoint."
+                f"pretrained_schedule=true continues {loaded}, train.iters={cfg.train.iters}): "
+                "raise train.iters, or start the schedule afresh (pretrained_schedule=false)")
+    return loaded, False
+
+
+def _is_export(path: Path) -> bool:
+    """A folder holding ``config.json`` and a ``mimotron export`` safetensors file."""
+    return (path / "config.json").is_file() and any(
+        _export_module(f) is not None for f in path.glob("*.safetensors"))
+
+
+def _export_module(file: Path) -> str | None:
+    """The module a safetensors file of a ``mimotron export`` holds (header only)."""
+    try:
+        with open(file, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(size)) if 0 < size < 2**27 else {}
+    except (OSError, ValueError):
+        return None
+    meta = header.get("__metadata__") if isinstance(header, dict) else None
+    if not isinstance(meta, dict) or meta.get("format") != EXPORT_FORMAT:
+        return None
+    return meta.get("module")
+
+
+def _check_export(cfg: MimoConfig, path: Path, key: str) -> None:
+    """An export folder holds every module of the config; only weights come from it."""
+    for what in ("pretrained_optimizer", "pretrained_schedule"):
+        if getattr(cfg.checkpoint, what):
+            raise ValueError(f"checkpoint.{what}=true is invalid with {key}: an export "
+                             "folder holds weights only; load a mimotron checkpoint instead")
+    missing = [m for m in sorted(cfg.modules)
+               if _export_module(path / MODULE_FILE.format(m)) != m]
+    if missing:
+        raise ValueError(f"{key} is invalid: the export folder has no "
+                         f"{', '.join(MODULE_FILE.format(m) for m in missing)} (this config's "
+                         f"modules: {sorted(cfg.modules)})")
+
+
+def describe_pretrained(cfg: MimoConfig, source: tuple[Path, bool]) -> str:
+    """``the weights of PATH`` and what else a fine-tune keeps from it (one phrase)."""
+    path, _ = source
+    kept = [what for what, on in (("optimizer state", cfg.checkpoint.pretrained_optimizer),
+                                  ("iteration and schedules",
+                                   cfg.checkpoint.pretrained_schedule)) if on]
+    return f"the weights{''.join(', ' + k for k in kept)} of {path}"
+
+
+def _continues_pretrained(cfg: MimoConfig) -> bool:
+    """The run starts fresh but at pretrained's iteration (``pretrained_schedule``)."""
+    return cfg.checkpoint.pretrained_schedule and resolve_load(
+        cfg.checkpoint.load, cfg.checkpoint_dir, quiet=True) is None
 
 
 def guard_fresh_start(cfg: MimoConfig, iteration: int, world_size: int) -> None:
@@ -299,14 +415,15 @@ def guard_fresh_start(cfg: MimoConfig, iteration: int, world_size: int) -> None:
 
     Args:
         cfg: the run's config.
-        iteration: the iteration the run starts at (0 = a fresh start).
+        iteration: the iteration the run starts at (0 = a fresh start; a run that
+            continues ``checkpoint.pretrained``'s schedule starts fresh at its iteration).
         world_size: ranks in the run (several cannot move files without a collective).
 
     Raises:
         ValueError: a fresh start over a previous run without ``train.overwrite``; or
             with it, on several ranks.
     """
-    if iteration > 0:
+    if iteration > 0 and not _continues_pretrained(cfg):
         return
     entries = previous_run(cfg)
     if not entries:

@@ -50,6 +50,7 @@ from mimotron.checkpoint.files import (
 )
 from mimotron.checkpoint.safe_metadata import SafeFileSystemReader, load_metadata
 from mimotron.checkpoint.state import (
+    LoadRequest,
     apply_loaded,
     build_load_request,
     describe_layout,
@@ -201,8 +202,23 @@ def load_checkpoint(
     same_layout = manifest.get("layout") == here
     fresh_scalers = {n: i.loss_scaler.state_dict() for n, i in optimizer.module_infos.items()}
     req = build_load_request(model, optimizer, schedulers, global_state, metadata, same_layout)
+    read_checkpoint(path, manifest, req, runtime.rank, process_group)
+    meta, fresh = apply_loaded(req, optimizer, schedulers, global_state)
+    say_fresh(fresh, path, infra)
+    iteration = checked_iteration(path, meta, manifest)
+    _after_load(path, meta, manifest, here, same_layout, fresh_scalers, optimizer, global_state)
+    return iteration
+
+
+def read_checkpoint(path: Path, manifest: dict[str, Any], req: LoadRequest, rank: int,
+                    process_group: Any = None) -> None:
+    """Check a request and this rank's share of the files, agree, then ``dcp.load`` it.
+
+    Collective over ``process_group``: every rank raises the same ``CheckpointError``
+    when any rank found a problem, before anything is read.
+    """
     world = dist.get_world_size(process_group)
-    problems = [f"rank {runtime.rank}: {e}" for e in req.errors]
+    problems = [f"rank {rank}: {e}" for e in req.errors]
     problems += verify_share(path, manifest, dist.get_rank(process_group), world)
     agree_on_problems(problems, str(path), process_group)
     try:
@@ -214,7 +230,10 @@ def load_checkpoint(
         )
     except DCP_ERRORS as exc:
         raise CheckpointError(f"reading checkpoint {path} failed: {describe_failure(exc)}") from exc
-    meta, fresh = apply_loaded(req, optimizer, schedulers, global_state)
+
+
+def say_fresh(fresh: list[str], path: Path, infra: Any) -> None:
+    """One line per module that had no optimizer state or schedule in the checkpoint."""
     for name in fresh:
         role = infra.roles[name]
         if role.tp == role.pp == role.dp == 0:  # One message per module, not per rank.
@@ -223,13 +242,16 @@ def load_checkpoint(
                 f"{path} (frozen when saved): it starts fresh",
                 flush=True,
             )
+
+
+def checked_iteration(path: Path, meta: dict[str, Any], manifest: dict[str, Any]) -> int:
+    """The iteration a checkpoint holds, which its manifest must name too."""
     iteration = int(meta["iteration"])
     if iteration != manifest.get("iteration"):
         raise CheckpointError(
             f"{path}: manifest says iteration {manifest.get('iteration')}, "
             f"the checkpoint holds {iteration}"
         )
-    _after_load(path, meta, manifest, here, same_layout, fresh_scalers, optimizer, global_state)
     return iteration
 
 
@@ -245,16 +267,7 @@ def _after_load(
 ) -> None:
     """Fix up what does not carry over (precision change, RNG on a new layout) and log."""
     cfg, ts, rank = global_state.cfg, global_state.train_state, global_state.runtime.rank
-    saved_precision = meta["config"]["train"]["precision"]
-    if saved_precision != cfg.train.precision:
-        # A constant fp32 scale of 1 must not become fp16's starting scale (or back).
-        for name, info in optimizer.module_infos.items():
-            info.loss_scaler.load_state_dict(fresh_scalers[name])
-        log(
-            rank,
-            f"precision changed ({saved_precision} -> {cfg.train.precision}): loss "
-            "scaling starts afresh",
-        )
+    restore_fresh_scalers(meta, fresh_scalers, optimizer, global_state)
     log(
         rank,
         f"resumed from {path} at iteration {ts.iteration} ({ts.consumed_samples} samples consumed)",
@@ -270,27 +283,51 @@ def _after_load(
         )
 
 
+def restore_fresh_scalers(meta: dict[str, Any], fresh_scalers: dict[str, Any],
+                          optimizer: MimoOptimizer, global_state: Any) -> None:
+    """After loading optimizer state saved under another precision, start loss scaling
+    afresh: a constant fp32 scale of 1 must not become fp16's starting scale (or back)."""
+    cfg, rank = global_state.cfg, global_state.runtime.rank
+    saved_precision = meta["config"]["train"]["precision"]
+    if saved_precision == cfg.train.precision:
+        return
+    for name, info in optimizer.module_infos.items():
+        info.loss_scaler.load_state_dict(fresh_scalers[name])
+    log(rank, f"precision changed ({saved_precision} -> {cfg.train.precision}): loss "
+        "scaling starts afresh")
+
+
 def maybe_load_checkpoint(
     model: nn.Module, optimizer: MimoOptimizer, schedulers: dict[str, OptimizerParamScheduler],
     global_state: GlobalState, infra: MimoModelInfra,
 ) -> int | None:
     """Apply ``checkpoint.load`` (``auto`` / ``none`` / a path) to a freshly set-up run.
 
+    A run that starts fresh with ``checkpoint.pretrained`` loads that checkpoint's (or
+    export's) weights instead (:func:`~mimotron.checkpoint.pretrained.load_pretrained`).
     Call before the data iterator is created: the restored ``consumed_samples`` is the
     data position. Collective when a checkpoint is loaded (every rank resolves the same
     path, so every rank takes the same branch).
 
     Returns:
-        The iteration resumed from, or None when starting fresh.
+        The iteration resumed from (or continued from ``pretrained`` with
+        ``pretrained_schedule``), or None when starting at iteration 0.
 
     Raises:
-        ValueError: an invalid ``checkpoint.load`` (before any collective).
+        ValueError: an invalid ``checkpoint.load`` or ``checkpoint.pretrained`` (before
+            any collective).
         CheckpointError: see :func:`load_checkpoint`.
     """
+    from mimotron.checkpoint.pretrained import load_pretrained
+    from mimotron.run_dir import pretrained_source
+
     cfg = global_state.cfg
     path = resolve_load(cfg.checkpoint.load, cfg.checkpoint_dir)
-    if path is None:
-        if cfg.checkpoint.load == "auto":
-            log(global_state.runtime.rank, f"no checkpoint in {cfg.checkpoint_dir}; starting fresh")
-        return None
-    return load_checkpoint(path, model, optimizer, schedulers, global_state, infra)
+    if path is not None:
+        return load_checkpoint(path, model, optimizer, schedulers, global_state, infra)
+    source = pretrained_source(cfg)
+    if source is not None:
+        return load_pretrained(source, model, optimizer, schedulers, global_state, infra)
+    if cfg.checkpoint.load == "auto":
+        log(global_state.runtime.rank, f"no checkpoint in {cfg.checkpoint_dir}; starting fresh")
+    return None

@@ -212,12 +212,16 @@ class LoadRequest:
         errors: mismatches with the checkpoint found before reading anything.
         stateless: optimizer entries with no state in the checkpoint (params that never
             had a gradient when it was written); they start without state again.
+        optimizer_state: the optimizer's entries are asked for (loaded into it).
+        schedule: the schedules and the train state (iteration, data position) are.
     """
 
     state: dict[str, Any] = field(default_factory=dict)
     passthrough: dict[str, Any] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)
     stateless: list[str] = field(default_factory=list)
+    optimizer_state: bool = True
+    schedule: bool = True
 
 
 def build_load_request(
@@ -227,6 +231,8 @@ def build_load_request(
     global_state: Any,
     metadata: Metadata,
     restore_rng_state: bool,
+    optimizer_state: bool = True,
+    schedule: bool = True,
 ) -> LoadRequest:
     """The template for ``dcp.load`` on this rank, checked against the checkpoint's keys.
 
@@ -237,11 +243,15 @@ def build_load_request(
         global_state: runtime (rank, device) of this rank.
         metadata: the checkpoint's DCP metadata (keys, global shapes).
         restore_rng_state: ask for this rank's RNG entries (same layout only).
+        optimizer_state: ask for the optimizer's entries; without them the optimizer is
+            not touched (no state is materialised: it stays fresh).
+        schedule: ask for the schedules (``meta``, holding the train state, always).
 
     Returns:
         The request; ``errors`` lists what does not fit (nothing has been read yet).
     """
-    req = LoadRequest(state=model_state(model, optimizer))
+    req = LoadRequest(state=model_state(model, optimizer), optimizer_state=optimizer_state,
+                      schedule=schedule)
     saved = metadata.state_dict_metadata
     # A param whose state is absent as a whole never had a gradient when saved.
     saved_params = {
@@ -249,7 +259,8 @@ def build_load_request(
         for k in saved
         if k.startswith(OPTIMIZER) and _optimizer_part(k) == "state"
     }
-    for key, value in optimizer.sharded_state_dict(is_loading=True).items():
+    loading = optimizer.sharded_state_dict(is_loading=True) if optimizer_state else {}
+    for key, value in loading.items():
         part = _optimizer_part(key)
         if part == "param_groups" or (part == "has_state" and key not in saved):
             req.passthrough[key] = value
@@ -257,7 +268,7 @@ def build_load_request(
             req.stateless.append(key)
         else:
             req.state[key] = value if isinstance(value, torch.Tensor) else ""
-    for name in schedulers:
+    for name in schedulers if schedule else ():
         if SCHEDULER + name in saved:  # Absent: no schedule when saved (frozen).
             req.state[SCHEDULER + name] = ""
     req.state[META] = ""
@@ -311,7 +322,8 @@ def apply_loaded(
 
     DCP wrote into the model's tensors, and into the fp32 masters of ZeRO-1 modules
     with 16-bit weights, which are cast into the model here (a collective over each
-    such module's DP group).
+    such module's DP group). What the request did not ask for (``optimizer_state``,
+    ``schedule``) is left as it is.
 
     Returns:
         The checkpoint's ``meta`` (iteration, train state, config), and the modules
@@ -323,13 +335,16 @@ def apply_loaded(
         if k.startswith(OPTIMIZER)
     }
     flat.update(req.passthrough)
-    optimizer.load_state_dict(flat)
+    if req.optimizer_state:
+        optimizer.load_state_dict(flat)
     optimizer.load_master_weights()
+    meta = json.loads(req.state[META])
+    if not req.schedule:
+        return meta, []
     saved_schedules = {
         k[len(SCHEDULER) :]: json.loads(v) for k, v in req.state.items() if k.startswith(SCHEDULER)
     }
     fresh = load_schedulers_state_dict(schedulers, saved_schedules)
-    meta = json.loads(req.state[META])
     global_state.train_state.load_state_dict(meta["train_state"])
     rank, device = global_state.runtime.rank, global_state.runtime.device
     prefix = f"{RNG}{rank}."

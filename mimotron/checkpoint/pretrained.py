@@ -1,0 +1,201 @@
+"""Start a new run from another run's weights: ``checkpoint.pretrained`` (fine-tuning).
+
+A resume (``checkpoint.load``) continues a run: its iteration, optimizer, schedules,
+data position and RNG. A fine-tune is a *new* run that starts from a checkpoint's
+weights, Megatron's ``--finetune``: iteration 0, a fresh optimizer and fresh schedules,
+the data from the start, in its own log.dir. LLaVA's stage 2 is one: it loads stage
+1's weights (the trained projectors) and trains projector and language model with its
+own schedule. It is read only when the run starts fresh, so a preempted fine-tune that
+saved resumes its own checkpoints (:mod:`mimotron.run_dir`).
+
+Two sources:
+
+* a **mimotron checkpoint** (any layout, any precision): the weights travel through
+  DCP like a resume's, re-cut to this run's TP / PP / DP / ZeRO / FSDP layout, and
+  nothing else is asked for unless ``checkpoint.pretrained_optimizer`` (the Adam
+  moments and loss scales; a module without state there, frozen when saved, starts
+  fresh) or ``checkpoint.pretrained_schedule`` (the iteration, the schedules and the
+  data position: the run continues the count where the checkpoint stopped, its RNG
+  re-derived as on a new layout) says so. The optimizer is not even materialised
+  otherwise: its first step is a fresh AdamW's;
+* a **``mimotron export`` folder** (``config.json`` and ``<module>.safetensors``):
+  weights only. Every rank reads the full tensors of the parameters it holds, one at a
+  time, and copies out its own shard (``distribute_tensor`` with local slicing, no
+  communication).
+
+Either way every model tensor this rank holds must be found at its full shape; any rank
+that misses one makes every rank raise the same error before any weight is used.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from safetensors import safe_open
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from mimotron.checkpoint.files import CheckpointError, read_manifest
+from mimotron.checkpoint.load import (
+    agree_on_problems,
+    checked_iteration,
+    log,
+    read_checkpoint,
+    read_metadata,
+    restore_fresh_scalers,
+    say_fresh,
+)
+from mimotron.checkpoint.state import (
+    MODEL,
+    VOCAB_SIZE_UNPADDED,
+    apply_loaded,
+    build_load_request,
+    model_state,
+    rederive_rng,
+)
+from mimotron.names import ENCODER_PREFIX, LANGUAGE, LANGUAGE_MODEL_PREFIX
+from mimotron.run_dir import MODULE_FILE, describe_pretrained
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from mimotron.optim.mimo_optimizer import MimoOptimizer
+    from mimotron.optim.scheduler import OptimizerParamScheduler
+    from mimotron.training.infra import MimoModelInfra
+    from mimotron.training.state import GlobalState
+
+__all__ = ["load_pretrained"]
+
+
+def load_pretrained(source: tuple[Path, bool], model: nn.Module, optimizer: MimoOptimizer,
+                    schedulers: dict[str, OptimizerParamScheduler], global_state: GlobalState,
+                    infra: MimoModelInfra, process_group: Any = None) -> int | None:
+    """Load ``checkpoint.pretrained`` into a freshly set-up run (collective over the world).
+
+    Args:
+        source: ``(path, is_export)`` from :func:`mimotron.run_dir.pretrained_source`.
+        model: this rank's ``MimoModel`` (loaded in place).
+        optimizer: the ``MimoOptimizer`` (loaded only with ``pretrained_optimizer``; its
+            ZeRO-1 fp32 masters take the weights in any case).
+        schedulers: per-module schedulers (loaded only with ``pretrained_schedule``).
+        global_state: config, runtime; its train state is set only with
+            ``pretrained_schedule``.
+        infra: the run's ``MimoModelInfra``.
+        process_group: group over all ranks; None = the default group.
+
+    Returns:
+        The iteration the run continues from with ``pretrained_schedule``, else None
+        (the run starts at iteration 0).
+
+    Raises:
+        CheckpointError: a tensor missing or of another shape, a vocabulary that differs,
+            or a damaged checkpoint; raised on every rank alike.
+    """
+    path, is_export = source
+    optimizer.finish_param_gather()  # a late all-gather would overwrite the loaded rows
+    if is_export:
+        _load_export(path, model, optimizer, global_state, process_group)
+        iteration = None
+    else:
+        iteration = _load_checkpoint(path, model, optimizer, schedulers, global_state,
+                                     infra, process_group)
+    cfg, ts, ck = global_state.cfg, global_state.train_state, global_state.cfg.checkpoint
+    start = (f"continuing at iteration {ts.iteration} ({ts.consumed_samples} samples "
+             "consumed)" if iteration is not None else "starting at iteration 0")
+    fresh = [what for what, on in (("a fresh optimizer", not ck.pretrained_optimizer),
+                                   ("fresh schedules", not ck.pretrained_schedule)) if on]
+    rest = f" with {' and '.join(fresh)}" if fresh else ""
+    log(global_state.runtime.rank,
+        f"a new run from {describe_pretrained(cfg, source)}: {start}{rest}")
+    return iteration
+
+
+def _load_checkpoint(path: Path, model: nn.Module, optimizer: MimoOptimizer,
+                     schedulers: dict[str, OptimizerParamScheduler], global_state: GlobalState,
+                     infra: MimoModelInfra, process_group: Any) -> int | None:
+    """The checkpoint source: weights (and what the config keeps) through DCP."""
+    ck, runtime = global_state.cfg.checkpoint, global_state.runtime
+    manifest = read_manifest(path)
+    metadata = read_metadata(path, manifest)
+    fresh_scalers = {n: i.loss_scaler.state_dict() for n, i in optimizer.module_infos.items()}
+    req = build_load_request(model, optimizer, schedulers, global_state, metadata, False,
+                             optimizer_state=ck.pretrained_optimizer,
+                             schedule=ck.pretrained_schedule)
+    read_checkpoint(path, manifest, req, runtime.rank, process_group)
+    meta, fresh = apply_loaded(req, optimizer, schedulers, global_state)
+    _check_vocabulary(path, meta, global_state)
+    if ck.pretrained_optimizer:
+        restore_fresh_scalers(meta, fresh_scalers, optimizer, global_state)
+    if not ck.pretrained_schedule:
+        return None
+    say_fresh(fresh, path, infra)
+    iteration = checked_iteration(path, meta, manifest)
+    rederive_rng(global_state.cfg.train.seed, iteration, runtime.rank)
+    return iteration
+
+
+def _check_vocabulary(path: Path, meta: dict[str, Any], global_state: GlobalState) -> None:
+    """The same tokenizer: a padded embedding can fit while its rows mean other tokens."""
+    saved, here = meta.get(VOCAB_SIZE_UNPADDED), global_state.vocab_size_unpadded
+    if saved is not None and here is not None and int(saved) != int(here):
+        raise CheckpointError(
+            f"checkpoint.pretrained={str(path)!r} was trained with a vocabulary of {saved} "
+            f"tokens, this run's tokenizer has {here}: use the tokenizer it was trained with")
+
+
+def _load_export(path: Path, model: nn.Module, optimizer: MimoOptimizer,
+                 global_state: GlobalState, process_group: Any) -> None:
+    """The export source: each rank copies its shards out of the full tensors."""
+    targets = model_state(model, optimizer)  # ZeRO-1 16-bit modules: their fp32 masters
+    problems = _check_export_tensors(path, targets)
+    agree_on_problems([f"rank {global_state.runtime.rank}: {p}" for p in problems],
+                      str(path), process_group)
+    with torch.no_grad():
+        for module, names in _by_module(targets).items():
+            with safe_open(str(path / MODULE_FILE.format(module)), "pt") as f:
+                for key, inner in names:
+                    _copy_full(targets[key], f.get_tensor(inner))
+    optimizer.load_master_weights()  # casts the masters into 16-bit weights (collective)
+
+
+def _by_module(targets: dict[str, torch.Tensor]) -> dict[str, list[tuple[str, str]]]:
+    """``model.<name>`` keys grouped by module: ``{module: [(key, name in module)]}``."""
+    out: dict[str, list[tuple[str, str]]] = {}
+    for key in targets:
+        name = key[len(MODEL):]
+        if name.startswith(LANGUAGE_MODEL_PREFIX):
+            module, inner = LANGUAGE, name[len(LANGUAGE_MODEL_PREFIX):]
+        else:
+            assert name.startswith(ENCODER_PREFIX), name
+            module, _, inner = name[len(ENCODER_PREFIX):].partition(".")
+        out.setdefault(module, []).append((key, inner))
+    return out
+
+
+def _check_export_tensors(path: Path, targets: dict[str, torch.Tensor]) -> list[str]:
+    """Tensors this rank needs that the export lacks or holds at another shape."""
+    problems = []
+    for module, names in _by_module(targets).items():
+        with safe_open(str(path / MODULE_FILE.format(module)), "pt") as f:
+            held = set(f.keys())
+            for key, inner in names:
+                if inner not in held:
+                    problems.append(f"{MODULE_FILE.format(module)} has no {inner}")
+                    continue
+                shape = tuple(f.get_slice(inner).get_shape())
+                if shape != tuple(targets[key].shape):
+                    problems.append(f"{MODULE_FILE.format(module)}: {inner} {shape} vs "
+                                    f"{tuple(targets[key].shape)} here")
+    return problems
+
+
+def _copy_full(target: torch.Tensor, full: torch.Tensor) -> None:
+    """Write this rank's part of ``full`` (the whole tensor) into ``target`` in place."""
+    if isinstance(target, DTensor):
+        # src_data_rank=None: every rank slices its own shard, nothing is communicated.
+        full = distribute_tensor(full.to(target.dtype), target.device_mesh, target.placements,
+                                 src_data_rank=None).to_local()
+        target = target.to_local()
+    target.copy_(full)
+
