@@ -59,6 +59,7 @@ from mimotron.checkpoint.hf_export import (
 )
 from mimotron.checkpoint.state import VOCAB_SIZE_UNPADDED
 from mimotron.models.hf.folder import SINGLE_FILE, read_hf_config, tensor_files
+from mimotron.models.hf.llama import LLAMA_WEIGHTS
 from mimotron.names import LANGUAGE
 
 FORMAT = "hf-llava"
@@ -162,21 +163,7 @@ def export_llava_checkpoint(checkpoint: str | Path, out_dir: str | Path,
     found: dict[str, Any] = {}
 
     def check(meta: dict[str, Any]) -> None:
-        run = meta["config"]
-        parts = llava_parts(run, modules)
-        folder.check(run)
-        for name, path in ((parts.vision, parts.vision_path), (LANGUAGE, parts.language_path)):
-            family = family_of(read_hf_config(check_hf_folder(path, name)),
-                               f"modules.{name}.hf_path={str(path)!r}")
-            if family.name not in (("llama",) if name == LANGUAGE else ("clip", "siglip")):
-                raise ValueError(f"modules.{name}.hf_path={str(path)!r} holds a {family.name} "
-                                 f"model; a LLaVA folder needs a CLIP or SigLIP tower and a "
-                                 "Llama-family decoder")
-        tokenizer = run_tokenizer(run)
-        if tokenizer is None or "image" not in tokenizer.modalities:
-            raise ValueError(f"export --format {FORMAT} needs the run's Hugging Face tokenizer "
-                             "(data.tokenizer) with its <image> placeholder")
-        found.update(parts=parts, tokenizer=tokenizer)
+        found["parts"], found["tokenizer"] = _check_run(meta["config"], modules, folder)
 
     tensors, meta = read_full_model(checkpoint, check_meta=check)
     parts, tokenizer = found["parts"], found["tokenizer"]
@@ -187,9 +174,8 @@ def export_llava_checkpoint(checkpoint: str | Path, out_dir: str | Path,
     dtype = weights[LANGUAGE_PREFIX + "model.embed_tokens.weight"].dtype
     weights.update({n: t.to(dtype).contiguous() for n, t in projector.items()})
     weights.update(tower)
-    vision_config = _vision_config(read_hf_config(parts.vision_path))
-    config = _llava_config(parts, vision_config, text_config, tokenizer)
-    written = _write_folder(folder, parts, config, tokenizer, vision_config)
+    config = _llava_config(parts, text_config, tokenizer)
+    written = _write_folder(folder, parts, config, tokenizer)
     written.append(folder.file(SINGLE_FILE))
     save_file(weights, str(written[-1]), metadata={
         "format": "pt", "iteration": str(meta["iteration"]), "mimotron_export": FORMAT})
@@ -200,14 +186,35 @@ def export_llava_checkpoint(checkpoint: str | Path, out_dir: str | Path,
     return {"llava": folder.root, "run config": written[-1]}
 
 
+def _check_run(run: Mapping[str, Any], modules: Sequence[str] | None, folder: ExportFolder
+               ) -> tuple[LlavaParts, Any]:
+    """What can be checked before any tensor is read; the parts and the run's tokenizer.
+
+    Raises:
+        ValueError: as :func:`export_llava_checkpoint`.
+    """
+    parts = llava_parts(run, modules)
+    folder.check(run)
+    for name, path in ((parts.vision, parts.vision_path), (LANGUAGE, parts.language_path)):
+        family = family_of(read_hf_config(check_hf_folder(path, name)),
+                           f"modules.{name}.hf_path={str(path)!r}")
+        if family.name not in (("llama",) if name == LANGUAGE else ("clip", "siglip")):
+            raise ValueError(f"modules.{name}.hf_path={str(path)!r} holds a {family.name} "
+                             "model; a LLaVA folder needs a CLIP or SigLIP tower and a "
+                             "Llama-family decoder")
+    tokenizer = run_tokenizer(run)
+    if tokenizer is None or "image" not in tokenizer.modalities:
+        raise ValueError(f"export --format {FORMAT} needs the run's Hugging Face tokenizer "
+                         "(data.tokenizer) with its <image> placeholder")
+    return parts, tokenizer
+
+
 def _language_weights(
     state: dict[str, torch.Tensor], parts: LlavaParts, tokenizer: Any, vocab: int | None
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """The decoder under ``language_model.`` (its folder's names), and its config."""
     weights, config = hf_module_weights(state, parts.language_path, module=LANGUAGE,
                                         vocab_size=vocab, tokenizer=tokenizer)
-    from mimotron.models.hf.llama import LLAMA_WEIGHTS  # the export path only
-
     # Stored RoPE frequencies of older conversions are not weights: transformers skips them.
     return ({LANGUAGE_PREFIX + n: t for n, t in weights.items()
              if not LLAMA_WEIGHTS.is_ignored(n)}, config)
@@ -225,7 +232,7 @@ def _vision_weights(
     tower = {n[len(TOWER_PREFIX):]: t for n, t in state.items() if n.startswith(TOWER_PREFIX)}
     weights, _ = hf_module_weights(tower, parts.vision_path, module=parts.vision,
                                    vocab_size=None, tokenizer=None)
-    family = family_of(read_hf_config(parts.vision_path), parts.vision)
+    family = family_of(read_hf_config(parts.vision_path), f"modules.{parts.vision}.hf_path")
     # A tower folder holds its names at the top or under vision_model. (a full CLIP /
     # SigLIP model, whose text tower stays behind).
     prefix = family.weight_map.choose_prefix(tensor_files(parts.vision_path))
@@ -255,35 +262,40 @@ def _vision_config(config: dict[str, Any]) -> dict[str, Any]:
     model_type = config.get("model_type")
     if model_type in _FULL_MODEL_TYPES:
         return {**config.get("vision_config", {}), "model_type": _FULL_MODEL_TYPES[model_type]}
-    return {k: v for k, v in config.items() if k not in ("architectures", "transformers_version")}
+    return config
 
 
-def image_tokens(vision_config: Mapping[str, Any], strategy: str) -> tuple[int, int]:
+def image_tokens(vision_config: Any, strategy: str) -> tuple[int, int]:
     """``(tokens per image, num_additional_image_tokens)`` as ``LlavaProcessor`` counts.
 
     The patches, plus CLIP's class token, less one for the ``default`` strategy: what
     mimotron's tower emits (:class:`~mimotron.models.hf.clip.ViTTower`).
+
+    Args:
+        vision_config: the tower's ``transformers`` config (its defaults filled in).
+        strategy: ``vision_feature_select_strategy``.
     """
-    side = int(vision_config.get("image_size", 224)) // int(vision_config.get("patch_size", 32))
-    extra = int(vision_config.get("model_type") == "clip_vision_model")
+    side = int(vision_config.image_size) // int(vision_config.patch_size)
+    extra = int(vision_config.model_type == "clip_vision_model")
     return side * side + extra - int(strategy == "default"), extra
 
 
-def _llava_config(parts: LlavaParts, vision_config: dict[str, Any],
-                  text_config: dict[str, Any], tokenizer: Any) -> Any:
-    """The ``LlavaConfig`` of the folder (transformers checks the sub-configs)."""
+def _llava_config(parts: LlavaParts, text_config: dict[str, Any], tokenizer: Any) -> Any:
+    """The ``LlavaConfig`` of the folder (transformers builds and checks the sub-configs)."""
     from transformers import LlavaConfig  # Deferred: export only.
 
-    text = {k: v for k, v in text_config.items() if k not in ("architectures",
-                                                               "transformers_version")}
+    def own(config: Mapping[str, Any]) -> dict[str, Any]:
+        return {k: v for k, v in config.items()
+                if k not in ("architectures", "transformers_version")}
+
+    text = own(text_config)
     config = LlavaConfig(
-        vision_config=vision_config, text_config=text,
-        image_token_index=tokenizer.placeholder_id("image"),
-        image_seq_length=image_tokens(vision_config, parts.strategy)[0],
-        projector_hidden_act="gelu", multimodal_projector_bias=True,
-        vision_feature_layer=parts.feature_layer,
+        vision_config=_vision_config(own(read_hf_config(parts.vision_path))), text_config=text,
+        image_token_index=tokenizer.placeholder_id("image"), projector_hidden_act="gelu",
+        multimodal_projector_bias=True, vision_feature_layer=parts.feature_layer,
         vision_feature_select_strategy=parts.strategy,
         tie_word_embeddings=bool(text.get("tie_word_embeddings", False)))
+    config.image_seq_length = image_tokens(config.vision_config, parts.strategy)[0]
     config.architectures = ["LlavaForConditionalGeneration"]
     dtype = text.get("dtype", text.get("torch_dtype"))
     if dtype is not None:
@@ -291,8 +303,8 @@ def _llava_config(parts: LlavaParts, vision_config: dict[str, Any],
     return config
 
 
-def _write_folder(folder: ExportFolder, parts: LlavaParts, config: Any, tokenizer: Any,
-                  vision_config: Mapping[str, Any]) -> list[Path]:
+def _write_folder(folder: ExportFolder, parts: LlavaParts, config: Any, tokenizer: Any
+                  ) -> list[Path]:
     """``config.json``, the processor and tokenizer, the generation config; the files."""
     from transformers import AutoImageProcessor, LlavaProcessor  # Deferred: export only.
 
@@ -304,12 +316,12 @@ def _write_folder(folder: ExportFolder, parts: LlavaParts, config: Any, tokenize
         written[-1].write_bytes(generation.read_bytes())
     # The settings training preprocessed with (mimotron.data.media reads the same file).
     images = AutoImageProcessor.from_pretrained(str(parts.vision_path), local_files_only=True)
-    extra = image_tokens(vision_config, parts.strategy)[1]
     processor = LlavaProcessor(
         image_processor=images, tokenizer=tokenizer.tokenizer,
-        patch_size=int(vision_config.get("patch_size", 32)),
+        patch_size=int(config.vision_config.patch_size),
         vision_feature_select_strategy=parts.strategy, chat_template=tokenizer.chat_template,
-        num_additional_image_tokens=extra, image_token=tokenizer.placeholder_text("image"))
+        num_additional_image_tokens=image_tokens(config.vision_config, parts.strategy)[1],
+        image_token=tokenizer.placeholder_text("image"))
     # save_pretrained picks its own file names: saved aside, then each one recorded.
     with tempfile.TemporaryDirectory(prefix="mimotron-llava-") as temp:
         processor.save_pretrained(temp)
@@ -318,4 +330,3 @@ def _write_folder(folder: ExportFolder, parts: LlavaParts, config: Any, tokenize
                 written.append(folder.file(file.name))
                 written[-1].write_bytes(file.read_bytes())
     return written
-
