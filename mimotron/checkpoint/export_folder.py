@@ -44,7 +44,8 @@ def run_input_folders(run_config: Mapping[str, Any]) -> dict[str, Path]:
 
     Returns:
         ``{"modules.<m>.hf_path": folder, "data.tokenizer": ..., "data.root": ...,
-        "data.path's folder": ...}`` for the keys that are set.
+        "data.path's folder": ..., "data.valid_path's folder": ...}`` for the keys that
+        are set.
     """
     found: dict[str, Path] = {}
     for name, module in (run_config.get("modules") or {}).items():
@@ -54,8 +55,9 @@ def run_input_folders(run_config: Mapping[str, Any]) -> dict[str, Path]:
     for key in ("tokenizer", "root"):
         if data.get(key):
             found[f"data.{key}"] = Path(str(data[key]))
-    if data.get("path"):
-        found["data.path's folder"] = Path(str(data["path"])).parent
+    for key in ("path", "valid_path"):  # data files: their folders hold the media
+        if data.get(key):
+            found[f"data.{key}'s folder"] = Path(str(data[key])).parent
     return found
 
 
