@@ -46,12 +46,14 @@ def run_generate(args: argparse.Namespace) -> int:
     """Run ``mimotron generate`` with parsed ``args``; the process exit code."""
     from mimotron.checkpoint.files import CheckpointError
     from mimotron.generate.decode import Generator, Sampling
+    from mimotron.generate.prompt import check_files
 
     try:
         sampling = Sampling(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
         if args.max_new_tokens is not None:
             sampling = dataclasses.replace(sampling, max_new_tokens=args.max_new_tokens)
-        sampling.check()  # before the model is read
+        sampling.check()  # these two before the model is read
+        check_files({"image": args.image, "audio": args.audio})
         generator = Generator.from_path(args.source)
         reply = generator.generate(args.prompt, args.image, args.audio, sampling)
     except ValueError as exc:

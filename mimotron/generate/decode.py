@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from mimotron.data.llava_setup import encoder_modalities
-from mimotron.generate.prompt import Prompt, encode_prompt, media_loader, user_text
+from mimotron.generate.prompt import Prompt, check_files, encode_prompt, media_loader, user_text
 from mimotron.generate.source import LoadedModel, load_model
 from mimotron.models.hf.resolve import language_spec
 from mimotron.models.kv_cache import KVCache
@@ -252,4 +252,5 @@ def generate(path: str | Path, prompt: str, images: Sequence[str | Path] = (),
         CheckpointError: a damaged or incomplete checkpoint.
     """
     sampling = (sampling or Sampling()).check()  # before the model is read
+    check_files({"image": images, "audio": audios})
     return Generator.from_path(path, device).generate(prompt, images, audios, sampling)

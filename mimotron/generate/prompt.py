@@ -125,6 +125,18 @@ def encode_prompt(tokenizer: HFTokenizer, text: str, num_tokens: Mapping[str, in
     return Prompt(encoded.tokens[:targets[0]], frozenset(stop))
 
 
+def check_files(files: Mapping[str, Sequence[str | Path]]) -> None:
+    """Raise ``ValueError`` naming the first media file that does not exist.
+
+    Args:
+        files: modality -> the files given for it.
+    """
+    for modality, given in files.items():
+        for file in given:
+            if not Path(file).is_file():
+                raise ValueError(f"{_OPTION.get(modality, modality)} file {str(file)!r} not found")
+
+
 def media_loader(cfg: MimoConfig, modality: str) -> Callable[[str | Path], torch.Tensor]:
     """A function preprocessing one image or audio file as training preprocessed it.
 
@@ -143,8 +155,7 @@ def media_loader(cfg: MimoConfig, modality: str) -> Callable[[str | Path], torch
 
     def load(file: str | Path) -> torch.Tensor:
         path = Path(file)
-        if not path.is_file():
-            raise ValueError(f"{option} file {str(path)!r} not found")
+        check_files({modality: [path]})
         if modality == "audio":
             try:
                 return process(path)
