@@ -15,6 +15,9 @@ bitwise its initial value, every projector weight must have moved.
   run by the training loop with checkpoints, which also resumes bit for bit: iterations
   6-10 resumed from the checkpoint at 5 equal those of the straight run (metrics
   records and final weights).
+
+``mimotron plan``'s estimate and the FLOP count follow: gradients, optimizer state and
+buckets of the projectors only, a frozen tower's activations as autograd saves them.
 """
 
 from __future__ import annotations
@@ -27,11 +30,17 @@ import torch
 
 from mimotron.checkpoint.export import read_full_model
 from mimotron.config import load_config
+from mimotron.models.build import build_module
+from mimotron.models.freeze import freeze_part
+from mimotron.parallel.layout import plan_layout
+from mimotron.parallel.memory import activation_bytes, estimate_memory
 from mimotron.runtime import init_runtime
 from mimotron.testing import run_ranks
+from mimotron.training.flops import model_flops_per_iteration, projector_flops
 from mimotron.training.loop import run_training
 from tests.common import BASE, DIGITS, coloc, engine_run, noncolocated
 from tests.reference import ReferenceRun, frozen, reference_run
+from tests.test_memory_estimate import _per_sample
 from tests.test_parity import (
     LOSS_REL,
     PARITY,
@@ -122,3 +131,31 @@ def test_stage1_colocated_with_fsdp_and_zero_matches_the_plain_loop_and_resumes_
         assert sorted(rec["lr"]) == ["audio", "vision"]  # no schedule for the LM
     assert_weights_match([{"weights": weights}], ref)
     assert_only_projectors_moved(weights, ref)
+
+
+def test_the_plan_and_the_flops_count_only_what_trains():
+    cfg = load_config(DIGITS, BASE + noncolocated({}, {}, {"data": 2}) + STAGE1)
+    est = {e.module: e for es in estimate_memory(cfg, plan_layout(cfg), 64).values()
+           for e in es}
+    trainable = load_config(DIGITS, BASE + noncolocated({}, {}, {"data": 2}))
+    flops, unfrozen = (model_flops_per_iteration(c, 64, {"vision": 16, "audio": 16})
+                       for c in (cfg, trainable))
+    lm = est["language"]  # frozen, but it back-propagates to the projectors
+    assert lm.grads == lm.optimizer == lm.reduce_bucket == 0 and lm.workspace > 0
+    assert flops["language"] == unfrozen["language"] * 2 / 3
+    for name in ("vision", "audio"):
+        mod = cfg.modules[name]
+        part = build_module(cfg, name, 64)
+        projector = sum(p.numel() for p in part.projector.parameters())
+        assert est[name].num_params > projector
+        assert (est[name].grads, est[name].optimizer) == (4 * projector, 8 * projector)
+        # Activations: what autograd saves per sample with the tower frozen.
+        freeze_part(part, mod)
+        shape = ((mod.in_channels, mod.image_size, mod.image_size) if mod.kind == "vit"
+                 else (mod.num_freq_bins, mod.num_frames))
+        measured = _per_sample(part, lambda n, s=shape: torch.randn(n, *s), "fp32", loss=False)
+        samples = cfg.train.micro_batch_size // mod.parallel.data
+        assert activation_bytes(cfg, name, 64, in_flight=1) == measured * samples
+        # The tower runs forward only, the projector forward and backward.
+        extra = 2 * projector_flops(mod, cfg.modules["language"].hidden_size, 16)
+        assert flops[name] == unfrozen[name] / 3 + extra
