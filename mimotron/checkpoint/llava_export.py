@@ -82,7 +82,6 @@ class LlavaParts:
         feature_layer: its ``vision_feature_layer``.
         strategy: its ``vision_feature_select_strategy``.
         language_path: the language module's ``hf_path``.
-        dropped: the run's other modules, left out.
     """
 
     vision: str
@@ -90,7 +89,6 @@ class LlavaParts:
     feature_layer: int
     strategy: str
     language_path: Path
-    dropped: tuple[str, ...]
 
 
 def llava_parts(run_config: Mapping[str, Any], modules: Sequence[str] | None = None
@@ -133,8 +131,7 @@ def llava_parts(run_config: Mapping[str, Any], modules: Sequence[str] | None = N
         vision=vits[0], vision_path=Path(paths[vits[0]]),
         feature_layer=int(vision.get("vision_feature_layer", -2)),
         strategy=str(vision.get("vision_feature_select_strategy", "default")),
-        language_path=Path(paths[LANGUAGE]),
-        dropped=tuple(sorted(n for n in recorded if n not in (vits[0], LANGUAGE))))
+        language_path=Path(paths[LANGUAGE]))
 
 
 def export_llava_checkpoint(checkpoint: str | Path, out_dir: str | Path,
