@@ -29,7 +29,8 @@ from mimotron.training.model_setup import padded_vocab_size
 LEGEND = """\
 activ: saved tensors of the forwards held at the peak of the rank's plan (in fl.: their
 number: the 1F1B warm-up + 1, under virtual_pipeline model-chunk forwards; a frozen
-encoder: its outputs only); bwd ws: the backward's largest temporary;
+encoder: its outputs only, a frozen tower: its projector's); bwd ws: the backward's
+largest temporary; grads, optim, bucket, gather: of what trains;
 bucket: the gradient reduction's buffers (one bucket, or every bucket with
 train.overlap_grad_reduce); gather: a ZeRO-1 module's parameter all-gather
 buffers (every bucket with train.overlap_param_gather); total = weights + grads
