@@ -126,14 +126,13 @@ def summarize_data(cfg: MimoConfig, train_task: Any, valid_task: Any) -> DataSum
 
 
 def _llava_split(task: Any, share: float | None) -> SplitSummary:
-    """One LLaVA split from its records: kinds by the media each sample holds."""
-    records = task.dataset.records
+    """One LLaVA split from its index: kinds by the media each sample holds."""
+    data, indices = task.dataset, task.indices  # the index's arrays: no file is read
     kinds: Counter[str] = Counter()
-    longest = 0
-    for index in task.indices:
-        record = records[int(index)]
-        kinds[_kind(bool(record.images), bool(record.audios))] += 1
-        longest = max(longest, record.length)
+    for has_image, has_audio in zip(data.has_image[indices], data.has_audio[indices],
+                                    strict=True):  # fmt: skip
+        kinds[_kind(bool(has_image), bool(has_audio))] += 1
+    longest = int(data.lengths[indices].max()) if len(indices) else 0
     path = str(task.dataset.path)
     source = path if share is None else f"{100 * share:.0f}% of {path}"
     return SplitSummary(len(task), source, dict(kinds), longest or None,

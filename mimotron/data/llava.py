@@ -1,27 +1,34 @@
-"""LLaVA-format data: a JSON list or JSONL file of conversations with image/audio files.
+"""LLaVA-format data: a JSON list, JSONL file or tar shards of conversations with media.
 
 Each sample is ``{"id": ..., "image": path | [path], "audio": path | [path],
 "conversations": [{"from": "human" | "gpt" | "system", "value": "...<image>..."}]}``,
-with paths relative to a root folder. One ``<image>`` (``<audio>``) per file stands in
-the human turns where the encoder's output goes; it is expanded to the encoder's token
-count (:mod:`mimotron.data.chat`).
+with paths relative to a root folder; in tar shards (WebDataset layout,
+:mod:`~mimotron.data.webdataset`) the media are the sample's members instead. One
+``<image>`` (``<audio>``) per file stands in the human turns where the encoder's output
+goes; it is expanded to the encoder's token count (:mod:`mimotron.data.chat`).
 
-**Checked up front.** :class:`LlavaDataset` reads the whole file and checks every sample
-when it is built (before training starts, so before any collective): valid JSON, known
-roles, an assistant turn, as many placeholders as files, media paths that resolve
-inside the root (symlinks followed; unless ``allow_outside_root``), files that exist and
-decode in full by the decoder the load uses (images decoded by PIL, WAV files read to
-the last frame at the encoder's rate), a modality the model has an encoder for, at most
-one file per modality (the batch format holds one image and one clip per sample), and a
-token count within ``seq_length``; a line that is not UTF-8 is bad too
-(:mod:`mimotron.data.llava_file`). The first bad sample is a one-line ``ValueError``
-naming the file, the line (JSONL, from 1) or item (JSON list, from 0), the sample id and
-the reason; with ``skip_bad_samples=True`` bad samples are left out and counted instead
-(:attr:`LlavaDataset.num_skipped`, :attr:`LlavaDataset.bad_samples`). Since every rank
-checks the same file the same way, the kept samples and their indices are the same on
+**Checked up front, once.** Every sample is checked before training starts, so before
+any collective (rules in :mod:`~mimotron.data.llava_check`): valid JSON, known roles, an
+assistant turn, as many placeholders as files, media paths inside the root (unless
+``allow_outside_root``), media that decode in full by the load's decoder, a modality the
+model has an encoder for, at most one file per modality, and a token count within
+``seq_length``; a line that is not UTF-8 is bad too (:mod:`mimotron.data.llava_file`).
+The result is an index (:mod:`~mimotron.data.sample_index`): each kept sample's byte
+address, token count and media flags, plus the bad samples with their reasons. With
+``index_dir`` it is kept there under a key of the data file's identity and the check's
+settings, built once per run (by the launcher, or by rank 0 while the others wait) and
+reused by later runs over the same data. The first bad sample is a one-line
+``ValueError`` naming the file, the line (JSONL, from 1), item (JSON list, from 0) or
+shard and key, the sample id and the reason; with ``skip_bad_samples=True`` bad samples
+are left out and counted instead (:attr:`LlavaDataset.num_skipped`,
+:attr:`LlavaDataset.bad_samples`). The kept samples and their indices are the same on
 every rank: the global sample order stays layout-independent. A file that changes or
 breaks after the check is skipped when loaded with ``skip_bad_samples`` (zero media, no
 loss; :meth:`LlavaDataset.load`) and an error naming the sample otherwise.
+
+**No rank holds the file.** A load reads its sample's bytes alone, at the address the
+index gives (a JSON list is read through the JSONL copy the index keeps); the index
+itself is memory-mapped, a few dozen bytes per sample.
 
 **Samples** are pure functions of their index (no augmentation): the
 :mod:`~mimotron.data.collate` format with ``image`` Float[3, H, W] (the tower's
@@ -30,8 +37,8 @@ preprocessing), ``audio`` Float[mel bins, frames] (Whisper's log-mel), explicit
 ``sample_id``. :meth:`LlavaDataset.restrict_loading` makes a rank load only the parts
 its modules use (the training loop does, from the layout).
 
-**Lengths.** The check tokenises every conversation, so it records each kept sample's
-token count, placeholders expanded (:attr:`LlavaRecord.length`,
+**Lengths.** The check tokenises every conversation, so the index records each kept
+sample's token count, placeholders expanded (:attr:`LlavaDataset.lengths`,
 :meth:`LlavaTask.length_of`; a loaded sample carries it as ``length`` whatever parts
 are loaded). Every rank thus knows the length of every sample without loading it: what
 sequence packing (``data.packing``) decides its rows from, the same on every rank, on
@@ -40,23 +47,36 @@ an encoder rank that never tokenises too.
 
 from __future__ import annotations
 
+import hashlib
 import sys
+import tempfile
 import threading
 from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from mimotron.data.chat import encode_conversation, shifted_sample, to_messages
 from mimotron.data.collate import Sample
 from mimotron.data.digits import SPLITS, SampleStream, split_ids
 from mimotron.data.hf_tokenizer import HFTokenizer
-from mimotron.data.llava_file import SampleError, read_raw_samples
+from mimotron.data.llava_check import BadSample, LlavaRecord, RawItem, SampleChecker, load_media
+from mimotron.data.llava_file import SampleError
+from mimotron.data.llava_source import ROW_DTYPE, ShardSource, file_identity, open_source
 from mimotron.data.media import AudioFeatures, ImageProcessor
+from mimotron.data.sample_index import (
+    ChunkResult,
+    Progress,
+    SampleIndex,
+    index_key,
+    map_chunks,
+    merge_chunks,
+    obtain_index,
+)
+
+__all__ = ["BadSample", "LlavaDataset", "LlavaRecord", "LlavaTask", "llava_tasks"]
 
 # Batch shape of a modality the model has no encoder for (collate fills it with zeros).
 _ABSENT_SHAPE: tuple[int, ...] = (1, 1, 1)
@@ -64,37 +84,11 @@ _ABSENT_SHAPE: tuple[int, ...] = (1, 1, 1)
 _Media = tuple[torch.Tensor | None, torch.Tensor | None]
 
 
-@dataclass(frozen=True)
-class BadSample:
-    """A sample that failed the checks: where it is, its id and why."""
-
-    location: str  # "line 7" (JSONL, from 1) or "item 6" (JSON list, from 0)
-    sample_id: str | None
-    reason: str
-
-    def describe(self, path: str | Path) -> str:
-        """One line: file, location, id, reason."""
-        return f"{path} {self.location} (sample id {self.sample_id!r}): {self.reason}"
-
-
-@dataclass(frozen=True)
-class LlavaRecord:
-    """A checked sample: its location, id, resolved files, chat messages and token count
-    (``length``: the tokens it trains on, placeholders expanded)."""
-
-    location: str
-    sample_id: str | None
-    images: tuple[Path, ...]
-    audios: tuple[Path, ...]
-    messages: tuple[dict[str, str], ...]
-    length: int
-
-
 class LlavaDataset:
-    """Every sample of a LLaVA file, checked when built (rules in the module docstring).
+    """Every sample of a LLaVA data set, checked once (rules in the module docstring).
 
     Args:
-        path: the JSON / JSONL file (``data.path``).
+        path: the JSON / JSONL file, or the tar shards (``data.path``).
         root: folder the media paths are relative to (``data.root``).
         tokenizer: the run's tokenizer (with its chat template).
         seq_length: the most tokens a sample may have, placeholders expanded.
@@ -105,13 +99,19 @@ class LlavaDataset:
         skip_bad_samples: leave bad samples out (counted) instead of raising; a sample
             that fails when loaded is then skipped too (:meth:`load`).
         system_prompt: a system message put first in conversations that have none.
-        num_workers: threads that check the samples (0: in this thread).
+        num_workers: threads that check the samples of a chunk (0: in its process).
         allow_outside_root: accept media paths that resolve outside ``root`` (``..``,
             absolute paths, symlinks out of it); otherwise such a sample is bad.
+        index_dir: where the index is kept and looked up (``data.index_dir``), shared
+            by the ranks of a run; ``None``: a private temporary folder, checked by
+            this process alone.
+        num_check_processes: processes that check chunks in parallel (1: this one).
+        wait_timeout_s: how long a rank waiting for rank 0's check accepts no progress.
 
     Raises:
         ValueError: the first bad sample (without ``skip_bad_samples``), a modality
-            without its preprocessing, or no usable sample at all.
+            without its preprocessing, no usable sample at all, or (on every rank of a
+            run) rank 0's error doing so.
     """
 
     def __init__(
@@ -127,10 +127,11 @@ class LlavaDataset:
         system_prompt: str | None = None,
         num_workers: int = 0,
         allow_outside_root: bool = False,
+        index_dir: str | Path | None = None,
+        num_check_processes: int = 1,
+        wait_timeout_s: float = 300.0,
     ) -> None:
         self.path, self.root = Path(path), Path(root)
-        self._real_root = self.root.resolve()
-        self.allow_outside_root = allow_outside_root
         self.skip_bad_samples = skip_bad_samples
         # Samples that failed when loaded (skip_bad_samples); appended by loader threads.
         self.load_failures: list[BadSample] = []
@@ -141,24 +142,27 @@ class LlavaDataset:
         self.image_processor = image_processor
         self.audio_features = audio_features
         self.system_prompt = system_prompt
+        self.num_workers = num_workers
+        self.num_check_processes = num_check_processes
         self._check_modalities()
-        # Fast tokenizers are not safe to call from several threads at once.
-        self._tokenizer_lock = threading.Lock()
         self.modalities = tuple(m for m in tokenizer.modalities if m in self.num_tokens)
         self.pad_id = tokenizer.pad_id
         self.image_shape = image_processor.output_shape if image_processor else _ABSENT_SHAPE
         self.audio_shape = audio_features.output_shape if audio_features else _ABSENT_SHAPE
         self.load_parts: frozenset[str] = frozenset(("text", *self.modalities))
-        raw = read_raw_samples(self.path)
-        checked = _map(self._check, raw, num_workers)
-        self.records: list[LlavaRecord] = [r for r in checked if isinstance(r, LlavaRecord)]
-        self.bad_samples: list[BadSample] = [r for r in checked if isinstance(r, BadSample)]
-        if self.bad_samples and not skip_bad_samples:
-            raise ValueError(self.bad_samples[0].describe(self.path)
-                             + " (data.skip_bad_samples=true skips bad samples)")  # fmt: skip
-        if not self.records:
-            raise ValueError(f"data.path={str(self.path)!r} has no usable sample "
-                             f"({len(self.bad_samples)} bad, {len(raw)} in all)")  # fmt: skip
+        self.checker = SampleChecker(self.root, tokenizer, seq_length, self.num_tokens,
+                                     audio_features, system_prompt, allow_outside_root)
+        self.source = open_source(path)
+        # Without an index_dir the index lives as long as the dataset (a JSON list's
+        # converted lines are read from it).
+        self._private = None if index_dir is not None else tempfile.TemporaryDirectory(
+            prefix="mimotron-index-")  # fmt: skip
+        folder = Path(index_dir) if index_dir is not None else Path(self._private.name)
+        self.index: SampleIndex = obtain_index(folder, index_key(self._identity()), self._build,
+                                               self._validate, wait_timeout_s,
+                                               share=index_dir is not None)  # fmt: skip
+        self.source.attach(self.index.folder)
+        self.bad_samples: list[BadSample] = list(self.index.bad)
 
     def _check_modalities(self) -> None:
         unknown = sorted(set(self.num_tokens) - set(self.tokenizer.modalities))
@@ -179,91 +183,94 @@ class LlavaDataset:
         return len(self.bad_samples) + len(self.load_failures)
 
     def __len__(self) -> int:
-        return len(self.records)
+        return len(self.index.rows)
 
     def __repr__(self) -> str:
         return (f"LlavaDataset({str(self.path)!r}, len={len(self)}, "
                 f"skipped={self.num_skipped})")  # fmt: skip
 
-    # ---- checks -------------------------------------------------------------------------
-    def _check(self, item: tuple[str, Any]) -> LlavaRecord | BadSample:
-        location, raw = item
-        sample_id = None
-        try:
-            if isinstance(raw, SampleError):
-                raise raw
-            if not isinstance(raw, dict):
-                raise SampleError(f"expected a JSON object, got {type(raw).__name__}")
-            sample_id = None if raw.get("id") is None else str(raw["id"])
-            return self._check_sample(location, sample_id, raw)
-        except SampleError as bad:
-            return BadSample(location, sample_id, bad.reason)
+    # ---- the index ----------------------------------------------------------------------
+    def _identity(self) -> dict[str, Any]:
+        """What the check's result depends on (the index key; see sample_index)."""
+        tok = self.tokenizer
+        template = hashlib.sha256(tok.chat_template.encode()).hexdigest()
+        return {
+            "source": self.source.identity(), "root": str(self.checker.real_root),
+            "allow_outside_root": self.checker.allow_outside_root,
+            "seq_length": self.seq_length, "num_tokens": self.num_tokens,
+            "system_prompt": self.system_prompt,
+            "tokenizer": {"path": str(tok.path.resolve()), "files": file_identity(tok.path),
+                          "template": template, "vocab_size": tok.vocab_size,
+                          "placeholders": {m: tok.placeholder_id(m) for m in tok.modalities}},
+            "audio_rate": self.audio_features.sample_rate if self.audio_features else None,
+        }  # fmt: skip
 
-    def _check_sample(self, location: str, sample_id: str | None, raw: dict) -> LlavaRecord:
-        conversations = raw.get("conversations")
-        if not isinstance(conversations, list) or not conversations:
-            raise SampleError("'conversations' is missing or empty: expected a list of turns")
-        try:
-            messages = to_messages(conversations, self.system_prompt)
-        except ValueError as exc:
-            raise SampleError(str(exc)) from None
-        files = {m: self._files(raw, m) for m in ("image", "audio")}
-        for modality, paths in files.items():
-            self._check_files(modality, paths, messages)
-        try:
-            # Tokenised once here, whatever this rank loads later: every rank knows every
-            # sample's length (sequence packing decides rows from it).
-            length = int(self._tokenize(tuple(messages))["tokens"].numel())
-        except ValueError as exc:
-            raise SampleError(str(exc)) from None
-        return LlavaRecord(location, sample_id, files["image"], files["audio"],
-                           tuple(messages), length)  # fmt: skip
+    def _build(self, folder: Path, progress: Progress | None) -> SampleIndex:
+        """Check every sample (in parallel chunks) into an index in ``folder``."""
+        self.source.prepare(folder, progress)
+        chunks = self.source.chunks()
+        results = map_chunks(self._check_chunk, chunks, self.num_check_processes, progress)
+        return merge_chunks(folder, results, isinstance(self.source, ShardSource),
+                            {"data": str(self.path), "identity": self._identity()})  # fmt: skip
 
-    def _files(self, raw: dict, key: str) -> tuple[Path, ...]:
-        value = raw.get(key)
-        paths = [] if value is None else [value] if isinstance(value, str) else value
-        if not isinstance(paths, list) or not all(isinstance(p, str) for p in paths):
-            raise SampleError(f"{key!r}={value!r} is invalid: expected a path or a list of paths")
-        return tuple(self._resolve(key, p) for p in paths)
+    def _check_chunk(self, chunk: Any) -> ChunkResult:
+        pairs = list(self.source.items(chunk))
+        checked = _map(self.checker.check, [item for _, item in pairs], self.num_workers)
+        rows, keys, bad = [], [], []
+        for (row, item), result in zip(pairs, checked, strict=True):
+            if isinstance(result, BadSample):
+                bad.append(result)
+                continue
+            record, length = result
+            row["length"] = length
+            row["has_image"], row["has_audio"] = bool(record.images), bool(record.audios)
+            rows.append(row)
+            keys.append(item.key or "")
+        out = np.stack(rows) if rows else np.zeros(0, ROW_DTYPE)
+        return ChunkResult(out, keys, bad, len(pairs))
 
-    def _resolve(self, key: str, relative: str) -> Path:
-        """The real path of a media file, checked to lie inside the root."""
+    def _validate(self, index: SampleIndex) -> None:
+        if index.bad and not self.skip_bad_samples:
+            raise ValueError(index.bad[0].describe(self.path)
+                             + " (data.skip_bad_samples=true skips bad samples)")  # fmt: skip
+        if not len(index.rows):
+            raise ValueError(f"data.path={str(self.path)!r} has no usable sample "
+                             f"({len(index.bad)} bad, {index.num_total} in all)")  # fmt: skip
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """Token count of every kept sample (read-only, memory-mapped)."""
+        return self.index.rows["length"]
+
+    @property
+    def has_image(self) -> np.ndarray:
+        """Whether each kept sample holds an image (read-only)."""
+        return self.index.rows["has_image"]
+
+    @property
+    def has_audio(self) -> np.ndarray:
+        """Whether each kept sample holds an audio clip (read-only)."""
+        return self.index.rows["has_audio"]
+
+    def record(self, index: int) -> LlavaRecord:
+        """Sample ``index``'s record, read from the data file (its bytes alone).
+
+        Raises:
+            SampleError: the sample no longer reads or parses (the file changed).
+        """
+        row = self.index.rows[index]
+        key = self.index.key_of(index)
         try:
-            # resolve() follows symlinks: a link in the root pointing out of it is out.
-            real = (self.root / relative).resolve()
-        except (OSError, RuntimeError) as exc:  # a symlink loop
-            raise SampleError(f"{key} path {relative!r} does not resolve: {exc}") from None
-        if not self.allow_outside_root and not real.is_relative_to(self._real_root):
-            raise SampleError(f"{key} path {relative!r} resolves to {str(real)!r}, outside "
-                       f"data.root={str(self.root)!r} (data.allow_outside_root=true "
-                       "accepts it)")  # fmt: skip
-        return real
+            item = self.source.read(row, key)
+        except OSError as exc:
+            item = RawItem(self.source.row_location(row, key), SampleError(str(exc)))
+        return self.checker.parse(item, int(row["length"]))
 
-    def _check_files(self, modality: str, paths: tuple[Path, ...],
-                     messages: list[dict[str, str]]) -> None:  # fmt: skip
-        placeholder = (self.tokenizer.placeholder_text(modality)
-                       if modality in self.tokenizer.modalities else f"<{modality}>")
-        count = sum(m["content"].count(placeholder) for m in messages)
-        if count != len(paths):
-            raise SampleError(f"{count} {placeholder} placeholder(s) in the conversation but "
-                       f"{len(paths)} {modality} file(s): expected one placeholder per file")
-        if paths and modality not in self.num_tokens:
-            raise SampleError(f"has {modality} input but the model has no {modality} encoder")
-        if len(paths) > 1:
-            raise SampleError(f"{len(paths)} {modality} files: at most one per sample is supported")
-        for file in paths:
-            if not file.is_file():
-                raise SampleError(f"{modality} file {str(file)!r} not found")
-            try:
-                # Decoded in full, by the decoder the load uses: a file corrupt past its
-                # header is bad here, not when training reaches it.
-                if modality == "image":
-                    _open_image(file)
-                else:
-                    assert self.audio_features is not None
-                    self.audio_features.decode(file)
-            except ValueError as exc:
-                raise SampleError(str(exc)) from None
+    @property
+    def records(self) -> Sequence[LlavaRecord]:
+        """Every kept sample's record, each read from the data file when accessed (use
+        :attr:`lengths`, :attr:`has_image`, :attr:`has_audio` to go over many)."""
+        return _Records(self)
 
     # ---- loading ------------------------------------------------------------------------
     def restrict_loading(self, parts: Collection[str]) -> None:
@@ -286,25 +293,21 @@ class LlavaDataset:
             raise ValueError(f"parts {unknown} are invalid: expected some of {list(known)}")
         self.load_parts = frozenset(parts)
 
-    def _tokenize(self, messages: Sequence[dict[str, str]]) -> dict[str, torch.Tensor]:
-        with self._tokenizer_lock:
-            encoded = encode_conversation(self.tokenizer, messages, self.num_tokens)
-        return shifted_sample(encoded, self.pad_id, self.seq_length)
-
     def _encode(self, record: LlavaRecord) -> dict[str, torch.Tensor]:
         if "text" not in self.load_parts:
             empty = torch.zeros(0, dtype=torch.long)
             return {"tokens": empty, "labels": empty, "loss_mask": empty.float()}
-        return self._tokenize(record.messages)
+        return self.checker.tokenize(record.messages)
 
     def load(self, index: int) -> Sample:
-        """Sample ``index`` (of the kept samples, in file order).
+        """Sample ``index`` (of the kept samples, in data order).
 
         A media file that fails to load although it passed the check (it changed on disk
         since) is skipped with ``skip_bad_samples``: the sample keeps its shape and
         presence flags, so batches and every rank's transfers stay the same, but its
         media are zeros and its loss mask is empty (nothing of it is trained); it is
         counted in :attr:`num_skipped` and :attr:`load_failures` and reported on stderr.
+        A sample whose JSON no longer reads is skipped the same way (its tokens padding).
 
         Raises:
             ValueError: a bad index, or (without ``skip_bad_samples``) a file that can no
@@ -312,43 +315,35 @@ class LlavaDataset:
         """
         if not 0 <= index < len(self):
             raise ValueError(f"index={index!r} is invalid: expected 0 <= index < {len(self)}")
-        record = self.records[index]
+        try:
+            record = self.record(index)
+        except SampleError as exc:
+            return self._unreadable(index, exc)
         sample: dict[str, Any] = self._encode(record)  # checked when built: cannot fail
         try:
-            image, audio = self._load_media(record)
+            image, audio = load_media(record, self.load_parts, self.image_processor,
+                                      self.audio_features)  # fmt: skip
         except (OSError, ValueError) as exc:
             image, audio = self._skip_failed(record, exc)
             sample["loss_mask"] = torch.zeros_like(sample["loss_mask"])
-        has = (bool(record.images), bool(record.audios))
+        answer = [m["content"] for m in record.messages if m["role"] == "assistant"][-1]
+        return self._sample(sample, index, (image, audio), answer, record.sample_id)
+
+    def _sample(self, sample: dict[str, Any], index: int, media: _Media, answer: str,
+                sample_id: str | None) -> Sample:  # fmt: skip
+        row = self.index.rows[index]
+        has = (bool(row["has_image"]), bool(row["has_audio"]))
         kind = {(True, True): "both", (True, False): "image", (False, True): "audio",
                 (False, False): "text"}[has]  # fmt: skip
-        answer = [m["content"] for m in record.messages if m["role"] == "assistant"][-1]
-        sample.update(image=image, audio=audio, has_image=has[0], has_audio=has[1],
-                      answer=answer, index=index, kind=kind, length=record.length,
-                      sample_id=record.sample_id)  # fmt: skip
+        sample.update(image=media[0], audio=media[1], has_image=has[0], has_audio=has[1],
+                      answer=answer, index=index, kind=kind, length=int(row["length"]),
+                      sample_id=sample_id)  # fmt: skip
         return sample
-
-    def _load_media(self, record: LlavaRecord) -> _Media:
-        image = audio = None
-        if record.images and "image" in self.load_parts:
-            assert self.image_processor is not None
-            image = self.image_processor(_open_image(record.images[0]))
-        if record.audios and "audio" in self.load_parts:
-            assert self.audio_features is not None
-            audio = self.audio_features(record.audios[0])
-        return image, audio
 
     def _skip_failed(self, record: LlavaRecord, exc: Exception) -> _Media:
         """Zero media standing in for a sample that failed to load, or its one-line error."""
-        reason = " ".join(f"failed to load: {exc}".split())  # one line, whatever PIL says
-        bad = BadSample(record.location, record.sample_id, reason)
-        if not self.skip_bad_samples:
-            raise ValueError(bad.describe(self.path)) from exc
-        with self._failures_lock:
-            self.load_failures.append(bad)
-            count = len(self.load_failures)
-        print(f"mimotron: skipped (data.skip_bad_samples, {count} at load so far): "
-              f"{bad.describe(self.path)}", file=sys.stderr, flush=True)  # fmt: skip
+        self._failed(BadSample(record.location, record.sample_id, f"failed to load: {exc}"),
+                     exc)  # fmt: skip
         image = audio = None
         if record.images and "image" in self.load_parts:
             image = torch.zeros(self.image_shape)
@@ -356,17 +351,47 @@ class LlavaDataset:
             audio = torch.zeros(self.audio_shape)
         return image, audio
 
+    def _unreadable(self, index: int, exc: SampleError) -> Sample:
+        """A sample whose JSON no longer reads: padding and zero media, or its error."""
+        row = self.index.rows[index]
+        key = self.index.key_of(index)
+        self._failed(BadSample(self.source.row_location(row, key), exc.sample_id or key,
+                               f"failed to load: {exc.reason}"), exc)  # fmt: skip
+        length = int(row["length"]) if "text" in self.load_parts else 0
+        pad = torch.full((length,), self.pad_id, dtype=torch.long)
+        sample: dict[str, Any] = {"tokens": pad, "labels": pad.clone(),
+                                  "loss_mask": torch.zeros(length)}  # fmt: skip
+        image = torch.zeros(self.image_shape) if row["has_image"] and \
+            "image" in self.load_parts else None
+        audio = torch.zeros(self.audio_shape) if row["has_audio"] and \
+            "audio" in self.load_parts else None
+        return self._sample(sample, index, (image, audio), "", exc.sample_id or key)
 
-def _open_image(file: Path) -> Any:
-    """The decoded PIL image of ``file`` (read fully, file closed)."""
-    from PIL import Image
+    def _failed(self, bad: BadSample, exc: Exception) -> None:
+        """Count and report a load failure (``skip_bad_samples``), or raise its line."""
+        bad = BadSample(bad.location, bad.sample_id, " ".join(bad.reason.split()))
+        if not self.skip_bad_samples:
+            raise ValueError(bad.describe(self.path)) from exc
+        with self._failures_lock:
+            self.load_failures.append(bad)
+            count = len(self.load_failures)
+        print(f"mimotron: skipped (data.skip_bad_samples, {count} at load so far): "
+              f"{bad.describe(self.path)}", file=sys.stderr, flush=True)  # fmt: skip
 
-    try:
-        with Image.open(file) as image:
-            image.load()  # decodes now, so the file can close
-            return image
-    except Exception as exc:  # noqa: BLE001 - any decoding failure is an unreadable image
-        raise ValueError(f"image file {str(file)!r} is unreadable: {exc}") from exc
+
+class _Records(Sequence[LlavaRecord]):
+    """:attr:`LlavaDataset.records`: a record read from the file on each access."""
+
+    def __init__(self, dataset: LlavaDataset) -> None:
+        self._dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self._dataset)
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        return self._dataset.record(int(index))
 
 
 def _map(fn: Callable[[Any], Any], items: Sequence[Any], num_workers: int) -> list[Any]:
@@ -417,7 +442,7 @@ class LlavaTask:
     def length_of(self, index: int) -> int:
         """Token count of sample ``index`` of this split (placeholders expanded), known on
         every rank without loading the sample (recorded when the dataset was checked)."""
-        return self.dataset.records[int(self.indices[index])].length
+        return int(self.dataset.lengths[int(self.indices[index])])
 
     def get(self, index: int, epoch: int = 0) -> Sample:
         """Sample ``index`` of this split (``epoch`` is ignored: no augmentation)."""

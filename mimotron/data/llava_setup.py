@@ -22,10 +22,13 @@ parameters derived from its own sizes: a ``vit`` reads RGB images resized to
 encoder reads 16 kHz WAV clips of 1 s as Whisper log-mel features with ``num_freq_bins``
 mel bins and ``num_frames`` frames.
 
-**Checked before any collective.** :func:`build_llava_tasks` reads and checks every
-sample (:class:`~mimotron.data.llava.LlavaDataset`): ``mimotron train`` and
-``mimotron plan`` call :func:`check_data` before launching anything, and ``setup_mimo``
-builds the data before its first collective.
+**Checked before any collective, once per run.** :func:`build_llava_tasks` checks every
+sample (:class:`~mimotron.data.llava.LlavaDataset`) into an index kept in
+``data.index_dir`` (default ``<log.dir>/data_index``; :mod:`mimotron.data.sample_index`),
+on all the cores this process may use: ``mimotron train`` and ``mimotron plan`` call
+:func:`check_data` before launching anything, so the ranks find the index; under another
+launcher rank 0 builds it while the others wait. ``setup_mimo`` builds the data before
+its first collective.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from mimotron.config import TOY_AUDIO_RATE, MimoConfig, ModuleConfig
 from mimotron.data.hf_tokenizer import HFTokenizer
 from mimotron.data.llava import LlavaDataset, LlavaTask, llava_tasks
 from mimotron.data.media import AudioFeatures, ImageProcessor
+from mimotron.data.sample_index import default_processes
 from mimotron.data.tokenizer import MODALITIES, CharTokenizer
 from mimotron.names import LANGUAGE
 from mimotron.parallel.layout import Layout
@@ -144,6 +148,11 @@ def data_root(cfg: MimoConfig, path: str = "") -> Path:
     return Path(cfg.data.root) if cfg.data.root else Path(path or cfg.data.path).parent
 
 
+def index_dir(cfg: MimoConfig) -> Path:
+    """``data.index_dir``, or ``<log.dir>/data_index`` when it is empty."""
+    return Path(cfg.data.index_dir) if cfg.data.index_dir else cfg.log_dir / "data_index"
+
+
 def build_llava_tasks(cfg: MimoConfig, tokenizer: HFTokenizer) -> tuple[LlavaTask, LlavaTask]:
     """Train and validation data: splits of ``data.path``, or it and ``data.valid_path``.
 
@@ -172,7 +181,10 @@ def build_llava_tasks(cfg: MimoConfig, tokenizer: HFTokenizer) -> tuple[LlavaTas
                             skip_bad_samples=d.skip_bad_samples,
                             system_prompt=d.system_prompt or None,
                             num_workers=d.num_workers,
-                            allow_outside_root=d.allow_outside_root)  # fmt: skip
+                            allow_outside_root=d.allow_outside_root,
+                            # Checked once per run, kept for the ranks and later runs.
+                            index_dir=index_dir(cfg), num_check_processes=default_processes(),
+                            wait_timeout_s=cfg.train.pg_timeout_s)  # fmt: skip
 
     if not d.valid_path:
         return llava_tasks(dataset(d.path), d.train_fraction)

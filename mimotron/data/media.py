@@ -24,7 +24,7 @@ import wave
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 import torch
@@ -207,6 +207,22 @@ def _read_preprocessor_config(path: str | Path) -> dict[str, Any]:
 
 
 # ---- audio ------------------------------------------------------------------------------
+WavSource = str | Path | BinaryIO
+"""A WAV file's path, or its bytes as a seekable stream (a tar shard's member)."""
+
+
+def _open_wav(source: WavSource) -> wave.Wave_read:
+    if isinstance(source, str | Path):
+        return wave.open(str(source), "rb")
+    source.seek(0)
+    return wave.open(source, "rb")
+
+
+def _wav_name(source: WavSource) -> str:
+    """What messages call ``source``: its path, or the stream's ``name``."""
+    return str(source) if isinstance(source, str | Path) else str(getattr(source, "name", source))
+
+
 @dataclass(frozen=True)
 class WavInfo:
     """Header of a WAV file."""
@@ -217,23 +233,24 @@ class WavInfo:
     num_frames: int
 
 
-def wav_info(path: str | Path) -> WavInfo:
+def wav_info(path: WavSource) -> WavInfo:
     """Read only the header of a PCM WAV file.
 
     Raises:
         ValueError: not a PCM WAV file, or a sample width other than 1-4 bytes.
     """
     try:
-        with wave.open(str(path), "rb") as f:
+        with _open_wav(path) as f:
             info = WavInfo(f.getframerate(), f.getnchannels(), f.getsampwidth(), f.getnframes())
     except (wave.Error, EOFError) as exc:
-        raise ValueError(f"{str(path)!r} is not a readable PCM WAV file: {exc}") from exc
+        raise ValueError(f"{_wav_name(path)!r} is not a readable PCM WAV file: {exc}") from exc
     if info.sample_width not in (1, 2, 3, 4):
-        raise ValueError(f"{str(path)!r} has {info.sample_width}-byte samples: expected 1-4")
+        raise ValueError(f"{_wav_name(path)!r} has {info.sample_width}-byte samples: "
+                         "expected 1-4")  # fmt: skip
     return info
 
 
-def read_wav(path: str | Path) -> tuple[np.ndarray, int]:
+def read_wav(path: WavSource) -> tuple[np.ndarray, int]:
     """Samples of a PCM WAV file as mono float32 in [-1, 1), and its sample rate.
 
     8-bit samples are unsigned (offset 128); wider ones are signed little-endian and
@@ -244,16 +261,16 @@ def read_wav(path: str | Path) -> tuple[np.ndarray, int]:
     """
     info = wav_info(path)
     try:
-        with wave.open(str(path), "rb") as f:
+        with _open_wav(path) as f:
             raw = f.readframes(info.num_frames)
     except (wave.Error, EOFError, OSError) as exc:
-        raise ValueError(f"{str(path)!r} is not a readable PCM WAV file: {exc}") from exc
+        raise ValueError(f"{_wav_name(path)!r} is not a readable PCM WAV file: {exc}") from exc
     width = info.sample_width
     frame = width * info.channels
     if len(raw) % frame:
         # A file cut inside a frame (odd byte count, a channel missing) has a valid header
         # but no sound for its last frame: refused, not silently trimmed.
-        raise ValueError(f"{str(path)!r} is truncated: {len(raw)} bytes of samples, not a "
+        raise ValueError(f"{_wav_name(path)!r} is truncated: {len(raw)} bytes of samples, not a "
                          f"whole number of {frame}-byte frames")  # fmt: skip
     if width == 1:
         values = np.frombuffer(raw, dtype=np.uint8).astype(np.float64) - 128.0
@@ -304,7 +321,7 @@ class AudioFeatures:
         """``(feature_size, nb_max_frames)`` of every clip's features."""
         return (int(self.extractor.feature_size), int(self.extractor.nb_max_frames))
 
-    def check(self, path: str | Path) -> WavInfo:
+    def check(self, path: WavSource) -> WavInfo:
         """The header of ``path``, checked to be readable at :attr:`sample_rate`.
 
         Raises:
@@ -313,12 +330,13 @@ class AudioFeatures:
         info = wav_info(path)
         if info.sample_rate != self.sample_rate:
             raise ValueError(
-                f"{str(path)!r} is sampled at {info.sample_rate} Hz: expected {self.sample_rate} "
+                f"{_wav_name(path)!r} is sampled at {info.sample_rate} Hz: expected "
+                f"{self.sample_rate} "
                 "Hz (the audio encoder's rate; resample the file, it is not done on the fly)"
             )
         return info
 
-    def decode(self, path: str | Path) -> np.ndarray:
+    def decode(self, path: WavSource) -> np.ndarray:
         """Every sample of ``path`` (mono float32), read at :attr:`sample_rate`.
 
         The data check and the load both decode this way, so a file that passes the check
@@ -330,7 +348,7 @@ class AudioFeatures:
         self.check(path)
         return read_wav(path)[0]
 
-    def __call__(self, path: str | Path) -> torch.Tensor:
+    def __call__(self, path: WavSource) -> torch.Tensor:
         """Float32 ``[feature_size, nb_max_frames]`` log-mel features of a WAV file."""
         return self.features(self.decode(path), self.sample_rate)
 

@@ -1,0 +1,287 @@
+"""The checks of one LLaVA sample, and the parse a load repeats without them.
+
+:class:`SampleChecker` holds the rules (see :mod:`mimotron.data.llava`): valid JSON,
+known roles, an assistant turn, as many placeholders as files, media paths that resolve
+inside the root (symlinks followed; unless ``allow_outside_root``), files that exist
+and decode in full by the decoder the load uses (images decoded by PIL, WAV files read
+to the last frame at the encoder's rate), a modality the model has an encoder for, at
+most one file per modality, and a token count within ``seq_length``.
+
+A sample comes as a :class:`RawItem`: its location for messages, its parsed JSON (or
+the :class:`~mimotron.data.llava_file.SampleError` reading it gave) and, for a tar
+shard, its media members (a JSON file's media are paths in the JSON, relative to the
+root). :meth:`SampleChecker.check` runs every rule and tokenises (the sample's length);
+:meth:`SampleChecker.parse` is what a load needs (messages, resolved media) without
+decoding or tokenising again.
+
+A media file used by many samples is decoded once per checking process: its result is
+kept by ``(real path, size, modification time)``.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mimotron.data.chat import encode_conversation, shifted_sample, to_messages
+from mimotron.data.hf_tokenizer import HFTokenizer
+from mimotron.data.llava_file import SampleError
+from mimotron.data.media import AudioFeatures, ImageProcessor
+from mimotron.data.webdataset import TarMember
+
+Media = Path | TarMember
+"""A media file: a resolved path, or a member of a tar shard."""
+MODALITIES_CHECKED = ("image", "audio")
+
+
+@dataclass(frozen=True)
+class BadSample:
+    """A sample that failed the checks: where it is, its id and why."""
+
+    location: str  # "line 7" (JSONL, from 1), "item 6" (JSON list, from 0), shard + key
+    sample_id: str | None
+    reason: str
+
+    def describe(self, path: str | Path) -> str:
+        """One line: file, location, id, reason."""
+        return f"{path} {self.location} (sample id {self.sample_id!r}): {self.reason}"
+
+
+@dataclass(frozen=True)
+class LlavaRecord:
+    """A checked sample: its location, id, media, chat messages and token count
+    (``length``: the tokens it trains on, placeholders expanded)."""
+
+    location: str
+    sample_id: str | None
+    images: tuple[Media, ...]
+    audios: tuple[Media, ...]
+    messages: tuple[dict[str, str], ...]
+    length: int
+
+
+@dataclass(frozen=True)
+class RawItem:
+    """A sample as read from its file, before any check.
+
+    Attributes:
+        location: where it is, for messages (``"line 3"``).
+        raw: the parsed JSON, or the SampleError reading it gave.
+        media: a shard sample's members by modality; ``None``: paths in the JSON.
+        key: a shard sample's key (its id when the JSON has none).
+    """
+
+    location: str
+    raw: Any
+    media: dict[str, tuple[TarMember, ...]] | None = None
+    key: str | None = None
+
+
+class SampleChecker:
+    """The rules of one sample (module docstring); shared by the check and the load.
+
+    Args:
+        root: folder the media paths are relative to (``data.root``).
+        tokenizer: the run's tokenizer (with its chat template).
+        seq_length: the most tokens a sample may have, placeholders expanded.
+        num_tokens: modality -> the encoder's output tokens per item.
+        audio_features: the Whisper feature extraction (its decoder checks WAV files).
+        system_prompt: a system message put first in conversations that have none.
+        allow_outside_root: accept media paths that resolve outside ``root``.
+    """
+
+    def __init__(self, root: str | Path, tokenizer: HFTokenizer, seq_length: int,
+                 num_tokens: dict[str, int], audio_features: AudioFeatures | None = None,
+                 system_prompt: str | None = None, allow_outside_root: bool = False
+                 ) -> None:  # fmt: skip
+        self.root = Path(root)
+        self.real_root = self.root.resolve()
+        self.tokenizer, self.seq_length, self.num_tokens = tokenizer, seq_length, num_tokens
+        self.audio_features = audio_features
+        self.system_prompt = system_prompt
+        self.allow_outside_root = allow_outside_root
+        self.pad_id = tokenizer.pad_id
+        # Fast tokenizers are not safe to call from several threads at once.
+        self._tokenizer_lock = threading.Lock()
+        # Files already decoded by this process: (real path, size, mtime) -> None or error.
+        self._decoded: dict[tuple[str, int, int], str | None] = {}
+        # Media paths many samples share are resolved once (bounded: ranks parse on load).
+        self._resolve = functools.lru_cache(maxsize=4096)(self._resolve_path)
+
+    def check(self, item: RawItem) -> tuple[LlavaRecord, int] | BadSample:
+        """Every rule; the record with its token count, or why the sample is bad."""
+        sample_id = None
+        try:
+            record = self.parse(item)
+            sample_id = record.sample_id
+            for modality, files in (("image", record.images), ("audio", record.audios)):
+                self._check_files(modality, files, record.messages)
+            # Tokenised once here, whatever a rank loads later: every rank knows every
+            # sample's length (sequence packing decides rows from it).
+            length = self.length(record.messages)
+        except SampleError as bad:
+            return BadSample(item.location, bad.sample_id or sample_id, bad.reason)
+        except ValueError as exc:
+            return BadSample(item.location, sample_id, str(exc))
+        return record, length
+
+    def parse(self, item: RawItem, length: int = 0) -> LlavaRecord:
+        """The sample's messages and media, without decoding or tokenising.
+
+        Raises:
+            SampleError: not a JSON object, bad turns, bad media paths.
+        """
+        raw = item.raw
+        if isinstance(raw, SampleError):
+            raise raw
+        if not isinstance(raw, dict):
+            raise SampleError(f"expected a JSON object, got {type(raw).__name__}")
+        sample_id = str(raw["id"]) if raw.get("id") is not None else item.key
+        conversations = raw.get("conversations")
+        try:
+            if not isinstance(conversations, list) or not conversations:
+                raise SampleError("'conversations' is missing or empty: expected a list of turns")
+            try:
+                messages = tuple(to_messages(conversations, self.system_prompt))
+            except ValueError as exc:
+                raise SampleError(str(exc)) from None
+            if item.media is not None:
+                files = {m: tuple(item.media.get(m, ())) for m in MODALITIES_CHECKED}
+            else:
+                files = {m: self._files(raw, m) for m in MODALITIES_CHECKED}
+        except SampleError as bad:
+            raise SampleError(bad.reason, sample_id) from None
+        return LlavaRecord(item.location, sample_id, files["image"], files["audio"], messages,
+                           length)  # fmt: skip
+
+    def length(self, messages: tuple[dict[str, str], ...]) -> int:
+        """The conversation's token count (what :meth:`tokenize` would give, no tensors).
+
+        Raises:
+            ValueError: as :meth:`tokenize`.
+        """
+        with self._tokenizer_lock:
+            encoded = encode_conversation(self.tokenizer, messages, self.num_tokens)
+        if len(encoded.tokens) > self.seq_length:
+            shifted_sample(encoded, self.pad_id, self.seq_length)  # raises its message
+        return len(encoded.tokens)
+
+    def tokenize(self, messages: tuple[dict[str, str], ...] | list[dict[str, str]]
+                 ) -> dict[str, Any]:  # fmt: skip
+        """``tokens``, ``labels`` and ``loss_mask`` of a conversation.
+
+        Raises:
+            ValueError: the conversation cannot be encoded or is longer than seq_length.
+        """
+        with self._tokenizer_lock:
+            encoded = encode_conversation(self.tokenizer, messages, self.num_tokens)
+        return shifted_sample(encoded, self.pad_id, self.seq_length)
+
+    # ---- media --------------------------------------------------------------------------
+    def _files(self, raw: dict, key: str) -> tuple[Path, ...]:
+        value = raw.get(key)
+        paths = [] if value is None else [value] if isinstance(value, str) else value
+        if not isinstance(paths, list) or not all(isinstance(p, str) for p in paths):
+            raise SampleError(f"{key!r}={value!r} is invalid: expected a path or a list of paths")
+        return tuple(self._resolve(key, p) for p in paths)
+
+    def _resolve_path(self, key: str, relative: str) -> Path:
+        """The real path of a media file, checked to lie inside the root."""
+        try:
+            # resolve() follows symlinks: a link in the root pointing out of it is out.
+            real = (self.root / relative).resolve()
+        except (OSError, RuntimeError) as exc:  # a symlink loop
+            raise SampleError(f"{key} path {relative!r} does not resolve: {exc}") from None
+        if not self.allow_outside_root and not real.is_relative_to(self.real_root):
+            raise SampleError(f"{key} path {relative!r} resolves to {str(real)!r}, outside "
+                              f"data.root={str(self.root)!r} (data.allow_outside_root=true "
+                              "accepts it)")  # fmt: skip
+        return real
+
+    def _check_files(self, modality: str, files: tuple[Media, ...],
+                     messages: tuple[dict[str, str], ...]) -> None:  # fmt: skip
+        tokenizer = self.tokenizer
+        placeholder = (tokenizer.placeholder_text(modality)
+                       if modality in tokenizer.modalities else f"<{modality}>")
+        count = sum(m["content"].count(placeholder) for m in messages)
+        if count != len(files):
+            raise SampleError(f"{count} {placeholder} placeholder(s) in the conversation but "
+                              f"{len(files)} {modality} file(s): expected one placeholder per "
+                              "file")  # fmt: skip
+        if files and modality not in self.num_tokens:
+            raise SampleError(f"has {modality} input but the model has no {modality} encoder")
+        if len(files) > 1:
+            raise SampleError(f"{len(files)} {modality} files: at most one per sample is "
+                              "supported")  # fmt: skip
+        for file in files:
+            self._decode_once(modality, file)
+
+    def _decode_once(self, modality: str, file: Media) -> None:
+        """Decode ``file`` in full by the load's decoder, once per file and process."""
+        memo = None
+        if isinstance(file, Path):
+            try:
+                stat = file.stat()
+            except OSError:
+                raise SampleError(f"{modality} file {str(file)!r} not found") from None
+            if not file.is_file():
+                raise SampleError(f"{modality} file {str(file)!r} not found")
+            memo = (str(file), stat.st_size, stat.st_mtime_ns)
+            if memo in self._decoded:
+                if self._decoded[memo] is not None:
+                    raise SampleError(str(self._decoded[memo]))
+                return
+        try:
+            # Decoded in full, by the decoder the load uses: a file corrupt past its
+            # header is bad here, not when training reaches it.
+            if modality == "image":
+                open_image(file)
+            else:
+                assert self.audio_features is not None
+                self.audio_features.decode(file.open() if isinstance(file, TarMember) else file)
+            error = None
+        except (ValueError, OSError) as exc:
+            error = " ".join(str(exc).split())
+        if memo is not None:
+            self._decoded[memo] = error
+        if error is not None:
+            raise SampleError(error)
+
+
+def open_image(file: Media) -> Any:
+    """The decoded PIL image of ``file`` (read fully, file closed).
+
+    Raises:
+        ValueError: not an image PIL can decode to the end.
+    """
+    from PIL import Image
+
+    try:
+        source = file.open() if isinstance(file, TarMember) else file
+        with Image.open(source) as image:
+            image.load()  # decodes now, so the file can close
+            return image
+    except Exception as exc:  # noqa: BLE001 - any decoding failure is an unreadable image
+        raise ValueError(f"image file {str(file)!r} is unreadable: {exc}") from exc
+
+
+def load_media(record: LlavaRecord, parts: frozenset[str],
+               image_processor: ImageProcessor | None,
+               audio_features: AudioFeatures | None) -> tuple[Any, Any]:  # fmt: skip
+    """A record's ``(image, audio)`` tensors for the loaded ``parts`` (``None``: absent).
+
+    Raises:
+        ValueError, OSError: a file that no longer decodes.
+    """
+    image = audio = None
+    if record.images and "image" in parts:
+        assert image_processor is not None
+        image = image_processor(open_image(record.images[0]))
+    if record.audios and "audio" in parts:
+        assert audio_features is not None
+        file = record.audios[0]
+        audio = audio_features(file.open() if isinstance(file, TarMember) else file)
+    return image, audio

@@ -1,0 +1,250 @@
+"""LLaVA data as tar shards in the WebDataset layout: find the shards, list their samples.
+
+A shard (``shard-000000.tar`` ...) holds samples as consecutive members sharing a
+**key**: the member's path up to the first ``.`` of its file name (``a/b.0.json`` has key
+``a/b`` and extension ``0.json``). Per sample:
+
+* ``<key>.json``: the LLaVA sample (``conversations``, an optional ``id``: the key is the
+  id when it has none); its ``image`` / ``audio`` fields are ignored (converted corpora
+  keep the original paths there): the media are the sample's members;
+* ``<key>.jpg`` / ``.jpeg`` / ``.png`` / ``.webp`` / ``.bmp`` / ``.gif`` / ``.tif`` /
+  ``.tiff`` / ``.ppm``: its image; ``<key>.wav``: its audio clip. Other members
+  (``.txt``, ``.cls``, ...) are ignored.
+
+``data.path`` names the shards as a folder (every ``*.tar`` in it), one ``.tar`` file, a
+glob pattern (``shards/*.tar``) or a brace range as WebDataset writes it
+(``shards/shard-{000000..000099}.tar``); they are read in sorted order (brace ranges in
+their own order). Samples are read by byte offset (:class:`TarMember`), so shards must
+be local or mounted files (no ``http://`` or ``pipe:`` URLs), and any sample can be read
+alone: the run's global shuffle works as for a JSONL file.
+
+:func:`write_shards` writes LLaVA samples with their media files in this layout (keys
+are the samples' running numbers; the JSON keeps ``id`` and the conversation).
+
+A shard that is not a tar file is an error naming it; one cut short keeps the samples
+before the cut and reports the rest as one bad sample (``data.skip_bad_samples`` skips
+it). Members are listed from the tar headers only (no data is read by the scan).
+"""
+
+from __future__ import annotations
+
+import glob
+import io
+import json
+import re
+import tarfile
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+IMAGE_EXTENSIONS = frozenset({"jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff", "ppm"})
+AUDIO_EXTENSIONS = frozenset({"wav"})
+_GLOB_CHARS = re.compile(r"[*?\[]")
+_BRACES = re.compile(r"\{([^{}]*)\}")
+
+
+@dataclass(frozen=True)
+class TarMember:
+    """One member's bytes inside a shard: where they are, and a name for messages."""
+
+    shard: str
+    offset: int
+    size: int
+    name: str
+
+    def read(self) -> bytes:
+        """The member's bytes (one read at its offset).
+
+        Raises:
+            OSError: the shard is gone or shorter than the member (it changed).
+        """
+        with open(self.shard, "rb") as f:
+            f.seek(self.offset)
+            data = f.read(self.size)
+        if len(data) != self.size:
+            raise OSError(f"{self} is cut short: {len(data)} of {self.size} bytes")
+        return data
+
+    def open(self) -> io.BytesIO:
+        """The member as a seekable stream named :meth:`__str__` (what decoders print)."""
+        stream = io.BytesIO(self.read())
+        stream.name = str(self)  # type: ignore[attr-defined]  # BytesIO takes attributes
+        return stream
+
+    def __str__(self) -> str:
+        return f"{self.shard}:{self.name}"
+
+
+@dataclass
+class ShardSample:
+    """The members of one sample of a shard, in shard order."""
+
+    key: str
+    ordinal: int
+    conversation: TarMember | None = None
+    media: dict[str, list[TarMember]] = field(default_factory=lambda: {"image": [],
+                                                                        "audio": []})
+    duplicate: str = ""  # a second member of the same extension, named
+
+
+def is_shard_path(path: str | Path) -> bool:
+    """Whether ``data.path`` names tar shards (a folder, a ``.tar``, a glob or brace pattern)."""
+    text = str(path)
+    return (Path(text).is_dir() or text.endswith(".tar") or bool(_GLOB_CHARS.search(text))
+            or bool(_BRACES.search(text)))  # fmt: skip
+
+
+def shard_paths(path: str | Path) -> list[Path]:
+    """The shards ``data.path`` names, in reading order (rules in the module docstring).
+
+    Raises:
+        ValueError: no shard found, or a shard a brace range names is missing.
+    """
+    text = str(path)
+    found: list[Path] = []
+    for pattern in _expand_braces(text):
+        if Path(pattern).is_dir():
+            found += sorted(Path(pattern).glob("*.tar"))
+        elif _GLOB_CHARS.search(pattern):
+            found += sorted(Path(p) for p in glob.glob(pattern) if p.endswith(".tar"))
+        elif Path(pattern).is_file():
+            found.append(Path(pattern))
+        else:
+            raise ValueError(f"data.path={text!r} names the shard {pattern!r}, which does not "
+                             "exist")  # fmt: skip
+    if not found:
+        raise ValueError(f"data.path={text!r} is invalid: no .tar shard found (expected a "
+                         "folder of shards, a .tar file, a glob or a {000000..000009} range)")
+    return found
+
+
+def _expand_braces(text: str) -> list[str]:
+    """``a{1..3}b`` -> ``a1b a2b a3b`` (zero padding kept), ``a{x,y}`` -> ``ax ay``."""
+    match = _BRACES.search(text)
+    if match is None:
+        return [text]
+    body = match.group(1)
+    span = re.fullmatch(r"(\d+)\.\.(\d+)", body)
+    if span:
+        first, last = span.groups()
+        width = len(first) if first.startswith("0") else 0
+        options = [str(n).zfill(width) for n in range(int(first), int(last) + 1)]
+    else:
+        options = body.split(",")
+    head, tail = text[:match.start()], text[match.end():]
+    return [out for option in options for out in _expand_braces(head + option + tail)]
+
+
+def split_name(name: str) -> tuple[str, str]:
+    """``(key, extension)`` of a member name (WebDataset's rule: the first dot of the file)."""
+    folder, _, file = name.rpartition("/")
+    stem, _, extension = file.partition(".")
+    return (f"{folder}/{stem}" if folder else stem), extension.lower()
+
+
+def scan_shard(shard: Path) -> tuple[list[ShardSample], str]:
+    """The samples of a shard, and why it could not be read to its end (``""``: it could).
+
+    Raises:
+        ValueError: the file is not a tar file at all (one line naming it).
+    """
+    samples: list[ShardSample] = []
+    try:
+        archive = tarfile.open(shard, "r:")  # noqa: SIM115 - closed below
+    except (tarfile.TarError, OSError) as exc:
+        raise ValueError(f"data.path shard {str(shard)!r} is not a readable tar file: {exc} "
+                         "(re-create it, or remove it from data.path)") from None
+    try:
+        for member in archive:
+            if member.isfile():
+                _add_member(samples, shard, member)
+    except (tarfile.TarError, OSError) as exc:
+        # Cut short: the last sample may be missing members; it goes with the rest.
+        if samples:
+            samples.pop()
+        return samples, f"the shard is unreadable from here on: {exc}"
+    finally:
+        archive.close()
+    return samples, ""
+
+
+def _add_member(samples: list[ShardSample], shard: Path, member: tarfile.TarInfo) -> None:
+    key, extension = split_name(member.name)
+    if not samples or samples[-1].key != key:  # members of a sample are consecutive
+        samples.append(ShardSample(key, len(samples)))
+    sample = samples[-1]
+    where = TarMember(str(shard), member.offset_data, member.size, member.name)
+    last = extension.rpartition(".")[2]  # "0.json" is a json member too
+    if last == "json":
+        if sample.conversation is not None:
+            sample.duplicate = member.name
+        sample.conversation = where
+    elif last in IMAGE_EXTENSIONS:
+        sample.media["image"].append(where)
+    elif last in AUDIO_EXTENSIONS:
+        sample.media["audio"].append(where)
+
+
+def write_shards(samples: Iterable[dict[str, Any]], root: str | Path, out: str | Path,
+                 samples_per_shard: int = 1000) -> list[Path]:  # fmt: skip
+    """Write LLaVA samples as ``out/shard-000000.tar``, ... (the layout above).
+
+    Each sample's ``image`` / ``audio`` paths (relative to ``root``) become members of
+    the same key with the file's extension; the other fields go into ``<key>.json``.
+    The members' metadata is fixed (mtime 0, mode 0644), so the same samples give the
+    same bytes.
+
+    Args:
+        samples: LLaVA samples (one path per modality at most).
+        root: the folder their media paths are relative to.
+        out: the shard folder (created).
+        samples_per_shard: samples per shard (>= 1).
+
+    Returns:
+        The shards written, in order.
+
+    Raises:
+        ValueError: ``samples_per_shard < 1``, or a sample with more than one file of a
+            modality.
+    """
+    if samples_per_shard < 1:
+        raise ValueError(f"samples_per_shard={samples_per_shard!r} is invalid: expected >= 1")
+    folder = Path(out)
+    folder.mkdir(parents=True, exist_ok=True)
+    shards: list[Path] = []
+    archive = None
+    try:
+        for number, sample in enumerate(samples):
+            if number % samples_per_shard == 0:
+                if archive is not None:
+                    archive.close()
+                shards.append(folder / f"shard-{len(shards):06d}.tar")
+                # Closed when the next shard starts, or at the end.
+                archive = tarfile.open(shards[-1], "w", format=tarfile.USTAR_FORMAT)  # noqa: SIM115
+            assert archive is not None
+            _write_sample(archive, f"{number:09d}", sample, Path(root))
+    finally:
+        if archive is not None:
+            archive.close()
+    return shards
+
+
+def _write_sample(archive: tarfile.TarFile, key: str, sample: dict[str, Any], root: Path
+                  ) -> None:  # fmt: skip
+    members: list[tuple[str, bytes]] = []
+    for modality in ("image", "audio"):
+        value = sample.get(modality)
+        paths = [] if value is None else [value] if isinstance(value, str) else list(value)
+        if len(paths) > 1:
+            raise ValueError(f"sample {sample.get('id')!r} has {len(paths)} {modality} files: "
+                             "a shard sample holds at most one")  # fmt: skip
+        for path in paths:
+            extension = Path(path).suffix.lower().lstrip(".")
+            members.append((f"{key}.{extension}", (root / path).read_bytes()))
+    text = {k: v for k, v in sample.items() if k not in ("image", "audio")}
+    members.insert(0, (f"{key}.json", json.dumps(text, ensure_ascii=False).encode("utf-8")))
+    for name, data in members:
+        info = tarfile.TarInfo(name)
+        info.size, info.mtime, info.mode = len(data), 0, 0o644
+        archive.addfile(info, io.BytesIO(data))
