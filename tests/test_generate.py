@@ -8,7 +8,7 @@ The end-to-end cases train the demo's models (``make demo-llava``'s CLIP / Whisp
 Qwen2 folders and BPE tokenizer, random weights) on the train split of 8 demo samples
 (6: image, image + audio) for 50 iterations at a high learning rate, until every
 caption is the greedy continuation, then generate from the run directory, the
-checkpoint through the CLI, and a ``--format hf`` export.
+checkpoint through the CLI, and both export formats.
 """
 
 from __future__ import annotations
@@ -19,7 +19,11 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 
+from mimotron.checkpoint.export import read_full_model
+from mimotron.checkpoint.files import file_digest, rank_files, write_manifest
+from mimotron.checkpoint.state import META, MODEL
 from mimotron.cli.main import main as cli_main
 from mimotron.config import load_config
 from mimotron.data.llava_setup import build_llava_tasks, build_tokenizer
@@ -206,8 +210,8 @@ def test_sampling_with_a_seed_is_reproducible(overfit: dict[str, Any]) -> None:
     assert _ask(generator, both, temperature=3.0, top_p=1e-6, seed=5).text == both["answer"]
 
 
-def test_cli_and_hf_export_give_the_same_reply(overfit: dict[str, Any],
-                                               capsys: pytest.CaptureFixture) -> None:
+def test_cli_and_both_export_formats_give_the_same_reply(overfit: dict[str, Any],
+                                                        capsys: pytest.CaptureFixture) -> None:
     both = next(s for s in overfit["samples"] if s["kind"] == "both")
     checkpoint = overfit["run"] / "checkpoints"
     args = ["generate", str(checkpoint), "--prompt", both["question"],
@@ -217,10 +221,10 @@ def test_cli_and_hf_export_give_the_same_reply(overfit: dict[str, Any],
     out, err = capsys.readouterr()
     assert out == both["answer"] + "\n"
     assert f"iter_{NUM_ITERS:07d}" in err and "stopped at end" in err
-    export = overfit["root"] / "hf_export"
-    assert cli_main(["export", "--format", "hf", str(checkpoint), str(export)]) == 0
-    reply = _ask(Generator.from_path(export, device="cpu"), both)
-    assert reply.text == both["answer"]
+    for format in ("hf", "mimotron"):
+        export = overfit["root"] / f"{format}_export"
+        assert cli_main(["export", "--format", format, str(checkpoint), str(export)]) == 0
+        assert _ask(Generator.from_path(export, device="cpu"), both).text == both["answer"]
 
 
 def _one_line_error(args: list[str], capsys: pytest.CaptureFixture) -> str:
@@ -231,6 +235,7 @@ def _one_line_error(args: list[str], capsys: pytest.CaptureFixture) -> str:
     return err
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # dcp.save, one process
 def test_bad_input_is_one_line_naming_it(overfit: dict[str, Any], tmp_path: Path,
                                          capsys: pytest.CaptureFixture) -> None:
     run = str(overfit["run"])
@@ -245,6 +250,17 @@ def test_bad_input_is_one_line_naming_it(overfit: dict[str, Any], tmp_path: Path
     assert "top_p=0.0 is invalid" in err
     err = _one_line_error(["generate", str(tmp_path), "--prompt", "hi"], capsys)
     assert "is not a trained model" in err
+    # A checkpoint holding the encoders only (written here as mimotron writes one).
+    tensors, meta = read_full_model(overfit["run"] / "checkpoints")
+    state: dict[str, Any] = {MODEL + n: t for n, t in tensors.items()
+                             if not n.startswith("language_model.")}
+    state[META] = json.dumps(meta)
+    partial = tmp_path / "partial" / "iter_0000001"
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(partial)), no_dist=True)
+    write_manifest(partial, 1, {}, {n: file_digest(partial / n) for n in rank_files(partial, 0)})
+    err = _one_line_error(["generate", str(partial), "--prompt", "hi"], capsys)
+    assert (f"checkpoint {partial} holds no language model (no "
+            "model.language_model.* tensors)") in err
     # A --format mimotron export without the language model's file.
     export = tmp_path / "export"
     assert cli_main(["export", str(overfit["run"] / "checkpoints"), str(export)]) == 0

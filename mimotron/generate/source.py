@@ -216,9 +216,7 @@ def _run_config(source: ModelSource) -> MimoConfig:
 def _check_language(source: ModelSource) -> None:
     """A one-line error, before anything is built, when the weights lack the language model."""
     if source.kind == "checkpoint":
-        manifest = read_manifest(source.path)
-        keys = read_metadata(source.path, manifest).state_dict_metadata
-        found = any(k.startswith(MODEL + LANGUAGE_MODEL_PREFIX) for k in keys)
+        found = any(k.startswith(MODEL + LANGUAGE_MODEL_PREFIX) for k in _stored(source.path))
         what = f"no {MODEL}{LANGUAGE_MODEL_PREFIX}* tensors"
     else:
         found = (source.path / f"{LANGUAGE}.safetensors").is_file() or (
@@ -257,8 +255,7 @@ def _build_part(cfg: MimoConfig, name: str, vocab_size: int, device: torch.devic
 def _read_checkpoint(path: Path, model: MimoModel) -> None:
     """Read the checkpoint's model tensors into ``model`` in place (keys and shapes checked)."""
     template = model_state(model)
-    stored = {k: md for k, md in read_metadata(path, read_manifest(path)).state_dict_metadata
-              .items() if k.startswith(MODEL) and isinstance(md, TensorStorageMetadata)}
+    stored = _stored(path)
     missing = sorted(set(template) - set(stored))
     unexpected = sorted(set(stored) - set(template))
     wrong = sorted(k for k in set(template) & set(stored)
@@ -269,6 +266,13 @@ def _read_checkpoint(path: Path, model: MimoModel) -> None:
         raise ValueError(f"checkpoint {path} does not fit the model its run config builds: "
                          + "; ".join(problems))
     _dcp_read(path, template)
+
+
+def _stored(path: Path) -> dict[str, TensorStorageMetadata]:
+    """The model tensors a checkpoint holds (``model.<name>``), from DCP's metadata."""
+    metadata = read_metadata(path, read_manifest(path)).state_dict_metadata
+    return {k: md for k, md in metadata.items()
+            if k.startswith(MODEL) and isinstance(md, TensorStorageMetadata)}
 
 
 def _read_export(source: ModelSource, cfg: MimoConfig, model: MimoModel) -> None:
