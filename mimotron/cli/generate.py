@@ -64,7 +64,8 @@ def run_generate(args: argparse.Namespace) -> int:
         return report_error("generate", exc, EXIT_FAILED)
     loaded = generator.loaded
     print(reply.text, flush=True)
+    num = len(reply.token_ids)
     print(f"mimotron generate: {loaded.source.describe()} on {loaded.device}; prompt "
-          f"{reply.prompt_tokens} tokens, reply {len(reply.token_ids)} tokens, stopped at "
-          f"{reply.stop}", file=sys.stderr, flush=True)
+          f"{reply.prompt_tokens} tokens, reply {num} token{'' if num == 1 else 's'}, stopped "
+          f"at {reply.stop}", file=sys.stderr, flush=True)
     return 0
