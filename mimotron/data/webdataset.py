@@ -159,14 +159,36 @@ def scan_shard(shard: Path) -> tuple[list[ShardSample], str]:
         for member in archive:
             if member.isfile():
                 _add_member(samples, shard, member)
+        cut = _cut_short(shard, archive.offset)
     except (tarfile.TarError, OSError) as exc:
-        # Cut short: the last sample may be missing members; it goes with the rest.
-        if samples:
-            samples.pop()
-        return samples, f"the shard is unreadable from here on: {exc}"
+        cut = str(exc)
     finally:
         archive.close()
-    return samples, ""
+    if not cut:
+        return samples, ""
+    # Cut short: the last sample may be missing members; it goes with the rest.
+    if samples:
+        samples.pop()
+    return samples, f"the shard is unreadable from here on: {cut}"
+
+
+def _cut_short(shard: Path, end: int) -> str:
+    """Why the shard does not end properly after its last member (``""``: it does).
+
+    ``tarfile`` ends a listing quietly where the file ends (inside or before a header); a
+    whole tar ends with zero blocks (the end-of-archive marker) after its last member.
+    """
+    size = shard.stat().st_size
+    if size < end:
+        return f"the file ends at byte {size}, inside a member that runs to byte {end}"
+    with open(shard, "rb") as f:
+        f.seek(end)
+        tail = f.read(1 << 20)
+    if tail.strip(b"\0"):
+        return f"a partial or damaged header at byte {end}"
+    if len(tail) < tarfile.BLOCKSIZE:
+        return f"no end-of-archive marker after byte {end}: the file was cut there"
+    return ""
 
 
 def _add_member(samples: list[ShardSample], shard: Path, member: tarfile.TarInfo) -> None:
