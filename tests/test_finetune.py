@@ -2,10 +2,12 @@
 
 One stage-1 run (projectors only; one rank, 6 iterations, saved every 2) is shared:
 
-* stage 2 from its final checkpoint (towers still frozen, the language model trains) on
-  another layout (colocated DP 2 with language TP 2) starts at iteration 1 from exactly
-  those weights with a fresh AdamW and fresh schedules, and trains like the plain loop
-  started from them; loading from its ``mimotron export`` folder gives the same weights;
+* stage 2 (towers still frozen, the language model trains) from its final checkpoint or
+  its ``mimotron export`` folder sets up with exactly those weights in another layout
+  and precision (vision FSDP2, language ZeRO-1 with bf16 weights and fp32 masters), no
+  optimizer state and schedules at 0; on colocated DP 2 with language TP 2 it starts at
+  iteration 1 and trains like the plain loop started from those weights with a fresh
+  AdamW;
 * keeping the optimizer state and the schedule (``pretrained_optimizer``,
   ``pretrained_schedule``) continues like a resume: iterations 5-6 from the checkpoint
   at 4, in a new log.dir, equal the stage-1 run's bitwise; a relaunch then resumes the
@@ -31,7 +33,7 @@ from mimotron.run_dir import describe_run_dir
 from mimotron.runtime import init_runtime
 from mimotron.testing import run_ranks
 from mimotron.training.loop import run_training, setup_mimo
-from tests.common import BASE, DIGITS, ONE_RANK, coloc, engine_run
+from tests.common import BASE, DIGITS, ONE_RANK, _full, coloc, colocated, engine_run
 from tests.reference import frozen, reference_run
 from tests.test_parity import (
     PARITY,
@@ -71,9 +73,13 @@ def stage1(tmp_path_factory) -> dict[str, Any]:
 
 
 def _loaded(rank: int, world: int, overrides: list[str]) -> dict[str, Any]:
-    """What a fresh set-up holds after loading ``checkpoint.pretrained``."""
+    """What a fresh set-up holds after loading ``checkpoint.pretrained``: full weights,
+    the full fp32 masters of ZeRO-1 modules, and how much optimizer state exists."""
     run = setup_mimo(load_config(DIGITS, BASE + overrides), init_runtime())
-    return {"weights": {n: p.detach().clone() for n, p in run.model.named_parameters()},
+    masters = run.optimizer.master_weights()
+    return {"weights": {n: _full(p.detach()) for n, p in run.model.named_parameters()},
+            "masters": {n: _full(masters[id(p)]) for n, p in run.model.named_parameters()
+                        if id(p) in masters},
             "optimizer_state": sum(len(i.optimizer.state) for i in
                                    run.optimizer.module_infos.values() if i.is_active),
             "schedule_steps": {n: s.num_steps for n, s in run.schedulers.items()},
@@ -85,14 +91,21 @@ def test_stage2_starts_from_stage1_weights_fresh_and_trains_like_the_plain_loop(
         stage1, tmp_path):
     export = tmp_path / "export"
     export_checkpoint(stage1["root"], export)
-    base = [*ONE_RANK, *STAGE2, f"log.dir={tmp_path / 'probe'}"]
-    for source in (stage1["root"], export):  # a checkpoint, an export: weights only
-        (got,) = run_ranks(1, _loaded, [*base, f"checkpoint.pretrained={source}"],
-                           timeout_s=240)
-        assert got["weights"].keys() == stage1["weights"].keys()
-        assert all(torch.equal(w, stage1["weights"][n]) for n, w in got["weights"].items())
-        assert got["optimizer_state"] == 0 and got["iteration"] == got["consumed"] == 0
-        assert set(got["schedule_steps"].values()) == {0}
+    # Weights only, into another layout and precision: vision FSDP2, language ZeRO-1 with
+    # bf16 weights and fp32 masters, DP 2.
+    base = [*colocated(2), *STAGE2, f"log.dir={tmp_path / 'probe'}", "train.precision=bf16",
+            "modules.vision.parallel.fsdp=true", "modules.language.parallel.shard_optimizer=true"]
+    want = stage1["weights"]
+    for source in (stage1["root"], export):  # a checkpoint, an export
+        for got in run_ranks(2, _loaded, [*base, f"checkpoint.pretrained={source}"],
+                             timeout_s=240):
+            assert got["weights"].keys() == want.keys()
+            for name, w in got["weights"].items():
+                assert torch.equal(w, want[name].to(w.dtype)), name
+            assert got["masters"] and all(torch.equal(m, want[n])
+                                          for n, m in got["masters"].items())
+            assert got["optimizer_state"] == 0 and got["iteration"] == got["consumed"] == 0
+            assert set(got["schedule_steps"].values()) == {0}
 
     # Stage 2 on another layout (language TP 2), from the export folder.
     layout = [*TP2, f"log.dir={tmp_path / 'stage2'}", f"checkpoint.pretrained={export}"]
