@@ -134,7 +134,7 @@ def rank_state_bytes(cfg: MimoConfig, name: str, dense: int, experts: int) -> in
     n = dense // (par.tensor * par.pipeline) + experts // (
         par.pipeline * par.expert * par.expert_tensor)
     compute = _BYTES[cfg.train.precision] if cfg.train.precision != "fp32" else 0
-    if mod.freeze:
+    if mod.freeze:  # a frozen tower's projector is too small to matter to this bound
         return n * (4 + compute)
     shard = par.data * par.context if par.shard_optimizer else 1
     return n * (4 + compute + 4) + n * 8 // shard
