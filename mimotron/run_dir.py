@@ -345,12 +345,16 @@ def pretrained_source(cfg: MimoConfig) -> tuple[Path, bool] | None:
     if _is_export(path):
         _check_export(cfg, path, key)
         return path, True
+    # A run's log.dir stands for its checkpoints (the default checkpoint.dir).
+    run_checkpoints = path / "checkpoints"
     try:
-        loaded = resolve_checkpoint(path)
+        loaded = resolve_checkpoint(run_checkpoints if read_latest(run_checkpoints) is not None
+                                    else path)
     except ValueError:
         raise ValueError(f"{key} is invalid: expected a mimotron checkpoint (a folder holding "
-                         f"'{LATEST}' or an iter_NNNNNNN folder) or a `mimotron export` "
-                         "folder (config.json and one <module>.safetensors per module)") from None
+                         f"'{LATEST}', an iter_NNNNNNN folder, or a run's log.dir holding "
+                         "checkpoints/) or a `mimotron export` folder (config.json and one "
+                         "<module>.safetensors per module)") from None
     if ck.pretrained_schedule:
         reached = checkpoint_iteration(loaded)
         if reached is not None and reached >= cfg.train.iters:

@@ -96,7 +96,7 @@ def test_stage2_starts_from_stage1_weights_fresh_and_trains_like_the_plain_loop(
     base = [*colocated(2), *STAGE2, f"log.dir={tmp_path / 'probe'}", "train.precision=bf16",
             "modules.vision.parallel.fsdp=true", "modules.language.parallel.shard_optimizer=true"]
     want = stage1["weights"]
-    for source in (stage1["root"], export):  # a checkpoint, an export
+    for source in (stage1["root"].parent, export):  # a run's checkpoints, an export
         for got in run_ranks(2, _loaded, [*base, f"checkpoint.pretrained={source}"],
                              timeout_s=240):
             assert got["weights"].keys() == want.keys()
