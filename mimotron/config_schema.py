@@ -562,8 +562,9 @@ class CheckpointConfig:
     """
     pretrained: str = ""
     """A checkpoint to start a new run from (fine-tuning; LLaVA's stage 2 from stage 1):
-    a mimotron checkpoint (a dir holding ``latest``, or an ``iter_*`` folder, written by
-    any layout) or a ``mimotron export`` folder. ``""`` = none.
+    a mimotron checkpoint (a dir holding ``latest``, an ``iter_*`` folder, or a run's
+    log.dir holding ``checkpoints/``; written by any layout) or a ``mimotron export``
+    folder. ``""`` = none.
 
     Read only when the run starts fresh (load = "none", or "auto" finding no checkpoint
     in dir): its weights are loaded, and the run starts at iteration 0 with a fresh
