@@ -105,7 +105,6 @@ PROBES: dict[str, tuple[list[str], list[str], str, str, int]] = {
                                    ["train.overlap_param_gather=true"], LM, "param_gather", 1),
     "train.grad_bucket_mb": (BUCKETS, ["train.grad_bucket_mb=4"], LM, "reduce_bucket", 1),
     "data.seq_length": (NC, ["data.seq_length=128"], LM, "activations", 1),
-    "data.packing": (NC, ["data.packing=true"], LM, "activations", 1),
     "optimizer.name": (NC, ["optimizer.name='sgd'"], LM, "optimizer", -1),
     "optimizer.momentum": (NC + ["optimizer.name='sgd'"], ["optimizer.momentum=0.9"], LM,
                            "optimizer", 1),
@@ -154,6 +153,9 @@ NO_EFFECT: dict[str, str] = {
     "modules.<m>.num_heads": "fused attention keeps no per-head scores; only its "
                              "log-sum-exp (4 bytes per head and token) does, left out",
     "modules.<m>.parallel.rank_offset": "where a block starts, not what a rank holds",
+    "data.packing": "packed rows attend within their documents with no mask, so a layer "
+                    "keeps what it keeps unpacked (per-document RoPE rows, 4 bytes per "
+                    "token and head dimension a forward, left out)",
     **{f"data.{k}": "which samples carry media: the estimate holds a full micro-batch of "
                     "every encoder (the peak)" for k in ("p_image", "p_audio", "p_both",
                                                           "p_text")},
