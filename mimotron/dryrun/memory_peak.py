@@ -9,7 +9,11 @@ steps (forward, backward, gradient finalisation, optimizer step) until their sto
 is freed. Nothing is allocated, so a Llama-2-70B stage is measured on a laptop. The
 peak of the last step (the optimizer state exists by then) is the rank's measured
 peak, with the tracker's attribution of the bytes live at that moment (parameters,
-gradients, optimizer state, activations, backward temporaries). It is what the
+gradients, optimizer state, activations, backward temporaries). The first step's peak
+is not comparable: the first time DTensor meets an op it propagates the sharding on
+stand-ins of the global shapes (a fake mode of its own on a real run, the dry run's
+here, so the tracker counts them: about 3 GiB in the optimizer step of a cut-down 70B
+FSDP2 rank); later steps hit its cache and make none. It is what the
 analytic estimate (:func:`mimotron.parallel.memory.estimate_memory`) is checked
 against (``benchmarks/plan_vs_measured.py``, ``tests/test_memory_peak.py``).
 
