@@ -104,12 +104,13 @@ COLOCATED_70B = [
 
 def test_colocated_fsdp_70b_within_band(llama70b_small: list[str]) -> None:
     """The colocated Llama-2-70B layout (language TP 8 x DP 8 under FSDP2, full
-    recompute) cut to 3 layers. Each unit's reduce-scatter input (its gradients in fp32,
-    unsharded: 408 MiB per 70B layer at TP 8) is released at the next unit's
-    reduce-scatter: the backward holds one, as the estimate counts. Were every unit an
-    FSDP root of its own, each would hold its input until the end of the backward
-    (estimate / measured 0.76 here, 0.42 at 80 layers)."""
-    _check(llama70b_small + COLOCATED_70B, [0], [], "llama2_70b_vit_64gpu.toml")
+    recompute) cut to 3 layers and 2 micro-batches. Each unit's reduce-scatter input
+    (its gradients in fp32, unsharded: 408 MiB per 70B layer at TP 8) is released at the
+    next unit's reduce-scatter: the backward holds one, as the estimate counts. Were
+    every unit an FSDP root of its own, each would hold its input until the end of the
+    backward (estimate / measured 0.76 here, 0.42 at 80 layers)."""
+    _check(llama70b_small + COLOCATED_70B + ["train.global_batch_size=16"], [0], [],
+           "llama2_70b_vit_64gpu.toml")
 
 
 @pytest.mark.parametrize("overrides, verdict", [
