@@ -42,6 +42,7 @@ import multiprocessing as mp
 import os
 import queue
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -348,6 +349,8 @@ def _worker(fn: Callable[[Any], ChunkResult], chunks: Sequence[Any], counter: An
             results: Any, parent: int) -> None:  # fmt: skip
     """Check chunks until none is left (or the parent is gone)."""
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per process
+    # A terminal's Ctrl-C reaches the whole process group: the parent stops the workers.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     while os.getppid() == parent:
         with counter.get_lock():
             index = counter.value
