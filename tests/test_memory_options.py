@@ -160,7 +160,7 @@ NO_EFFECT: dict[str, str] = {
                     "every encoder (the peak)" for k in ("p_image", "p_audio", "p_both",
                                                           "p_text")},
     **{f"data.{k}": _HOST for k in ("train_fraction", "image_shift", "mock_num_samples",
-                                    "num_workers", "path", "valid_path", "root",
+                                    "num_workers", "path", "valid_path", "index_dir", "root",
                                     "allow_outside_root", "skip_bad_samples",
                                     "system_prompt")},
     **{f"eval.{k}": "evaluation runs forward only, keeping nothing for backward: below "
