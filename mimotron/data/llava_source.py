@@ -44,6 +44,7 @@ ROW_DTYPE = np.dtype([
 CONVERTED = "samples.jsonl"
 """A JSON list's items, one per line, in the index folder."""
 _LINES_PER_CHUNK = 2048  # Small enough that waiting ranks see progress every few seconds.
+_BYTES_PER_CHUNK = 16 << 20  # ... and that a chunk of long lines is read in bounded pieces.
 
 Progress = Callable[[], None]
 
@@ -99,9 +100,17 @@ class JsonlSource:
         self._spans = jsonl_line_spans(self.data_file, progress)
 
     def chunks(self) -> list[tuple[int, int]]:
-        """Ranges of line numbers (from 0) to check, in file order."""
+        """Ranges of line numbers (from 0) to check, in file order: at most
+        ``_LINES_PER_CHUNK`` lines and about ``_BYTES_PER_CHUNK`` bytes each (a checking
+        process reads its chunk in one piece)."""
         num = len(self._spans)
-        return [(a, min(a + _LINES_PER_CHUNK, num)) for a in range(0, num, _LINES_PER_CHUNK)]
+        if not num:
+            return []
+        ends = np.cumsum(self._spans[:, 1] - self._spans[:, 0] + 1)
+        lines, blocks = np.arange(num) // _LINES_PER_CHUNK, ends // _BYTES_PER_CHUNK
+        starts = np.flatnonzero((np.diff(lines) != 0) | (np.diff(blocks) != 0)) + 1
+        bounds = [0, *starts.tolist(), num]
+        return list(zip(bounds[:-1], bounds[1:], strict=True))
 
     def items(self, chunk: tuple[int, int]) -> Iterator[tuple[np.ndarray, RawItem]]:
         """``(row, item)`` of every non-blank line of ``chunk`` (read in one piece)."""
