@@ -51,3 +51,19 @@ def grown_language(folder: Path, vocab: int) -> LanguageModel:
             state[name] = torch.cat([grown, torch.zeros(padded - vocab, grown.shape[1])])
     model.load_state_dict(state)
     return model.eval()
+
+
+def save_qwen2_for_tokenizer(folder: Path, seed: int, hidden_size: int, max_positions: int,
+                             tied: bool) -> Path:
+    """A small Qwen2 decoder saved into ``folder`` (which already holds a tokenizer) with
+    ``vocab_size`` = the tokenizer's length, as a model folder ships its own tokenizer."""
+    import transformers
+
+    base = len(transformers.AutoTokenizer.from_pretrained(folder))
+    torch.manual_seed(seed)
+    transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+        vocab_size=base, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=max_positions, tie_word_embeddings=tied)
+    ).save_pretrained(folder)
+    return folder

@@ -41,6 +41,8 @@ from mimotron.training.loop import run_training
 
 transformers = pytest.importorskip("transformers")
 
+from tests.hf_checkpoint import save_qwen2_for_tokenizer  # noqa: E402
+
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "digits_llava.toml"
 NUM_ITERS = 3
 NUM_NEW_TOKENS = 6
@@ -56,13 +58,8 @@ def _language_folder(folder: Path, tokenizer: Path) -> Path:
     for file in tokenizer.iterdir():
         (folder / file.name).parent.mkdir(parents=True, exist_ok=True)
         (folder / file.name).write_bytes(file.read_bytes())
-    base = len(transformers.AutoTokenizer.from_pretrained(folder))
-    torch.manual_seed(7)
-    transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
-        vocab_size=base, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-        tie_word_embeddings=True)).save_pretrained(folder)
-    return folder
+    return save_qwen2_for_tokenizer(folder, seed=7, hidden_size=64, max_positions=128,
+                                    tied=True)
 
 
 @pytest.fixture(scope="module")
@@ -246,13 +243,8 @@ def test_siglip_tower_and_untied_decoder(tmp_path):
     from tests.hf_checkpoint import grown_language, write_checkpoint
     from tests.hf_data import make_tokenizer
 
-    language_dir = make_tokenizer(tmp_path / "qwen")
-    base = len(transformers.AutoTokenizer.from_pretrained(language_dir))
-    torch.manual_seed(3)
-    transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
-        vocab_size=base, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-        tie_word_embeddings=False)).save_pretrained(language_dir)
+    language_dir = save_qwen2_for_tokenizer(make_tokenizer(tmp_path / "qwen"), seed=3,
+                                            hidden_size=32, max_positions=256, tied=False)
     vision_dir = tmp_path / "siglip"
     transformers.SiglipVisionModel(transformers.SiglipVisionConfig(
         hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,

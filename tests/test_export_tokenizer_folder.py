@@ -21,7 +21,7 @@ from mimotron.checkpoint.hf_export import VOCAB_SIZE_UNPADDED, is_tokenizer_file
 from mimotron.cli.main import main as cli_main
 from mimotron.data.hf_tokenizer import HFTokenizer
 from mimotron.models.mimo import MimoModel
-from tests.hf_checkpoint import grown_language, write_checkpoint
+from tests.hf_checkpoint import grown_language, save_qwen2_for_tokenizer, write_checkpoint
 from tests.hf_data import make_tokenizer
 
 transformers = pytest.importorskip("transformers")
@@ -29,14 +29,8 @@ transformers = pytest.importorskip("transformers")
 @pytest.fixture(scope="module")
 def model_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A Qwen2 folder holding its own tokenizer; vocab_size = the tokenizer's length."""
-    folder = make_tokenizer(tmp_path_factory.mktemp("qwen") / "model")
-    base = len(transformers.AutoTokenizer.from_pretrained(folder))
-    torch.manual_seed(0)
-    transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
-        vocab_size=base, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        tie_word_embeddings=False)).save_pretrained(folder)
-    return folder
+    return save_qwen2_for_tokenizer(make_tokenizer(tmp_path_factory.mktemp("qwen") / "model"),
+                                    seed=0, hidden_size=32, max_positions=64, tied=False)
 
 
 def test_model_folder_as_tokenizer_exports_a_loadable_folder(model_folder, tmp_path):

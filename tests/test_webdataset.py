@@ -22,12 +22,12 @@ import pytest
 import torch
 
 from mimotron.data.bpe import train_bpe_tokenizer
-from mimotron.data.llava import LlavaDataset
 from mimotron.data.llava_export import conversation_texts, write_llava_task
 from mimotron.data.webdataset import shard_paths, write_shards
 from mimotron.testing import run_groups
 from tests.common import ONE_RANK, train_steps
-from tests.hf_data import NUM_TOKENS, llava_env, write_jsonl
+from tests.hf_data import llava_env, write_jsonl
+from tests.test_llava_data import dataset
 
 NUM_ITERS = 3
 
@@ -36,12 +36,6 @@ NUM_ITERS = 3
 def env(tmp_path_factory):
     """Tokenizer, preprocessing and a media root holding the four good samples' files."""
     return llava_env(tmp_path_factory.mktemp("webdataset"))
-
-
-def dataset(env, path, **kwargs):
-    args = {"seq_length": 96, "num_tokens": NUM_TOKENS, "image_processor": env["images"],
-            "audio_features": env["audio"]} | kwargs  # fmt: skip
-    return LlavaDataset(path, env["root"], env["tokenizer"], **args)
 
 
 def twelve(env) -> list[dict]:
