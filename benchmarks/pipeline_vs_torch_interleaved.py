@@ -95,11 +95,12 @@ class _Chunk(torch.nn.Module):
 
 def _chunk_forward(model: Any, batch: dict[str, Any], chunk: int, first: bool, last: bool,
                    x: torch.Tensor, num_tokens: float) -> torch.Tensor:
-    from mimotron.training.language_step import language_input, language_loss_step, packing_args
+    from mimotron.models.attention import document_args
+    from mimotron.training.language_step import language_input, language_loss_step
 
     if first:
         x = language_input(model, batch, {})
-    out = model.language_model(x, chunk=chunk, **packing_args(batch))
+    out = model.language_model(x, chunk=chunk, **document_args(batch))
     if not last:
         return out
     return (language_loss_step(model, batch, out)[0] / num_tokens).reshape(1)

@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from mimotron.host_sync import host_copy
+from mimotron.models.attention import document_args
 from mimotron.models.moe import set_aux_loss_weights
 from mimotron.names import LANGUAGE
 from mimotron.parallel.grad_sync import GradSync
@@ -66,7 +67,7 @@ from mimotron.pipeline.plan import (
     Action,
     unpaired,
 )
-from mimotron.training.language_step import LanguageStep, LossOutput, packing_args
+from mimotron.training.language_step import LanguageStep, LossOutput
 
 # How activations move: in-process (colocated) or between ranks (split layouts).
 Transport = ColocatedTransport | MultiModulePipelineCommunicator
@@ -256,7 +257,7 @@ class StageRunner:
             return None
         hidden = (self.ctx.language.first_stage_input(model, batch, received or {})
                   if self._is_first(chunk) else received)
-        out = model.language_model(hidden, **packing_args(batch), **self._chunk_arg(chunk))
+        out = model.language_model(hidden, **document_args(batch), **self._chunk_arg(chunk))
         if self._is_last(chunk):
             self._saved[(chunk, k)] = (received, None)
             self._record_loss(k, self.ctx.language.loss(model, batch, out), chunk)

@@ -16,7 +16,6 @@ metric besides ``correct`` and ``samples``) until the loop takes them with
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -59,12 +58,6 @@ def language_input(model: nn.Module, batch: dict[str, torch.Tensor],
     present = {m: host_copy(batch, f"has_{model.modality_of[m]}") for m in embeds}
     return model.merge_embeddings(tokens, model.language_model.embed_tokens(tokens), embeds,
                                   present, host_tokens=host_tokens)
-
-
-def packing_args(batch: dict[str, torch.Tensor]) -> dict[str, Any]:
-    """The language model's document arguments of a packed batch (``{}`` unpacked);
-    see :func:`~mimotron.models.attention.document_args`."""
-    return document_args(batch)
 
 
 def language_loss_step(model: nn.Module, batch: dict[str, torch.Tensor], logits: torch.Tensor
@@ -149,7 +142,7 @@ def default_forward_step(model: nn.Module, batch: dict[str, torch.Tensor],
     under context parallelism (:func:`check_forward_step`).
     """
     logits = model.language_model(language_input(model, batch, embeddings),
-                                  **packing_args(batch))
+                                  **document_args(batch))
     return language_loss_step(model, batch, logits)
 
 
