@@ -119,14 +119,23 @@ def load_balanced_positions(seq_len: int, cp_size: int, cp_rank: int,
     Raises:
         ValueError: on a length that does not split, or a rank outside the group.
     """
+    return torch.cat([torch.arange(start, end, device=device)
+                      for start, end in load_balanced_ranges(seq_len, cp_size, cp_rank)])
+
+
+def load_balanced_ranges(seq_len: int, cp_size: int, cp_rank: int) -> list[tuple[int, int]]:
+    """The ``[start, end)`` ranges of :func:`load_balanced_positions`, as host integers:
+    the head chunk ``r`` and the tail chunk ``2c - 1 - r``.
+
+    Raises:
+        ValueError: on a length that does not split, or a rank outside the group.
+    """
     check_context_split(seq_len, cp_size)
     if not 0 <= cp_rank < cp_size:
         raise ValueError(f"cp_rank={cp_rank} is outside a context-parallel group of {cp_size}")
     chunk = seq_len // (2 * cp_size)
-    head = torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk, device=device)
-    tail_start = (2 * cp_size - 1 - cp_rank) * chunk
-    tail = torch.arange(tail_start, tail_start + chunk, device=device)
-    return torch.cat([head, tail])
+    tail = (2 * cp_size - 1 - cp_rank) * chunk
+    return [(cp_rank * chunk, (cp_rank + 1) * chunk), (tail, tail + chunk)]
 
 
 def gathered_positions(seq_len: int, cp_size: int,

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from mimotron.host_sync import host_copy
-from mimotron.parallel.context_parallel import check_context_split, gathered_positions
+from mimotron.parallel.context_parallel import gathered_positions, load_balanced_ranges
 
 
 @dataclass(frozen=True)
@@ -100,16 +100,6 @@ class AttentionPlan:
         return len(self.q_bounds) - 1
 
 
-def _local_ranges(seq_len: int, cp_size: int, cp_rank: int) -> list[tuple[int, int]]:
-    """The global position ranges this rank holds, in local order."""
-    if cp_size == 1:
-        return [(0, seq_len)]
-    check_context_split(seq_len, cp_size)
-    chunk = seq_len // (2 * cp_size)
-    tail = (2 * cp_size - 1 - cp_rank) * chunk
-    return [(cp_rank * chunk, (cp_rank + 1) * chunk), (tail, tail + chunk)]
-
-
 def _segments(docs: Documents, ranges: list[tuple[int, int]]
               ) -> list[tuple[int, int, int, int]]:
     """``(row, doc_start, q_start, q_end)`` of every segment, in flattened query order."""
@@ -136,7 +126,9 @@ def plan_attention(docs: Documents, device: torch.device, cp_size: int = 1,
     Returns:
         The :class:`AttentionPlan`.
     """
-    segments = _segments(docs, _local_ranges(docs.seq_len, cp_size, cp_rank))
+    ranges = ([(0, docs.seq_len)] if cp_size == 1
+              else load_balanced_ranges(docs.seq_len, cp_size, cp_rank))
+    segments = _segments(docs, ranges)
     q_len = [q1 - q0 for _, _, q0, q1 in segments]
     k_len = [q1 - d0 for _, d0, _, q1 in segments]
     # Host arithmetic only: under the dry run's FakeTensorMode tensors hold no values.
