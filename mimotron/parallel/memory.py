@@ -11,6 +11,7 @@ rank) are not divided.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
@@ -543,9 +544,15 @@ def backward_workspace_bytes(cfg: MimoConfig, name: str, vocab_size: int = 0,
 
 
 def estimate_memory(
-    cfg: MimoConfig, layout: Layout, vocab_size: int, ranks: list[int] | None = None
+    cfg: MimoConfig, layout: Layout, vocab_size: int, ranks: list[int] | None = None,
+    counts_memo: dict[tuple[object, ...], list[Any]] | None = None,
 ) -> dict[int, list[MemoryEstimate]]:
     """Per-rank estimates, one entry per module the rank holds (of ``ranks``; None: all).
+
+    ``counts_memo`` (the planner's search, which estimates many layouts of one model)
+    keeps the per-stage parameter counts, which build each stage on the meta device,
+    keyed by module and stage split: share one dict only between configs that differ
+    in parallel degrees, recompute and optimizer options, never in module shapes.
 
     ``vocab_size`` is the tokenizer's; the logits count the language model's own
     vocabulary (a checkpoint's ``config.json`` one where larger, padded:
@@ -557,9 +564,19 @@ def estimate_memory(
     from mimotron.models.build import model_vocab_size
 
     vocab_size = model_vocab_size(cfg, vocab_size)
-    counts = {n: stage_parameter_counts(cfg, n, vocab_size) for n in cfg.modules}
-    trained = {n: stage_trainable_counts(cfg, n, vocab_size) for n in cfg.modules}
-    experts = {n: stage_expert_counts(cfg, n, vocab_size) for n in cfg.modules}
+    memo = {} if counts_memo is None else counts_memo
+
+    def memoised(count: Any, name: str) -> list[Any]:
+        par = cfg.modules[name].parallel
+        key = (count.__name__, name, vocab_size, par.pipeline, par.virtual_pipeline,
+               tuple(par.layers_per_stage))
+        if key not in memo:
+            memo[key] = count(cfg, name, vocab_size)
+        return memo[key]
+
+    counts = {n: memoised(stage_parameter_counts, n) for n in cfg.modules}
+    trained = {n: memoised(stage_trainable_counts, n) for n in cfg.modules}
+    experts = {n: memoised(stage_expert_counts, n) for n in cfg.modules}
     out: dict[int, list[MemoryEstimate]] = {}
     # Per (module, stage): the peak of its plan's held forwards (one replay per stage).
     activations: dict[tuple[str, int], int] = {}

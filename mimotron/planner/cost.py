@@ -41,17 +41,23 @@ class Calibration:
     Attributes:
         device: the :class:`~mimotron.planner.devices.DeviceSpec` name it refines.
         module_seconds: module name -> ``(forward_s, backward_s)`` of ONE micro-batch at
-            tensor=1, pipeline=1, recompute none, as configured (micro-batch size,
-            sequence length).
-        collectives: kind (:data:`COLLECTIVES`) -> group size -> cost, the bytes being
-            the per-rank buffer size.
+            tensor=1, pipeline=1, data=1, recompute none, as configured (the whole
+            ``train.micro_batch_size`` samples, ``data.seq_length``), measured with the
+            rank computing alone on its host (the model adds the sharing of cores).
+        collectives: kind (:data:`COLLECTIVES`) -> group size -> cost. The bytes are
+            the per-rank buffer size: the whole tensor a rank holds at the largest
+            (all-reduce: the tensor; all-gather: the gathered output; reduce-scatter:
+            the input; all-to-all: the send buffer; p2p: the message).
         host_cores: cores the measuring ranks shared (0 = not shared).
+        samples: samples per micro-batch the module times were measured at (0 = the
+            config's ``train.micro_batch_size``); the model scales them linearly.
     """
 
     device: str
     module_seconds: dict[str, tuple[float, float]]
     collectives: dict[str, dict[int, LinkCost]] = field(default_factory=dict)
     host_cores: int = 0
+    samples: int = 0
 
     def to_json(self) -> str:
         """The calibration as JSON text (what the run directory caches)."""
@@ -62,6 +68,7 @@ class Calibration:
                                    for n, c in sizes.items()}
                             for kind, sizes in self.collectives.items()},
             "host_cores": self.host_cores,
+            "samples": self.samples,
         }, indent=1, sort_keys=True)
 
     @classmethod
@@ -81,6 +88,7 @@ class Calibration:
                                     for n, c in sizes.items()}
                              for kind, sizes in doc.get("collectives", {}).items()},
                 host_cores=int(doc.get("host_cores", 0)),
+                samples=int(doc.get("samples", 0)),
             )
         except (KeyError, TypeError, IndexError, json.JSONDecodeError) as exc:
             raise ValueError(f"not a planner calibration: {exc!r}") from exc
