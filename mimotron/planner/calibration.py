@@ -1,0 +1,453 @@
+"""``mimotron plan --auto --calibrate``: measure this machine's costs for the step-time model.
+
+Without a calibration the planner's step-time model (:mod:`mimotron.planner.cost`)
+prices compute and communication from a device's constants
+(:mod:`mimotron.planner.devices`). A calibration replaces them with what the configured
+model and the collectives actually cost on the machine the command runs on:
+
+* **Modules.** Each module is built the way training builds it (the config's sizes and
+  initialisation, ``freeze`` applied; tensor = 1, pipeline = 1, no recompute) and run on
+  real micro-batches of the config's data (``train.micro_batch_size`` samples of
+  ``data.seq_length``, the run's precision): after a warm-up, the median forward and
+  backward seconds of ONE micro-batch. The language model's backward includes the
+  gradients of the encoder embeddings it received, as on a pipelined rank. Torch uses
+  the threads a training rank of a ``--world`` launch gets (``OMP_NUM_THREADS`` when
+  set, else ``cpu_count // world``, as ``mimotron train``'s launcher sets it).
+* **Collectives.** ``all_reduce``, ``all_gather``, ``reduce_scatter``, ``all_to_all`` on
+  groups of 2, 4, ... ranks up to ``--world`` (and the world itself), and a one-way
+  ``send``/``recv`` (``p2p``, between 2 ranks), over gloo on ranks forked as the test
+  harness forks them (:func:`mimotron.testing.run_ranks`), each at a few buffer sizes.
+  Time per call is the slowest rank's mean over back-to-back calls, median over rounds;
+  ``latency + bytes / bandwidth`` is then fitted by least squares. The bytes are those
+  of the buffer each rank passes in (an all-gather's shard, a reduce-scatter's whole
+  input), the convention :meth:`~mimotron.planner.cost.LinkCost.seconds` prices with.
+* **Host cores**: the CPUs this process may run on (its affinity): the ranks of a local
+  launch share them.
+
+Measurements are CPU-only: the calibration names device ``"cpu"``.
+
+The result is cached as ``<log.dir>/planner_calibration.json`` (the run's folder; a file
+the run-directory rules of :mod:`mimotron.run_dir` never move) together with a
+fingerprint of what was measured: module shapes, micro-batch, sequence length, data
+mix, precision, threads, the group sizes and the host's cores. A cached file is reused
+only when the fingerprint matches (:func:`calibrate_cached`); otherwise it is measured
+again and replaced.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mimotron.config import MimoConfig
+from mimotron.config_limits import usable_cores
+from mimotron.planner.cost import COLLECTIVES, Calibration, LinkCost
+
+CALIBRATION_FILE = "planner_calibration.json"
+"""The cache's file name inside the run's log.dir."""
+DEVICE = "cpu"
+"""The :class:`~mimotron.planner.devices.DeviceSpec` a calibration refines."""
+_UNMEASURED_FIELDS = ("parallel", "recompute", "recompute_num_layers", "optimizer")
+"""Module fields that change the layout or the optimizer, not what one micro-batch
+costs at tensor = 1, pipeline = 1 without recompute: the fingerprint leaves them out."""
+
+
+@dataclass(frozen=True)
+class CalibrationOptions:
+    """How much to measure (the defaults are what ``--calibrate`` uses).
+
+    Attributes:
+        warmup: untimed micro-batches (modules) or calls (collectives) first.
+        repeats: timed micro-batches per module (the median is kept); each repeat
+            reads the next micro-batch of the data, so encoders see the usual mix of
+            present samples.
+        comm_rounds: timed rounds per collective and buffer size (median kept).
+        comm_calls: back-to-back calls per round (their mean is one round's figure).
+        buffer_bytes: per-rank buffer sizes the collectives are measured at.
+    """
+
+    warmup: int = 2
+    repeats: int = 7
+    comm_rounds: int = 5
+    comm_calls: int = 4
+    buffer_bytes: tuple[int, ...] = (4 * 2**10, 64 * 2**10, 2**20, 4 * 2**20)
+
+    def check(self) -> None:
+        """Raise ``ValueError`` naming the first field out of range."""
+        for name in ("repeats", "comm_rounds", "comm_calls"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"calibration {name}={getattr(self, name)!r} is invalid: "
+                                 "expected an integer >= 1")
+        if self.warmup < 0:
+            raise ValueError(f"calibration warmup={self.warmup!r} is invalid: expected >= 0")
+        if len(set(self.buffer_bytes)) < 2 or min(self.buffer_bytes) < 8:
+            raise ValueError(f"calibration buffer_bytes={self.buffer_bytes!r} is invalid: "
+                             "expected at least 2 distinct sizes of >= 8 bytes")
+
+
+def rank_threads(world_size: int) -> int:
+    """Torch threads of one training rank of a local ``world_size``-rank launch."""
+    if "OMP_NUM_THREADS" in os.environ:  # mimotron train keeps a user's setting
+        return max(1, int(os.environ["OMP_NUM_THREADS"]))
+    return max(1, (os.cpu_count() or 1) // world_size)
+
+
+def group_sizes(world_size: int, max_ranks: int | None = None) -> list[int]:
+    """Collective group sizes to measure: 2, 4, 8, ... up to the world, and the world.
+
+    Args:
+        world_size: the world the plan is for.
+        max_ranks: the most ranks this host may fork (default:
+            :func:`~mimotron.config_limits.max_local_ranks`).
+    """
+    from mimotron.config_limits import max_local_ranks
+
+    limit = min(world_size, max_ranks if max_ranks is not None else max_local_ranks())
+    sizes, n = [], 2
+    while n <= limit:
+        sizes.append(n)
+        n *= 2
+    if limit >= 2 and limit not in sizes:
+        sizes.append(limit)
+    return sizes
+
+
+def fingerprint(cfg: MimoConfig, world_size: int, options: CalibrationOptions) -> dict[str, Any]:
+    """What a calibration of ``cfg`` measured; a cache is reused only when it is equal."""
+    modules = {name: {k: v for k, v in dataclasses.asdict(mod).items()
+                      if k not in _UNMEASURED_FIELDS}
+               for name, mod in cfg.modules.items()}
+    data = cfg.data
+    return {
+        "modules": modules,
+        "data": {"dataset": data.dataset, "seq_length": data.seq_length, "path": data.path,
+                 "packing": data.packing, "mix": [data.p_image, data.p_audio, data.p_both,
+                                                  data.p_text]},
+        "train": {"micro_batch_size": cfg.train.micro_batch_size,
+                  "precision": cfg.train.precision, "seed": cfg.train.seed,
+                  "fp32_residual_connection": cfg.train.fp32_residual_connection},
+        "threads": rank_threads(world_size),
+        "group_sizes": group_sizes(world_size),
+        "buffer_bytes": list(options.buffer_bytes),
+        "host_cores": usable_cores(),
+        "torch": torch.__version__,
+    }
+
+
+def fingerprint_digest(measured: dict[str, Any]) -> str:
+    """A short stable hash of :func:`fingerprint`'s dict."""
+    text = json.dumps(measured, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+# ---- the cache ---------------------------------------------------------------------
+
+
+def calibration_path(run_dir: str | Path) -> Path:
+    """``<run_dir>/planner_calibration.json``."""
+    return Path(run_dir) / CALIBRATION_FILE
+
+
+def save_calibration(run_dir: str | Path, calibration: Calibration,
+                     measured: dict[str, Any]) -> Path:
+    """Write the calibration and its fingerprint into ``run_dir`` (created if needed).
+
+    The file is replaced atomically: a reader never sees half of it.
+    """
+    path = calibration_path(run_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    doc = {"fingerprint": fingerprint_digest(measured), "measured": measured,
+           "calibration": json.loads(calibration.to_json())}
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(doc, indent=1, sort_keys=True, default=str) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def load_calibration(run_dir: str | Path, fingerprint: str | None = None
+                     ) -> Calibration | None:
+    """The calibration cached in ``run_dir``, or None.
+
+    Args:
+        run_dir: the run's log.dir.
+        fingerprint: when given, a cached file measured for another fingerprint
+            (:func:`fingerprint_digest`) is ignored (None is returned).
+
+    Returns:
+        None when there is no file, it is not a calibration (damaged, another format),
+        or its fingerprint differs.
+    """
+    path = calibration_path(run_dir)
+    try:
+        doc = json.loads(path.read_text())
+        if fingerprint is not None and doc.get("fingerprint") != fingerprint:
+            return None
+        return Calibration.from_json(json.dumps(doc["calibration"]))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def calibrate_cached(cfg: MimoConfig, world_size: int,
+                     options: CalibrationOptions | None = None, remeasure: bool = False,
+                     log: Callable[[str], None] | None = None) -> tuple[Calibration, bool]:
+    """The calibration cached in ``cfg``'s log.dir if it fits the config, else a new one.
+
+    Args:
+        cfg: the run config.
+        world_size: the world the plan is for (threads per rank, group sizes).
+        options: what to measure (default :class:`CalibrationOptions`).
+        remeasure: measure even when the cache fits.
+        log: called with one line per measurement stage (None: silent).
+
+    Returns:
+        ``(calibration, reused)``: ``reused`` is True when it came from the cache.
+    """
+    options = options or CalibrationOptions()
+    measured = fingerprint(cfg, world_size, options)
+    if not remeasure:
+        cached = load_calibration(cfg.log_dir, fingerprint_digest(measured))
+        if cached is not None:
+            return cached, True
+    calibration = calibrate(cfg, world_size, options, log)
+    save_calibration(cfg.log_dir, calibration, measured)
+    return calibration, False
+
+
+def calibrate(cfg: MimoConfig, world_size: int, options: CalibrationOptions | None = None,
+              log: Callable[[str], None] | None = None) -> Calibration:
+    """Measure modules and collectives for ``cfg`` on a ``world_size``-rank plan.
+
+    The collectives run first: their ranks are forked, and forking after this process
+    ran multi-threaded work can hang the children.
+
+    Raises:
+        ValueError: ``world_size`` < 1 or an option out of range.
+    """
+    if world_size < 1:
+        raise ValueError(f"--world={world_size!r} is invalid: expected an integer >= 1")
+    options = options or CalibrationOptions()
+    options.check()
+    say = log or (lambda _line: None)
+    sizes = group_sizes(world_size)
+    say(f"calibrating collectives on gloo: groups of {sizes or 'none (one rank)'}, "
+        f"buffers {list(options.buffer_bytes)} B")
+    collectives = measure_collectives(sizes, options) if sizes else {}
+    threads = rank_threads(world_size)
+    say(f"calibrating modules {list(cfg.modules)}: micro-batch "
+        f"{cfg.train.micro_batch_size} x {cfg.data.seq_length}, {threads} thread(s)")
+    modules = measure_modules(cfg, threads, options)
+    return Calibration(device=DEVICE, module_seconds=modules, collectives=collectives,
+                       host_cores=usable_cores())
+
+
+# ---- modules -----------------------------------------------------------------------
+
+
+def _microbatches(cfg: MimoConfig, count: int) -> tuple[list[dict[str, torch.Tensor]], Any]:
+    """``count`` micro-batches of the training data, in order; and the tokenizer."""
+    from mimotron.data import build_datasets, collate
+    from mimotron.data.llava_setup import build_tokenizer
+
+    tokenizer = build_tokenizer(cfg)
+    task, _ = build_datasets(cfg, tokenizer)
+    stream = task.stream(cfg.train.seed)
+    mbs = cfg.train.micro_batch_size
+    kwargs = {"pad_id": task.pad_id, "image_shape": task.image_shape,
+              "audio_shape": task.audio_shape}
+    batches = [collate(stream.samples(i * mbs, mbs), cfg.data.seq_length, **kwargs)
+               for i in range(count)]
+    return batches, tokenizer
+
+
+def measure_modules(cfg: MimoConfig, num_threads: int,
+                    options: CalibrationOptions | None = None) -> dict[str, tuple[float, float]]:
+    """Median ``(forward_s, backward_s)`` of one micro-batch per module (see the module
+    docstring); torch runs ``num_threads`` threads meanwhile (restored after)."""
+    from mimotron.models.build import build_mimo_model
+    from mimotron.training.model_setup import freeze_modules, padded_vocab_size
+    from mimotron.training.precision import autocast_factory
+
+    options = options or CalibrationOptions()
+    previous = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        batches, tokenizer = _microbatches(cfg, options.warmup + options.repeats)
+        placeholders = {n: tokenizer.placeholder_id(cfg.modules[n].modality)
+                        for n in cfg.encoder_names}
+        model = build_mimo_model(cfg, padded_vocab_size(tokenizer.vocab_size), placeholders)
+        freeze_modules(model, cfg)
+        autocast = autocast_factory(cfg.train.precision, torch.device("cpu"))
+        times: dict[str, list[tuple[float, float]]] = {n: [] for n in cfg.modules}
+        for i, batch in enumerate(batches):
+            for name, pair in _time_micro_batch(model, batch, autocast).items():
+                if i >= options.warmup:
+                    times[name].append(pair)
+    finally:
+        torch.set_num_threads(previous)
+    return {name: (statistics.median(f for f, _ in pairs), statistics.median(b for _, b in pairs))
+            for name, pairs in times.items()}
+
+
+def _timed(fn: Callable[[], Any]) -> tuple[Any, float]:
+    start = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - start
+
+
+def _time_micro_batch(model: Any, batch: dict[str, torch.Tensor], autocast: Callable[[], Any]
+                      ) -> dict[str, tuple[float, float]]:
+    """One micro-batch through every module, each timed on its own: forward, backward.
+
+    An encoder's backward gets a gradient of its output's shape (what the bridge brings
+    back); the language model gets the encoders' outputs as leaves that need gradients
+    (what a pipelined rank receives) and back-propagates its loss.
+    """
+    from mimotron.models.attention import document_args
+    from mimotron.models.language import language_loss
+
+    out: dict[str, tuple[float, float]] = {}
+    received: dict[str, torch.Tensor] = {}
+    for name in model.modality_submodules:
+        with autocast():
+            embeds, fwd = _timed(lambda n=name: model.encode(n, batch))
+        if embeds.requires_grad:
+            _, bwd = _timed(lambda e=embeds: e.backward(torch.ones_like(e)))
+        else:  # frozen: nothing to back-propagate
+            bwd = 0.0
+        out[name] = (fwd, bwd)
+        received[name] = embeds.detach().requires_grad_(True)
+    lm = model.language_model
+    if lm is None:
+        return out
+
+    def forward() -> torch.Tensor:
+        with autocast():
+            present = {n: model.present_mask(n, batch) for n in received}
+            hidden = model.merge_embeddings(batch["tokens"], lm.embed_tokens(batch["tokens"]),
+                                            received, present)
+            logits = lm(hidden, **document_args(batch))
+            loss_sum, num_tokens, _ = language_loss(logits, batch["labels"], batch["loss_mask"])
+            return loss_sum / num_tokens.clamp(min=1)
+
+    loss, fwd = _timed(forward)
+    bwd = _timed(loss.backward)[1] if loss.requires_grad else 0.0
+    from mimotron.names import LANGUAGE
+
+    out[LANGUAGE] = (fwd, bwd)
+    return out
+
+
+# ---- collectives -------------------------------------------------------------------
+
+
+def fit_link(points: list[tuple[float, float]]) -> LinkCost:
+    """Least-squares ``seconds = latency + bytes / bandwidth`` over ``(bytes, seconds)``.
+
+    A noisy fit is kept physical: a negative intercept becomes the smallest time seen
+    over 100 (latency > 0), and a non-positive slope (time not growing with bytes) the
+    bandwidth of the largest buffer's average rate.
+
+    Raises:
+        ValueError: fewer than 2 points or 2 distinct sizes.
+    """
+    xs, ys = [float(b) for b, _ in points], [float(s) for _, s in points]
+    if len(set(xs)) < 2:
+        raise ValueError(f"fit_link needs at least 2 distinct buffer sizes, got {xs}")
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx
+    latency = my - slope * mx
+    if slope <= 0:
+        big = max(range(len(xs)), key=lambda i: xs[i])
+        slope, latency = ys[big] / xs[big] / 2, ys[big] / 2
+    if latency <= 0:
+        latency = min(ys) / 100
+    return LinkCost(latency_s=latency, bytes_per_s=1.0 / slope)
+
+
+def measure_collectives(sizes: list[int], options: CalibrationOptions | None = None
+                        ) -> dict[str, dict[int, LinkCost]]:
+    """Fitted costs of every collective kind at every group size in ``sizes`` (p2p: at 2).
+
+    Forks ``max(sizes)`` gloo ranks (:func:`mimotron.testing.run_ranks`).
+    """
+    from mimotron.testing import run_ranks
+
+    options = options or CalibrationOptions()
+    world = max(sizes)
+    per_rank = run_ranks(world, _collective_rank, sizes, options, timeout_s=600.0)
+    out: dict[str, dict[int, LinkCost]] = {}
+    for kind in COLLECTIVES:
+        for n in ([2] if kind == "p2p" else sizes):
+            # Each rank's median; the slowest rank bounds the collective.
+            points = [(b, max(r[(kind, n, b)] for r in per_rank if (kind, n, b) in r))
+                      for b in options.buffer_bytes]
+            out.setdefault(kind, {})[n] = fit_link(points)
+    return out
+
+
+def _collective_rank(rank: int, world_size: int, sizes: list[int],
+                     options: CalibrationOptions) -> dict[tuple[str, int, int], float]:
+    """One forked rank: ``(kind, group size, bytes) -> median seconds per call``."""
+    result: dict[tuple[str, int, int], float] = {}
+    for n in sizes:
+        group = dist.new_group(list(range(n))) if n < world_size else dist.group.WORLD
+        if rank >= n:
+            continue
+        for kind in COLLECTIVES:
+            if kind == "p2p" and n != 2:
+                continue
+            for num_bytes in options.buffer_bytes:
+                result[(kind, n, num_bytes)] = _time_collective(kind, group, n, rank,
+                                                                num_bytes, options)
+    return result
+
+
+def _time_collective(kind: str, group: Any, n: int, rank: int, num_bytes: int,
+                     options: CalibrationOptions) -> float:
+    """Median over rounds of the mean seconds of ``comm_calls`` back-to-back calls."""
+    numel = max(n, num_bytes // 4 // n * n)  # float32, divisible by the group size
+    send = torch.ones(numel)
+    call = _call(kind, group, n, rank, send)
+    for _ in range(options.warmup):
+        call()
+    rounds = []
+    for _ in range(options.comm_rounds):
+        dist.barrier(group=group)
+        start = time.perf_counter()
+        for _ in range(options.comm_calls):
+            call()
+        rounds.append((time.perf_counter() - start) / options.comm_calls)
+    return statistics.median(rounds)
+
+
+def _call(kind: str, group: Any, n: int, rank: int, send: torch.Tensor) -> Callable[[], None]:
+    """One call of ``kind`` with ``send`` as this rank's buffer."""
+    if kind == "all_reduce":
+        return lambda: dist.all_reduce(send, group=group)
+    if kind == "all_gather":
+        gathered = send.new_empty(send.numel() * n)
+        return lambda: dist.all_gather_single(gathered, send, group=group)
+    if kind == "reduce_scatter":
+        shard = send.new_empty(send.numel() // n)
+        return lambda: dist.reduce_scatter_single(shard, send, group=group)
+    if kind == "all_to_all":
+        received = torch.empty_like(send)
+        return lambda: dist.all_to_all_single(received, send, group=group)
+    assert kind == "p2p", kind
+    # One-way: rank 0 sends, rank 1 receives (a pipeline stage's activation).
+    if rank == 0:
+        return lambda: dist.send(send, dst=1, group=group)
+    return lambda: dist.recv(send, src=0, group=group)
+
