@@ -18,9 +18,10 @@ model and the collectives actually cost on the machine the command runs on:
   ``send``/``recv`` (``p2p``, between 2 ranks), over gloo on ranks forked as the test
   harness forks them (:func:`mimotron.testing.run_ranks`), each at a few buffer sizes.
   Time per call is the slowest rank's mean over back-to-back calls, median over rounds;
-  ``latency + bytes / bandwidth`` is then fitted by least squares. The bytes are those
-  of the buffer each rank passes in (an all-gather's shard, a reduce-scatter's whole
-  input), the convention :meth:`~mimotron.planner.cost.LinkCost.seconds` prices with.
+  ``latency + bytes / bandwidth`` is then fitted by least squares. The bytes are the
+  largest buffer a rank holds in the call (all-reduce: the tensor; all-gather: the
+  gathered output; reduce-scatter: the input; all-to-all: the send buffer; p2p: the
+  message), the convention :class:`~mimotron.planner.cost.Calibration` prices with.
 * **Host cores**: the CPUs this process may run on (its affinity): the ranks of a local
   launch share them.
 
@@ -74,7 +75,8 @@ class CalibrationOptions:
             present samples.
         comm_rounds: timed rounds per collective and buffer size (median kept).
         comm_calls: back-to-back calls per round (their mean is one round's figure).
-        buffer_bytes: per-rank buffer sizes the collectives are measured at.
+        buffer_bytes: per-rank buffer sizes the collectives are measured at (the
+            convention of :class:`~mimotron.planner.cost.Calibration`).
     """
 
     warmup: int = 2
@@ -248,7 +250,7 @@ def calibrate(cfg: MimoConfig, world_size: int, options: CalibrationOptions | No
         f"{cfg.train.micro_batch_size} x {cfg.data.seq_length}, {threads} thread(s)")
     modules = measure_modules(cfg, threads, options)
     return Calibration(device=DEVICE, module_seconds=modules, collectives=collectives,
-                       host_cores=usable_cores())
+                       host_cores=usable_cores(), samples=cfg.train.micro_batch_size)
 
 
 # ---- modules -----------------------------------------------------------------------
@@ -436,9 +438,9 @@ def _call(kind: str, group: Any, n: int, rank: int, send: torch.Tensor) -> Calla
     """One call of ``kind`` with ``send`` as this rank's buffer."""
     if kind == "all_reduce":
         return lambda: dist.all_reduce(send, group=group)
-    if kind == "all_gather":
-        gathered = send.new_empty(send.numel() * n)
-        return lambda: dist.all_gather_single(gathered, send, group=group)
+    if kind == "all_gather":  # the bytes priced are the gathered output's
+        shard = send[: send.numel() // n].clone()
+        return lambda: dist.all_gather_single(send, shard, group=group)
     if kind == "reduce_scatter":
         shard = send.new_empty(send.numel() // n)
         return lambda: dist.reduce_scatter_single(shard, send, group=group)
