@@ -2,7 +2,8 @@
 
 Plans for the built-in blocks (Megatron's split): attention ``wq/wk/wv`` column-wise and
 ``wo`` row-wise; SwiGLU ``w1/w3`` column-wise and ``w2`` row-wise; the language model's
-embedding row-wise over the vocabulary and its output head column-wise with *local*
+embedding sharded over the vocabulary (:mod:`mimotron.parallel.vocab_embedding`: a local
+lookup whose gradient is the shard's only) and its output head column-wise with *local*
 logits, so the loss (:func:`vocab_parallel_loss`) never gathers full logits; encoder
 projectors ``fc1`` column-wise and ``fc2`` row-wise. Everything else (norms, position
 embeddings, the patch/conv front ends) stays a plain tensor, whole on every TP rank; the
@@ -20,7 +21,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     RowwiseParallel,
@@ -33,6 +33,7 @@ from mimotron.parallel.sequence_parallel import (
     sequence_parallel_plan,
 )
 from mimotron.parallel.sequence_saved import keep_sharded_inputs
+from mimotron.parallel.vocab_embedding import ReplicatedSum, VocabParallelEmbedding
 
 # (projection, column-wise?) in the order the plan lists them.
 _PROJECTIONS = (("attn.wq", True), ("attn.wk", True), ("attn.wv", True), ("attn.wo", False),
@@ -66,8 +67,9 @@ def tensor_parallel_plan(module: nn.Module, is_language: bool,
     if is_language:
         plan = _block_plan("", module.layers)
         if module.embed is not None:
-            # Each rank holds a vocabulary range, masks the rest, outputs are all-reduced.
-            plan["embed"] = RowwiseParallel(input_layouts=Replicate())
+            # Each rank holds a vocabulary range, masks the rest, outputs are all-reduced;
+            # its gradient is the shard's only (mimotron.parallel.vocab_embedding).
+            plan["embed"] = VocabParallelEmbedding()
         if module.output is not None:
             plan["output"] = ColwiseParallel()  # local logits: [.., vocab / tp]
         if sequence_parallel:
@@ -147,25 +149,6 @@ def apply_tensor_parallel(module: nn.Module, mesh: DeviceMesh, is_language: bool
     return module
 
 
-class _ReplicatedSum(torch.autograd.Function):
-    """All-reduce SUM whose result feeds a loss replicated on every rank of the group.
-
-    Every rank computes the same loss from the sum, so the gradient reaching each rank's
-    partial term is already the full gradient: backward is the identity (an all-reduce
-    here would count the loss once per rank).
-    """
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:  # noqa: ANN001
-        out = x.clone()
-        dist.all_reduce(out, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
-        return grad, None
-
-
 class _PickLogit(torch.autograd.Function):
     """``x.gather(-1, index[..., None])[..., 0]`` keeping only the index for backward.
 
@@ -210,11 +193,11 @@ def vocab_parallel_loss(logits: torch.Tensor, labels: torch.Tensor, loss_mask: t
     global_max = local_max.detach().clone()
     dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=group)
     shifted = logits - global_max.unsqueeze(-1)
-    sum_exp = _ReplicatedSum.apply(shifted.exp().sum(dim=-1), group)
+    sum_exp = ReplicatedSum.apply(shifted.exp().sum(dim=-1), group)
     local_ids = labels - start
     in_range = (local_ids >= 0) & (local_ids < shard)
     picked = _PickLogit.apply(shifted, local_ids.clamp(0, shard - 1))
-    target = _ReplicatedSum.apply(torch.where(in_range, picked, torch.zeros_like(picked)),
+    target = ReplicatedSum.apply(torch.where(in_range, picked, torch.zeros_like(picked)),
                                   group)
     token_loss = torch.log(sum_exp) - target
     mask = loss_mask.float()
