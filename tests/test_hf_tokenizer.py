@@ -11,6 +11,7 @@ import torch
 
 from mimotron.data.bpe import CHATML_TEMPLATE, CHATML_TEMPLATE_PLAIN, train_bpe_tokenizer
 from mimotron.data.chat import encode_conversation, shifted_sample, to_messages
+from mimotron.data.chat_batch import ConversationEncoder
 from mimotron.data.hf_tokenizer import HFTokenizer, new_embedding_rows, resize_embedding_rows
 from tests.hf_data import SENTENCES, make_tokenizer
 
@@ -160,6 +161,45 @@ def test_template_that_drops_a_content_is_an_error(tok_dirs):
     # Without the system message the same template is fine.
     encoded = encode_conversation(tok, to_messages(CONVERSATION), {"image": 1, "audio": 1})
     assert sum(encoded.target) > 0
+
+
+def _one_at_a_time(tok, conversations, num_tokens):
+    out = []
+    for messages in conversations:
+        try:
+            out.append(encode_conversation(tok, messages, num_tokens))
+        except ValueError as exc:
+            out.append(f"ValueError: {exc}")
+    return out
+
+
+@pytest.mark.parametrize("kind", ["generation", "plain", "trim", "drop"])
+def test_a_batch_encodes_each_conversation_as_one_at_a_time(tok_dirs, kind):
+    # Every template kind of the tests, conversations of several role sequences (the
+    # plain path reuses its template pieces per sequence), text-only ones, and each way
+    # a conversation fails (no reply, a placeholder in a reply, a modality without a
+    # count, a content the template drops): the same tokens, targets or message.
+    tok = HFTokenizer(tok_dirs[kind])
+    num_tokens = {"image": 3, "audio": 2}
+    image_only = [{"from": "human", "value": "<image>\nwhat digit is in this picture"},
+                  *({"from": "gpt", "value": f"the digit is {w}"} for w in ("one", " two "))]
+    conversations = [
+        to_messages(CONVERSATION), to_messages(CONVERSATION, "you are a helpful assistant"),
+        to_messages(CONVERSATION[:2]), to_messages(image_only[:2]),
+        to_messages([image_only[0], image_only[2]], "you are a helpful assistant"),
+        to_messages([{"from": "human", "value": "seven plus three"},
+                     {"from": "gpt", "value": "is ten"}]),
+        to_messages(CONVERSATION[:1]),  # no assistant turn
+        to_messages([*CONVERSATION[:1], {"from": "gpt", "value": "look <image>"}]),
+        to_messages(CONVERSATION[2:]), to_messages(CONVERSATION),
+    ]  # fmt: skip
+    want = _one_at_a_time(tok, conversations, num_tokens)
+    got = ConversationEncoder(tok, num_tokens).encode(conversations)
+    assert [g if not isinstance(g, ValueError) else f"ValueError: {g}" for g in got] == want
+    assert sum(isinstance(w, str) for w in want) >= 2 + (kind == "drop") * 2
+    without_audio = ConversationEncoder(tok, {"image": 3}).encode(conversations)
+    assert [g if not isinstance(g, ValueError) else f"ValueError: {g}"
+            for g in without_audio] == _one_at_a_time(tok, conversations, {"image": 3})
 
 
 def test_resized_embedding_keeps_old_rows_and_adds_deterministic_new_ones():

@@ -1,7 +1,7 @@
 """The LLaVA sample index: checked once, kept, reused, shared by the ranks of a run.
 
 * a second start over the same data reads the index and checks nothing (the checks are
-  counted by a spy on :meth:`SampleChecker.check`); a JSON list is read from its
+  counted by a spy on :meth:`SampleChecker.check_many`); a JSON list is read from its
   converted copy;
 * a changed file (size or modification time) or check setting is checked again; a
   setting the check does not depend on (skip_bad_samples) is not;
@@ -55,13 +55,13 @@ def dataset(env, path, index_dir, **kwargs):
 def counting_checks():
     """The locations of the samples checked while the block runs."""
     checked: list[str] = []
-    original = SampleChecker.check
+    original = SampleChecker.check_many
 
-    def spy(self, item):
-        checked.append(item.location)
-        return original(self, item)
+    def spy(self, items, num_workers=0):
+        checked.extend(item.location for item in items)
+        return original(self, items, num_workers)
 
-    with mock.patch.object(SampleChecker, "check", spy):
+    with mock.patch.object(SampleChecker, "check_many", spy):
         yield checked
 
 
@@ -206,3 +206,36 @@ def test_a_check_in_forked_processes_equals_one_process(env, tmp_path, monkeypat
     assert one.bad_samples == two.bad_samples and one.bad_samples[0].location == "line 8"
     assert len(two) == 12 and two.index.num_total == 13
     assert_same_samples(one, two)
+
+
+@pytest.mark.parametrize("template", ["generation", "trim"])
+def test_the_index_holds_what_one_sample_at_a_time_gives(env, tmp_path, template):
+    # The check tokenises a chunk as one batch; each kept sample's length must be what
+    # the one-sample path (SampleChecker.length: encode_conversation) gives and each bad
+    # one its reason, with a template marking replies itself and with a located one
+    # that changes contents (trim).
+    from mimotron.data.bpe import CHATML_TEMPLATE
+    from mimotron.data.llava_check import RawItem
+    from tests.hf_data import make_tokenizer
+
+    chat = CHATML_TEMPLATE
+    if template == "trim":
+        chat = chat.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+        chat = chat.replace("message['content'] +", "(message['content'] | trim) +")
+    assert ("{% generation %}" in chat) == (template == "generation") != ("trim" in chat)
+    tok = HFTokenizer(make_tokenizer(tmp_path / "tok", chat))
+    no_reply = {"id": "x", "conversations": [{"from": "human", "value": "hi"}]}
+    long = {"id": "y", "conversations": [{"from": "human", "value": "seven " * 100},
+                                         {"from": "gpt", "value": " nine "}]}  # fmt: skip
+    samples = [*env["samples"], no_reply, long, *env["samples"][::-1], BAD]
+    path = write_jsonl(tmp_path / "d.jsonl", samples)
+    data = LlavaDataset(path, env["root"], tok, 96, NUM_TOKENS, env["images"], env["audio"],
+                        skip_bad_samples=True, index_dir=tmp_path / "index")  # fmt: skip
+    kept = [s["id"] for s in samples if s["id"] not in ("x", "y", "bad")]
+    assert [r.sample_id for r in data.records] == kept
+    assert data.lengths.tolist() == [data.checker.length(r.messages) for r in data.records]
+    assert [b.location for b in data.bad_samples] == ["line 5", "line 6", "line 11"]
+    for bad, sample in zip(data.bad_samples[:2], (no_reply, long), strict=True):
+        with pytest.raises(ValueError) as one:
+            data.checker.length(data.checker.parse(RawItem(bad.location, sample)).messages)
+        assert bad.reason == str(one.value)

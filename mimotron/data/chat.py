@@ -106,6 +106,19 @@ def content_spans(tokenizer: HFTokenizer, messages: Sequence[dict[str, str]], te
         ValueError: the template does not render each content once, in order, between
             fixed pieces of its own.
     """
+    return spans_from_pieces(tokenizer, template_pieces(tokenizer, messages),
+                             [m["content"] for m in messages], text)  # fmt: skip
+
+
+def template_pieces(tokenizer: HFTokenizer, messages: Sequence[dict[str, str]]) -> list[str]:
+    """The template's own text around the contents: ``len(messages) + 1`` pieces.
+
+    The messages are rendered with each content replaced by a unique marker, so the
+    pieces depend on the messages' other keys (``role``) only, never on their contents.
+
+    Raises:
+        ValueError: the template does not render each content once, in order.
+    """
     markers = [f"{_MARK_OPEN}{k}{_MARK_CLOSE}" for k in range(len(messages))]
     marked = tokenizer.render([{**m, "content": mk} for m, mk in zip(messages, markers,
                                                                      strict=True)])  # fmt: skip
@@ -121,7 +134,16 @@ def content_spans(tokenizer: HFTokenizer, messages: Sequence[dict[str, str]], te
         pieces.append(marked[pos:at])
         pos = at + len(marker)
     pieces.append(marked[pos:])
-    contents = [m["content"] for m in messages]
+    return pieces
+
+
+def spans_from_pieces(tokenizer: HFTokenizer, pieces: list[str], contents: list[str],
+                      text: str) -> list[tuple[int, int]]:  # fmt: skip
+    """Each content's span in ``text`` given the template's pieces (:func:`template_pieces`).
+
+    Raises:
+        ValueError: a template that changes contents cannot be walked by its pieces.
+    """
     if "".join(p + c for p, c in zip(pieces, [*contents, ""], strict=True)) == text:
         spans, pos = [], 0
         for piece, content in zip(pieces, contents, strict=False):
@@ -157,7 +179,7 @@ def _walk_pieces(tokenizer: HFTokenizer, pieces: list[str], text: str) -> list[t
     return spans
 
 
-def _overlap_targets(
+def overlap_targets(
     offsets: Sequence[tuple[int, int]], spans: Sequence[tuple[int, int]], ids: Sequence[int],
     special_ids: frozenset[int],
 ) -> list[bool]:
@@ -173,6 +195,11 @@ def _overlap_targets(
         if after < len(ids) and ids[after] in special_ids and offsets[after][0] >= end:
             target[after] = True
     return target
+
+
+def has_generation_blocks(tokenizer: HFTokenizer) -> bool:
+    """Whether the chat template marks assistant replies with ``{% generation %}``."""
+    return bool(_GENERATION_RE.search(tokenizer.chat_template))
 
 
 def _template_targets(tokenizer: HFTokenizer, messages: list[dict[str, str]],
@@ -210,20 +237,32 @@ def encode_conversation(
             of a modality without a count, a placeholder the tokenizer did not keep whole,
             or a template whose assistant replies cannot be located.
     """
+    messages, assistant = checked_messages(tokenizer, messages, num_tokens)
+    text = tokenizer.render(messages)
+    ids, offsets = tokenizer.encode_with_offsets(text)
+    if has_generation_blocks(tokenizer):
+        target = _template_targets(tokenizer, messages, ids)
+    else:
+        spans = content_spans(tokenizer, messages, text)
+        spans = [s for s, m in zip(spans, messages, strict=True) if m["role"] == "assistant"]
+        target = overlap_targets(offsets, spans, ids, tokenizer.special_ids)
+    return expand_placeholders(tokenizer, messages, ids, target, num_tokens, assistant)
+
+
+def checked_messages(tokenizer: HFTokenizer, messages: Sequence[dict[str, str]],
+                     num_tokens: Mapping[str, int]) -> tuple[list[dict[str, str]], list[str]]:
+    """Copies of ``messages`` and the assistant contents, checked before any rendering.
+
+    Raises:
+        ValueError: no assistant turn, or a misplaced placeholder (see
+            :func:`encode_conversation`).
+    """
     messages = [dict(m) for m in messages]
     assistant = [m["content"] for m in messages if m["role"] == "assistant"]
     if not assistant:
         raise ValueError("the conversation has no assistant ('gpt') turn: nothing to train on")
     _check_placeholder_text(tokenizer, messages, num_tokens)
-    text = tokenizer.render(messages)
-    ids, offsets = tokenizer.encode_with_offsets(text)
-    if _GENERATION_RE.search(tokenizer.chat_template):
-        target = _template_targets(tokenizer, messages, ids)
-    else:
-        spans = content_spans(tokenizer, messages, text)
-        spans = [s for s, m in zip(spans, messages, strict=True) if m["role"] == "assistant"]
-        target = _overlap_targets(offsets, spans, ids, tokenizer.special_ids)
-    return _expand_placeholders(tokenizer, messages, ids, target, num_tokens, assistant)
+    return messages, assistant
 
 
 def _check_placeholder_text(tokenizer: HFTokenizer, messages: list[dict[str, str]],
@@ -242,27 +281,37 @@ def _check_placeholder_text(tokenizer: HFTokenizer, messages: list[dict[str, str
                                  f"encoder (have {sorted(num_tokens)})")  # fmt: skip
 
 
-def _expand_placeholders(
+def expand_placeholders(
     tokenizer: HFTokenizer, messages: list[dict[str, str]], ids: list[int], target: list[bool],
     num_tokens: Mapping[str, int], assistant: list[str],
 ) -> EncodedConversation:
-    """Each placeholder id -> ``num_tokens[modality]`` copies (never trained on)."""
-    by_id = {tokenizer.placeholder_id(m): m for m in tokenizer.modalities}
+    """Each placeholder id -> ``num_tokens[modality]`` copies (never trained on).
+
+    Raises:
+        ValueError: the template added or dropped placeholders.
+    """
+    if len(ids) != len(target):
+        raise ValueError(f"{len(ids)} token ids but {len(target)} assistant flags")
+    positions = []
     for m in tokenizer.modalities:
+        placeholder_id = tokenizer.placeholder_id(m)
         in_text = sum(msg["content"].count(tokenizer.placeholder_text(m)) for msg in messages)
-        in_ids = ids.count(tokenizer.placeholder_id(m))
+        in_ids = ids.count(placeholder_id)
         if in_text != in_ids:
             raise ValueError(
                 f"{in_text} {tokenizer.placeholder_text(m)!r} in the text became {in_ids} "
                 "placeholder ids (the chat template adds or drops placeholders)"
             )
-    tokens: list[int] = []
-    targets: list[bool] = []
-    for token_id, is_target in zip(ids, target, strict=True):
-        copies = num_tokens[by_id[token_id]] if token_id in by_id else 1
-        tokens.extend([token_id] * copies)
-        targets.extend([is_target and token_id not in by_id] * copies)
-    return EncodedConversation(tokens, targets, assistant)
+        at = -1
+        for _ in range(in_ids):  # list.index: the scan runs in C, not per token here
+            at = ids.index(placeholder_id, at + 1)
+            positions.append((at, num_tokens[m]))
+    tokens, targets, start = [], [], 0
+    for at, copies in sorted(positions):
+        tokens += ids[start:at] + [ids[at]] * copies
+        targets += target[start:at] + [False] * copies
+        start = at + 1
+    return EncodedConversation(tokens + ids[start:], targets + target[start:], assistant)
 
 
 def shifted_sample(encoded: EncodedConversation, pad_id: int, seq_length: int

@@ -51,8 +51,7 @@ import hashlib
 import sys
 import tempfile
 import threading
-from collections.abc import Callable, Collection, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -215,19 +214,17 @@ class LlavaDataset:
 
     def _check_chunk(self, chunk: Any) -> ChunkResult:
         pairs = list(self.source.items(chunk))
-        checked = _map(self.checker.check, [item for _, item in pairs], self.num_workers)
-        rows, keys, bad = [], [], []
-        for (row, item), result in zip(pairs, checked, strict=True):
-            if isinstance(result, BadSample):
-                bad.append(result)
-                continue
-            record, length = result
-            row["length"] = length
-            row["has_image"], row["has_audio"] = bool(record.images), bool(record.audios)
-            rows.append(row)
-            keys.append(item.key or "")
-        out = np.stack(rows) if rows else np.zeros(0, ROW_DTYPE)
-        return ChunkResult(out, keys, bad, len(pairs))
+        checked = self.checker.check_many([item for _, item in pairs], self.num_workers)
+        kept = [(row, item.key or "", *result) for (row, item), result
+                in zip(pairs, checked, strict=True) if not isinstance(result, BadSample)]
+        out = np.zeros(len(kept), ROW_DTYPE)
+        for k, (row, *_) in enumerate(kept):  # row by row: np.stack is slower per row
+            out[k] = row
+        out["length"] = [length for *_, length in kept]
+        out["has_image"] = [bool(record.images) for _, _, record, _ in kept]
+        out["has_audio"] = [bool(record.audios) for _, _, record, _ in kept]
+        bad = [result for result in checked if isinstance(result, BadSample)]
+        return ChunkResult(out, [key for _, key, *_ in kept], bad, len(pairs))
 
     def _validate(self, index: SampleIndex) -> None:
         if index.bad and not self.skip_bad_samples:
@@ -392,14 +389,6 @@ class _Records(Sequence[LlavaRecord]):
         if isinstance(index, slice):
             return [self[i] for i in range(*index.indices(len(self)))]
         return self._dataset.record(int(index))
-
-
-def _map(fn: Callable[[Any], Any], items: Sequence[Any], num_workers: int) -> list[Any]:
-    """``[fn(x) for x in items]``, on ``num_workers`` threads when > 0 (order kept)."""
-    if num_workers <= 0:
-        return [fn(x) for x in items]
-    with ThreadPoolExecutor(num_workers, thread_name_prefix="llava-check") as pool:
-        return list(pool.map(fn, items))
 
 
 class LlavaTask:
