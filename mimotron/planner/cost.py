@@ -13,6 +13,14 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from mimotron.config import MimoConfig
+    from mimotron.parallel.layout import Layout
+    from mimotron.planner.devices import DeviceSpec
+    from mimotron.planner.lanes import LaneCost
+    from mimotron.planner.simulate import Lane, SimResult
 
 
 @dataclass(frozen=True)
@@ -124,6 +132,9 @@ class StepCost:
         optimizer: the optimizer step (memory-bound: bytes of state over bandwidth).
         total: predicted seconds of one step.
         bottleneck: the term that dominates, named (e.g. ``"compute (language)"``).
+        core_sharing: CPU ranks only: time the critical rank's computes were stretched
+            by other ranks computing on the same cores.
+        critical: the (module, stage) whose end is the step's end.
     """
 
     compute: dict[str, float]
@@ -134,6 +145,8 @@ class StepCost:
     optimizer: float
     total: float
     bottleneck: str
+    core_sharing: float = 0.0
+    critical: tuple[str, int] = ("language", 0)
 
     def terms(self) -> list[tuple[str, float]]:
         """``(label, seconds)`` of every non-zero term, for ``--explain``."""
@@ -141,5 +154,105 @@ class StepCost:
         out += [(f"tp/sp/cp/ep collectives ({m})", s) for m, s in self.collectives.items()]
         out += [(f"data-parallel reduction ({m})", s) for m, s in self.data_parallel.items()]
         out += [("bridge transfers", self.bridge), ("pipeline idle", self.pipeline_idle),
-                ("optimizer step", self.optimizer)]
+                ("shared CPU cores", self.core_sharing), ("optimizer step", self.optimizer)]
         return [(label, s) for label, s in out if s > 0]
+
+
+
+def model_vocabulary(cfg: MimoConfig) -> int:
+    """The language model's padded vocabulary, from the config's tokenizer (as ``plan``)."""
+    from mimotron.data.llava_setup import build_tokenizer
+    from mimotron.models.vocab_size import model_vocab_size
+    from mimotron.training.model_setup import padded_vocab_size
+
+    return model_vocab_size(cfg, padded_vocab_size(build_tokenizer(cfg).vocab_size))
+
+
+def step_cost(cfg: MimoConfig, layout: Layout, device: DeviceSpec,
+              calibration: Calibration | None = None, vocab_size: int | None = None
+              ) -> StepCost:
+    """Predict one training step of ``cfg`` laid out as ``layout`` on ``device``.
+
+    Args:
+        cfg: a config that passed the validator (``load_config`` + ``plan_layout``).
+        layout: its layout.
+        device: the device constants (:func:`~mimotron.planner.devices.device_table`).
+        calibration: measured module times and collective costs that replace the
+            constants where they cover a term (``None``: the constants alone).
+        vocab_size: the model's padded vocabulary (``None``: :func:`model_vocabulary`).
+
+    Returns:
+        The step's terms and total (:class:`StepCost`).
+    """
+    from mimotron.names import LANGUAGE
+    from mimotron.pipeline.interleaved_plan import build_rank_plan
+    from mimotron.pipeline.plan import Position, build_1f1b_plan
+    from mimotron.planner.lanes import (
+        bridge_seconds,
+        colocated_lane_cost,
+        lane_cost,
+        transfer_seconds,
+    )
+    from mimotron.planner.simulate import Lane, simulate
+    from mimotron.planner.terms import Links
+
+    vocab = vocab_size if vocab_size is not None else model_vocabulary(cfg)
+    links = Links(device, calibration)
+    n, pipelined = cfg.num_microbatches, cfg.train.schedule == "1f1b"
+    cores = (calibration.host_cores if calibration is not None and calibration.host_cores
+             else device.host_cores)
+    lanes: dict[tuple[str, int], Lane] = {}
+    costs: dict[tuple[str, int], LaneCost] = {}
+    if layout.colocated:
+        key = (LANGUAGE, 0)
+        costs[key], bridge = colocated_lane_cost(cfg, layout, vocab, device, calibration, links)
+        plan = build_1f1b_plan(n, Position(LANGUAGE, 0, 0, 1, False, False), pipelined)
+        lanes[key] = Lane(plan, layout.world_size, 1, 1, costs[key].compute)
+    else:
+        bridge = bridge_seconds(cfg, layout, links)
+        for name, placement in layout.modules.items():
+            par = placement.parallel
+            for s in range(par.pipeline):
+                costs[(name, s)] = lane_cost(cfg, layout, name, s, vocab, device,
+                                             calibration, links)
+                lanes[(name, s)] = Lane(build_rank_plan(layout, name, s, n, pipelined),
+                                        par.size // par.pipeline, par.pipeline,
+                                        par.virtual_pipeline, costs[(name, s)].compute)
+    result = simulate(lanes, lambda src, msg: transfer_seconds(cfg, layout, links, src, msg),
+                      cores)
+    return _assemble(n, costs, result, bridge * n, layout.colocated)
+
+
+def _assemble(n: int, costs: dict[tuple[str, int], LaneCost], result: SimResult,
+              bridge: float, colocated: bool) -> StepCost:
+    """The terms from the lanes' costs and the simulation.
+
+    The step ends when the last lane has finished its plan, its exposed reduction and
+    its optimizer step (``critical``). The pipeline's idle time is the makespan less the
+    busiest lane's busy time: what that rank waits (bubble, other modules); the shared
+    cores term is how much longer its computes took than alone on the host.
+    """
+    ends = {k: result.finish[k] + c.reduction + c.optimizer for k, c in costs.items()}
+    critical = max(ends, key=lambda k: (ends[k], k))
+    busiest = max(result.busy, key=lambda k: (result.busy[k], k))
+    b = costs[busiest]
+    idle = max(0.0, result.makespan - result.busy[busiest])
+    sharing = max(0.0, result.busy[busiest] - n * (b.work + b.collectives + b.fsdp))
+    modules = list(dict.fromkeys(m for m, _ in costs))
+
+    def most(field_of: str, module: str) -> float:
+        return max(getattr(costs[k], field_of) for k in costs if k[0] == module)
+
+    label = {m: "colocated" if colocated else m for m in modules}
+    compute = {label[m]: n * most("work", m) for m in modules}
+    collectives = {label[m]: n * most("collectives", m) for m in modules}
+    data_parallel = {label[m]: most("reduction", m) + n * most("fsdp", m) for m in modules}
+    optimizer = costs[critical].optimizer
+    terms = {**{f"compute ({m})": s for m, s in compute.items()},
+             **{f"tp/sp/cp/ep collectives ({m})": s for m, s in collectives.items()},
+             **{f"data-parallel reduction ({m})": s for m, s in data_parallel.items()},
+             "bridge transfers": bridge, "pipeline idle": idle, "shared CPU cores": sharing,
+             "optimizer step": optimizer}
+    bottleneck = max(terms, key=lambda k: terms[k])
+    return StepCost(compute, collectives, data_parallel, bridge, idle, optimizer,
+                    ends[critical], bottleneck, sharing, critical)

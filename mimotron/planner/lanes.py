@@ -1,0 +1,188 @@
+"""The per-lane costs the step-time model simulates: one (module, stage) at a time.
+
+A *lane* (:class:`~mimotron.planner.simulate.Lane`) is the ranks of one module stage,
+which run one plan together. :func:`lane_cost` gathers what one micro-batch costs such a
+rank per model chunk (compute as cores-bound work, its collectives as fixed time), and
+what it does after its last backward: the exposed data-parallel reduction and the
+optimizer step. :func:`transfer_seconds` prices the messages between lanes (the next
+stage's input, the bridge from an encoder to the language model, gradients back).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mimotron.config import MimoConfig
+from mimotron.names import LANGUAGE
+from mimotron.parallel.layout import Layout
+from mimotron.parallel.memory import BYTES, has_master_weights
+from mimotron.planner.cost import Calibration
+from mimotron.planner.devices import DeviceSpec
+from mimotron.planner.simulate import LaneKey, MessageKey
+from mimotron.planner.terms import (
+    Links,
+    chunk_collectives,
+    chunk_compute,
+    replica_ranks,
+    stage_params,
+    stage_shape,
+    trainable_params,
+)
+
+OPTIMIZER_BYTES_PER_PARAM = 32
+"""Adam reads and writes weight, gradient and two moments (fp32): about 32 B each step."""
+HBM_OVER_LINK = 10
+"""Memory bandwidth as a multiple of the intra-node link's (H100: ~3.4 TB/s vs 360 GB/s);
+the optimizer step is memory bound."""
+
+
+@dataclass(frozen=True)
+class LaneCost:
+    """One (module, stage)'s per-micro-batch pieces and its after-backward tail.
+
+    Attributes:
+        compute: ``(kind, chunk) -> (work_s, fixed_s)`` as the simulation takes it.
+        work: compute seconds of one micro-batch (forward + backward, every chunk).
+        collectives: TP / SP / CP / EP seconds of one micro-batch.
+        fsdp: FSDP2's gathers and reduce-scatters of one micro-batch, not overlapped.
+        reduction: the data-parallel reduction left exposed after the backward.
+        optimizer: the optimizer step.
+    """
+
+    compute: dict[tuple[str, int], tuple[float, float]]
+    work: float
+    collectives: float
+    fsdp: float
+    reduction: float
+    optimizer: float
+
+
+def lane_cost(cfg: MimoConfig, layout: Layout, name: str, stage: int, vocab: int,
+              device: DeviceSpec, calibration: Calibration | None, links: Links) -> LaneCost:
+    """What one rank of module ``name``'s ``stage`` spends per micro-batch and after."""
+    placement = layout.modules[name]
+    par = placement.parallel
+    compute: dict[tuple[str, int], tuple[float, float]] = {}
+    work = coll = fsdp = backward = forward = 0.0
+    gathers = _fsdp_seconds(cfg, name, stage, vocab, layout, links)
+    for chunk in range(par.virtual_pipeline if not layout.colocated else 1):
+        f_s, b_s = chunk_compute(cfg, name, stage, chunk, vocab, device, calibration)
+        cf, cb = chunk_collectives(cfg, name, stage, chunk, placement, links)
+        share = 1.0 / par.virtual_pipeline
+        gf = max(0.0, gathers[0] * share - f_s)  # FSDP2 prefetches: hidden by compute
+        gb = max(0.0, gathers[1] * share - b_s)
+        compute[("F", chunk)] = (f_s, cf + gf)
+        compute[("B", chunk)] = (b_s, cb + gb)
+        work, coll, fsdp = work + f_s + b_s, coll + cf + cb, fsdp + gf + gb
+        forward, backward = forward + f_s, backward + b_s
+    reduction = _reduction_seconds(cfg, name, stage, vocab, layout, links, forward, backward)
+    return LaneCost(compute, work, coll, fsdp, reduction,
+                    _optimizer_seconds(cfg, name, stage, vocab, device))
+
+
+def colocated_lane_cost(cfg: MimoConfig, layout: Layout, vocab: int, device: DeviceSpec,
+                        calibration: Calibration | None, links: Links
+                        ) -> tuple[LaneCost, float]:
+    """The one lane of a colocated layout (every module on every rank, in turn), and
+    the bridge's seconds per micro-batch (inside it)."""
+    parts = {m: lane_cost(cfg, layout, m, 0, vocab, device, calibration, links)
+             for m in layout.modules}
+    bridge = sum(_colocated_bridge(cfg, layout, links, m) for m in cfg.encoder_names)
+    f = [sum(p.compute[("F", 0)][i] for p in parts.values()) for i in (0, 1)]
+    b = [sum(p.compute[("B", 0)][i] for p in parts.values()) for i in (0, 1)]
+    compute = {("F", 0): (f[0], f[1] + bridge / 2), ("B", 0): (b[0], b[1] + bridge / 2)}
+    total = LaneCost(compute, sum(p.work for p in parts.values()),
+                     sum(p.collectives for p in parts.values()),
+                     sum(p.fsdp for p in parts.values()),
+                     sum(p.reduction for p in parts.values()),
+                     sum(p.optimizer for p in parts.values()))
+    return total, bridge
+
+
+def _colocated_bridge(cfg: MimoConfig, layout: Layout, links: Links, encoder: str) -> float:
+    """The colocated bridge's all-gather (forward) and all-reduce (backward), or 0 when
+    each rank's encoder and language slices coincide (rows pass through)."""
+    enc, lm = cfg.modules[encoder].parallel, cfg.modules[LANGUAGE].parallel
+    if (enc.data, enc.tensor) == (lm.data, lm.tensor) and lm.context == 1:
+        return 0.0
+    rows = cfg.train.micro_batch_size * cfg.modules[encoder].num_output_tokens
+    nbytes = rows * cfg.modules[LANGUAGE].hidden_size * BYTES[cfg.train.precision]
+    world = list(range(layout.world_size))
+    return links.cost("all_gather", world, nbytes) + links.cost("all_reduce", world, nbytes)
+
+
+def _fsdp_seconds(cfg: MimoConfig, name: str, stage: int, vocab: int, layout: Layout,
+                  links: Links) -> tuple[float, float]:
+    """FSDP2's per-micro-batch (forward, backward) traffic: the gathered parameters in
+    the compute dtype, and again plus the fp32 gradient reduce-scatter in backward."""
+    par = cfg.modules[name].parallel
+    if not par.fsdp or par.data == 1:
+        return 0.0, 0.0
+    params = stage_params(cfg, name, stage, vocab)
+    ranks = replica_ranks(layout.modules[name])
+    gather = links.cost("all_gather", ranks, params * BYTES[cfg.train.precision])
+    scatter = links.cost("reduce_scatter", ranks, trainable_params(cfg, name, stage, vocab) * 4)
+    return gather, gather + scatter
+
+
+def _reduction_seconds(cfg: MimoConfig, name: str, stage: int, vocab: int, layout: Layout,
+                       links: Links, forward: float, backward: float) -> float:
+    """The step's data-parallel reduction left exposed: an all-reduce of the fp32
+    gradients (ZeRO-1: reduce-scatter + the parameters' all-gather), less the last
+    backward under ``overlap_grad_reduce`` (and a forward under ``overlap_param_gather``)."""
+    par = cfg.modules[name].parallel
+    ranks = replica_ranks(layout.modules[name])
+    trained = trainable_params(cfg, name, stage, vocab)
+    if len(ranks) == 1 or trained == 0 or (par.fsdp and par.data > 1):
+        return 0.0
+    grads = trained * 4
+    if not par.shard_optimizer:
+        reduce = links.cost("all_reduce", ranks, grads)
+        return max(0.0, reduce - (backward if cfg.train.overlap_grad_reduce else 0.0))
+    width = BYTES[cfg.train.precision] if has_master_weights(cfg, name) else 4
+    scatter = links.cost("reduce_scatter", ranks, grads)
+    gather = links.cost("all_gather", ranks, trained * width)
+    return (max(0.0, scatter - (backward if cfg.train.overlap_grad_reduce else 0.0))
+            + max(0.0, gather - (forward if cfg.train.overlap_param_gather else 0.0)))
+
+
+def _optimizer_seconds(cfg: MimoConfig, name: str, stage: int, vocab: int,
+                       device: DeviceSpec) -> float:
+    """The optimizer step: memory bound, its state's bytes over the memory bandwidth."""
+    par = cfg.modules[name].parallel
+    params = trainable_params(cfg, name, stage, vocab)
+    if par.shard_optimizer or par.fsdp:
+        params /= par.data * par.context
+    return params * OPTIMIZER_BYTES_PER_PARAM / (HBM_OVER_LINK * device.intra_node_bytes_per_s)
+
+
+def transfer_seconds(cfg: MimoConfig, layout: Layout, links: Links, src: LaneKey,
+                     message: MessageKey) -> float:
+    """Seconds of one message from lane ``src`` to its receiver (activations or their
+    gradient: the same bytes): one rank's slice of the micro-batch."""
+    src_module, src_stage = src
+    _, dst_module, dst_stage, _, _ = message
+    c = BYTES[cfg.train.precision]
+    if src_module == dst_module:
+        mod = cfg.modules[src_module]
+        shape = stage_shape(cfg, src_module, src_stage)
+        nbytes = shape.samples * shape.tokens * mod.hidden_size * c
+    else:  # the bridge: encoder tokens in the language model's width, its DP slice
+        encoder = src_module if src_module != LANGUAGE else dst_module
+        samples = cfg.train.micro_batch_size / cfg.modules[LANGUAGE].parallel.data
+        nbytes = (samples * cfg.modules[encoder].num_output_tokens
+                  * cfg.modules[LANGUAGE].hidden_size * c)
+    a = layout.modules[src_module].rank_at(pp=src_stage)
+    b = layout.modules[dst_module].rank_at(pp=dst_stage)
+    return links.cost("p2p", [a, b], nbytes)
+
+
+def bridge_seconds(cfg: MimoConfig, layout: Layout, links: Links) -> float:
+    """A split layout's bridge per micro-batch: the slowest encoder's output to the
+    language model and its gradient back."""
+    out = 0.0
+    for encoder in cfg.encoder_names:
+        p = layout.modules[encoder].parallel.pipeline
+        message = ("F", LANGUAGE, 0, 0, 0)
+        out = max(out, 2 * transfer_seconds(cfg, layout, links, (encoder, p - 1), message))
+    return out

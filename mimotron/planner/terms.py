@@ -1,0 +1,284 @@
+"""Per-(module, stage) costs of one micro-batch: compute, collectives, transfers.
+
+The pieces :func:`mimotron.planner.cost.step_cost` puts on the simulated clock:
+
+* **compute** — without a calibration, the stage's model FLOPs
+  (:mod:`mimotron.training.flops`: its layers, the front end on the first stage, the
+  head or projector on the last) over ``flops_per_s x tensor x tp_efficiency(tensor)``
+  (:func:`tp_efficiency`: smaller matmuls run less efficiently); with one, the measured
+  seconds of the whole module scaled by the stage's share of the layers, the samples
+  per replica and ``1 / (tensor x tp_efficiency x context)``. Backward is twice the
+  forward for what trains (once for a frozen language model, which still
+  back-propagates to its input; nothing for a frozen encoder); recompute adds the
+  recomputed layers' forward (``full``) or :data:`SELECTIVE_SHARE` of it
+  (``selective``: norms, activations, RoPE, elementwise);
+* **collectives** — per layer, TP's two all-reduces forward and two backward of the
+  activations (sequence parallelism's all-gather + reduce-scatter move the same
+  bytes), CP's key/value all-gather forward and reduce-scatter backward, EP's two
+  all-to-alls each way; FSDP2's parameter all-gathers and gradient reduce-scatter per
+  micro-batch, less the compute they overlap (prefetch);
+* **transfers** — a stage's output to the next stage, an encoder's to the language
+  model (the bridge), the same bytes back as gradients.
+
+Collective costs come from the calibration where it measured that kind (nearest group
+size), else from the device: ``latency x ceil(log2 n) + bytes x factor / bandwidth``
+with the ring factor of the kind (all-reduce ``2 (n - 1) / n``, all-gather,
+reduce-scatter and all-to-all ``(n - 1) / n``) and the intra-node bandwidth when the
+group's ranks share a node, else the inter-node one.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from mimotron.config import MimoConfig
+from mimotron.models.blocks import default_ffn_hidden_size
+from mimotron.parallel.layout import ModulePlacement, stage_layers
+from mimotron.parallel.memory import BYTES, attention_widths
+from mimotron.planner.cost import Calibration, LinkCost
+from mimotron.planner.devices import DeviceSpec
+from mimotron.training.flops import (
+    encoder_flops,
+    language_model_flops,
+    matmul_flops,
+    moe_flops_delta,
+    projector_flops,
+    transformer_layer_flops,
+)
+
+SELECTIVE_SHARE = 0.1
+"""Selective recompute re-runs a layer's elementwise work: this share of its forward."""
+TP_EFFICIENCY_LOSS = 0.04
+"""Matmul efficiency lost per doubling of the tensor-parallel degree."""
+RING_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
+               "reduce_scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n,
+               "p2p": lambda n: 1.0}
+
+
+def tp_efficiency(tensor: int) -> float:
+    """Matmul efficiency at TP ``tensor`` relative to 1: ``1 - 0.04 log2(tensor)``."""
+    return max(0.5, 1.0 - TP_EFFICIENCY_LOSS * math.log2(tensor))
+
+
+@dataclass(frozen=True)
+class Links:
+    """How to price a collective on a layout's ranks: the device and the calibration."""
+
+    device: DeviceSpec
+    calibration: Calibration | None
+
+    def cost(self, kind: str, ranks: list[int], num_bytes: float) -> float:
+        """Seconds of collective ``kind`` over ``ranks`` (``num_bytes``: the per-rank
+        buffer, as :class:`~mimotron.planner.cost.Calibration` defines it)."""
+        n = len(ranks)
+        if n <= 1 and kind != "p2p":
+            return 0.0
+        return self.link(kind, ranks).seconds(num_bytes)
+
+    def link(self, kind: str, ranks: list[int]) -> LinkCost:
+        """The calibrated link of ``kind`` at this group size, else the device's."""
+        n = len(ranks)
+        if self.calibration is not None:
+            measured = self.calibration.link(kind, n)
+            if measured is not None:
+                return measured
+        d = self.device
+        nodes = {r // d.devices_per_node for r in ranks}
+        bandwidth = d.intra_node_bytes_per_s if len(nodes) == 1 else d.inter_node_bytes_per_s
+        factor = RING_FACTOR[kind](max(n, 2))
+        hops = 1 if kind == "p2p" else max(1, math.ceil(math.log2(max(n, 2))))
+        return LinkCost(d.latency_s * hops, bandwidth / factor)
+
+
+def axis_ranks(placement: ModulePlacement, axis: str) -> list[int]:
+    """The global ranks of the first group along mesh ``axis`` (tp, cp, dp, pp)."""
+    size = placement.shape[("tp", "cp", "dp", "pp").index(axis)]
+    return [placement.rank_at(**{axis: i}) for i in range(size)]
+
+
+def replica_ranks(placement: ModulePlacement) -> list[int]:
+    """The first gradient-replica group (``dp x cp``) of a module."""
+    p = placement.parallel
+    return [placement.rank_at(cp=c, dp=d) for d in range(p.data) for c in range(p.context)]
+
+
+@dataclass(frozen=True)
+class StageShape:
+    """What one rank of a (module, stage) processes per micro-batch."""
+
+    samples: float  # samples per data-parallel replica
+    tokens: int  # tokens per sample the rank holds (seq / context for the LM)
+    layers: list[int]  # layers per model chunk on this stage
+    first: bool
+    last: bool
+
+
+def stage_shape(cfg: MimoConfig, name: str, stage: int) -> StageShape:
+    """The micro-batch slice and the layers per chunk of one stage of module ``name``."""
+    mod = cfg.modules[name]
+    par = mod.parallel
+    samples = cfg.train.micro_batch_size / par.data
+    tokens = cfg.data.seq_length // par.context if not mod.is_encoder else mod.num_output_tokens
+    v = par.virtual_pipeline
+    if v > 1:
+        chunks = stage_layers(mod.num_layers, par.pipeline * v)
+        layers = [len(chunks[j * par.pipeline + stage]) for j in range(v)]
+    else:
+        layers = [len(stage_layers(mod.num_layers, par.pipeline, par.layers_per_stage)[stage])]
+    return StageShape(samples, tokens, layers, stage == 0, stage == par.pipeline - 1)
+
+
+def _flops_per_layer(cfg: MimoConfig, name: str, shape: StageShape) -> float:
+    """Forward FLOPs of one layer on one rank's slice (before the TP split)."""
+    mod = cfg.modules[name]
+    if mod.is_encoder:
+        return transformer_layer_flops(shape.samples, shape.tokens, mod.hidden_size,
+                                       mod.ffn_hidden_size)
+    seq, cp = cfg.data.seq_length, mod.parallel.context
+    dense = transformer_layer_flops(shape.samples, seq, mod.hidden_size, mod.ffn_hidden_size)
+    moe = moe_flops_delta(mod, shape.samples * seq) / mod.num_layers
+    return (dense + moe) / cp
+
+
+def _ends_flops(cfg: MimoConfig, name: str, shape: StageShape, vocab: int
+                ) -> tuple[float, float]:
+    """Forward FLOPs outside the layers: (first stage's front end, last stage's end)."""
+    mod = cfg.modules[name]
+    lm_h = cfg.modules["language"].hidden_size
+    if mod.is_encoder:
+        whole = encoder_flops(mod, lm_h, shape.samples)
+        proj = projector_flops(mod, lm_h, shape.samples)
+        layers = mod.num_layers * _flops_per_layer(cfg, name, shape)
+        return whole - proj - layers, proj
+    head = matmul_flops(shape.samples * shape.tokens, vocab, mod.hidden_size)
+    return 0.0, head
+
+
+def module_forward_flops(cfg: MimoConfig, name: str, vocab: int) -> float:
+    """Forward FLOPs of the whole module on one micro-batch (for the calibration's share)."""
+    mod = cfg.modules[name]
+    samples = cfg.train.micro_batch_size
+    lm_h = cfg.modules["language"].hidden_size
+    if mod.is_encoder:
+        return encoder_flops(mod, lm_h, samples)
+    return language_model_flops(mod, vocab, samples, cfg.data.seq_length)
+
+
+def backward_factor(cfg: MimoConfig, name: str) -> float:
+    """Backward FLOPs over forward: 2 trains, 1 frozen LM, 0 frozen encoder/tower."""
+    mod = cfg.modules[name]
+    if not mod.freeze:
+        return 2.0
+    return 0.0 if mod.is_encoder else 1.0
+
+
+def chunk_compute(cfg: MimoConfig, name: str, stage: int, chunk: int, vocab: int,
+                  device: DeviceSpec, calibration: Calibration | None
+                  ) -> tuple[float, float]:
+    """``(forward_s, backward_s)`` of one micro-batch through one model chunk of a stage,
+    compute only (the rank's TP share, recompute included in the backward)."""
+    mod = cfg.modules[name]
+    par = mod.parallel
+    shape = stage_shape(cfg, name, stage)
+    n_layers = shape.layers[chunk]
+    first = shape.first and chunk == 0
+    last = shape.last and chunk == len(shape.layers) - 1
+    layer = _flops_per_layer(cfg, name, shape)
+    front, end = _ends_flops(cfg, name, shape, vocab)
+    fwd_flops = n_layers * layer + (front if first else 0.0) + (end if last else 0.0)
+    back = backward_factor(cfg, name) * fwd_flops
+    if mod.tower_frozen and last:
+        back = 2.0 * end  # only the projector trains
+    recomputed = _recomputed_layers(cfg, name, n_layers)
+    extra = 0.0 if mod.recompute == "none" else recomputed * layer * (
+        1.0 if mod.recompute == "full" else SELECTIVE_SHARE)
+    if backward_factor(cfg, name) == 0.0:
+        extra = 0.0  # no backward, nothing recomputed
+    rate = par.tensor * tp_efficiency(par.tensor)
+    if calibration is not None and name in calibration.module_seconds:
+        f_s, b_s = calibration.module_seconds[name]
+        measured_samples = calibration.samples or cfg.train.micro_batch_size
+        whole = module_forward_flops(cfg, name, vocab) * shape.samples / measured_samples
+        scale_f = f_s / whole if whole else 0.0  # seconds per forward FLOP, as measured
+        scale_b = b_s / (backward_factor(cfg, name) * whole) if b_s and whole else scale_f
+        return (fwd_flops * scale_f / rate,
+                (back * scale_b + extra * scale_f) / rate)
+    flops_rate = device.flops_per_s * rate
+    return fwd_flops / flops_rate, (back + extra) / flops_rate
+
+
+def _recomputed_layers(cfg: MimoConfig, name: str, n_layers: int) -> int:
+    """Layers of a chunk recompute re-runs (``recompute_num_layers``: the first n)."""
+    mod = cfg.modules[name]
+    if mod.recompute == "none":
+        return 0
+    return min(n_layers, mod.recompute_num_layers) if mod.recompute_num_layers else n_layers
+
+
+def chunk_collectives(cfg: MimoConfig, name: str, stage: int, chunk: int,
+                      placement: ModulePlacement, links: Links) -> tuple[float, float]:
+    """``(forward_s, backward_s)`` of a chunk's TP / SP / CP / EP collectives."""
+    mod = cfg.modules[name]
+    par = mod.parallel
+    shape = stage_shape(cfg, name, stage)
+    n_layers = shape.layers[chunk]
+    c = BYTES[cfg.train.precision]
+    act = shape.samples * shape.tokens * mod.hidden_size * c
+    fwd = bwd = 0.0
+    if par.tensor > 1:
+        tp = 2 * links.cost("all_reduce", axis_ranks(placement, "tp"), act)
+        fwd, bwd = fwd + tp * n_layers, bwd + tp * n_layers
+    if par.context > 1:
+        _, kv_width = attention_widths(cfg, name)
+        kv = 2 * shape.samples * cfg.data.seq_length * kv_width * c / par.tensor
+        ranks = axis_ranks(placement, "cp")
+        fwd += n_layers * links.cost("all_gather", ranks, kv)
+        bwd += n_layers * links.cost("reduce_scatter", ranks, kv)
+    if par.expert > 1 and mod.num_experts:
+        send = act * mod.top_k
+        ep_ranks = [placement.rank_offset + i * par.tensor for i in range(par.expert)]
+        a2a = 2 * links.cost("all_to_all", ep_ranks, send)
+        fwd, bwd = fwd + a2a * n_layers, bwd + a2a * n_layers
+    return fwd, bwd
+
+
+def layer_params(cfg: MimoConfig, name: str) -> float:
+    """Parameters of one layer (whole, before TP): attention + MLP (MoE experts / EP)."""
+    mod = cfg.modules[name]
+    h = mod.hidden_size
+    q_width, kv_width = attention_widths(cfg, name)
+    attention = h * (2 * q_width + 2 * kv_width)
+    f = mod.ffn_hidden_size or default_ffn_hidden_size(h)
+    if mod.num_experts:
+        fe = mod.moe_ffn_hidden_size or f
+        return attention + 3 * h * fe * mod.num_experts / mod.parallel.expert
+    return attention + 3 * h * f
+
+
+def stage_params(cfg: MimoConfig, name: str, stage: int, vocab: int) -> float:
+    """Parameters one rank of a stage holds (its TP share), for bytes on the wire."""
+    mod = cfg.modules[name]
+    shape = stage_shape(cfg, name, stage)
+    n = sum(shape.layers) * layer_params(cfg, name)
+    h = mod.hidden_size
+    if mod.is_encoder:
+        mid = mod.projector_hidden_size or cfg.modules["language"].hidden_size
+        n += (h * mid + mid * cfg.modules["language"].hidden_size) if shape.last else 0
+    else:
+        n += vocab * h * ((1 if shape.first else 0) + (1 if shape.last else 0))
+    return n / mod.parallel.tensor
+
+
+def trainable_params(cfg: MimoConfig, name: str, stage: int, vocab: int) -> float:
+    """What of :func:`stage_params` trains (a frozen tower: its projector only)."""
+    mod = cfg.modules[name]
+    if mod.fully_frozen:
+        return 0.0
+    if mod.tower_frozen:
+        if stage != mod.parallel.pipeline - 1:
+            return 0.0
+        mid = mod.projector_hidden_size or cfg.modules["language"].hidden_size
+        lm_h = cfg.modules["language"].hidden_size
+        return (mod.hidden_size * mid + mid * lm_h) / mod.parallel.tensor
+    return stage_params(cfg, name, stage, vocab)
