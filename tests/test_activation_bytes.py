@@ -10,7 +10,8 @@ TP applied over a ``fake`` group of 8, and must land within 1.2x of each.
 
 Also here: the pieces that get there, each tested on its own because the reference loop
 of the parity tests shares the model code. The RMSNorm function against plain ops; the
-one weight cast per step against autocast's default of one per micro-batch; the
+one weight cast per step against autocast's default of one per micro-batch, its
+weight gradients reaching fp32 layer by layer in every micro-batch; the
 16-bit residual stream and stage links; GQA without expanded keys/values.
 """
 
@@ -128,6 +129,42 @@ def test_one_weight_cast_per_step_not_per_microbatch():
     linears = 7  # wq, wk, wv, wo, w1, w2, w3
     assert _saved_weight_copies(scoped=False) == 4 * linears  # autocast's own behaviour
     assert _saved_weight_copies(scoped=True) == linears
+
+
+def _weight_grads_pending_at_backward_end(microbatches: int = 3) -> list[int]:
+    """Per micro-batch: the 16-bit weight gradients not yet in ``.grad`` when the
+    backward reaches the stack's input (the last thing it computes)."""
+    torch.manual_seed(0)
+    stack = torch.nn.Sequential(*(TransformerBlock(64, 4, 0, causal=True) for _ in range(2)))
+    weights = [p for p in stack.parameters() if p.dim() == 2]
+    arrived = dict.fromkeys(map(id, weights), 0)
+
+    def count(p: torch.Tensor) -> None:
+        arrived[id(p)] += 1
+
+    for p in weights:
+        p.register_post_accumulate_grad_hook(count)
+    pending: list[int] = []
+    device = torch.device("cpu")
+    autocast = autocast_factory("bf16", device)
+    with step_cast_scope("bf16", device):
+        xs = [torch.randn(2, 8, 64, requires_grad=True) for _ in range(microbatches)]
+        outs = []
+        for x in xs:
+            with autocast():
+                outs.append(stack(x))
+        for k, (x, out) in enumerate(zip(xs, outs, strict=True)):
+            x.register_hook(lambda g, k=k: pending.append(
+                sum(arrived[id(p)] <= k for p in weights)))
+            out.float().sum().backward()
+    return pending
+
+
+def test_weight_grads_reach_fp32_layer_by_layer_in_every_microbatch():
+    """The step's one cast per weight must not make later micro-batches hold every
+    layer's 16-bit weight gradient until their backward ends (each use of a cast has a
+    node of its own micro-batch, run right after the layer's matmul)."""
+    assert _weight_grads_pending_at_backward_end() == [0, 0, 0]
 
 
 def test_weight_cast_scope_changes_no_number():

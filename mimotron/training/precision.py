@@ -10,17 +10,22 @@ flight therefore held its own 16-bit copy of every weight (saved for its backwar
 ``m`` copies under 1F1B warm-up, where Megatron, whose model weights are 16-bit, holds
 one.
 
-:func:`step_cast_scope` opens an outer region for the whole step with autocast
-*disabled*: it changes nothing about which ops are cast (forwards still enable autocast
-inside it, backwards run outside any enabled region), but as the outermost region it
-keeps the cache alive across the step's micro-batches. Each weight is cast once per
-step, the copy is shared by every micro-batch's saved tensors and is freed when the
-step's scope exits, before the optimizer changes the weights. Only leaf fp32 tensors
-that require a gradient are cached (autocast's rule): frozen weights are cast per use
-and, needing no gradient, are never saved for backward.
+:func:`step_cast_scope` keeps one cast of each weight for the whole step instead: each
+weight is cast once per step, the copy is shared by every micro-batch's saved tensors
+and is freed when the step's scope exits, before the optimizer changes the weights.
+Each *use* still gets an autograd node of its own micro-batch
+(:mod:`mimotron.training.weight_casts`), so a layer's 16-bit weight gradient becomes
+its fp32 gradient as soon as the layer's backward is done. Only fp32 parameters that
+require a gradient are cached (autocast's rule): frozen weights are cast per use and,
+needing no gradient, are never saved for backward. The scope also opens an outer
+autocast region with autocast *disabled* (which changes nothing about which ops are
+cast): as the outermost region it keeps autocast's own cache alive across the step
+for any other cached cast.
 
-The cache is thread-local, like autocast itself: the forwards must run on the thread
-that opened the scope (they do; the schedule runs on the caller's thread).
+The casts are thread-local, like autocast itself: the forwards must run on the thread
+that opened the scope (they do; the schedule runs on the caller's thread), and the
+backward sees them where autograd carries the caller's thread-local state (a
+recomputed layer's forward runs again under them).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from typing import Any
 import torch
 
 from mimotron.runtime import autocast_device_type, compute_dtype
+from mimotron.training.weight_casts import StepWeightCasts
 
 
 def autocast_factory(precision: str, device: torch.device) -> Callable[[], Any]:
@@ -66,6 +72,7 @@ def step_cast_scope(precision: str, device: torch.device) -> Iterator[None]:
         yield
         return
     device_type = autocast_device_type(device)
-    with torch.autocast(device_type=device_type, dtype=compute_dtype(precision),
-                        enabled=False):
+    dtype = compute_dtype(precision)
+    with torch.autocast(device_type=device_type, dtype=dtype, enabled=False), \
+            StepWeightCasts(device_type, dtype):
         yield
