@@ -199,7 +199,10 @@ def chunk_compute(cfg: MimoConfig, name: str, stage: int, chunk: int, vocab: int
     if calibration is not None and name in calibration.module_seconds:
         f_s, b_s = calibration.module_seconds[name]
         measured_samples = calibration.samples or cfg.train.micro_batch_size
-        whole = module_forward_flops(cfg, name, vocab) * shape.samples / measured_samples
+        # FLOPs of the micro-batch the times were measured on (module_forward_flops
+        # counts this config's whole micro-batch, whatever its DP share or size).
+        whole = (module_forward_flops(cfg, name, vocab) * measured_samples
+                 / cfg.train.micro_batch_size)
         scale_f = f_s / whole if whole else 0.0  # seconds per forward FLOP, as measured
         scale_b = b_s / (backward_factor(cfg, name) * whole) if b_s and whole else scale_f
         return (fwd_flops * scale_f / rate,
