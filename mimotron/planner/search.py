@@ -1,0 +1,384 @@
+"""``mimotron plan --auto``'s search: every module's layout, scored, the best kept.
+
+Three phases keep a 3-module model on 64 ranks well under a minute:
+
+1. **Per module** (:func:`module_choices`), for each micro-batch size: every degree
+   combination (:func:`~mimotron.planner.options.degree_options`) on every block size
+   is priced alone, analytically (its stages' compute and collectives per micro-batch
+   times the micro-batches, plus ``(p - 1) / v`` stages of fill and the reduction and
+   optimizer tail); walking them fastest first, each is given the first recompute /
+   sharding rung (:func:`~mimotron.planner.options.memory_ladder`) whose memory
+   estimate (:func:`~mimotron.parallel.memory.estimate_memory`, on a config holding the
+   candidate) fits, after the layout validator accepted it; the best
+   :data:`KEEP` per block size stay.
+2. **Compose**: colocated (every module on every rank, pipeline 1, the modules' times
+   added) and split (contiguous blocks whose sizes tile the world, in config order,
+   data-parallel degrees that divide one another, the slowest module's time), ranked
+   by that approximate time.
+3. **Check** the composed list in that order: each candidate is written as config
+   overrides and goes through ``load_config`` and
+   :func:`~mimotron.parallel.layout.plan_layout` (the validator ``mimotron train``
+   runs), the memory estimate of every rank against the limit, and the step-time model
+   (:func:`~mimotron.planner.cost.step_cost`: the simulated plans). The survivors are
+   sorted by predicted step time.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass, field
+
+from mimotron.config import MimoConfig, load_config
+from mimotron.names import LANGUAGE
+from mimotron.parallel.layout import Layout, ModulePlacement, plan_layout
+from mimotron.parallel.memory import estimate_memory
+from mimotron.planner.cost import Calibration, StepCost, step_cost
+from mimotron.planner.devices import DeviceSpec
+from mimotron.planner.options import (
+    ModuleOption,
+    apply_option,
+    degree_options,
+    memory_ladder,
+    module_overrides,
+)
+
+KEEP = 3
+"""Options kept per module and block size after phase 1."""
+MIN_CHECKED = 24
+"""Candidates that pass the full check before the search stops (at least 3 x top)."""
+MAX_CHECKS = 400
+"""Full checks at most (candidates the validator or the memory limit refuse count)."""
+
+
+@dataclass(frozen=True)
+class SearchRequest:
+    """What to search: a config, the world, the device and its memory."""
+
+    config: str
+    overrides: list[str]
+    world: int
+    device: DeviceSpec
+    memory_limit: int
+    calibration: Calibration | None = None
+    top: int = 5
+
+
+@dataclass(frozen=True)
+class ModuleChoice:
+    """A module option that passed phase 1: its analytic time alone and memory."""
+
+    option: ModuleOption
+    seconds: float
+    memory: int
+
+
+@dataclass
+class Candidate:
+    """A whole layout: one option per module, the micro-batch, placement, its verdict."""
+
+    options: dict[str, ModuleOption]
+    micro_batch: int
+    colocated: bool
+    approx: float
+    overrides: list[str] = field(default_factory=list)
+    cost: StepCost | None = None
+    peak: int = 0  # the largest per-rank memory estimate (bytes)
+    peak_rank: int = 0
+
+    @property
+    def offsets(self) -> dict[str, int]:
+        """Each module's first rank."""
+        out, at = {}, 0
+        for name, option in self.options.items():
+            out[name] = 0 if self.colocated else at
+            at += 0 if self.colocated else option.size
+        return out
+
+
+@dataclass
+class SearchResult:
+    """The ranked candidates and what the search did."""
+
+    candidates: list[Candidate]
+    scored: int = 0  # module options priced in phase 1
+    composed: int = 0  # whole layouts composed in phase 2
+    checked: int = 0  # full checks run in phase 3
+    refused: int = 0  # by the validator
+    too_big: int = 0  # over the memory limit
+    seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _Context:
+    """What the phases share: the base config, the vocabulary, the counts memo."""
+
+    base: MimoConfig
+    request: SearchRequest
+    vocab: int
+    memo: dict[tuple[object, ...], list[object]] = field(default_factory=dict)
+    scored: int = 0
+
+
+def search(request: SearchRequest) -> SearchResult:
+    """Find the fastest layouts of ``request.config`` on ``request.world`` ranks.
+
+    Raises:
+        ValueError: the base config is invalid, or ``world`` is not positive.
+    """
+    from mimotron.planner.cost import model_vocabulary
+
+    if request.world < 1:
+        raise ValueError(f"--world={request.world} is invalid: expected a positive rank count")
+    start = time.perf_counter()
+    base = load_config(request.config, request.overrides)
+    ctx = _Context(base, request, model_vocabulary(base))
+    composed: list[Candidate] = []
+    for mbs in _micro_batches(base):
+        composed += _compose(ctx, mbs)
+    result = SearchResult([], composed=len(composed))
+    for cand in _shortlist_order(composed):
+        if result.checked >= MAX_CHECKS or len(result.candidates) >= max(
+                MIN_CHECKED, 3 * request.top):
+            break
+        result.checked += 1
+        verdict = _check(ctx, cand)
+        if verdict == "refused":
+            result.refused += 1
+        elif verdict == "too big":
+            result.too_big += 1
+        elif _distinct(cand, result.candidates):
+            result.candidates.append(cand)
+    result.candidates.sort(key=lambda c: (c.cost.total if c.cost else 0.0, c.peak))
+    result.scored, result.seconds = ctx.scored, time.perf_counter() - start
+    return result
+
+
+def _distinct(cand: Candidate, kept: list[Candidate]) -> bool:
+    """Whether ``cand`` differs from every kept one in more than its encoders' layout
+    (candidates that differ only there mostly tie: the list would repeat itself)."""
+    key = (cand.colocated, cand.micro_batch, cand.options[LANGUAGE])
+    same = [k for k in kept if (k.colocated, k.micro_batch, k.options[LANGUAGE]) == key]
+    if not same:
+        return True
+    assert cand.cost is not None
+    best = min(same, key=lambda k: k.cost.total if k.cost else 0.0)
+    if best.cost is not None and cand.cost.total < best.cost.total:
+        kept.remove(best)  # the faster of the two stays
+        return True
+    return False
+
+
+def _footprint(c: Candidate) -> int:
+    """A tie-break among equal times: fewer pipeline stages."""
+    return sum(o.pipeline for o in c.options.values())
+
+
+def _shortlist_order(composed: list[Candidate]) -> list[Candidate]:
+    """Colocated and split candidates alternately, each kind fastest first.
+
+    Phase 2's time adds colocated modules and takes the slowest split one, which leaves
+    out what the simulation adds (the bubble, shared CPU cores); taking both kinds in
+    turn keeps either from crowding the other out of the checked list.
+    """
+    kinds = [sorted((c for c in composed if c.colocated == k),
+                    key=lambda c: (c.approx, _footprint(c))) for k in (True, False)]
+    out: list[Candidate] = []
+    for i in range(max(len(k) for k in kinds) if composed else 0):
+        out += [k[i] for k in kinds if i < len(k)]
+    return out
+
+
+def _micro_batches(cfg: MimoConfig) -> list[int]:
+    """Micro-batch sizes that divide the global batch (the global batch stays)."""
+    g = cfg.train.global_batch_size
+    return [m for m in range(1, g + 1) if g % m == 0]
+
+
+def _compose(ctx: _Context, mbs: int) -> list[Candidate]:
+    """Phase 2 at one micro-batch size: colocated and split layouts of kept options."""
+    world, names = ctx.request.world, list(ctx.base.modules)
+    out: list[Candidate] = []
+    colocated = {n: module_choices(ctx, n, mbs, world, exact=True) for n in names}
+    for combo in _products([colocated[n].get(world, []) for n in names]):
+        if _compatible(names, combo):
+            approx = sum(c.seconds for c in combo)
+            out.append(Candidate(dict(zip(names, (c.option for c in combo), strict=True)),
+                                 mbs, True, approx))
+    if len(names) == 1 or world < len(names):
+        return out
+    split = {n: module_choices(ctx, n, mbs, world - len(names) + 1, exact=False)
+             for n in names}
+    for sizes in _tilings([sorted(split[n]) for n in names], world):
+        pools = [split[n][s] for n, s in zip(names, sizes, strict=True)]
+        for combo in _products(pools):
+            if _compatible(names, combo):
+                approx = max(c.seconds for c in combo)
+                out.append(Candidate(dict(zip(names, (c.option for c in combo),
+                                              strict=True)), mbs, False, approx))
+    return out
+
+
+def _products(pools: list[list[ModuleChoice]]) -> list[tuple[ModuleChoice, ...]]:
+    out: list[tuple[ModuleChoice, ...]] = [()]
+    for pool in pools:
+        out = [(*prefix, c) for prefix in out for c in pool]
+    return out
+
+
+def _tilings(sizes: list[list[int]], world: int) -> list[tuple[int, ...]]:
+    """Block sizes, one per module from its list, that sum to ``world``."""
+    if len(sizes) == 1:
+        return [(world,)] if world in sizes[0] else []
+    return [(s, *rest) for s in sizes[0] if s < world
+            for rest in _tilings(sizes[1:], world - s)]
+
+
+def _compatible(names: list[str], combo: tuple[ModuleChoice, ...]) -> bool:
+    """Each encoder's data-parallel degree and the language model's divide one another."""
+    by_name = dict(zip(names, combo, strict=True))
+    lm = by_name[LANGUAGE].option.data
+    return all(c.option.data % lm == 0 or lm % c.option.data == 0
+               for n, c in by_name.items() if n != LANGUAGE)
+
+
+def module_choices(ctx: _Context, name: str, mbs: int, max_size: int, exact: bool
+                   ) -> dict[int, list[ModuleChoice]]:
+    """Phase 1: the best :data:`KEEP` options of module ``name`` per block size.
+
+    Args:
+        ctx: the search's shared state.
+        name: the module.
+        mbs: the micro-batch size.
+        max_size: the largest block (``exact``: only blocks of exactly this size, the
+            colocated case, where pipeline stages are not allowed).
+        exact: see ``max_size``.
+    """
+    scratch = copy.deepcopy(ctx.base)
+    scratch.train.micro_batch_size = mbs
+    _minimal_others(scratch, name)
+    limit = ctx.request.memory_limit
+    options = []
+    for option in degree_options(scratch, name, max_size, mbs, _max_tensor(ctx),
+                                 pipelined=not exact or len(scratch.modules) == 1):
+        if exact and option.size != max_size:
+            continue
+        options += _with_virtual(scratch, name, option)
+    priced = sorted(((_alone_seconds(ctx, scratch, name, o), o) for o in options),
+                    key=lambda x: (x[0], x[1].size))
+    kept: dict[int, list[ModuleChoice]] = {}
+    for _, option in priced:
+        if len(kept.get(option.size, [])) >= KEEP:
+            continue
+        for rung in memory_ladder(option, scratch.modules[name]):
+            peak = _module_memory(ctx, scratch, name, rung)
+            if peak is not None and peak <= limit:
+                seconds = _alone_seconds(ctx, scratch, name, rung)
+                kept.setdefault(option.size, []).append(ModuleChoice(rung, seconds, peak))
+                break
+    for choices in kept.values():
+        choices.sort(key=lambda c: (c.seconds, c.memory))
+    return kept
+
+
+def _max_tensor(ctx: _Context) -> int:
+    """TP stays inside a node's fast link (8 at most where a node is smaller)."""
+    return min(ctx.request.world, max(ctx.request.device.devices_per_node, 8))
+
+
+def _with_virtual(cfg: MimoConfig, name: str, option: ModuleOption) -> list[ModuleOption]:
+    """The option, and interleaved (2 chunks per rank) where the language model may be."""
+    out = [option]
+    n, p = cfg.num_microbatches, option.pipeline
+    if (name == LANGUAGE and p > 1 and n % p == 0
+            and cfg.modules[name].num_layers >= 2 * p):
+        out.append(ModuleOption(option.tensor, option.context, option.data, p,
+                                option.expert, 2))
+    return out
+
+
+def _minimal_others(cfg: MimoConfig, name: str) -> None:
+    """Every other module on one rank after ``name``'s block (phase 1's stand-in)."""
+    for other, mod in cfg.modules.items():
+        if other != name:
+            apply_option(cfg, other, ModuleOption(), 0)
+            mod.parallel.shard_optimizer = False
+
+
+def _place(cfg: MimoConfig, name: str) -> Layout:
+    """The scratch layout: ``name`` at rank 0, each other module on one rank after it."""
+    at = cfg.modules[name].parallel.size
+    for other, mod in cfg.modules.items():
+        if other != name:
+            mod.parallel.rank_offset = at
+            at += 1
+    modules = {n: ModulePlacement(n, m.parallel) for n, m in cfg.modules.items()}
+    return Layout(at, False, modules, {n: [LANGUAGE] for n in cfg.encoder_names})
+
+
+def _alone_seconds(ctx: _Context, cfg: MimoConfig, name: str, option: ModuleOption) -> float:
+    """Phase 1's analytic time of a module alone: its busiest stage's micro-batches,
+    ``(p - 1) / v`` of them again as the pipeline's fill, and its tail."""
+    from mimotron.planner.lanes import lane_cost
+    from mimotron.planner.terms import Links
+
+    ctx.scored += 1
+    apply_option(cfg, name, option, 0)
+    layout = _place(cfg, name)
+    links = Links(ctx.request.device, ctx.request.calibration)
+    # The first stage holds the extra layers of an uneven split and the embedding, the
+    # last the head or projector: the busiest is one of the two.
+    stages = [lane_cost(cfg, layout, name, s, ctx.vocab, ctx.request.device,
+                        ctx.request.calibration, links) for s in {0, option.pipeline - 1}]
+    per_mb = max(s.work + s.collectives + s.fsdp for s in stages)
+    fill = (option.pipeline - 1) / option.virtual * per_mb
+    tail = max(s.reduction + s.optimizer for s in stages)
+    return cfg.num_microbatches * per_mb + fill + tail
+
+
+def _module_memory(ctx: _Context, cfg: MimoConfig, name: str, option: ModuleOption
+                   ) -> int | None:
+    """The module's largest per-rank estimate, or None when the validator refuses it."""
+    apply_option(cfg, name, option, 0)
+    layout = _place(cfg, name)
+    try:
+        plan_layout(cfg)
+    except ValueError:
+        return None
+    placement = layout.modules[name]
+    # The first stage holds the most forwards in flight, the last the logits.
+    ranks = [placement.rank_at(pp=s) for s in sorted({0, option.pipeline - 1})]
+    est = estimate_memory(cfg, layout, ctx.vocab, ranks, ctx.memo)
+    return max(e.total for items in est.values() for e in items if e.module == name)
+
+
+def candidate_overrides(ctx_overrides: list[str], cand: Candidate) -> list[str]:
+    """The overrides that turn the base config into ``cand``."""
+    out = list(ctx_overrides)
+    for name, option in cand.options.items():
+        out += module_overrides(name, option, cand.offsets[name])
+    return [*out, f"train.micro_batch_size={cand.micro_batch}"]
+
+
+def _check(ctx: _Context, cand: Candidate) -> str:
+    """Phase 3: the real validator, every rank's memory, the simulated step."""
+    from mimotron.cli.device_fit import rank_classes
+
+    cand.overrides = candidate_overrides(ctx.request.overrides, cand)
+    try:
+        cfg = load_config(ctx.request.config, cand.overrides)
+        layout = plan_layout(cfg)
+    except ValueError:
+        return "refused"
+    if layout.world_size != ctx.request.world:
+        return "refused"
+    ranks = [r for r, _ in rank_classes(layout)]
+    est = estimate_memory(cfg, layout, ctx.vocab, ranks, ctx.memo)
+    totals = {r: sum(e.total for e in items) for r, items in est.items()}
+    cand.peak_rank = max(totals, key=lambda r: (totals[r], -r))
+    cand.peak = totals[cand.peak_rank]
+    if cand.peak > ctx.request.memory_limit:
+        return "too big"
+    cand.cost = step_cost(cfg, layout, ctx.request.device, ctx.request.calibration, ctx.vocab)
+    return "ok"
