@@ -138,36 +138,29 @@ def search(request: SearchRequest) -> SearchResult:
     for mbs in _micro_batches(base):
         composed += _compose(ctx, mbs)
     result = SearchResult([], composed=len(composed))
+    seen: set[tuple[object, ...]] = set()
     for cand in _shortlist_order(composed):
         if result.checked >= MAX_CHECKS or len(result.candidates) >= max(
                 MIN_CHECKED, 3 * request.top):
             break
+        # Layouts that differ only in the encoders' mostly tie: the list would repeat
+        # itself, so each (placement, micro-batch, language layout) is checked once, with
+        # the encoders phase 2 ranked best.
+        key = (cand.colocated, cand.micro_batch, cand.options[LANGUAGE])
+        if key in seen:
+            continue
+        seen.add(key)
         result.checked += 1
         verdict = _check(ctx, cand)
         if verdict == "refused":
             result.refused += 1
         elif verdict == "too big":
             result.too_big += 1
-        elif _distinct(cand, result.candidates):
+        else:
             result.candidates.append(cand)
     result.candidates.sort(key=lambda c: (c.cost.total if c.cost else 0.0, c.peak))
     result.scored, result.seconds = ctx.scored, time.perf_counter() - start
     return result
-
-
-def _distinct(cand: Candidate, kept: list[Candidate]) -> bool:
-    """Whether ``cand`` differs from every kept one in more than its encoders' layout
-    (candidates that differ only there mostly tie: the list would repeat itself)."""
-    key = (cand.colocated, cand.micro_batch, cand.options[LANGUAGE])
-    same = [k for k in kept if (k.colocated, k.micro_batch, k.options[LANGUAGE]) == key]
-    if not same:
-        return True
-    assert cand.cost is not None
-    best = min(same, key=lambda k: k.cost.total if k.cost else 0.0)
-    if best.cost is not None and cand.cost.total < best.cost.total:
-        kept.remove(best)  # the faster of the two stays
-        return True
-    return False
 
 
 def _footprint(c: Candidate) -> int:
