@@ -38,6 +38,7 @@ def _parser() -> argparse.ArgumentParser:
                            help="memory of one device (80GB, 80GiB, 81920MiB or bytes): "
                                 "say per rank whether its estimate fits, with the headroom "
                                 "(the exit status stays 0 when a rank does not fit)")
+            _add_auto_arguments(s)
     s = sub.add_parser("plot", help="PNG curves from one or more runs' metrics.jsonl")
     s.add_argument("run_dirs", nargs="+", help="run directories (each holding metrics.jsonl)")
     s.add_argument("--out", default=None, help="output directory (default: the first run dir)")
@@ -58,6 +59,26 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _add_auto_arguments(s: argparse.ArgumentParser) -> None:
+    """``plan --auto``'s options (docs/planner.md)."""
+    s.add_argument("--auto", action="store_true",
+                   help="search every module's layout on --world ranks and print the "
+                        "fastest by a step-time model, the best as TOML (docs/planner.md)")
+    s.add_argument("--world", type=int, default=None, help="--auto: ranks to plan for")
+    s.add_argument("--top", type=int, default=5, help="--auto: candidates shown (default 5)")
+    s.add_argument("--explain", action="store_true",
+                   help="--auto: each candidate's step-time terms")
+    s.add_argument("--device", default="h100",
+                   help="--auto: device constants from the table (h100, h200, a100-80gb, "
+                        "a100-40gb, cpu; default h100); --device-memory defaults to its size")
+    s.add_argument("--device-table", default=None, metavar="FILE",
+                   help="--auto: a TOML file of [devices.NAME] tables adding or overriding "
+                        "devices")
+    s.add_argument("--calibrate", action="store_true",
+                   help="--auto: measure module times and collectives on this host "
+                        "(device cpu), cached in the run directory")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the process exit code."""
     args = _parser().parse_args(argv)
@@ -76,6 +97,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def _dispatch(args: argparse.Namespace) -> int:
     """Run the chosen subcommand; its exit code."""
+    if args.command == "plan" and args.auto:
+        from mimotron.cli.plan_auto import AutoOptions, run_plan_auto
+
+        return run_plan_auto(args.config, args.overrides, AutoOptions(
+            args.world, args.device, args.device_table, args.device_memory, args.top,
+            args.explain, args.calibrate))
     if args.command == "plan":
         from mimotron.cli.plan import run_plan
 

@@ -125,18 +125,44 @@ def memory_ladder(option: ModuleOption, module: ModuleConfig) -> list[ModuleOpti
     return out
 
 
-def module_overrides(name: str, option: ModuleOption, rank_offset: int) -> list[str]:
-    """``key=value`` overrides that set one module's layout in a config."""
-    p = f"modules.{name}"
-    return [f"{p}.parallel.tensor={option.tensor}", f"{p}.parallel.context={option.context}",
-            f"{p}.parallel.data={option.data}", f"{p}.parallel.pipeline={option.pipeline}",
-            f"{p}.parallel.expert={option.expert}",
-            f"{p}.parallel.virtual_pipeline={option.virtual}",
-            f"{p}.parallel.sequence_parallel={str(option.sequence_parallel).lower()}",
-            f"{p}.parallel.shard_optimizer={str(option.sharding == 'zero1').lower()}",
-            f"{p}.parallel.fsdp={str(option.sharding == 'fsdp').lower()}",
-            f"{p}.parallel.rank_offset={rank_offset}", f"{p}.parallel.layers_per_stage=[]",
-            f"{p}.recompute={option.recompute}", f"{p}.recompute_num_layers=0"]
+def module_settings(option: ModuleOption, rank_offset: int) -> dict[str, object]:
+    """One module's keys (relative to ``modules.<m>``) and values in a layout."""
+    return {"parallel.tensor": option.tensor, "parallel.pipeline": option.pipeline,
+            "parallel.data": option.data, "parallel.context": option.context,
+            "parallel.expert": option.expert, "parallel.virtual_pipeline": option.virtual,
+            "parallel.sequence_parallel": option.sequence_parallel,
+            "parallel.shard_optimizer": option.sharding == "zero1",
+            "parallel.fsdp": option.sharding == "fsdp",
+            "parallel.rank_offset": rank_offset, "parallel.layers_per_stage": [],
+            "recompute": option.recompute, "recompute_num_layers": 0}
+
+
+def toml_value(value: object) -> str:
+    """A value as TOML writes it (booleans lower case, strings quoted)."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, str):
+        return f'"{value}"'
+    return str(value).replace(" ", "")
+
+
+def module_overrides(name: str, option: ModuleOption, rank_offset: int,
+                     base: MimoConfig | None = None) -> list[str]:
+    """``key=value`` overrides that set one module's layout in a config.
+
+    With ``base``, only the keys whose value differs from ``base``'s.
+    """
+    out = []
+    for key, value in module_settings(option, rank_offset).items():
+        if base is not None:
+            current: object = base.modules[name]
+            for part in key.split("."):
+                current = getattr(current, part)
+            if current == value:
+                continue
+        text = value if isinstance(value, str) else toml_value(value)
+        out.append(f"modules.{name}.{key}={text}")
+    return out
 
 
 def apply_option(cfg: MimoConfig, name: str, option: ModuleOption, rank_offset: int) -> None:

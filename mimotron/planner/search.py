@@ -81,7 +81,8 @@ class Candidate:
     micro_batch: int
     colocated: bool
     approx: float
-    overrides: list[str] = field(default_factory=list)
+    overrides: list[str] = field(default_factory=list)  # every layout key, for load_config
+    changes: list[str] = field(default_factory=list)  # only those the base config differs in
     cost: StepCost | None = None
     peak: int = 0  # the largest per-rank memory estimate (bytes)
     peak_rank: int = 0
@@ -346,12 +347,16 @@ def _module_memory(ctx: _Context, cfg: MimoConfig, name: str, option: ModuleOpti
     return max(e.total for items in est.values() for e in items if e.module == name)
 
 
-def candidate_overrides(ctx_overrides: list[str], cand: Candidate) -> list[str]:
-    """The overrides that turn the base config into ``cand``."""
+def candidate_overrides(ctx_overrides: list[str], cand: Candidate,
+                        base: MimoConfig | None = None) -> list[str]:
+    """The overrides that turn the base config into ``cand`` (with ``base``: only those
+    that change a value of it, after ``ctx_overrides``)."""
     out = list(ctx_overrides)
     for name, option in cand.options.items():
-        out += module_overrides(name, option, cand.offsets[name])
-    return [*out, f"train.micro_batch_size={cand.micro_batch}"]
+        out += module_overrides(name, option, cand.offsets[name], base)
+    if base is None or base.train.micro_batch_size != cand.micro_batch:
+        out.append(f"train.micro_batch_size={cand.micro_batch}")
+    return out
 
 
 def _check(ctx: _Context, cand: Candidate) -> str:
@@ -359,6 +364,7 @@ def _check(ctx: _Context, cand: Candidate) -> str:
     from mimotron.cli.device_fit import rank_classes
 
     cand.overrides = candidate_overrides(ctx.request.overrides, cand)
+    cand.changes = candidate_overrides(ctx.request.overrides, cand, ctx.base)
     try:
         cfg = load_config(ctx.request.config, cand.overrides)
         layout = plan_layout(cfg)

@@ -1,0 +1,113 @@
+"""``mimotron plan --auto``: search the layouts of a config, print the fastest.
+
+The config (with its overrides) is checked as ``mimotron plan`` checks it (the
+validator, the run directory, the data), then :func:`mimotron.planner.search.search`
+tries every module's layout on ``--world`` ranks of ``--device`` and
+:func:`mimotron.planner.report.format_report` prints the top ``--top``; exit 0, or 2
+with one line naming the problem (an option, the config, no layout that fits).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+from mimotron.checkpoint.files import CheckpointError
+from mimotron.cli.device_fit import parse_device_memory
+from mimotron.config import MimoConfig, load_config
+from mimotron.planner.cost import Calibration
+
+
+@dataclass(frozen=True)
+class AutoOptions:
+    """The command line of ``plan --auto``."""
+
+    world: int | None
+    device: str = "h100"
+    device_table: str | None = None
+    device_memory: str | None = None
+    top: int = 5
+    explain: bool = False
+    calibrate: bool = False
+
+
+def _fail(kind: str, message: str) -> int:
+    print(f"mimotron plan --auto: {kind}: {message}", file=sys.stderr)
+    return 2
+
+
+def run_plan_auto(config: str, overrides: list[str], options: AutoOptions) -> int:
+    """Print the best layouts of ``config`` on ``options.world`` ranks; 0, or 2.
+
+    Args:
+        config: the TOML config.
+        overrides: ``key=value`` overrides applied before the search (the search's
+            own come after them).
+        options: the world, the device and what to print.
+    """
+    from mimotron.planner.devices import device_table
+    from mimotron.planner.report import format_report
+    from mimotron.planner.search import SearchRequest, search
+
+    try:
+        if options.world is None or options.world < 1:
+            raise ValueError(f"--world={options.world} is invalid: --auto needs the number "
+                             "of ranks, e.g. --world 8")
+        if options.top < 1:
+            raise ValueError(f"--top={options.top} is invalid: expected >= 1")
+        table = device_table(options.device_table)
+        if options.device not in table:
+            raise ValueError(f"--device={options.device!r} is invalid: expected one of "
+                             f"{', '.join(sorted(table))} (or add it with --device-table)")
+        device = table[options.device]
+        limit = (device.memory_bytes if options.device_memory is None
+                 else parse_device_memory(options.device_memory))
+    except ValueError as exc:
+        return _fail("invalid option", str(exc))
+    try:
+        cfg = load_config(config, overrides)
+        from mimotron.data.llava_setup import check_data
+        from mimotron.run_dir import describe_run_dir
+
+        describe_run_dir(cfg)  # checkpoint.load checked as train checks it
+        check_data(cfg)  # the tokenizer and (llava) every sample, as plan and train
+    except (ValueError, CheckpointError) as exc:
+        return _fail("invalid config", str(exc))
+    try:
+        calibration, note = _calibration(cfg, options)
+    except ValueError as exc:
+        return _fail("invalid option", str(exc))
+    request = SearchRequest(config, list(overrides), options.world, device, limit,
+                            calibration, options.top)
+    try:
+        result = search(request)
+    except ValueError as exc:
+        return _fail("invalid config", str(exc))
+    print(format_report(result, request, options.explain, note))
+    return 0 if result.candidates else 2
+
+
+def _calibration(cfg: MimoConfig, options: AutoOptions) -> tuple[Calibration | None, str]:
+    """The calibration to price with (measured with ``--calibrate``, else one cached in
+    the run directory for this config and world), and how the report names it.
+
+    Raises:
+        ValueError: ``--calibrate`` for another device than the one it measures.
+    """
+    from mimotron.planner import calibration as cal
+
+    if options.calibrate:
+        if options.device != cal.DEVICE:
+            raise ValueError(f"--calibrate measures this host (device {cal.DEVICE!r}); "
+                             f"--device={options.device!r} is invalid with it: use "
+                             f"--device {cal.DEVICE}")
+        measured, reused = cal.calibrate_cached(cfg, options.world or 1,
+                                                log=lambda line: print(line, flush=True))
+        where = cal.calibration_path(cfg.log_dir)
+        return measured, f"calibrated ({'cached' if reused else 'measured'}: {where})"
+    digest = cal.fingerprint_digest(cal.fingerprint(cfg, options.world or 1,
+                                                    cal.CalibrationOptions()))
+    cached = cal.load_calibration(cfg.log_dir, digest)
+    if cached is None or cached.device != options.device:
+        return None, ""
+    return cached, f"calibrated (cached: {cal.calibration_path(cfg.log_dir)})"

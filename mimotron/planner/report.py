@@ -1,0 +1,130 @@
+"""What ``mimotron plan --auto`` prints: the ranked layouts, the model's error, the TOML.
+
+:func:`format_report` renders a :class:`~mimotron.planner.search.SearchResult`: a header
+(the device, the limit, what the search did), one row per candidate (placement,
+micro-batch, each module's layout, predicted step, peak memory against the limit,
+bottleneck), a remark when the leading candidates are closer than the model's error,
+``--explain``'s terms per candidate, and the best layout as a TOML snippet plus the
+same as ``key=value`` overrides for ``mimotron train``.
+"""
+
+from __future__ import annotations
+
+from mimotron.planner.options import ModuleOption, module_settings, toml_value
+from mimotron.planner.search import Candidate, SearchRequest, SearchResult
+
+ERROR_CONSTANTS = 0.15
+"""The model's assumed error from device constants: the sustained FLOP/s is a rule of
+thumb (dense transformer layers reach roughly 35-65 % of the datasheet peak, the table
+takes 50 %) and collectives run at a nominal bus bandwidth."""
+ERROR_CALIBRATED = 0.10
+"""The model's assumed error with a calibration: the module times and collectives are
+measured on the machine, what remains is their spread between runs and what the model
+leaves out (kernel launch overheads that do not scale with the shapes, the allocator)."""
+
+
+def model_error(request: SearchRequest) -> float:
+    """The relative error assumed for this search's predictions."""
+    return ERROR_CALIBRATED if request.calibration is not None else ERROR_CONSTANTS
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f}"
+
+
+def _layout_cell(name: str, option: ModuleOption) -> str:
+    return f"{name}: {option.describe()}"
+
+
+def format_table(result: SearchResult, request: SearchRequest) -> list[str]:
+    """One row per candidate, best first."""
+    lines = [f"{'#':>2}  {'placement':<9} {'mbs':>4}  {'step s':>8}  {'peak GiB':>8} / "
+             f"{'limit':<6}  {'bottleneck':<32} layout"]
+    limit = _gib(request.memory_limit)
+    for i, cand in enumerate(result.candidates[:request.top], 1):
+        assert cand.cost is not None
+        layout = "; ".join(_layout_cell(n, o) for n, o in cand.options.items())
+        place = "colocated" if cand.colocated else "split"
+        lines.append(f"{i:>2}  {place:<9} {cand.micro_batch:>4}  {cand.cost.total:>8.4f}  "
+                     f"{_gib(cand.peak):>8} / {limit:<6}  {cand.cost.bottleneck:<32} {layout}")
+    return lines
+
+
+def uncertainty_remark(result: SearchResult, request: SearchRequest) -> str:
+    """Which leading candidates the model cannot tell apart (within its error)."""
+    shown = result.candidates[:request.top]
+    if len(shown) < 2:
+        return ""
+    error = model_error(request)
+    best = shown[0].cost.total if shown[0].cost else 0.0
+    close = [i for i, c in enumerate(shown, 1) if c.cost and c.cost.total <= best * (1 + error)]
+    source = "calibrated" if request.calibration is not None else "device constants"
+    if len(close) < 2:
+        return (f"#1 is more than the model's error (±{error:.0%}, {source}) faster than "
+                f"#2: a clear choice by this model.")
+    return (f"#{', #'.join(map(str, close))} are within the model's error (±{error:.0%}, "
+            f"{source}) of #1: indistinguishable by this model; measure them "
+            "(--calibrate, or a few training steps each) to choose.")
+
+
+def explain_lines(cand: Candidate) -> list[str]:
+    """``--explain``: one candidate's terms, in seconds per step."""
+    assert cand.cost is not None
+    out = [f"    {label:<44} {seconds:>10.4f} s" for label, seconds in cand.cost.terms()]
+    module, stage = cand.cost.critical
+    out.append(f"    {'step (ends on ' + module + ' stage ' + str(stage) + ')':<44} "
+               f"{cand.cost.total:>10.4f} s")
+    return out
+
+
+def snippet(cand: Candidate) -> str:
+    """The candidate as TOML: ``[train]``'s micro-batch and each module's recompute keys
+    to set, and each module's ``[modules.<m>.parallel]`` table to replace the config's
+    (keys left out take their defaults)."""
+    defaults = module_settings(ModuleOption(), 0)
+    lines = ["[train]", f"micro_batch_size = {cand.micro_batch}"]
+    for name, option in cand.options.items():
+        settings = module_settings(option, cand.offsets[name])
+        lines += ["", f"[modules.{name}]",
+                  f"recompute = {toml_value(settings['recompute'])}"]
+        if option.recompute != "none":
+            lines.append("recompute_num_layers = 0")
+        lines += ["", f"[modules.{name}.parallel]"]
+        lines += [f"{key.split('.')[1]} = {toml_value(value)}"
+                  for key, value in settings.items() if key.startswith("parallel.")
+                  and (value != defaults[key] or key in ("parallel.data",
+                                                         "parallel.rank_offset"))]
+    return "\n".join(lines)
+
+
+def format_report(result: SearchResult, request: SearchRequest, explain: bool = False,
+                  calibration_note: str = "") -> str:
+    """The whole report (see the module docstring)."""
+    d = request.device
+    lines = [f"plan --auto: {request.config} on {request.world} x {d.name} "
+             f"({_gib(request.memory_limit)} GiB each)",
+             f"step-time model: {calibration_note or 'device constants'} "
+             f"({d.flops_per_s:.3g} FLOP/s sustained, {d.intra_node_bytes_per_s:.3g} B/s "
+             f"in a node of {d.devices_per_node}, {d.inter_node_bytes_per_s:.3g} B/s across)",
+             f"searched {result.scored:,} module options, composed {result.composed:,} "
+             f"layouts, checked {result.checked} ({result.refused} refused by the validator, "
+             f"{result.too_big} over the memory limit) in {result.seconds:.1f} s"]
+    if not result.candidates:
+        lines.append("no layout fits: every candidate the search checked was refused by "
+                     "the validator or needs more memory than the limit; raise "
+                     "--device-memory, --world, or lower train.micro_batch_size")
+        return "\n".join(lines)
+    lines += ["", *format_table(result, request)]
+    remark = uncertainty_remark(result, request)
+    if remark:
+        lines += ["", remark]
+    if explain:
+        lines += ["", "terms per step (modules run side by side: terms do not add up):"]
+        for i, cand in enumerate(result.candidates[:request.top], 1):
+            lines += [f"  #{i}", *explain_lines(cand)]
+    best = result.candidates[0]
+    lines += ["", "best layout (#1) as TOML: set [train] micro_batch_size and each "
+              "module's recompute, replace each [modules.<m>.parallel] table",
+              "", snippet(best), "", "or as overrides of the config:",
+              f"  mimotron train {request.config} " + " ".join(best.changes)]
+    return "\n".join(lines)
