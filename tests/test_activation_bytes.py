@@ -22,11 +22,14 @@ import contextlib
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import mimotron.models.blocks as blocks
 from mimotron.config import load_config
 from mimotron.dryrun.saved_bytes import layer_activation_bytes, saved_bytes
 from mimotron.models.blocks import Attention, TransformerBlock, rms_norm
+from mimotron.models.language import LanguageModel
+from mimotron.models.recompute import apply_recompute
 from mimotron.parallel.memory import layer_bytes_per_token
 from mimotron.pipeline.shapes import residual_dtype
 from mimotron.training.precision import autocast_factory, step_cast_scope
@@ -165,6 +168,43 @@ def test_weight_grads_reach_fp32_layer_by_layer_in_every_microbatch():
     layer's 16-bit weight gradient until their backward ends (each use of a cast has a
     node of its own micro-batch, run right after the layer's matmul)."""
     assert _weight_grads_pending_at_backward_end() == [0, 0, 0]
+
+
+class _WeightCasts(TorchDispatchMode):
+    """Counts the 16-bit casts made of fp32 tensors of the given 2-D shapes."""
+
+    def __init__(self, shapes: set[tuple[int, ...]]) -> None:
+        super().__init__()
+        self.shapes, self.count = shapes, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        out = func(*args, **(kwargs or {}))
+        if (func is torch.ops.aten._to_copy.default and args[0].dtype == torch.float32
+                and out.dtype == torch.bfloat16 and tuple(out.shape) in self.shapes):
+            self.count += 1
+        return out
+
+
+@pytest.mark.parametrize("mode", ["none", "full", "selective"])
+def test_recomputed_layers_read_the_steps_weight_casts(mode: str) -> None:
+    """A recomputation (in the backward) reads the forward's 16-bit copies: still one
+    cast per weight per step over 3 micro-batches, forwards and backwards."""
+    torch.manual_seed(0)
+    lm = LanguageModel(32, num_layers=2, hidden_size=64, num_heads=4, ffn_hidden_size=96,
+                       max_seq_len=8)
+    apply_recompute(lm, mode)
+    shapes = {tuple(p.shape) for p in lm.parameters() if p.dim() == 2}
+    casts = _WeightCasts(shapes)
+    device = torch.device("cpu")
+    autocast = autocast_factory("bf16", device)
+    with step_cast_scope("bf16", device), casts:
+        outs = []
+        for _ in range(3):
+            with autocast():
+                outs.append(lm(torch.randn(2, 8, 64)))
+        for out in outs:
+            out.float().sum().backward()
+    assert casts.count == sum(p.dim() == 2 for p in lm.parameters() if p is not lm.embed.weight)
 
 
 def test_weight_cast_scope_changes_no_number():

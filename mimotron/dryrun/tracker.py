@@ -115,7 +115,7 @@ def library_site() -> str:
         # The step's weight-cast mode forwards every torch call: never the site itself.
         if "/mimotron/" in name and "/mimotron/dryrun/" not in name \
                 and not name.endswith(("/mimotron/host_sync.py",
-                                       "/mimotron/training/weight_casts.py")):
+                                       "/mimotron/models/weight_casts.py")):
             return f"{name[name.rindex('/mimotron/') + 1:]}:{frame.f_lineno}"
         frame = frame.f_back
     return "<outside mimotron>"

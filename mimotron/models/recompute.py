@@ -68,6 +68,7 @@ from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_conte
 from mimotron.config_schema import RECOMPUTE_MODES
 from mimotron.models.moe import MoEFeedForward, MoEStats, moe_layers
 from mimotron.models.save_policy import SavePolicy
+from mimotron.models.weight_casts import recompute_casts
 from mimotron.parallel.virtual_pipeline import chunk_holder
 
 MODE_ATTR = "_mimotron_recompute"
@@ -168,6 +169,8 @@ class _Replayed:
     auxiliary-loss weights its forward consumed (the autograd function injecting their
     gradient saves them, and recomputation must save the same tensors), and what it
     records into the routing statistics is dropped (the forward counted the tokens).
+    Its matmuls read the step's 16-bit weight copies, as the forward's did
+    (:func:`~mimotron.models.weight_casts.recompute_casts`).
 
     Args:
         forward: the layer's original (bound) forward.
@@ -179,13 +182,17 @@ class _Replayed:
         self.moe = moe
         # Taken before the forward runs: it consumes them (sets them to None).
         self.aux_weights = [m.aux_weights for m in moe]
+        # The step's 16-bit weight copies, taken in the forward: autograd does not carry
+        # them (a torch-function mode) into the backward, where the recomputation runs.
+        self.casts = recompute_casts()
         self.calls = 0
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.calls += 1
-        if self.calls == 1 or not self.moe:
+        if self.calls == 1:
             return self.forward(*args, **kwargs)
-        with _replaying(self.moe, self.aux_weights):
+        replaying = _replaying(self.moe, self.aux_weights) if self.moe else contextlib.nullcontext()
+        with self.casts, replaying:
             return self.forward(*args, **kwargs)
 
 

@@ -14,7 +14,7 @@ one.
 weight is cast once per step, the copy is shared by every micro-batch's saved tensors
 and is freed when the step's scope exits, before the optimizer changes the weights.
 Each *use* still gets an autograd node of its own micro-batch
-(:mod:`mimotron.training.weight_casts`), so a layer's 16-bit weight gradient becomes
+(:mod:`mimotron.models.weight_casts`), so a layer's 16-bit weight gradient becomes
 its fp32 gradient as soon as the layer's backward is done. Only fp32 parameters that
 require a gradient are cached (autocast's rule): frozen weights are cast per use and,
 needing no gradient, are never saved for backward. The scope also opens an outer
@@ -36,8 +36,8 @@ from typing import Any
 
 import torch
 
+from mimotron.models.weight_casts import StepWeightCasts
 from mimotron.runtime import autocast_device_type, compute_dtype
-from mimotron.training.weight_casts import StepWeightCasts
 
 
 def autocast_factory(precision: str, device: torch.device) -> Callable[[], Any]:

@@ -19,6 +19,12 @@ as that matmul's backward has, and the weight's gradient reaches its fp32 ``.gra
 (or ``main_grad``) layer by layer. The values are the ones autocast computes (the same
 ``.to``), so nothing changes in any number.
 
+Autograd does not carry torch-function modes into the backward, where a recomputed
+layer (:mod:`mimotron.models.recompute`) runs its forward again: the checkpoint enters
+:func:`recompute_casts` around the recomputation, the step's casts again, so the
+recomputed matmuls read the same copies (autocast would otherwise cast each weight a
+second time and keep that copy in its own cache for the rest of the step).
+
 What it casts is what autocast caches: fp32 parameters that require a gradient, on the
 autocast device. Frozen weights (cast per use and never saved) and 16-bit parameters
 (ZeRO-1's bf16 weights, FSDP2's unsharded ones) are left to autocast. Other ops that
@@ -28,6 +34,7 @@ autocast either.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -62,13 +69,21 @@ class StepWeightCasts(TorchFunctionMode):
         dtype: the compute dtype (bf16 / fp16).
     """
 
-    def __init__(self, device_type: str, dtype: torch.dtype) -> None:
+    def __init__(self, device_type: str, dtype: torch.dtype,
+                 copies: dict[int, tuple[nn.Parameter, torch.Tensor]] | None = None) -> None:
         super().__init__()
         self.device_type = device_type
         self.dtype = dtype
+        # The step's scope owns the copies (drops them on exit); a recomputation's shares them.
+        self._owner = copies is None
         # id(parameter) -> (parameter, its 16-bit copy); the parameter is held so that its
         # id is not reused during the step.
-        self._copies: dict[int, tuple[nn.Parameter, torch.Tensor]] = {}
+        self._copies: dict[int, tuple[nn.Parameter, torch.Tensor]] = {} if copies is None \
+            else copies
+
+    def shared(self) -> StepWeightCasts:
+        """Another mode over the same copies, which leaves them alone on exit."""
+        return StepWeightCasts(self.device_type, self.dtype, self._copies)
 
     def _eligible(self, t: Any) -> bool:
         """A parameter autocast would cast once and cache (see the module docstring)."""
@@ -95,5 +110,20 @@ class StepWeightCasts(TorchFunctionMode):
 
     def __exit__(self, *exc: object) -> None:
         # The copies go with the step, before the optimizer changes the weights.
-        self._copies.clear()
+        if self._owner:
+            self._copies.clear()
         super().__exit__(*exc)
+
+
+def recompute_casts() -> contextlib.AbstractContextManager:
+    """For a checkpoint's recomputation: the step's casts active now, entered again then.
+
+    Call it in the forward (a checkpoint's ``context_fn`` is called there); enter the
+    result around the recomputation. A no-op context outside a step's casts.
+    """
+    from torch.overrides import _get_current_function_mode_stack
+
+    for mode in reversed(_get_current_function_mode_stack()):
+        if isinstance(mode, StepWeightCasts):
+            return mode.shared()
+    return contextlib.nullcontext()
