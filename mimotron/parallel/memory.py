@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from mimotron.config import MimoConfig
+from mimotron.config_schema import MimoConfig
 from mimotron.models.blocks import default_ffn_hidden_size
 from mimotron.names import LANGUAGE
 from mimotron.parallel.activation_terms import context_keys_read
@@ -575,7 +575,8 @@ def estimate_memory(
         return memo[key]
 
     counts = {n: memoised(stage_parameter_counts, n) for n in cfg.modules}
-    trained = {n: memoised(stage_trainable_counts, n) for n in cfg.modules}
+    trained = {n: memoised(stage_trainable_counts, n) if cfg.modules[n].freeze else counts[n]
+               for n in cfg.modules}  # all of a trainable module's (no second build)
     experts = {n: memoised(stage_expert_counts, n) for n in cfg.modules}
     out: dict[int, list[MemoryEstimate]] = {}
     # Per (module, stage): the peak of its plan's held forwards (one replay per stage).

@@ -62,6 +62,8 @@ class SearchRequest:
     memory_limit: int
     calibration: Calibration | None = None
     top: int = 5
+    micro_batches: tuple[int, ...] = ()
+    """Micro-batch sizes to try (each dividing the global batch); empty: every divisor."""
 
 
 @dataclass(frozen=True)
@@ -136,7 +138,10 @@ def search(request: SearchRequest) -> SearchResult:
     base = load_config(request.config, request.overrides)
     ctx = _Context(base, request, model_vocabulary(base))
     composed: list[Candidate] = []
-    for mbs in _micro_batches(base):
+    for mbs in request.micro_batches or _micro_batches(base):
+        if base.train.global_batch_size % mbs:
+            raise ValueError(f"micro-batch size {mbs} is invalid: it must divide "
+                             f"train.global_batch_size={base.train.global_batch_size}")
         composed += _compose(ctx, mbs)
     result = SearchResult([], composed=len(composed))
     seen: set[tuple[object, ...]] = set()
