@@ -1,0 +1,216 @@
+"""``mimotron plan --auto``: the simulation, the cost terms, the search's choices train.
+
+* the simulated makespan of our own plans against schedules drawn by hand (1F1B on two
+  stages; two encoders feeding the language model; ranks sharing one core);
+* the compute and collective terms against hand-computed FLOPs and ring formulas;
+* the device table and a user's file;
+* over a grid of worlds and memory limits (digits and the LLaVA-1.5-7B shape), the first
+  choice passes ``load_config`` + ``plan_layout`` + the data check and its memory
+  estimate (recomputed from scratch) is within the limit; its TOML snippet gives the
+  same layout;
+* the digits choice on 4 ranks, from its snippet, trains 10 iterations matching the
+  plain-PyTorch reference (losses, grad norms, final weights).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from mimotron.cli.device_fit import rank_classes
+from mimotron.cli.main import main
+from mimotron.config import ParallelConfig, load_config
+from mimotron.data.llava_setup import check_data
+from mimotron.parallel.layout import Layout, ModulePlacement, plan_layout
+from mimotron.parallel.memory import estimate_memory
+from mimotron.pipeline.interleaved_plan import build_rank_plan
+from mimotron.pipeline.plan import Position, build_1f1b_plan
+from mimotron.planner.cost import model_vocabulary
+from mimotron.planner.devices import DeviceSpec, device_table
+from mimotron.planner.report import snippet
+from mimotron.planner.search import SearchRequest, search
+from mimotron.planner.simulate import Lane, simulate
+from mimotron.planner.terms import Links, chunk_compute, tp_efficiency
+from mimotron.training.flops import language_model_flops, transformer_layer_flops
+from tests.common import BASE, DIGITS
+from tests.test_parity import PARITY, run_against_plain_loop
+
+LLAVA_7B = Path(__file__).resolve().parents[1] / "configs" / "llava15_7b_8gpu.toml"
+UNIT = {("F", 0): (1.0, 0.0), ("B", 0): (2.0, 0.0)}
+
+
+def _two_stage_lanes(n: int) -> dict[tuple[str, int], Lane]:
+    return {("language", s): Lane(build_1f1b_plan(n, Position("language", s, s, 2, s > 0,
+                                                              s < 1)), 1, 2, 1, UNIT)
+            for s in range(2)}
+
+
+def test_two_stage_1f1b_makespan_matches_the_hand_drawn_schedule():
+    # Stage 0: F0 [0,1] F1 [1,2] B0 [4,6] F2 [6,7] B1 [7,9] F3 [9,10] B2 [10,12] B3 [13,15]
+    # Stage 1: F0 [1,2] B0 [2,4] F1 [4,5] B1 [5,7] F2 [7,8] B2 [8,10] F3 [10,11] B3 [11,13]
+    result = simulate(_two_stage_lanes(4), lambda src, msg: 0.0)
+    assert result.makespan == 15.0  # 4 x (F + B) + (p - 1) x (F + B)
+    assert result.finish == {("language", 0): 15.0, ("language", 1): 13.0}
+    assert result.busy == {("language", 0): 12.0, ("language", 1): 12.0}
+    # 0.5 s per message. Stage 0: F0 [0,1] F1 [1,2] B0 [5,7] F2 [7,8] B1 [8,10] F3 [10,11]
+    # B2 [12,14] B3 [15,17]; stage 1: F0 [1.5,2.5] B0 [2.5,4.5] F1 [4.5,5.5] B1 [5.5,7.5]
+    # F2 [8.5,9.5] B2 [9.5,11.5] F3 [11.5,12.5] B3 [12.5,14.5].
+    slow = simulate(_two_stage_lanes(4), lambda src, msg: 0.5)
+    assert slow.makespan == 17.0
+    assert slow.finish[("language", 1)] == 14.5
+    # Two ranks on one core: every compute shares it, the step is the serial sum.
+    assert simulate(_two_stage_lanes(4), lambda src, msg: 0.0, host_cores=1).makespan == 24.0
+
+
+def _encoders_layout() -> Layout:
+    modules = {n: ModulePlacement(n, ParallelConfig(rank_offset=i))
+               for i, n in enumerate(("vision", "audio", "language"))}
+    return Layout(3, False, modules, {"vision": ["language"], "audio": ["language"]})
+
+
+def test_language_model_waits_for_every_encoder():
+    layout = _encoders_layout()
+    cost = {"vision": {("F", 0): (1.0, 0.0), ("B", 0): (1.0, 0.0)},
+            "audio": {("F", 0): (3.0, 0.0), ("B", 0): (1.0, 0.0)},
+            "language": {("F", 0): (1.0, 0.0), ("B", 0): (1.0, 0.0)}}
+    lanes = {(m, 0): Lane(build_rank_plan(layout, m, 0, 2), 1, 1, 1, cost[m]) for m in cost}
+    result = simulate(lanes, lambda src, msg: 0.0)
+    # audio F0 [0,3] F1 [3,6]; language F0 [3,4] B0 [4,5] F1 [6,7] B1 [7,8];
+    # vision B0 [5,6] B1 [8,9]; audio B0 [6,7] B1 [8,9].
+    assert result.finish == {("language", 0): 8.0, ("vision", 0): 9.0, ("audio", 0): 9.0}
+    assert result.makespan == 9.0
+
+
+def test_compute_term_is_flops_over_the_rate():
+    cfg = load_config(DIGITS, [*BASE, "modules.language.parallel.tensor=2",
+                               "modules.language.parallel.rank_offset=2",
+                               "modules.language.parallel.data=1",
+                               "modules.language.recompute=full"])
+    device = DeviceSpec("test", 1e12, 10**9, 8, 1e9, 1e8, 1e-5)
+    vocab = model_vocabulary(cfg)
+    lm = cfg.modules["language"]
+    samples = cfg.train.micro_batch_size  # data = 1: the whole micro-batch
+    forward = language_model_flops(lm, vocab, samples, cfg.data.seq_length)
+    layer = transformer_layer_flops(samples, cfg.data.seq_length, lm.hidden_size)
+    rate = 1e12 * 2 * tp_efficiency(2)
+    f_s, b_s = chunk_compute(cfg, "language", 0, 0, vocab, device, None)
+    assert f_s == pytest.approx(forward / rate, rel=1e-12)
+    # Backward: twice the forward, plus full recompute's forward of every layer.
+    assert b_s == pytest.approx((2 * forward + lm.num_layers * layer) / rate, rel=1e-12)
+    assert tp_efficiency(8) == pytest.approx(1 - 0.04 * 3)
+
+
+def test_collective_costs_follow_the_ring_and_the_node():
+    device = DeviceSpec("test", 1e12, 10**9, 4, intra_node_bytes_per_s=1e9,
+                        inter_node_bytes_per_s=1e8, latency_s=1e-5)
+    links = Links(device, None)
+    nbytes = 8e6
+    # 4 ranks in a node: 2 (n-1)/n of the buffer over the intra-node link, log2(4) hops.
+    assert links.cost("all_reduce", [0, 1, 2, 3], nbytes) == pytest.approx(
+        2e-5 + nbytes * 1.5 / 1e9)
+    # Across nodes (ranks 0 and 4 with 4 a node): the inter-node link.
+    assert links.cost("all_gather", [0, 4], nbytes) == pytest.approx(1e-5 + nbytes * 0.5 / 1e8)
+    assert links.cost("p2p", [3, 4], nbytes) == pytest.approx(1e-5 + nbytes / 1e8)
+    assert links.cost("all_reduce", [5], nbytes) == 0.0  # a group of one moves nothing
+
+
+def test_device_table_takes_a_users_file(tmp_path):
+    assert {"h100", "h200", "a100-80gb", "a100-40gb", "cpu"} <= set(device_table())
+    path = tmp_path / "devices.toml"
+    path.write_text("[devices.h100]\nflops_per_s = 4e14\n\n[devices.l40s]\n"
+                    "flops_per_s = 1.8e14\nmemory_bytes = 48e9\ndevices_per_node = 8\n"
+                    "intra_node_bytes_per_s = 2.4e10\ninter_node_bytes_per_s = 1.2e10\n"
+                    "latency_s = 2e-5\n")
+    table = device_table(str(path))
+    assert table["h100"].flops_per_s == 4e14
+    assert table["h100"].memory_bytes == device_table()["h100"].memory_bytes
+    assert table["l40s"].memory_bytes == 48 * 10**9
+    path.write_text("[devices.h100]\nflops = 1\n")
+    with pytest.raises(ValueError, match="devices.h100.flops is not a device field"):
+        device_table(str(path))
+    path.write_text("[devices.new]\nflops_per_s = 1e12\n")
+    with pytest.raises(ValueError, match="new device and needs memory_bytes"):
+        device_table(str(path))
+
+
+def snippet_overrides(text: str) -> list[str]:
+    """The snippet as overrides; each ``[modules.<m>.parallel]`` table *replaces* the
+    config's (keys it leaves out take their defaults), as the report says."""
+    doc = tomllib.loads(text)
+    out = [f"train.{k}={v}" for k, v in doc.get("train", {}).items()]
+    defaults = {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
+                for f in dataclasses.fields(ParallelConfig)}
+    for name, table in doc.get("modules", {}).items():
+        for key, value in table.items():
+            if key != "parallel":
+                out.append(f"modules.{name}.{key}={value}")
+        for key, default in defaults.items():
+            value = table.get("parallel", {}).get(key, default)
+            text_value = str(value).lower() if isinstance(value, bool) else str(value)
+            out.append(f"modules.{name}.parallel.{key}={text_value.replace(' ', '')}")
+    return out
+
+
+def _assert_trains(config: Path, base: list[str], world: int, device: str, limit: int,
+                   micro_batches: tuple[int, ...]) -> bool:
+    """Search; the first choice (if any) is valid, fits, and its snippet is the layout."""
+    request = SearchRequest(str(config), base, world, device_table()[device], limit,
+                            micro_batches=micro_batches, top=1)
+    result = search(request)
+    if not result.candidates:
+        return False
+    best = result.candidates[0]
+    cfg = load_config(config, best.overrides)
+    layout = plan_layout(cfg)
+    check_data(cfg)
+    assert layout.world_size == world
+    ranks = [r for r, _ in rank_classes(layout)]
+    est = estimate_memory(cfg, layout, model_vocabulary(cfg), ranks)  # no memo: fresh
+    assert max(sum(e.total for e in items) for items in est.values()) <= limit
+    from_snippet = load_config(config, [*base, *snippet_overrides(snippet(best))])
+    assert {n: m.parallel for n, m in from_snippet.modules.items()} == {
+        n: m.parallel for n, m in cfg.modules.items()}
+    assert {n: m.recompute for n, m in from_snippet.modules.items()} == {
+        n: m.recompute for n, m in cfg.modules.items()}
+    assert best.cost is not None and best.cost.total > 0 and best.cost.bottleneck
+    return True
+
+
+@pytest.mark.parametrize("world", [1, 2, 4, 8, 64])
+def test_digits_first_choice_trains_within_the_limit(world):
+    # 64 MiB is roomy for the small demo model; 5 MiB forces sharding or recompute.
+    found = [_assert_trains(DIGITS, BASE, world, "cpu", limit, (8,))
+             for limit in (64 * 2**20, 5 * 2**20)]
+    assert found[0]  # the roomy limit always has a layout
+
+
+@pytest.mark.parametrize(("world", "limit"), [(8, 40 * 10**9), (64, 80 * 10**9)])
+def test_llava_7b_first_choice_trains_within_the_limit(world, limit):
+    assert _assert_trains(LLAVA_7B, ["train.global_batch_size=64"], world, "h100", limit,
+                          (16,))
+
+
+def test_plan_auto_command(capsys):
+    assert main(["plan", "--auto", str(DIGITS), *BASE, "--world", "2", "--device", "cpu",
+                 "--top", "2", "--explain"]) == 0
+    out = capsys.readouterr().out
+    assert "best layout (#1) as TOML" in out and "[modules.language.parallel]" in out
+    assert "pipeline idle" in out or "compute (" in out
+    assert main(["plan", "--auto", str(DIGITS), *BASE, "--world", "2", "--device", "cpu",
+                 "--device-memory", "1MiB"]) == 2
+    assert "no layout fits" in capsys.readouterr().out
+    assert main(["plan", "--auto", str(DIGITS), "--device", "tpu", "--world", "2"]) == 2
+    assert "--device='tpu' is invalid" in capsys.readouterr().err
+
+
+def test_digits_choice_on_four_ranks_matches_the_plain_loop():
+    base = [*PARITY, *BASE]
+    request = SearchRequest(str(DIGITS), base, 4, device_table()["cpu"], 2**30, top=1,
+                            micro_batches=(8,))
+    best = search(request).candidates[0]
+    layout = snippet_overrides(snippet(best))
+    assert plan_layout(load_config(DIGITS, [*base, *layout])).world_size == 4
+    run_against_plain_loop(layout, [], num_iters=10)
