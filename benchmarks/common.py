@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from mimotron.config import MimoConfig, apply_override, config_from_dict
+from mimotron.config import MimoConfig, apply_override, config_from_dict, validate_config
 
 REPO = Path(__file__).resolve().parents[1]
 DIGITS = REPO / "configs" / "digits.toml"
@@ -199,7 +199,7 @@ def make_config(raw: dict[str, Any], overrides: list[str] = ()) -> MimoConfig:
     ]
     for item in quiet + list(overrides):
         apply_override(raw, item)
-    return config_from_dict(raw).validate()
+    return validate_config(config_from_dict(raw))
 
 
 def parallel(module: str, **degrees: int) -> list[str]:

@@ -22,11 +22,13 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from mimotron.config import MimoConfig
-    from mimotron.config_schema import ModuleConfig
+from mimotron.config_schema import MimoConfig, ModuleConfig
+from mimotron.models.blocks import default_ffn_hidden_size
+from mimotron.models.hf.folder import HFConfigs
+from mimotron.models.hf.llama import LlamaFamilySpec
+from mimotron.models.hf.resolve import language_spec
 
 MAX_PARAMS = 10**13
 """Parameters of the whole model beyond which a plan is refused (no machine trains it)."""
@@ -40,14 +42,18 @@ FORCE_LOCAL_RANKS_ENV = "MIMOTRON_FORCE_LOCAL_RANKS"
 _BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
-def check_limits(cfg: MimoConfig) -> None:
+def check_limits(cfg: MimoConfig, hf: HFConfigs | None = None) -> None:
     """Every check of this module that needs only the config (see the module docstring).
+
+    Args:
+        cfg: the config.
+        hf: the config.json reader of this load (``None``: files are read).
 
     Raises:
         ValueError: one line naming the key (or module) and the limit.
     """
     check_timeouts(cfg)
-    check_model_size(cfg)
+    check_model_size(cfg, hf)
 
 
 def check_timeouts(obj: Any, prefix: str = "") -> None:
@@ -74,20 +80,17 @@ def check_timeouts(obj: Any, prefix: str = "") -> None:
                                  "milliseconds, about 24.8 days)")
 
 
-def _attention_params(mod: ModuleConfig) -> int:
-    """Per-layer attention parameters (biases and norms left out: a bound, not a count)."""
+def _attention_params(mod: ModuleConfig, spec: LlamaFamilySpec | None) -> int:
+    """Per-layer attention parameters (biases and norms left out: a bound, not a count);
+    ``spec``: a Hugging Face decoder's (grouped-query heads, a head_dim of its own)."""
     h = mod.hidden_size
-    if mod.hf_path and mod.kind == "language":  # grouped-query heads, a head_dim of its own
-        # Only for Hugging Face modules: the launcher's checks import no model code else.
-        from mimotron.models.hf.resolve import language_spec
-
-        spec = language_spec(mod)
+    if spec is not None:
         q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
         return 2 * h * q + 2 * h * kv
     return 4 * h * h
 
 
-def module_parameters(mod: ModuleConfig) -> tuple[int, int]:
+def module_parameters(mod: ModuleConfig, hf: HFConfigs | None = None) -> tuple[int, int]:
     """``(dense, routed expert)`` parameters of a module, from its sizes alone.
 
     Biases and norm weights are left out, and the toy models' vocabulary is unknown here
@@ -96,21 +99,19 @@ def module_parameters(mod: ModuleConfig) -> tuple[int, int]:
 
     Args:
         mod: a validated module config (sizes filled from ``hf_path``).
+        hf: the config.json reader of this load (``None``: the file is read).
 
     Returns:
         The two counts (Python ints: never overflow).
     """
-    from mimotron.models.blocks import default_ffn_hidden_size
-
     h, layers = mod.hidden_size, mod.num_layers
     f = mod.ffn_hidden_size or default_ffn_hidden_size(h)
     mlp = (3 if mod.kind == "language" else 2) * h * f
     ends = 0
     experts = 0
+    spec = None
     if mod.kind == "language" and mod.hf_path:
-        from mimotron.models.hf.resolve import language_spec
-
-        spec = language_spec(mod)
+        spec = language_spec(mod, hf.read(mod.hf_path) if hf is not None else None)
         ends = spec.vocab_size * h * (1 if spec.tie_word_embeddings else 2)
         if spec.moe is not None:
             experts = layers * spec.moe.num_experts * 3 * h * spec.moe.ffn_hidden_size
@@ -119,7 +120,7 @@ def module_parameters(mod: ModuleConfig) -> tuple[int, int]:
         e_ffn = mod.moe_ffn_hidden_size or f
         experts = layers * mod.num_experts * 3 * h * e_ffn
         mlp = 3 * h * e_ffn * mod.num_shared_experts + h * mod.num_experts
-    return ends + layers * (_attention_params(mod) + mlp), experts
+    return ends + layers * (_attention_params(mod, spec) + mlp), experts
 
 
 def rank_state_bytes(cfg: MimoConfig, name: str, dense: int, experts: int) -> int:
@@ -140,8 +141,9 @@ def rank_state_bytes(cfg: MimoConfig, name: str, dense: int, experts: int) -> in
     return n * (4 + compute + 4) + n * 8 // shard
 
 
-def check_model_size(cfg: MimoConfig) -> None:
-    """Refuse a model no machine could hold (see the module docstring).
+def check_model_size(cfg: MimoConfig, hf: HFConfigs | None = None) -> None:
+    """Refuse a model no machine could hold (see the module docstring; ``hf``: the
+    config.json reader of this load).
 
     Raises:
         ValueError: the total parameter count or one module's per-rank bytes, with the
@@ -149,7 +151,7 @@ def check_model_size(cfg: MimoConfig) -> None:
     """
     total = 0
     for name, mod in cfg.modules.items():
-        dense, experts = module_parameters(mod)
+        dense, experts = module_parameters(mod, hf)
         total += dense + experts
         need = rank_state_bytes(cfg, name, dense, experts)
         if need > MAX_RANK_BYTES:

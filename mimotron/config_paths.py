@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from mimotron.config import MimoConfig
+from mimotron.config_schema import MimoConfig
 
 SYSTEM_FOLDERS = ("/", "/etc", "/usr", "/bin", "/sbin", "/proc", "/sys", "/dev", "/boot",
                   "/var")

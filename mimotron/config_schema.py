@@ -7,12 +7,18 @@ docs/configuration.md's configuration table, so they are the one source of the c
 with a fixed set of values are typed ``Literal[...]``; the parser
 (:func:`mimotron.config.config_from_dict`) rejects any other value, and the tuples
 ``PRECISIONS``, ``DECAY_STYLES``, ... are derived from those types. The whole run,
-loading and validation live in :mod:`mimotron.config`, which re-exports every name here.
+:class:`MimoConfig` (the whole run) is here too, so the models can type their arguments
+without importing the loader. Loading lives in :mod:`mimotron.config` (which re-exports
+every name here) and every check in :mod:`mimotron.validation`, above both this module
+and the models.
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal, get_args
 
 EncoderKind = Literal["vit", "audio"]
@@ -346,6 +352,11 @@ class ModuleConfig:
         """Whether the module is an encoder (any kind but ``language``)."""
         return self.kind in ENCODER_KINDS
 
+    # Not a config key (no annotation: not a dataclass field): whether hf_path's vision
+    # tower has a class token (CLIP does, SigLIP not), filled in with the sizes from its
+    # config.json when the module is resolved (mimotron.models.hf.resolve); None until then.
+    hf_class_token = None
+
     @property
     def fully_frozen(self) -> bool:
         """Nothing of the module trains (``freeze = true``)."""
@@ -367,9 +378,9 @@ class ModuleConfig:
         if self.kind == "vit":
             patches = (self.image_size // self.patch_size) ** 2
             if self.hf_path and self.vision_feature_select_strategy == "full":
-                from mimotron.models.hf.resolve import has_class_token
-
-                return patches + int(has_class_token(self.hf_path))
+                assert self.hf_class_token is not None, \
+                    "a Hugging Face module is resolved (mimotron.validation) before use"
+                return patches + int(self.hf_class_token)
             return patches
         if self.kind == "audio":
             return self.num_audio_tokens
@@ -629,3 +640,64 @@ class ProfileConfig:
     """Last profiled iteration (inclusive)."""
     ranks: list[int] = field(default_factory=lambda: [0])
     """Global ranks to profile; each must exist in the world."""
+
+
+@dataclass
+class MimoConfig:
+    """The whole run: model modules with their layouts, data, training, logging."""
+
+    name: str = "mimotron"
+    """Run name; outputs go to ``runs/<name>/`` unless log.dir is set."""
+    modules: dict[str, ModuleConfig] = field(default_factory=dict)
+    """The model's modules, one ``[modules.<m>]`` table each, in merge order; ``language``
+    is required.
+    """
+    data: DataConfig = field(default_factory=DataConfig)
+    """The ``[data]`` table."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """The ``[train]`` table."""
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    """The ``[optimizer]`` table (defaults for every module)."""
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    """The ``[scheduler]`` table (defaults for every module)."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """The ``[eval]`` table."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """The ``[checkpoint]`` table."""
+    log: LogConfig = field(default_factory=LogConfig)
+    """The ``[log]`` table."""
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
+    """The ``[profile]`` table."""
+
+    # ---- derived values -------------------------------------------------------------
+    @property
+    def encoder_names(self) -> list[str]:
+        """Encoder modules in config order (the order embeddings are merged)."""
+        return [n for n, m in self.modules.items() if m.is_encoder]
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.train.global_batch_size // self.train.micro_batch_size
+
+    @property
+    def log_dir(self) -> Path:
+        return Path(self.log.dir or f"runs/{self.name}")
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return Path(self.checkpoint.dir) if self.checkpoint.dir else self.log_dir / "checkpoints"
+
+    def effective_optimizer(self, module: str) -> OptimizerConfig:
+        """``[optimizer]`` with the module's overrides applied."""
+        keys = {f.name for f in dataclasses.fields(OptimizerConfig)}
+        over = {k: v for k, v in self.modules[module].optimizer.items() if k in keys}
+        return dataclasses.replace(self.optimizer, **copy.deepcopy(over))
+
+    def effective_scheduler(self, module: str) -> SchedulerConfig:
+        """``[scheduler]`` with the module's overrides applied."""
+        keys = {f.name for f in dataclasses.fields(SchedulerConfig)} - {"min_lr"}
+        over = {k: v for k, v in self.modules[module].optimizer.items() if k in keys}
+        return dataclasses.replace(self.scheduler, **over)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)

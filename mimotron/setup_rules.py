@@ -35,7 +35,7 @@ def check_setup_rules(cfg: MimoConfig, world_size: int) -> None:
     """Every rule of this module (see the module docstring).
 
     Args:
-        cfg: a config that passed ``MimoConfig.validate``.
+        cfg: a config that passed :func:`mimotron.validation.validate_config`.
         world_size: the layout's number of ranks.
 
     Raises:

@@ -17,6 +17,7 @@ from mimotron.config import (
     config_from_dict,
     load_config,
     parse_override,
+    validate_config,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -159,16 +160,48 @@ def test_validate_checks_numbers_of_a_config_built_in_code():
     cfg = load_config(DIGITS)
     cfg.optimizer.eps = float("inf")
     with pytest.raises(ValueError, match=r"^optimizer.eps=inf is invalid: expected a finite"):
-        cfg.validate()
+        validate_config(cfg)
     cfg = load_config(DIGITS)
     cfg.modules["vision"].optimizer["lr"] = float("nan")
     with pytest.raises(ValueError, match=r"^modules.vision.optimizer.lr=nan is invalid"):
-        cfg.validate()
+        validate_config(cfg)
     cfg = load_config(DIGITS)
     cfg.train.seed = 2**64
     with pytest.raises(ValueError, match=r"^train.seed=.* an integer in \[-9223372036854775808"):
-        cfg.validate()
+        validate_config(cfg)
     cfg.train.seed = 2**63 - 1  # the largest seed: accepted
-    cfg.validate()
+    validate_config(cfg)
     with pytest.raises(ValueError, match=r"^optimizer.lr=10{400} is invalid: expected a finite"):
         load_config(DIGITS, ["optimizer.lr=1" + "0" * 400])
+
+
+def test_config_and_models_import_each_other_only_downwards():
+    """config_schema <- models <- validation <- config: the models import the schema only
+    (never the loader or the checks), and no config module imports a model inside a
+    function (a cycle dodged there would be a cycle)."""
+    import ast
+
+    package = ROOT / "mimotron"
+    config_files = [package / f for f in ("config.py", "config_schema.py", "config_numbers.py",
+                                          "config_paths.py", "config_limits.py",
+                                          "validation.py")]  # fmt: skip
+    model_files = sorted((package / "models").rglob("*.py"))
+    assert len(model_files) > 10
+
+    def imports(path: Path) -> list[tuple[str, bool]]:
+        """(module, at module level) of every ``from mimotron...`` / ``import mimotron...``."""
+        tree, out = ast.parse(path.read_text()), []
+        top = {id(node) for node in tree.body}
+        for node in ast.walk(tree):
+            names = ([node.module or ""] if isinstance(node, ast.ImportFrom)
+                     else [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+            out += [(n, id(node) in top) for n in names if n.startswith("mimotron")]
+        return out
+
+    for path in config_files:
+        late = [m for m, at_top in imports(path) if not at_top]
+        assert not late, f"{path.name} imports {late} inside a function or block"
+    for path in model_files:
+        upward = [m for m, _ in imports(path) if m in ("mimotron.config", "mimotron.validation")
+                  or (m.startswith("mimotron.config_") and m != "mimotron.config_schema")]
+        assert not upward, f"{path.relative_to(ROOT)} imports {upward}"

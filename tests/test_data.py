@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from mimotron.config import MimoConfig, config_from_dict
+from mimotron.config import MimoConfig, config_from_dict, validate_config
 from mimotron.data import (
     NUMBER_WORDS,
     CharTokenizer,
@@ -42,7 +42,7 @@ def validation_task() -> DigitsTask:
 
 def _config(**modules: dict) -> MimoConfig:
     raw = {"modules": {**modules, "language": {"kind": "language"}}, "data": {"seq_length": 64}}
-    return config_from_dict(raw).validate()
+    return validate_config(config_from_dict(raw))
 
 
 def _assert_same_sample(a: dict, b: dict) -> None:

@@ -190,6 +190,27 @@ def test_plan_reports_hf_modules(hf_dirs: dict[str, Path], capsys: pytest.Captur
     assert "memory estimate per rank" in out
 
 
+def test_loading_a_config_reads_each_folders_config_json_once(
+        hf_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    # The parse fills the sizes in and the checks resolve the modules again: both read
+    # the file once through the load's HFConfigs. Counted at the file read itself.
+    reads: list[Path] = []
+    read_text = Path.read_text
+
+    def counting(self: Path, *args: object, **kwargs: object) -> str:
+        if self.name == "config.json":
+            reads.append(self.parent)
+        return read_text(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Path, "read_text", counting)
+    cfg = load_config(DIGITS, BASE + _hf_overrides(hf_dirs))
+    assert sorted(map(str, reads)) == sorted(str(p) for p in hf_dirs.values())
+    assert cfg.modules["language"].num_layers == 2  # the sizes came from the files
+    reads.clear()
+    load_config(DIGITS, BASE + _hf_overrides(hf_dirs))  # a new load reads them afresh
+    assert len(reads) == 3
+
+
 def test_missing_folder_is_an_error_before_launch(tmp_path: Path,
                                                   capsys: pytest.CaptureFixture) -> None:
     missing = tmp_path / "nowhere"

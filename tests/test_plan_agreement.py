@@ -11,9 +11,11 @@ Each layout of :data:`CASES` goes through both commands in this process:
 
 A check that only one side applies makes the verdicts differ; a refused layout must be
 refused by both with the same line. The layouts hold a valid and an invalid case for each
-rule the rank set-up used to apply after launch (:mod:`mimotron.setup_rules`) and some
-of the validator's own; ``expected`` pins each verdict, so a rule that disappears from
-both sides fails too.
+rule the rank set-up used to apply after launch (:mod:`mimotron.setup_rules`), an invalid
+one for each parallelism's own rule the set-up relies on (context, expert, virtual
+pipeline, FSDP, tensor, placement, data-parallel feeding, batch, encoder batching) and
+some of the validator's own (:mod:`mimotron.validation`); ``expected`` pins each verdict,
+so a rule that disappears from both sides fails too.
 """
 
 from __future__ import annotations
@@ -67,6 +69,26 @@ CASES: dict[str, tuple[list[str], bool, list[int]]] = {
     "vp2-odd-microbatches": (noncolocated({}, {}, {"pipeline": 2, "virtual_pipeline": 2})
                              + ["modules.language.num_layers=4", "train.global_batch_size=24"],
                              False, []),
+    "top-k-above-experts": (colocated(1) + ["modules.language.num_experts=2",
+                                            "modules.language.top_k=3"], False, []),
+    "freeze-part-of-language": (colocated(1) + ["modules.language.freeze='encoder'"], False,
+                                []),
+    # Refused by each parallelism's own rule (context, expert, virtual pipeline, FSDP,
+    # tensor, placement, batch), which the ranks' set-up relies on.
+    "cp-on-an-encoder": (noncolocated({"context": 2}, {}, {}), False, []),
+    "cp2-seq-98": (noncolocated({}, {}, {"context": 2}) + ["data.seq_length=98"], False, []),
+    "ep3-of-4-experts": (colocated(1) + par("language", expert=3) + MOE, False, []),
+    "vp2-3-layers": (noncolocated({}, {}, {"pipeline": 2, "virtual_pipeline": 2})
+                     + ["modules.language.num_layers=3"], False, []),
+    "fsdp-with-zero1": (colocated(2) + par("language", fsdp="true", shard_optimizer="true"),
+                        False, []),
+    "tp3-of-4-heads": (noncolocated({}, {}, {"tensor": 3}), False, []),
+    "partial-overlap": (coloc({}, {}, {"pipeline": 2}), False, []),
+    "dp3-feeds-dp2": (noncolocated({"data": 3}, {}, {"data": 2}), False, []),
+    "micro-batch-2-dp4": (colocated(4) + ["train.micro_batch_size=2",
+                                          "train.global_batch_size=8"], False, []),
+    "encoder-batching-split": (noncolocated({}, {}, {}) + ["train.encoder_batching=true"],
+                               False, []),
 }
 
 

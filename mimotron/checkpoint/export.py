@@ -34,7 +34,7 @@ from mimotron.checkpoint.files import CheckpointError, read_manifest, resolve_ch
 from mimotron.checkpoint.load import SafeLoadPlanner, read_metadata, verify_share
 from mimotron.checkpoint.safe_metadata import SafeFileSystemReader
 from mimotron.checkpoint.state import META, MODEL
-from mimotron.config import MimoConfig, config_from_dict
+from mimotron.config import MimoConfig, config_from_dict, validate_config
 from mimotron.data.llava_setup import build_tokenizer
 from mimotron.models.build import build_mimo_model
 from mimotron.models.mimo import MimoModel
@@ -192,7 +192,7 @@ def load_exported(
     if cfg.data.dataset != "llava":
         # A LLaVA run's validation checks its training files (data.path), which the
         # weights do not need; the folders the model needs are read when it is built.
-        cfg.validate()
+        validate_config(cfg)
     tokenizer = build_tokenizer(cfg)
     placeholders = {n: tokenizer.placeholder_id(cfg.modules[n].modality) for n in cfg.encoder_names}
     # The same (padded) vocabulary as training (see setup_mimo).

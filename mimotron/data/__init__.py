@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mimotron.config import MimoConfig
+from mimotron.config_schema import MimoConfig
 from mimotron.data.collate import (
     Batch,
     Sample,

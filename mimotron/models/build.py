@@ -12,7 +12,7 @@ import dataclasses
 import torch
 from torch import nn
 
-from mimotron.config import MimoConfig, ModuleConfig
+from mimotron.config_schema import MimoConfig, ModuleConfig
 from mimotron.models.encoders import AudioEncoder, ModalitySubmodule, Projector, VisionEncoder
 from mimotron.models.hf.clip import ClipVisionTower, SiglipVisionTower
 from mimotron.models.hf.llama import LLAMA_WEIGHTS, check_llama_folder

@@ -56,17 +56,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, Protocol
+from typing import Literal, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mimotron.config_schema import ModuleConfig
 from mimotron.host_sync import EXPERT_COUNTS, to_host
 from mimotron.models.blocks import SwiGLU, default_ffn_hidden_size, residual_init_std
-
-if TYPE_CHECKING:
-    from mimotron.config_schema import ModuleConfig
 
 RouterScore = Literal["softmax", "sigmoid"]
 ROUTER_SCORES: tuple[str, ...] = ("softmax", "sigmoid")

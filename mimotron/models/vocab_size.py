@@ -1,17 +1,15 @@
 """The language model's vocabulary size: the tokenizer's, a checkpoint's, padded.
 
 Kept apart from :mod:`mimotron.models.build` (which re-exports it) so that the layout
-checks can size the vocabulary without importing the models.
+checks can size the vocabulary without building a model (a Hugging Face decoder's from
+its config.json).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from mimotron.config_schema import MimoConfig
+from mimotron.models.hf.resolve import language_spec
 from mimotron.names import LANGUAGE
-
-if TYPE_CHECKING:
-    from mimotron.config import MimoConfig
 
 # The vocabulary is padded to a multiple of this (Megatron's make-vocab-divisible), the
 # same for every layout, so TP can split it and layouts share one model.
@@ -36,8 +34,6 @@ def unpadded_vocab_size(cfg: MimoConfig, vocab_size: int) -> int:
     """
     lm = cfg.modules.get(LANGUAGE)
     if lm is not None and lm.hf_path:
-        from mimotron.models.hf.resolve import language_spec  # reads config.json
-
         vocab_size = max(vocab_size, language_spec(lm).vocab_size)
     return vocab_size
 

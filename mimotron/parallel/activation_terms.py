@@ -24,7 +24,7 @@ A recomputed layer (``modules.<m>.recompute = "full"``) keeps none of its MoE te
 
 from __future__ import annotations
 
-from mimotron.config import MimoConfig
+from mimotron.config_schema import MimoConfig
 from mimotron.names import LANGUAGE
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}

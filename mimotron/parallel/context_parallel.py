@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from mimotron.config import LANGUAGE_KINDS, MimoConfig, ModuleConfig
+from mimotron.config_schema import LANGUAGE_KINDS, MimoConfig, ModuleConfig
 from mimotron.names import LANGUAGE
 
 

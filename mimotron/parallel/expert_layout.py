@@ -13,7 +13,7 @@ of its stage (with ``expert_tensor > 1``, its ``expt_tp`` slice of their width).
 
 from __future__ import annotations
 
-from mimotron.config import MimoConfig, ModuleConfig
+from mimotron.config_schema import MimoConfig, ModuleConfig
 
 
 def num_experts_of(mod: ModuleConfig) -> int:

@@ -63,7 +63,7 @@ from mimotron.runtime import compute_dtype
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-    from mimotron.config import MimoConfig
+    from mimotron.config_schema import MimoConfig
 
 
 def check_fsdp(cfg: MimoConfig, name: str) -> None:

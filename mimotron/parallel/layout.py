@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from mimotron.config import MimoConfig, ModuleConfig, ParallelConfig
+from mimotron.config_schema import MimoConfig, ModuleConfig, ParallelConfig
 from mimotron.names import GRID_AXES, LANGUAGE
 from mimotron.parallel.context_parallel import check_context_parallel
 from mimotron.parallel.expert_layout import check_expert_layout
@@ -173,7 +173,7 @@ def plan_layout(cfg: MimoConfig, env_world_size: int | None = None) -> Layout:
     """Derive and validate the layout of a config.
 
     Args:
-        cfg: a config that passed ``MimoConfig.validate``.
+        cfg: a config that passed :func:`mimotron.validation.validate_config`.
         env_world_size: the launcher's WORLD_SIZE, when running under torchrun; checked
             against the layout. ``None`` reads ``WORLD_SIZE`` only if ``TORCHELASTIC_RUN_ID``
             is set (i.e. under torchrun), else skips the check.

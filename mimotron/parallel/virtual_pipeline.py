@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
-from mimotron.config import MimoConfig, ModuleConfig, ParallelConfig
+from mimotron.config_schema import MimoConfig, ModuleConfig, ParallelConfig
 
 if TYPE_CHECKING:  # layout imports this file's checks
     from mimotron.parallel.layout import RankRole

@@ -15,12 +15,10 @@ import json
 import math
 import struct
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from mimotron.config_schema import MimoConfig
 from mimotron.models.hf.folder import INDEX_FILE, SINGLE_FILE, hf_folder
-
-if TYPE_CHECKING:
-    from mimotron.config import MimoConfig
 
 # Bytes per element of every dtype the safetensors format defines.
 _DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2,

@@ -13,6 +13,7 @@ refuse options mimotron does not implement.
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 from typing import Any
@@ -60,6 +61,29 @@ def read_hf_config(path: str | Path) -> dict[str, Any]:
     if not isinstance(config, dict):
         raise ValueError(f"{file} must hold a JSON object, got {type(config).__name__}")
     return config
+
+
+class HFConfigs:
+    """Each Hugging Face folder's ``config.json``, read once per instance.
+
+    One instance per config load (:func:`mimotron.config.load_config`), handed to every
+    check that reads a folder's config.json; nothing is kept between loads (a folder
+    changed since is read afresh next time). Callers get a copy they may change.
+    """
+
+    def __init__(self) -> None:
+        self._by_path: dict[str, dict[str, Any]] = {}
+
+    def read(self, path: str | Path) -> dict[str, Any]:
+        """:func:`read_hf_config` of ``path``, from the file the first time only.
+
+        Raises:
+            ValueError: as :func:`read_hf_config` (not kept: asked again, read again).
+        """
+        key = str(path)
+        if key not in self._by_path:
+            self._by_path[key] = read_hf_config(path)
+        return copy.deepcopy(self._by_path[key])
 
 
 def tensor_files(path: str | Path) -> dict[str, Path]:

@@ -7,23 +7,23 @@ from ``model_type`` (``language`` -> Llama / Qwen2 / Qwen3, ``vit`` -> CLIP / Si
 everything that reads them before any model exists (layout checks, the data's input
 shapes and placeholder counts, ``mimotron plan``, FLOP and memory estimates) sees the
 real model. A size key that contradicts ``config.json`` is a ``ValueError`` naming both
-values. Nothing is cached: a config file is re-read when asked (it is small).
+values. A folder's config.json is read once per config load: the checks pass an
+:class:`~mimotron.models.hf.folder.HFConfigs` (or the parsed ``config``) down; a call
+without one reads the file.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from mimotron.config_schema import ModuleConfig
 from mimotron.models.hf.clip import ClipVisionTower, SiglipVisionTower, used_layers
 from mimotron.models.hf.config_check import check_hf_config
-from mimotron.models.hf.folder import read_hf_config
+from mimotron.models.hf.folder import HFConfigs, read_hf_config
 from mimotron.models.hf.llama import SUPPORTED_MODEL_TYPES, LlamaFamilySpec
 from mimotron.models.hf.whisper import WhisperEncoderTower
-
-if TYPE_CHECKING:
-    from mimotron.config_schema import ModuleConfig
 
 # model_type -> family, per module kind.
 _FAMILIES: dict[str, dict[str, str]] = {
@@ -32,13 +32,19 @@ _FAMILIES: dict[str, dict[str, str]] = {
             "siglip_vision_model": "siglip"},
     "audio": {"whisper": "whisper"},
 }
-def hf_family(mod: ModuleConfig, where: str = "module") -> str:
+def hf_family(mod: ModuleConfig, where: str = "module", config: dict[str, Any] | None = None
+              ) -> str:  # fmt: skip
     """``"llama"``, ``"clip"``, ``"siglip"`` or ``"whisper"``: the family of ``mod.hf_path``.
+
+    Args:
+        mod: a module with ``hf_path``.
+        where: the module's key prefix, for messages.
+        config: its parsed config.json (``None``: read here).
 
     Raises:
         ValueError: missing folder or config.json, or a ``model_type`` the kind cannot take.
     """
-    config = read_hf_config(mod.hf_path)
+    config = read_hf_config(mod.hf_path) if config is None else config
     families = _FAMILIES.get(mod.kind, {})
     model_type = config.get("model_type")
     if model_type not in families:
@@ -49,15 +55,18 @@ def hf_family(mod: ModuleConfig, where: str = "module") -> str:
     return families[model_type]
 
 
-def language_spec(mod: ModuleConfig) -> LlamaFamilySpec:
-    """The decoder spec of a ``language`` module's ``hf_path``."""
-    return LlamaFamilySpec.from_hf_config(read_hf_config(mod.hf_path))
+def language_spec(mod: ModuleConfig, config: dict[str, Any] | None = None) -> LlamaFamilySpec:
+    """The decoder spec of a ``language`` module's ``hf_path`` (``config``: its parsed
+    config.json, ``None``: read here)."""
+    return LlamaFamilySpec.from_hf_config(read_hf_config(mod.hf_path) if config is None
+                                          else config)  # fmt: skip
 
 
-def tower_kwargs(mod: ModuleConfig) -> dict[str, Any]:
-    """Constructor arguments of an encoder tower (architecture + the module's options)."""
-    family = hf_family(mod)
-    config = read_hf_config(mod.hf_path)
+def tower_kwargs(mod: ModuleConfig, config: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Constructor arguments of an encoder tower (architecture + the module's options;
+    ``config``: its parsed config.json, ``None``: read here)."""
+    config = read_hf_config(mod.hf_path) if config is None else config
+    family = hf_family(mod, config=config)
     if family == "whisper":
         return {**WhisperEncoderTower.from_hf_config(config),
                 "downsample_factor": mod.downsample_factor,
@@ -67,9 +76,11 @@ def tower_kwargs(mod: ModuleConfig) -> dict[str, Any]:
             "vision_feature_select_strategy": mod.vision_feature_select_strategy}
 
 
-def has_class_token(path: str) -> bool:
-    """Whether the vision tower at ``path`` has a class token (CLIP does, SigLIP not)."""
-    return read_hf_config(path).get("model_type") in ("clip", "clip_vision_model")
+def has_class_token(path: str, config: dict[str, Any] | None = None) -> bool:
+    """Whether the vision tower at ``path`` has a class token (CLIP does, SigLIP not;
+    ``config``: its parsed config.json, ``None``: read here)."""
+    config = read_hf_config(path) if config is None else config
+    return config.get("model_type") in ("clip", "clip_vision_model")
 
 
 def head_counts(mod: ModuleConfig) -> tuple[int, int]:
@@ -85,17 +96,19 @@ def tied_embeddings(mod: ModuleConfig) -> bool:
     return mod.kind == "language" and language_spec(mod).tie_word_embeddings
 
 
-def hf_sizes(mod: ModuleConfig) -> dict[str, int]:
-    """The module's size keys as the folder's config.json gives them.
+def hf_sizes(mod: ModuleConfig, config: dict[str, Any] | None = None) -> dict[str, int]:
+    """The module's size keys as the folder's config.json gives them (``config``: parsed,
+    ``None``: read here).
 
     Raises:
         ValueError: as :func:`hf_family`, or an unsupported / inconsistent config.json.
     """
+    config = read_hf_config(mod.hf_path) if config is None else config
     if mod.kind == "language":
-        spec = language_spec(mod)
+        spec = language_spec(mod, config)
         return {"hidden_size": spec.hidden_size, "num_layers": spec.num_layers,
                 "num_heads": spec.num_heads, "ffn_hidden_size": spec.intermediate_size}
-    args = tower_kwargs(mod)
+    args = tower_kwargs(mod, config)
     if mod.kind == "audio":
         positions = int(args["max_source_positions"])
         if mod.downsample_factor < 1 or positions % mod.downsample_factor:
@@ -113,8 +126,8 @@ def hf_sizes(mod: ModuleConfig) -> dict[str, int]:
             "in_channels": args["num_channels"]}
 
 
-def resolve_hf_module(name: str, mod: ModuleConfig, explicit: Iterable[str] | None = None
-                      ) -> None:
+def resolve_hf_module(name: str, mod: ModuleConfig, explicit: Iterable[str] | None = None,
+                      configs: HFConfigs | None = None) -> None:
     """Check ``mod``'s size keys against its ``hf_path`` and fill them in, in place.
 
     Args:
@@ -122,6 +135,7 @@ def resolve_hf_module(name: str, mod: ModuleConfig, explicit: Iterable[str] | No
         mod: a module config with ``hf_path`` set.
         explicit: keys the TOML table set; ``None`` = every key whose value differs from
             its default (a config built in code).
+        configs: the config.json reader of this load (``None``: read the file).
 
     Raises:
         ValueError: missing folder, a family the kind cannot take, an invalid option, or
@@ -129,9 +143,10 @@ def resolve_hf_module(name: str, mod: ModuleConfig, explicit: Iterable[str] | No
     """
     where = f"modules.{name}"
     try:
-        check_hf_config(mod.hf_path, read_hf_config(mod.hf_path))  # Before any int() of it.
-        hf_family(mod, where)
-        sizes = hf_sizes(mod)
+        config = (configs or HFConfigs()).read(mod.hf_path)
+        check_hf_config(mod.hf_path, config)  # Before any int() of it.
+        hf_family(mod, where, config)
+        sizes = hf_sizes(mod, config)
     except ValueError as exc:
         message = str(exc)
         raise ValueError(message if message.startswith(where) else f"{where}: {message}") from exc
@@ -146,3 +161,5 @@ def resolve_hf_module(name: str, mod: ModuleConfig, explicit: Iterable[str] | No
                 f"{mod.hf_path!r}, which gives {value}; remove the key or set it to {value}"
             )
         setattr(mod, key, int(value))
+    if mod.kind == "vit":
+        mod.hf_class_token = has_class_token(mod.hf_path, config)
