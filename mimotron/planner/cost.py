@@ -237,7 +237,8 @@ def _assemble(n: int, costs: dict[tuple[str, int], LaneCost], result: SimResult,
     busiest = max(result.busy, key=lambda k: (result.busy[k], k))
     b = costs[busiest]
     idle = max(0.0, result.makespan - result.busy[busiest])
-    sharing = max(0.0, result.busy[busiest] - n * (b.work + b.collectives + b.fsdp))
+    own = n * (b.work + b.collectives + b.fsdp) + (bridge if colocated else 0.0)
+    sharing = max(0.0, result.busy[busiest] - own)  # a colocated lane holds the bridge
     modules = list(dict.fromkeys(m for m, _ in costs))
 
     def most(field_of: str, module: str) -> float:
