@@ -5,6 +5,10 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
+# Test files run on this many worker processes (pytest-xdist), a whole file per worker so
+# its module fixtures are built once. Single-process tests use one thread each, so two
+# workers keep both cores of a 2-core machine busy.
+TEST_WORKERS ?= 2
 
 .PHONY: venv demo demo-llava test lint plan docs clean
 
@@ -36,7 +40,7 @@ demo-llava: $(STAMP)
 	$(VENV)/bin/mimotron plot runs/digits_llava
 
 test: $(STAMP)
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
