@@ -270,10 +270,14 @@ def module_choices(ctx: _Context, name: str, mbs: int, max_size: int, exact: boo
     for _, option in priced:
         if len(kept.get(option.size, [])) >= KEEP:
             continue
-        for rung in memory_ladder(option, scratch.modules[name]):
+        # The fastest rung that fits: FSDP2 may beat ZeRO-1 (its traffic overlaps the
+        # compute, ZeRO-1's end-of-step reduction does not), recompute never does.
+        ladder = sorted(((_alone_seconds(ctx, scratch, name, r), i, r) for i, r in
+                         enumerate(memory_ladder(option, scratch.modules[name]))),
+                        key=lambda x: (x[0], x[1]))
+        for seconds, _, rung in ladder:
             peak = _module_memory(ctx, scratch, name, rung)
             if peak is not None and peak <= limit:
-                seconds = _alone_seconds(ctx, scratch, name, rung)
                 kept.setdefault(option.size, []).append(ModuleChoice(rung, seconds, peak))
                 break
     for choices in kept.values():
