@@ -45,7 +45,7 @@ def format_table(result: SearchResult, request: SearchRequest) -> list[str]:
         assert cand.cost is not None
         layout = "; ".join(_layout_cell(n, o) for n, o in cand.options.items())
         place = "colocated" if cand.colocated else "split"
-        lines.append(f"{i:>2}  {place:<9} {cand.micro_batch:>4}  {cand.cost.total:>8.4f}  "
+        lines.append(f"{i:>2}  {place:<9} {cand.micro_batch:>4}  {cand.cost.total:>8.4g}  "
                      f"{_gib(cand.peak):>8} / {limit:<6}  {cand.cost.bottleneck:<32} {layout}")
     return lines
 
@@ -103,9 +103,10 @@ def format_report(result: SearchResult, request: SearchRequest, explain: bool = 
     d = request.device
     lines = [f"plan --auto: {request.config} on {request.world} x {d.name} "
              f"({_gib(request.memory_limit)} GiB each)",
-             f"step-time model: {calibration_note or 'device constants'} "
-             f"({d.flops_per_s:.3g} FLOP/s sustained, {d.intra_node_bytes_per_s:.3g} B/s "
-             f"in a node of {d.devices_per_node}, {d.inter_node_bytes_per_s:.3g} B/s across)",
+             f"step-time model: {calibration_note + '; ' if calibration_note else ''}"
+             f"device constants{' where it measured nothing' if calibration_note else ''}: "
+             f"{d.flops_per_s:.3g} FLOP/s sustained, {d.intra_node_bytes_per_s:.3g} B/s "
+             f"in a node of {d.devices_per_node}, {d.inter_node_bytes_per_s:.3g} B/s across",
              f"searched {result.scored:,} module options, composed {result.composed:,} "
              f"layouts, checked {result.checked} ({result.refused} refused by the validator, "
              f"{result.too_big} over the memory limit) in {result.seconds:.1f} s"]
