@@ -274,9 +274,9 @@ def module_choices(ctx: _Context, name: str, mbs: int, max_size: int, exact: boo
         # compute, ZeRO-1's end-of-step reduction does not), recompute never does.
         ladder = sorted(((_alone_seconds(ctx, scratch, name, r), i, r) for i, r in
                          enumerate(memory_ladder(option, scratch.modules[name]))),
-                        key=lambda x: (x[0], x[1]))
+                        key=lambda x: (float(f"{x[0]:.9g}"), x[1]))  # ties: leaner last
         for seconds, _, rung in ladder:
-            peak = _module_memory(ctx, scratch, name, rung)
+            peak = _module_memory(ctx, scratch, name, rung, colocated=exact)
             if peak is not None and peak <= limit:
                 kept.setdefault(option.size, []).append(ModuleChoice(rung, seconds, peak))
                 break
@@ -340,15 +340,22 @@ def _alone_seconds(ctx: _Context, cfg: MimoConfig, name: str, option: ModuleOpti
     return cfg.num_microbatches * per_mb + fill + tail
 
 
-def _module_memory(ctx: _Context, cfg: MimoConfig, name: str, option: ModuleOption
-                   ) -> int | None:
-    """The module's largest per-rank estimate, or None when the validator refuses it."""
+def _module_memory(ctx: _Context, cfg: MimoConfig, name: str, option: ModuleOption,
+                   colocated: bool = False) -> int | None:
+    """The module's largest per-rank estimate, or None when the validator refuses it.
+
+    The validator sees the split scratch layout (the module's own rules); a colocated
+    candidate's estimate is taken in a colocated layout, where one micro-batch is in
+    flight (a split layout's encoders hold the language model's warm-up too).
+    """
     apply_option(cfg, name, option, 0)
     layout = _place(cfg, name)
     try:
         plan_layout(cfg)
     except ValueError:
         return None
+    if colocated:
+        layout = Layout(option.size, True, {name: layout.modules[name]}, {})
     placement = layout.modules[name]
     # The first stage holds the most forwards in flight, the last the logits.
     ranks = [placement.rank_at(pp=s) for s in sorted({0, option.pipeline - 1})]
