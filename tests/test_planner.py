@@ -28,12 +28,12 @@ from mimotron.parallel.layout import Layout, ModulePlacement, plan_layout
 from mimotron.parallel.memory import estimate_memory
 from mimotron.pipeline.interleaved_plan import build_rank_plan
 from mimotron.pipeline.plan import Position, build_1f1b_plan
-from mimotron.planner.cost import model_vocabulary
+from mimotron.planner.cost import model_vocabulary, step_cost
 from mimotron.planner.devices import DeviceSpec, device_table
 from mimotron.planner.report import snippet
 from mimotron.planner.search import SearchRequest, search
 from mimotron.planner.simulate import Lane, simulate
-from mimotron.planner.terms import Links, chunk_compute, tp_efficiency
+from mimotron.planner.terms import Links, chunk_compute, tp_efficiency, trainable_params
 from mimotron.training.flops import language_model_flops, transformer_layer_flops
 from tests.common import BASE, DIGITS
 from tests.test_parity import PARITY, run_against_plain_loop
@@ -214,3 +214,19 @@ def test_digits_choice_on_four_ranks_matches_the_plain_loop():
     layout = snippet_overrides(snippet(best))
     assert plan_layout(load_config(DIGITS, [*base, *layout])).world_size == 4
     run_against_plain_loop(layout, [], num_iters=10)
+
+
+def test_data_parallel_reduction_is_exposed_unless_overlapped():
+    layout_keys = ["modules.language.parallel.data=2", "modules.language.parallel.rank_offset=2"]
+    device = device_table()["cpu"]
+    exposed = {}
+    for overlap in (False, True):
+        cfg = load_config(DIGITS, [*BASE, *layout_keys,
+                                   f"train.overlap_grad_reduce={str(overlap).lower()}"])
+        layout = plan_layout(cfg)
+        exposed[overlap] = step_cost(cfg, layout, device).data_parallel["language"]
+    cfg = load_config(DIGITS, [*BASE, *layout_keys])
+    grads = 4 * trainable_params(cfg, "language", 0, model_vocabulary(cfg))
+    # Ranks 2 and 3 reduce the fp32 gradients: 2 (n-1)/n of them at 1 GB/s, one hop.
+    assert exposed[False] == pytest.approx(device.latency_s + grads / 1e9)
+    assert exposed[True] == 0.0  # hidden by the last backward (tens of ms on this model)
