@@ -22,8 +22,11 @@ model and the collectives actually cost on the machine the command runs on:
   largest buffer a rank holds in the call (all-reduce: the tensor; all-gather: the
   gathered output; reduce-scatter: the input; all-to-all: the send buffer; p2p: the
   message), the convention :class:`~mimotron.planner.cost.Calibration` prices with.
-* **Host cores**: the CPUs this process may run on (its affinity): the ranks of a local
-  launch share them.
+* **Host cores**: the cores' worth of compute ``--world`` busy ranks of this host get
+  together (:func:`measure_host_cores`: the same matmul loop on one rank alone, then on
+  every rank at once), at most the CPUs this process may run on (its affinity). On an
+  idle machine that is the affinity's count; where other work shares the CPUs it is
+  less, and that is what the ranks of a local launch share.
 
 Measurements are CPU-only: the calibration names device ``"cpu"``.
 
@@ -75,6 +78,7 @@ class CalibrationOptions:
             present samples.
         comm_rounds: timed rounds per collective and buffer size (median kept).
         comm_calls: back-to-back calls per round (their mean is one round's figure).
+        core_rounds: rounds of the host-cores probe (:func:`measure_host_cores`).
         buffer_bytes: per-rank buffer sizes the collectives are measured at (the
             convention of :class:`~mimotron.planner.cost.Calibration`).
     """
@@ -83,11 +87,12 @@ class CalibrationOptions:
     repeats: int = 7
     comm_rounds: int = 5
     comm_calls: int = 4
+    core_rounds: int = 3
     buffer_bytes: tuple[int, ...] = (4 * 2**10, 64 * 2**10, 2**20, 4 * 2**20)
 
     def check(self) -> None:
         """Raise ``ValueError`` naming the first field out of range."""
-        for name in ("repeats", "comm_rounds", "comm_calls"):
+        for name in ("repeats", "comm_rounds", "comm_calls", "core_rounds"):
             if getattr(self, name) < 1:
                 raise ValueError(f"calibration {name}={getattr(self, name)!r} is invalid: "
                                  "expected an integer >= 1")
@@ -245,12 +250,17 @@ def calibrate(cfg: MimoConfig, world_size: int, options: CalibrationOptions | No
     say(f"calibrating collectives on gloo: groups of {sizes or 'none (one rank)'}, "
         f"buffers {list(options.buffer_bytes)} B")
     collectives = measure_collectives(sizes, options) if sizes else {}
+    cores = (measure_host_cores(world_size, options.core_rounds) if world_size > 1
+             else float(usable_cores()))
+    say(f"{world_size} busy ranks got {cores:.2f} cores' worth of compute "
+        f"({usable_cores()} usable)")
     threads = rank_threads(world_size)
     say(f"calibrating modules {list(cfg.modules)}: micro-batch "
         f"{cfg.train.micro_batch_size} x {cfg.data.seq_length}, {threads} thread(s)")
     modules = measure_modules(cfg, threads, options)
     return Calibration(device=DEVICE, module_seconds=modules, collectives=collectives,
-                       host_cores=usable_cores(), samples=cfg.train.micro_batch_size)
+                       host_cores=max(1, min(usable_cores(), round(cores))),
+                       samples=cfg.train.micro_batch_size)
 
 
 # ---- modules -----------------------------------------------------------------------
@@ -348,6 +358,51 @@ def _time_micro_batch(model: Any, batch: dict[str, torch.Tensor], autocast: Call
 
     out[LANGUAGE] = (fwd, bwd)
     return out
+
+
+# ---- host cores --------------------------------------------------------------------
+
+_PROBE_MATMULS = 1000
+"""128 x 128 matmuls per probe: about 0.3 s of one core, long enough to time on a busy host."""
+
+
+def measure_host_cores(world_size: int, rounds: int = 3) -> float:
+    """Cores' worth of compute ``world_size`` busy ranks of this host get together.
+
+    Each of ``world_size`` forked ranks runs the same single-threaded matmul loop, first
+    rank 0 alone (the others wait in a barrier), then all at once: ``world_size x
+    alone / slowest together``, the median over ``rounds``. On an idle machine it is
+    ``min(world, cores)``; where other work shares the CPUs (the scheduler splits them
+    between sessions, not between processes) it can be far less, and that, not the
+    affinity mask, is what a local launch's ranks share.
+    """
+    from mimotron.testing import run_ranks
+
+    per_rank = run_ranks(world_size, _cores_rank, rounds, timeout_s=600.0)
+    alone = per_rank[0][0]
+    together = [max(r[1][i] for r in per_rank) for i in range(rounds)]
+    return statistics.median(world_size * a / t for a, t in zip(alone, together, strict=True))
+
+
+def _cores_rank(rank: int, world_size: int, rounds: int) -> tuple[list[float], list[float]]:
+    """One forked rank: (seconds of the probe alone (rank 0 only), seconds together)."""
+    a = torch.randn(128, 128)
+
+    def probe() -> float:
+        start = time.perf_counter()
+        for _ in range(_PROBE_MATMULS):
+            torch.mm(a, a)
+        return time.perf_counter() - start
+
+    probe()  # warm-up
+    alone, together = [], []
+    for _ in range(rounds):
+        dist.barrier()
+        if rank == 0:
+            alone.append(probe())
+        dist.barrier()
+        together.append(probe())
+    return alone, together
 
 
 # ---- collectives -------------------------------------------------------------------
