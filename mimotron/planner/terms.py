@@ -230,8 +230,8 @@ def chunk_collectives(cfg: MimoConfig, name: str, stage: int, chunk: int,
     act = shape.samples * shape.tokens * mod.hidden_size * c
     fwd = bwd = 0.0
     if par.tensor > 1:
-        tp = 2 * links.cost("all_reduce", axis_ranks(placement, "tp"), act)
-        fwd, bwd = fwd + tp * n_layers, bwd + tp * n_layers
+        tf, tb = _tp_collectives(cfg, name, shape, chunk, axis_ranks(placement, "tp"), links)
+        fwd, bwd = fwd + tf, bwd + tb
     if par.context > 1:
         _, kv_width = attention_widths(cfg, name)
         kv = 2 * shape.samples * cfg.data.seq_length * kv_width * c / par.tensor
@@ -243,6 +243,48 @@ def chunk_collectives(cfg: MimoConfig, name: str, stage: int, chunk: int,
         ep_ranks = [placement.rank_offset + i * par.tensor for i in range(par.expert)]
         a2a = 2 * links.cost("all_to_all", ep_ranks, send)
         fwd, bwd = fwd + a2a * n_layers, bwd + a2a * n_layers
+    return fwd, bwd
+
+
+def _tp_collectives(cfg: MimoConfig, name: str, shape: StageShape, chunk: int,
+                    ranks: list[int], links: Links) -> tuple[float, float]:
+    """``(forward_s, backward_s)`` of one micro-batch's TP collectives in one chunk, one
+    call per call the DTensor plan makes (:mod:`mimotron.parallel.tensor_parallel`;
+    counted on gloo, 2026-12-02): small calls cost their latency, so the count matters.
+
+    Without SP each row-wise projection (``wo``, ``w2``) all-reduces its output in
+    forward and each column-wise one (``wq``, ``wk``, ``wv``, ``w1``, ``w3``; a Hugging
+    Face encoder layer has no ``w3``) its input's gradient in backward, one call each.
+    With SP each of a layer's two regions all-gathers its input and reduce-scatters
+    its output in forward, the reverse in backward. Ends: the language model's
+    vocabulary-parallel embedding (an all-reduce) and its column-wise head (an
+    all-reduce of its input's gradient, or SP's gather / scatter) and loss (4 small
+    all-reduces of ``[samples, tokens]``); an encoder's projector (``fc2``'s output,
+    ``fc1``'s input gradient).
+    """
+    mod = cfg.modules[name]
+    c = BYTES[cfg.train.precision]
+    act = shape.samples * shape.tokens * mod.hidden_size * c
+    n_layers = shape.layers[chunk]
+    first = shape.first and chunk == 0
+    last = shape.last and chunk == len(shape.layers) - 1
+    all_reduce = links.cost("all_reduce", ranks, act)
+    if mod.parallel.sequence_parallel:
+        region = links.cost("all_gather", ranks, act) + links.cost("reduce_scatter", ranks, act)
+        fwd = bwd = 2 * region * n_layers + (region / 2 if last else 0.0)
+    else:
+        columns = 4 if mod.is_encoder and mod.hf_path else 5
+        fwd, bwd = 2 * all_reduce * n_layers, columns * all_reduce * n_layers
+        bwd += all_reduce if last and not mod.is_encoder else 0.0
+    if mod.is_encoder:
+        if last:
+            lm_width = cfg.modules["language"].hidden_size
+            fwd += links.cost("all_reduce", ranks, shape.samples * shape.tokens * lm_width * c)
+            bwd += all_reduce
+        return fwd, bwd
+    fwd += all_reduce if first else 0.0
+    if last:
+        fwd += 4 * links.cost("all_reduce", ranks, shape.samples * shape.tokens * 4)
     return fwd, bwd
 
 
