@@ -17,7 +17,9 @@ from mimotron.planner.calibration import (
     group_sizes,
     load_calibration,
 )
-from mimotron.planner.cost import COLLECTIVES, Calibration
+from mimotron.planner.cost import COLLECTIVES, Calibration, model_vocabulary
+from mimotron.planner.devices import device_table
+from mimotron.planner.terms import chunk_compute, tp_efficiency
 from tests.common import DIGITS, SMALL_MODEL
 
 # Few repeats and two buffer sizes: the figures are checked for sense, not precision.
@@ -52,6 +54,11 @@ def test_calibration_figures_file_and_cache(tmp_path) -> None:
     assert set(cal.module_seconds) == {"vision", "audio", "language"}
     for name, (fwd, bwd) in cal.module_seconds.items():
         assert 0 < fwd < 10 and 0 < bwd < 10, (name, fwd, bwd)
+    # The part that does not scale with the samples: within [0, the time].
+    assert set(cal.module_fixed_seconds) == set(cal.module_seconds)
+    for name, fixed in cal.module_fixed_seconds.items():
+        for part, whole in zip(fixed, cal.module_seconds[name], strict=True):
+            assert 0 <= part <= whole, (name, fixed)
     assert set(cal.collectives) == set(COLLECTIVES)
     for kind, by_size in cal.collectives.items():
         link = by_size[2]
@@ -88,3 +95,23 @@ def test_calibration_figures_file_and_cache(tmp_path) -> None:
     # A damaged file is no calibration (measured again by the next --calibrate).
     path.write_text("{not json")
     assert load_calibration(run_dir) is None
+
+
+def test_fixed_seconds_are_paid_whole_per_micro_batch() -> None:
+    """The measured time's fixed part is paid by every rank per micro-batch; the rest is
+    shared by data (samples) and tensor (FLOPs) parallelism."""
+    fixed = Calibration("cpu", {"language": (1.0, 2.0)}, samples=8,
+                        module_fixed_seconds={"language": (0.2, 0.4)})
+    scaled = Calibration("cpu", {"language": (1.0, 2.0)}, samples=8)
+    cpu = device_table()["cpu"]
+    for overrides, share, rate in (([], 1.0, 1.0), (["modules.language.parallel.data=2"], 0.5, 1.0),
+                                   (["modules.language.parallel.tensor=2"], 1.0,
+                                    2 * tp_efficiency(2))):
+        cfg = load_config(DIGITS, [*SMALL_MODEL, "modules.language.parallel.data=1", *overrides])
+        vocab = model_vocabulary(cfg)
+        f, b = chunk_compute(cfg, "language", 0, 0, vocab, cpu, fixed)
+        assert f == pytest.approx(0.8 * share / rate + 0.2)
+        assert b == pytest.approx(1.6 * share / rate + 0.4)
+        f, b = chunk_compute(cfg, "language", 0, 0, vocab, cpu, scaled)
+        assert (f, b) == pytest.approx((1.0 * share / rate, 2.0 * share / rate))
+    assert Calibration.from_json(fixed.to_json()) == fixed

@@ -137,6 +137,7 @@ def fingerprint(cfg: MimoConfig, world_size: int, options: CalibrationOptions) -
                for name, mod in cfg.modules.items()}
     data = cfg.data
     return {
+        "format": 2,  # 2: with module_fixed_seconds and the measured host cores
         "modules": modules,
         "data": {"dataset": data.dataset, "seq_length": data.seq_length, "path": data.path,
                  "packing": data.packing, "mix": [data.p_image, data.p_audio, data.p_both,
@@ -257,58 +258,91 @@ def calibrate(cfg: MimoConfig, world_size: int, options: CalibrationOptions | No
     threads = rank_threads(world_size)
     say(f"calibrating modules {list(cfg.modules)}: micro-batch "
         f"{cfg.train.micro_batch_size} x {cfg.data.seq_length}, {threads} thread(s)")
-    modules = measure_modules(cfg, threads, options)
+    modules, fixed = measure_modules(cfg, threads, options)
     return Calibration(device=DEVICE, module_seconds=modules, collectives=collectives,
                        host_cores=max(1, min(usable_cores(), round(cores))),
-                       samples=cfg.train.micro_batch_size)
+                       samples=cfg.train.micro_batch_size, module_fixed_seconds=fixed)
 
 
 # ---- modules -----------------------------------------------------------------------
 
 
-def _microbatches(cfg: MimoConfig, count: int) -> tuple[list[dict[str, torch.Tensor]], Any]:
-    """``count`` micro-batches of the training data, in order; and the tokenizer."""
+def _microbatches(cfg: MimoConfig, count: int, size: int
+                  ) -> tuple[list[dict[str, torch.Tensor]], Any]:
+    """``count`` micro-batches of ``size`` samples of the training data, in order; and
+    the tokenizer."""
     from mimotron.data import build_datasets, collate
     from mimotron.data.llava_setup import build_tokenizer
 
     tokenizer = build_tokenizer(cfg)
     task, _ = build_datasets(cfg, tokenizer)
     stream = task.stream(cfg.train.seed)
-    mbs = cfg.train.micro_batch_size
     kwargs = {"pad_id": task.pad_id, "image_shape": task.image_shape,
               "audio_shape": task.audio_shape}
-    batches = [collate(stream.samples(i * mbs, mbs), cfg.data.seq_length, **kwargs)
+    batches = [collate(stream.samples(i * size, size), cfg.data.seq_length, **kwargs)
                for i in range(count)]
     return batches, tokenizer
 
 
+Seconds = dict[str, tuple[float, float]]
+
+
 def measure_modules(cfg: MimoConfig, num_threads: int,
-                    options: CalibrationOptions | None = None) -> dict[str, tuple[float, float]]:
-    """Median ``(forward_s, backward_s)`` of one micro-batch per module (see the module
-    docstring); torch runs ``num_threads`` threads meanwhile (restored after)."""
+                    options: CalibrationOptions | None = None) -> tuple[Seconds, Seconds]:
+    """Per module, the median ``(forward_s, backward_s)`` of one micro-batch (see the
+    module docstring), and the part of it that does not scale with the samples.
+
+    Micro-batches of the configured size and of a quarter of it alternate (so a slow
+    spell of the host hits both); the fixed part is the intercept of the line through
+    the two medians, within ``[0, the time]`` (zero at a micro-batch of 1). Torch runs
+    ``num_threads`` threads meanwhile (restored after).
+
+    Returns:
+        ``(module_seconds, module_fixed_seconds)`` as :class:`Calibration` holds them.
+    """
     from mimotron.models.build import build_mimo_model
     from mimotron.training.model_setup import freeze_modules, padded_vocab_size
     from mimotron.training.precision import autocast_factory
 
     options = options or CalibrationOptions()
+    mbs = cfg.train.micro_batch_size
+    small = max(1, mbs // 4)
+    count = options.warmup + options.repeats
     previous = torch.get_num_threads()
     torch.set_num_threads(num_threads)
     try:
-        batches, tokenizer = _microbatches(cfg, options.warmup + options.repeats)
+        batches, tokenizer = _microbatches(cfg, count, mbs)
+        smalls = _microbatches(cfg, count, small)[0] if small < mbs else []
         placeholders = {n: tokenizer.placeholder_id(cfg.modules[n].modality)
                         for n in cfg.encoder_names}
         model = build_mimo_model(cfg, padded_vocab_size(tokenizer.vocab_size), placeholders)
         freeze_modules(model, cfg)
         autocast = autocast_factory(cfg.train.precision, torch.device("cpu"))
-        times: dict[str, list[tuple[float, float]]] = {n: [] for n in cfg.modules}
-        for i, batch in enumerate(batches):
-            for name, pair in _time_micro_batch(model, batch, autocast).items():
-                if i >= options.warmup:
-                    times[name].append(pair)
+        full: dict[str, list[tuple[float, float]]] = {n: [] for n in cfg.modules}
+        part: dict[str, list[tuple[float, float]]] = {n: [] for n in cfg.modules}
+        for i in range(count):
+            for times, group in ((full, batches), (part, smalls)):
+                if not group:
+                    continue
+                for name, pair in _time_micro_batch(model, group[i], autocast).items():
+                    if i >= options.warmup:
+                        times[name].append(pair)
     finally:
         torch.set_num_threads(previous)
-    return {name: (statistics.median(f for f, _ in pairs), statistics.median(b for _, b in pairs))
-            for name, pairs in times.items()}
+    seconds = {name: _medians(pairs) for name, pairs in full.items()}
+    fixed: Seconds = {}
+    for name, pairs in part.items():
+        if not pairs:
+            continue
+        big, little = seconds[name], _medians(pairs)
+        fwd, bwd = (min(t, max(0.0, t - (t - s) * mbs / (mbs - small)))
+                    for t, s in zip(big, little, strict=True))
+        fixed[name] = (fwd, bwd)
+    return seconds, fixed
+
+
+def _medians(pairs: list[tuple[float, float]]) -> tuple[float, float]:
+    return statistics.median(f for f, _ in pairs), statistics.median(b for _, b in pairs)
 
 
 def _timed(fn: Callable[[], Any]) -> tuple[Any, float]:

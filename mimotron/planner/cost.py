@@ -59,6 +59,10 @@ class Calibration:
         host_cores: cores the measuring ranks shared (0 = not shared).
         samples: samples per micro-batch the module times were measured at (0 = the
             config's ``train.micro_batch_size``); the model scales them linearly.
+        module_fixed_seconds: module name -> the part of ``module_seconds`` that does
+            not scale with the samples (Python, kernel launches, hooks: the intercept
+            of the times at two micro-batch sizes); empty = everything scales. It is
+            paid once per micro-batch and chunk whatever the share of samples or TP.
     """
 
     device: str
@@ -66,6 +70,7 @@ class Calibration:
     collectives: dict[str, dict[int, LinkCost]] = field(default_factory=dict)
     host_cores: int = 0
     samples: int = 0
+    module_fixed_seconds: dict[str, tuple[float, float]] = field(default_factory=dict)
 
     def to_json(self) -> str:
         """The calibration as JSON text (what the run directory caches)."""
@@ -77,6 +82,7 @@ class Calibration:
                             for kind, sizes in self.collectives.items()},
             "host_cores": self.host_cores,
             "samples": self.samples,
+            "module_fixed_seconds": {k: list(v) for k, v in self.module_fixed_seconds.items()},
         }, indent=1, sort_keys=True)
 
     @classmethod
@@ -97,6 +103,8 @@ class Calibration:
                              for kind, sizes in doc.get("collectives", {}).items()},
                 host_cores=int(doc.get("host_cores", 0)),
                 samples=int(doc.get("samples", 0)),
+                module_fixed_seconds={k: (float(v[0]), float(v[1])) for k, v in
+                                      doc.get("module_fixed_seconds", {}).items()},
             )
         except (KeyError, TypeError, IndexError, json.JSONDecodeError) as exc:
             raise ValueError(f"not a planner calibration: {exc!r}") from exc

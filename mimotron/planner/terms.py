@@ -198,6 +198,10 @@ def chunk_compute(cfg: MimoConfig, name: str, stage: int, chunk: int, vocab: int
     rate = par.tensor * tp_efficiency(par.tensor)
     if calibration is not None and name in calibration.module_seconds:
         f_s, b_s = calibration.module_seconds[name]
+        # The fixed part (per micro-batch, not per sample) is paid by every rank of
+        # the stage in full, for its share of the layers; the rest scales by FLOPs.
+        fixed_f, fixed_b = calibration.module_fixed_seconds.get(name, (0.0, 0.0))
+        f_s, b_s = max(0.0, f_s - fixed_f), max(0.0, b_s - fixed_b)
         measured_samples = calibration.samples or cfg.train.micro_batch_size
         # FLOPs of the micro-batch the times were measured on (module_forward_flops
         # counts this config's whole micro-batch, whatever its DP share or size).
@@ -205,8 +209,10 @@ def chunk_compute(cfg: MimoConfig, name: str, stage: int, chunk: int, vocab: int
                  / cfg.train.micro_batch_size)
         scale_f = f_s / whole if whole else 0.0  # seconds per forward FLOP, as measured
         scale_b = b_s / (backward_factor(cfg, name) * whole) if b_s and whole else scale_f
-        return (fwd_flops * scale_f / rate,
-                (back * scale_b + extra * scale_f) / rate)
+        here = whole * shape.samples / measured_samples  # the module at this shape
+        share = min(1.0, fwd_flops / here) if here else 1.0
+        return (fwd_flops * scale_f / rate + fixed_f * share,
+                (back * scale_b + extra * scale_f) / rate + fixed_b * share)
     flops_rate = device.flops_per_s * rate
     return fwd_flops / flops_rate, (back + extra) / flops_rate
 
