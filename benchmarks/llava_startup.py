@@ -16,9 +16,10 @@ second one of ``--small`` samples (default 50 000), and a BPE tokenizer, then me
   read, decoded and parsed), for comparison;
 * ``launch_first`` / ``launch_cached`` (unless ``--skip-launch``): ``mimotron train`` of
   the digits model on its 4 ranks (vision | audio | language DP 2) for one iteration:
-  seconds from the command to its first training record and to its exit, without the
-  index (large file only) and with it (both sizes: the difference is what the file's
-  size still costs).
+  seconds from the command to its first training record and to its exit, and the CPU
+  seconds of all its processes, without the index (large file only) and with it (both
+  sizes: the difference is what the file's size still costs). On a shared machine the
+  wall time depends on the other jobs; the CPU seconds hardly do.
 
 Run: ``python -m benchmarks.llava_startup [--samples N] [--small N] [--dir DIR]
 [--json OUT] [--skip-launch]``. The figures depend on the machine's cores and load (the
@@ -192,13 +193,16 @@ def run_child(kind: str, args: list[str]) -> dict[str, Any]:
 
 def launch(folder: Path, path: Path, run: str) -> dict[str, float]:
     """``mimotron train`` for one iteration on the config's 4 ranks: seconds from the
-    command to its first training record (the first step done), and to its exit."""
+    command to its first training record (the first step done), and to its exit; the
+    CPU seconds of the launcher, its check processes and the ranks together (what a
+    machine's free cores divide: the wall time does not go below it / cores)."""
     args = [*overrides(folder, path, run), "train.iters=1", "log.interval=1",
             "train.overwrite=true", "checkpoint.load=none", "eval.interval=1000",
             "eval.iters=1", "log.progress=false", "train.global_batch_size=8",
             "train.micro_batch_size=4", "scheduler.warmup_iters=0"]
     metrics = folder / run / "metrics.jsonl"
     metrics.unlink(missing_ok=True)  # the previous launch's records are not this one's
+    cpu = resource.getrusage(resource.RUSAGE_CHILDREN)
     begin = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-m", "mimotron", "train", str(DIGITS), *args],
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -212,7 +216,9 @@ def launch(folder: Path, path: Path, run: str) -> dict[str, float]:
     if proc.returncode != 0:
         raise RuntimeError(f"mimotron train failed: {err[-2000:]}")
     end = time.perf_counter() - begin
-    return {"first_step_s": end if first is None else first, "exit_s": end}
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)  # every process waited for
+    cpu_s = (after.ru_utime - cpu.ru_utime) + (after.ru_stime - cpu.ru_stime)
+    return {"first_step_s": end if first is None else first, "exit_s": end, "cpu_s": cpu_s}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -274,8 +280,8 @@ def _print(size: int, e: dict[str, Any]) -> None:
     for name, what in (("launch_first", "no index yet"), ("launch_cached", "with the index")):
         if name in e:
             print(f"  mimotron train, 4 ranks ({what}): first step after "
-                  f"{e[name]['first_step_s']:.1f} s, exit after {e[name]['exit_s']:.1f} s",
-                  flush=True)  # fmt: skip
+                  f"{e[name]['first_step_s']:.1f} s, exit after {e[name]['exit_s']:.1f} s, "
+                  f"{e[name]['cpu_s']:.0f} CPU-s in all processes", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

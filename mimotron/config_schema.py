@@ -352,9 +352,12 @@ class ModuleConfig:
         """Whether the module is an encoder (any kind but ``language``)."""
         return self.kind in ENCODER_KINDS
 
-    # Not a config key (no annotation: not a dataclass field): whether hf_path's vision
-    # tower has a class token (CLIP does, SigLIP not), filled in with the sizes from its
-    # config.json when the module is resolved (mimotron.models.hf.resolve); None until then.
+    # Not config keys (no annotation: not dataclass fields), filled in with the sizes when
+    # the module is resolved (mimotron.models.hf.resolve), None until then: hf_path's
+    # parsed config.json as (hf_path, dict), which later checks and estimates read
+    # instead of the file, and whether its vision tower has a class token (CLIP does,
+    # SigLIP not).
+    hf_config = None
     hf_class_token = None
 
     @property

@@ -14,7 +14,8 @@ then through :func:`mimotron.parallel.layout.plan_layout` (the layout's rules an
 so neither the config nor the models import each other inside a function to dodge a
 cycle. A Hugging Face folder's ``config.json`` is read once per load
 (:class:`~mimotron.models.hf.folder.HFConfigs`, one per :func:`load_config` call, handed
-down to every check that reads it).
+down to every check that reads it) and kept on the resolved module, so what runs after
+the load (the layout's rules, ``mimotron plan``'s estimates) does not read it again.
 
 Every rule raises ``ValueError`` with one line naming the field, its value and what would
 be valid.

@@ -190,25 +190,29 @@ def test_plan_reports_hf_modules(hf_dirs: dict[str, Path], capsys: pytest.Captur
     assert "memory estimate per rank" in out
 
 
-def test_loading_a_config_reads_each_folders_config_json_once(
-        hf_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
-    # The parse fills the sizes in and the checks resolve the modules again: both read
-    # the file once through the load's HFConfigs. Counted at the file read itself.
-    reads: list[Path] = []
+def test_a_config_json_is_read_once_per_load_and_once_per_plan(
+        hf_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture) -> None:
+    # load_config fills the sizes in and checks the modules through one HFConfigs; the
+    # module keeps what it read, so plan's layout rules, data check and estimates read
+    # no file again. Counted at the file read itself.
+    reads: list[str] = []
     read_text = Path.read_text
 
     def counting(self: Path, *args: object, **kwargs: object) -> str:
         if self.name == "config.json":
-            reads.append(self.parent)
+            reads.append(str(self.parent))
         return read_text(self, *args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(Path, "read_text", counting)
+    folders = sorted(str(p) for p in hf_dirs.values())
     cfg = load_config(DIGITS, BASE + _hf_overrides(hf_dirs))
-    assert sorted(map(str, reads)) == sorted(str(p) for p in hf_dirs.values())
+    assert sorted(reads) == folders
     assert cfg.modules["language"].num_layers == 2  # the sizes came from the files
     reads.clear()
-    load_config(DIGITS, BASE + _hf_overrides(hf_dirs))  # a new load reads them afresh
-    assert len(reads) == 3
+    code, _, err = _plan(_hf_overrides(hf_dirs), capsys)  # a new load: read afresh, once
+    assert code == 0, err
+    assert sorted(reads) == folders
 
 
 def test_missing_folder_is_an_error_before_launch(tmp_path: Path,

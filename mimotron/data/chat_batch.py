@@ -147,5 +147,5 @@ class ConversationEncoder:
                 self._pieces[key] = exc
         pieces = self._pieces[key]
         if isinstance(pieces, ValueError):
-            raise pieces
+            raise ValueError(str(pieces))  # a fresh one: a re-raise would grow its traceback
         return pieces

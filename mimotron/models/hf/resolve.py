@@ -32,6 +32,19 @@ _FAMILIES: dict[str, dict[str, str]] = {
             "siglip_vision_model": "siglip"},
     "audio": {"whisper": "whisper"},
 }
+def module_hf_config(mod: ModuleConfig) -> dict[str, Any]:
+    """``mod.hf_path``'s config.json: the one recorded when the module was resolved
+    (:func:`resolve_hf_module`), else read from the file.
+
+    Raises:
+        ValueError: as :func:`~mimotron.models.hf.folder.read_hf_config`.
+    """
+    recorded = mod.hf_config
+    if recorded is not None and recorded[0] == mod.hf_path:
+        return recorded[1]
+    return read_hf_config(mod.hf_path)
+
+
 def hf_family(mod: ModuleConfig, where: str = "module", config: dict[str, Any] | None = None
               ) -> str:  # fmt: skip
     """``"llama"``, ``"clip"``, ``"siglip"`` or ``"whisper"``: the family of ``mod.hf_path``.
@@ -39,12 +52,12 @@ def hf_family(mod: ModuleConfig, where: str = "module", config: dict[str, Any] |
     Args:
         mod: a module with ``hf_path``.
         where: the module's key prefix, for messages.
-        config: its parsed config.json (``None``: read here).
+        config: its parsed config.json (``None``: :func:`module_hf_config`).
 
     Raises:
         ValueError: missing folder or config.json, or a ``model_type`` the kind cannot take.
     """
-    config = read_hf_config(mod.hf_path) if config is None else config
+    config = module_hf_config(mod) if config is None else config
     families = _FAMILIES.get(mod.kind, {})
     model_type = config.get("model_type")
     if model_type not in families:
@@ -57,15 +70,15 @@ def hf_family(mod: ModuleConfig, where: str = "module", config: dict[str, Any] |
 
 def language_spec(mod: ModuleConfig, config: dict[str, Any] | None = None) -> LlamaFamilySpec:
     """The decoder spec of a ``language`` module's ``hf_path`` (``config``: its parsed
-    config.json, ``None``: read here)."""
-    return LlamaFamilySpec.from_hf_config(read_hf_config(mod.hf_path) if config is None
+    config.json, ``None``: :func:`module_hf_config`)."""
+    return LlamaFamilySpec.from_hf_config(module_hf_config(mod) if config is None
                                           else config)  # fmt: skip
 
 
 def tower_kwargs(mod: ModuleConfig, config: dict[str, Any] | None = None) -> dict[str, Any]:
     """Constructor arguments of an encoder tower (architecture + the module's options;
-    ``config``: its parsed config.json, ``None``: read here)."""
-    config = read_hf_config(mod.hf_path) if config is None else config
+    ``config``: its parsed config.json, ``None``: :func:`module_hf_config`)."""
+    config = module_hf_config(mod) if config is None else config
     family = hf_family(mod, config=config)
     if family == "whisper":
         return {**WhisperEncoderTower.from_hf_config(config),
@@ -98,12 +111,12 @@ def tied_embeddings(mod: ModuleConfig) -> bool:
 
 def hf_sizes(mod: ModuleConfig, config: dict[str, Any] | None = None) -> dict[str, int]:
     """The module's size keys as the folder's config.json gives them (``config``: parsed,
-    ``None``: read here).
+    ``None``: :func:`module_hf_config`).
 
     Raises:
         ValueError: as :func:`hf_family`, or an unsupported / inconsistent config.json.
     """
-    config = read_hf_config(mod.hf_path) if config is None else config
+    config = module_hf_config(mod) if config is None else config
     if mod.kind == "language":
         spec = language_spec(mod, config)
         return {"hidden_size": spec.hidden_size, "num_layers": spec.num_layers,
@@ -161,5 +174,6 @@ def resolve_hf_module(name: str, mod: ModuleConfig, explicit: Iterable[str] | No
                 f"{mod.hf_path!r}, which gives {value}; remove the key or set it to {value}"
             )
         setattr(mod, key, int(value))
+    mod.hf_config = (mod.hf_path, config)  # later readers use it, not the file
     if mod.kind == "vit":
         mod.hf_class_token = has_class_token(mod.hf_path, config)
