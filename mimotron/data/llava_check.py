@@ -11,6 +11,8 @@ A sample comes as a :class:`RawItem`: its location for messages, its parsed JSON
 the :class:`~mimotron.data.llava_file.SampleError` reading it gave) and, for a tar
 shard, its media members (a JSON file's media are paths in the JSON, relative to the
 root). :meth:`SampleChecker.check` runs every rule and tokenises (the sample's length);
+:meth:`SampleChecker.check_many` does the same for a chunk of samples, tokenising them as
+one batch (:mod:`~mimotron.data.chat_batch`: the same lengths, a fraction of the CPU);
 :meth:`SampleChecker.parse` is what a load needs (messages, resolved media) without
 decoding or tokenising again.
 
