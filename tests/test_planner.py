@@ -134,6 +134,13 @@ def test_device_table_takes_a_users_file(tmp_path):
     path.write_text("[devices.new]\nflops_per_s = 1e12\n")
     with pytest.raises(ValueError, match="new device and needs memory_bytes"):
         device_table(str(path))
+    # A count must be whole: int(0.5) would make a node of 0 devices (a division by 0).
+    path.write_text("[devices.h100]\ndevices_per_node = 0.5\n")
+    with pytest.raises(ValueError, match="devices.h100.devices_per_node=0.5 is invalid"):
+        device_table(str(path))
+    path.write_text("[devices.h100]\nflops_per_s = nan\n")  # TOML's nan would price nothing
+    with pytest.raises(ValueError, match="devices.h100.flops_per_s=nan is invalid"):
+        device_table(str(path))
 
 
 def snippet_overrides(text: str) -> list[str]:

@@ -23,6 +23,7 @@ starts from and the efficiency applied (2026-12-02).
 
 from __future__ import annotations
 
+import math
 import os
 import tomllib
 from dataclasses import dataclass, fields, replace
@@ -121,6 +122,20 @@ def device_table(extra: str | None = None) -> dict[str, DeviceSpec]:
     return table
 
 
+_WHOLE_FIELDS = ("memory_bytes", "devices_per_node", "host_cores")
+"""Fields that count something (bytes, devices, cores): whole numbers."""
+
+
+def _valid_number(key: str, value: object) -> bool:
+    """A finite, positive number (``host_cores`` may be 0), whole for a count: ``int()``
+    would round 0.5 devices per node down to 0."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    if not math.isfinite(value) or value < 0 or (value == 0 and key != "host_cores"):
+        return False
+    return key not in _WHOLE_FIELDS or value == int(value)
+
+
 def _device_from(path: str, name: str, values: dict[str, Any],
                  base: DeviceSpec | None) -> DeviceSpec:
     """One ``[devices.NAME]`` table over ``base`` (None: a new device, all fields given)."""
@@ -136,11 +151,11 @@ def _device_from(path: str, name: str, values: dict[str, Any],
                              f"needs {', '.join(missing)}")
     converted: dict[str, Any] = {}
     for key, value in values.items():
-        integral = key in ("memory_bytes", "devices_per_node", "host_cores")
-        if isinstance(value, bool) or not isinstance(value, int | float) or value < 0 or (
-                value == 0 and key != "host_cores"):
+        integral = key in _WHOLE_FIELDS
+        if not _valid_number(key, value):
+            kind = "whole number" if integral else "number"
             raise ValueError(f"--device-table={path!r}: devices.{name}.{key}={value!r} is "
-                             "invalid: expected a positive number")
+                             f"invalid: expected a positive {kind}")
         converted[key] = int(value) if integral else float(value)
     if base is None:
         return DeviceSpec(name=name, **converted)
