@@ -200,6 +200,18 @@ def test_llava_7b_first_choice_trains_within_the_limit(world, limit):
                           (16,))
 
 
+def test_colocated_search_tries_a_leaner_rung_when_the_sum_is_over_the_limit():
+    # On 4 ranks under 3 MiB the fastest rung of each module fits alone but not the three
+    # on one rank; recompute full everywhere (TP 4, micro-batch 1) fits: 2.84 MiB.
+    request = SearchRequest(str(DIGITS), [], 4, device_table()["cpu"], 3 * 2**20, top=1)
+    result = search(request)
+    assert result.candidates, "no layout found although a colocated one fits"
+    best = result.candidates[0]
+    assert best.peak <= 3 * 2**20
+    cfg = load_config(DIGITS, best.overrides)
+    est = estimate_memory(cfg, plan_layout(cfg), model_vocabulary(cfg), list(range(4)))
+    assert max(sum(e.total for e in items) for items in est.values()) <= 3 * 2**20
+
 def test_plan_auto_command(capsys):
     assert main(["plan", "--auto", str(DIGITS), *BASE, "--world", "2", "--device", "cpu",
                  "--top", "2", "--explain"]) == 0

@@ -6,11 +6,12 @@ Three phases keep a 3-module model on 64 ranks well under a minute:
    combination (:func:`~mimotron.planner.options.degree_options`) on every block size
    is priced alone, analytically (its stages' compute and collectives per micro-batch
    times the micro-batches, plus ``(p - 1) / v`` stages of fill and the reduction and
-   optimizer tail); walking them fastest first, each is given the first recompute /
+   optimizer tail); walking them fastest first, each is given the fastest recompute /
    sharding rung (:func:`~mimotron.planner.options.memory_ladder`) whose memory
    estimate (:func:`~mimotron.parallel.memory.estimate_memory`, on a config holding the
    candidate) fits, after the layout validator accepted it; the best
-   :data:`KEEP` per block size stay.
+   :data:`KEEP` per block size stay (a colocated module also keeps each one's leanest
+   rung that fits: the modules share a rank's memory).
 2. **Compose**: colocated (every module on every rank, pipeline 1, the modules' times
    added) and split (contiguous blocks whose sizes tile the world, in config order,
    data-parallel degrees that divide one another, the slowest module's time), ranked
@@ -150,12 +151,12 @@ def search(request: SearchRequest) -> SearchResult:
                 MIN_CHECKED, 3 * request.top):
             break
         # Layouts that differ only in the encoders' mostly tie: the list would repeat
-        # itself, so each (placement, micro-batch, language layout) is checked once, with
-        # the encoders phase 2 ranked best.
+        # itself, so each (placement, micro-batch, language layout) is listed once, with
+        # the encoders phase 2 ranked best of those that fit (the encoders' memory may
+        # decide whether a colocated layout fits).
         key = (cand.colocated, cand.micro_batch, cand.options[LANGUAGE])
         if key in seen:
             continue
-        seen.add(key)
         result.checked += 1
         verdict = _check(ctx, cand)
         if verdict == "refused":
@@ -163,6 +164,7 @@ def search(request: SearchRequest) -> SearchResult:
         elif verdict == "too big":
             result.too_big += 1
         else:
+            seen.add(key)
             result.candidates.append(cand)
     result.candidates.sort(key=lambda c: (c.cost.total if c.cost else 0.0, c.peak))
     result.scored, result.seconds = ctx.scored, time.perf_counter() - start
@@ -267,6 +269,7 @@ def module_choices(ctx: _Context, name: str, mbs: int, max_size: int, exact: boo
     priced = sorted(((_alone_seconds(ctx, scratch, name, o), o) for o in options),
                     key=lambda x: (x[0], x[1].size))
     kept: dict[int, list[ModuleChoice]] = {}
+    lean: dict[int, list[ModuleChoice]] = {}  # colocated: the leanest rung too
     for _, option in priced:
         if len(kept.get(option.size, [])) >= KEEP:
             continue
@@ -275,14 +278,35 @@ def module_choices(ctx: _Context, name: str, mbs: int, max_size: int, exact: boo
         ladder = sorted(((_alone_seconds(ctx, scratch, name, r), i, r) for i, r in
                          enumerate(memory_ladder(option, scratch.modules[name]))),
                         key=lambda x: (float(f"{x[0]:.9g}"), x[1]))  # ties: leaner last
+        fitted = None
         for seconds, _, rung in ladder:
             peak = _module_memory(ctx, scratch, name, rung, colocated=exact)
             if peak is not None and peak <= limit:
-                kept.setdefault(option.size, []).append(ModuleChoice(rung, seconds, peak))
+                fitted = ModuleChoice(rung, seconds, peak)
+                kept.setdefault(option.size, []).append(fitted)
                 break
+        if exact and fitted is not None:
+            leanest = max(ladder, key=lambda x: x[1])  # memory_ladder's last: the leanest
+            lean.setdefault(option.size, []).extend(
+                _leanest(ctx, scratch, name, leanest[2], leanest[0], fitted))
+    for size, extra in lean.items():
+        kept[size] += extra
     for choices in kept.values():
         choices.sort(key=lambda c: (c.seconds, c.memory))
     return kept
+
+
+def _leanest(ctx: _Context, cfg: MimoConfig, name: str, rung: ModuleOption, seconds: float,
+             chosen: ModuleChoice) -> list[ModuleChoice]:
+    """The ladder's leanest rung as a further choice of a colocated module, where it
+    fits and is not the chosen one: colocated modules share each rank's memory, so the
+    fastest rung of each may fit alone and not together."""
+    if rung == chosen.option:
+        return []
+    peak = _module_memory(ctx, cfg, name, rung, colocated=True)
+    if peak is None or peak > ctx.request.memory_limit:
+        return []
+    return [ModuleChoice(rung, seconds, peak)]
 
 
 def _max_tensor(ctx: _Context) -> int:
