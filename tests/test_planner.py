@@ -28,7 +28,7 @@ from mimotron.parallel.layout import Layout, ModulePlacement, plan_layout
 from mimotron.parallel.memory import estimate_memory
 from mimotron.pipeline.interleaved_plan import build_rank_plan
 from mimotron.pipeline.plan import Position, build_1f1b_plan
-from mimotron.planner.cost import model_vocabulary, step_cost
+from mimotron.planner.cost import Calibration, model_vocabulary, step_cost
 from mimotron.planner.devices import DeviceSpec, device_table
 from mimotron.planner.report import snippet
 from mimotron.planner.search import SearchRequest, search
@@ -102,6 +102,16 @@ def test_compute_term_is_flops_over_the_rate():
     assert b_s == pytest.approx((2 * forward + lm.num_layers * layer) / rate, rel=1e-12)
     assert tp_efficiency(8) == pytest.approx(1 - 0.04 * 3)
 
+
+def test_calibrated_tower_frozen_encoder_costs_its_measured_times():
+    # freeze = "encoder": only the projector trains, so the measured backward is the
+    # projector's; at the measured shape (one rank, the whole micro-batch) the model
+    # returns the measured seconds (it divided by a backward factor of 0 before).
+    cfg = load_config(DIGITS, [*BASE, 'modules.vision.freeze="encoder"'])
+    calibration = Calibration("cpu", {"vision": (0.01, 0.004)})
+    f_s, b_s = chunk_compute(cfg, "vision", 0, 0, model_vocabulary(cfg),
+                             device_table()["cpu"], calibration)
+    assert (f_s, b_s) == (pytest.approx(0.01), pytest.approx(0.004))
 
 def test_collective_costs_follow_the_ring_and_the_node():
     device = DeviceSpec("test", 1e12, 10**9, 4, intra_node_bytes_per_s=1e9,

@@ -208,13 +208,24 @@ def chunk_compute(cfg: MimoConfig, name: str, stage: int, chunk: int, vocab: int
         whole = (module_forward_flops(cfg, name, vocab) * measured_samples
                  / cfg.train.micro_batch_size)
         scale_f = f_s / whole if whole else 0.0  # seconds per forward FLOP, as measured
-        scale_b = b_s / (backward_factor(cfg, name) * whole) if b_s and whole else scale_f
+        whole_b = _measured_backward_flops(cfg, name, whole, measured_samples)
+        scale_b = b_s / whole_b if b_s and whole_b else scale_f
         here = whole * shape.samples / measured_samples  # the module at this shape
         share = min(1.0, fwd_flops / here) if here else 1.0
         return (fwd_flops * scale_f / rate + fixed_f * share,
                 (back * scale_b + extra * scale_f) / rate + fixed_b * share)
     flops_rate = device.flops_per_s * rate
     return fwd_flops / flops_rate, (back + extra) / flops_rate
+
+
+def _measured_backward_flops(cfg: MimoConfig, name: str, forward: float, samples: int
+                             ) -> float:
+    """Backward FLOPs of the micro-batch a calibration measured (``forward``: its
+    forward FLOPs): a frozen tower's backward is its projector's alone."""
+    mod = cfg.modules[name]
+    if mod.tower_frozen:
+        return 2.0 * projector_flops(mod, cfg.modules["language"].hidden_size, samples)
+    return backward_factor(cfg, name) * forward
 
 
 def _recomputed_layers(cfg: MimoConfig, name: str, n_layers: int) -> int:
