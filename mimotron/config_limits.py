@@ -27,8 +27,8 @@ from typing import Any
 from mimotron.config_schema import MimoConfig, ModuleConfig
 from mimotron.models.blocks import default_ffn_hidden_size
 from mimotron.models.hf.folder import HFConfigs
-from mimotron.models.hf.llama import LlamaFamilySpec
 from mimotron.models.hf.resolve import language_spec
+from mimotron.models.hf.specs import LlamaFamilySpec
 
 MAX_PARAMS = 10**13
 """Parameters of the whole model beyond which a plan is refused (no machine trains it)."""

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from mimotron.models.moe_config import moe_options
 from mimotron.names import LANGUAGE
 
 if TYPE_CHECKING:
@@ -128,7 +129,6 @@ def check_tensor_widths(cfg: MimoConfig, name: str) -> None:
         ValueError: naming the module's ``parallel.tensor`` and the width's key.
     """
     from mimotron.models.blocks import default_ffn_hidden_size
-    from mimotron.models.moe import moe_options
 
     mod = cfg.modules[name]
     tp = mod.parallel.tensor

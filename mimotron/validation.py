@@ -52,7 +52,7 @@ from mimotron.config_schema import (
 from mimotron.data.webdataset import is_shard_path, shard_paths
 from mimotron.models.hf.folder import HFConfigs
 from mimotron.models.hf.resolve import resolve_hf_module
-from mimotron.models.moe import check_layer_freq, check_moe_options
+from mimotron.models.moe_options import check_layer_freq, check_moe_options
 from mimotron.names import LANGUAGE
 
 __all__ = ["HF_ONLY_KEYS", "TOY_AUDIO_RATE", "HFConfigs", "validate_config"]

@@ -15,7 +15,7 @@ import torch
 from mimotron.checkpoint.save import _write_checkpoint
 from mimotron.checkpoint.state import META, model_state
 from mimotron.data.hf_tokenizer import resize_embedding_rows
-from mimotron.models.hf import LlamaFamilySpec, build_hf_language_model
+from mimotron.models.hf.llama import LlamaFamilySpec, build_hf_language_model
 from mimotron.models.language import LanguageModel
 from mimotron.models.mimo import MimoModel
 from mimotron.testing import run_ranks

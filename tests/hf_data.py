@@ -110,7 +110,7 @@ def folder_tensors(folder: Path) -> dict[str, Any]:
     """Every tensor of a Hugging Face folder (single or sharded safetensors), by name."""
     from safetensors import safe_open
 
-    from mimotron.models.hf import tensor_files
+    from mimotron.models.hf.folder import tensor_files
 
     out = {}
     for name, file in tensor_files(folder).items():

@@ -29,7 +29,7 @@ from mimotron.config import load_config
 from mimotron.data.llava_setup import build_llava_tasks, build_tokenizer
 from mimotron.demo.llava_assets import write_llava_assets
 from mimotron.generate import Generator, Sampling
-from mimotron.models.hf import build_hf_language_model
+from mimotron.models.hf.llama import build_hf_language_model
 from mimotron.models.kv_cache import KVCache
 from mimotron.models.language import LanguageModel
 from mimotron.runtime import init_runtime

@@ -37,8 +37,8 @@ from mimotron.checkpoint.state import META, model_state
 from mimotron.cli.main import main as cli_main
 from mimotron.data.hf_tokenizer import HFTokenizer, resize_embedding_rows
 from mimotron.models.encoders import ModalitySubmodule, Projector
-from mimotron.models.hf import LlamaFamilySpec, build_hf_language_model
 from mimotron.models.hf.clip import ClipVisionTower
+from mimotron.models.hf.llama import LlamaFamilySpec, build_hf_language_model
 from mimotron.models.hf.weights import load_hf_weights
 from mimotron.models.hf.whisper import WhisperEncoderTower
 from mimotron.models.language import LanguageModel

@@ -18,12 +18,12 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from mimotron.models.hf import (
+from mimotron.models.hf.folder import tensor_files
+from mimotron.models.hf.llama import (
     LLAMA_WEIGHTS,
     LlamaFamilySpec,
     build_hf_language_model,
     load_llama_weights,
-    tensor_files,
 )
 from mimotron.models.language import LanguageModel
 from mimotron.testing import run_ranks

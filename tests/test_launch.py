@@ -109,8 +109,16 @@ def test_two_torchrun_nodes_train_a_heterogeneous_layout(tmp_path):
     assert any("eval_accuracy" in r for r in records)
 
 
+# Modules (and their submodules) the launcher must not import. It does read a Hugging
+# Face folder's config.json (the family and sizes are checked at config load), so
+# mimotron.models.hf.{folder,specs,config_check,resolve} and mimotron.models.moe_options
+# are its business; the modules that build models (nn code, DTensor behind it) are not.
+_FORBIDDEN = ("torch.distributed.tensor", "torch.distributed.checkpoint",
+              "mimotron.models.mimo", "mimotron.models.moe", "mimotron.models.hf.llama",
+              "mimotron.models.hf.clip", "mimotron.models.hf.whisper",
+              "mimotron.models.hf.layers", "mimotron.models.hf.weights")
 # What ``mimotron train`` runs before it starts the ranks, in a fresh interpreter.
-_LAUNCHER_PATH = """
+_LAUNCHER_PATH = f"""
 import sys
 from mimotron.cli.train import run_train  # noqa: F401 - the module the launcher runs
 from mimotron.cli.launch import Launcher  # noqa: F401
@@ -126,9 +134,8 @@ plan_layout(cfg)
 check_data(cfg)
 prepare_run_dir(cfg)
 import torch.distributed  # the launcher's TCPStore
-print(sorted(m for m in sys.modules if m.startswith(
-    ("torch.distributed.tensor", "torch.distributed.checkpoint", "mimotron.models.mimo",
-     "mimotron.models.hf"))))
+print(sorted(m for m in sys.modules
+             if any(m == f or m.startswith(f + ".") for f in {_FORBIDDEN!r})))
 """
 
 

@@ -22,7 +22,7 @@ from mimotron.models.hf.whisper import WhisperEncoderTower
 from mimotron.models.init import init_parameters_
 from mimotron.models.language import LanguageModel
 from mimotron.models.mimo import MimoModel
-from mimotron.models.moe import moe_options as moe_options
+from mimotron.models.moe_config import moe_options as moe_options
 from mimotron.models.vocab_size import VOCAB_MULTIPLE as VOCAB_MULTIPLE
 from mimotron.models.vocab_size import model_vocab_size
 from mimotron.models.vocab_size import padded_vocab_size as padded_vocab_size

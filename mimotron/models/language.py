@@ -23,7 +23,7 @@ from mimotron.models.blocks import (
     to_residual_dtype,
 )
 from mimotron.models.kv_cache import KVCache
-from mimotron.models.moe import MoEOptions, check_layer_freq
+from mimotron.models.moe import MoEOptions, check_layer_freq, moe_factory
 from mimotron.models.rope_scaling import rope_inv_freq, validate_rope_scaling
 from mimotron.parallel.context_parallel import load_balanced_positions
 from mimotron.parallel.sequence_parallel import gather_sequence, scatter_sequence
@@ -115,7 +115,7 @@ class LanguageModel(nn.Module):
         self.layers = make_layers(
             layer_ids,
             num_layers,
-            mlp_factory=None if moe is None else moe.factory(hidden_size, num_layers),
+            mlp_factory=None if moe is None else moe_factory(moe, hidden_size, num_layers),
             hidden=hidden_size,
             num_heads=num_heads,
             ffn_hidden=ffn_hidden_size,

@@ -56,26 +56,29 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
-from mimotron.config_schema import ModuleConfig
 from mimotron.host_sync import EXPERT_COUNTS, to_host
 from mimotron.models.blocks import SwiGLU, default_ffn_hidden_size, residual_init_std
 
-RouterScore = Literal["softmax", "sigmoid"]
-ROUTER_SCORES: tuple[str, ...] = ("softmax", "sigmoid")
+# The options, their checks and a module config's options live in modules without
+# torch.nn (the launcher's config checks read them); re-exported here, where the blocks
+# they describe are built.
+from mimotron.models.moe_config import moe_options as moe_options
+from mimotron.models.moe_options import ROUTER_SCORES as ROUTER_SCORES
+from mimotron.models.moe_options import MoEOptions as MoEOptions
+from mimotron.models.moe_options import RouterScore as RouterScore
+from mimotron.models.moe_options import check_layer_freq as check_layer_freq
+from mimotron.models.moe_options import check_moe_options as check_moe_options
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """This rank's part of ``t``: ``to_local()`` for a DTensor (expert-parallel shard)."""
-    # Imported here: the config checks import this module, and the launcher of ``mimotron
-    # train`` that runs them never needs DTensor (~1 s of imports).
-    from torch.distributed.tensor import DTensor
-
     return t.to_local() if isinstance(t, DTensor) else t
 
 
@@ -363,103 +366,23 @@ class MoEFeedForward(nn.Module):
         st.num_samples += aux.shape[0]
 
 
-def check_moe_options(num_experts: int, top_k: int, router_score: str,
-                      num_shared_experts: int = 0, prefix: str = "") -> None:
-    """Validate MoE sizes; one-line ``ValueError`` naming the field.
-
-    Args:
-        num_experts: routed experts (0 = dense layer, then nothing else is checked).
-        top_k: experts per token.
-        router_score: ``softmax`` or ``sigmoid``.
-        num_shared_experts: >= 0.
-        prefix: prepended to field names (``modules.language.``).
-    """
-    if num_experts < 0:
-        raise ValueError(f"{prefix}num_experts={num_experts} is invalid: expected >= 0")
-    if num_experts == 0:
-        return
-    if not 1 <= top_k <= num_experts:
-        raise ValueError(f"{prefix}top_k={top_k} is invalid: expected 1 <= top_k <= "
-                         f"num_experts={num_experts}")
-    if router_score not in ROUTER_SCORES:
-        raise ValueError(f"{prefix}moe_router_score={router_score!r} is invalid: expected "
-                         f"one of {list(ROUTER_SCORES)}")
-    if num_shared_experts < 0:
-        raise ValueError(f"{prefix}num_shared_experts={num_shared_experts} is invalid: "
-                         "expected >= 0")
+def build_moe(options: MoEOptions, hidden_size: int, num_layers: int) -> MoEFeedForward:
+    """One MoE block of ``options`` for a stack of width ``hidden_size`` and depth
+    ``num_layers``."""
+    return MoEFeedForward(
+        hidden_size, options.num_experts, options.top_k, options.ffn_hidden_size, num_layers,
+        num_shared_experts=options.num_shared_experts,
+        shared_ffn_hidden_size=options.shared_ffn_hidden_size,
+        shared_expert_gate=options.shared_expert_gate, router_score=options.router_score,
+        norm_topk_prob=options.norm_topk_prob, aux_loss_coeff=options.aux_loss_coeff,
+        z_loss_coeff=options.z_loss_coeff)
 
 
-@dataclass(frozen=True)
-class MoEOptions:
-    """How a stack's MoE layers are built and placed (the ``modules.<m>`` MoE keys).
-
-    Attributes:
-        num_experts: routed experts per MoE layer (>= 1).
-        top_k: experts per token.
-        ffn_hidden_size: routed expert width (0 = the SwiGLU default).
-        num_shared_experts: shared expert width multiple (0 = none).
-        shared_ffn_hidden_size: explicit shared expert width (0 = from the multiple).
-        shared_expert_gate: Qwen2-MoE's sigmoid gate on the shared expert.
-        router_score: ``softmax`` or ``sigmoid``.
-        norm_topk_prob: renormalise the top-k weights.
-        aux_loss_coeff: load-balancing loss weight.
-        z_loss_coeff: router z-loss weight.
-        layer_freq: 1 = every layer, N = layers with ``index % N == 0``, or one 0/1 per
-            layer.
-    """
-
-    num_experts: int
-    top_k: int = 2
-    ffn_hidden_size: int = 0
-    num_shared_experts: int = 0
-    shared_ffn_hidden_size: int = 0
-    shared_expert_gate: bool = False
-    router_score: str = "softmax"
-    norm_topk_prob: bool = True
-    aux_loss_coeff: float = 0.0
-    z_loss_coeff: float = 0.0
-    layer_freq: int | tuple[int, ...] = 1
-
-    def is_moe_layer(self, index: int) -> bool:
-        """Whether global layer ``index`` is an MoE layer."""
-        if isinstance(self.layer_freq, int):
-            return index % self.layer_freq == 0
-        return bool(self.layer_freq[index])
-
-    def moe_layer_ids(self, num_layers: int) -> list[int]:
-        """The MoE layers' global indices in a stack of ``num_layers``."""
-        return [i for i in range(num_layers) if self.is_moe_layer(i)]
-
-    def build(self, hidden_size: int, num_layers: int) -> MoEFeedForward:
-        """One MoE block for a stack of width ``hidden_size`` and depth ``num_layers``."""
-        return MoEFeedForward(
-            hidden_size, self.num_experts, self.top_k, self.ffn_hidden_size, num_layers,
-            num_shared_experts=self.num_shared_experts,
-            shared_ffn_hidden_size=self.shared_ffn_hidden_size,
-            shared_expert_gate=self.shared_expert_gate, router_score=self.router_score,
-            norm_topk_prob=self.norm_topk_prob, aux_loss_coeff=self.aux_loss_coeff,
-            z_loss_coeff=self.z_loss_coeff)
-
-    def factory(self, hidden_size: int, num_layers: int
+def moe_factory(options: MoEOptions, hidden_size: int, num_layers: int
                 ) -> Callable[[int], MoEFeedForward | None]:
-        """``make_layers``' ``mlp_factory``: an MoE block for MoE layers, else ``None``."""
-        return lambda i: self.build(hidden_size, num_layers) if self.is_moe_layer(i) else None
-
-
-def check_layer_freq(layer_freq: int | list[int] | tuple[int, ...], num_layers: int,
-                     prefix: str = "") -> None:
-    """Validate ``moe_layer_freq`` (one-line ``ValueError`` naming the field)."""
-    if isinstance(layer_freq, bool) or not isinstance(layer_freq, int | list | tuple):
-        raise ValueError(f"{prefix}moe_layer_freq={layer_freq!r} is invalid: expected an "
-                         "integer >= 1 or a list of 0/1 per layer")
-    if isinstance(layer_freq, int):
-        if layer_freq < 1:
-            raise ValueError(f"{prefix}moe_layer_freq={layer_freq} is invalid: expected an "
-                             "integer >= 1 or a list of 0/1 per layer")
-        return
-    if len(layer_freq) != num_layers or any(v not in (0, 1) for v in layer_freq):
-        raise ValueError(f"{prefix}moe_layer_freq={list(layer_freq)} is invalid: expected "
-                         f"{num_layers} entries of 0 or 1 (one per layer)")
+    """``make_layers``' ``mlp_factory``: an MoE block for MoE layers, else ``None``."""
+    return lambda i: (build_moe(options, hidden_size, num_layers)
+                      if options.is_moe_layer(i) else None)
 
 
 def moe_layers(module: nn.Module) -> dict[str, MoEFeedForward]:
@@ -485,25 +408,3 @@ def pop_moe_stats(module: nn.Module) -> dict[str, MoEStats]:
     for name, layer in moe_layers(module).items():
         out[name], layer.stats = layer.stats, MoEStats()
     return out
-
-
-def moe_options(mod: ModuleConfig) -> MoEOptions | None:
-    """The module's mixture-of-experts options, ``None`` for a dense module.
-
-    From the ``moe_*`` keys, or for a language ``hf_path`` from its config.json
-    (Qwen2-MoE / Qwen3-MoE).
-    """
-    if mod.hf_path and mod.kind == "language":
-        from mimotron.models.hf.resolve import language_spec  # reads config.json
-
-        return language_spec(mod).moe
-    if mod.num_experts == 0:
-        return None
-    freq = mod.moe_layer_freq
-    return MoEOptions(
-        num_experts=mod.num_experts, top_k=mod.top_k,
-        ffn_hidden_size=mod.moe_ffn_hidden_size or mod.ffn_hidden_size,
-        num_shared_experts=mod.num_shared_experts, shared_expert_gate=mod.moe_shared_expert_gate,
-        router_score=mod.moe_router_score, norm_topk_prob=mod.moe_norm_topk_prob,
-        aux_loss_coeff=mod.moe_aux_loss_coeff, z_loss_coeff=mod.moe_z_loss_coeff,
-        layer_freq=freq if isinstance(freq, int) else tuple(freq))

@@ -11,32 +11,11 @@ reader (:mod:`mimotron.models.hf.folder`) and one name map, checker, sharded rea
 export path (:mod:`mimotron.models.hf.weights`); each family only states its
 :class:`~mimotron.models.hf.weights.WeightMap`. A run config reaches them through
 ``modules.<m>.hf_path``: :mod:`mimotron.models.hf.resolve` reads a module's family and
-sizes at config validation, :mod:`mimotron.models.build` builds and loads it, and
+sizes at config validation (through the model-free readers of
+:mod:`mimotron.models.hf.specs`), :mod:`mimotron.models.build` builds and loads it, and
 :mod:`mimotron.models.hf.vocab` fills embedding rows past the checkpoint's vocabulary.
+
+This package imports none of its submodules: config validation runs in the launcher of
+``mimotron train``, which reads config.json but must not pay for the models (and DTensor
+behind them). Import what you need from the submodule that defines it.
 """
-
-from mimotron.models.hf.folder import hf_folder, read_hf_config, tensor_files
-from mimotron.models.hf.llama import (
-    LLAMA_WEIGHTS,
-    SUPPORTED_MODEL_TYPES,
-    LlamaFamilySpec,
-    build_hf_language_model,
-    check_llama_folder,
-    load_llama_weights,
-)
-from mimotron.models.hf.weights import WeightMap, load_hf_weights, to_hf_tensors
-
-__all__ = [
-    "LLAMA_WEIGHTS",
-    "SUPPORTED_MODEL_TYPES",
-    "LlamaFamilySpec",
-    "build_hf_language_model",
-    "check_llama_folder",
-    "hf_folder",
-    "load_llama_weights",
-    "read_hf_config",
-    "load_hf_weights",
-    "tensor_files",
-    "to_hf_tensors",
-    "WeightMap",
-]

@@ -22,8 +22,9 @@ import torch
 from torch import nn
 
 from mimotron.models.blocks import chunk_modules, is_last_chunk, make_layers, to_residual_dtype
-from mimotron.models.hf.folder import read_keys, reject_set, select_config
-from mimotron.models.hf.layers import CastLayerNorm, PreLNEncoderLayer, check_activation
+from mimotron.models.hf.layers import CastLayerNorm, PreLNEncoderLayer
+from mimotron.models.hf.specs import check_activation, clip_tower_args, siglip_tower_args
+from mimotron.models.hf.specs import used_layers as used_layers
 from mimotron.models.hf.weights import WeightMap
 
 STRATEGIES = ("default", "full")
@@ -61,40 +62,6 @@ SIGLIP_WEIGHTS = WeightMap(
     prefixes=("vision_model.", ""),
     ignored=(*_NOT_VISION, r"(vision_model\.)?head\."),
 )
-
-_VISION_DEFAULTS = {
-    "hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12,
-    "num_attention_heads": 12, "num_channels": 3, "image_size": 224,
-}
-
-
-def used_layers(num_hidden_layers: int, vision_feature_layer: int) -> int:
-    """Layers a tower runs to produce hidden state ``vision_feature_layer``.
-
-    Hidden state ``k`` (``transformers``' ``hidden_states[k]``) is the output of the first
-    ``k`` layers; negative ``k`` counts from ``num_hidden_layers + 1``.
-
-    Args:
-        num_hidden_layers: layers of the checkpoint's tower.
-        vision_feature_layer: LLaVA's feature layer index.
-
-    Returns:
-        The number of layers to build, at least 1.
-
-    Raises:
-        ValueError: the index selects no layer or is out of range.
-    """
-    if isinstance(vision_feature_layer, bool) or not isinstance(vision_feature_layer, int):
-        raise ValueError(f"vision_feature_layer={vision_feature_layer!r} is not supported; "
-                         "expected one integer layer index")
-    used = vision_feature_layer + (num_hidden_layers + 1 if vision_feature_layer < 0 else 0)
-    if not 1 <= used <= num_hidden_layers:
-        raise ValueError(
-            f"vision_feature_layer={vision_feature_layer} is invalid for {num_hidden_layers} "
-            f"layers: expected 1..{num_hidden_layers} or -{num_hidden_layers}..-1"
-        )
-    return used
-
 
 class ViTTower(nn.Module):
     """A CLIP- or SigLIP-style vision tower: ``[n, C, H, W] -> [n, tokens, hidden]``.
@@ -227,15 +194,6 @@ def _check_options(image_size: int, patch_size: int, class_token: bool, num_hidd
                          f"vision_feature_layer={feature_layer}")
 
 
-def _vision_args(config: dict[str, Any], own: str, full: str, defaults: dict[str, Any]
-                 ) -> dict[str, Any]:
-    sub = select_config(config, (own,), (full,), "vision_config")
-    reject_set(sub, ("attention_dropout",), "expected 0.0 (the towers have no dropout)")
-    args = read_keys(sub, {**_VISION_DEFAULTS, **defaults})
-    check_activation("hidden_act", args["hidden_act"])
-    return args
-
-
 class ClipVisionTower(ViTTower):
     """The vision tower of CLIP (``CLIPVisionModel``); see :class:`ViTTower` for arguments
     other than the architecture, which :meth:`from_hf_config` reads from ``config.json``."""
@@ -252,8 +210,7 @@ class ClipVisionTower(ViTTower):
         Raises:
             ValueError: another model type, or an option the tower does not implement.
         """
-        return _vision_args(config, "clip_vision_model", "clip",
-                            {"patch_size": 32, "hidden_act": "quick_gelu", "layer_norm_eps": 1e-5})
+        return clip_tower_args(config)
 
 
 class SiglipVisionTower(ViTTower):
@@ -272,6 +229,4 @@ class SiglipVisionTower(ViTTower):
         Raises:
             ValueError: another model type, or an option the tower does not implement.
         """
-        return _vision_args(config, "siglip_vision_model", "siglip",
-                            {"patch_size": 16, "hidden_act": "gelu_pytorch_tanh",
-                             "layer_norm_eps": 1e-6})
+        return siglip_tower_args(config)

@@ -1,13 +1,13 @@
 """Types and ranges of the ``config.json`` values the Hugging Face families read.
 
-The family readers (:mod:`~mimotron.models.hf.llama`, :mod:`~mimotron.models.hf.clip`,
-:mod:`~mimotron.models.hf.whisper`) convert with ``int()`` / ``float()``, which would take
-``"128"``, truncate ``128.5`` and keep ``NaN``; a zero head count divides by zero later,
-and a size of ten million layers only shows as a hang. So before a family reads a
-folder, :func:`check_hf_config` checks every value it will read: sizes are positive
-integers (JSON booleans and floats are not), epsilons and RoPE bases are finite positive
-numbers, head counts divide the width and key/value heads divide the query heads. The
-first bad value is one line naming the file, the key, the value and what is valid.
+The family readers (:mod:`~mimotron.models.hf.specs`) convert with ``int()`` /
+``float()``, which would take ``"128"``, truncate ``128.5`` and keep ``NaN``; a zero head
+count divides by zero later, and a size of ten million layers only shows as a hang. So
+before a family reads a folder, :func:`check_hf_config` checks every value it will read:
+sizes are positive integers (JSON booleans and floats are not), epsilons and RoPE bases
+are finite positive numbers, head counts divide the width and key/value heads divide the
+query heads. The first bad value is one line naming the file, the key, the value and what
+is valid.
 Sizes are bounded only loosely here (:data:`MAX_SIZE`); the model's parameter count is
 bounded against the machine by :mod:`mimotron.config_limits`.
 """
@@ -17,6 +17,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 from typing import Any
+
+from mimotron.models.hf.specs import SUPPORTED_MODEL_TYPES
 
 MAX_SIZE = 2**40
 """No size in any real checkpoint comes near this; beyond it the arithmetic is the risk."""
@@ -130,8 +132,6 @@ def check_hf_config(folder: str | Path, config: dict[str, Any]) -> None:
     Raises:
         ValueError: ``<folder>/config.json: <key>=<value> is invalid: expected ...``.
     """
-    from mimotron.models.hf.llama import SUPPORTED_MODEL_TYPES
-
     file = Path(folder) / "config.json"
     model_type = config.get("model_type")
     if model_type in SUPPORTED_MODEL_TYPES:

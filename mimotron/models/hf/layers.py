@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mimotron.models.blocks import compute_dtype_of, linear_on_rows, residual_init_std
+from mimotron.models.hf.specs import ACTIVATION_NAMES, check_activation
 
 
 def _quick_gelu(x: torch.Tensor) -> torch.Tensor:
@@ -38,24 +39,8 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu_pytorch_tanh": _gelu_tanh,
     "gelu_new": _gelu_new,
 }
-
-
-def check_activation(key: str, name: str) -> str:
-    """Return ``name`` if it is a supported activation, else raise ``ValueError``.
-
-    Args:
-        key: the config key it came from (named in the error).
-        name: activation name as ``transformers`` spells it.
-
-    Returns:
-        ``name``.
-
-    Raises:
-        ValueError: unsupported activation.
-    """
-    if name not in ACTIVATIONS:
-        raise ValueError(f"{key}={name!r} is not supported; expected one of {sorted(ACTIVATIONS)}")
-    return name
+# The config checks accept the names in specs (no torch.nn there); both lists must agree.
+assert set(ACTIVATIONS) == set(ACTIVATION_NAMES), (sorted(ACTIVATIONS), ACTIVATION_NAMES)
 
 
 class BiasedAttention(nn.Module):

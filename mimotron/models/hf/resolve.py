@@ -9,7 +9,9 @@ shapes and placeholder counts, ``mimotron plan``, FLOP and memory estimates) see
 real model. A size key that contradicts ``config.json`` is a ``ValueError`` naming both
 values. A folder's config.json is read once per config load: the checks pass an
 :class:`~mimotron.models.hf.folder.HFConfigs` (or the parsed ``config``) down; a call
-without one reads the file.
+without one reads the file. The family readers come from the model-free
+:mod:`~mimotron.models.hf.specs`: this runs in the launcher of ``mimotron train``, which
+never imports the models.
 """
 
 from __future__ import annotations
@@ -19,11 +21,16 @@ from collections.abc import Iterable
 from typing import Any
 
 from mimotron.config_schema import ModuleConfig
-from mimotron.models.hf.clip import ClipVisionTower, SiglipVisionTower, used_layers
 from mimotron.models.hf.config_check import check_hf_config
 from mimotron.models.hf.folder import HFConfigs, read_hf_config
-from mimotron.models.hf.llama import SUPPORTED_MODEL_TYPES, LlamaFamilySpec
-from mimotron.models.hf.whisper import WhisperEncoderTower
+from mimotron.models.hf.specs import (
+    SUPPORTED_MODEL_TYPES,
+    LlamaFamilySpec,
+    clip_tower_args,
+    siglip_tower_args,
+    used_layers,
+    whisper_tower_args,
+)
 
 # model_type -> family, per module kind.
 _FAMILIES: dict[str, dict[str, str]] = {
@@ -81,11 +88,11 @@ def tower_kwargs(mod: ModuleConfig, config: dict[str, Any] | None = None) -> dic
     config = module_hf_config(mod) if config is None else config
     family = hf_family(mod, config=config)
     if family == "whisper":
-        return {**WhisperEncoderTower.from_hf_config(config),
+        return {**whisper_tower_args(config),
                 "downsample_factor": mod.downsample_factor,
                 "downsample_mode": mod.downsample_mode}
-    cls = ClipVisionTower if family == "clip" else SiglipVisionTower
-    return {**cls.from_hf_config(config), "vision_feature_layer": mod.vision_feature_layer,
+    read = clip_tower_args if family == "clip" else siglip_tower_args
+    return {**read(config), "vision_feature_layer": mod.vision_feature_layer,
             "vision_feature_select_strategy": mod.vision_feature_select_strategy}
 
 

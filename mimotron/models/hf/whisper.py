@@ -23,8 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from mimotron.models.blocks import chunk_modules, is_last_chunk, make_layers, to_residual_dtype
-from mimotron.models.hf.folder import read_keys, reject_set, select_config
-from mimotron.models.hf.layers import CastLayerNorm, PreLNEncoderLayer, check_activation
+from mimotron.models.hf.layers import CastLayerNorm, PreLNEncoderLayer
+from mimotron.models.hf.specs import check_activation, whisper_tower_args
 from mimotron.models.hf.weights import WeightMap
 
 DOWNSAMPLE_MODES = ("avg", "stack")
@@ -49,10 +49,6 @@ WHISPER_WEIGHTS = WeightMap(
     ignored=(r"(model\.)?decoder\.", r"proj_out\."),
 )
 
-_WHISPER_DEFAULTS = {
-    "d_model": 384, "encoder_layers": 4, "encoder_attention_heads": 6, "encoder_ffn_dim": 1536,
-    "num_mel_bins": 80, "max_source_positions": 1500, "activation_function": "gelu",
-}
 # Whisper's LayerNorms use PyTorch's default epsilon.
 _LAYER_NORM_EPS = 1e-5
 
@@ -186,12 +182,7 @@ class WhisperEncoderTower(nn.Module):
         Raises:
             ValueError: another model type, or an option the encoder does not implement.
         """
-        sub = select_config(config, ("whisper",), (), "")
-        reject_set(sub, ("dropout", "attention_dropout", "activation_dropout",
-                         "encoder_layerdrop"), "expected 0.0 (the encoder has no dropout)")
-        args = read_keys(sub, _WHISPER_DEFAULTS)
-        check_activation("activation_function", args["activation_function"])
-        return args
+        return whisper_tower_args(config)
 
 
 def _check_downsampling(positions: int, factor: int, mode: str) -> None:
