@@ -23,7 +23,7 @@ _EXPORTS = {
     "LocalDispatcher": "mimotron.models.moe",
     "MimoModel": "mimotron.models.mimo",
     "MoEFeedForward": "mimotron.models.moe",
-    "MoEOptions": "mimotron.models.moe",
+    "MoEOptions": "mimotron.models.moe_options",
     "ModalitySubmodule": "mimotron.models.encoders",
     "Projector": "mimotron.models.encoders",
     "RMSNorm": "mimotron.models.blocks",
