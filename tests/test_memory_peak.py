@@ -113,6 +113,20 @@ def test_colocated_fsdp_70b_within_band(llama70b_small: list[str]) -> None:
            "llama2_70b_vit_64gpu.toml")
 
 
+def test_split_pipeline_stage_recompute_70b_within_band(llama70b_small: list[str]) -> None:
+    """A Llama-2-70B first pipeline stage (TP 8 with SP, 2 layers, full recompute, 2
+    micro-batches), fed by one vision rank. Its peak falls in the last micro-batch's
+    backward, when every gradient exists: the embedding's is its vocabulary shard (125
+    MiB, not the whole vocabulary's 1000 MiB, twice while a micro-batch's is added), and
+    each layer's 16-bit weight gradients become fp32 as the layer's backward ends (held
+    to the end of the backward, they would add 204 MiB a layer)."""
+    _check(llama70b_small + [
+        "modules.vision.parallel.tensor=1", "modules.language.parallel.rank_offset=1",
+        "modules.language.parallel.pipeline=2", "modules.language.parallel.layers_per_stage=[2,1]",
+        "modules.language.recompute=full", "train.global_batch_size=2",
+    ], [1], [0], "llama2_70b_vit_64gpu.toml")
+
+
 @pytest.mark.parametrize("overrides, verdict", [
     ([], "fit: all 64 ranks fit"),  # vision TP 8 | language TP 8 SP x PP 7
     (COLOCATED_70B, "fit: all 64 ranks fit"),
