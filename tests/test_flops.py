@@ -11,10 +11,12 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from mimotron.config import ModuleConfig, load_config
 from mimotron.models.build import build_module
+from mimotron.models.hf.layers import PreLNEncoderLayer
 from mimotron.models.language import LanguageModel
 from mimotron.training.flops import (
     encoder_flops,
     language_model_flops,
+    mlp_matrices,
     model_flops_per_iteration,
     transformer_layer_flops,
 )
@@ -49,6 +51,20 @@ def test_language_model_matches_torch_flop_counter_forward_and_backward():
     assert forward == language_model_flops(mod, 40, 3, 10)
     # Every matmul of the LM computes an input and a weight gradient: exactly ×3.
     assert _counted(lambda t: lm(t).sum().backward(), x) == 3 * forward
+
+
+def test_hugging_face_encoder_layer_has_a_two_matrix_mlp():
+    # CLIP / SigLIP / Whisper layers: fc1 and fc2, no gate. h=32, f=64, 3 x 5 tokens:
+    # 4 projections 4·2·15·32·32 = 122 880, scores and context 2·2·3·5·5·32 = 9 600,
+    # fc1 + fc2 2·2·15·32·64 = 122 880 (SwiGLU's three would be 184 320).
+    layer = PreLNEncoderLayer(32, 4, 64, "gelu", 1e-5)
+    expected = 122_880 + 9_600 + 122_880
+    assert transformer_layer_flops(3, 5, 32, 64, num_mlp_matrices=2) == expected
+    assert _counted(layer, torch.randn(3, 5, 32)) == expected
+    cfg = load_config(DIGITS, [])
+    assert mlp_matrices(cfg.modules["vision"]) == 3  # the built-in encoder: SwiGLU
+    cfg.modules["vision"].hf_path = "/not/read"
+    assert mlp_matrices(cfg.modules["vision"]) == 2
 
 
 @pytest.mark.parametrize("name,shape", [("vision", (5, 1, 8, 8)), ("audio", (5, 129, 16))])

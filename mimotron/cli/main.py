@@ -77,6 +77,9 @@ def _add_auto_arguments(s: argparse.ArgumentParser) -> None:
     s.add_argument("--calibrate", action="store_true",
                    help="--auto: measure module times and collectives on this host "
                         "(device cpu), cached in the run directory")
+    s.add_argument("--headroom", type=float, default=0.05,
+                   help="--auto: fraction of device memory a layout leaves free for "
+                        "allocator fragmentation and communication buffers (default 0.05)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -102,7 +105,7 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         return run_plan_auto(args.config, args.overrides, AutoOptions(
             args.world, args.device, args.device_table, args.device_memory, args.top,
-            args.explain, args.calibrate))
+            args.explain, args.calibrate, args.headroom))
     if args.command == "plan":
         from mimotron.cli.plan import run_plan
 

@@ -29,6 +29,9 @@ class AutoOptions:
     top: int = 5
     explain: bool = False
     calibrate: bool = False
+    headroom: float = 0.05
+    """Fraction of the device memory kept free (allocator fragmentation, NCCL/gloo
+    buffers, the estimate's own error): layouts must fit in the rest."""
 
 
 def _fail(kind: str, message: str) -> int:
@@ -53,6 +56,9 @@ def run_plan_auto(config: str, overrides: list[str], options: AutoOptions) -> in
         if options.world is None or options.world < 1:
             raise ValueError(f"--world={options.world} is invalid: --auto needs the number "
                              "of ranks, e.g. --world 8")
+        if not 0.0 <= options.headroom < 1.0:
+            raise ValueError(f"--headroom={options.headroom} is invalid: expected a fraction "
+                             "of the device memory in [0, 1), e.g. 0.05")
         if options.top < 1:
             raise ValueError(f"--top={options.top} is invalid: expected >= 1")
         table = device_table(options.device_table)
@@ -78,7 +84,7 @@ def run_plan_auto(config: str, overrides: list[str], options: AutoOptions) -> in
     except ValueError as exc:
         return _fail("invalid option", str(exc))
     request = SearchRequest(config, list(overrides), options.world, device, limit,
-                            calibration, options.top)
+                            calibration, options.top, headroom=options.headroom)
     try:
         result = search(request)
     except ValueError as exc:

@@ -48,6 +48,14 @@ class DeviceSpec:
         latency_s: fixed cost of one collective or point-to-point message.
         host_cores: ``cpu`` only: cores the ranks of a host share (0 = not shared);
             ranks computing at once then run at ``min(1, host_cores / busy ranks)``.
+        layer_overhead_s: fixed seconds one layer's forward costs a rank per
+            micro-batch whatever its size (kernel launches, Python dispatch, hooks):
+            paid per layer, and once for the front end and once for the head or
+            projector, on every micro-batch; a backward pays it again per
+            backward-to-forward FLOPs ratio (twice for what trains). It is what makes
+            many small micro-batches slower than a few large ones of the same FLOPs
+            (0 = not priced). A calibration measures it instead (its
+            ``module_fixed_seconds``).
     """
 
     name: str
@@ -58,6 +66,7 @@ class DeviceSpec:
     inter_node_bytes_per_s: float
     latency_s: float
     host_cores: int = 0
+    layer_overhead_s: float = 0.0
 
 
 def _builtin() -> dict[str, DeviceSpec]:
@@ -67,12 +76,14 @@ def _builtin() -> dict[str, DeviceSpec]:
     # NIC per GPU (~40 GB/s achieved).
     hopper = dict(flops_per_s=0.5 * 989e12, devices_per_node=8,
                   intra_node_bytes_per_s=360e9, inter_node_bytes_per_s=40e9,
-                  latency_s=2e-5)
+                  latency_s=2e-5, layer_overhead_s=1e-4)
     # A100 SXM: 312 TFLOP/s dense bf16 peak x 0.5; NVLink 3 (300 GB/s per direction,
     # ~230 GB/s achieved); one 200 Gb/s NIC per GPU (~20 GB/s achieved).
     ampere = dict(flops_per_s=0.5 * 312e12, devices_per_node=8,
                   intra_node_bytes_per_s=230e9, inter_node_bytes_per_s=20e9,
-                  latency_s=2.5e-5)
+                  latency_s=2.5e-5, layer_overhead_s=1e-4)
+    # layer_overhead_s on the GPUs: eager PyTorch launches some 20 kernels per layer
+    # forward at ~5 us each, exposed when the kernels are short (small micro-batches).
     cores = os.cpu_count() or 1
     return {
         "h100": DeviceSpec("h100", memory_bytes=80 * 10**9, **hopper),
@@ -81,10 +92,13 @@ def _builtin() -> dict[str, DeviceSpec]:
         "a100-40gb": DeviceSpec("a100-40gb", memory_bytes=40 * 10**9, **ampere),
         # A CPU rank under gloo: ~2e10 FLOP/s of fp32 matmul on one core (small shapes
         # reach much less: calibrate); loopback TCP ~1 GB/s, ~100 us a message; the
-        # ranks of the host share its cores.
+        # ranks of the host share its cores. layer_overhead_s: the demo's calibration
+        # (2026-12-02) measured 8-14 ms of fixed forward time per micro-batch for modules
+        # of one or two layers plus their ends: about 5 ms per layer or end.
         "cpu": DeviceSpec("cpu", flops_per_s=2e10, memory_bytes=16 * 2**30,
                           devices_per_node=max(cores, 1), intra_node_bytes_per_s=1e9,
-                          inter_node_bytes_per_s=1e9, latency_s=1e-4, host_cores=cores),
+                          inter_node_bytes_per_s=1e9, latency_s=1e-4, host_cores=cores,
+                          layer_overhead_s=5e-3),
     }
 
 
@@ -93,8 +107,8 @@ def device_table(extra: str | None = None) -> dict[str, DeviceSpec]:
 
     Args:
         extra: path of a TOML file whose ``[devices.NAME]`` tables override fields of a
-            built-in device or define a new one (every field but ``host_cores``
-            required); ``None`` = the built-ins only.
+            built-in device or define a new one (every field but ``host_cores`` and
+            ``layer_overhead_s`` required); ``None`` = the built-ins only.
 
     Returns:
         Device name -> :class:`DeviceSpec`.
@@ -124,14 +138,16 @@ def device_table(extra: str | None = None) -> dict[str, DeviceSpec]:
 
 _WHOLE_FIELDS = ("memory_bytes", "devices_per_node", "host_cores")
 """Fields that count something (bytes, devices, cores): whole numbers."""
+_MAY_BE_ZERO = ("host_cores", "layer_overhead_s")
+"""Fields where 0 means "not shared" / "not priced"."""
 
 
 def _valid_number(key: str, value: object) -> bool:
-    """A finite, positive number (``host_cores`` may be 0), whole for a count: ``int()``
-    would round 0.5 devices per node down to 0."""
+    """A finite, positive number (:data:`_MAY_BE_ZERO` fields may be 0), whole for a
+    count: ``int()`` would round 0.5 devices per node down to 0."""
     if isinstance(value, bool) or not isinstance(value, int | float):
         return False
-    if not math.isfinite(value) or value < 0 or (value == 0 and key != "host_cores"):
+    if not math.isfinite(value) or value < 0 or (value == 0 and key not in _MAY_BE_ZERO):
         return False
     return key not in _WHOLE_FIELDS or value == int(value)
 
@@ -145,7 +161,7 @@ def _device_from(path: str, name: str, values: dict[str, Any],
         raise ValueError(f"--device-table={path!r}: devices.{name}.{unknown[0]} is not a "
                          f"device field; valid: {', '.join(known)}")
     if base is None:
-        missing = [k for k in known if k != "host_cores" and k not in values]
+        missing = [k for k in known if k not in _MAY_BE_ZERO and k not in values]
         if missing:
             raise ValueError(f"--device-table={path!r}: devices.{name} is a new device and "
                              f"needs {', '.join(missing)}")

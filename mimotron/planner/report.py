@@ -23,13 +23,35 @@ measured on the machine, what remains is their spread between runs and what the 
 leaves out (kernel launch overheads that do not scale with the shapes, the allocator)."""
 
 
-def model_error(request: SearchRequest) -> float:
-    """The relative error assumed for this search's predictions."""
-    return ERROR_CALIBRATED if request.calibration is not None else ERROR_CONSTANTS
+CPU_UNCALIBRATED = (
+    "device constants on a CPU are not a meaningful step time: what a CPU rank spends "
+    "is mostly fixed per-call overhead and small-shape matmul speed, not FLOPs over a "
+    "rate (on the demo, 2026-12-02, the seconds measured were tens of times those "
+    "predicted), so the seconds are not a forecast and the order is a rough guide; "
+    "run with --calibrate to measure this host")
+"""The remark for ``--device cpu`` without a calibration (no ±X %: none is known)."""
 
 
-def _gib(n: float) -> str:
-    return f"{n / 2**30:.2f}"
+def model_error(request: SearchRequest) -> float | None:
+    """The relative error assumed for this search's predictions; None where no error
+    is known (a CPU priced from device constants: see :data:`CPU_UNCALIBRATED`)."""
+    if request.calibration is not None:
+        return ERROR_CALIBRATED
+    if request.device.host_cores or request.device.name == "cpu":
+        return None
+    return ERROR_CONSTANTS
+
+
+_UNITS = ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB"), (1, "B"))
+
+
+def memory_unit(limit: float) -> tuple[int, str]:
+    """The binary unit for amounts up to ``limit``: the largest in which it is >= 1."""
+    return next((size, name) for size, name in _UNITS if limit >= size or size == 1)
+
+
+def _amount(n: float, unit: tuple[int, str]) -> str:
+    return f"{n / unit[0]:.2f}"
 
 
 def _layout_cell(name: str, option: ModuleOption) -> str:
@@ -38,24 +60,28 @@ def _layout_cell(name: str, option: ModuleOption) -> str:
 
 def format_table(result: SearchResult, request: SearchRequest) -> list[str]:
     """One row per candidate, best first."""
-    lines = [f"{'#':>2}  {'placement':<9} {'mbs':>4}  {'step s':>8}  {'peak GiB':>8} / "
-             f"{'limit':<6}  {'bottleneck':<32} layout"]
-    limit = _gib(request.memory_limit)
+    unit = memory_unit(request.memory_limit)
+    lines = [f"{'#':>2}  {'placement':<9} {'mbs':>4}  {'step s':>8}  "
+             f"{'peak ' + unit[1]:>8} / {'limit':<6}  {'bottleneck':<32} layout"]
+    limit = _amount(request.memory_limit, unit)
     for i, cand in enumerate(result.candidates[:request.top], 1):
         assert cand.cost is not None
         layout = "; ".join(_layout_cell(n, o) for n, o in cand.options.items())
         place = "colocated" if cand.colocated else "split"
+        peak = _amount(cand.peak, unit)
         lines.append(f"{i:>2}  {place:<9} {cand.micro_batch:>4}  {cand.cost.total:>8.4g}  "
-                     f"{_gib(cand.peak):>8} / {limit:<6}  {cand.cost.bottleneck:<32} {layout}")
+                     f"{peak:>8} / {limit:<6}  {cand.cost.bottleneck:<32} {layout}")
     return lines
 
 
 def uncertainty_remark(result: SearchResult, request: SearchRequest) -> str:
     """Which leading candidates the model cannot tell apart (within its error)."""
+    error = model_error(request)
+    if error is None:
+        return CPU_UNCALIBRATED[0].upper() + CPU_UNCALIBRATED[1:] + "."
     shown = result.candidates[:request.top]
     if len(shown) < 2:
         return ""
-    error = model_error(request)
     best = shown[0].cost.total if shown[0].cost else 0.0
     close = [i for i, c in enumerate(shown, 1) if c.cost and c.cost.total <= best * (1 + error)]
     source = "calibrated" if request.calibration is not None else "device constants"
@@ -101,8 +127,11 @@ def format_report(result: SearchResult, request: SearchRequest, explain: bool = 
                   calibration_note: str = "") -> str:
     """The whole report (see the module docstring)."""
     d = request.device
+    unit = memory_unit(request.memory_limit)
+    usable = _amount(request.usable_memory, unit)
     lines = [f"plan --auto: {request.config} on {request.world} x {d.name} "
-             f"({_gib(request.memory_limit)} GiB each)",
+             f"({_amount(request.memory_limit, unit)} {unit[1]} each; layouts fit in "
+             f"{usable} {unit[1]}, {request.headroom:.0%} kept free as headroom)",
              f"step-time model: {calibration_note + '; ' if calibration_note else ''}"
              f"device constants{' where it measured nothing' if calibration_note else ''}: "
              f"{d.flops_per_s:.3g} FLOP/s sustained, {d.intra_node_bytes_per_s:.3g} B/s "
@@ -112,8 +141,9 @@ def format_report(result: SearchResult, request: SearchRequest, explain: bool = 
              f"{result.too_big} over the memory limit) in {result.seconds:.1f} s"]
     if not result.candidates:
         lines.append("no layout fits: every candidate the search checked was refused by "
-                     "the validator or needs more memory than the limit; raise "
-                     "--device-memory, --world, or lower train.micro_batch_size")
+                     "the validator or needs more memory than the limit less the headroom; raise "
+                     "--device-memory, --world, lower --headroom or "
+                     "train.micro_batch_size")
         return "\n".join(lines)
     lines += ["", *format_table(result, request)]
     remark = uncertainty_remark(result, request)

@@ -65,6 +65,14 @@ class SearchRequest:
     top: int = 5
     micro_batches: tuple[int, ...] = ()
     """Micro-batch sizes to try (each dividing the global batch); empty: every divisor."""
+    headroom: float = 0.0
+    """Fraction of ``memory_limit`` kept free (``--headroom``): a layout fits when its
+    estimate is at most :attr:`usable_memory`."""
+
+    @property
+    def usable_memory(self) -> int:
+        """The memory a layout's estimate may use: the limit less the headroom."""
+        return int(self.memory_limit * (1.0 - self.headroom))
 
 
 @dataclass(frozen=True)
@@ -135,6 +143,9 @@ def search(request: SearchRequest) -> SearchResult:
 
     if request.world < 1:
         raise ValueError(f"--world={request.world} is invalid: expected a positive rank count")
+    if not 0.0 <= request.headroom < 1.0:
+        raise ValueError(f"--headroom={request.headroom} is invalid: expected a fraction "
+                         "of the device memory in [0, 1), e.g. 0.05")
     start = time.perf_counter()
     base = load_config(request.config, request.overrides)
     ctx = _Context(base, request, model_vocabulary(base))
@@ -166,9 +177,17 @@ def search(request: SearchRequest) -> SearchResult:
         else:
             seen.add(key)
             result.candidates.append(cand)
-    result.candidates.sort(key=lambda c: (c.cost.total if c.cost else 0.0, c.peak))
+    result.candidates.sort(key=_rank_key)
     result.scored, result.seconds = ctx.scored, time.perf_counter() - start
     return result
+
+
+def _rank_key(c: Candidate) -> tuple[float, int, int]:
+    """Phase 3's order: the predicted step (to 6 digits: float noise is no difference),
+    then fewer micro-batches (their fixed costs are what a model prices least well),
+    then the smaller peak."""
+    total = c.cost.total if c.cost else 0.0
+    return float(f"{total:.6g}"), -c.micro_batch, c.peak
 
 
 def _footprint(c: Candidate) -> int:
@@ -259,7 +278,7 @@ def module_choices(ctx: _Context, name: str, mbs: int, max_size: int, exact: boo
     scratch = copy.deepcopy(ctx.base)
     scratch.train.micro_batch_size = mbs
     _minimal_others(scratch, name)
-    limit = ctx.request.memory_limit
+    limit = ctx.request.usable_memory
     options = []
     for option in degree_options(scratch, name, max_size, mbs, _max_tensor(ctx),
                                  pipelined=not exact or len(scratch.modules) == 1):
@@ -304,7 +323,7 @@ def _leanest(ctx: _Context, cfg: MimoConfig, name: str, rung: ModuleOption, seco
     if rung == chosen.option:
         return []
     peak = _module_memory(ctx, cfg, name, rung, colocated=True)
-    if peak is None or peak > ctx.request.memory_limit:
+    if peak is None or peak > ctx.request.usable_memory:
         return []
     return [ModuleChoice(rung, seconds, peak)]
 
@@ -417,7 +436,7 @@ def _check(ctx: _Context, cand: Candidate) -> str:
     totals = {r: sum(e.total for e in items) for r, items in est.items()}
     cand.peak_rank = max(totals, key=lambda r: (totals[r], -r))
     cand.peak = totals[cand.peak_rank]
-    if cand.peak > ctx.request.memory_limit:
+    if cand.peak > ctx.request.usable_memory:
         return "too big"
     cand.cost = step_cost(cfg, layout, ctx.request.device, ctx.request.calibration, ctx.vocab)
     return "ok"

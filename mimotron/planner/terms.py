@@ -42,6 +42,7 @@ from mimotron.training.flops import (
     encoder_flops,
     language_model_flops,
     matmul_flops,
+    mlp_matrices,
     moe_flops_delta,
     projector_flops,
     transformer_layer_flops,
@@ -134,7 +135,7 @@ def _flops_per_layer(cfg: MimoConfig, name: str, shape: StageShape) -> float:
     mod = cfg.modules[name]
     if mod.is_encoder:
         return transformer_layer_flops(shape.samples, shape.tokens, mod.hidden_size,
-                                       mod.ffn_hidden_size)
+                                       mod.ffn_hidden_size, mlp_matrices(mod))
     seq, cp = cfg.data.seq_length, mod.parallel.context
     dense = transformer_layer_flops(shape.samples, seq, mod.hidden_size, mod.ffn_hidden_size)
     moe = moe_flops_delta(mod, shape.samples * seq) / mod.num_layers
@@ -215,7 +216,15 @@ def chunk_compute(cfg: MimoConfig, name: str, stage: int, chunk: int, vocab: int
         return (fwd_flops * scale_f / rate + fixed_f * share,
                 (back * scale_b + extra * scale_f) / rate + fixed_b * share)
     flops_rate = device.flops_per_s * rate
-    return fwd_flops / flops_rate, (back + extra) / flops_rate
+    # The fixed part, as a calibration's: paid whole per micro-batch by every rank of
+    # the stage (neither the samples nor TP shrink it), per layer and end it runs.
+    units = n_layers + (1 if first else 0) + (1 if last else 0)
+    fixed_f = device.layer_overhead_s * units
+    fixed_b = fixed_f * (backward_factor(cfg, name) + (recomputed if extra else 0) / units)
+    if mod.tower_frozen and last:
+        fixed_b = 2.0 * device.layer_overhead_s  # the projector's backward alone
+    return (fwd_flops / flops_rate + fixed_f,
+            (back + extra) / flops_rate + fixed_b)
 
 
 def _measured_backward_flops(cfg: MimoConfig, name: str, forward: float, samples: int
@@ -306,7 +315,8 @@ def _tp_collectives(cfg: MimoConfig, name: str, shape: StageShape, chunk: int,
 
 
 def layer_params(cfg: MimoConfig, name: str) -> float:
-    """Parameters of one layer (whole, before TP): attention + MLP (MoE experts / EP)."""
+    """Parameters of one layer (whole, before TP): attention + MLP (MoE experts / EP;
+    a Hugging Face encoder's MLP has two matrices, SwiGLU three)."""
     mod = cfg.modules[name]
     h = mod.hidden_size
     q_width, kv_width = attention_widths(cfg, name)
@@ -315,7 +325,7 @@ def layer_params(cfg: MimoConfig, name: str) -> float:
     if mod.num_experts:
         fe = mod.moe_ffn_hidden_size or f
         return attention + 3 * h * fe * mod.num_experts / mod.parallel.expert
-    return attention + 3 * h * f
+    return attention + mlp_matrices(mod) * h * f
 
 
 def stage_params(cfg: MimoConfig, name: str, stage: int, vocab: int) -> float:

@@ -6,7 +6,7 @@ MFU mean something. The count is the usual "model FLOPs" (PaLM appendix B, Megat
 costing ``2·m·n·k`` (a multiply and an add per term), recomputation not included.
 
 Forward FLOPs of the built-in modules, for ``N = samples · tokens`` tokens of width
-``h`` (``f`` = SwiGLU width, ``S`` = tokens per sample, ``V`` = vocabulary):
+``h`` (``f`` = MLP width, ``S`` = tokens per sample, ``V`` = vocabulary):
 
 ======================  ================================================================
 piece                   forward FLOPs
@@ -15,6 +15,8 @@ q, k, v, o projections  ``4 · 2·N·h·h``
 attention scores+context ``2 · 2·samples·S·S·h`` (``Q Kᵀ`` and ``A V``; the full ``S×S``
                         square is counted, causal or not, as PaLM and Megatron do)
 SwiGLU MLP              ``3 · 2·N·h·f`` (gate, up, down)
+two-matrix MLP          ``2 · 2·N·h·f`` (``fc1``, ``fc2``: Hugging Face CLIP, SigLIP and
+                        Whisper encoders, :func:`mlp_matrices`)
 MoE layer (instead)     ``2·N·h·E`` (router) + ``top_k · 3·2·N·h·f_e`` (the experts a
                         token visits) + ``3·2·N·h·f_s`` (shared experts)
 LM output head          ``2·N·h·V`` (the embedding lookup is free)
@@ -52,24 +54,33 @@ def matmul_flops(m: int | float, n: int | float, k: int | float) -> float:
     return 2.0 * m * n * k
 
 
+def mlp_matrices(mod: ModuleConfig) -> int:
+    """Weight matrices of one layer's MLP: 2 for a Hugging Face encoder (CLIP, SigLIP,
+    Whisper: ``fc1``, ``fc2``), 3 for the SwiGLU of the built-in modules and decoders."""
+    return 2 if mod.is_encoder and mod.hf_path else 3
+
+
 def transformer_layer_flops(num_samples: float, seq_length: int, hidden_size: int,
-                            ffn_hidden_size: int = 0) -> float:
-    """Forward FLOPs of one :class:`~mimotron.models.blocks.TransformerBlock`.
+                            ffn_hidden_size: int = 0, num_mlp_matrices: int = 3) -> float:
+    """Forward FLOPs of one transformer layer (:class:`~mimotron.models.blocks.
+    TransformerBlock`, or a Hugging Face encoder's with ``num_mlp_matrices=2``).
 
     Args:
         num_samples: sequences in the batch (may be fractional: an average).
         seq_length: tokens per sequence.
         hidden_size: model width ``h``.
-        ffn_hidden_size: SwiGLU width (0 = the default for ``h``).
+        ffn_hidden_size: MLP width (0 = the SwiGLU default for ``h``).
+        num_mlp_matrices: 3 for SwiGLU (gate, up, down), 2 for ``fc1``/``fc2``
+            (:func:`mlp_matrices`).
 
     Returns:
-        ``8·N·h² + 4·B·S²·h + 6·N·h·f`` with ``N = B·S``.
+        ``8·N·h² + 4·B·S²·h + 2·m·N·h·f`` with ``N = B·S``, ``m`` the MLP's matrices.
     """
     ffn = ffn_hidden_size or default_ffn_hidden_size(hidden_size)
     tokens = num_samples * seq_length
     projections = 4 * matmul_flops(tokens, hidden_size, hidden_size)
     attention = 2 * num_samples * matmul_flops(seq_length, seq_length, hidden_size)
-    mlp = 3 * matmul_flops(tokens, ffn, hidden_size)
+    mlp = num_mlp_matrices * matmul_flops(tokens, ffn, hidden_size)
     return projections + attention + mlp
 
 
@@ -143,7 +154,7 @@ def encoder_flops(mod: ModuleConfig, lm_hidden_size: int, num_samples: float) ->
     else:
         raise ValueError(f"kind={mod.kind!r} has no FLOP count: expected 'vit' or 'audio'")
     layers = mod.num_layers * transformer_layer_flops(num_samples, tokens, h,
-                                                      mod.ffn_hidden_size)
+                                                      mod.ffn_hidden_size, mlp_matrices(mod))
     return front + layers + projector_flops(mod, lm_hidden_size, num_samples)
 
 

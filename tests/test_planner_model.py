@@ -1,0 +1,134 @@
+"""The planner's step-time model on fixed layouts: each term moves the way it must.
+
+Pure functions (no ranks, no training): the terms of :func:`step_cost` and
+:func:`chunk_compute` as one degree changes (TP, DP, PP, CP, EP, recompute, the
+placement), the per-micro-batch fixed cost of the device constants, the report's
+memory units, its uncertainty remark, and ``--headroom``'s fit test.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from mimotron.config import load_config
+from mimotron.parallel.layout import plan_layout
+from mimotron.planner.cost import StepCost, model_vocabulary, step_cost
+from mimotron.planner.devices import DeviceSpec, device_table
+from mimotron.planner.report import format_report, memory_unit, uncertainty_remark
+from mimotron.planner.search import SearchRequest, search
+from mimotron.planner.terms import chunk_compute, layer_params, tp_efficiency
+from mimotron.training.flops import transformer_layer_flops
+from tests.common import BASE, DIGITS, colocated, noncolocated
+
+# No fixed overhead: the FLOP and byte terms alone, on a 4-device node.
+DEVICE = DeviceSpec("test", 1e12, 10**9, 4, intra_node_bytes_per_s=1e9,
+                    inter_node_bytes_per_s=1e8, latency_s=1e-5)
+NO_OVERLAP = ["train.overlap_grad_reduce=false"]
+
+
+def _cost(*overrides: str, device: DeviceSpec = DEVICE) -> StepCost:
+    cfg = load_config(DIGITS, [*BASE, *NO_OVERLAP, *overrides])
+    return step_cost(cfg, plan_layout(cfg), device)
+
+
+def _lm(**degrees: int) -> list[str]:
+    return noncolocated({}, {}, degrees)
+
+
+def test_tensor_parallel_adds_collectives_per_layer():
+    costs = [_cost(*_lm(tensor=t)).collectives["language"] for t in (1, 2, 4)]
+    assert costs[0] == 0.0 < costs[1] < costs[2]
+
+
+def test_data_parallel_adds_reduction():
+    costs = [_cost(*_lm(data=d)).data_parallel["language"] for d in (1, 2, 4)]
+    assert costs[0] == 0.0 < costs[1] < costs[2]  # 2 (n-1)/n of the gradients, more hops
+
+
+def test_pipeline_bubble_grows_with_stages_at_fixed_micro_batches():
+    deep = ["modules.language.num_layers=4", "train.micro_batch_size=2"]  # 8 micro-batches
+    idle = [_cost(*deep, *_lm(pipeline=p)).pipeline_idle for p in (1, 2, 4)]
+    assert idle[0] < idle[1] < idle[2]
+    assert idle[1] > 0.0
+
+
+def test_full_recompute_adds_one_forward_of_the_layers():
+    cfg = load_config(DIGITS, [*BASE, *_lm(), "modules.language.recompute=full"])
+    plain = load_config(DIGITS, [*BASE, *_lm()])
+    vocab = model_vocabulary(cfg)
+    f_s, b_full = chunk_compute(cfg, "language", 0, 0, vocab, DEVICE, None)
+    _, b_none = chunk_compute(plain, "language", 0, 0, vocab, DEVICE, None)
+    lm = cfg.modules["language"]
+    layers = lm.num_layers * transformer_layer_flops(cfg.train.micro_batch_size,
+                                                     cfg.data.seq_length, lm.hidden_size)
+    assert b_full - b_none == pytest.approx(layers / 1e12, rel=1e-12)
+    assert 0.3 * f_s < b_full - b_none < f_s  # the layers' forward, not the head's
+
+
+def test_split_layout_has_a_bridge_and_colocated_none():
+    assert _cost(*_lm()).bridge > 0.0
+    assert _cost(*colocated(2)).bridge == 0.0  # each rank's slices coincide: no transfer
+
+
+def test_context_and_expert_parallel_add_collectives():
+    assert _cost(*_lm(context=2)).collectives["language"] > 0.0
+    moe = ["modules.language.num_experts=4", "modules.language.top_k=2"]
+    assert _cost(*moe, *_lm(data=2, expert=2)).collectives["language"] > 0.0
+    assert _cost(*moe, *_lm(data=2)).collectives["language"] == 0.0
+
+
+def test_fixed_cost_per_micro_batch_from_the_device():
+    # Per layer and per end, per micro-batch: paid whole whatever the samples or TP.
+    slow = DeviceSpec("test", 1e12, 10**9, 4, 1e9, 1e8, 1e-5, layer_overhead_s=0.01)
+    cfg = load_config(DIGITS, [*BASE, *_lm(tensor=2)])
+    vocab = model_vocabulary(cfg)
+    f0, b0 = chunk_compute(cfg, "language", 0, 0, vocab, DEVICE, None)
+    f1, b1 = chunk_compute(cfg, "language", 0, 0, vocab, slow, None)
+    units = cfg.modules["language"].num_layers + 2  # the layers, the embedding, the head
+    assert f1 - f0 == pytest.approx(0.01 * units)
+    assert b1 - b0 == pytest.approx(2 * 0.01 * units)  # backward: twice the forward's
+    assert tp_efficiency(2) < 1.0  # (the FLOP part shrank with TP, this did not)
+
+
+def test_fewer_micro_batches_win_on_one_cpu_rank():
+    # Same FLOPs at every micro-batch size: the fixed cost per micro-batch decides.
+    cpu = device_table()["cpu"]
+    request = SearchRequest(str(DIGITS), BASE, 1, cpu, 2**30, top=3, micro_batches=(1, 4, 16))
+    result = search(request)
+    best = {m: min(c.cost.total for c in result.candidates if c.micro_batch == m)
+            for m in (1, 4, 16)}
+    assert best[16] < best[4] < best[1]
+    assert result.candidates[0].micro_batch == 16
+
+
+def test_report_units_uncertainty_and_headroom():
+    assert memory_unit(3 * 2**20) == (2**20, "MiB")
+    assert memory_unit(80 * 10**9) == (2**30, "GiB")
+    cpu = device_table()["cpu"]
+    limit = 6 * 2**20  # the fastest layouts need 3.6-5.3 MiB
+    request = SearchRequest(str(DIGITS), BASE, 2, cpu, limit, top=2, micro_batches=(8,))
+    roomy = search(request)
+    tight_peak = roomy.candidates[0].peak
+    # Keep enough free that the roomiest choice no longer fits: it must not be chosen.
+    headroom = 1.0 - (tight_peak - 1) / limit
+    strict = search(SearchRequest(str(DIGITS), BASE, 2, cpu, limit, top=2,
+                                  micro_batches=(8,), headroom=headroom))
+    assert all(c.peak <= limit * (1 - headroom) for c in strict.candidates)
+    assert tight_peak not in [c.peak for c in strict.candidates]
+    text = format_report(roomy, request)
+    assert "peak MiB" in text and " / 6.00" in text and "fit in 6.00 MiB, 0% kept free" in text
+    # A CPU priced from device constants claims no ±X %; with an error it names it.
+    assert "not a meaningful step time" in uncertainty_remark(roomy, request)
+    h100 = SearchRequest(str(DIGITS), BASE, 2, device_table()["h100"], limit, top=2)
+    assert "±15%" in uncertainty_remark(roomy, h100)
+
+
+def test_hf_encoder_layer_has_two_mlp_matrices():
+    cfg = load_config(DIGITS, BASE)
+    vit = cfg.modules["vision"]
+    h, f = vit.hidden_size, vit.ffn_hidden_size or 96
+    vit.ffn_hidden_size = f
+    attention = 4 * h * h
+    assert layer_params(cfg, "vision") == attention + 3 * h * f  # built-in: SwiGLU
+    vit.hf_path = "/not/read"  # a Hugging Face tower: fc1, fc2
+    assert layer_params(cfg, "vision") == attention + 2 * h * f
