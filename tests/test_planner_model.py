@@ -16,7 +16,13 @@ from mimotron.planner.cost import StepCost, model_vocabulary, step_cost
 from mimotron.planner.devices import DeviceSpec, device_table
 from mimotron.planner.report import format_report, memory_unit, uncertainty_remark
 from mimotron.planner.search import SearchRequest, search
-from mimotron.planner.terms import chunk_compute, layer_params, tp_efficiency
+from mimotron.planner.terms import (
+    chunk_compute,
+    layer_params,
+    replica_ranks,
+    ring_factor,
+    tp_efficiency,
+)
 from mimotron.training.flops import transformer_layer_flops
 from tests.common import BASE, DIGITS, colocated, noncolocated
 
@@ -132,3 +138,25 @@ def test_hf_encoder_layer_has_two_mlp_matrices():
     assert layer_params(cfg, "vision") == attention + 3 * h * f  # built-in: SwiGLU
     vit.hf_path = "/not/read"  # a Hugging Face tower: fc1, fc2
     assert layer_params(cfg, "vision") == attention + 2 * h * f
+
+
+def test_bridge_fans_out_to_more_language_replicas():
+    # Each encoder on one rank feeds the language model's 2 DP ranks: 2 messages of half
+    # the micro-batch each, both ways, per micro-batch.
+    cfg = load_config(DIGITS, [*BASE, *_lm(data=2)])
+    lm = cfg.modules["language"]
+    half = cfg.train.micro_batch_size / 2
+    one_way = max(2 * (DEVICE.latency_s + half * cfg.modules[e].num_output_tokens
+                       * lm.hidden_size * 4 / DEVICE.intra_node_bytes_per_s)
+                  for e in cfg.encoder_names)
+    assert _cost(*_lm(data=2)).bridge == pytest.approx(cfg.num_microbatches * 2 * one_way)
+
+
+def test_each_pipeline_stage_reduces_among_its_own_ranks():
+    cfg = load_config(DIGITS, [*BASE, "modules.language.num_layers=4",
+                               *_lm(data=2, pipeline=2)])
+    placement = plan_layout(cfg).modules["language"]
+    assert replica_ranks(placement, 0) == [2, 3] and replica_ranks(placement, 1) == [4, 5]
+    assert ring_factor("all_reduce", 4) == 1.5 and ring_factor("p2p", 2) == 1.0
+    with pytest.raises(ValueError, match="kind='broadcast' is invalid"):
+        ring_factor("broadcast", 2)

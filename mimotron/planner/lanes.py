@@ -119,7 +119,7 @@ def _fsdp_seconds(cfg: MimoConfig, name: str, stage: int, vocab: int, layout: La
     if not par.fsdp or par.data == 1:
         return 0.0, 0.0
     params = stage_params(cfg, name, stage, vocab)
-    ranks = replica_ranks(layout.modules[name])
+    ranks = replica_ranks(layout.modules[name], stage)
     gather = links.cost("all_gather", ranks, params * BYTES[cfg.train.precision])
     scatter = links.cost("reduce_scatter", ranks, trainable_params(cfg, name, stage, vocab) * 4)
     return gather, gather + scatter
@@ -131,7 +131,7 @@ def _reduction_seconds(cfg: MimoConfig, name: str, stage: int, vocab: int, layou
     gradients (ZeRO-1: reduce-scatter + the parameters' all-gather), less the last
     backward under ``overlap_grad_reduce`` (and a forward under ``overlap_param_gather``)."""
     par = cfg.modules[name].parallel
-    ranks = replica_ranks(layout.modules[name])
+    ranks = replica_ranks(layout.modules[name], stage)
     trained = trainable_params(cfg, name, stage, vocab)
     if len(ranks) == 1 or trained == 0 or (par.fsdp and par.data > 1):
         return 0.0
@@ -167,14 +167,31 @@ def transfer_seconds(cfg: MimoConfig, layout: Layout, links: Links, src: LaneKey
         mod = cfg.modules[src_module]
         shape = stage_shape(cfg, src_module, src_stage)
         nbytes = shape.samples * shape.tokens * mod.hidden_size * c
-    else:  # the bridge: encoder tokens in the language model's width, its DP slice
+    else:
         encoder = src_module if src_module != LANGUAGE else dst_module
-        samples = cfg.train.micro_batch_size / cfg.modules[LANGUAGE].parallel.data
-        nbytes = (samples * cfg.modules[encoder].num_output_tokens
-                  * cfg.modules[LANGUAGE].hidden_size * c)
+        return _bridge_message_seconds(cfg, layout, links, encoder, src, message)
     a = layout.modules[src_module].rank_at(pp=src_stage)
     b = layout.modules[dst_module].rank_at(pp=dst_stage)
     return links.cost("p2p", [a, b], nbytes)
+
+
+def _bridge_message_seconds(cfg: MimoConfig, layout: Layout, links: Links, encoder: str,
+                            src: LaneKey, message: MessageKey) -> float:
+    """One micro-batch's bridge between ``encoder`` and the language model, one way:
+    encoder tokens in the language model's width. An encoder rank with fewer DP
+    replicas than the language model sends its slice to ``lm.data / enc.data`` ranks,
+    one message each (fan-out); with more, a language rank receives that many (fan-in):
+    the busier side's messages, in turn."""
+    enc, lm = cfg.modules[encoder].parallel, cfg.modules[LANGUAGE].parallel
+    per_sample = (cfg.modules[encoder].num_output_tokens * cfg.modules[LANGUAGE].hidden_size
+                  * BYTES[cfg.train.precision])
+    a = layout.modules[src[0]].rank_at(pp=src[1])
+    b = layout.modules[message[1]].rank_at(pp=message[2])
+    mbs = cfg.train.micro_batch_size
+    sides = ((max(1, lm.data // enc.data), mbs / enc.data),  # an encoder rank sends
+             (max(1, enc.data // lm.data), mbs / lm.data))  # a language rank receives
+    return max(count * links.cost("p2p", [a, b], samples * per_sample / count)
+               for count, samples in sides)
 
 
 def bridge_seconds(cfg: MimoConfig, layout: Layout, links: Links) -> float:

@@ -52,9 +52,24 @@ SELECTIVE_SHARE = 0.1
 """Selective recompute re-runs a layer's elementwise work: this share of its forward."""
 TP_EFFICIENCY_LOSS = 0.04
 """Matmul efficiency lost per doubling of the tensor-parallel degree."""
-RING_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
-               "reduce_scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n,
-               "p2p": lambda n: 1.0}
+
+
+def ring_factor(kind: str, n: int) -> float:
+    """Bytes a rank moves per byte of its buffer in a ring collective of ``n`` ranks:
+    all-reduce ``2 (n - 1) / n``, all-gather / reduce-scatter / all-to-all
+    ``(n - 1) / n``, a point-to-point message 1.
+
+    Raises:
+        ValueError: ``kind`` is not one of :data:`~mimotron.planner.cost.COLLECTIVES`.
+    """
+    if kind == "p2p":
+        return 1.0
+    if kind == "all_reduce":
+        return 2 * (n - 1) / n
+    if kind in ("all_gather", "reduce_scatter", "all_to_all"):
+        return (n - 1) / n
+    raise ValueError(f"collective kind={kind!r} is invalid: expected one of all_reduce, "
+                     "all_gather, reduce_scatter, all_to_all, p2p")
 
 
 def tp_efficiency(tensor: int) -> float:
@@ -87,7 +102,7 @@ class Links:
         d = self.device
         nodes = {r // d.devices_per_node for r in ranks}
         bandwidth = d.intra_node_bytes_per_s if len(nodes) == 1 else d.inter_node_bytes_per_s
-        factor = RING_FACTOR[kind](max(n, 2))
+        factor = ring_factor(kind, max(n, 2))
         hops = 1 if kind == "p2p" else max(1, math.ceil(math.log2(max(n, 2))))
         return LinkCost(d.latency_s * hops, bandwidth / factor)
 
@@ -98,10 +113,12 @@ def axis_ranks(placement: ModulePlacement, axis: str) -> list[int]:
     return [placement.rank_at(**{axis: i}) for i in range(size)]
 
 
-def replica_ranks(placement: ModulePlacement) -> list[int]:
-    """The first gradient-replica group (``dp x cp``) of a module."""
+def replica_ranks(placement: ModulePlacement, stage: int = 0) -> list[int]:
+    """The first gradient-replica group (``dp x cp``) of a module's pipeline ``stage``:
+    each stage reduces among its own ranks, which may span nodes where stage 0's do not."""
     p = placement.parallel
-    return [placement.rank_at(cp=c, dp=d) for d in range(p.data) for c in range(p.context)]
+    return [placement.rank_at(cp=c, dp=d, pp=stage) for d in range(p.data)
+            for c in range(p.context)]
 
 
 @dataclass(frozen=True)
