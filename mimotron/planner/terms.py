@@ -5,16 +5,16 @@ The pieces :func:`mimotron.planner.cost.step_cost` puts on the simulated clock:
 * **compute** — without a calibration, the stage's model FLOPs
   (:mod:`mimotron.training.flops`: its layers, the front end on the first stage, the
   head or projector on the last) over ``flops_per_s x tensor x tp_efficiency(tensor)``
-  (:func:`tp_efficiency`: smaller matmuls run less efficiently); with one, the measured
+  (:func:`tp_efficiency`: smaller matmuls run less efficiently) plus the device's
+  ``layer_overhead_s`` per layer and end, per micro-batch; with one, the measured
   seconds of the whole module scaled by the stage's share of the layers, the samples
   per replica and ``1 / (tensor x tp_efficiency x context)``. Backward is twice the
   forward for what trains (once for a frozen language model, which still
   back-propagates to its input; nothing for a frozen encoder); recompute adds the
   recomputed layers' forward (``full``) or :data:`SELECTIVE_SHARE` of it
   (``selective``: norms, activations, RoPE, elementwise);
-* **collectives** — per layer, TP's two all-reduces forward and two backward of the
-  activations (sequence parallelism's all-gather + reduce-scatter move the same
-  bytes), CP's key/value all-gather forward and reduce-scatter backward, EP's two
+* **collectives** — per layer, TP's calls as the DTensor plan makes them
+  (:func:`_tp_collectives`), CP's key/value all-gather forward and reduce-scatter backward, EP's two
   all-to-alls each way; FSDP2's parameter all-gathers and gradient reduce-scatter per
   micro-batch, less the compute they overlap (prefetch);
 * **transfers** — a stage's output to the next stage, an encoder's to the language
