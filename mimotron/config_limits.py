@@ -106,7 +106,9 @@ def module_parameters(mod: ModuleConfig, hf: HFConfigs | None = None) -> tuple[i
     """
     h, layers = mod.hidden_size, mod.num_layers
     f = mod.ffn_hidden_size or default_ffn_hidden_size(h)
-    mlp = (3 if mod.kind == "language" else 2) * h * f
+    # Two MLP matrices in a Hugging Face encoder (fc1, fc2), SwiGLU's three elsewhere
+    # (the built-in encoders too), as mimotron.training.flops.mlp_matrices counts them.
+    mlp = (2 if mod.is_encoder and mod.hf_path else 3) * h * f
     ends = 0
     experts = 0
     spec = None

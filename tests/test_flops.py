@@ -10,6 +10,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from mimotron.config import ModuleConfig, load_config
+from mimotron.config_limits import module_parameters
+from mimotron.models.blocks import default_ffn_hidden_size
 from mimotron.models.build import build_module
 from mimotron.models.hf.layers import PreLNEncoderLayer
 from mimotron.models.language import LanguageModel
@@ -63,8 +65,13 @@ def test_hugging_face_encoder_layer_has_a_two_matrix_mlp():
     assert _counted(layer, torch.randn(3, 5, 32)) == expected
     cfg = load_config(DIGITS, [])
     assert mlp_matrices(cfg.modules["vision"]) == 3  # the built-in encoder: SwiGLU
-    cfg.modules["vision"].hf_path = "/not/read"
-    assert mlp_matrices(cfg.modules["vision"]) == 2
+    vit = cfg.modules["vision"]
+    h, f = vit.hidden_size, vit.ffn_hidden_size or default_ffn_hidden_size(vit.hidden_size)
+    # The size bound counts alike: attention 4·h² and the MLP's matrices, per layer.
+    assert module_parameters(vit) == (vit.num_layers * (4 * h * h + 3 * h * f), 0)
+    vit.hf_path = "/not/read"
+    assert mlp_matrices(vit) == 2
+    assert module_parameters(vit) == (vit.num_layers * (4 * h * h + 2 * h * f), 0)
 
 
 @pytest.mark.parametrize("name,shape", [("vision", (5, 1, 8, 8)), ("audio", (5, 129, 16))])
