@@ -5,9 +5,12 @@ Each parity case trains ``NUM_ITERS`` fp32 iterations through the engine with
 (``tests/reference.py``): losses, grad norms (global and per module, from the full
 gradients) and final weights, as ``tests/test_parity.py`` does for every other layout.
 The cases cover what FSDP composes with: colocated (every module sharded over DP 2),
-split (the language model on its own ranks), TP x FSDP on a 2-D ``(dp, tp)`` mesh, and
-a pipeline stage (PP 2 x DP 2), with overlapped DP reduction on for the modules that
-are not sharded, and activation recompute (selective, full) on two of them.
+split (the vision encoder and the language model each on their own ranks), TP x FSDP on
+a 2-D ``(dp, tp)`` mesh, and a pipeline stage (PP 2 x DP 2), with overlapped DP
+reduction on for the modules that are not sharded, and activation recompute (selective,
+full) on three of them. Vision has two layers in three cases (one unit's backward
+prefetches another's gather), and several micro-batches per step in two (a split encoder
+stage then sees micro-batches without images on one DP rank).
 
 Checkpoints: a chain of runs resumes and reshards plain -> FSDP -> FSDP (same layout:
 bit for bit) -> ZeRO-1 -> FSDP -> plain, every run following the plain loop.
@@ -30,7 +33,7 @@ from mimotron.parallel.layout import plan_layout
 from mimotron.parallel.memory import estimate_memory
 from mimotron.testing import run_ranks
 from tests.common import BASE, DIGITS, coloc, colocated, noncolocated, train_step
-from tests.test_parity import reference, run_against_plain_loop
+from tests.test_parity import SMALL_MB, reference, run_against_plain_loop
 from tests.test_zero_tensor_parallel import PLAIN, _ckpt, _launch, _records
 
 
@@ -39,14 +42,18 @@ def fsdp(*modules: str) -> list[str]:
 
 
 ALL = ("vision", "audio", "language")
+TWO_VISION_LAYERS = ["modules.vision.num_layers=2"]  # tests.common's model gives it one
 CASES: dict[str, tuple[list[str], list[str]]] = {
-    "coloc-dp2-fsdp-all": (colocated(2) + fsdp(*ALL), []),
-    "split-language-dp2-fsdp-overlap": (
-        noncolocated({"data": 2}, {}, {"data": 2}) + fsdp("language")
-        + ["train.overlap_grad_reduce=true"], []),
+    # Two vision layers: implicit backward prefetch walks from one block to another.
+    "coloc-dp2-fsdp-all": (colocated(2) + fsdp(*ALL), TWO_VISION_LAYERS + SMALL_MB),
+    "split-vision-language-dp2-fsdp-overlap-full": (
+        noncolocated({"data": 2}, {}, {"data": 2}) + fsdp("vision", "language")
+        + ["train.overlap_grad_reduce=true", "modules.vision.recompute='full'"],
+        TWO_VISION_LAYERS + SMALL_MB),
     "coloc-language-tp2dp2-fsdp-selective": (
         coloc({"data": 4}, {"data": 4}, {"tensor": 2, "data": 2}) + fsdp("language", "vision")
-        + ["modules.language.recompute='selective'"], []),
+        + ["modules.language.recompute='selective'", "modules.vision.recompute='full'"],
+        TWO_VISION_LAYERS),
     "language-pp2dp2-fsdp-full-recompute": (
         noncolocated({}, {}, {"pipeline": 2, "data": 2}) + fsdp("language")
         + ["modules.language.recompute='full'"], []),

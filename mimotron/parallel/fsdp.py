@@ -23,7 +23,13 @@ the backward. With a context per unit every unit's input would stay alive to the
 of the backward: the whole module's gradients in fp32, 32 GiB a rank on Llama-2-70B at
 TP 8. The units of a part therefore share one context (``share_comm_ctx``, FSDP2's way
 for several roots): one reduce-scatter input is in flight at a time, as under a single
-root (``tests/test_memory_peak.py`` measures it).
+root (``tests/test_memory_peak.py`` measures it). FSDP2 would initialise each root at its
+first forward, re-creating the shared context's forward order midway through a step;
+:func:`apply_fsdp` initialises them all up front instead (:func:`_init_roots`).
+
+A split layout's encoder stage runs every micro-batch's backward on every DP rank, even
+one with no rows of its modality there (an empty backward), because each unit's backward
+gathers and reduce-scatters over the DP group (``pipeline/schedules.py``).
 
 Semantics kept from the rest of the engine:
 
@@ -167,7 +173,23 @@ def apply_fsdp(part: nn.Module, mesh: DeviceMesh, precision: str) -> list[nn.Mod
     # unit's reduce-scatter input is released at the next unit's, not at the backward's
     # end.
     share_comm_ctx(units)
+    _init_roots(units)
     return units
+
+
+def _init_roots(units: list[nn.Module]) -> None:
+    """Run FSDP2's lazy initialisation of every root among ``units`` now, before any forward.
+
+    FSDP2 initialises a root at its first forward, and that re-creates its communication
+    context's lists, among them the forward order that implicit backward prefetch reads.
+    With a context shared by several roots, a root first called after another has run
+    would wipe the order the other recorded, leaving it an index past the end (an
+    ``IndexError`` in the first backward, or a prefetch of the wrong unit). Outer units
+    (an encoder stack around its blocks) come last in ``units`` and are initialised
+    first, so the blocks inside them stay non-roots, as at a first forward.
+    """
+    for unit in reversed(units):
+        unit._get_fsdp_state()._lazy_init()  # no-op for a unit already under a root
 
 
 def fsdp_modules(cfg: MimoConfig) -> set[str]:

@@ -294,6 +294,11 @@ class StageRunner:
             params += [p for p in part.parameters() if id(p) not in in_layers]
         return params
 
+    def _sharded_by_fsdp(self) -> bool:
+        """Whether this rank's (split-layout) module runs FSDP2 over data parallelism."""
+        par = self.ctx.layout.modules[self.module].parallel
+        return par.fsdp and par.data > 1
+
     def backward(self, k: int, grad: torch.Tensor | None, chunk: int = 0) -> Any:
         received, out = self._saved.pop((chunk, k))
         if self.ctx.grad_sync is not None and k == len(self.ctx.microbatches) - 1:
@@ -307,6 +312,11 @@ class StageRunner:
                 self.batched.backward()  # after the grad sync was armed above
         elif out.requires_grad and out.numel():
             out.backward(grad.to(out.dtype))
+        elif out.requires_grad and self._sharded_by_fsdp():
+            # No rows of this modality here, yet FSDP2 gathers and reduce-scatters each
+            # unit in its backward on every DP rank: a rank skipping it would leave its
+            # peers waiting. The empty backward reduces zero gradients.
+            out.backward(torch.zeros_like(out))
         if received is None:
             return None
         if isinstance(received, dict):
