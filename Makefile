@@ -7,8 +7,8 @@ STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 # Test files run on this many worker processes (pytest-xdist), a whole file per worker so
 # its module fixtures are built once. Single-process tests use one thread each and the
-# launcher tests mostly wait on subprocesses, so three workers keep both cores of a
-# 2-core machine busy where two left gaps.
+# launcher tests mostly wait on subprocesses; three workers keep both cores of a 2-core
+# machine busy (docs/testing.md has the measured figures).
 TEST_WORKERS ?= 3
 
 .PHONY: venv demo demo-llava test lint plan docs clean
