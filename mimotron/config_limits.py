@@ -28,7 +28,7 @@ from mimotron.config_schema import MimoConfig, ModuleConfig
 from mimotron.models.blocks import default_ffn_hidden_size
 from mimotron.models.hf.folder import HFConfigs
 from mimotron.models.hf.resolve import language_spec
-from mimotron.models.hf.specs import LlamaFamilySpec
+from mimotron.models.hf.specs import LlamaFamilySpec, mlp_matrices
 
 MAX_PARAMS = 10**13
 """Parameters of the whole model beyond which a plan is refused (no machine trains it)."""
@@ -106,9 +106,7 @@ def module_parameters(mod: ModuleConfig, hf: HFConfigs | None = None) -> tuple[i
     """
     h, layers = mod.hidden_size, mod.num_layers
     f = mod.ffn_hidden_size or default_ffn_hidden_size(h)
-    # Two MLP matrices in a Hugging Face encoder (fc1, fc2), SwiGLU's three elsewhere
-    # (the built-in encoders too), as mimotron.training.flops.mlp_matrices counts them.
-    mlp = (2 if mod.is_encoder and mod.hf_path else 3) * h * f
+    mlp = mlp_matrices(mod) * h * f
     ends = 0
     experts = 0
     spec = None

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 from mimotron.config import MimoConfig
 from mimotron.models.blocks import default_ffn_hidden_size
+from mimotron.models.hf.specs import mlp_matrices
 from mimotron.parallel.layout import ModulePlacement, stage_layers
 from mimotron.parallel.memory import BYTES, attention_widths
 from mimotron.planner.cost import Calibration, LinkCost
@@ -42,7 +43,6 @@ from mimotron.training.flops import (
     encoder_flops,
     language_model_flops,
     matmul_flops,
-    mlp_matrices,
     moe_flops_delta,
     projector_flops,
     transformer_layer_flops,

@@ -16,7 +16,7 @@ attention scores+context ``2 · 2·samples·S·S·h`` (``Q Kᵀ`` and ``A V``; t
                         square is counted, causal or not, as PaLM and Megatron do)
 SwiGLU MLP              ``3 · 2·N·h·f`` (gate, up, down)
 two-matrix MLP          ``2 · 2·N·h·f`` (``fc1``, ``fc2``: Hugging Face CLIP, SigLIP and
-                        Whisper encoders, :func:`mlp_matrices`)
+                        Whisper encoders, :func:`~mimotron.models.hf.specs.mlp_matrices`)
 MoE layer (instead)     ``2·N·h·E`` (router) + ``top_k · 3·2·N·h·f_e`` (the experts a
                         token visits) + ``3·2·N·h·f_s`` (shared experts)
 LM output head          ``2·N·h·V`` (the embedding lookup is free)
@@ -46,18 +46,13 @@ from collections.abc import Mapping
 
 from mimotron.config import MimoConfig, ModuleConfig
 from mimotron.models.blocks import default_ffn_hidden_size
+from mimotron.models.hf.specs import mlp_matrices
 from mimotron.names import LANGUAGE
 
 
 def matmul_flops(m: int | float, n: int | float, k: int | float) -> float:
     """FLOPs of ``[m, k] @ [k, n]``: one multiply and one add per term."""
     return 2.0 * m * n * k
-
-
-def mlp_matrices(mod: ModuleConfig) -> int:
-    """Weight matrices of one layer's MLP: 2 for a Hugging Face encoder (CLIP, SigLIP,
-    Whisper: ``fc1``, ``fc2``), 3 for the SwiGLU of the built-in modules and decoders."""
-    return 2 if mod.is_encoder and mod.hf_path else 3
 
 
 def transformer_layer_flops(num_samples: float, seq_length: int, hidden_size: int,
@@ -71,7 +66,7 @@ def transformer_layer_flops(num_samples: float, seq_length: int, hidden_size: in
         hidden_size: model width ``h``.
         ffn_hidden_size: MLP width (0 = the SwiGLU default for ``h``).
         num_mlp_matrices: 3 for SwiGLU (gate, up, down), 2 for ``fc1``/``fc2``
-            (:func:`mlp_matrices`).
+            (:func:`~mimotron.models.hf.specs.mlp_matrices`).
 
     Returns:
         ``8·N·h² + 4·B·S²·h + 2·m·N·h·f`` with ``N = B·S``, ``m`` the MLP's matrices.

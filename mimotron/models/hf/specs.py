@@ -23,6 +23,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from mimotron.config_schema import ModuleConfig
 from mimotron.models.hf.folder import read_keys, reject_set, select_config
 from mimotron.models.moe_options import MoEOptions
 from mimotron.models.rope_scaling import validate_rope_scaling
@@ -275,6 +276,12 @@ def check_activation(key: str, name: str) -> str:
         raise ValueError(f"{key}={name!r} is not supported; expected one of "
                          f"{sorted(ACTIVATION_NAMES)}")
     return name
+
+
+def mlp_matrices(mod: ModuleConfig) -> int:
+    """Weight matrices of one layer's MLP: 2 for a Hugging Face encoder (CLIP, SigLIP,
+    Whisper: ``fc1``, ``fc2``), 3 for the SwiGLU of the built-in modules and decoders."""
+    return 2 if mod.is_encoder and mod.hf_path else 3
 
 
 def used_layers(num_hidden_layers: int, vision_feature_layer: int) -> int:
