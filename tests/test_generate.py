@@ -8,7 +8,8 @@ The end-to-end cases train the demo's models (``make demo-llava``'s CLIP / Whisp
 Qwen2 folders and BPE tokenizer, random weights) on the train split of 8 demo samples
 (6: image, image + audio) for 50 iterations at a high learning rate, until every
 caption is the greedy continuation, then generate from the run directory, the
-checkpoint through the CLI, and both export formats.
+checkpoint through the CLI, and both export formats; an ``hf-llava`` export is refused.
+Where generation stops is tested on hand-set models in ``tests/test_generate_stops.py``.
 """
 
 from __future__ import annotations
@@ -267,3 +268,15 @@ def test_bad_input_is_one_line_naming_it(overfit: dict[str, Any], tmp_path: Path
     (export / "language.safetensors").unlink()
     err = _one_line_error(["generate", str(export), "--prompt", "hi"], capsys)
     assert f"export {export} holds no language model (no language.safetensors)" in err
+
+
+def test_hf_llava_export_is_refused_naming_what_to_pass(overfit: dict[str, Any], tmp_path: Path,
+                                                        capsys: pytest.CaptureFixture) -> None:
+    llava = tmp_path / "llava"
+    assert cli_main(["export", "--format", "hf-llava", "--modules", "vision,language",
+                     str(overfit["run"] / "checkpoints"), str(llava)]) == 0
+    err = _one_line_error(["generate", str(llava), "--prompt", "hi"], capsys)
+    assert (f"{str(llava)!r} is a 'mimotron export --format hf-llava' folder, which "
+            "transformers loads (LlavaForConditionalGeneration): pass the run directory or "
+            "checkpoint it was exported from, or a 'mimotron export' folder of --format "
+            "mimotron or hf") in err

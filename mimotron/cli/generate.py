@@ -2,8 +2,9 @@
 
 Loads a trained model on this one process (an accelerator when the runtime has one,
 else the CPU; ``MIMOTRON_DEVICE=cpu`` forces the CPU) from a run directory, a checkpoint
-or an export folder, and prints the reply to stdout; one line on stderr says what was
-loaded, how long the prompt was and why the reply ended. See :mod:`mimotron.generate`.
+or an export folder (``--format mimotron`` or ``hf``), and prints the reply to stdout;
+one line on stderr says what was loaded, how long the prompt was and why the reply
+ended. See :mod:`mimotron.generate`.
 
 Exit code 0 on success; 2 for a bad argument or input (a missing file, a source that is
 not a trained model, weights without a language model, a run not trained on LLaVA
@@ -25,7 +26,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     s = sub.add_parser("generate", help="answer a prompt (with an image / audio clip) from a "
                                         "trained run, checkpoint or export folder")
     s.add_argument("source", help="run directory (holding checkpoints/), checkpoint (a root "
-                                  "holding 'latest' or an iter_NNNNNNN dir) or export folder")
+                                  "holding 'latest' or an iter_NNNNNNN dir) or export folder "
+                                  "(mimotron export --format mimotron or hf; an hf-llava "
+                                  "folder is for transformers)")
     s.add_argument("--prompt", required=True, help="the user's text; <image>/<audio> are put "
                                                    "before it unless it holds them")
     s.add_argument("--image", action="append", default=[], metavar="FILE",
@@ -33,7 +36,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--audio", action="append", default=[], metavar="FILE",
                    help="a WAV file (at most one)")
     s.add_argument("--max-new-tokens", type=int, default=None, metavar="N",
-                   help="the most tokens to generate (default 64)")
+                   help="the most tokens to generate (default 64); the reply also ends "
+                        "where it and the prompt fill the language model's context")
     s.add_argument("--temperature", type=float, default=0.0,
                    help="0 (default) = greedy; > 0 samples from softmax(logits / T)")
     s.add_argument("--top-p", type=float, default=1.0,
@@ -45,7 +49,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run_generate(args: argparse.Namespace) -> int:
     """Run ``mimotron generate`` with parsed ``args``; the process exit code."""
     from mimotron.checkpoint.files import CheckpointError
-    from mimotron.generate.decode import Generator, Sampling
+    from mimotron.generate.decode import STOP_CONTEXT, Generator, Sampling
     from mimotron.generate.prompt import check_files
 
     try:
@@ -65,7 +69,10 @@ def run_generate(args: argparse.Namespace) -> int:
     loaded = generator.loaded
     print(reply.text, flush=True)
     num = len(reply.token_ids)
+    why = reply.stop
+    if why == STOP_CONTEXT:
+        why += f" (the language model's context length, {generator.max_len} tokens)"
     print(f"mimotron generate: {loaded.source.describe()} on {loaded.device}; prompt "
           f"{reply.prompt_tokens} tokens, reply {num} token{'' if num == 1 else 's'}, stopped "
-          f"at {reply.stop}", file=sys.stderr, flush=True)
+          f"at {why}", file=sys.stderr, flush=True)
     return 0

@@ -18,9 +18,10 @@ and answers prompts with images and audio clips:
    vocabulary's padding rows) and the placeholders are never picked.
 
 Generation stops at the tokenizer's ``eos`` or the chat template's end of turn, after
-``max_new_tokens`` tokens, or at the language model's context length: ``data.seq_length``
-for a built-in model, the larger of it and ``max_position_embeddings`` for one from a
-Hugging Face folder.
+``max_new_tokens`` tokens, or when the prompt and the reply hold as many tokens as the
+language model's context length: ``data.seq_length`` for a built-in model, the larger of
+it and ``max_position_embeddings`` for one from a Hugging Face folder (a decoder
+pretrained on longer sequences than the run trained on keeps its own context).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ STOP_END = "end"
 """The reply ended with ``eos`` or the template's end of turn."""
 STOP_MAX_NEW_TOKENS = "max_new_tokens"
 STOP_CONTEXT = "context"
-"""The language model's context length was reached."""
+"""The prompt and the reply fill the language model's context length."""
 DEFAULT_MAX_NEW_TOKENS = 64
 
 
@@ -109,9 +110,12 @@ class Generator:
         assert isinstance(lm, LanguageModel)
         self.language_model = lm
         mod = loaded.cfg.modules[LANGUAGE]
-        # A pretrained decoder knows its own context; training may have used less.
+        # A pretrained decoder knows its own context; training may have used less. The
+        # decoder was built for data.seq_length positions: it accepts max_len here (its
+        # RoPE tables are computed per call, for any length).
         self.max_len = max(lm.max_seq_len, language_spec(mod).max_position_embeddings
                            if mod.hf_path else 0)
+        lm.max_seq_len = self.max_len
         tokenizer = loaded.tokenizer
         # Never picked: padding rows past the tokenizer's ids, and the placeholders.
         self._banned = torch.zeros(lm.vocab_size, dtype=torch.bool)
@@ -182,7 +186,7 @@ class Generator:
             The reply.
 
         Raises:
-            ValueError: bad sampling options, bad media, or a prompt longer than the
+            ValueError: bad sampling options, bad media, or a prompt that fills the
                 language model's context.
         """
         sampling = (sampling or Sampling()).check()
@@ -193,7 +197,8 @@ class Generator:
                              f"language model's context is {self.max_len}, leaving no room "
                              "for a reply")
         lm = self.language_model
-        cache = KVCache(min(length + sampling.max_new_tokens, self.max_len))
+        # The prompt and the reply fit the context; the reply's last token is never fed.
+        cache = KVCache(min(length + sampling.max_new_tokens, self.max_len) - 1)
         generator = torch.Generator().manual_seed(sampling.seed)
         logits = lm(hidden, cache=cache)[0, -1]
         out: list[int] = []
@@ -206,7 +211,7 @@ class Generator:
             if len(out) == sampling.max_new_tokens:
                 stop = STOP_MAX_NEW_TOKENS
                 break
-            if cache.length == cache.max_len:
+            if length + len(out) == self.max_len:
                 stop = STOP_CONTEXT
                 break
             step = torch.tensor([[token]], device=self.loaded.device)

@@ -9,6 +9,9 @@
   ``hf_path`` module + ``<module>.safetensors`` for the projectors and the other
   modules (``--format hf``).
 
+A ``--format hf-llava`` folder is one ``transformers`` model, not mimotron's modules: it
+is refused, naming what to pass instead.
+
 :func:`load_model` reads the run config recorded there, builds the tokenizer as training
 built it (:func:`~mimotron.data.llava_setup.run_hf_tokenizer`: the placeholders get the
 ids training gave them), builds every module whole on one device and fills it with the
@@ -31,13 +34,13 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from safetensors.torch import load_file
 from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from mimotron.checkpoint.export import CONFIG_FILE
 from mimotron.checkpoint.files import CheckpointError, read_manifest, resolve_checkpoint
 from mimotron.checkpoint.hf_export import RUN_CONFIG_FILE, TOWER_PREFIX
+from mimotron.checkpoint.llava_export import FORMAT as LLAVA_FORMAT
 from mimotron.checkpoint.load import SafeLoadPlanner, read_metadata, verify_share
 from mimotron.checkpoint.safe_metadata import SafeFileSystemReader
 from mimotron.checkpoint.state import META, MODEL, model_state
@@ -45,11 +48,14 @@ from mimotron.config import MimoConfig, config_from_dict
 from mimotron.data.hf_tokenizer import HFTokenizer
 from mimotron.data.llava_setup import run_hf_tokenizer
 from mimotron.models.build import build_module, padded_vocab_size
+from mimotron.models.hf.file_check import read_safetensors
 from mimotron.models.mimo import MimoModel
 from mimotron.names import LANGUAGE, LANGUAGE_MODEL_PREFIX
 from mimotron.runtime import device_for
 from mimotron.training.model_setup import build_hf_part
 
+LLAVA_MODEL_TYPE = "llava"
+"""``model_type`` in the ``config.json`` of a ``--format hf-llava`` folder."""
 CHECKPOINTS = "checkpoints"
 """The checkpoint folder inside a run directory (``checkpoint.dir``'s default)."""
 _SHOWN = 5  # names listed in a message before "..."
@@ -108,6 +114,7 @@ def find_source(path: str | Path) -> ModelSource:
         raise ValueError(f"{str(path)!r} does not exist: expected a run directory, a "
                          "checkpoint or an export folder")
     if (path / RUN_CONFIG_FILE).is_file():
+        _refuse_llava_folder(path)
         return ModelSource("hf-export", path, _hf_export_config(path))
     if (path / CONFIG_FILE).is_file() and any(path.glob("*.safetensors")):
         return ModelSource("export", path, _read_json(path / CONFIG_FILE))
@@ -127,6 +134,18 @@ def find_source(path: str | Path) -> ModelSource:
     box: dict[str, Any] = {META: ""}
     _dcp_read(checkpoint, box)
     return ModelSource("checkpoint", checkpoint, json.loads(box[META])["config"])
+
+
+def _refuse_llava_folder(path: Path) -> None:
+    """A one-line refusal of a ``--format hf-llava`` folder (it also holds the run config,
+    but one ``transformers`` LLaVA model instead of a folder per module)."""
+    config = path / CONFIG_FILE
+    if config.is_file() and _read_json(config).get("model_type") == LLAVA_MODEL_TYPE:
+        raise ValueError(
+            f"{str(path)!r} is a 'mimotron export --format {LLAVA_FORMAT}' folder, which "
+            "transformers loads (LlavaForConditionalGeneration): pass the run directory or "
+            "checkpoint it was exported from, or a 'mimotron export' folder of --format "
+            "mimotron or hf")
 
 
 def _read_json(file: Path) -> dict[str, Any]:
@@ -290,7 +309,7 @@ def _read_export(source: ModelSource, cfg: MimoConfig, model: MimoModel) -> None
                 continue  # the whole language model is its Hugging Face folder
             raise ValueError(f"{source.describe()} is incomplete: {file.name} is missing")
         try:
-            result = part.load_state_dict(load_file(str(file)), strict=False)
+            result = part.load_state_dict(read_safetensors(file), strict=False)
         except RuntimeError as exc:  # a mis-shaped tensor
             raise ValueError(f"{file} does not fit modules.{name}: "
                              f"{' '.join(str(exc).split())}") from None
