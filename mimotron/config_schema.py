@@ -453,6 +453,17 @@ class DataConfig:
     """
     system_prompt: str = ""
     """LLaVA: a system message put first in conversations that have none; empty = none."""
+    ignore_keys: list[str] = field(default_factory=list)
+    """LLaVA: keys of a sample (or of a conversation turn) that the loader does not read
+    and that are accepted anyway (e.g. ``["video", "weight"]``); any other such key makes
+    the sample bad, so nothing in the data is dropped silently. The keys read (``id``,
+    ``image``, ``audio``, ``conversations``; a turn's ``from``, ``value``) cannot be listed.
+    """
+    allow_large_vocab: bool = False
+    """LLaVA: accept a tokenizer whose vocabulary makes the language model's embedding and
+    output head more than 100 times the rest of the model and over 100 M parameters
+    (refused otherwise, naming the sizes: usually a wrong tokenizer folder).
+    """
     index_dir: str = ""
     """LLaVA: folder of the sample indexes (each data file's checked samples: addresses,
     token counts, skipped samples), built once per run before training and reused by

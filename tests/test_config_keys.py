@@ -222,6 +222,8 @@ PROBES: dict[str, tuple[list[str], str, list[str]]] = {
     "data.skip_bad_samples": (["data.skip_bad_samples=true"], "error:built", []),
     "data.system_prompt": (["data.system_prompt='x'"], "error:built", []),
     "data.index_dir": (["data.index_dir='x'"], "error:built", []),
+    "data.ignore_keys": (["data.ignore_keys=['video']"], "error:built", []),
+    "data.allow_large_vocab": (["data.allow_large_vocab=true"], "error:built", []),
     "data.num_workers": (["data.num_workers=2"], "run", ["log.progress=true"]),
     "data.packing": (["data.packing=true"], "built", []),  # the first training batch
     "train.iters": (["train.iters=12"], "built", []),

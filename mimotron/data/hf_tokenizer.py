@@ -25,6 +25,7 @@ can compute its own rows without the others (given the mean and std).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -33,7 +34,7 @@ import numpy as np
 import torch
 
 from mimotron.data.digits import sample_rng
-from mimotron.data.template_check import check_chat_template
+from mimotron.data.template_check import check_chat_template, check_template_renders
 from mimotron.data.tokenizer import MODALITIES
 
 # Salt of the new-row generators: unrelated to the data streams' salts.
@@ -53,8 +54,10 @@ class HFTokenizer:
         chat_template: a Jinja template that replaces the folder's own.
 
     Raises:
-        ValueError: the folder does not exist, holds no fast tokenizer, has no chat
-            template, or a placeholder does not encode to exactly one id.
+        ValueError: the folder does not exist, holds no fast tokenizer (or a
+            ``tokenizer.json`` lacking what a load reads), has no chat template or one that
+            does not render within the loop bound (:mod:`~mimotron.data.template_check`),
+            or a placeholder does not encode to exactly one id.
     """
 
     def __init__(
@@ -85,6 +88,9 @@ class HFTokenizer:
         self._add_placeholders()
         self.num_added = len(self.tokenizer) - self.base_vocab_size
         self._placeholder_ids = {m: self._single_id(t) for m, t in self._placeholder_text.items()}
+        # Rendered once with its loops counted: a template that never ends is refused here.
+        check_template_renders(self.tokenizer.chat_template, self.path, chat_template is not None,
+                               _template_variables(self.tokenizer))  # fmt: skip
         self.special_ids = frozenset(
             i for i, tok in self.tokenizer.added_tokens_decoder.items() if tok.special
         )
@@ -175,6 +181,11 @@ class HFTokenizer:
                 f"num_added={self.num_added})")  # fmt: skip
 
 
+def _template_variables(tokenizer: Any) -> dict[str, Any]:
+    """The special tokens ``transformers`` passes a chat template (``bos_token``, ...)."""
+    return {k: v for k, v in tokenizer.special_tokens_map.items() if isinstance(v, str)}
+
+
 def _load_fast_tokenizer(path: Path) -> Any:
     """``AutoTokenizer`` from a local folder; a fast tokenizer (offsets) is required."""
     if not path.is_dir():
@@ -182,14 +193,16 @@ def _load_fast_tokenizer(path: Path) -> Any:
             f"data.tokenizer={str(path)!r} is invalid: expected a local tokenizer folder "
             "(tokenizer.json, tokenizer_config.json); nothing is downloaded"
         )
+    _check_tokenizer_json(path / "tokenizer.json")
     from transformers import AutoTokenizer  # Deferred: importing transformers takes ~1 s.
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-    except (OSError, ValueError) as exc:
+    except Exception as exc:  # noqa: BLE001 - tokenizers' parse errors are plain Exception
+        message = " ".join(str(exc).split()) or type(exc).__name__
         raise ValueError(
             f"data.tokenizer={str(path)!r} could not be loaded as a Hugging Face tokenizer: "
-            f"{exc}"
+            f"{message}"
         ) from exc
     if not getattr(tokenizer, "is_fast", False):
         raise ValueError(
@@ -197,6 +210,33 @@ def _load_fast_tokenizer(path: Path) -> Any:
             "(a tokenizer.json), whose character offsets locate the assistant replies"
         )
     return tokenizer
+
+
+# What transformers and tokenizers read first from a tokenizer.json: without them the load
+# fails with a bare KeyError or "Model missing." that names no file.
+_TOKENIZER_JSON_KEYS = ("added_tokens", "model")
+
+
+def _check_tokenizer_json(file: Path) -> None:
+    """A ``tokenizer.json`` (when present) is a JSON object with the keys a load reads.
+
+    Raises:
+        ValueError: one line naming the file and what is missing.
+    """
+    if not file.is_file():
+        return  # a folder of slow-tokenizer files: refused after loading, by name
+    try:
+        content = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise ValueError(f"{str(file)!r} is not JSON ({exc}): expected a tokenizers file "
+                         "(Tokenizer.save / save_pretrained writes one)") from None
+    if not isinstance(content, dict):
+        raise ValueError(f"{str(file)!r} holds a JSON {type(content).__name__}: expected "
+                         "a JSON object (a tokenizers file, as save_pretrained writes it)")
+    missing = [k for k in _TOKENIZER_JSON_KEYS if k not in content]
+    if missing:
+        raise ValueError(f"{str(file)!r} is missing {', '.join(map(repr, missing))}: expected "
+                         "a complete tokenizers file (as save_pretrained writes it)")
 
 
 def new_embedding_rows(

@@ -1,11 +1,14 @@
 """The checks of one LLaVA sample, and the parse a load repeats without them.
 
 :class:`SampleChecker` holds the rules (see :mod:`mimotron.data.llava`): valid JSON,
-known roles, an assistant turn, as many placeholders as files, media paths that resolve
-inside the root (symlinks followed; unless ``allow_outside_root``), files that exist
-and decode in full by the decoder the load uses (images decoded by PIL, WAV files read
-to the last frame at the encoder's rate), a modality the model has an encoder for, at
-most one file per modality, and a token count within ``seq_length``.
+known roles, an assistant turn, no key the loader does not read unless ignored
+(:mod:`~mimotron.data.sample_keys`), as many placeholders as files, media paths that
+resolve inside the root (symlinks followed; unless ``allow_outside_root``), files that
+exist and decode in full by the decoder the load uses (images decoded by PIL, WAV files
+read to the last frame at the encoder's rate), images whose resized size is within the
+image processor's bound (read from the header, before decoding:
+:meth:`~mimotron.data.media.ImageProcessor.check_size`), a modality the model has an
+encoder for, at most one file per modality, and a token count within ``seq_length``.
 
 A sample comes as a :class:`RawItem`: its location for messages, its parsed JSON (or
 the :class:`~mimotron.data.llava_file.SampleError` reading it gave) and, for a tar
@@ -40,6 +43,7 @@ from mimotron.data.chat_batch import ConversationEncoder
 from mimotron.data.hf_tokenizer import HFTokenizer
 from mimotron.data.llava_file import SampleError
 from mimotron.data.media import AudioFeatures, ImageProcessor
+from mimotron.data.sample_keys import check_sample_keys
 from mimotron.data.webdataset import TarMember
 
 Media = Path | TarMember
@@ -101,13 +105,18 @@ class SampleChecker:
         audio_features: the Whisper feature extraction (its decoder checks WAV files).
         system_prompt: a system message put first in conversations that have none.
         allow_outside_root: accept media paths that resolve outside ``root``.
+        image_processor: the vision tower's preprocessing (its resize bound is checked).
+        ignore_keys: keys the loader does not read that are accepted (``data.ignore_keys``).
     """
 
     def __init__(self, root: str | Path, tokenizer: HFTokenizer, seq_length: int,
                  num_tokens: dict[str, int], audio_features: AudioFeatures | None = None,
-                 system_prompt: str | None = None, allow_outside_root: bool = False
-                 ) -> None:  # fmt: skip
+                 system_prompt: str | None = None, allow_outside_root: bool = False,
+                 image_processor: ImageProcessor | None = None,
+                 ignore_keys: Sequence[str] = ()) -> None:  # fmt: skip
         self.root = Path(root)
+        self.image_processor = image_processor
+        self.ignore_keys = frozenset(ignore_keys)
         self.real_root = self.root.resolve()
         self.tokenizer, self.seq_length, self.num_tokens = tokenizer, seq_length, num_tokens
         self.audio_features = audio_features
@@ -159,6 +168,7 @@ class SampleChecker:
         try:
             record = self.parse(item)
             sample_id = record.sample_id
+            check_sample_keys(item.raw, self.ignore_keys)
             for modality, files in (("image", record.images), ("audio", record.audios)):
                 self._check_files(modality, files, record.messages)
         except SampleError as bad:
@@ -284,7 +294,7 @@ class SampleChecker:
             # Decoded in full, by the decoder the load uses: a file corrupt past its
             # header is bad here, not when training reaches it.
             if modality == "image":
-                open_image(file)
+                open_image(file, self.image_processor)
             else:
                 assert self.audio_features is not None
                 self.audio_features.decode(file.open() if isinstance(file, TarMember) else file)
@@ -297,21 +307,38 @@ class SampleChecker:
             raise SampleError(error)
 
 
-def open_image(file: Media) -> Any:
+def open_image(file: Media, processor: ImageProcessor | None = None) -> Any:
     """The decoded PIL image of ``file`` (read fully, file closed).
 
+    Args:
+        file: the image file.
+        processor: when given, the size the header declares is checked against its
+            resize bound (:meth:`ImageProcessor.check_size`) before any pixel is decoded.
+
     Raises:
-        ValueError: not an image PIL can decode to the end.
+        ValueError: not an image PIL can decode to the end, or one the processor would
+            resize past its bound.
     """
     from PIL import Image
 
+    def unreadable(exc: Exception) -> ValueError:
+        return ValueError(f"image file {str(file)!r} is unreadable: {exc}")
+
     try:
-        source = file.open() if isinstance(file, TarMember) else file
-        with Image.open(source) as image:
-            image.load()  # decodes now, so the file can close
-            return image
+        image = Image.open(file.open() if isinstance(file, TarMember) else file)  # header only
     except Exception as exc:  # noqa: BLE001 - any decoding failure is an unreadable image
-        raise ValueError(f"image file {str(file)!r} is unreadable: {exc}") from exc
+        raise unreadable(exc) from exc
+    with image:
+        if processor is not None:
+            try:
+                processor.check_size(*image.size)  # before a pixel is decoded or resized
+            except ValueError as exc:
+                raise ValueError(f"image file {str(file)!r}: {exc}") from None
+        try:
+            image.load()  # decodes now, so the file can close
+        except Exception as exc:  # noqa: BLE001 - as above
+            raise unreadable(exc) from exc
+        return image
 
 
 def load_media(record: LlavaRecord, parts: frozenset[str],
@@ -325,7 +352,8 @@ def load_media(record: LlavaRecord, parts: frozenset[str],
     image = audio = None
     if record.images and "image" in parts:
         assert image_processor is not None
-        image = image_processor(open_image(record.images[0]))
+        # The header's size is checked before decoding, as at the check.
+        image = image_processor(open_image(record.images[0], image_processor))
     if record.audios and "audio" in parts:
         assert audio_features is not None
         file = record.audios[0]

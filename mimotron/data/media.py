@@ -9,6 +9,15 @@ smaller), rescale (``x * rescale_factor`` in float64, then float32) and normalis
 (``(x - mean) / std`` per channel in float32). The settings come from a local
 ``preprocessor_config.json`` (:meth:`ImageProcessor.from_pretrained`) or from arguments.
 
+**The resize bound.** Under ``shortest_edge`` the long side grows with the aspect ratio:
+a 2 x 20 000 000 PNG of 58 KB resizes to 224 x 2 240 000 000 pixels, a ``MemoryError``.
+An image whose resized size (the image before the center crop) would hold more than
+:data:`MAX_RESIZE_FACTOR` times the pixels of the processed image is refused
+(:meth:`ImageProcessor.check_size`): the data check reads the size from the file's
+header, before decoding, and the processor checks it again before resizing. With
+CLIP's 224-pixel shortest edge and crop that is a long side of at most 64 x 224 (an
+aspect ratio of 64); a ``height``/``width`` resize has a fixed size and no bound.
+
 **Audio** (:class:`AudioFeatures`) is a WAV file read with the standard library's
 ``wave`` module (8/16/24/32-bit PCM; channels averaged to mono; integer samples scaled to
 [-1, 1) by their full range) and turned into Whisper's log-mel features by
@@ -33,6 +42,9 @@ import torch
 CLIP_MEAN: tuple[float, float, float] = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD: tuple[float, float, float] = (0.26862954, 0.26130258, 0.27577711)
 _BICUBIC = 3  # PIL.Image.Resampling.BICUBIC
+MAX_RESIZE_FACTOR = 64
+"""The resized image (before the center crop) may hold at most this many times the
+pixels of the processed image (module docstring)."""
 # What a preprocessor_config.json leaves out takes its family's class defaults in
 # transformers (SigLIP: mean/std 0.5, a plain square resize, no crop).
 _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -134,6 +146,32 @@ class ImageProcessor:
         size = dict(self.size)
         return (3, size["height"], size["width"])
 
+    def check_size(self, width: int, height: int) -> None:
+        """Raise if an image of ``width`` x ``height`` would resize past the bound.
+
+        The bound (module docstring): the resized image holds at most
+        :data:`MAX_RESIZE_FACTOR` times the pixels of :attr:`output_shape`. Python ints:
+        no overflow, whatever the header declares.
+
+        Raises:
+            ValueError: names both sizes, the bound and the fix.
+        """
+        if not self.do_resize or "shortest_edge" not in dict(self.size):
+            return  # a fixed-size resize, or none: nothing grows with the aspect ratio
+        if width < 1 or height < 1:
+            raise ValueError(f"the image is {width} x {height} pixels: expected a positive size")
+        _, out_h, out_w = self.output_shape
+        limit = MAX_RESIZE_FACTOR * out_h * out_w
+        new_w, new_h = self._resized_size(width, height)
+        if new_w * new_h > limit:
+            raise ValueError(
+                f"the image is {width} x {height} pixels (width x height), which the image "
+                f"processor (shortest_edge {dict(self.size)['shortest_edge']}) would resize "
+                f"to {new_w} x {new_h} = {new_w * new_h} pixels, over the bound of {limit} "
+                f"({MAX_RESIZE_FACTOR} x the {out_w} x {out_h} processed image): crop or pad "
+                "the image nearer to its processed aspect ratio"
+            )
+
     def _resized_size(self, width: int, height: int) -> tuple[int, int]:
         """``(width, height)`` after resizing (transformers' rule)."""
         size = dict(self.size)
@@ -152,6 +190,7 @@ class ImageProcessor:
         Returns:
             Float32 ``[3, H, W]`` pixel values (:attr:`output_shape`).
         """
+        self.check_size(*image.size)  # before converting or resizing anything
         image = to_rgb(image)
         if self.do_resize:
             image = image.resize(self._resized_size(*image.size), resample=self.resample)

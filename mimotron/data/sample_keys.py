@@ -1,0 +1,71 @@
+"""The keys a LLaVA sample may hold: nothing in the data is dropped silently.
+
+The loader reads a sample's ``id``, ``image``, ``audio`` and ``conversations``, and a
+turn's ``from`` and ``value`` (:mod:`mimotron.data.llava_check`). Any other key would be
+read by nobody: a ``video`` beside the conversation, a per-turn loss ``weight``. The
+sample would then train as if the key were not there, with no word said. So such a key
+makes the sample bad (one line naming the key; ``data.skip_bad_samples`` skips it),
+unless ``data.ignore_keys`` lists it: that the run trains without it is then a choice.
+
+Kept apart from the check (no torch, no tokenizer) so that the config validation can
+refuse an ``ignore_keys`` entry naming a key the loader reads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from typing import Any
+
+from mimotron.data.llava_file import SampleError
+
+SAMPLE_KEYS = ("id", "image", "audio", "conversations")
+"""The keys of a sample the loader reads (a shard's ``image`` / ``audio`` fields are read
+as the documented hint that the media are the sample's members, and so count as read)."""
+TURN_KEYS = ("from", "value")
+"""The keys of a conversation turn the loader reads."""
+READ_KEYS = frozenset(SAMPLE_KEYS + TURN_KEYS)
+"""Keys ``data.ignore_keys`` may not list: the loader reads them."""
+
+
+def check_sample_keys(raw: dict[str, Any], ignore: Collection[str]) -> None:
+    """Raise unless every key of ``raw`` and of its turns is read or ignored.
+
+    Args:
+        raw: the sample's JSON object (its ``conversations`` not yet checked).
+        ignore: ``data.ignore_keys``.
+
+    Raises:
+        SampleError: ``sample key 'video' is not read by the loader ...`` (the first
+            unread key of the sample, else of its first turn that has one).
+    """
+    unread = [k for k in raw if k not in SAMPLE_KEYS and k not in ignore]
+    if unread:
+        raise SampleError(f"sample key {unread[0]!r} is not read by the loader (it reads "
+                          f"{', '.join(map(repr, SAMPLE_KEYS))}): the sample would train "
+                          f"without it; list it in data.ignore_keys to train it so, or "
+                          f"remove it from the data")  # fmt: skip
+    turns = raw.get("conversations")
+    for k, turn in enumerate(turns if isinstance(turns, list) else ()):
+        if not isinstance(turn, dict):
+            continue  # the turn's own check names it
+        unread = [key for key in turn if key not in TURN_KEYS and key not in ignore]
+        if unread:
+            raise SampleError(f"conversations[{k}] key {unread[0]!r} is not read by the loader "
+                              f"(a turn's keys read are 'from', 'value'): the turn would train "
+                              f"without it; list it in data.ignore_keys to train it so, or "
+                              f"remove it from the data")  # fmt: skip
+
+
+def check_ignore_keys(keys: Collection[Any]) -> None:
+    """Raise unless ``data.ignore_keys`` holds non-empty strings the loader does not read.
+
+    Raises:
+        ValueError: ``data.ignore_keys=[...] is invalid: ...``.
+    """
+    bad = [k for k in keys if not isinstance(k, str) or not k]
+    read = sorted(k for k in keys if isinstance(k, str) and k in READ_KEYS)
+    if bad or read:
+        why = (f"{bad[0]!r} is not a non-empty string" if bad
+               else f"the loader reads {read[0]!r}: it cannot be ignored")
+        raise ValueError(f"data.ignore_keys={list(keys)!r} is invalid: {why} (expected keys "
+                         "the loader does not read, e.g. ['video'])")  # fmt: skip
