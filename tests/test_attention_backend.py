@@ -2,7 +2,12 @@
 
 * The plan's segments against a dense mask written here (causal, same document,
   padding a document of its own), for packed rows with and without context
-  parallelism and grouped-query heads: outputs and gradients.
+  parallelism and grouped-query heads: outputs and gradients. Both branches run: the
+  per-segment one and the GPU's ``varlen`` one with the CPU emulator of the kernel
+  (:mod:`~mimotron.models.attention.varlen_emulation`) in its place, also through the
+  attention layer under CP 2 and a packed CP 2 training run against the plain loop.
+* On a GPU (``gpu`` marker, skipped without one) torch's kernel in bf16 against the
+  dense mask and the emulator.
 * One packed forward and backward of a language model at ``S = 4096`` allocates no
   tensor of ``S x S / 16`` elements or more (every operator's outputs are watched); the
   same watcher flags a dense-mask attention, so the check can fail.
@@ -24,10 +29,13 @@ from torch.utils._pytree import tree_leaves
 
 from mimotron.config import load_config
 from mimotron.dryrun.saved_bytes import saved_bytes
-from mimotron.models.attention import Documents, attend, attention_kernel, plan_attention
+from mimotron.models.attention import Documents, attend, attention_kernel, kernels, plan_attention
+from mimotron.models.attention.varlen_emulation import varlen_attn_emulated
 from mimotron.models.build import build_module
 from mimotron.parallel.activation_terms import attention_bytes_per_sample, context_keys_read
 from mimotron.parallel.context_parallel import gathered_positions, load_balanced_positions
+from mimotron.parallel.layout import plan_layout
+from mimotron.testing import run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 DIGITS = ROOT / "configs" / "digits.toml"
@@ -56,10 +64,39 @@ def _doc_ids(seq: int) -> torch.Tensor:
     return torch.stack(rows)
 
 
+@pytest.fixture
+def emulated_varlen(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    """Plans run the ``varlen`` branch of :func:`attend` with the CPU emulator as kernel.
+
+    Returns a file that gains a line per kernel call (forked ranks append to it too).
+    """
+    calls = tmp_path / "varlen-calls"
+    calls.touch()
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        with calls.open("a") as f:
+            f.write("call\n")
+        return varlen_attn_emulated(*args, **kwargs)
+
+    monkeypatch.setattr(kernels, "attention_kernel",
+                        lambda device, dtype, planned: "varlen" if planned else "sdpa-causal")
+    monkeypatch.setattr(kernels, "varlen_function", lambda: counted)
+    return calls
+
+
+def _calls(path: Path) -> int:
+    return len(path.read_text().splitlines())
+
+
 @pytest.mark.parametrize("context", [1, 2, 4])
-def test_segments_equal_a_dense_document_mask(context: int) -> None:
+@pytest.mark.parametrize("kernel", ["segments", "varlen"])
+def test_plans_equal_a_dense_document_mask(context: int, kernel: str,
+                                           request: pytest.FixtureRequest) -> None:
     """Every CP rank's queries (all of them at CP 1) against the dense reference, with
-    4 query heads over 2 key/value heads; gradients of q, k, v too."""
+    4 query heads over 2 key/value heads; gradients of q, k, v too. ``varlen`` runs the
+    GPU branch with the CPU emulator in the kernel's place (CP chunks: fewer queries
+    than keys, the causal window aligned at the lower right)."""
+    calls = request.getfixturevalue("emulated_varlen") if kernel == "varlen" else None
     torch.manual_seed(0)
     seq, heads, kv_heads, dim = 32, 4, 2, 8
     doc_ids = _doc_ids(seq)
@@ -80,6 +117,8 @@ def test_segments_equal_a_dense_document_mask(context: int) -> None:
         expect = torch.autograd.grad(want[:, pos].square().sum(), (q, k, v))
         for g, e in zip(grads, expect, strict=True):
             torch.testing.assert_close(g, e)
+    if calls is not None:
+        assert _calls(calls) == context  # one kernel call per rank's attention
 
 
 def test_context_parallel_ranks_read_the_keys_the_plan_counts() -> None:
@@ -168,3 +207,109 @@ def test_plan_attention_term_matches_the_fake_accelerator(seq: int, layout: str)
         assert kept <= estimate, (estimate, kept)
     else:
         assert 0.85 <= estimate / kept <= 1.15, (estimate, kept)
+
+
+def test_cp_attention_layer_on_the_varlen_branch(emulated_varlen: Path) -> None:
+    """The attention layer (RoPE, 4 query over 2 key/value heads, the K/V gather and its
+    backward) under CP 2 with packed documents, the emulator as kernel: each rank's
+    outputs and input gradients equal whole-row attention with a dense mask."""
+    from tests.test_context_parallel import _attention_rows
+
+    for res in run_ranks(2, _attention_rows, True, timeout_s=120):
+        assert res["out_err"] <= 1e-5 * res["scale"], res
+        assert res["grad_err"] <= 1e-4, res
+    assert _calls(emulated_varlen) == 2
+
+
+def test_packed_cp_training_on_the_varlen_branch_matches_the_plain_loop(
+        emulated_varlen: Path) -> None:
+    """Packed rows under CP 2 trained with the GPU's attention branch (fp32, the emulator
+    as kernel) match the plain loop step by step, as the per-segment branch does."""
+    from tests.common import BASE, noncolocated
+    from tests.test_context_parallel import NUM_ITERS, _check_run, cp_engine_run
+    from tests.test_packing import _packed_reference
+
+    overrides = ["data.packing=true", "train.iters=12", *noncolocated({}, {}, {"context": 2})]
+    world = plan_layout(load_config(DIGITS, BASE + overrides)).world_size
+    results = run_ranks(world, cp_engine_run, overrides, NUM_ITERS, timeout_s=300)
+    _check_run(results, _packed_reference(), overrides)
+    assert _calls(emulated_varlen) > 0
+
+
+def _gpu() -> torch.device | None:
+    """The CUDA device when there is one and ``MIMOTRON_DEVICE`` allows it."""
+    from mimotron.runtime import accelerator_available
+
+    return torch.device("cuda", 0) if accelerator_available() else None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_gpu() is None, reason="needs a CUDA device")
+@pytest.mark.parametrize("context", [1, 2, 4])
+def test_the_gpu_varlen_kernel_equals_the_dense_mask_and_the_emulator(context: int) -> None:
+    """On a GPU in bf16 :func:`attend` runs torch's ``varlen_attn`` (packed rows, CP
+    chunks, 4 query over 2 key/value heads): its outputs and gradients match the dense
+    reference and the CPU emulator run on the same bf16 inputs in fp32."""
+    device = _gpu()
+    assert device is not None
+    torch.manual_seed(0)
+    seq, heads, kv_heads, dim = 32, 4, 2, 64
+    doc_ids = _doc_ids(seq)
+    docs = Documents.from_doc_ids(doc_ids)
+    q = torch.randn(2, seq, heads, dim, dtype=torch.bfloat16, device=device)
+    k, v = (torch.randn(2, seq, kv_heads, dim, dtype=torch.bfloat16, device=device)
+            for _ in range(2))
+    assert attention_kernel(device, torch.bfloat16, planned=True) == "varlen"
+    for rank in range(context):
+        pos = load_balanced_positions(seq, context, rank) if context > 1 else torch.arange(seq)
+        order = gathered_positions(seq, context) if context > 1 else torch.arange(seq)
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        got = attend(leaves[0][:, pos], leaves[1][:, order], leaves[2][:, order],
+                     plan_attention(docs, device, context, rank))
+        got.float().square().sum().backward()
+        # The references in fp32 on the host, from the same bf16 values.
+        ref = [t.detach().float().cpu().requires_grad_(True) for t in (q, k, v)]
+        want = _dense(*ref, doc_ids)[:, pos]
+        want.square().sum().backward()
+        torch.testing.assert_close(got.float().cpu(), want, atol=2e-2, rtol=2e-2)
+        for leaf, r in zip(leaves, ref, strict=True):
+            torch.testing.assert_close(leaf.grad.float().cpu(), r.grad, atol=5e-2, rtol=5e-2)
+        plan = plan_attention(docs, torch.device("cpu"), context, rank)
+        flat = [t.detach().float().cpu().reshape(-1, t.shape[2], dim)
+                for t in (q[:, pos], k[:, order], v[:, order])]
+        keys = flat[1:] if plan.k_index is None else [t[plan.k_index] for t in flat[1:]]
+        emulated = varlen_attn_emulated(flat[0], *keys, plan.cu_q, plan.cu_k, plan.max_q,
+                                        plan.max_k, window_size=(-1, 0), enable_gqa=True)
+        torch.testing.assert_close(got.float().cpu().reshape(emulated.shape), emulated,
+                                   atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_gpu() is None, reason="needs a CUDA device")
+@pytest.mark.parametrize("window", [(-1, 0), (-1, -1), (3, 0), (-1, 2)])
+def test_the_emulator_equals_the_gpu_kernel_on_each_window(window: tuple[int, int]) -> None:
+    """Segments with fewer, as many and more queries than keys (lower-right alignment,
+    queries that see no key): torch's kernel and the emulator agree, log-sum-exp too."""
+    from torch.nn.attention.varlen import AuxRequest, varlen_attn
+
+    device = _gpu()
+    assert device is not None
+    torch.manual_seed(0)
+    q_lens, k_lens = [5, 7, 9, 4], [5, 11, 6, 4]
+    cu_q, cu_k = (torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32)
+                  for n in (q_lens, k_lens))
+    q = torch.randn(sum(q_lens), 4, 64, dtype=torch.bfloat16, device=device)
+    k, v = (torch.randn(sum(k_lens), 2, 64, dtype=torch.bfloat16, device=device)
+            for _ in range(2))
+    args = (max(q_lens), max(k_lens))
+    got, lse = varlen_attn(q, k, v, cu_q.to(device), cu_k.to(device), *args,
+                           window_size=window, enable_gqa=True, return_aux=AuxRequest(lse=True))
+    want, want_lse = varlen_attn_emulated(*(t.float().cpu() for t in (q, k, v)), cu_q, cu_k,
+                                          *args, window_size=window, enable_gqa=True,
+                                          return_aux=AuxRequest(lse=True))
+    torch.testing.assert_close(got.float().cpu(), want, atol=2e-2, rtol=2e-2)
+    lse = lse.float().cpu()
+    assert lse.shape == want_lse.shape, (lse.shape, want_lse.shape)
+    seen = want_lse.isfinite()
+    torch.testing.assert_close(lse[seen], want_lse[seen], atol=2e-2, rtol=2e-2)
+    assert not lse[~seen].isfinite().any()  # queries that see no key (+inf on flash 2)

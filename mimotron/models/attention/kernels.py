@@ -24,6 +24,10 @@ for it ("FlexAttention does not support backward on CPU"), without ``torch.compi
 it materialises the whole score matrix, and on a GPU ``varlen`` is the flash kernel
 that document masking needs, with no block mask to build per batch.
 
+The ``varlen`` branch runs on a CPU in the tests: they force :func:`attention_kernel`
+to ``varlen`` and put a CPU emulation of the kernel's contract
+(:mod:`~mimotron.models.attention.varlen_emulation`) in :func:`varlen_function`'s place.
+
 Under context parallelism the keys arrive gathered in rank order; the plan's
 ``k_index`` picks each segment's keys from them (``O(S)`` rows, at most twice the row).
 """
@@ -34,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from mimotron.models.attention.documents import AttentionPlan
+from mimotron.models.attention.varlen_emulation import VarlenAttention
 from mimotron.runtime import accelerator_available
 
 _VARLEN_DTYPES = (torch.float16, torch.bfloat16)
@@ -59,6 +64,19 @@ def attention_kernel(device: torch.device, dtype: torch.dtype, planned: bool) ->
     if not planned:
         return "sdpa-causal"
     return "varlen" if _varlen_device(device) and dtype in _VARLEN_DTYPES else "segments"
+
+
+def varlen_function() -> VarlenAttention:
+    """The variable-length kernel :func:`attend` calls: torch's ``varlen_attn``.
+
+    Looked up at each call (not imported at module level) so that a test can put
+    :func:`~mimotron.models.attention.varlen_emulation.varlen_attn_emulated` in its
+    place, with :func:`attention_kernel` forced to ``varlen``, and run the GPU branch
+    on a CPU.
+    """
+    from torch.nn.attention.varlen import varlen_attn
+
+    return varlen_attn
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -88,10 +106,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if plan.k_index is not None:
         flat_k, flat_v = (t.index_select(0, plan.k_index) for t in (flat_k, flat_v))
     if attention_kernel(q.device, q.dtype, True) == "varlen":
-        from torch.nn.attention.varlen import varlen_attn
-
-        out = varlen_attn(flat_q, flat_k, flat_v, plan.cu_q, plan.cu_k, plan.max_q,
-                          plan.max_k, window_size=(-1, 0), enable_gqa=gqa)
+        out = varlen_function()(flat_q, flat_k, flat_v, plan.cu_q, plan.cu_k, plan.max_q,
+                                plan.max_k, window_size=(-1, 0), enable_gqa=gqa)
     else:
         out = _segments(flat_q, flat_k, flat_v, plan, gqa)
     return out.view(batch, seq, heads, head_dim)
