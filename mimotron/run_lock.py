@@ -17,7 +17,9 @@ host and start time for the refusal. A second launch is refused with one line na
 them, before any rank starts. A file left behind by a holder that died without removing
 it is no longer locked: it is taken over with a note. Where the file system does not
 support ``flock`` (some network file systems) the pid decides instead: a live pid on this
-host, or any pid on another host (which cannot be checked from here), refuses.
+host, or any pid on another host (which cannot be checked from here), refuses. The lock
+file is never opened through a link (:mod:`mimotron.run_files`): a link, a directory or
+any other non-plain file under its name refuses the launch, naming what it is.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from typing import Any
 from mimotron.config import MimoConfig
 from mimotron.lifeline import LAUNCHER_PID_ENV, LAUNCHER_RUN_ID_PREFIX
 from mimotron.run_dir import RunRefused
+from mimotron.run_files import UnsafeRunFile, open_fd, write_error
 
 LOCK_FILE = "mimotron.lock"
 _NO_FLOCK = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
@@ -74,27 +77,33 @@ class RunLock:
         """Take the lock, or refuse.
 
         Raises:
-            RunRefused: another live run holds it (one line naming its pid and host).
-            ValueError: log.dir cannot be created or written.
+            RunRefused: another live run holds it (one line naming its pid and host), or
+                the lock file is a link, a directory or another non-plain file.
+            ValueError: log.dir cannot be created or written (a full disk names the
+                lock file).
         """
         try:
             self.log_dir.mkdir(parents=True, exist_ok=True)
             for _ in range(10):  # Retried only when the holder removed the file meanwhile.
                 if self._try_once():
                     return
+        except UnsafeRunFile as exc:  # A link or a folder where the lock file goes.
+            raise RunRefused(f"log.dir={str(self.log_dir)!r}: {exc}") from None
         except OSError as exc:
+            hint = "" if exc.errno == errno.ENOSPC else (
+                " (it must be a directory this user can create files in)")
             raise ValueError(f"log.dir={str(self.log_dir)!r} is not writable: "
-                             f"{exc.strerror or exc} (it must be a directory this user can "
-                             "create files in)") from None
+                             f"{exc.strerror or exc}{hint}") from None
         raise RunRefused(f"log.dir={str(self.log_dir)!r}: cannot take {self.path}: it keeps "
                          "being replaced by another process")
 
     def _try_once(self) -> bool:
         """One attempt: True when held, False when the file was replaced under us."""
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        fd = open_fd(self.path, os.O_RDWR | os.O_CREAT, 0o644)  # Never through a link.
         try:
             flocked = self._flock(fd)
-            if os.fstat(fd).st_ino != os.stat(self.path).st_ino:
+            # lstat: a link put in its place is a replacement too (and refused next time).
+            if os.fstat(fd).st_ino != os.lstat(self.path).st_ino:
                 os.close(fd)  # The holder released and removed it: lock the new one.
                 return False
         except FileNotFoundError:
@@ -111,8 +120,12 @@ class RunLock:
             print(f"mimotron: took over the stale run lock {self.path} of "
                   f"{_describe(previous)} ({_why_stale(previous)}: that run ended without "
                   "removing it)", file=sys.stderr, flush=True)
-        _write(fd, {"pid": os.getpid(), "host": socket.gethostname(),
-                    "since": time.strftime("%Y-%m-%d %H:%M:%S")})
+        try:
+            _write(fd, {"pid": os.getpid(), "host": socket.gethostname(),
+                        "since": time.strftime("%Y-%m-%d %H:%M:%S")})
+        except OSError as exc:  # A full disk: name the file.
+            os.close(fd)
+            raise write_error(self.path, exc) from None
         self._fd = fd
         return True
 
@@ -147,7 +160,7 @@ class RunLock:
             return
         fd, self._fd = self._fd, None
         with contextlib.suppress(OSError):
-            if os.fstat(fd).st_ino == os.stat(self.path).st_ino:
+            if os.fstat(fd).st_ino == os.lstat(self.path).st_ino:
                 # Removed while held: a launch that opened it meanwhile sees its file
                 # replaced once it gets the lock, and locks a new one.
                 self.path.unlink()

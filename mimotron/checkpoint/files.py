@@ -31,6 +31,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from mimotron.run_files import write_atomic
+
 MANIFEST = "manifest.json"
 LATEST = "latest"
 DCP_METADATA = ".metadata"
@@ -54,13 +56,12 @@ def parse_iteration(path: Path) -> int | None:
 
 
 def _atomic_write(path: Path, text: str) -> None:
-    """Write a file so readers see the old or the new content, never a partial one."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    """Write a file so readers see the old or the new content, never a partial one.
+
+    Through a fresh temporary file (never a planted name or link, see
+    :mod:`mimotron.run_files`); a failure (a full disk) names ``path``.
+    """
+    write_atomic(path, text)
 
 
 def read_latest(root: Path) -> int | None:
@@ -261,10 +262,10 @@ def retire(root: Path, iteration: int) -> None:
 
     When ``latest`` names it, ``latest`` is first moved to the newest other complete
     checkpoint before it (or removed), so ``latest`` never names a directory being
-    rewritten.
+    rewritten. A link under that name is removed, never deleted through.
     """
     target = iter_dir(root, iteration)
-    if not target.exists():
+    if not target.exists() and not target.is_symlink():
         return
     if read_latest(root) == iteration:
         older = [
@@ -274,6 +275,9 @@ def retire(root: Path, iteration: int) -> None:
             write_latest(root, max(older))
         else:
             (Path(root) / LATEST).unlink()
+    if target.is_symlink():  # Not mimotron's folder: only the link goes.
+        target.unlink()
+        return
     # The manifest goes first: a crash mid-delete leaves an incomplete dir, never a
     # "complete" one with files missing.
     (target / MANIFEST).unlink(missing_ok=True)
@@ -296,6 +300,9 @@ def prune(root: Path, current: int, keep: int) -> list[int]:
     kept = set(complete[-(keep - 1) :]) if keep > 1 else set()
     deleted = [it for it in older if it not in kept]
     for it in deleted:
+        if found[it].is_symlink():  # A link is removed, never deleted through.
+            found[it].unlink(missing_ok=True)
+            continue
         (found[it] / MANIFEST).unlink(missing_ok=True)
         shutil.rmtree(found[it], ignore_errors=True)
     return deleted

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from mimotron.outputs import EXIT_FAILED, EXIT_USAGE, check_output_dir, report_error
+from mimotron.run_files import replacing
 from mimotron.training.metrics_file import METRICS_FILE, read_metrics_file
 
 Records = list[dict[str, Any]]
@@ -177,6 +178,7 @@ def _save(fig: Any, axes: list[Any], path: Path) -> Path:
             ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    with replacing(path) as tmp:  # A fresh file: never written through a link.
+        fig.savefig(tmp, dpi=110, format=path.suffix.lstrip(".") or "png")
     plt.close(fig)
     return path

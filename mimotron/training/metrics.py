@@ -53,6 +53,7 @@ from torch import nn
 
 from mimotron.data.packing import real_tokens
 from mimotron.names import LANGUAGE
+from mimotron.run_files import open_text, write_error
 from mimotron.runtime import compute_dtype, device_peak_flops, peak_memory_bytes
 from mimotron.training.console import LiveLine, fmt_duration, format_lrs, progress_bar
 from mimotron.training.flops import model_flops_per_iteration
@@ -68,6 +69,7 @@ from mimotron.training.moe_metrics import add_moe_sums, local_moe_sums, moe_reco
 from mimotron.training.profiling import ModuleTimes
 from mimotron.training.state import GlobalState, TrainState
 from mimotron.training.step import module_parts
+from mimotron.training.tensorboard_sink import TENSORBOARD_DIR, TensorBoardSink
 
 # The language ranks' count of non-padding tokens, beside the encoders' sample counts.
 REAL_TOKENS = "__real_tokens__"
@@ -152,9 +154,12 @@ class MetricsWriter:
     Args:
         log_dir: run directory; ``metrics.jsonl`` goes there (truncated when a run starts
             from scratch, appended to on resume). Non-finite numbers are written as
-            ``null`` (see :mod:`mimotron.training.metrics_file`).
+            ``null`` (see :mod:`mimotron.training.metrics_file`). Never opened through
+            a link (:mod:`mimotron.run_files`).
         total_iters: for the ETA and progress display.
-        tensorboard: also write TensorBoard scalars under ``log_dir/tensorboard``.
+        tensorboard: also write TensorBoard scalars under ``log_dir/tensorboard``; a
+            write that fails mid-run is one line and the run goes on without them
+            (:mod:`mimotron.training.tensorboard_sink`).
         progress: print to the console (banner, a line per log interval, summary); on a
             terminal a progress bar, and a live line redrawn every iteration
             (:class:`~mimotron.training.console.LiveLine`).
@@ -173,28 +178,37 @@ class MetricsWriter:
                  module_order: Sequence[str] = ()) -> None:
         log_dir.mkdir(parents=True, exist_ok=True)
         self.path = log_dir / METRICS_FILE
-        if append and self.path.is_file():
-            self._prepare_append(resumed_at)
-        self._file = self.path.open("a" if append else "w")
+        # Opened first, so a link (or anything but a plain file) is refused before the
+        # file is read or written through it; created empty when missing.
+        self._file = open_text(self.path, "a" if append else "w")
+        if append:
+            try:
+                rewritten = self._prepare_append(resumed_at)
+            except BaseException:
+                self._file.close()
+                raise
+            if rewritten:  # The open file is the one replaced: continue the new one.
+                self._file.close()
+                self._file = open_text(self.path, "a")
+        self._write_failed = False
         self.total_iters = total_iters
         self.progress = progress
         self.live = LiveLine(total_iters, stream)
         self._tty = self.live.is_terminal()
         self._wandb = wandb
         self._module_order = tuple(module_order)
-        self._tb = None
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
+        self._tb = TensorBoardSink(log_dir / TENSORBOARD_DIR) if tensorboard else None
 
-            self._tb = SummaryWriter(str(log_dir / "tensorboard"))
-
-    def _prepare_append(self, resumed_at: int | None) -> None:
+    def _prepare_append(self, resumed_at: int | None) -> bool:
         """Make the existing file safe to continue: whole records, up to ``resumed_at``.
 
         A torn final line (a crash mid-write, a full disk) is dropped with one line on
         stderr; lines after ``resumed_at`` (logged past the last checkpoint) are dropped
         so each iteration appears once; the file is rewritten (atomically) when anything
         changed or its last line lacks a newline, so the next record starts a fresh line.
+
+        Returns:
+            Whether the file was rewritten.
 
         Raises:
             MetricsFileError: any other damage (names the file and line).
@@ -210,16 +224,25 @@ class MetricsWriter:
         if contents.torn_line is not None or not contents.terminated \
                 or len(kept) != len(contents.records):
             rewrite_records(self.path, kept)
+            return True
+        return False
 
     def write(self, record: dict[str, Any]) -> None:
-        """Append one record (flushed at once so a crash keeps what was logged)."""
-        self._file.write(encode_record(record))  # Non-finite numbers become null.
-        self._file.flush()
+        """Append one record (flushed at once so a crash keeps what was logged).
+
+        Raises:
+            RunFileError: ``metrics.jsonl`` could not be written (a full disk; names it).
+        """
+        try:
+            self._file.write(encode_record(record))  # Non-finite numbers become null.
+            self._file.flush()
+        except OSError as exc:
+            self._write_failed = True
+            raise write_error(self.path, exc) from None
         if self._tb is not None:
-            step = record["iteration"]
-            for tag, value in _scalars("", {k: v for k, v in record.items()
-                                            if k != "iteration"}):
-                self._tb.add_scalar(tag, value, step)
+            scalars = _scalars("", {k: v for k, v in record.items() if k != "iteration"})
+            if not self._tb.add_scalars(record["iteration"], scalars):
+                self._tb = None  # It said why; metrics.jsonl goes on.
         if self._wandb is not None:
             self._wandb.log(record)
 
@@ -261,13 +284,23 @@ class MetricsWriter:
                    f"{extra}")
 
     def close(self) -> None:
-        """Close the file, the TensorBoard writer and the wandb run."""
-        self._file.close()
-        if self._tb is not None:
-            self._tb.close()
-        if self._wandb is not None:
-            wandb, self._wandb = self._wandb, None
-            wandb.close()
+        """Close the file, the TensorBoard writer and the wandb run (idempotent).
+
+        Raises:
+            RunFileError: the file's last bytes could not be written (names it); not
+                after a write that failed already (it said so, and the bytes are lost).
+        """
+        try:
+            self._file.close()
+        except OSError as exc:
+            if not self._write_failed:
+                raise write_error(self.path, exc) from None
+        finally:
+            if self._tb is not None:
+                self._tb.close()
+            if self._wandb is not None:
+                wandb, self._wandb = self._wandb, None
+                wandb.close()
 
 
 def _attention_line(cfg: Any, device: torch.device) -> str:

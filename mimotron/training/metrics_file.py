@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from mimotron.run_files import write_atomic
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -130,13 +131,8 @@ def rewrite_records(path: Path, records: list[dict[str, Any]]) -> None:
     """Replace ``path`` with ``records``, atomically (a crash keeps the old file whole).
 
     Lines are re-encoded, so values another writer stored as bare ``NaN`` become ``null``.
+
+    Raises:
+        RunFileError: the new file could not be written (a full disk; names ``path``).
     """
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "w") as f:
-            f.writelines(encode_record(r) for r in records)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    write_atomic(path, "".join(encode_record(r) for r in records))

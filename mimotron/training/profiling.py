@@ -33,6 +33,7 @@ from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 
 from mimotron.config import ProfileConfig
+from mimotron.run_files import replacing
 from mimotron.runtime import synchronize
 from mimotron.setup_rules import check_profile_ranks
 
@@ -203,7 +204,8 @@ class StepProfiler:
         prof, self._prof = self._prof, None
         prof.__exit__(None, None, None)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        prof.export_chrome_trace(str(self.path))
+        with replacing(self.path) as tmp:  # A fresh file: never written through a link.
+            prof.export_chrome_trace(str(tmp))
         self.enabled = False  # One window a run.
 
     def close(self) -> None:

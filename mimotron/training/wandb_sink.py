@@ -15,7 +15,7 @@ there (upload later with ``wandb sync``); otherwise wandb's own login and
 
 **Resume.** The wandb run id is kept in ``<log.dir>/wandb_run_id``: a run that resumes
 from a checkpoint continues the same wandb run (``resume="allow"``); a fresh start gets
-a new id.
+a new id. The file is never read or written through a link.
 
 wandb's console capture is off (the console stays the training's own:
 :class:`~mimotron.training.console.LiveLine` redraws it on a terminal) and wandb is
@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from mimotron.config import MimoConfig
+from mimotron.run_files import check_plain, read_text, write_text
 
 DEFAULT_PROJECT = "mimotron"
 RUN_ID_FILE = "wandb_run_id"
@@ -56,16 +57,22 @@ def _leaves(prefix: str, value: Any) -> Iterator[tuple[str, float | int | bool]]
 
 
 def run_id(log_dir: Path, resume: bool) -> str:
-    """The wandb run id: the recorded one when resuming, else a new one (recorded)."""
+    """The wandb run id: the recorded one when resuming, else a new one (recorded).
+
+    Raises:
+        UnsafeRunFile: ``wandb_run_id`` is a link or not a plain file (never followed).
+        RunFileError: it cannot be written (a full disk; names it).
+    """
     path = log_dir / RUN_ID_FILE
+    check_plain(path)
     if resume and path.is_file():
-        recorded = path.read_text().strip()
+        recorded = read_text(path).strip()
         if recorded:
             return recorded
     # wandb's own id form: 8 characters of [a-z0-9].
     new = "".join(secrets.choice(_ID_CHARS) for _ in range(8))
     log_dir.mkdir(parents=True, exist_ok=True)
-    path.write_text(new + "\n")
+    write_text(path, new + "\n")
     return new
 
 
