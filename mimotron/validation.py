@@ -49,6 +49,7 @@ from mimotron.config_schema import (
     ParallelConfig,
     SchedulerConfig,
 )
+from mimotron.data.sample_keys import check_ignore_keys
 from mimotron.data.webdataset import is_shard_path, shard_paths
 from mimotron.models.hf.folder import HFConfigs
 from mimotron.models.hf.resolve import resolve_hf_module
@@ -370,7 +371,8 @@ def _validate_data(cfg: MimoConfig) -> None:
         _validate_llava(cfg)
         return  # The dataset checks each sample's length against seq_length.
     for key in ("path", "valid_path", "root", "allow_outside_root", "tokenizer",
-                "skip_bad_samples", "system_prompt", "index_dir"):
+                "skip_bad_samples", "system_prompt", "index_dir", "ignore_keys",
+                "allow_large_vocab"):
         # Never silently ignored: these only mean something for a file dataset.
         _check(not getattr(d, key), f"data.{key}", getattr(d, key),
                f"unset with data.dataset={d.dataset!r} (it is read by 'llava' only)")
@@ -415,6 +417,7 @@ def _validate_llava(cfg: MimoConfig) -> None:
                          "modules.language.hf_path to a folder holding one)")
     _check(Path(d.tokenizer).is_dir(), "data.tokenizer", d.tokenizer,
            "an existing local Hugging Face tokenizer folder (nothing is downloaded)")
+    check_ignore_keys(d.ignore_keys)
     for name, m in cfg.modules.items():
         hf_path = getattr(m, "hf_path", "")  # Set by Hugging Face modules only.
         if hf_path and m.modality is not None:

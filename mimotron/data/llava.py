@@ -9,10 +9,12 @@ goes; it is expanded to the encoder's token count (:mod:`mimotron.data.chat`).
 
 **Checked up front, once.** Every sample is checked before training starts, so before
 any collective (rules in :mod:`~mimotron.data.llava_check`): valid JSON, known roles, an
-assistant turn, as many placeholders as files, media paths inside the root (unless
-``allow_outside_root``), media that decode in full by the load's decoder, a modality the
-model has an encoder for, at most one file per modality, and a token count within
-``seq_length``; a line that is not UTF-8 is bad too (:mod:`mimotron.data.llava_file`).
+assistant turn, no key the loader does not read (unless in ``ignore_keys``), as many
+placeholders as files, media paths inside the root (unless ``allow_outside_root``),
+media that decode in full by the load's decoder, images within the processor's resize
+bound, a modality the model has an encoder for, at most one file per modality, and a
+token count within ``seq_length``; a line that is not UTF-8 is bad too
+(:mod:`mimotron.data.llava_file`).
 The result is an index (:mod:`~mimotron.data.sample_index`): each kept sample's byte
 address, token count and media flags, plus the bad samples with their reasons. With
 ``index_dir`` it is kept there under a key of the data file's identity and the check's
@@ -64,7 +66,7 @@ from mimotron.data.hf_tokenizer import HFTokenizer
 from mimotron.data.llava_check import BadSample, LlavaRecord, RawItem, SampleChecker, load_media
 from mimotron.data.llava_file import SampleError
 from mimotron.data.llava_source import ROW_DTYPE, ShardSource, file_identity, open_source
-from mimotron.data.media import AudioFeatures, ImageProcessor
+from mimotron.data.media import MAX_RESIZE_FACTOR, AudioFeatures, ImageProcessor
 from mimotron.data.sample_index import (
     ChunkResult,
     Progress,
@@ -106,6 +108,8 @@ class LlavaDataset:
             this process alone.
         num_check_processes: processes that check chunks in parallel (1: this one).
         wait_timeout_s: how long a rank waiting for rank 0's check accepts no progress.
+        ignore_keys: sample or turn keys the loader does not read that are accepted
+            (``data.ignore_keys``); any other unread key makes the sample bad.
 
     Raises:
         ValueError: the first bad sample (without ``skip_bad_samples``), a modality
@@ -129,6 +133,7 @@ class LlavaDataset:
         index_dir: str | Path | None = None,
         num_check_processes: int = 1,
         wait_timeout_s: float = 300.0,
+        ignore_keys: Sequence[str] = (),
     ) -> None:
         self.path, self.root = Path(path), Path(root)
         self.skip_bad_samples = skip_bad_samples
@@ -150,7 +155,8 @@ class LlavaDataset:
         self.audio_shape = audio_features.output_shape if audio_features else _ABSENT_SHAPE
         self.load_parts: frozenset[str] = frozenset(("text", *self.modalities))
         self.checker = SampleChecker(self.root, tokenizer, seq_length, self.num_tokens,
-                                     audio_features, system_prompt, allow_outside_root)
+                                     audio_features, system_prompt, allow_outside_root,
+                                     image_processor, ignore_keys)  # fmt: skip
         self.source = open_source(path)
         # Without an index_dir the index lives as long as the dataset (a JSON list's
         # converted lines are read from it).
@@ -191,7 +197,7 @@ class LlavaDataset:
     # ---- the index ----------------------------------------------------------------------
     def _identity(self) -> dict[str, Any]:
         """What the check's result depends on (the index key; see sample_index)."""
-        tok = self.tokenizer
+        tok, image = self.tokenizer, self.image_processor
         template = hashlib.sha256(tok.chat_template.encode()).hexdigest()
         return {
             "source": self.source.identity(), "root": str(self.checker.real_root),
@@ -202,6 +208,10 @@ class LlavaDataset:
                           "template": template, "vocab_size": tok.vocab_size,
                           "placeholders": {m: tok.placeholder_id(m) for m in tok.modalities}},
             "audio_rate": self.audio_features.sample_rate if self.audio_features else None,
+            "ignore_keys": sorted(self.checker.ignore_keys),
+            # The resize bound depends on these (ImageProcessor.check_size).
+            "image_resize": None if image is None else [image.do_resize, image.size,
+                                                        image.crop_size, MAX_RESIZE_FACTOR],
         }  # fmt: skip
 
     def _build(self, folder: Path, progress: Progress | None) -> SampleIndex:

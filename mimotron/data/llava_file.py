@@ -19,6 +19,7 @@ from __future__ import annotations
 import codecs
 import json
 import os
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -115,11 +116,19 @@ def parse_line(data: bytes, converted: bool = False) -> Any:
     return _utf8_checked(value) if converted else value
 
 
-def read_jsonl_sample(path: str | Path, offset: int, size: int, converted: bool = False
-                      ) -> Any:  # fmt: skip
+def read_jsonl_sample(path: str | Path, offset: int, size: int, converted: bool = False,
+                      crc: int | None = None) -> Any:  # fmt: skip
     """The sample at byte span ``[offset, offset + size)`` (see :func:`parse_line`).
 
     Only those bytes are read: a rank never holds the file.
+
+    Args:
+        path: the JSONL file.
+        offset: the line's first byte.
+        size: the line's length in bytes.
+        converted: as :func:`parse_line`.
+        crc: the CRC-32 of the bytes the check read (the index row's): other bytes mean
+            the file changed after the check, a :class:`SampleError`.
     """
     with open(path, "rb") as f:
         f.seek(offset)
@@ -127,7 +136,15 @@ def read_jsonl_sample(path: str | Path, offset: int, size: int, converted: bool 
     if len(data) != size:
         return SampleError(f"the data file ended at byte {offset + len(data)}: it changed "
                            "after it was checked")  # fmt: skip
+    if crc is not None and zlib.crc32(data) != crc:
+        return SampleError(changed_message("the line"))
     return parse_line(data, converted)
+
+
+def changed_message(what: str) -> str:
+    """Why a sample whose bytes differ from those its check read is not loaded."""
+    return (f"{what} changed after the check (its bytes differ from those the index was "
+            "built from; the next run checks it again)")  # fmt: skip
 
 
 def json_list_to_jsonl(path: str | Path, out: Path,

@@ -42,6 +42,7 @@ from mimotron.data.llava import LlavaDataset, LlavaTask, llava_tasks
 from mimotron.data.media import AudioFeatures, ImageProcessor
 from mimotron.data.sample_index import default_processes
 from mimotron.data.tokenizer import MODALITIES, CharTokenizer
+from mimotron.data.vocab_check import vocabulary_check
 from mimotron.names import LANGUAGE
 from mimotron.parallel.layout import Layout
 
@@ -78,18 +79,21 @@ def build_tokenizer(cfg: MimoConfig) -> CharTokenizer | HFTokenizer:
     """The run's tokenizer: characters for the synthetic datasets, ``data.tokenizer`` for llava.
 
     Raises:
-        ValueError: the tokenizer folder is missing or unusable (see ``HFTokenizer``).
+        ValueError: the tokenizer folder is missing or unusable (see ``HFTokenizer``), or
+            its vocabulary dwarfs the model (:func:`~mimotron.data.vocab_check.vocabulary_check`).
     """
     if cfg.data.dataset != "llava":
         return CharTokenizer()
     try:
-        return run_hf_tokenizer(cfg.data.tokenizer, [m.kind for m in cfg.modules.values()])
+        tokenizer = run_hf_tokenizer(cfg.data.tokenizer, [m.kind for m in cfg.modules.values()])
     except ValueError as exc:
         if cfg.data.tokenizer != cfg.modules[LANGUAGE].hf_path:
             raise
         # The folder may be a model without a tokenizer: say where the path came from.
         raise ValueError(f"{exc} (data.tokenizer is modules.language.hf_path's folder, its "
                          "default: set data.tokenizer to the tokenizer's folder)") from None
+    vocabulary_check(cfg, tokenizer.vocab_size)  # before a model is sized from it
+    return tokenizer
 
 
 def image_processor(cfg: MimoConfig, module: str) -> ImageProcessor:
@@ -184,7 +188,8 @@ def build_llava_tasks(cfg: MimoConfig, tokenizer: HFTokenizer) -> tuple[LlavaTas
                             allow_outside_root=d.allow_outside_root,
                             # Checked once per run, kept for the ranks and later runs.
                             index_dir=index_dir(cfg), num_check_processes=default_processes(),
-                            wait_timeout_s=cfg.train.pg_timeout_s)  # fmt: skip
+                            wait_timeout_s=cfg.train.pg_timeout_s,
+                            ignore_keys=d.ignore_keys)  # fmt: skip
 
     if not d.valid_path:
         return llava_tasks(dataset(d.path), d.train_fraction)

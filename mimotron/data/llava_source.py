@@ -9,12 +9,24 @@ A source turns ``data.path`` into samples two ways, both without holding the fil
 * **for a load**: :meth:`read` of one index row: only that sample's bytes are read.
 
 An index row (:data:`ROW_DTYPE`) is a kept sample's address and what every rank knows
-about it without loading it: its token count and which media it holds.
+about it without loading it: its token count and which media it holds, and the CRC-32
+of the JSON bytes the check read: a load reading other bytes there (the file was edited
+after the check, even to the same size) gets a :class:`SampleError` naming the sample,
+never a sample the check did not see.
+
+A source's :meth:`identity` (part of the index key) holds every data file's real path,
+size, modification time and change time (``st_ctime_ns``): the system sets the change
+time on every write and on every change of the modification time, so an edit that puts
+the size and modification time back still changes the key, for the cost of one
+``stat`` a file. It also changes on ``chmod``, ``chown`` or a new hard link (the data is
+checked again), and a copy of the data differs from the original (each node's own copy
+has its own index).
 """
 
 from __future__ import annotations
 
 import os
+import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -24,6 +36,7 @@ import numpy as np
 from mimotron.data.llava_check import RawItem
 from mimotron.data.llava_file import (
     SampleError,
+    changed_message,
     is_json_list,
     json_list_to_jsonl,
     jsonl_line_spans,
@@ -40,6 +53,7 @@ ROW_DTYPE = np.dtype([
     ("audio_offset", "<i8"), ("audio_size", "<i8"),  # ... and audio member (-1: none)
     ("length", "<i4"),        # tokens, placeholders expanded
     ("has_image", "?"), ("has_audio", "?"),
+    ("crc", "<u4"),           # CRC-32 of the JSON bytes the check read
 ])  # fmt: skip
 CONVERTED = "samples.jsonl"
 """A JSON list's items, one per line, in the index folder."""
@@ -74,10 +88,10 @@ class JsonlSource:
         self._spans = np.zeros((0, 2), np.int64)
 
     def identity(self) -> dict[str, Any]:
-        """What the index is keyed by: the file's real path, size and modification time."""
-        stat = self.path.stat()
+        """What the index is keyed by: the file's real path, size, modification and
+        change time (module docstring)."""
         return {"kind": "json" if self.json_list else "jsonl",
-                "files": [[str(self.path.resolve()), stat.st_size, stat.st_mtime_ns]]}
+                "files": [stat_identity(self.path)]}
 
     def location(self, ordinal: int) -> str:
         return f"item {ordinal}" if self.json_list else f"line {ordinal + 1}"
@@ -128,13 +142,14 @@ class JsonlSource:
                 continue
             row = _empty_row(0, k)
             row["offset"], row["size"] = a + start, b - a
+            row["crc"] = zlib.crc32(data[a:b])
             yield row, RawItem(self.location(k), raw)
 
     def read(self, row: np.void, key: str | None = None) -> RawItem:
         """The sample of an index row: only its bytes are read (``key``: unused)."""
         del key
         raw = read_jsonl_sample(self.data_file, int(row["offset"]), int(row["size"]),
-                                converted=self.json_list)  # fmt: skip
+                                converted=self.json_list, crc=int(row["crc"]))  # fmt: skip
         return RawItem(self.row_location(row), raw if raw is not None else
                        SampleError("the line is blank now: the file changed after the check"))
 
@@ -151,12 +166,9 @@ class ShardSource:
         self.path = shards[0].parent
 
     def identity(self) -> dict[str, Any]:
-        """The index key's part: every shard's real path, size and modification time."""
-        files = []
-        for shard in self.shards:
-            stat = shard.stat()
-            files.append([str(shard.resolve()), stat.st_size, stat.st_mtime_ns])
-        return {"kind": "webdataset", "files": files}
+        """The index key's part: every shard's real path, size, modification and change
+        time (module docstring)."""
+        return {"kind": "webdataset", "files": [stat_identity(s) for s in self.shards]}
 
     def attach(self, folder: Path) -> None:
         del folder  # shards are read where they are
@@ -181,8 +193,10 @@ class ShardSource:
         for sample in samples:
             row = _empty_row(chunk, sample.ordinal)
             location = self.location(chunk, sample.key)
-            if sample.conversation is None:
-                raw: Any = SampleError(f"no .json member with key {sample.key!r}: expected the "
+            if sample.refused:
+                raw: Any = SampleError(sample.refused)
+            elif sample.conversation is None:
+                raw = SampleError(f"no .json member with key {sample.key!r}: expected the "
                                        "sample's conversation in <key>.json")  # fmt: skip
             elif sample.duplicate:
                 raw = SampleError(f"two .json members with key {sample.key!r} "
@@ -190,7 +204,10 @@ class ShardSource:
             else:
                 row["offset"] = sample.conversation.offset
                 row["size"] = sample.conversation.size
-                raw = _parse_member(sample.conversation)
+                data = _read_member(sample.conversation)
+                if not isinstance(data, SampleError):
+                    row["crc"] = zlib.crc32(data)
+                raw = _parse_member(sample.conversation, data)
             media = {m: tuple(files) for m, files in sample.media.items()}
             for modality in ("image", "audio"):
                 if len(media[modality]) == 1:
@@ -212,15 +229,25 @@ class ShardSource:
             offset = int(row[f"{modality}_offset"])
             media[modality] = () if offset < 0 else (
                 TarMember(name, offset, int(row[f"{modality}_size"]), f"{key}.{modality}"),)
-        return RawItem(self.location(shard, key), _parse_member(conversation), media, key)
+        data = _read_member(conversation)
+        if not isinstance(data, SampleError) and zlib.crc32(data) != int(row["crc"]):
+            data = SampleError(changed_message(str(conversation)))
+        return RawItem(self.location(shard, key), _parse_member(conversation, data), media,
+                       key)  # fmt: skip
 
 
-def _parse_member(member: TarMember) -> Any:
-    """A shard's JSON member parsed, or the SampleError reading it gave."""
+def _read_member(member: TarMember) -> bytes | SampleError:
+    """A shard member's bytes, or the SampleError reading them gave."""
     try:
-        data = member.read()
+        return member.read()
     except OSError as exc:
         return SampleError(f"cannot read {member}: {exc}")
+
+
+def _parse_member(member: TarMember, data: bytes | SampleError) -> Any:
+    """A shard's JSON member parsed from its bytes ``data``, or the SampleError."""
+    if isinstance(data, SampleError):
+        return data
     raw = parse_line(data)
     return raw if raw is not None else SampleError(f"{member} is empty")
 
@@ -233,11 +260,17 @@ def _empty_row(shard: int, ordinal: int) -> np.ndarray:
     return row
 
 
+def stat_identity(path: Path) -> list[Any]:
+    """``[real path, size, mtime, ctime]`` of a data file (module docstring)."""
+    stat = path.stat()
+    return [str(path.resolve()), stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns]
+
+
 def file_identity(folder: Path) -> list[list[Any]]:
-    """``[name, size, mtime]`` of every file directly in ``folder`` (a tokenizer's)."""
+    """``[name, size, mtime, ctime]`` of every file directly in ``folder`` (a tokenizer's)."""
     out = []
     for entry in sorted(os.scandir(folder), key=lambda e: e.name):
         if entry.is_file():
             stat = entry.stat()
-            out.append([entry.name, stat.st_size, stat.st_mtime_ns])
+            out.append([entry.name, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns])
     return out

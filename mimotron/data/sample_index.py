@@ -12,12 +12,14 @@ found in an index folder every rank reads instead:
 * ``index.json`` (written last): the key, the skipped samples with their reasons, counts.
 
 **Key.** The folder ``<index_dir>/<key>`` is named by a hash of what the check's result
-depends on (:func:`index_key`): the data file's (or every shard's) real path, size and
-modification time, the tokenizer folder's files and chat template, ``seq_length``, the
-placeholder counts, the system prompt, the root and ``allow_outside_root``, the audio
-rate. A second run over the same data reuses it; changing any of these checks again. The
-media files are not part of the key: a media file fixed after a run that skipped it stays
-skipped until the data file changes (touch it) or the index folder is removed.
+depends on (:func:`index_key`): the data file's (or every shard's) real path, size,
+modification and change time (so an edit that puts the size and modification time back
+is seen: :mod:`~mimotron.data.llava_source`), the tokenizer folder's files and chat
+template, ``seq_length``, the placeholder counts, the system prompt, the root and
+``allow_outside_root``, the audio rate. A second run over the same data reuses it;
+changing any of these checks again. The media files are not part of the key: a media
+file fixed after a run that skipped it stays skipped until the data file changes (touch
+it) or the index folder is removed.
 
 **Once per run** (:func:`obtain_index`). ``mimotron train`` checks in the launcher before
 any rank starts; the ranks then find the index. Under another launcher (``torchrun``),
@@ -26,7 +28,9 @@ rank 0 checks while the others wait on the process group's store (not a collecti
 a failed check; a rank 0 that stops making progress for ``timeout_s`` is an error. A
 rank that cannot see the folder rank 0 wrote (not a shared filesystem) checks by itself.
 An index is written into a temporary folder and renamed into place, so a reader never
-sees half of one.
+sees half of one. A folder of the key that does not read back whole (a file cut short or
+deleted) is replaced: moved aside by one rename, the new one renamed in by another, the
+old one removed; a reader between the two renames finds no index and checks itself.
 
 **Parallel check.** With ``num_processes > 1`` the chunks (line ranges, shards) are
 checked by forked processes (each inherits the tokenizer and checker, nothing is
@@ -55,7 +59,7 @@ import numpy as np
 
 from mimotron.data.llava_check import BadSample
 
-INDEX_FORMAT = 1
+INDEX_FORMAT = 2
 """Version of the folder's layout and of the checks; another version checks again."""
 _META = "index.json"
 _STORE_PREFIX = "mimotron/data_index/"
@@ -103,7 +107,9 @@ class SampleIndex:
                 return None
             rows = np.load(folder / "rows.npy", mmap_mode="r")
             keys = np.load(folder / "keys.npy", mmap_mode="r") if meta["has_keys"] else None
-        except (OSError, ValueError, KeyError):
+            if len(rows) != meta["num_kept"] or (keys is not None and len(keys) != len(rows)):
+                return None
+        except (OSError, ValueError, KeyError, TypeError):
             return None
         bad = [BadSample(*entry) for entry in meta.pop("bad")]
         return cls(folder, rows, keys, bad, int(meta["num_total"]), meta)
@@ -214,11 +220,7 @@ def _build_and_keep(index_dir: Path, final: Path, key: str,
         index.meta["check_seconds"] = round(time.perf_counter() - begin, 3)
         validate(index)  # Not kept when refused: the next run checks again.
         index.write(key)
-        try:
-            os.rename(work, final)
-        except OSError:  # another process renamed its identical index first
-            if SampleIndex.read(final, key) is None:
-                raise
+        _put_in_place(work, final, key)
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)
         for folder in created:  # innermost first; only if still empty
@@ -229,6 +231,34 @@ def _build_and_keep(index_dir: Path, final: Path, key: str,
     read = SampleIndex.read(final, key)
     assert read is not None, f"the index just written to {final} does not read back"
     return read
+
+
+def _put_in_place(work: Path, final: Path, key: str) -> None:
+    """Rename the index folder ``work`` to ``final``, replacing a damaged one there.
+
+    Raises:
+        OSError: ``final`` cannot be replaced (and holds no readable index).
+    """
+    try:
+        os.rename(work, final)
+        return
+    except OSError:
+        if SampleIndex.read(final, key) is not None:  # another process's identical index
+            return
+    # A damaged folder (a file cut short or deleted): a rename cannot replace a folder
+    # that is not empty, so it is moved aside (onto an empty folder, which a rename may
+    # replace), then ours is renamed in; each step is atomic.
+    aside = Path(tempfile.mkdtemp(prefix=f".{final.name}.old-", dir=final.parent))
+    try:
+        with contextlib.suppress(FileNotFoundError):  # another process moved it already
+            os.rename(final, aside)
+        try:
+            os.rename(work, final)
+        except OSError:  # another process put its index in place in between
+            if SampleIndex.read(final, key) is None:
+                raise
+    finally:
+        shutil.rmtree(aside, ignore_errors=True)
 
 
 @dataclass

@@ -14,7 +14,8 @@ A shard (``shard-000000.tar`` ...) holds samples as consecutive members sharing 
 ``data.path`` names the shards as a folder (every ``*.tar`` in it), one ``.tar`` file, a
 glob pattern (``shards/*.tar``) or a brace range as WebDataset writes it
 (``shards/shard-{000000..000099}.tar``); they are read in sorted order (brace ranges in
-their own order). Samples are read by byte offset (:class:`TarMember`), so shards must
+their own order). Brace ranges may name at most :data:`MAX_BRACE_NAMES` paths (counted
+before any is listed). Samples are read by byte offset (:class:`TarMember`), so shards must
 be local or mounted files (no ``http://`` or ``pipe:`` URLs), and any sample can be read
 alone: the run's global shuffle works as for a JSONL file.
 
@@ -23,7 +24,10 @@ are the samples' running numbers; the JSON keeps ``id`` and the conversation).
 
 A shard that is not a tar file is an error naming it; one cut short keeps the samples
 before the cut and reports the rest as one bad sample (``data.skip_bad_samples`` skips
-it). Members are listed from the tar headers only (no data is read by the scan).
+it). Members are listed from the tar headers only (no data is read by the scan). A hard
+link member is read through its target (a regular member earlier in the shard); a
+sample with a GNU sparse member, a hard link to no earlier member or a member name that
+is not UTF-8 is a bad sample naming the member.
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ from __future__ import annotations
 import glob
 import io
 import json
+import math
+import os
 import re
 import tarfile
 from collections.abc import Iterable
@@ -40,8 +46,11 @@ from typing import Any
 
 IMAGE_EXTENSIONS = frozenset({"jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff", "ppm"})
 AUDIO_EXTENSIONS = frozenset({"wav"})
+_READ_EXTENSIONS = IMAGE_EXTENSIONS | AUDIO_EXTENSIONS | {"json"}  # other members: ignored
 _GLOB_CHARS = re.compile(r"[*?\[]")
 _BRACES = re.compile(r"\{([^{}]*)\}")
+MAX_BRACE_NAMES = 100_000
+"""The most paths ``data.path``'s brace ranges may name (counted before expanding)."""
 
 
 @dataclass(frozen=True)
@@ -60,6 +69,11 @@ class TarMember:
             OSError: the shard is gone or shorter than the member (it changed).
         """
         with open(self.shard, "rb") as f:
+            # Checked before reading: nothing is allocated for a size the shard lacks.
+            end = os.fstat(f.fileno()).st_size
+            if self.offset + self.size > end:
+                raise OSError(f"{self} is cut short: it runs to byte {self.offset + self.size}"
+                              f" of a {end}-byte shard")  # fmt: skip
             f.seek(self.offset)
             data = f.read(self.size)
         if len(data) != self.size:
@@ -86,6 +100,7 @@ class ShardSample:
     media: dict[str, list[TarMember]] = field(default_factory=lambda: {"image": [],
                                                                         "audio": []})
     duplicate: str = ""  # a second member of the same extension, named
+    refused: str = ""  # why a member makes the sample bad (sparse, link, name), or ""
 
 
 def is_shard_path(path: str | Path) -> bool:
@@ -99,7 +114,8 @@ def shard_paths(path: str | Path) -> list[Path]:
     """The shards ``data.path`` names, in reading order (rules in the module docstring).
 
     Raises:
-        ValueError: no shard found, or a shard a brace range names is missing.
+        ValueError: no shard found, a shard a brace range names is missing, or brace
+            ranges naming more than :data:`MAX_BRACE_NAMES` paths.
     """
     text = str(path)
     found: list[Path] = []
@@ -120,20 +136,54 @@ def shard_paths(path: str | Path) -> list[Path]:
 
 
 def _expand_braces(text: str) -> list[str]:
-    """``a{1..3}b`` -> ``a1b a2b a3b`` (zero padding kept), ``a{x,y}`` -> ``ax ay``."""
-    match = _BRACES.search(text)
-    if match is None:
-        return [text]
-    body = match.group(1)
+    """``a{1..3}b`` -> ``a1b a2b a3b`` (zero padding kept), ``a{x,y}`` -> ``ax ay``.
+
+    Raises:
+        ValueError: the braces name more than :data:`MAX_BRACE_NAMES` paths (counted
+            before expanding: a range's size is its bounds' difference).
+    """
+    count = math.prod(_option_count(m.group(1)) for m in _BRACES.finditer(text))
+    out, done = [text], []
+    while out:  # one brace group of every name at a time (nested groups appear later)
+        count = max(count, len(done) + sum(_count_first(name) for name in out))
+        if count > MAX_BRACE_NAMES:
+            raise ValueError(f"data.path={text!r} names {count} shards by its brace ranges: "
+                             f"at most {MAX_BRACE_NAMES} are accepted (name a folder or a "
+                             "glob of the shards instead)")  # fmt: skip
+        pending = []
+        for name in out:
+            match = _BRACES.search(name)
+            if match is None:
+                done.append(name)
+                continue
+            head, tail = name[:match.start()], name[match.end():]
+            pending += [head + option + tail for option in _options(match.group(1))]
+        out = pending
+    return done
+
+
+def _count_first(name: str) -> int:
+    """Names the first brace group of ``name`` expands into (1 without braces)."""
+    match = _BRACES.search(name)
+    return 1 if match is None else _option_count(match.group(1))
+
+
+def _option_count(body: str) -> int:
+    """How many options a brace body holds, without listing them."""
     span = re.fullmatch(r"(\d+)\.\.(\d+)", body)
     if span:
-        first, last = span.groups()
-        width = len(first) if first.startswith("0") else 0
-        options = [str(n).zfill(width) for n in range(int(first), int(last) + 1)]
-    else:
-        options = body.split(",")
-    head, tail = text[:match.start()], text[match.end():]
-    return [out for option in options for out in _expand_braces(head + option + tail)]
+        return max(0, int(span.group(2)) - int(span.group(1)) + 1)
+    return body.count(",") + 1
+
+
+def _options(body: str) -> list[str]:
+    """A brace body's options: a numeric range (zero padding kept) or a comma list."""
+    span = re.fullmatch(r"(\d+)\.\.(\d+)", body)
+    if span is None:
+        return body.split(",")
+    first, last = span.groups()
+    width = len(first) if first.startswith("0") else 0
+    return [str(n).zfill(width) for n in range(int(first), int(last) + 1)]
 
 
 def split_name(name: str) -> tuple[str, str]:
@@ -150,6 +200,7 @@ def scan_shard(shard: Path) -> tuple[list[ShardSample], str]:
         ValueError: the file is not a tar file at all (one line naming it).
     """
     samples: list[ShardSample] = []
+    files: dict[str, tarfile.TarInfo] = {}  # regular members so far: hard links' targets
     try:
         archive = tarfile.open(shard, "r:")  # noqa: SIM115 - closed below
     except (tarfile.TarError, OSError) as exc:
@@ -157,8 +208,8 @@ def scan_shard(shard: Path) -> tuple[list[ShardSample], str]:
                          "(re-create it, or remove it from data.path)") from None
     try:
         for member in archive:
-            if member.isfile():
-                _add_member(samples, shard, member)
+            if member.isfile() or member.islnk():
+                _add_member(samples, shard, member, files)
         cut = _cut_short(shard, archive.offset)
     except (tarfile.TarError, OSError) as exc:
         cut = str(exc)
@@ -191,13 +242,26 @@ def _cut_short(shard: Path, end: int) -> str:
     return ""
 
 
-def _add_member(samples: list[ShardSample], shard: Path, member: tarfile.TarInfo) -> None:
+def _add_member(samples: list[ShardSample], shard: Path, member: tarfile.TarInfo,
+                files: dict[str, tarfile.TarInfo]) -> None:  # fmt: skip
+    """File ``member`` (a regular member or a hard link) under its sample."""
     key, extension = split_name(member.name)
     if not samples or samples[-1].key != key:  # members of a sample are consecutive
         samples.append(ShardSample(key, len(samples)))
     sample = samples[-1]
-    where = TarMember(str(shard), member.offset_data, member.size, member.name)
+    data = member
+    if member.islnk():
+        data = files.get(member.linkname, member)
+    elif not member.issparse():
+        files[member.name] = member
     last = extension.rpartition(".")[2]  # "0.json" is a json member too
+    if last not in _READ_EXTENSIONS:
+        return  # not read: whatever it is
+    refused = _refused(shard, member, data)
+    if refused:
+        sample.refused = sample.refused or refused
+        return
+    where = TarMember(str(shard), data.offset_data, data.size, member.name)
     if last == "json":
         if sample.conversation is not None:
             sample.duplicate = member.name
@@ -206,6 +270,24 @@ def _add_member(samples: list[ShardSample], shard: Path, member: tarfile.TarInfo
         sample.media["image"].append(where)
     elif last in AUDIO_EXTENSIONS:
         sample.media["audio"].append(where)
+
+
+def _refused(shard: Path, member: tarfile.TarInfo, data: tarfile.TarInfo) -> str:
+    """Why ``member`` (whose bytes are ``data``'s) cannot be read by offset, or ``""``."""
+    try:
+        member.name.encode("utf-8")
+    except UnicodeEncodeError:  # tarfile keeps undecodable bytes as lone surrogates
+        raw = member.name.encode("utf-8", errors="surrogateescape")
+        return (f"{str(shard)!r} holds the member {raw!r}, whose name is not UTF-8 "
+                "(re-create the shard with UTF-8 names)")  # fmt: skip
+    if member.issparse():
+        return (f"{shard}:{member.name} is a GNU sparse member (claiming {member.size} "
+                "bytes), which cannot be read by offset (re-create the shard without "
+                "sparse files)")  # fmt: skip
+    if data is member and member.islnk():
+        return (f"{shard}:{member.name} is a hard link to {member.linkname!r}, which is not "
+                "a file earlier in the shard")  # fmt: skip
+    return ""
 
 
 def write_shards(samples: Iterable[dict[str, Any]], root: str | Path, out: str | Path,
