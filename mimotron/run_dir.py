@@ -324,9 +324,10 @@ def pretrained_source(cfg: MimoConfig) -> tuple[Path, bool] | None:
 
     Raises:
         ValueError: the path is neither a complete mimotron checkpoint nor an export
-            folder holding every module of this config, lies inside this run's
-            checkpoint.dir, or is an export with ``pretrained_optimizer`` /
-            ``pretrained_schedule`` (one line naming the field).
+            folder holding every module of this config (a damaged file named), lies
+            inside this run's checkpoint.dir, or is an export with
+            ``pretrained_optimizer`` / ``pretrained_schedule`` (one line naming the
+            field).
         RunRefused: ``pretrained_schedule`` continues from an iteration that already
             reached train.iters.
         CheckpointError: ``latest`` names a missing or incomplete checkpoint.
@@ -391,6 +392,15 @@ def _check_export(cfg: MimoConfig, path: Path, key: str) -> None:
         if getattr(cfg.checkpoint, what):
             raise ValueError(f"checkpoint.{what}=true is invalid with {key}: an export "
                              "folder holds weights only; load a mimotron checkpoint instead")
+    # Headers only, as the launcher may (a damaged file named, not called missing).
+    from mimotron.models.hf.file_check import check_safetensors
+
+    for m in sorted(cfg.modules):
+        if (path / MODULE_FILE.format(m)).is_file():
+            try:
+                check_safetensors(path / MODULE_FILE.format(m))
+            except ValueError as exc:
+                raise ValueError(f"{key} is invalid: {exc}") from None
     missing = [m for m in sorted(cfg.modules)
                if _export_module(path / MODULE_FILE.format(m)) != m]
     if missing:

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from mimotron.checkpoint.export_folder import ExportFolder
@@ -37,6 +37,7 @@ from mimotron.checkpoint.state import META, MODEL
 from mimotron.config import MimoConfig, config_from_dict, validate_config
 from mimotron.data.llava_setup import build_tokenizer
 from mimotron.models.build import build_mimo_model
+from mimotron.models.hf.file_check import read_safetensors
 from mimotron.models.mimo import MimoModel
 from mimotron.names import ENCODER_PREFIX, LANGUAGE, LANGUAGE_MODEL_PREFIX
 from mimotron.outputs import new_file_mode
@@ -202,5 +203,5 @@ def load_exported(
         if not file.is_file():
             raise ValueError(f"export folder {str(out)!r} is invalid: {file.name} is missing")
         part = model.language_model if name == LANGUAGE else model.modality_submodules[name]
-        part.load_state_dict(load_file(str(file)), strict=True)
+        part.load_state_dict(read_safetensors(file), strict=True)  # a damaged file named
     return cfg, model.to(device)

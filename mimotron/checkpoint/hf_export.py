@@ -48,13 +48,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from mimotron.checkpoint.export import read_full_model, split_by_module, write_module_files
 from mimotron.checkpoint.export_folder import ExportFolder
 from mimotron.checkpoint.state import VOCAB_SIZE_UNPADDED
 from mimotron.models.hf.clip import CLIP_WEIGHTS, SIGLIP_WEIGHTS
+from mimotron.models.hf.file_check import open_safetensors
 from mimotron.models.hf.folder import INDEX_FILE, SINGLE_FILE, read_hf_config, tensor_files
 from mimotron.models.hf.llama import LLAMA_WEIGHTS, SUPPORTED_MODEL_TYPES, LlamaFamilySpec
 from mimotron.models.hf.weights import WeightMap, hf_tensors_of
@@ -415,7 +415,7 @@ def _merge(
         grouped.setdefault(file, []).append(name)
     wrong = []
     for file, names in grouped.items():
-        with safe_open(file, framework="pt") as handle:
+        with open_safetensors(file) as handle:
             for name in names:
                 if name not in skip:
                     out[name] = handle.get_tensor(name)

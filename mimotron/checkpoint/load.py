@@ -9,12 +9,15 @@ Order on every rank, so no rank can be left waiting in a collective:
    is unchanged) and check it against the checkpoint's keys and global shapes; check a
    share of the data files against the manifest (rank ``r`` of ``W`` checks files
    ``r, r+W, ...``);
-3. one ``all_gather_object`` of the problems found: if any rank found one, every rank
-   raises the same error, naming the files or keys;
+3. one ``all_gather_object`` of the problems found (including model tensors saved in
+   a dtype that does not load into them, :mod:`mimotron.models.weight_checks`): if any
+   rank found one, every rank raises the same error, naming the files or keys;
 4. one ``dcp.load``: each rank reads just its shards (DCP re-cuts DTensors); the
    metadata again through the restricted unpickler, tensors and non-tensor entries with
    ``weights_only=True``, so nothing in a checkpoint can run code;
-5. hand the results to the optimizer, schedulers, train state and RNG.
+5. the model tensors this rank read checked for NaN and infinities, and a second
+   ``all_gather_object`` so that every rank refuses them alike;
+6. hand the results to the optimizer, schedulers, train state and RNG.
 
 When the rank map differs from the saved one (another TP/PP/DP split or placement),
 per-rank RNG state has no counterpart; it is re-derived from ``(seed, iteration, rank)``
@@ -37,8 +40,9 @@ from torch import nn
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.tensor import DTensor
 
 from mimotron.checkpoint.files import (
     DCP_METADATA,
@@ -50,6 +54,7 @@ from mimotron.checkpoint.files import (
 )
 from mimotron.checkpoint.safe_metadata import SafeFileSystemReader, load_metadata
 from mimotron.checkpoint.state import (
+    MODEL,
     LoadRequest,
     apply_loaded,
     build_load_request,
@@ -57,6 +62,7 @@ from mimotron.checkpoint.state import (
     layout_signature,
     rederive_rng,
 )
+from mimotron.models.weight_checks import capped, dtype_problem, nonfinite_problems
 from mimotron.optim.scheduler import OptimizerParamScheduler
 
 if TYPE_CHECKING:
@@ -202,7 +208,7 @@ def load_checkpoint(
     same_layout = manifest.get("layout") == here
     fresh_scalers = {n: i.loss_scaler.state_dict() for n, i in optimizer.module_infos.items()}
     req = build_load_request(model, optimizer, schedulers, global_state, metadata, same_layout)
-    read_checkpoint(path, manifest, req, runtime.rank, process_group)
+    read_checkpoint(path, manifest, req, runtime.rank, process_group, metadata)
     meta, fresh = apply_loaded(req, optimizer, schedulers, global_state)
     say_fresh(fresh, path, infra)
     iteration = checked_iteration(path, meta, manifest)
@@ -211,14 +217,26 @@ def load_checkpoint(
 
 
 def read_checkpoint(path: Path, manifest: dict[str, Any], req: LoadRequest, rank: int,
-                    process_group: Any = None) -> None:
+                    process_group: Any = None, metadata: Metadata | None = None) -> None:
     """Check a request and this rank's share of the files, agree, then ``dcp.load`` it.
 
     Collective over ``process_group``: every rank raises the same ``CheckpointError``
-    when any rank found a problem, before anything is read.
+    when any rank found a problem, before anything is read; and again after the read
+    when any rank's model tensors hold NaN or infinities.
+
+    Args:
+        path: the checkpoint directory.
+        manifest: its manifest.
+        req: this rank's request (:func:`~mimotron.checkpoint.state.build_load_request`).
+        rank: global rank, for the messages.
+        process_group: group over all ranks; None = the default group.
+        metadata: the checkpoint's DCP metadata: model tensors saved in a dtype that
+            does not load into this rank's are refused (None: not checked).
     """
     world = dist.get_world_size(process_group)
     problems = [f"rank {rank}: {e}" for e in req.errors]
+    if metadata is not None:
+        problems += _dtype_problems(path, req, metadata)
     problems += verify_share(path, manifest, dist.get_rank(process_group), world)
     agree_on_problems(problems, str(path), process_group)
     try:
@@ -230,6 +248,24 @@ def read_checkpoint(path: Path, manifest: dict[str, Any], req: LoadRequest, rank
         )
     except DCP_ERRORS as exc:
         raise CheckpointError(f"reading checkpoint {path} failed: {describe_failure(exc)}") from exc
+    # This rank's part of each model tensor (DCP re-cut them), on the device: one pass.
+    local = {k: v.to_local() if isinstance(v, DTensor) else v for k, v in req.state.items()
+             if k.startswith(MODEL) and isinstance(v, torch.Tensor)}
+    found = nonfinite_problems(str(path), local)
+    agree_on_problems([f"rank {rank}: {p}" for p in capped(found)], str(path), process_group)
+
+
+def _dtype_problems(path: Path, req: LoadRequest, metadata: Metadata) -> list[str]:
+    """Model tensors the checkpoint saved in a dtype that does not load into this rank's."""
+    saved = metadata.state_dict_metadata
+    problems = []
+    for key, value in req.state.items():
+        md = saved.get(key)
+        if key.startswith(MODEL) and isinstance(value, torch.Tensor) and \
+                isinstance(md, TensorStorageMetadata):
+            bad = dtype_problem(str(path), key, md.properties.dtype, value.dtype)
+            problems += [bad] if bad else []
+    return problems
 
 
 def say_fresh(fresh: list[str], path: Path, infra: Any) -> None:

@@ -23,8 +23,10 @@ Two sources:
   time, and copies out its own shard (``distribute_tensor`` with local slicing, no
   communication).
 
-Either way every model tensor this rank holds must be found at its full shape; any rank
-that misses one makes every rank raise the same error before any weight is used.
+Either way every model tensor this rank holds must be found at its full shape, of a
+dtype that loads into it, and finite (:mod:`mimotron.models.weight_checks`); a damaged
+file is named. Any rank that finds a problem makes every rank raise the same error
+before any weight is used.
 """
 
 from __future__ import annotations
@@ -33,7 +35,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from safetensors import safe_open
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from mimotron.checkpoint.files import CheckpointError, read_manifest
@@ -54,6 +55,8 @@ from mimotron.checkpoint.state import (
     model_state,
     rederive_rng,
 )
+from mimotron.models.hf.file_check import open_safetensors
+from mimotron.models.weight_checks import capped, dtype_problem, nonfinite_problem
 from mimotron.names import ENCODER_PREFIX, LANGUAGE, LANGUAGE_MODEL_PREFIX
 from mimotron.run_dir import MODULE_FILE, describe_pretrained
 
@@ -89,8 +92,9 @@ def load_pretrained(source: tuple[Path, bool], model: nn.Module, optimizer: Mimo
         (the run starts at iteration 0).
 
     Raises:
-        CheckpointError: a tensor missing or of another shape, a vocabulary that differs,
-            or a damaged checkpoint; raised on every rank alike.
+        CheckpointError: a tensor missing, of another shape, of a dtype that does not
+            load or holding NaN or infinities, a vocabulary that differs, or a damaged
+            checkpoint or file; raised on every rank alike.
     """
     path, is_export = source
     optimizer.finish_param_gather()  # a late all-gather would overwrite the loaded rows
@@ -122,7 +126,7 @@ def _load_checkpoint(path: Path, model: nn.Module, optimizer: MimoOptimizer,
     req = build_load_request(model, optimizer, schedulers, global_state, metadata, False,
                              optimizer_state=ck.pretrained_optimizer,
                              schedule=ck.pretrained_schedule)
-    read_checkpoint(path, manifest, req, runtime.rank, process_group)
+    read_checkpoint(path, manifest, req, runtime.rank, process_group, metadata)
     meta, fresh = apply_loaded(req, optimizer, schedulers, global_state)
     _check_vocabulary(path, meta, global_state)
     if ck.pretrained_optimizer:
@@ -148,14 +152,21 @@ def _load_export(path: Path, model: nn.Module, optimizer: MimoOptimizer,
                  global_state: GlobalState, process_group: Any) -> None:
     """The export source: each rank copies its shards out of the full tensors."""
     targets = model_state(model, optimizer)  # ZeRO-1 16-bit modules: their fp32 masters
+    rank = global_state.runtime.rank
     problems = _check_export_tensors(path, targets)
-    agree_on_problems([f"rank {global_state.runtime.rank}: {p}" for p in problems],
-                      str(path), process_group)
+    agree_on_problems([f"rank {rank}: {p}" for p in problems], str(path), process_group)
+    nonfinite: list[str] = []
     with torch.no_grad():
         for module, names in _by_module(targets).items():
-            with safe_open(str(path / MODULE_FILE.format(module)), "pt") as f:
+            file = path / MODULE_FILE.format(module)
+            with open_safetensors(file) as f:
                 for key, inner in names:
-                    _copy_full(targets[key], f.get_tensor(inner))
+                    full = f.get_tensor(inner)
+                    bad = nonfinite_problem(str(file), inner, full)
+                    nonfinite += [bad] if bad else []
+                    _copy_full(targets[key], full)
+    # Every rank read the full tensors it holds, but not every rank holds each tensor.
+    agree_on_problems(capped(nonfinite), str(path), process_group)
     optimizer.load_master_weights()  # casts the masters into 16-bit weights (collective)
 
 
@@ -174,19 +185,33 @@ def _by_module(targets: dict[str, torch.Tensor]) -> dict[str, list[tuple[str, st
 
 
 def _check_export_tensors(path: Path, targets: dict[str, torch.Tensor]) -> list[str]:
-    """Tensors this rank needs that the export lacks or holds at another shape."""
+    """Tensors this rank needs that the export lacks or holds at another shape or a
+    dtype that does not load, and damaged files: from the headers, nothing read."""
     problems = []
     for module, names in _by_module(targets).items():
-        with safe_open(str(path / MODULE_FILE.format(module)), "pt") as f:
-            held = set(f.keys())
-            for key, inner in names:
-                if inner not in held:
-                    problems.append(f"{MODULE_FILE.format(module)} has no {inner}")
-                    continue
-                shape = tuple(f.get_slice(inner).get_shape())
-                if shape != tuple(targets[key].shape):
-                    problems.append(f"{MODULE_FILE.format(module)}: {inner} {shape} vs "
-                                    f"{tuple(targets[key].shape)} here")
+        file = path / MODULE_FILE.format(module)
+        try:
+            with open_safetensors(file) as f:
+                problems += _check_file(file, f, [(inner, targets[key]) for key, inner in names])
+        except ValueError as exc:  # a damaged file, named
+            problems.append(str(exc))
+    return problems
+
+
+def _check_file(file: Path, handle: Any, names: list[tuple[str, torch.Tensor]]) -> list[str]:
+    """One open export file against the tensors this rank loads from it."""
+    problems = []
+    held = set(handle.keys())
+    for inner, target in names:
+        if inner not in held:
+            problems.append(f"{file.name} has no {inner}")
+            continue
+        header = handle.get_slice(inner)
+        shape = tuple(header.get_shape())
+        if shape != tuple(target.shape):
+            problems.append(f"{file.name}: {inner} {shape} vs {tuple(target.shape)} here")
+        bad = dtype_problem(str(file), inner, header.get_dtype(), target.dtype)
+        problems += [bad] if bad else []
     return problems
 
 

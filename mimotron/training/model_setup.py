@@ -23,6 +23,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -59,8 +60,14 @@ def build_rank_model(cfg: MimoConfig, infra: MimoModelInfra, vocab_size: int,
         vocab_size: the (padded) vocabulary size.
         placeholder_ids: encoder module -> placeholder token id.
         device: where parameters live.
+
+    Raises:
+        ValueError: an ``hf_path`` folder any rank refused (damaged, mis-shaped, of a
+            dtype that does not load, non-finite), the same on every rank: with an
+            ``hf_path`` module this is collective over the world.
     """
     parts: dict[str, nn.Module] = {}
+    refused: list[str] = []  # hf_path folders this rank's reads refused
     for name, role in infra.roles.items():
         mod = cfg.modules[name]
         layers, chunks = rank_layers(mod.num_layers, mod.parallel, role.pp)
@@ -68,7 +75,11 @@ def build_rank_model(cfg: MimoConfig, infra: MimoModelInfra, vocab_size: int,
         stage = {"layer_ids": layers, "pre_process": role.is_first_stage,
                  "post_process": role.is_last_stage}
         if mod.hf_path:
-            parts[name] = build_hf_part(cfg, name, vocab_size, stage, mesh, device)
+            try:
+                parts[name] = build_hf_part(cfg, name, vocab_size, stage, mesh, device)
+            except ValueError as exc:
+                refused.append(f"modules.{name}: {exc}")
+                continue
         else:
             parts[name] = build_module(cfg, name, vocab_size, **stage).to(device)
         if chunks is not None:
@@ -82,6 +93,8 @@ def build_rank_model(cfg: MimoConfig, infra: MimoModelInfra, vocab_size: int,
                                   mod.parallel.expert_tensor > 1)
         if fsdp_mesh is not None:
             apply_fsdp(parts[name], fsdp_mesh, cfg.train.precision)
+    if any(m.hf_path for m in cfg.modules.values()):  # the same branch on every rank
+        _agree_on_folders(refused)
     language = parts.pop(LANGUAGE, None)
     if language is not None and cfg.modules[LANGUAGE].parallel.context > 1:
         language.set_context_parallel(infra.pg_collections[LANGUAGE].cp)
@@ -92,6 +105,21 @@ def build_rank_model(cfg: MimoConfig, infra: MimoModelInfra, vocab_size: int,
     model = MimoModel(parts, language, dict(placeholder_ids), modality_of, tp_group)
     freeze_modules(model, cfg)
     return model
+
+
+def _agree_on_folders(refused: list[str]) -> None:
+    """Collective over the world: raise the same ``ValueError`` on every rank if any
+    rank's ``hf_path`` reads were refused.
+
+    Each rank checks only what it reads (its stage's tensors, its TP slices), so one
+    rank can find NaN where the others find none; without this, they would go on into
+    the next collective and wait there for it.
+    """
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, refused)
+    found = sorted({line for lines in gathered for line in lines})
+    if found:
+        raise ValueError("\n".join(found))
 
 
 def _part_meshes(cfg: MimoConfig, infra: MimoModelInfra, name: str, device: torch.device
@@ -131,7 +159,7 @@ def build_hf_part(cfg: MimoConfig, name: str, vocab_size: int, stage: dict[str, 
     Build on the meta device -> apply the TP plan (still meta) -> allocate this rank's
     shards on ``device`` -> initialise the projector from ``(seed, name)`` as every
     module is -> read this stage's tensors and TP slices from the folder. It does no
-    collective, so a bad folder fails on every rank alike.
+    collective: :func:`build_rank_model` makes the ranks agree on a refused folder.
     """
     with torch.device("meta"):
         part = build_module(cfg, name, vocab_size, **stage, init=False)

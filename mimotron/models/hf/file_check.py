@@ -7,15 +7,21 @@ it (an 8-byte little-endian length, then that many bytes of JSON mapping each te
 its dtype, shape and ``data_offsets`` into the data that follows) and checks that the
 header fits the file, parses, and places every tensor within the file with the size its
 dtype and shape need. The first problem is one line naming the file.
+:func:`open_safetensors` is how every loader opens such a file: a header the
+``safetensors`` library refuses is reported the same way, naming the file.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import struct
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from safetensors import SafetensorError, safe_open
 
 from mimotron.config_schema import MimoConfig
 from mimotron.models.hf.folder import INDEX_FILE, SINGLE_FILE, hf_folder
@@ -93,6 +99,39 @@ def check_safetensors(file: str | Path) -> None:
     for name, entry in header.items():
         if name != "__metadata__":
             _check_entry(path, name, entry, data_size)
+
+
+@contextlib.contextmanager
+def open_safetensors(file: str | Path) -> Iterator[Any]:
+    """``safe_open(file, framework="pt")``, a damaged file named in one line.
+
+    The library's own error names no file (``header too large``, ``incomplete metadata,
+    file not fully covered``); here the header is checked by :func:`check_safetensors`
+    then, so the message says what is wrong with which file. A good file costs nothing
+    extra.
+
+    Raises:
+        ValueError: ``<file> is not a valid safetensors file: <why>`` (damaged header,
+            truncated data), or ``<file> cannot be read: ...``.
+    """
+    try:
+        handle = safe_open(str(file), framework="pt")
+    except (SafetensorError, OSError) as exc:
+        check_safetensors(file)  # raises the precise reason when it can tell one
+        raise _bad(Path(file), f"its header is damaged ({exc})") from None
+    with handle:
+        yield handle
+
+
+def read_safetensors(file: str | Path) -> dict[str, Any]:
+    """Every tensor of a safetensors file (``safetensors.torch.load_file``), a damaged
+    file named as by :func:`open_safetensors`.
+
+    Raises:
+        ValueError: ``<file> is not a valid safetensors file: <why>``.
+    """
+    with open_safetensors(file) as handle:
+        return {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118
 
 
 def check_weight_files(folder: str | Path) -> None:

@@ -18,8 +18,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-from safetensors import safe_open
-
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -115,7 +113,10 @@ def tensor_files(path: str | Path) -> dict[str, Path]:
         return files
     single = folder / SINGLE_FILE
     if single.is_file():
-        with safe_open(single, framework="pt") as handle:
+        # Imported here: file_check imports this module (a damaged file is named there).
+        from mimotron.models.hf.file_check import open_safetensors
+
+        with open_safetensors(single) as handle:
             return {name: single for name in handle.keys()}  # noqa: SIM118 - not a dict
     raise ValueError(
         f"hf_path {str(path)!r} has neither {SINGLE_FILE} nor {INDEX_FILE}; only "

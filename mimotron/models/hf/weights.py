@@ -19,7 +19,10 @@ One implementation for every family (Llama-style decoders, CLIP / SigLIP, Whispe
   holds: everything for a plain tensor, this rank's chunk for a DTensor (DTensor's
   ``torch.chunk`` rule). So a TP rank reads, and ever holds, only its shard, and a
   pipeline stage never touches other stages' layers. Values are converted to the
-  target's dtype on copy (a bf16 checkpoint loads into fp32 parameters).
+  target's dtype on copy (a bf16 checkpoint loads into fp32 parameters); an integer,
+  bool or 8-bit float tensor for a floating-point parameter is refused from its header,
+  and every value read is checked for NaN and infinities
+  (:mod:`mimotron.models.weight_checks`).
 - :func:`to_hf_tensors` (a whole module) and :func:`hf_tensors_of` (one tensor; MoE experts
   split per expert) are the way back, for export.
 """
@@ -32,12 +35,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from mimotron.models.hf.file_check import open_safetensors
 from mimotron.models.hf.folder import tensor_files
 from mimotron.models.hf.vocab import read_rows
+from mimotron.models.weight_checks import capped, dtype_problem, nonfinite_problem
 
 _SHOWN = 8  # names listed per kind of problem before "... and N more"
 
@@ -147,8 +151,9 @@ def check_checkpoint(
     optional: Iterable[str] = (),
     known: Callable[[str], bool] = lambda name: False,
     where: str = "checkpoint",
+    dtypes: Mapping[str, torch.dtype] | None = None,
 ) -> None:
-    """Compare a checkpoint's tensor names and shapes with a model's (headers only).
+    """Compare a checkpoint's tensor names, shapes and dtypes with a model's (headers only).
 
     Args:
         files: tensor name -> file (see :func:`mimotron.models.hf.folder.tensor_files`).
@@ -157,21 +162,28 @@ def check_checkpoint(
         known: names in the checkpoint that are fine although not expected (parts we
             do not build, layers of other pipeline stages).
         where: the checkpoint, as named in the error.
+        dtypes: tensor name -> the dtype it loads into, for the tensors whose checkpoint
+            dtype is checked (:func:`~mimotron.models.weight_checks.dtype_problem`).
 
     Raises:
-        ValueError: one message naming every missing, unexpected and mis-shaped tensor.
+        ValueError: one message naming every missing, unexpected, mis-shaped and
+            wrongly typed tensor, or a damaged file (named).
     """
     optional = set(optional)
     present = set(files)
     missing = set(expected) - present - optional
     unexpected = {n for n in present - set(expected) - optional if not known(n)}
-    wrong = []
+    wrong, typed = [], []
     for file, names in _by_file(files, [n for n in expected if n in present]).items():
-        with safe_open(file, framework="pt") as handle:
+        with open_safetensors(file) as handle:
             for name in names:
-                shape = tuple(handle.get_slice(name).get_shape())
+                header = handle.get_slice(name)
+                shape = tuple(header.get_shape())
                 if shape != tuple(expected[name]):
                     wrong.append(f"{name} {list(shape)} (expected {list(expected[name])})")
+                if dtypes is not None and name in dtypes:
+                    bad = dtype_problem(str(file), name, header.get_dtype(), dtypes[name])
+                    typed += [bad] if bad else []
     problems = []
     if missing:
         problems.append(f"missing tensors: {_listing(missing)}")
@@ -179,6 +191,8 @@ def check_checkpoint(
         problems.append(f"unexpected tensors: {_listing(unexpected)}")
     if wrong:
         problems.append(f"wrong shapes: {_listing(wrong)}")
+    if typed:
+        problems.append(f"wrong dtypes: {'; '.join(capped(typed))}")
     if problems:
         raise ValueError(f"{where} does not match the model: " + "; ".join(problems))
 
@@ -233,8 +247,9 @@ def load_hf_weights(module: nn.Module, folder: str | Path, weight_map: WeightMap
     Call it after the module is built (and initialised) and after tensor parallelism is
     applied: a DTensor reads only its local slice. Only the tensors this instance holds
     (its pipeline stage's layers) are checked and read; other tensors the family names
-    are left alone. It does no collective, so a bad folder fails on every rank before
-    any communication.
+    are left alone. It does no collective: a rank that finds a problem raises before
+    any communication (ranks can disagree, each checking what it reads;
+    :func:`mimotron.training.model_setup.build_rank_model` makes them agree).
 
     Args:
         module: the model instance (one pipeline stage or all of it).
@@ -249,8 +264,10 @@ def load_hf_weights(module: nn.Module, folder: str | Path, weight_map: WeightMap
         The checkpoint names read, sorted.
 
     Raises:
-        ValueError: the folder is missing or unusable, or tensors are missing,
-            unexpected or mis-shaped (all named in one message).
+        ValueError: the folder is missing or unusable, a file is damaged, tensors are
+            missing, unexpected, mis-shaped or of a dtype that does not load (all named
+            in one message, from headers, before any data is read), or the values read
+            hold NaN or infinities (one line per tensor: file, name, counts).
     """
     files = tensor_files(folder)
     prefix = weight_map.choose_prefix(files)
@@ -268,21 +285,34 @@ def load_hf_weights(module: nn.Module, folder: str | Path, weight_map: WeightMap
         hf = prefix + weight_map.to_hf(ours)
         expected[hf] = (count, *expected[hf][1:])
     check_checkpoint(files, expected, known=lambda n: weight_map.knows(n, prefix),
-                     where=f"hf_path {str(folder)!r}")
+                     where=f"hf_path {str(folder)!r}",
+                     dtypes={hf: targets[ours].dtype for hf, (ours, _) in ours_of.items()})
     # A stacked tensor sharded over experts reads only the rows this rank holds.
     wanted = [hf for hf, (ours, e) in ours_of.items()
               if e is None or _holds_row(targets[ours], e)]
+    problems = []
     for file, hf_names in _by_file(files, wanted).items():
-        with safe_open(file, framework="pt") as handle:
+        with open_safetensors(file) as handle:
             for hf in hf_names:
-                ours, e = ours_of[hf]
-                if ours in rows:
-                    _read_rows(targets[ours], handle.get_slice(hf), rows[ours], seed)
-                elif e is not None:
-                    _read_row(targets[ours], handle.get_slice(hf), e)
-                else:
-                    _read_into(targets[ours], handle.get_slice(hf), ours in weight_map.reshaped)
+                value = _read(targets, ours_of[hf], handle.get_slice(hf), rows, seed,
+                              weight_map)
+                bad = nonfinite_problem(str(file), hf, value)
+                problems += [bad] if bad else []
+    if problems:
+        raise ValueError(f"hf_path {str(folder)!r} holds weights that are not finite:\n  "
+                         + "\n  ".join(capped(problems)))
     return sorted(ours_of)
+
+
+def _read(targets: dict[str, torch.Tensor], where: tuple[str, int | None], hf_slice: object,
+          rows: Mapping[str, int], seed: int, weight_map: WeightMap) -> torch.Tensor:
+    """Read one checkpoint tensor into its target; the values written, to be checked."""
+    ours, e = where
+    if ours in rows:
+        return _read_rows(targets[ours], hf_slice, rows[ours], seed)
+    if e is not None:
+        return _read_row(targets[ours], hf_slice, e)
+    return _read_into(targets[ours], hf_slice, ours in weight_map.reshaped)
 
 
 def _is_stacked(ours: str, weight_map: WeightMap) -> bool:
@@ -295,15 +325,17 @@ def _holds_row(target: torch.Tensor, row: int) -> bool:
     return first.start <= row < first.stop
 
 
-def _read_row(target: torch.Tensor, hf_slice: object, row: int) -> None:
+def _read_row(target: torch.Tensor, hf_slice: object, row: int) -> torch.Tensor:
     """Copy checkpoint tensor ``hf_slice`` into global row ``row`` of a stacked tensor."""
     region = local_region(target)
     local = target.to_local() if isinstance(target, DTensor) else target
-    local[row - region[0].start].copy_(hf_slice[region[1:]])  # type: ignore[index]
+    value = hf_slice[region[1:]]  # type: ignore[index]
+    local[row - region[0].start].copy_(value)
+    return value
 
 
-def _read_into(target: torch.Tensor, hf_slice: object, reshaped: bool) -> None:
-    """Copy this rank's region of the checkpoint tensor into ``target``."""
+def _read_into(target: torch.Tensor, hf_slice: object, reshaped: bool) -> torch.Tensor:
+    """Copy this rank's region of the checkpoint tensor into ``target``; return it."""
     region = local_region(target)
     value = hf_slice[region[1:] if reshaped else region]  # type: ignore[index]
     local = target.to_local() if isinstance(target, DTensor) else target
@@ -313,13 +345,17 @@ def _read_into(target: torch.Tensor, hf_slice: object, reshaped: bool) -> None:
         raise RuntimeError(  # a bug in local_region, not a user error
             f"read {tuple(value.shape)}, the tensor holds {tuple(local.shape)}")
     local.copy_(value)
+    return value
 
 
-def _read_rows(target: torch.Tensor, hf_slice: object, num_rows: int, seed: int) -> None:
-    """Fill a table with more rows than the checkpoint's (see :mod:`.vocab`)."""
+def _read_rows(target: torch.Tensor, hf_slice: object, num_rows: int, seed: int
+               ) -> torch.Tensor:
+    """Fill a table with more rows than the checkpoint's (see :mod:`.vocab`); return
+    this rank's rows (a non-finite checkpoint row also makes the new rows non-finite)."""
     region = local_region(target)
     local = target.to_local() if isinstance(target, DTensor) else target
     read_rows(local, region[0].start, hf_slice, num_rows, seed, region[1:])
+    return local
 
 
 def to_hf_tensors(
