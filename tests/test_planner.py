@@ -32,7 +32,7 @@ from mimotron.planner.cost import Calibration, model_vocabulary, step_cost
 from mimotron.planner.devices import DeviceSpec, device_table
 from mimotron.planner.report import snippet
 from mimotron.planner.search import SearchRequest, search
-from mimotron.planner.simulate import Lane, simulate
+from mimotron.planner.simulate import Lane, SimulationError, simulate
 from mimotron.planner.terms import Links, chunk_compute, tp_efficiency, trainable_params
 from mimotron.training.flops import language_model_flops, transformer_layer_flops
 from tests.common import BASE, DIGITS
@@ -63,6 +63,38 @@ def test_two_stage_1f1b_makespan_matches_the_hand_drawn_schedule():
     assert slow.finish[("language", 1)] == 14.5
     # Two ranks on one core: every compute shares it, the step is the serial sum.
     assert simulate(_two_stage_lanes(4), lambda src, msg: 0.0, host_cores=1).makespan == 24.0
+
+
+def test_simulation_ends_where_float_residue_no_longer_moves_the_clock():
+    # At a clock of 1e5 s a float step is ~1.5e-11 s: a compute's remaining fixed part of
+    # a few 1e-11 s (what subtracting the rounded step leaves) never moved the clock, and
+    # the replay spun forever (a 7B model priced on CPU constants). It ends exactly.
+    plan = build_1f1b_plan(1, Position("language", 0, 0, 1, False, False))
+    lane = Lane(plan, 1, 1, 1, {("F", 0): (1e5, 0.1), ("B", 0): (2e5, 0.1)})
+    result = simulate({("language", 0): lane}, lambda src, msg: 0.0)
+    assert result.makespan == pytest.approx(3e5 + 0.2, rel=1e-15)
+    assert result.busy[("language", 0)] == pytest.approx(3e5 + 0.2, rel=1e-15)
+    # Two stages on shared cores at such a clock, and a compute of 1e12 s: the same.
+    slow = {k: Lane(v.plan, 1, 2, 1, {("F", 0): (1e12, 0.1), ("B", 0): (2e12, 0.3)})
+            for k, v in _two_stage_lanes(4).items()}
+    assert simulate(slow, lambda src, msg: 1e-3, host_cores=1).makespan == pytest.approx(
+        24e12, rel=1e-12)
+
+
+def test_simulation_refuses_durations_it_cannot_replay():
+    plan = build_1f1b_plan(1, Position("language", 0, 0, 1, False, False))
+    for bad in (float("inf"), float("nan"), -1.0):
+        lanes = {("language", 0): Lane(plan, 1, 1, 1, {("F", 0): (bad, 0.0),
+                                                       ("B", 0): (1.0, 0.0)})}
+        with pytest.raises(SimulationError, match=r"language stage 0: F of chunk 0 is "
+                           r"priced at .* expected finite seconds >= 0"):
+            simulate(lanes, lambda src, msg: 0.0)
+    with pytest.raises(SimulationError, match="a message to language stage 1 is priced "
+                       "at inf s"):
+        simulate(_two_stage_lanes(2), lambda src, msg: float("inf"))
+    # The guard on the number of events: 8 actions of two stages need more than 3.
+    with pytest.raises(SimulationError, match="did not finish in 3 events"):
+        simulate(_two_stage_lanes(2), lambda src, msg: 0.0, max_events=3)
 
 
 def _encoders_layout() -> Layout:
@@ -151,6 +183,12 @@ def test_device_table_takes_a_users_file(tmp_path):
     path.write_text("[devices.h100]\nflops_per_s = nan\n")  # TOML's nan would price nothing
     with pytest.raises(ValueError, match="devices.h100.flops_per_s=nan is invalid"):
         device_table(str(path))
+    for key, value in (("flops_per_s", "inf"), ("latency_s", "-1e-5"),
+                       ("intra_node_bytes_per_s", "0"), ("layer_overhead_s", "-inf")):
+        path.write_text(f"[devices.h100]\n{key} = {value}\n")
+        with pytest.raises(ValueError, match=rf"devices.h100.{key}=[-\w.]+ is invalid: "
+                           "expected a positive number"):
+            device_table(str(path))
 
 
 def snippet_overrides(text: str) -> list[str]:
@@ -233,6 +271,28 @@ def test_plan_auto_command(capsys):
     assert "no layout fits" in capsys.readouterr().out
     assert main(["plan", "--auto", str(DIGITS), "--device", "tpu", "--world", "2"]) == 2
     assert "--device='tpu' is invalid" in capsys.readouterr().err
+
+
+def test_plan_auto_refuses_a_world_it_cannot_fill(capsys):
+    # A billion ranks was told "no layout fits ... raise --world": now the valid range.
+    assert main(["plan", "--auto", str(DIGITS), *BASE, "--world", "1000000000",
+                 "--device", "cpu"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err == (
+        "mimotron plan --auto: invalid option: --world=1000000000 is invalid: --auto needs "
+        "the number of ranks, 1 to 1,048,576, e.g. --world 8\n")
+    # Within the range but beyond the model: the most ranks its layouts can take. Per
+    # module tensor (powers of 2 dividing 4 heads) x context (the language model: 2c
+    # divides 64 tokens, 8 at most) x data (a divisor of the micro-batch, at most the
+    # global batch 16) x pipeline (its layers: 1, 1, 2).
+    most = 4 * 1 * 16 * 1 + 4 * 1 * 16 * 1 + 4 * 8 * 16 * 2
+    assert main(["plan", "--auto", str(DIGITS), *BASE, "--world", str(most + 1),
+                 "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"mimotron plan --auto: invalid config: --world={most + 1} is "
+                          f"invalid for {DIGITS}: the layouts --auto searches use at most "
+                          f"{most:,} ranks")
+    assert err.endswith("lower --world or raise train.global_batch_size\n")
 
 
 def test_digits_choice_on_four_ranks_matches_the_plain_loop():

@@ -8,16 +8,22 @@ import os
 
 import pytest
 
+from mimotron.cli.main import main
 from mimotron.config import load_config
+from mimotron.parallel.layout import plan_layout
 from mimotron.planner.calibration import (
     CALIBRATION_FILE,
     CalibrationOptions,
     calibrate_cached,
+    core_probe_ranks,
+    fingerprint,
+    fingerprint_digest,
     fit_link,
     group_sizes,
     load_calibration,
+    measure_host_cores,
 )
-from mimotron.planner.cost import COLLECTIVES, Calibration, model_vocabulary
+from mimotron.planner.cost import COLLECTIVES, Calibration, model_vocabulary, step_cost
 from mimotron.planner.devices import device_table
 from mimotron.planner.terms import chunk_compute, tp_efficiency
 from tests.common import DIGITS, SMALL_MODEL
@@ -115,3 +121,90 @@ def test_fixed_seconds_are_paid_whole_per_micro_batch() -> None:
         f, b = chunk_compute(cfg, "language", 0, 0, vocab, cpu, scaled)
         assert (f, b) == pytest.approx((1.0 * share / rate, 2.0 * share / rate))
     assert Calibration.from_json(fixed.to_json()) == fixed
+
+
+def _cache(run_dir, calibration: dict, measured: dict) -> None:
+    """A cache file as ``save_calibration`` writes it, holding ``calibration`` as given."""
+    path = run_dir / CALIBRATION_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"fingerprint": fingerprint_digest(measured),
+                                "measured": measured, "calibration": calibration}))
+
+
+GOOD = {"device": "cpu", "module_seconds": {"language": [0.5, 0.0]},
+        "module_fixed_seconds": {"language": [0.0, 0.0]},
+        "collectives": {"all_reduce": {"2": [1e-4, 1e9]}}, "host_cores": 2, "samples": 8}
+
+
+@pytest.mark.parametrize(("field", "value", "shown"), [
+    (("module_seconds", "language", 0), math.nan, "module_seconds.language.forward=nan"),
+    (("module_seconds", "language", 0), -0.5, "module_seconds.language.forward=-0.5"),
+    (("module_seconds", "language", 0), 0.0, "module_seconds.language.forward=0.0"),
+    (("module_seconds", "language", 1), math.inf, "module_seconds.language.backward=inf"),
+    (("module_fixed_seconds", "language", 1), -1.0,
+     "module_fixed_seconds.language.backward=-1.0"),
+    (("collectives", "all_reduce", "2", 1), 0.0, "collectives.all_reduce.2.bytes_per_s=0.0"),
+    (("collectives", "all_reduce", "2", 0), math.inf, "collectives.all_reduce.2.latency_s=inf"),
+    (("host_cores",), math.inf, "host_cores=inf"),
+    (("samples",), -8, "samples=-8"),
+])
+def test_cached_values_are_range_checked(tmp_path, field, value, shown) -> None:
+    doc = json.loads(json.dumps(GOOD))
+    at = doc
+    for key in field[:-1]:
+        at = at[key]
+    at[field[-1]] = value
+    measured = {"what": "this config"}
+    _cache(tmp_path, GOOD, measured)
+    assert load_calibration(tmp_path, fingerprint_digest(measured)).module_seconds == {
+        "language": (0.5, 0.0)}  # a frozen module's backward of 0 is a measurement
+    _cache(tmp_path, doc, measured)
+    with pytest.raises(ValueError) as info:
+        load_calibration(tmp_path, fingerprint_digest(measured))
+    message = str(info.value)
+    assert message.startswith(f"calibration cache {tmp_path / CALIBRATION_FILE}: "
+                              f"calibration.{shown} is invalid")
+    assert "\n" not in message and "delete the file to measure again" in message
+    # Another config's cache is not read at all (it is measured again).
+    assert load_calibration(tmp_path, "another") is None
+
+
+def test_plan_auto_refuses_a_cache_out_of_range(tmp_path, capsys) -> None:
+    overrides = [*SMALL_MODEL, f"log.dir={tmp_path}"]
+    cfg = load_config(DIGITS, overrides)
+    doc = json.loads(json.dumps(GOOD))
+    doc["module_seconds"]["language"][0] = math.inf
+    _cache(tmp_path, doc, fingerprint(cfg, 2, CalibrationOptions()))
+    assert main(["plan", "--auto", str(DIGITS), *overrides, "--world", "2",
+                 "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"mimotron plan --auto: invalid calibration: calibration cache "
+                   f"{tmp_path / CALIBRATION_FILE}: calibration.module_seconds.language."
+                   "forward=inf is invalid: expected finite seconds > 0; delete the file "
+                   "to measure again")
+
+
+def test_step_time_of_huge_measured_times_is_finite() -> None:
+    # A cache of 1e12 s a micro-batch is in range: the replay must still end (its clock
+    # at 1e13 s no longer moves by the compute's float residue).
+    cfg = load_config(DIGITS, SMALL_MODEL)
+    huge = Calibration("cpu", {n: (1e12, 2e12) for n in cfg.modules}, samples=8)
+    cost = step_cost(cfg, plan_layout(cfg), device_table()["cpu"], huge)
+    assert 1e12 < cost.total < math.inf
+
+
+def test_core_probe_forks_a_bounded_number_of_ranks() -> None:
+    # A 300-rank plan forked 300 probe ranks (1,202 processes on a 2-core host): now no
+    # more than the cores (or 16), the figure scaled up to min(world, cores).
+    started = []
+
+    def spawn(world, fn, rounds, timeout_s):  # the probe's results, without forking
+        started.append(world)
+        # Rank 0 alone: 1 s a round; all at once: 2 s each, i.e. world / 2 cores' worth.
+        return [([1.0] * rounds if rank == 0 else [], [2.0] * rounds) for rank in range(world)]
+
+    assert measure_host_cores(300, 3, cores=2, spawn=spawn) == 1.0  # 2 ranks got 1 core
+    assert measure_host_cores(300, 3, cores=64, spawn=spawn) == 32.0  # 16 got 8; x 64 / 16
+    assert measure_host_cores(3, 1, cores=64, spawn=spawn) == 1.5  # the world itself
+    assert started == [2, 16, 3]
+    assert core_probe_ranks(10**6, cores=1) == 2 and core_probe_ranks(1, cores=8) == 1

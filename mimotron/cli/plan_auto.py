@@ -50,12 +50,13 @@ def run_plan_auto(config: str, overrides: list[str], options: AutoOptions) -> in
     """
     from mimotron.planner.devices import device_table
     from mimotron.planner.report import format_report
-    from mimotron.planner.search import SearchRequest, search
+    from mimotron.planner.search import MAX_WORLD, SearchRequest, search
+    from mimotron.planner.simulate import SimulationError
 
     try:
-        if options.world is None or options.world < 1:
+        if options.world is None or not 1 <= options.world <= MAX_WORLD:
             raise ValueError(f"--world={options.world} is invalid: --auto needs the number "
-                             "of ranks, e.g. --world 8")
+                             f"of ranks, 1 to {MAX_WORLD:,}, e.g. --world 8")
         if not 0.0 <= options.headroom < 1.0:
             raise ValueError(f"--headroom={options.headroom} is invalid: expected a fraction "
                              "of the device memory in [0, 1), e.g. 0.05")
@@ -66,6 +67,7 @@ def run_plan_auto(config: str, overrides: list[str], options: AutoOptions) -> in
             raise ValueError(f"--device={options.device!r} is invalid: expected one of "
                              f"{', '.join(sorted(table))} (or add it with --device-table)")
         device = table[options.device]
+        _check_calibrate(options)
         limit = (device.memory_bytes if options.device_memory is None
                  else parse_device_memory(options.device_memory))
     except ValueError as exc:
@@ -81,16 +83,28 @@ def run_plan_auto(config: str, overrides: list[str], options: AutoOptions) -> in
         return _fail("invalid config", str(exc))
     try:
         calibration, note = _calibration(cfg, options)
-    except ValueError as exc:
-        return _fail("invalid option", str(exc))
+    except ValueError as exc:  # a cached calibration holding a value out of range
+        return _fail("invalid calibration", str(exc))
     request = SearchRequest(config, list(overrides), options.world, device, limit,
                             calibration, options.top, headroom=options.headroom)
     try:
         result = search(request)
+    except SimulationError as exc:  # a duration the device or calibration priced at inf
+        return _fail("step-time model", str(exc))
     except ValueError as exc:
         return _fail("invalid config", str(exc))
     print(format_report(result, request, options.explain, note))
     return 0 if result.candidates else 2
+
+
+def _check_calibrate(options: AutoOptions) -> None:
+    """Raise ``ValueError`` on ``--calibrate`` for another device than the one it measures."""
+    from mimotron.planner.calibration import DEVICE
+
+    if options.calibrate and options.device != DEVICE:
+        raise ValueError(f"--calibrate measures this host (device {DEVICE!r}); "
+                         f"--device={options.device!r} is invalid with it: use "
+                         f"--device {DEVICE}")
 
 
 def _calibration(cfg: MimoConfig, options: AutoOptions) -> tuple[Calibration | None, str]:
@@ -98,15 +112,12 @@ def _calibration(cfg: MimoConfig, options: AutoOptions) -> tuple[Calibration | N
     the run directory for this config and world), and how the report names it.
 
     Raises:
-        ValueError: ``--calibrate`` for another device than the one it measures.
+        ValueError: the cached calibration holds a value out of range (one line naming
+            the file and the field).
     """
     from mimotron.planner import calibration as cal
 
     if options.calibrate:
-        if options.device != cal.DEVICE:
-            raise ValueError(f"--calibrate measures this host (device {cal.DEVICE!r}); "
-                             f"--device={options.device!r} is invalid with it: use "
-                             f"--device {cal.DEVICE}")
         measured, reused = cal.calibrate_cached(cfg, options.world or 1,
                                                 log=lambda line: print(line, flush=True))
         where = cal.calibration_path(cfg.log_dir)

@@ -24,7 +24,9 @@ model and the collectives actually cost on the machine the command runs on:
   message), the convention :class:`~mimotron.planner.cost.Calibration` prices with.
 * **Host cores**: the cores' worth of compute ``--world`` busy ranks of this host get
   together (:func:`measure_host_cores`: the same matmul loop on one rank alone, then on
-  every rank at once), at most the CPUs this process may run on (its affinity). On an
+  every rank at once; at most :func:`core_probe_ranks` ranks are forked: no more than
+  the usable cores or 16, the figure scaled up to the world where that is fewer), at
+  most the CPUs this process may run on (its affinity). On an
   idle machine that is the affinity's count; where other work shares the CPUs it is
   less, and that is what the ranks of a local launch share.
 
@@ -56,7 +58,8 @@ import torch.distributed as dist
 
 from mimotron.config import MimoConfig
 from mimotron.config_limits import usable_cores
-from mimotron.planner.cost import COLLECTIVES, Calibration, LinkCost
+from mimotron.planner.cost import COLLECTIVES, Calibration, CalibrationRangeError, LinkCost
+from mimotron.run_files import write_atomic
 
 CALIBRATION_FILE = "planner_calibration.json"
 """The cache's file name inside the run's log.dir."""
@@ -177,9 +180,8 @@ def save_calibration(run_dir: str | Path, calibration: Calibration,
     path.parent.mkdir(parents=True, exist_ok=True)
     doc = {"fingerprint": fingerprint_digest(measured), "measured": measured,
            "calibration": json.loads(calibration.to_json())}
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(doc, indent=1, sort_keys=True, default=str) + "\n")
-    os.replace(tmp, path)
+    # A fresh temporary file (never a planted name or link); a full disk names the file.
+    write_atomic(path, json.dumps(doc, indent=1, sort_keys=True, default=str) + "\n")
     return path
 
 
@@ -195,6 +197,12 @@ def load_calibration(run_dir: str | Path, fingerprint: str | None = None
     Returns:
         None when there is no file, it is not a calibration (damaged, another format),
         or its fingerprint differs.
+
+    Raises:
+        ValueError: the file is this config's calibration but a value is out of range
+            (NaN, infinite, negative, zero where a time or bandwidth must be positive):
+            one line naming the file and the field. Nothing measures such a value; it
+            would price a step at infinity (or not at all).
     """
     path = calibration_path(run_dir)
     try:
@@ -202,6 +210,9 @@ def load_calibration(run_dir: str | Path, fingerprint: str | None = None
         if fingerprint is not None and doc.get("fingerprint") != fingerprint:
             return None
         return Calibration.from_json(json.dumps(doc["calibration"]))
+    except CalibrationRangeError as exc:
+        raise ValueError(f"calibration cache {path}: calibration.{exc}; delete the file "
+                         "to measure again") from exc
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
 
@@ -220,6 +231,10 @@ def calibrate_cached(cfg: MimoConfig, world_size: int,
 
     Returns:
         ``(calibration, reused)``: ``reused`` is True when it came from the cache.
+
+    Raises:
+        ValueError: the cache fits the config but holds a value out of range
+            (:func:`load_calibration`).
     """
     options = options or CalibrationOptions()
     measured = fingerprint(cfg, world_size, options)
@@ -398,24 +413,53 @@ def _time_micro_batch(model: Any, batch: dict[str, torch.Tensor], autocast: Call
 
 _PROBE_MATMULS = 1000
 """128 x 128 matmuls per probe: about 0.3 s of one core, long enough to time on a busy host."""
+MAX_CORE_PROBE_RANKS = 16
+"""Ranks the host-cores probe forks at most (a 300-rank plan must not fork 300 processes)."""
+
+Spawner = Callable[..., list[Any]]
+"""Runs ``fn(rank, world_size, *args)`` on ``world_size`` ranks (:func:`run_ranks`'s form)."""
 
 
-def measure_host_cores(world_size: int, rounds: int = 3) -> float:
+def core_probe_ranks(world_size: int, cores: int | None = None) -> int:
+    """Ranks :func:`measure_host_cores` forks for a ``world_size``-rank plan.
+
+    The world, but no more than the host's usable ``cores`` (default
+    :func:`~mimotron.config_limits.usable_cores`: more ranks than cores get no more
+    compute together) nor :data:`MAX_CORE_PROBE_RANKS`; at least 2 (one rank alone
+    shares nothing).
+    """
+    cores = cores or usable_cores()
+    return min(world_size, max(2, min(cores, MAX_CORE_PROBE_RANKS)))
+
+
+def measure_host_cores(world_size: int, rounds: int = 3, cores: int | None = None,
+                       spawn: Spawner | None = None) -> float:
     """Cores' worth of compute ``world_size`` busy ranks of this host get together.
 
-    Each of ``world_size`` forked ranks runs the same single-threaded matmul loop, first
-    rank 0 alone (the others wait in a barrier), then all at once: ``world_size x
-    alone / slowest together``, the median over ``rounds``. On an idle machine it is
-    ``min(world, cores)``; where other work shares the CPUs (the scheduler splits them
-    between sessions, not between processes) it can be far less, and that, not the
-    affinity mask, is what a local launch's ranks share.
+    Each of :func:`core_probe_ranks` forked ranks runs the same single-threaded matmul
+    loop, first rank 0 alone (the others wait in a barrier), then all at once:
+    ``ranks x alone / slowest together``, the median over ``rounds``. On an idle machine
+    it is ``min(ranks, cores)``; where other work shares the CPUs (the scheduler splits
+    them between sessions, not between processes) it can be far less, and that, not the
+    affinity mask, is what a local launch's ranks share. Where the probe ran fewer ranks
+    than ``min(world_size, cores)`` (the cap), the figure is scaled up to that many.
+
+    Args:
+        world_size: ranks of the plan.
+        rounds: rounds of the probe.
+        cores: the host's usable cores (default :func:`usable_cores`).
+        spawn: what forks the ranks (default :func:`mimotron.testing.run_ranks`).
     """
     from mimotron.testing import run_ranks
 
-    per_rank = run_ranks(world_size, _cores_rank, rounds, timeout_s=600.0)
+    cores = cores or usable_cores()
+    ranks = core_probe_ranks(world_size, cores)
+    per_rank = (spawn or run_ranks)(ranks, _cores_rank, rounds, timeout_s=600.0)
     alone = per_rank[0][0]
     together = [max(r[1][i] for r in per_rank) for i in range(rounds)]
-    return statistics.median(world_size * a / t for a, t in zip(alone, together, strict=True))
+    measured = statistics.median(ranks * a / t for a, t in zip(alone, together, strict=True))
+    target = min(world_size, cores)  # more ranks than cores share the same cores
+    return measured * target / ranks if ranks < target else measured
 
 
 def _cores_rank(rank: int, world_size: int, rounds: int) -> tuple[list[float], list[float]]:

@@ -12,6 +12,7 @@ plus the reduction and optimizer tail.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -86,12 +87,53 @@ class Calibration:
         }, indent=1, sort_keys=True)
 
     @classmethod
-    def from_json(cls, text: str) -> Calibration:
+    def from_json(cls, text: str, check: bool = True) -> Calibration:
         """Read :meth:`to_json`'s text back.
 
+        Args:
+            text: the JSON text.
+            check: range-check the values (:meth:`check`).
+
         Raises:
-            ValueError: the text is not such a calibration.
+            ValueError: the text is not such a calibration;
+                :class:`CalibrationRangeError` (``check``): a value is out of range.
         """
+        calibration = cls._parse(text)
+        if check:
+            calibration.check()
+        return calibration
+
+    def check(self) -> None:
+        """Raise :class:`CalibrationRangeError` naming the first field out of range:
+        seconds and bandwidths must be finite and positive (a backward and a fixed part
+        may be 0: a frozen module has none), counts whole and >= 0, group sizes >= 2."""
+        for field_name, table in (("module_seconds", self.module_seconds),
+                                  ("module_fixed_seconds", self.module_fixed_seconds)):
+            for name, pair in table.items():
+                for part, value in zip(("forward", "backward"), pair, strict=True):
+                    zero = field_name == "module_fixed_seconds" or part == "backward"
+                    _check_number(f"{field_name}.{name}.{part}", value, zero, "seconds")
+        for kind, sizes in self.collectives.items():
+            if kind not in COLLECTIVES:
+                raise CalibrationRangeError(f"collectives.{kind} is not a collective kind; "
+                                            f"valid: {', '.join(COLLECTIVES)}")
+            for n, link in sizes.items():
+                if n < 2:
+                    raise CalibrationRangeError(f"collectives.{kind}.{n} is invalid: "
+                                                "expected a group size >= 2")
+                _check_number(f"collectives.{kind}.{n}.latency_s", link.latency_s, False,
+                              "seconds")
+                _check_number(f"collectives.{kind}.{n}.bytes_per_s", link.bytes_per_s, False,
+                              "bytes per second")
+        for field_name in ("host_cores", "samples"):
+            value = getattr(self, field_name)
+            if value < 0:
+                raise CalibrationRangeError(f"{field_name}={value!r} is invalid: expected "
+                                            "a whole number >= 0 (0: not measured)")
+
+    @classmethod
+    def _parse(cls, text: str) -> Calibration:
+        """The calibration in ``text``, values unchecked."""
         try:
             doc = json.loads(text)
             return cls(
@@ -101,12 +143,13 @@ class Calibration:
                 collectives={kind: {int(n): LinkCost(float(c[0]), float(c[1]))
                                     for n, c in sizes.items()}
                              for kind, sizes in doc.get("collectives", {}).items()},
-                host_cores=int(doc.get("host_cores", 0)),
-                samples=int(doc.get("samples", 0)),
+                host_cores=_whole(doc.get("host_cores", 0), "host_cores"),
+                samples=_whole(doc.get("samples", 0), "samples"),
                 module_fixed_seconds={k: (float(v[0]), float(v[1])) for k, v in
                                       doc.get("module_fixed_seconds", {}).items()},
             )
-        except (KeyError, TypeError, IndexError, json.JSONDecodeError) as exc:
+        except (KeyError, TypeError, IndexError, AttributeError, json.JSONDecodeError
+                ) as exc:
             raise ValueError(f"not a planner calibration: {exc!r}") from exc
 
     def link(self, kind: str, group_size: int) -> LinkCost | None:
@@ -121,6 +164,30 @@ class Calibration:
             return sizes[group_size]
         nearest = min(sizes, key=lambda n: (abs(n - group_size), n))
         return sizes[nearest]
+
+
+class CalibrationRangeError(ValueError):
+    """A calibration value out of range (:meth:`Calibration.check`), as opposed to text
+    that is no calibration at all."""
+
+
+def _check_number(name: str, value: float, may_be_zero: bool, unit: str) -> None:
+    """Raise :class:`CalibrationRangeError` unless ``value`` is finite and > 0 (or 0,
+    where ``may_be_zero``)."""
+    if math.isfinite(value) and (value > 0 or (may_be_zero and value == 0)):
+        return
+    bound = ">= 0" if may_be_zero else "> 0"
+    raise CalibrationRangeError(f"{name}={value!r} is invalid: expected finite {unit} "
+                                f"{bound}")
+
+
+def _whole(value: object, name: str) -> int:
+    """A count read from JSON: a whole number (``int(inf)`` would raise OverflowError)."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or (
+            not math.isfinite(value) or value != int(value)):
+        raise CalibrationRangeError(f"{name}={value!r} is invalid: expected a whole number "
+                                    ">= 0 (0: not measured)")
+    return int(value)
 
 
 @dataclass(frozen=True)

@@ -84,13 +84,17 @@ def uncertainty_remark(result: SearchResult, request: SearchRequest) -> str:
         return ""
     best = shown[0].cost.total if shown[0].cost else 0.0
     close = [i for i, c in enumerate(shown, 1) if c.cost and c.cost.total <= best * (1 + error)]
-    source = "calibrated" if request.calibration is not None else "device constants"
+    calibrated = request.calibration is not None
+    source = "calibrated" if calibrated else "device constants"
     if len(close) < 2:
         return (f"#1 is more than the model's error (±{error:.0%}, {source}) faster than "
                 f"#2: a clear choice by this model.")
+    # A calibrated report was measured already: only training steps tell them apart.
+    how = "a few training steps each" if calibrated else (
+        "--calibrate, or a few training steps each")
     return (f"#{', #'.join(map(str, close))} are within the model's error (±{error:.0%}, "
             f"{source}) of #1: indistinguishable by this model; measure them "
-            "(--calibrate, or a few training steps each) to choose.")
+            f"({how}) to choose.")
 
 
 def explain_lines(cand: Candidate) -> list[str]:

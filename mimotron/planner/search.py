@@ -43,6 +43,7 @@ from mimotron.planner.options import (
     memory_ladder,
     module_overrides,
 )
+from mimotron.planner.simulate import SimulationError
 
 KEEP = 3
 """Options kept per module and block size after phase 1."""
@@ -50,6 +51,9 @@ MIN_CHECKED = 24
 """Candidates that pass the full check before the search stops (at least 3 x top)."""
 MAX_CHECKS = 400
 """Full checks at most (candidates the validator or the memory limit refuse count)."""
+MAX_WORLD = 2**20
+"""The largest ``--world`` searched (1,048,576 ranks: several times the largest clusters
+built); beyond it the planner's per-rank checks would not finish."""
 
 
 @dataclass(frozen=True)
@@ -141,16 +145,26 @@ def search(request: SearchRequest) -> SearchResult:
     """
     from mimotron.planner.cost import model_vocabulary
 
-    if request.world < 1:
-        raise ValueError(f"--world={request.world} is invalid: expected a positive rank count")
+    if not 1 <= request.world <= MAX_WORLD:
+        raise ValueError(f"--world={request.world} is invalid: expected 1 to {MAX_WORLD:,} "
+                         "ranks")
     if not 0.0 <= request.headroom < 1.0:
         raise ValueError(f"--headroom={request.headroom} is invalid: expected a fraction "
                          "of the device memory in [0, 1), e.g. 0.05")
     start = time.perf_counter()
     base = load_config(request.config, request.overrides)
     ctx = _Context(base, request, model_vocabulary(base))
+    sizes = request.micro_batches or tuple(_micro_batches(base))
+    most = largest_world(base, max(sizes), _max_tensor(ctx))
+    if request.world > most:
+        raise ValueError(
+            f"--world={request.world} is invalid for {request.config}: the layouts --auto "
+            f"searches use at most {most:,} ranks (each module tensor x context x data x "
+            f"pipeline, data dividing the micro-batch, at most {max(sizes)}, pipeline at most "
+            "its layers); "
+            "lower --world or raise train.global_batch_size")
     composed: list[Candidate] = []
-    for mbs in request.micro_batches or _micro_batches(base):
+    for mbs in sizes:
         if base.train.global_batch_size % mbs:
             raise ValueError(f"micro-batch size {mbs} is invalid: it must divide "
                              f"train.global_batch_size={base.train.global_batch_size}")
@@ -214,6 +228,14 @@ def _micro_batches(cfg: MimoConfig) -> list[int]:
     """Micro-batch sizes that divide the global batch (the global batch stays)."""
     g = cfg.train.global_batch_size
     return [m for m in range(1, g + 1) if g % m == 0]
+
+
+def largest_world(cfg: MimoConfig, micro_batch: int, max_tensor: int) -> int:
+    """The most ranks any layout of ``cfg`` can occupy: every module's largest block
+    (:func:`~mimotron.planner.options.degree_options` at ``micro_batch``), side by side."""
+    return sum(max(o.size for o in degree_options(cfg, name, MAX_WORLD, micro_batch,
+                                                  max_tensor, pipelined=True))
+               for name in cfg.modules)
 
 
 def _compose(ctx: _Context, mbs: int) -> list[Candidate]:
@@ -438,5 +460,16 @@ def _check(ctx: _Context, cand: Candidate) -> str:
     cand.peak = totals[cand.peak_rank]
     if cand.peak > ctx.request.usable_memory:
         return "too big"
-    cand.cost = step_cost(cfg, layout, ctx.request.device, ctx.request.calibration, ctx.vocab)
+    try:
+        cand.cost = step_cost(cfg, layout, ctx.request.device, ctx.request.calibration,
+                              ctx.vocab)
+    except SimulationError as exc:
+        raise SimulationError(f"{describe_candidate(cand)}: {exc}") from exc
     return "ok"
+
+
+def describe_candidate(cand: Candidate) -> str:
+    """The layout in one line: ``split, micro-batch 8, vision: tp1 pp1 dp1; ...``."""
+    modules = "; ".join(f"{n}: {o.describe()}" for n, o in cand.options.items())
+    place = "colocated" if cand.colocated else "split"
+    return f"layout ({place}, micro-batch {cand.micro_batch}, {modules})"

@@ -20,10 +20,15 @@ same time. A lane walks its actions in order:
 
 The simulation is event driven (the next event is the earliest compute end or message
 arrival), so its cost grows with the number of actions, not with the step's length.
+Every event ends a compute's phase (its work or its fixed part) or reaches a message's
+arrival: the phase that defines the next event ends there whatever float rounding left
+of it (at a clock of 1e5 s a residue of 1e-11 s no longer moves the clock), so a replay
+always terminates; :data:`EVENTS_PER_ACTION` bounds it, as a guard.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -38,6 +43,9 @@ from mimotron.pipeline.plan import (
     Action,
     unpaired,
 )
+
+EVENTS_PER_ACTION = 4
+"""Events a replay may take per action of its plans (a compute takes 2, a receive 1)."""
 
 LaneKey = tuple[str, int]
 """(module, pipeline stage)."""
@@ -61,6 +69,12 @@ class Lane:
     pipeline: int
     virtual: int
     compute: dict[tuple[str, int], tuple[float, float]]
+
+
+class SimulationError(ValueError):
+    """A replay that cannot give a step time: a duration that is not a finite number of
+    seconds >= 0 (a device table or calibration pricing something at ``inf``), or more
+    events than :data:`EVENTS_PER_ACTION` allows (an internal fault)."""
 
 
 @dataclass
@@ -117,26 +131,32 @@ class _State:
 
 
 def simulate(lanes: dict[LaneKey, Lane], transfer: Callable[[LaneKey, MessageKey], float],
-             host_cores: int = 0) -> SimResult:
+             host_cores: int = 0, max_events: int | None = None) -> SimResult:
     """Replay every lane's plan; see the module docstring.
 
     Args:
         lanes: the lanes of the layout.
         transfer: seconds a message takes from a sending lane to its receiver.
         host_cores: cores the ranks share (0 = every rank has its own device).
+        max_events: events at most (default: :data:`EVENTS_PER_ACTION` per action).
 
     Returns:
         The makespan and each lane's finish and busy time.
 
     Raises:
+        SimulationError: a compute or transfer time is not finite and >= 0, or the
+            replay took more than ``max_events`` events.
         AssertionError: the plans deadlock (an internal invariant: the plan builders'
             lists never do).
     """
+    _check_durations(lanes)
     plans = {k: [u for a in lane.plan for u in unpaired(a)] for k, lane in lanes.items()}
+    if max_events is None:
+        max_events = EVENTS_PER_ACTION * sum(len(p) for p in plans.values()) + 1
     states = {k: _State() for k in lanes}
     arrived: dict[MessageKey, list[float]] = {}
     result = SimResult(0.0, {}, dict.fromkeys(lanes, 0.0))
-    now = 0.0
+    now, events = 0.0, 0
     while True:
         moved = True
         while moved:  # a send at `now` may free a receive of a lane already visited
@@ -153,23 +173,54 @@ def simulate(lanes: dict[LaneKey, Lane], transfer: Callable[[LaneKey, MessageKey
                  for t in _pending_arrival(lanes, plans[k][st.pos], k, arrived) if t > now]
         if not running and not waits:
             break
+        events += 1
+        if events > max_events:
+            raise SimulationError(
+                f"the step-time simulation did not finish in {max_events} events (clock at "
+                f"{now:.6g} s; lanes still running: {running or 'none'})")
         busy = sum(lanes[k].num_ranks for k in running if states[k].work > 0)
         rate = min(1.0, host_cores / busy) if host_cores > 0 and busy else 1.0
-        ends = [now + (st.work / rate if st.work > 0 else st.fixed)
-                for st in (states[k] for k in running)]
-        following = min(ends + waits)
+        ends = {k: now + (st.work / rate if st.work > 0 else st.fixed)
+                for k, st in ((k, states[k]) for k in running)}
+        following = min([*ends.values(), *waits])
         step = following - now
         for k in running:
             st = states[k]
-            _progress(st, step, rate)
-            if st.work == 0.0 and st.fixed <= 1e-12:  # float residue
+            if ends[k] <= following:
+                _end_phase(st)  # this event is its phase's end: exactly, whatever is left
+            else:
+                _progress(st, step, rate)
+            if st.work == 0.0 and st.fixed == 0.0:
                 st.computing, st.pos = False, st.pos + 1
-                result.busy[k] += now + step - st.started
+                result.busy[k] += following - st.started
         now = following  # not now + step: a float sum may stop short of an arrival
     for key, st in states.items():
         assert st.pos == len(plans[key]), f"plans deadlock at {key}: {plans[key][st.pos]}"
     result.makespan = now
     return result
+
+
+def _valid_seconds(value: float) -> bool:
+    return math.isfinite(value) and value >= 0
+
+
+def _check_durations(lanes: dict[LaneKey, Lane]) -> None:
+    """Raise :class:`SimulationError` naming the first compute not finite and >= 0."""
+    for (module, stage), lane in lanes.items():
+        for (kind, chunk), (work, fixed) in lane.compute.items():
+            if not (_valid_seconds(work) and _valid_seconds(fixed)):
+                raise SimulationError(
+                    f"{module} stage {stage}: {kind} of chunk {chunk} is priced at "
+                    f"{work!r} + {fixed!r} s; expected finite seconds >= 0 (check the "
+                    "device's constants or the calibration)")
+
+
+def _end_phase(st: _State) -> None:
+    """End the running compute's current phase: its work, else its fixed part."""
+    if st.work > 0:
+        st.work = 0.0
+    else:
+        st.fixed = 0.0
 
 
 def _progress(st: _State, step: float, rate: float) -> None:
@@ -178,7 +229,7 @@ def _progress(st: _State, step: float, rate: float) -> None:
         used = min(st.work, step * rate)
         st.work -= used
         step -= used / rate
-        if st.work <= 1e-12:  # float residue: a step past `now` may not move the clock
+        if st.work <= 1e-12:  # float residue: the fixed part follows at once
             st.work = 0.0
     st.fixed = max(0.0, st.fixed - step)
 
@@ -215,7 +266,13 @@ def _advance(lanes: dict[LaneKey, Lane], key: LaneKey, plan: list[Action], st: _
             return
         if action.kind in (SEND_FORWARD, SEND_BACKWARD):
             for message in destinations(lanes, key, action):
-                arrived.setdefault(message, []).append(now + transfer(key, message))
+                seconds = transfer(key, message)
+                if not _valid_seconds(seconds):
+                    raise SimulationError(
+                        f"{key[0]} stage {key[1]}: a message to {message[1]} stage "
+                        f"{message[2]} is priced at {seconds!r} s; expected finite "
+                        "seconds >= 0 (check the device's constants or the calibration)")
+                arrived.setdefault(message, []).append(now + seconds)
         else:
             message = _received(key, action)
             assert message is not None, action
