@@ -10,7 +10,11 @@ anything can close its connections, and the parent records ranks that die withou
 report when it sees them die (:mod:`mimotron.failures`). The earliest own error or death
 is the root cause (its traceback is in the message); ranks that failed because a peer
 vanished are listed as collateral. A rank still running after ``timeout_s`` is killed
-and reported. The package ships this (rather than ``tests/``) so benchmarks and users'
+and reported. When communication is recorded (``MIMOTRON_NCCL_CHECK=1``) a hang is
+named instead: on a gloo timeout, peers lost with no rank's own error, or the deadline,
+the ranks' traces so far (a failed rank writes its own, a stuck one on request) show
+who waits for whom in which operation (:mod:`mimotron.commcheck.diverge`). The package
+ships this (rather than ``tests/``) so benchmarks and users'
 own tests can use it too.
 """
 
@@ -23,6 +27,7 @@ import os
 import pickle
 import shutil
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -35,10 +40,12 @@ import torch.distributed as dist
 from mimotron.commcheck import (
     CHECK_ENV,
     TRACE_ENV,
+    CommRecorder,
     finish_recording,
     replay_folder,
     start_recording,
 )
+from mimotron.commcheck.diverge import FAILED, RUNNING, explain_hang_folder
 from mimotron.failures import (
     FAILURE_DIR_ENV,
     FailureRecord,
@@ -54,6 +61,10 @@ from mimotron.failures import (
 # Set to 1 (the test suite does): every run records its ranks' communication and the
 # parent replays it under NCCL's rules (:mod:`mimotron.commcheck`) after they succeed.
 NCCL_CHECK_ENV = CHECK_ENV
+# gloo's words for an operation that waited ``pg_timeout_s`` (the rank's own or its pair's).
+_TIMEOUT_MARKERS = ("Timed out", "timed out", "timeout caused pair closure")
+# How long stuck ranks get to write their traces when a hang is being explained.
+_DUMP_WAIT_S = 10.0
 
 
 class RankError(RuntimeError):
@@ -71,10 +82,12 @@ def _rank_main(
     tmp: str,
     conn: Any,
     pg_timeout_s: float,
+    dump_request: Any,
     args: tuple,
     kwargs: dict,
 ) -> None:
     torch.set_num_threads(1)
+    recorder = None
     failure_dir = os.path.join(tmp, "failures")
     if os.environ.get(NCCL_CHECK_ENV) == "1":
         os.environ[TRACE_ENV] = os.path.join(tmp, "trace")
@@ -90,6 +103,8 @@ def _rank_main(
             timeout=timedelta(seconds=pg_timeout_s),
         )
         recorder = start_recording(rank)
+        if recorder is not None:
+            _dump_when_asked(recorder, dump_request)
         result = fn(rank, world_size, *args, **kwargs)
         finish_recording(recorder)
         payload = ("ok", pickle.dumps(result))
@@ -97,6 +112,9 @@ def _rank_main(
         # Record first: until this process exits its connections are open, so no peer
         # can have failed "because of" this rank before the record exists.
         record_exception(failure_dir, rank, exc)
+        if recorder is not None:  # how far it got, should its peers hang
+            with contextlib.suppress(Exception):
+                recorder.dump(os.environ[TRACE_ENV], FAILED)
         payload = ("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
     try:
         conn.send(payload)
@@ -104,6 +122,19 @@ def _rank_main(
         conn.close()
         # Skip destroy_process_group: a peer may be dead, and teardown could block.
         os._exit(0)
+
+
+def _dump_when_asked(recorder: CommRecorder, request: Any) -> None:
+    """Write the trace so far when the parent asks (it explains a hang), from a thread:
+    the main thread may be blocked in a collective that never returns. ``request`` is
+    this rank's end of a pipe: a message asks, its closing (the parent is done) does not.
+    """
+    def dump() -> None:
+        with contextlib.suppress(EOFError, OSError):
+            request.recv_bytes()
+            recorder.dump(os.environ[TRACE_ENV], RUNNING)
+
+    threading.Thread(target=dump, name="trace-on-request", daemon=True).start()
 
 
 def warm_up_imports() -> None:
@@ -199,26 +230,31 @@ def run_groups(
             for world_size, fn, args, kwargs in groups:
                 tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="mimotron-store-"))
                 os.mkdir(os.path.join(tmp, "failures"))
-                procs, conns = [], []
-                started.append((procs, conns, os.path.join(tmp, "failures")))
+                procs, conns, requests = [], [], []
+                started.append((procs, conns, os.path.join(tmp, "failures"), requests))
                 for rank in range(world_size):
                     parent, child = ctx.Pipe(duplex=False)
+                    asked, ask = ctx.Pipe(duplex=False)  # "write your trace" (a hang)
                     p = ctx.Process(
                         target=_rank_main,
-                        args=(fn, rank, world_size, tmp, child, pg_timeout_s, args, kwargs),
+                        args=(fn, rank, world_size, tmp, child, pg_timeout_s, asked,
+                              args, kwargs),
                         daemon=True,
                     )
                     _start_frozen(p)
                     child.close()
+                    asked.close()
                     procs.append(p)
                     conns.append(parent)
-            results = [_collect(procs, conns, max(deadline - time.monotonic(), 0.0), failures)
-                       for procs, conns, failures in started]
-            for _, _, failures in started:
+                    requests.append(stack.enter_context(ask))
+            results = [_collect(procs, conns, max(deadline - time.monotonic(), 0.0), failures,
+                                requests)
+                       for procs, conns, failures, requests in started]
+            for _, _, failures, _ in started:
                 _check_nccl_rules(os.path.join(os.path.dirname(failures), "trace"))
             return results
         finally:
-            for procs, _, _ in started:  # A group left behind by another's failure.
+            for procs, _, _, _ in started:  # A group left behind by another's failure.
                 for p in procs:
                     if p.is_alive():
                         p.kill()
@@ -251,12 +287,22 @@ def _poll(proc: Any, conn: Any) -> tuple[str, Any] | None:
     return None
 
 
-def _collect(procs: list, conns: list, timeout_s: float, failure_dir: str) -> list[Any]:
-    """Gather results; on failure, wait until the root cause is known, then raise it."""
+def _collect(procs: list, conns: list, timeout_s: float, failure_dir: str,
+             requests: list | None = None) -> list[Any]:
+    """Gather results; on failure, wait until the root cause is known, then raise it.
+
+    A hang (ranks still running at the deadline, or failed ranks that only timed out
+    or lost a peer, one of them by a timeout) is explained from the ranks' traces when
+    they are recorded (:func:`_explain_hang`): the error then names the ranks and the
+    operation where their communication diverges.
+    """
     deadline = time.monotonic() + timeout_s
     results: dict[int, Any] = {}
     errors: dict[int, str] = {}
     pending = set(range(len(procs)))
+    hang: str | None = None
+    explained = False
+    root = None
     while pending and time.monotonic() < deadline:
         for rank in sorted(pending):
             polled = _poll(procs[rank], conns[rank])
@@ -277,16 +323,60 @@ def _collect(procs: list, conns: list, timeout_s: float, failure_dir: str) -> li
         root = root_cause(_failures(failure_dir, errors, results)) if errors else None
         if root is not None and root.kind != "peer" and root.rank in errors:
             break
+        if root is not None and not explained and any(
+                m in e for e in errors.values() for m in _TIMEOUT_MARKERS):
+            explained, hang = True, _explain_hang(procs, pending, requests, failure_dir)
+            if hang is not None:
+                break
+    if not explained and ((pending and time.monotonic() >= deadline) or (
+            errors and not pending and root is not None and root.kind == "peer")):
+        # Still running at the deadline, or only lost peers (one may have finished
+        # while another waited on it): whoever waits for whom is the cause.
+        hang = _explain_hang(procs, pending, requests, failure_dir)
     for p in procs:
         if p.is_alive():
             p.kill()
         p.join(timeout=5)
+    if hang is not None:
+        first = (f"\nfirst failure: rank {root.rank}: {errors[root.rank].splitlines()[0]}"
+                 if root is not None and root.rank in errors else "")
+        raise RankError(hang + first)
     if errors:
         raise _rank_error(_failures(failure_dir, errors, results), errors, sorted(pending),
                           timeout_s if time.monotonic() >= deadline else None)
     if pending:
         raise RankError(f"ranks {sorted(pending)} did not finish within {timeout_s:.0f} s")
     return [results[r] for r in range(len(procs))]
+
+
+def _explain_hang(procs: list, pending: set[int], requests: list | None, failure_dir: str
+                  ) -> str | None:
+    """Why the ranks hang, from their traces (``None`` when not recorded or not shown).
+
+    Ranks that failed wrote their trace; the ones still running write theirs on request
+    (a thread: their main thread is blocked). :mod:`mimotron.commcheck.diverge` compares
+    them: who waits for whom, in which operation.
+    """
+    if requests is None or os.environ.get(NCCL_CHECK_ENV) != "1":
+        return None
+    trace_dir = os.path.join(os.path.dirname(failure_dir), "trace")
+    for r in pending:
+        with contextlib.suppress(OSError):  # a rank that exited meanwhile
+            requests[r].send_bytes(b"1")
+    until = time.monotonic() + _DUMP_WAIT_S
+    while time.monotonic() < until and any(
+            procs[r].is_alive() and not os.path.exists(os.path.join(trace_dir, f"rank{r}.json"))
+            for r in pending):
+        time.sleep(0.05)  # polling files the ranks write; no ordering depends on it
+    if not os.path.isdir(trace_dir):
+        return None
+    text = explain_hang_folder(trace_dir, len(procs))
+    if text is None:
+        return None
+    kept = shutil.copytree(trace_dir, tempfile.mkdtemp(prefix="mimotron-hang-trace-"),
+                           dirs_exist_ok=True)
+    return (f"ranks hang: their communication diverges\n{text}\n(traces kept in {kept}; "
+            f"python -m mimotron.commcheck.diverge {kept} explains them again)")
 
 
 def _failures(failure_dir: str, errors: dict[int, str],

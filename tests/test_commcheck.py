@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from mimotron.commcheck import replay
 from mimotron.commcheck.record import CommRecorder
-from mimotron.testing import NCCL_CHECK_ENV, NcclDeadlockError, run_ranks
+from mimotron.testing import NCCL_CHECK_ENV, NcclDeadlockError, RankError, run_ranks
 
 FIXTURE = Path(__file__).parent / "data" / "demo_trace_buffered_sends.json.gz"
 WORLD = {"0": [0, 1]}
@@ -214,12 +214,106 @@ def test_one_group_from_two_threads_at_once_is_reported(monkeypatch: pytest.Monk
     run_ranks(2, _handed_over, timeout_s=60)
 
 
-def test_the_recorder_observes_without_changing_results() -> None:
-    rec = CommRecorder(0)
+def _trained_with_and_without_recorder(rank: int, world: int) -> dict:
+    """Two identical training runs on this rank, the second under a recorder."""
+    from tests.common import engine_run, noncolocated
+
+    layout = noncolocated({}, {}, {"data": 2})  # bridges (p2p) and DP collectives
+    plain = engine_run(rank, world, layout, 2)
+    rec = CommRecorder(rank)
     original = dist.isend
     rec.install()
     try:
         assert dist.isend is not original and dist.isend.__name__ == "isend"
+        recorded = engine_run(rank, world, layout, 2)
     finally:
         rec.uninstall()
     assert dist.isend is original
+    kinds = {ev.get("kind", ev.get("name")) for ev in rec.events if ev["op"] != "wait"}
+    return {"plain": plain, "recorded": recorded, "kinds": kinds}
+
+
+def test_the_recorder_observes_without_changing_results(monkeypatch: pytest.MonkeyPatch
+                                                        ) -> None:
+    monkeypatch.delenv(NCCL_CHECK_ENV, raising=False)  # the harness records nothing itself
+    for rank, r in enumerate(run_ranks(4, _trained_with_and_without_recorder, timeout_s=120)):
+        # It saw the run's transfers and collectives ...
+        assert {"send", "recv", "all_reduce"} <= r["kinds"], (rank, r["kinds"])
+        # ... and every loss, gradient and weight is bitwise what the unrecorded run made.
+        plain, recorded = r["plain"], r["recorded"]
+        assert recorded["steps"] == plain["steps"], rank
+        assert recorded["grad_sq"] == plain["grad_sq"], rank
+        assert recorded["weights"].keys() == plain["weights"].keys(), rank
+        for name, w in plain["weights"].items():
+            assert torch.equal(recorded["weights"][name], w), (rank, name)
+
+
+# ---- a hang on gloo, named from the ranks' traces -----------------------------------------
+def _skips_a_collective(rank: int, world: int) -> None:
+    """Rank 1 skips the second all-reduce on the group of ranks 0 and 1 (as a rank without
+    images once skipped its FSDP backward) and goes on to the world's barrier."""
+    pair = dist.new_group([0, 1])
+    dist.all_reduce(torch.ones(1))
+    if rank < 2:
+        dist.all_reduce(torch.ones(1), group=pair)
+        if rank == 0:
+            dist.all_reduce(torch.ones(1), group=pair)
+    dist.barrier()
+
+
+def _never_sent(rank: int, world: int, both: bool) -> None:
+    """Rank 0 waits for a message rank 1 never sends (a skipped bridge transfer); with
+    ``both``, rank 1 waits likewise for one from rank 0."""
+    if rank == 0 or both:
+        dist.irecv(torch.empty(4), 1 - rank).wait()
+
+
+def test_a_skipped_collective_is_named_when_the_ranks_time_out(monkeypatch: pytest.MonkeyPatch
+                                                                ) -> None:
+    monkeypatch.setenv(NCCL_CHECK_ENV, "1")
+    with pytest.raises(RankError) as err:
+        run_ranks(3, _skips_a_collective, timeout_s=60, pg_timeout_s=3)
+    lines = str(err.value).splitlines()
+    assert lines[0] == "ranks hang: their communication diverges"
+    # The cause first (rank 0 waits for rank 1, which waits for rank 0), then rank 2.
+    assert lines[1] == ("rank 0 waits in all_reduce #2 of group 1 (ranks [0, 1]) for ranks "
+                        "[1] (rank 1 issued 1 there)")
+    assert lines[2] == ("rank 1 waits in barrier #2 of group 0 (ranks [0, 1, 2]) for ranks "
+                        "[0] (rank 0 issued 1 there)")
+    assert lines[3] == ("rank 2 waits in barrier #2 of group 0 (ranks [0, 1, 2]) for ranks "
+                        "[0] (rank 0 issued 1 there)")
+
+
+def test_a_receive_never_sent_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    """gloo waits for a receive without a timeout: a peer that finished closes the
+    connection; peers that both wait are asked for their traces at the deadline."""
+    monkeypatch.setenv(NCCL_CHECK_ENV, "1")
+    waits = r"rank {} waits in recv #1 from rank {} on group 0 \(ranks \[0, 1\]\) " \
+            r"for ranks \[{}\] \(rank {} sent 0\)\n"
+    with pytest.raises(RankError, match=r"ranks hang: their communication diverges\n"
+                       + waits.format(0, 1, 1, 1) + r"\(traces kept in "):
+        run_ranks(2, _never_sent, False, timeout_s=60)
+    with pytest.raises(RankError, match=r"ranks hang: their communication diverges\n"
+                       + waits.format(0, 1, 1, 1) + waits.format(1, 0, 0, 0)):
+        run_ranks(2, _never_sent, True, timeout_s=6)
+
+
+def test_collectives_that_differ_at_one_index_are_named() -> None:
+    """A rank that skipped a unit's gather and reduce-scatter and went on to the next
+    collective on the group: the first index where the members differ is named."""
+    from mimotron.commcheck.diverge import explain_hang
+
+    a, b = _pair()
+    for name in ("all_gather_single", "reduce_scatter_single", "all_reduce"):
+        a.coll(name, group="1")
+    b.coll("all_gather_single", group="1")
+    b.coll("all_reduce", group="1")
+    groups = {**WORLD, "1": [0, 1]}
+    text = explain_hang([{**a.dump(groups), "state": "running"},
+                         {**b.dump(groups), "state": "running"}])
+    assert text == ("collective #2 of group 1 (ranks [0, 1]) differs between ranks: "
+                    "rank 0 reduce_scatter_single, rank 1 all_reduce\n"
+                    "rank 0 waits in all_reduce #3 of group 1 (ranks [0, 1]) for ranks [1] "
+                    "(rank 1 issued 2 there)")
+    # Finished ranks wait for nobody, and the same collectives everywhere show nothing.
+    assert explain_hang([a.dump(groups), a.dump(groups) | {"rank": 1}]) is None

@@ -37,7 +37,8 @@ from mimotron.testing import RankError, run_ranks
 from mimotron.training import loop as loop_module
 from mimotron.training import step as step_module
 from mimotron.training.loop import setup_mimo
-from mimotron.training.step import GlobalTokenCount, default_forward_step, train_step_mimo
+from mimotron.training.megatron_compat import train_step_mimo
+from mimotron.training.step import GlobalTokenCount, default_forward_step
 from tests.common import BASE, DIGITS, engine_run, noncolocated
 
 NUM_ITERS = 10
@@ -180,6 +181,27 @@ def test_each_direction_of_a_link_has_its_own_group() -> None:
                       build_edges(layout, {"vision": "image", "audio": "audio"}))
     # vision PP 2 on 0-1, audio on 2, language PP 2 on 3-4: stage links and bridges.
     assert links == [(0, 1), (1, 0), (1, 3), (2, 3), (3, 1), (3, 2), (3, 4), (4, 3)]
+    built = run_ranks(5, _link_groups, links, timeout_s=60)
+    names = {}
+    for rank, mine in enumerate(built):
+        # A rank holds the groups of its own links, each of exactly the link's two ranks.
+        assert sorted(mine) == [link for link in links if rank in link], rank
+        for link, (name, ranks) in mine.items():
+            assert ranks == sorted(link), (rank, link)
+            assert names.setdefault(link, name) == name, (rank, link)  # one group, both ends
+    # Every direction its own group: (a, b) and (b, a) never share one.
+    assert len(set(names.values())) == len(links), names
+
+
+def _link_groups(rank: int, world: int, links: list[tuple[int, int]]
+                 ) -> dict[tuple[int, int], tuple[str, list[int]]]:
+    import torch.distributed as dist
+
+    groups = build_link_groups(links, rank)
+    dist.barrier()  # no rank leaves while a peer still connects one of its groups
+    return {link: (g.group_name, dist.get_process_group_ranks(g)) for link, g in groups.items()}
+
+
 def test_stage_link_shape_from_the_config() -> None:
     def layout(**language: int):  # noqa: ANN202
         return plan_layout(load_config(DIGITS, BASE + noncolocated({}, {}, language)))

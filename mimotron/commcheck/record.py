@@ -11,8 +11,10 @@ Recording is a switch (``MIMOTRON_COMM_TRACE=<folder>``, read by the multi-rank 
 harness and the launcher): when it is off nothing is wrapped and nothing costs. gloo
 behaves as before under the recorder — it only observes.
 
-Not seen by the recorder: DTensor's functional collectives (``_c10d_functional`` ops,
-used by tensor-parallel layers). They run on TP groups whose members execute the same
+FSDP2's all-gathers and reduce-scatters are seen (torch calls
+``torch.distributed.all_gather_single`` / ``reduce_scatter_single`` for them). Not seen by
+the recorder: DTensor's functional collectives (``_c10d_functional`` ops, used by
+tensor-parallel layers). They run on TP groups whose members execute the same
 graph in the same order, and they are waited where their result is used.
 """
 
@@ -196,13 +198,23 @@ class CommRecorder:
             setattr(dist, name, fn)
         self._originals.clear()
 
-    def dump(self, folder: str | os.PathLike) -> Path:
-        """Write this rank's trace as ``rank<r>.json`` under ``folder``."""
+    def dump(self, folder: str | os.PathLike, state: str = "finished") -> Path:
+        """Write this rank's trace as ``rank<r>.json`` under ``folder``.
+
+        Args:
+            folder: where the run's traces go.
+            state: ``"finished"``, or how far a rank got when a hang is being explained
+                (``"failed"``, ``"running"``: :mod:`mimotron.commcheck.diverge`).
+        """
         path = Path(folder) / f"rank{self.rank}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         with self._lock:
-            data = {"rank": self.rank, "groups": self.groups, "events": self.events}
-        path.write_text(json.dumps(data))
+            text = json.dumps({"rank": self.rank, "state": state, "groups": self.groups,
+                               "events": self.events})
+        # Written whole, then renamed: the parent may read it while a stuck rank writes.
+        partial = path.with_suffix(".tmp")
+        partial.write_text(text)
+        os.replace(partial, path)
         return path
 
 
