@@ -51,7 +51,7 @@ plan: $(STAMP)
 
 # docs/configuration.md's configuration table, generated from the config dataclasses' field docstrings.
 docs: $(STAMP)
-	$(PY) -m mimotron.config_docs docs/configuration.md
+	$(PY) -m mimotron.config.docs docs/configuration.md
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache

@@ -10,7 +10,7 @@ and with activation recompute. Beside each: Korthikanti et al. 2022 ("Reducing
 Activation Recomputation in Large Transformer Models") adjusted for SwiGLU, no dropout
 and flash attention (``16h + 8f`` bytes per token, the norm and linear-input ``8h``
 whole under TP without SP), and ``mimotron plan``'s per-layer figure
-(:func:`mimotron.parallel.memory.layer_bytes_per_token`). Nothing is allocated: it runs
+(:func:`mimotron.estimate.memory.layer_bytes_per_token`). Nothing is allocated: it runs
 in seconds on a laptop.
 """
 
@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mimotron.config import load_config  # noqa: E402
 from mimotron.dryrun.saved_bytes import layer_activation_bytes  # noqa: E402
-from mimotron.parallel.memory import layer_bytes_per_token  # noqa: E402
+from mimotron.estimate.memory import layer_bytes_per_token  # noqa: E402
 
 DIGITS = Path(__file__).resolve().parents[1] / "configs" / "digits.toml"
 H, F, SEQ = 4096, 11008, 4096

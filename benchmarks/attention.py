@@ -43,8 +43,8 @@ sys.path.insert(0, str(ROOT))
 
 from mimotron.config import load_config  # noqa: E402
 from mimotron.dryrun.saved_bytes import saved_bytes  # noqa: E402
+from mimotron.estimate.activation_terms import attention_bytes_per_sample  # noqa: E402
 from mimotron.models.attention import Documents, attend, plan_attention  # noqa: E402
-from mimotron.parallel.activation_terms import attention_bytes_per_sample  # noqa: E402
 
 LLAVA_7B = ROOT / "configs" / "llava15_7b_8gpu.toml"
 

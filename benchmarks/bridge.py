@@ -44,7 +44,7 @@ from benchmarks.common import (
     summarize,
     timed,
 )
-from mimotron.testing import run_ranks
+from mimotron.forked_ranks import run_ranks
 
 # The default model's widths (the bridge carries [present, tokens, 128] fp32 rows).
 SMALL = [

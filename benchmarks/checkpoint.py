@@ -50,7 +50,7 @@ from benchmarks.common import (
     setup_run,
     summarize,
 )
-from mimotron.testing import run_ranks
+from mimotron.forked_ranks import run_ranks
 
 # language (hidden, layers): state bytes ~ 12 * hidden^2 * layers * 4 B * 3 (weights, m, v)
 SIZES = {"tiny": (32, 1), "quick": (384, 3), "default": (640, 4)}

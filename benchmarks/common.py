@@ -4,7 +4,7 @@ Every case measures two things side by side (A and B) in one invocation: repetit
 alternate the order (A B, B A, A B, ...) so slow drift of the machine (other users, CPU
 frequency) hits both sides alike; each figure is reported as a median with the min-max
 over repetitions. Threads are pinned to one per rank (``run.py`` sets ``OMP_NUM_THREADS``
-before torch is imported; ``mimotron.testing.run_ranks`` sets ``torch.set_num_threads(1)``
+before torch is imported; ``mimotron.forked_ranks.run_ranks`` sets ``torch.set_num_threads(1)``
 in every forked rank).
 """
 
@@ -222,7 +222,8 @@ def precompute_steps(run: Any, num_steps: int) -> list[Any]:
 
 def engine_stepper(run: Any, steps: list[Any]) -> Callable[[], dict[str, float]]:
     """A callable doing one ``train_step_mimo`` on the next precomputed step (cycled)."""
-    from mimotron.training.step import default_forward_step, train_step_mimo
+    from mimotron.training.megatron_compat import train_step_mimo
+    from mimotron.training.step import default_forward_step
 
     data: Iterator[Any] = itertools.cycle(steps)
 

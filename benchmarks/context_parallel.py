@@ -8,7 +8,7 @@ CP 2 x TP 2 with sequence parallelism. On every language rank the tensors autogr
 saves for backward are counted as in ``benchmarks/sequence_parallel.py`` (each distinct
 storage once, parameters excluded); the ratio of the busiest CP rank to the one-rank
 run is printed next to the analytic ratio of ``mimotron plan``
-(:func:`mimotron.parallel.memory.activation_bytes`).
+(:func:`mimotron.estimate.memory.activation_bytes`).
 
 Under CP the attention all-gathers keys and values (``[B, S, ...]`` on every rank) and
 its scores are ``[S / c, S]``, so the measured saving is below ``1 / c`` where attention

@@ -36,8 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import digits_raw, make_config  # noqa: E402
 from mimotron.data import build_datasets  # noqa: E402
-from mimotron.data.llava_setup import build_tokenizer  # noqa: E402
 from mimotron.data.packing import pack_rows  # noqa: E402
+from mimotron.data.run_data import build_tokenizer  # noqa: E402
 from mimotron.parallel.context_parallel import load_balanced_positions  # noqa: E402
 
 

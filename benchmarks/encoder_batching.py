@@ -35,7 +35,7 @@ from benchmarks.common import (
     setup_run,
     summarize,
 )
-from mimotron.testing import run_ranks
+from mimotron.forked_ranks import run_ranks
 
 BATCH = {"default": ["train.global_batch_size=64", "train.micro_batch_size=4"],
          "tiny": ["train.global_batch_size=8", "train.micro_batch_size=1"]}

@@ -27,9 +27,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from benchmarks.common import CaseResult, Figure, Options
+from mimotron.forked_ranks import run_ranks
 from mimotron.models.moe import GroupedExperts
 from mimotron.parallel.expert_parallel import ExchangeBytes, shard_experts
-from mimotron.testing import run_ranks
 
 # layout -> (world size, TP peers with identical tokens)
 LAYOUTS = {"ep2": (2, 1), "ep4": (4, 1), "ep2_tp2": (4, 2)}

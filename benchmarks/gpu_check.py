@@ -6,7 +6,7 @@ subprocess per run, its ``metrics.jsonl`` read back), each ending ``ok``, ``fail
 
 1. **throughput** (one GPU): ``configs/gpu_llava_1b.toml`` (ViT + projector + decoder
    LM, ~1.01B parameters by ``mimotron plan``'s count, bf16) for ``--steps`` steps:
-   tokens/s, model TFLOP/s and MFU (FLOPs from :mod:`mimotron.training.flops`, the peak
+   tokens/s, model TFLOP/s and MFU (FLOPs from :mod:`mimotron.estimate.flops`, the peak
    from ``--peak-tflops`` or a small table keyed by the device name), and the peak
    allocated memory against ``mimotron plan``'s estimate for the same config.
 2. **cpu_vs_gpu**: ``--compare-iters`` iterations of a reduced variant of that config
@@ -175,10 +175,10 @@ def losses(run: dict[str, Any]) -> list[float]:
 def plan_numbers(config: Path, overrides: list[str]) -> dict[str, Any]:
     """What ``mimotron plan`` prints for rank 0: parameters per module, memory estimate."""
     from mimotron.config import load_config
-    from mimotron.data.llava_setup import check_data
+    from mimotron.config.vocab_size import padded_vocab_size
+    from mimotron.data.run_data import check_data
+    from mimotron.estimate.memory import estimate_memory, stage_parameter_counts
     from mimotron.parallel.layout import plan_layout
-    from mimotron.parallel.memory import estimate_memory, stage_parameter_counts
-    from mimotron.training.model_setup import padded_vocab_size
 
     cfg = load_config(config, [*QUIET, *overrides])
     vocab = padded_vocab_size(check_data(cfg).vocab_size)

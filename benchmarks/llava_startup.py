@@ -5,7 +5,7 @@ small PNG images and WAV tones reused by every sample, text that differs per sam
 second one of ``--small`` samples (default 50 000), and a BPE tokenizer, then measures:
 
 * ``check_first``: the data set-up ``mimotron train`` does in its launcher before any
-  rank starts (:func:`~mimotron.data.llava_setup.check_data`: every sample checked into
+  rank starts (:func:`~mimotron.data.run_data.check_data`: every sample checked into
   the index, in forked processes on every core), wall and CPU seconds (all processes);
 * ``rank_setup_cached``: one rank's data set-up once the index exists (a fresh process:
   tokenizer, index read, train/validation split, 64 samples loaded), wall seconds, and
@@ -122,7 +122,7 @@ def overrides(folder: Path, path: Path, run: str) -> list[str]:
 def child_check(args: list[str]) -> dict[str, Any]:
     """The launcher's data set-up (every sample checked into the index)."""
     from mimotron.config import load_config
-    from mimotron.data.llava_setup import check_data
+    from mimotron.data.run_data import check_data
 
     cfg = load_config(DIGITS, args)
     cpu = _cpu_seconds()
@@ -140,7 +140,7 @@ def _cpu_seconds() -> float:
 def child_rank(args: list[str], with_data: bool) -> dict[str, Any]:
     """One rank's data set-up from the index (or only the tokenizer): time and memory."""
     from mimotron.config import load_config
-    from mimotron.data.llava_setup import build_llava_tasks, build_tokenizer
+    from mimotron.data.run_data import build_llava_tasks, build_tokenizer
 
     cfg = load_config(DIGITS, args)
     begin = time.perf_counter()

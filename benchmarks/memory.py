@@ -1,6 +1,6 @@
 """Case 5 - memory: live tensor bytes per rank vs the analytic estimate of ``mimotron plan``.
 
-The estimate (:func:`mimotron.parallel.memory.estimate_memory`) counts tensors: weights,
+The estimate (:func:`mimotron.estimate.memory.estimate_memory`) counts tensors: weights,
 gradients, optimizer state, the activations of the micro-batches in flight, the
 backward's workspace and the gradient-reduction bucket. The headline measures the same
 thing, at the allocator (:mod:`benchmarks.tensor_memory`: the device allocator's
@@ -52,7 +52,7 @@ from benchmarks.common import (
     summarize,
 )
 from benchmarks.tensor_memory import TensorMemoryMeter
-from mimotron.testing import run_ranks
+from mimotron.forked_ranks import run_ranks
 
 MODELS = {
     "digits": [],
@@ -71,10 +71,10 @@ PHASES = ("after_first_forward", "peak_forward_backward", "peak_grad_sync",
 
 def _estimate(cfg: Any, world: int, rank: int) -> dict[str, Any]:
     """This rank's estimate, summed over the modules it holds, with its terms."""
+    from mimotron.config.vocab_size import padded_vocab_size
     from mimotron.data.tokenizer import CharTokenizer
+    from mimotron.estimate.memory import estimate_memory
     from mimotron.parallel.layout import plan_layout
-    from mimotron.parallel.memory import estimate_memory
-    from mimotron.training.model_setup import padded_vocab_size
 
     vocab = padded_vocab_size(CharTokenizer().vocab_size)
     est = estimate_memory(cfg, plan_layout(cfg, world), vocab)[rank]

@@ -40,7 +40,7 @@ from benchmarks.common import (
     timed_cpu,
 )
 from mimotron.config import MimoConfig
-from mimotron.testing import run_ranks
+from mimotron.forked_ranks import run_ranks
 
 
 def plain_loop(

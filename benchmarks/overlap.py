@@ -71,9 +71,9 @@ from benchmarks.common import (
     setup_run,
     summarize,
 )
+from mimotron.forked_ranks import run_ranks
 from mimotron.parallel.grad_sync import GradSync
 from mimotron.parallel.zero import ZeroShards
-from mimotron.testing import run_ranks
 
 BUCKET_MB = 1.0
 EXTRA_BUCKETS_MB = (0.25, 4.0)  # plain DP only, full runs: does the bucket size matter?

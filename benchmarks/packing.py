@@ -28,8 +28,8 @@ from typing import Any  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mimotron.config import load_config  # noqa: E402
+from mimotron.forked_ranks import run_ranks  # noqa: E402
 from mimotron.runtime import init_runtime  # noqa: E402
-from mimotron.testing import run_ranks  # noqa: E402
 from mimotron.training.loop import run_training  # noqa: E402
 
 DIGITS = Path(__file__).resolve().parents[1] / "configs" / "digits.toml"

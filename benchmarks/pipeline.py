@@ -48,7 +48,7 @@ from benchmarks.common import (
     summarize,
     timed,
 )
-from mimotron.testing import run_ranks
+from mimotron.forked_ranks import run_ranks
 
 MICROBATCHES = (4, 8)
 IMAGES_ONLY = ["data.p_image=1.0", "data.p_audio=0.0", "data.p_both=0.0", "data.p_text=0.0"]

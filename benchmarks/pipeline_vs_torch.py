@@ -55,7 +55,7 @@ from benchmarks.common import (
 from benchmarks.pipeline import SIZES, _two_module_raw, model_overrides
 from benchmarks.pipeline_vs_torch_interleaved import ab_times, interleaved_case
 from benchmarks.torch_side import CONSTANT_LR, Finisher, adamw, first_step_check
-from mimotron.testing import run_ranks
+from mimotron.forked_ranks import run_ranks
 
 P = 2
 

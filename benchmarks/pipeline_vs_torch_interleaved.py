@@ -54,7 +54,7 @@ from benchmarks.pipeline_breakdown import (
     torch_breakdown,
 )
 from benchmarks.torch_side import CONSTANT_LR, Finisher, adamw, first_step_check
-from mimotron.testing import run_ranks
+from mimotron.forked_ranks import run_ranks
 
 P, V = 2, 2
 

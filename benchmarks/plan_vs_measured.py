@@ -3,7 +3,7 @@
 For LLaVA-1.5-7B (CLIP ViT-L/14-336 + Llama-2-7B) on 8 GPUs and Llama-2-70B + CLIP
 ViT-L on 64 GPUs, several layouts each (split with pipeline stages, colocated, the
 distributed optimizer, full recompute; bf16), this prints per measured rank the
-estimate of ``mimotron plan`` (:func:`mimotron.parallel.memory.estimate_memory`),
+estimate of ``mimotron plan`` (:func:`mimotron.estimate.memory.estimate_memory`),
 the peak measured by running the rank's training steps in the fake-device dry run
 under torch's memory tracker (:func:`mimotron.dryrun.memory_peak.measure_peak`), and
 their ratio (target 0.85-1.15). The measured rank is the one with the largest
@@ -30,8 +30,8 @@ sys.path.insert(0, str(ROOT))
 
 from mimotron.config import MimoConfig, load_config  # noqa: E402
 from mimotron.dryrun.memory_peak import measure_peak  # noqa: E402
+from mimotron.estimate.memory import estimate_memory  # noqa: E402
 from mimotron.parallel.layout import plan_layout  # noqa: E402
-from mimotron.parallel.memory import estimate_memory  # noqa: E402
 
 LLAVA_7B = "configs/llava15_7b_8gpu.toml"
 LLAMA_70B = "configs/llama2_70b_vit_64gpu.toml"
@@ -110,8 +110,8 @@ CASES: dict[str, Case] = {
 
 def estimate_totals(cfg: MimoConfig, ranks: list[int]) -> dict[int, int]:
     """``mimotron plan``'s total per rank (all modules it holds)."""
-    from mimotron.data.llava_setup import build_tokenizer
-    from mimotron.training.model_setup import padded_vocab_size
+    from mimotron.config.vocab_size import padded_vocab_size
+    from mimotron.data.run_data import build_tokenizer
 
     vocab = padded_vocab_size(build_tokenizer(cfg).vocab_size)
     per_rank = estimate_memory(cfg, plan_layout(cfg), vocab, ranks)

@@ -13,8 +13,8 @@ keeps) cancels. Through the module's own forward, so a layer's input has the dty
 has in training. ``--context C`` runs the language model on ``C`` forked gloo ranks
 with context parallelism (rank 0's count; its collectives run over a ``fake``
 group, since only sizes matter here). The analytic figure next to each is
-``mimotron plan``'s (:func:`mimotron.parallel.memory.layer_bytes_per_sample` minus
-:func:`~mimotron.parallel.memory.recompute_dropped_bytes`). ``--time`` adds the
+``mimotron plan``'s (:func:`mimotron.estimate.memory.layer_bytes_per_sample` minus
+:func:`~mimotron.estimate.memory.recompute_dropped_bytes`). ``--time`` adds the
 median CPU wall time of a forward and backward of the two-layer module.
 """
 
@@ -48,10 +48,10 @@ from torch.utils._pytree import tree_leaves  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mimotron.config import MimoConfig, load_config  # noqa: E402
+from mimotron.estimate.memory import layer_bytes_per_sample, recompute_dropped_bytes  # noqa: E402
+from mimotron.forked_ranks import run_ranks  # noqa: E402
 from mimotron.models.build import build_module  # noqa: E402
 from mimotron.models.recompute import apply_recompute  # noqa: E402
-from mimotron.parallel.memory import layer_bytes_per_sample, recompute_dropped_bytes  # noqa: E402
-from mimotron.testing import run_ranks  # noqa: E402
 
 DIGITS = Path(__file__).resolve().parents[1] / "configs" / "digits.toml"
 MODES = ("none", "selective", "full")

@@ -8,7 +8,7 @@ tensors autograd saves for backward are recorded with
 of one tensor share it; a saved tensor stays alive until backward, so its address
 cannot be reused within the forward), parameters excluded. The measured SP / no-SP ratio
 is printed next to the analytic one of ``mimotron plan``
-(:func:`mimotron.parallel.memory.activation_bytes`).
+(:func:`mimotron.estimate.memory.activation_bytes`).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from benchmarks.common import (  # noqa: E402
     precompute_steps,
     setup_run,
 )
-from mimotron.testing import run_ranks  # noqa: E402
+from mimotron.forked_ranks import run_ranks  # noqa: E402
 
 LAYOUT = [*parallel("vision", rank_offset=0, data=1), *parallel("audio", rank_offset=1, data=1),
           *parallel("language", rank_offset=2, tensor=2, data=1)]
@@ -86,7 +86,7 @@ def _saved_bytes(rank: int, world: int, overrides: list[str]) -> dict[str, Any]:
 def saved_by_layout(layouts: dict[str, tuple[list[str], int]]) -> dict[str, Any]:
     """For each ``name: (overrides, world size)``: saved bytes per language rank (``name``)
     and the analytic estimate of ``mimotron plan`` (``name_analytic``)."""
-    from mimotron.parallel.memory import activation_bytes
+    from mimotron.estimate.memory import activation_bytes
 
     out: dict[str, Any] = {}
     for name, (overrides, world) in layouts.items():

@@ -44,7 +44,7 @@ from benchmarks.common import (
     timed,
 )
 from benchmarks.pipeline import SIZES, _two_module_raw, model_overrides
-from mimotron.testing import run_ranks
+from mimotron.forked_ranks import run_ranks
 
 NUM_MICROBATCHES = 4
 HEADER_BYTES = 64  # HEADER_LEN int64 values (mimotron.pipeline.p2p)

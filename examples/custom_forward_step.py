@@ -22,10 +22,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from mimotron import setup_mimo, train_mimo
 from mimotron.config import load_config
 from mimotron.models.language import language_loss
 from mimotron.runtime import init_runtime
-from mimotron.training.loop import setup_mimo, train_mimo
 from mimotron.training.step import language_input
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "digits.toml"

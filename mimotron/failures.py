@@ -2,7 +2,7 @@
 
 When one rank fails, its peers blocked on it in a collective fail too ("Connection
 closed by peer", a timeout, a checkpoint error wrapping either). Whoever *reports* first
-is a matter of scheduling, so the harness (:func:`mimotron.testing.run_ranks`) and the
+is a matter of scheduling, so the harness (:func:`mimotron.forked_ranks.run_ranks`) and the
 CLI launcher (``mimotron train``) do not trust arrival order. Instead every failing rank,
 first thing in its ``except`` block and before anything that could close its
 connections, appends a :class:`FailureRecord` to a shared directory (the one named by

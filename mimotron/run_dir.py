@@ -55,7 +55,8 @@ from mimotron.checkpoint.files import (
     resolve_checkpoint,
     resolve_load,
 )
-from mimotron.config import MimoConfig
+from mimotron.config.hf_files import check_safetensors
+from mimotron.config.schema import MimoConfig
 from mimotron.outputs import check_output_dir
 
 METRICS = "metrics.jsonl"
@@ -393,7 +394,6 @@ def _check_export(cfg: MimoConfig, path: Path, key: str) -> None:
             raise ValueError(f"checkpoint.{what}=true is invalid with {key}: an export "
                              "folder holds weights only; load a mimotron checkpoint instead")
     # Headers only, as the launcher may (a damaged file named, not called missing).
-    from mimotron.models.hf.file_check import check_safetensors
 
     for m in sorted(cfg.modules):
         if (path / MODULE_FILE.format(m)).is_file():

@@ -36,7 +36,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from mimotron.config import MimoConfig
+from mimotron.config.schema import MimoConfig
 from mimotron.lifeline import LAUNCHER_PID_ENV, LAUNCHER_RUN_ID_PREFIX
 from mimotron.run_dir import RunRefused
 from mimotron.run_files import UnsafeRunFile, open_fd, write_error

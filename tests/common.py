@@ -17,7 +17,8 @@ from mimotron.pipeline import communicator as communicator_module
 from mimotron.pipeline.p2p import exchange
 from mimotron.runtime import init_runtime
 from mimotron.training.loop import MimoRun, setup_mimo
-from mimotron.training.step import default_forward_step, train_step_mimo
+from mimotron.training.megatron_compat import train_step_mimo
+from mimotron.training.step import default_forward_step
 
 DIGITS = Path(__file__).resolve().parents[1] / "configs" / "digits.toml"
 MODULES = ("vision", "audio", "language")
@@ -31,6 +32,10 @@ SMALL_MODEL = [
 # For training-math tests: clipping at 0.5 so clipping is exercised; no evaluation.
 BASE = [*SMALL_MODEL, "optimizer.lr=3e-3", "optimizer.clip_grad=0.5", "eval.interval=1000"]
 NUM_ITERS = 5
+# A run through run_training that logs every iteration and resumes from its own
+# checkpoints (the resume and reshard tests).
+RESUMING = [*BASE, "train.iters=20", "eval.iters=1", "log.interval=1", "log.progress=false",
+            "checkpoint.load=auto", "modules.vision.optimizer.lr=1e-3"]
 
 
 def par(module: str, **kw: int) -> list[str]:
@@ -41,6 +46,13 @@ def par(module: str, **kw: int) -> list[str]:
 def colocated(dp: int) -> list[str]:
     """Every module on ranks ``[0, dp)`` with data parallelism ``dp``."""
     return [item for m in MODULES for item in par(m, data=dp, rank_offset=0)]
+
+
+def colocated_plain(dp: int) -> list[str]:
+    """Every module on ranks ``[0, dp)`` with DP ``dp`` and TP = PP = 1, whatever the config
+    file says."""
+    return [f"modules.{m}.parallel.{key}={value}" for m in MODULES
+            for key, value in (("data", dp), ("tensor", 1), ("pipeline", 1), ("rank_offset", 0))]
 
 
 def noncolocated(vision: dict, audio: dict, language: dict) -> list[str]:

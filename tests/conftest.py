@@ -14,7 +14,23 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mimotron.testing import NCCL_CHECK_ENV, warm_up_imports
+from mimotron.forked_ranks import NCCL_CHECK_ENV
+
+
+def warm_up_imports() -> None:
+    """Import and cache, once in the parent, what every forked rank would load itself.
+
+    the digits array (the demo data), torch's lazily imported optimizer
+    machinery (``torch._dynamo``, pulled in by the first ``AdamW``), and DTensor.
+    """
+    import torch.distributed.tensor  # noqa: F401
+
+    from mimotron.data.digits import load_digit_images
+
+    load_digit_images()
+    p = torch.nn.Parameter(torch.zeros(1))
+    p.grad = torch.zeros(1)
+    torch.optim.AdamW([p]).step()
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -15,10 +15,10 @@ import torch
 from mimotron.checkpoint.save import _write_checkpoint
 from mimotron.checkpoint.state import META, model_state
 from mimotron.data.hf_tokenizer import resize_embedding_rows
+from mimotron.forked_ranks import run_ranks
 from mimotron.models.hf.llama import LlamaFamilySpec, build_hf_language_model
 from mimotron.models.language import LanguageModel
 from mimotron.models.mimo import MimoModel
-from mimotron.testing import run_ranks
 
 ITERATION = 3
 PADDED = 64  # training pads the vocabulary past the tokenizer's (a multiple for TP)

@@ -7,14 +7,19 @@ a tone written with the standard library's ``wave``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import wave
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import numpy as np
 
 from mimotron.data.bpe import CHATML_TEMPLATE, train_bpe_tokenizer
+from mimotron.data.llava import LlavaDataset
+from mimotron.data.llava_check import SampleChecker
 
 SENTENCES = [
     "what digit is in this picture", "the digit is seven", "listen to the tone",
@@ -110,7 +115,7 @@ def folder_tensors(folder: Path) -> dict[str, Any]:
     """Every tensor of a Hugging Face folder (single or sharded safetensors), by name."""
     from safetensors import safe_open
 
-    from mimotron.models.hf.folder import tensor_files
+    from mimotron.config.hf_folder import tensor_files
 
     out = {}
     for name, file in tensor_files(folder).items():
@@ -137,3 +142,26 @@ def llava_env(base: Path) -> dict[str, Any]:
             "images": ImageProcessor.from_pretrained(clip_dir),
             "audio": AudioFeatures(whisper_dir), "root": root,
             "samples": good_samples(root), "base": base}  # fmt: skip
+
+
+def llava_dataset(env: dict[str, Any], path: Path, index_dir: Path | None = None,
+                  root: Path | None = None, **kwargs: Any) -> LlavaDataset:
+    """A :class:`LlavaDataset` of ``path`` with :func:`llava_env`'s tokenizer, processors and
+    media root (or ``root``); ``index_dir`` keeps its index (default: beside the file)."""
+    args = {"seq_length": 96, "num_tokens": NUM_TOKENS, "image_processor": env["images"],
+            "audio_features": env["audio"], "index_dir": index_dir} | kwargs  # fmt: skip
+    return LlavaDataset(path, root or env["root"], env["tokenizer"], **args)
+
+
+@contextlib.contextmanager
+def counting_checks() -> Iterator[list[str]]:
+    """The locations of the samples checked while the block runs."""
+    checked: list[str] = []
+    original = SampleChecker.check_many
+
+    def spy(self: SampleChecker, items: Any, num_workers: int = 0) -> Any:
+        checked.extend(item.location for item in items)
+        return original(self, items, num_workers)
+
+    with mock.patch.object(SampleChecker, "check_many", spy):
+        yield checked

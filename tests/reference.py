@@ -27,6 +27,7 @@ import torch
 
 from mimotron.config import MimoConfig, load_config
 from mimotron.data import CharTokenizer, build_datasets, collate
+from mimotron.data.packing import collate_packed
 from mimotron.models.build import build_mimo_model
 from tests.common import BASE, DIGITS, module_of
 from tests.reference_attention import install_reference_attention
@@ -213,6 +214,48 @@ def reference_run(overrides: tuple[str, ...], num_iters: int,
         out.num_tokens.append(float(num_tokens))
     out.weights = {n: p.detach().clone() for n, p in model.named_parameters()}
     return out
+
+
+# The digits task with packing on, over the parity schedule (tests.parity.PARITY).
+PACKING = ["data.packing=true", "train.iters=12"]
+
+
+def reference_packer(task: object, stream: object, gbs: int
+                     ) -> Callable[[object, object, int, int], dict]:
+    """An independent greedy packer for the plain loop (keeps its stream position):
+    consecutive samples of ``stream`` in a row while they fit, ``gbs`` rows a batch.
+
+    Returns:
+        The ``batch_at`` argument of :func:`reference_run`.
+    """
+    state = {"pos": 0}
+    kwargs = {"pad_id": task.pad_id, "image_shape": task.image_shape,
+              "audio_shape": task.audio_shape}
+
+    def fits(row: list, s: dict) -> bool:
+        return sum(x["tokens"].numel() for x in row) + s["tokens"].numel() <= task.seq_length
+
+    def batch_at(task_: object, stream_: object, k: int, gbs_: int) -> dict:
+        rows: list[list] = [[]]
+        while True:
+            s = stream.samples(state["pos"], 1)[0]
+            if rows[-1] and not fits(rows[-1], s):
+                if len(rows) == gbs:
+                    break
+                rows.append([])
+            rows[-1].append(s)
+            state["pos"] += 1
+        return collate_packed(rows, task.seq_length, **kwargs)
+
+    return batch_at
+
+
+def packed_reference_run(overrides: tuple[str, ...], num_iters: int) -> ReferenceRun:
+    """:func:`reference_run` of ``overrides`` on the digits stream packed by
+    :func:`reference_packer` (the task and its seed of ``PACKING``)."""
+    cfg, task, _ = reference_setup(tuple(PACKING))
+    return reference_run(overrides, num_iters, batch_at=reference_packer(
+        task, task.stream(cfg.train.seed), cfg.train.global_batch_size))
 
 
 def _module_norms(model: torch.nn.Module) -> dict[str, float]:

@@ -27,10 +27,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import mimotron.models.blocks as blocks
 from mimotron.config import load_config
 from mimotron.dryrun.saved_bytes import layer_activation_bytes, saved_bytes
+from mimotron.estimate.memory import layer_bytes_per_token
 from mimotron.models.blocks import Attention, TransformerBlock, rms_norm
 from mimotron.models.language import LanguageModel
 from mimotron.models.recompute import apply_recompute
-from mimotron.parallel.memory import layer_bytes_per_token
 from mimotron.pipeline.shapes import residual_dtype
 from mimotron.training.precision import autocast_factory, step_cast_scope
 from tests.common import DIGITS
@@ -282,7 +282,7 @@ def _vocab_parallel_loss_saved(rank: int, world: int) -> tuple[int, int, float]:
 def test_vocab_parallel_loss_keeps_one_fp32_copy_of_the_logits():
     """The loss keeps its exp (4 bytes per logit) and the label indices, not the shifted
     logits ``gather`` would keep; the gradient is the plain cross entropy's."""
-    from mimotron.testing import run_ranks
+    from mimotron.forked_ranks import run_ranks
 
     for kept, numel, err in run_ranks(2, _vocab_parallel_loss_saved, timeout_s=60):
         assert 4 * numel <= kept <= 4 * numel + 4096, kept

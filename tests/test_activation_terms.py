@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from mimotron.config import load_config
+from mimotron.estimate.memory import activation_bytes
 from mimotron.models.attention import Documents
 from mimotron.models.build import build_module
-from mimotron.parallel.memory import activation_bytes
 from tests.test_memory_estimate import (
     DIGITS,
     SEQ,

@@ -29,13 +29,13 @@ from torch.utils._pytree import tree_leaves
 
 from mimotron.config import load_config
 from mimotron.dryrun.saved_bytes import saved_bytes
+from mimotron.estimate.activation_terms import attention_bytes_per_sample, context_keys_read
+from mimotron.forked_ranks import run_ranks
 from mimotron.models.attention import Documents, attend, attention_kernel, kernels, plan_attention
 from mimotron.models.attention.varlen_emulation import varlen_attn_emulated
 from mimotron.models.build import build_module
-from mimotron.parallel.activation_terms import attention_bytes_per_sample, context_keys_read
 from mimotron.parallel.context_parallel import gathered_positions, load_balanced_positions
 from mimotron.parallel.layout import plan_layout
-from mimotron.testing import run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 DIGITS = ROOT / "configs" / "digits.toml"
@@ -213,9 +213,9 @@ def test_cp_attention_layer_on_the_varlen_branch(emulated_varlen: Path) -> None:
     """The attention layer (RoPE, 4 query over 2 key/value heads, the K/V gather and its
     backward) under CP 2 with packed documents, the emulator as kernel: each rank's
     outputs and input gradients equal whole-row attention with a dense mask."""
-    from tests.test_context_parallel import _attention_rows
+    from tests.context_parallel import attention_rows
 
-    for res in run_ranks(2, _attention_rows, True, timeout_s=120):
+    for res in run_ranks(2, attention_rows, True, timeout_s=120):
         assert res["out_err"] <= 1e-5 * res["scale"], res
         assert res["grad_err"] <= 1e-4, res
     assert _calls(emulated_varlen) == 2
@@ -226,13 +226,14 @@ def test_packed_cp_training_on_the_varlen_branch_matches_the_plain_loop(
     """Packed rows under CP 2 trained with the GPU's attention branch (fp32, the emulator
     as kernel) match the plain loop step by step, as the per-segment branch does."""
     from tests.common import BASE, noncolocated
-    from tests.test_context_parallel import NUM_ITERS, _check_run, cp_engine_run
-    from tests.test_packing import _packed_reference
+    from tests.context_parallel import check_cp_run, cp_engine_run
+    from tests.parity import NUM_ITERS, packed_reference
+    from tests.reference import PACKING
 
     overrides = ["data.packing=true", "train.iters=12", *noncolocated({}, {}, {"context": 2})]
     world = plan_layout(load_config(DIGITS, BASE + overrides)).world_size
     results = run_ranks(world, cp_engine_run, overrides, NUM_ITERS, timeout_s=300)
-    _check_run(results, _packed_reference(), overrides)
+    check_cp_run(results, packed_reference(PACKING, NUM_ITERS), overrides)
     assert _calls(emulated_varlen) > 0
 
 

@@ -16,12 +16,13 @@ from pathlib import Path
 import pytest
 
 from mimotron.config import load_config
+from mimotron.forked_ranks import run_ranks
 from mimotron.parallel.grid import HyperCommGrid
 from mimotron.parallel.groups import MultiModuleProcessGroupCollection
 from mimotron.runtime import init_runtime
-from mimotron.testing import run_ranks
-from mimotron.training.loop import setup_mimo, train_mimo
-from mimotron.training.step import default_forward_step, module_parts, train_step_mimo
+from mimotron.training.loop import setup_mimo
+from mimotron.training.megatron_compat import train_mimo, train_step_mimo
+from mimotron.training.step import default_forward_step, module_parts
 from tests.common import ONE_RANK, SMALL_MODEL
 
 DIGITS = Path(__file__).resolve().parents[1] / "configs" / "digits.toml"

@@ -10,7 +10,6 @@ export tests.
 from __future__ import annotations
 
 import errno
-import json
 import os
 import re
 import shutil
@@ -56,28 +55,21 @@ from mimotron.config import load_config
 from mimotron.data import build_datasets
 from mimotron.data.collate import collate
 from mimotron.data.tokenizer import CharTokenizer
+from mimotron.forked_ranks import RankError, run_groups, run_ranks
 from mimotron.runtime import init_runtime
-from mimotron.testing import RankError, run_groups, run_ranks
-from mimotron.training.loop import run_training, setup_mimo
-from mimotron.training.step import default_forward_step, train_step_mimo
-from tests.common import BASE, DIGITS
+from mimotron.training.loop import setup_mimo
+from mimotron.training.megatron_compat import train_step_mimo
+from mimotron.training.step import default_forward_step
+from tests.common import BASE, DIGITS, colocated_plain
+from tests.parity import train, training_records
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def colocated(dp: int) -> list[str]:
-    """Every module on ranks ``0..dp-1`` with DP ``dp``, whatever the config file says."""
-    return [
-        f"modules.{m}.parallel.{key}={value}"
-        for m in ("vision", "audio", "language")
-        for key, value in (("data", dp), ("tensor", 1), ("pipeline", 1), ("rank_offset", 0))
-    ]
 
 
 # Per-module lr (vision differs), warm-up then cosine decay over 20 iterations.
 TRAIN = (
     BASE
-    + colocated(1)
+    + colocated_plain(1)
     + [
         "train.iters=20",
         "eval.iters=1",
@@ -99,16 +91,6 @@ FIELDS = (
 )
 
 
-def _run(rank: int, world: int, overrides: list[str]) -> None:
-    run_training(load_config(DIGITS, overrides), init_runtime())
-
-
-def _records(log_dir: Path) -> list[dict[str, Any]]:
-    """The training lines of metrics.jsonl, without timing fields."""
-    lines = [json.loads(x) for x in (log_dir / "metrics.jsonl").read_text().splitlines()]
-    return [{k: r[k] for k in FIELDS} for r in lines if "loss" in r]
-
-
 def _dirs(root: Path) -> list[str]:
     return sorted(p.name for p in root.iterdir() if p.name.startswith("iter_"))
 
@@ -119,11 +101,11 @@ def straight(tmp_path_factory) -> dict[str, Any]:
     tmp = tmp_path_factory.mktemp("straight")
     run_ranks(
         1,
-        _run,
+        train,
         TRAIN + [f"log.dir={tmp}", f"checkpoint.dir={tmp}/ckpt", "checkpoint.interval=20"],
         timeout_s=120,
     )
-    return {"records": _records(tmp), "checkpoint": tmp / "ckpt" / "iter_0000020"}
+    return {"records": training_records(tmp, FIELDS), "checkpoint": tmp / "ckpt" / "iter_0000020"}
 
 
 def test_resume_is_bitwise_exact(straight, tmp_path):
@@ -135,13 +117,13 @@ def test_resume_is_bitwise_exact(straight, tmp_path):
         "checkpoint.interval=4",
         "checkpoint.keep=2",
     ]
-    run_ranks(1, _run, first + ["train.exit_interval=10"], timeout_s=120)
+    run_ranks(1, train, first + ["train.exit_interval=10"], timeout_s=120)
     # Saves at 4, 8 and 10 (exit); keep=2 removed 4 once 10 was complete.
     assert read_latest(ckpt) == 10 and _dirs(ckpt) == ["iter_0000008", "iter_0000010"]
-    assert len(_records(tmp_path)) == 10
-    run_ranks(1, _run, first + ["checkpoint.async_save=true"], timeout_s=120)
+    assert len(training_records(tmp_path, FIELDS)) == 10
+    run_ranks(1, train, first + ["checkpoint.async_save=true"], timeout_s=120)
     assert read_latest(ckpt) == 20 and _dirs(ckpt) == ["iter_0000016", "iter_0000020"]
-    got, want = _records(tmp_path), straight["records"]
+    got, want = training_records(tmp_path, FIELDS), straight["records"]
     assert [r["iteration"] for r in got] == list(range(1, 21))
     assert got == want  # bitwise: losses, grad norms, per-module lr, loss scale, ...
     assert got[12]["lr"]["vision"] != got[12]["lr"]["language"]
@@ -158,10 +140,10 @@ def test_fp16_resume_restores_loss_scaler(tmp_path):
     ]
     split = fp16 + [f"log.dir={tmp_path}/b", f"checkpoint.dir={tmp_path}/ckpt"]
     # The straight run and the first half are independent: side by side.
-    run_groups([(1, _run, (fp16 + [f"log.dir={tmp_path}/a", "checkpoint.load=none"],), {}),
-                (1, _run, (split + ["train.exit_interval=3"],), {})], timeout_s=120)
-    run_ranks(1, _run, split, timeout_s=120)
-    want, got = _records(tmp_path / "a"), _records(tmp_path / "b")
+    run_groups([(1, train, (fp16 + [f"log.dir={tmp_path}/a", "checkpoint.load=none"],), {}),
+                (1, train, (split + ["train.exit_interval=3"],), {})], timeout_s=120)
+    run_ranks(1, train, split, timeout_s=120)
+    want, got = training_records(tmp_path / "a", FIELDS), training_records(tmp_path / "b", FIELDS)
     assert got == want
     assert len({r["loss_scale"] for r in want}) > 1  # the scale moved: the test can fail
 
@@ -230,7 +212,7 @@ def _read_all(path: Path) -> dict[str, Any]:
 
 
 def test_async_save_equals_sync_save(tmp_path):
-    results = run_ranks(2, _async_vs_sync, BASE + colocated(2), str(tmp_path), timeout_s=120)
+    results = run_ranks(2, _async_vs_sync, BASE + colocated_plain(2), str(tmp_path), timeout_s=120)
     sync = _read_all(tmp_path / "sync" / "iter_0000003")
     asynchronous = _read_all(tmp_path / "async" / "iter_0000003")
     assert sorted(sync) == sorted(asynchronous)
@@ -297,7 +279,7 @@ def _failing_saves(rank: int, world: int, overrides: list[str], root: str) -> di
 
 
 def test_failed_write_keeps_latest_and_auto_resume_uses_it(tmp_path):
-    results = run_ranks(2, _failing_saves, BASE + colocated(2), str(tmp_path), timeout_s=120)
+    results = run_ranks(2, _failing_saves, BASE + colocated_plain(2), str(tmp_path), timeout_s=120)
     for out in results:
         assert "iteration 3" in out["sync_error"]
         assert "async_error" in out
@@ -322,7 +304,7 @@ def _resumed_iteration(rank: int, world: int, overrides: list[str]) -> int:
 
 
 def test_rank_killed_mid_save_leaves_previous_checkpoint(tmp_path):
-    layout = BASE + colocated(2)
+    layout = BASE + colocated_plain(2)
     # Rank 0, blocked on rank 1 in the save, fails too: it must be named as collateral.
     with pytest.raises(RankError, match=r"^rank 1 failed: exited with code 17"):
         run_ranks(2, _killed_mid_save, layout, str(tmp_path), timeout_s=120)
@@ -415,15 +397,16 @@ def test_sigterm_saves_exits_0_and_resume_continues_exactly(straight, tmp_path):
     stopped = read_latest(tmp_path / "ckpt")
     assert stopped is not None and 2 <= stopped < 20, out
     assert "SIGTERM" in out
-    assert [r["iteration"] for r in _records(tmp_path)] == list(range(1, stopped + 1))
+    iterations = [r["iteration"] for r in training_records(tmp_path, FIELDS)]
+    assert iterations == list(range(1, stopped + 1))
     # Resume in a forked rank (a second interpreter start would cost seconds).
-    run_ranks(1, _run, overrides, timeout_s=120)
-    assert _records(tmp_path) == straight["records"]
+    run_ranks(1, train, overrides, timeout_s=120)
+    assert training_records(tmp_path, FIELDS) == straight["records"]
 
 
 def test_sigterm_to_the_launcher_saves_on_every_rank_and_exits_0(tmp_path):
     # Two ranks under torch's launcher: the signal reaches the launcher, which passes it on.
-    overrides = TRAIN + colocated(2) + ["train.iters=400", f"log.dir={tmp_path}",
+    overrides = TRAIN + colocated_plain(2) + ["train.iters=400", f"log.dir={tmp_path}",
                                          f"checkpoint.dir={tmp_path}/ckpt"]
     returncode, out = _sigterm_after_two_lines(overrides, tmp_path)
     assert returncode == 0, out
@@ -463,7 +446,10 @@ def test_a_signal_after_the_stop_save_is_complete_is_ignored(tmp_path):
 def test_a_signal_during_the_stop_save_aborts_and_says_which_save():
     """Only a signal while the stop's save is written aborts (KeyboardInterrupt for SIGINT);
     the handler notes the iteration and the signal for the rank's failure record."""
-
+    # The handler StopSignals restores before re-raising is the one it found: make it
+    # Python's own, whatever an earlier test in this worker process left in place.
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    blocked = signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT, signal.SIGTERM])
     stop = StopSignals(duplicate_window_s=0.0).install()
     try:
         signal.raise_signal(signal.SIGTERM)  # The stop request.
@@ -475,6 +461,8 @@ def test_a_signal_during_the_stop_save_aborts_and_says_which_save():
             signal.SIGTERM, signal.SIGINT, 7)
     finally:
         stop.restore()
+        signal.signal(signal.SIGINT, before)
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
 # ---- export -----------------------------------------------------------------------------
@@ -628,7 +616,7 @@ def _full_disk_save(rank: int, world: int, overrides: list[str], root: str) -> s
 def test_a_full_disk_is_one_message_naming_the_folder_on_every_rank(tmp_path):
     """Was 'rank 0: RuntimeError: ... unexpected pos 704 vs 598; rank 1: OSError: [Errno
     28] ...': the same words for the same cause, with the folder and its free space."""
-    messages = run_ranks(2, _full_disk_save, BASE + colocated(2), str(tmp_path),
+    messages = run_ranks(2, _full_disk_save, BASE + colocated_plain(2), str(tmp_path),
                          timeout_s=120)
     folder = tmp_path / "iter_0000001"
     for text in messages:

@@ -10,9 +10,7 @@ also exports to the same full weights as the reference's.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -20,12 +18,9 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from mimotron.checkpoint import read_full_model, read_latest
-from mimotron.config import load_config
-from mimotron.runtime import init_runtime
-from mimotron.testing import run_ranks
-from mimotron.training.loop import run_training
-from tests.common import BASE, DIGITS
-from tests.test_checkpoint import colocated
+from mimotron.forked_ranks import run_ranks
+from tests.common import RESUMING, colocated_plain
+from tests.parity import assert_records_follow, train, training_records
 
 
 def _noncolocated(**modules: dict[str, int]) -> list[str]:
@@ -39,14 +34,7 @@ def _noncolocated(**modules: dict[str, int]) -> list[str]:
     return out
 
 
-COMMON = BASE + [
-    "train.iters=20",
-    "eval.iters=1",
-    "log.interval=1",
-    "log.progress=false",
-    "checkpoint.load=auto",
-    "modules.vision.optimizer.lr=1e-3",
-]
+COMMON = RESUMING
 # 5 ranks; vision's optimizer state is sharded over its DP group (ZeRO-1), so the
 # resumed runs also load sharded state into unsharded optimizers.
 SAVED = _noncolocated(vision={"data": 2}, language={"tensor": 2}) + [
@@ -54,28 +42,9 @@ SAVED = _noncolocated(vision={"data": 2}, language={"tensor": 2}) + [
 ]
 RESUMED = {
     "vision-dp1-language-pp2-dp2": (_noncolocated(language={"pipeline": 2, "data": 2}), 6),
-    "colocated-dp2": (colocated(2), 2),
+    "colocated-dp2": (colocated_plain(2), 2),
 }
 SAVE_AT, STOP_AT = 4, 7
-
-
-def _run(rank: int, world: int, overrides: list[str]) -> None:
-    run_training(load_config(DIGITS, overrides), init_runtime())
-
-
-def _records(log_dir: Path) -> list[dict[str, Any]]:
-    lines = [json.loads(x) for x in (log_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in lines if "loss" in r]
-
-
-def _assert_follows(got: list[dict[str, Any]], want: list[dict[str, Any]]) -> None:
-    ref = {r["iteration"]: r for r in want}
-    for r in got:
-        w = ref[r["iteration"]]
-        assert r["consumed_samples"] == w["consumed_samples"]
-        assert r["loss"] == pytest.approx(w["loss"], rel=1e-4), r["iteration"]
-        assert r["grad_norm"] == pytest.approx(w["grad_norm"], rel=1e-4), r["iteration"]
-        assert r["lr"] == pytest.approx(w["lr"], rel=1e-9), r["iteration"]
 
 
 @pytest.fixture(scope="module")
@@ -84,9 +53,9 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     tmp = tmp_path_factory.mktemp("reshard")
     run_ranks(
         1,
-        _run,
+        train,
         COMMON
-        + colocated(1)
+        + colocated_plain(1)
         + [
             f"log.dir={tmp}/ref",
             f"checkpoint.dir={tmp}/ref/ckpt",
@@ -97,7 +66,7 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     )
     run_ranks(
         5,
-        _run,
+        train,
         COMMON
         + SAVED
         + [
@@ -111,10 +80,10 @@ def runs(tmp_path_factory) -> dict[str, Path]:
 
 
 def test_saved_layout_follows_reference(runs):
-    saved = _records(runs["saved"])
+    saved = training_records(runs["saved"])
     assert [r["iteration"] for r in saved] == list(range(1, SAVE_AT + 1))
     assert read_latest(runs["saved"] / "ckpt") == SAVE_AT
-    _assert_follows(saved, _records(runs["ref"]))
+    assert_records_follow(saved, training_records(runs["ref"]))
 
 
 def test_each_rank_writes_its_shards_and_replicas_once(runs):
@@ -136,7 +105,7 @@ def test_resume_in_another_layout(runs, tmp_path, capfd, name):
     layout, world = RESUMED[name]
     run_ranks(
         world,
-        _run,
+        train,
         COMMON
         + layout
         + [
@@ -147,9 +116,9 @@ def test_resume_in_another_layout(runs, tmp_path, capfd, name):
         ],
         timeout_s=240,
     )
-    got = _records(tmp_path)
+    got = training_records(tmp_path)
     assert [r["iteration"] for r in got] == list(range(SAVE_AT + 1, STOP_AT + 1))
-    _assert_follows(got, _records(runs["ref"]))
+    assert_records_follow(got, training_records(runs["ref"]))
     assert "RNG state was re-derived" in capfd.readouterr().out
     assert read_latest(tmp_path / "ckpt") == STOP_AT
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from mimotron.cli.main import main
-from mimotron.testing import run_ranks
+from mimotron.forked_ranks import run_ranks
 from tests.common import ONE_RANK, SMALL_MODEL
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 
 from mimotron.config import load_config
+from mimotron.forked_ranks import RankError, run_ranks
 from mimotron.runtime import init_runtime
-from mimotron.testing import RankError, run_ranks
 from mimotron.training.loop import setup_mimo
 from tests.common import BASE, DIGITS, coloc, engine_run, noncolocated, train_step
 

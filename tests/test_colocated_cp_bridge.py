@@ -24,28 +24,20 @@ per-module grad norms, final weights at 1e-4 relative, replicas bitwise equal.
 
 from __future__ import annotations
 
-from functools import cache
-
 import pytest
 import torch
 
 from mimotron.config import load_config
-from mimotron.config_schema import ParallelConfig
+from mimotron.config.schema import ParallelConfig
+from mimotron.forked_ranks import run_ranks
 from mimotron.parallel.context_parallel import placeholder_selection
 from mimotron.parallel.layout import Layout, ModulePlacement, plan_layout
 from mimotron.pipeline import colocated as colocated_module
 from mimotron.pipeline.colocated import ColocatedTransport
 from mimotron.pipeline.colocated_cp import cp_bridge_geometry, plan_route
 from mimotron.pipeline.edges import build_edges, slice_range
-from mimotron.testing import run_ranks
 from tests.common import BASE, DIGITS, coloc, engine_run
-from tests.reference import ReferenceRun, reference_run
-from tests.test_parity import (
-    assert_module_norms_match,
-    assert_steps_match,
-    assert_weights_match,
-    checked_modules,
-)
+from tests.parity import run_against_plain_loop
 
 WORLD, MBS, SEQ, T, HIDDEN, CP, PID = 4, 8, 16, 3, 4, 2, 99
 POISON = 1.0e6  # added to the rows of encoder TP copies that must not be read
@@ -168,12 +160,6 @@ PARITY_LAYOUTS = {
 }
 
 
-@cache
-def _reference() -> ReferenceRun:
-    """The plain loop, shared by the cases (CP and the layout change neither model nor data)."""
-    return reference_run(tuple(PARITY), PARITY_ITERS)
-
-
 def _recording_engine_run(rank: int, world: int, overrides: list[str], num_iters: int
                           ) -> dict:
     """:func:`engine_run`, also recording the shape of every CP bridge output."""
@@ -195,11 +181,9 @@ def test_colocated_context_parallel_matches_plain_loop(name: str) -> None:
     cfg = load_config(DIGITS, BASE + overrides)
     layout = plan_layout(cfg)  # the validator accepts CP in a colocated placement
     assert layout.colocated and layout.world_size == WORLD
-    results = run_ranks(WORLD, _recording_engine_run, overrides, PARITY_ITERS, timeout_s=300)
-    ref = _reference()
-    assert_steps_match(results, ref)
-    assert_module_norms_match(results, ref, checked_modules(overrides))
-    assert_weights_match(results, ref)
+    # CP and the layout change neither model nor data: the plain loop of PARITY alone.
+    results = run_against_plain_loop(PARITY_LAYOUTS[name], [], _recording_engine_run,
+                                     PARITY_ITERS, schedule=PARITY)
     # The CP bridge ran on every rank for both encoders and returned [n_local, H] rows.
     hidden = cfg.modules["language"].hidden_size
     for rank, res in enumerate(results):

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from mimotron.commcheck import replay
 from mimotron.commcheck.record import CommRecorder
-from mimotron.testing import NCCL_CHECK_ENV, NcclDeadlockError, RankError, run_ranks
+from mimotron.forked_ranks import NCCL_CHECK_ENV, NcclDeadlockError, RankError, run_ranks
 
 FIXTURE = Path(__file__).parent / "data" / "demo_trace_buffered_sends.json.gz"
 WORLD = {"0": [0, 1]}

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from mimotron.config import MimoConfig, OptimizerConfig, ParallelConfig
-from mimotron.config_docs import (
+from mimotron.config.docs import (
     END,
     START,
     config_classes,

@@ -17,44 +17,31 @@ description; checkpoints resume across CP degrees.
 
 from __future__ import annotations
 
-import json
-from functools import cache
-from pathlib import Path
-from unittest import mock
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
-import mimotron.models.blocks as blocks_module
 from mimotron.config import load_config
-from mimotron.models.attention import Documents, plan_attention
-from mimotron.models.blocks import Attention, apply_rope, rope_cache
+from mimotron.forked_ranks import run_ranks
 from mimotron.models.language import LanguageModel, language_loss
 from mimotron.models.mimo import MimoModel
 from mimotron.parallel.context_parallel import load_balanced_positions
 from mimotron.parallel.layout import plan_layout
-from mimotron.runtime import init_runtime
-from mimotron.testing import run_ranks
 from mimotron.training.language_step import context_parallel_counts, language_loss_step
-from mimotron.training.loop import run_training
-from mimotron.training.step import default_forward_step, train_step_mimo
-from tests import common as common_module
-from tests.common import BASE, DIGITS, coloc, engine_run, noncolocated
-from tests.reference import ReferenceRun, reference_run
-from tests.test_packing import _packed_reference
-from tests.test_parity import (
-    assert_module_norms_match,
-    assert_steps_match,
-    assert_weights_match,
-    checked_modules,
+from mimotron.training.step import default_forward_step
+from tests.common import BASE, DIGITS, coloc, noncolocated
+from tests.context_parallel import HIDDEN, SEQ, attention_rows, check_cp_run, cp_engine_run
+from tests.parity import (
+    engine_results,
+    packed_reference,
+    records_by_iteration,
+    reference,
+    train,
 )
+from tests.reference import PACKING
 
 NUM_ITERS = 10
 PARITY = ["train.iters=10"]
-SEQ = 64  # data.seq_length of configs/digits.toml
-HIDDEN = 64  # modules.language.hidden_size in tests.common.SMALL_MODEL
 SP = ["modules.language.parallel.sequence_parallel=true"]
 
 CASES = {
@@ -70,113 +57,13 @@ CASES = {
 }
 
 
-def cp_engine_run(rank: int, world: int, overrides: list[str], num_iters: int) -> dict:
-    """:func:`engine_run`, also recording attention's local keys, encoder rows and sends."""
-    local_keys: list[int] = []
-    encoded_rows: list[int] = []
-    sends: list[tuple[int, tuple[int, ...]]] = []
-    gather, exchange = blocks_module.gather_kv, common_module.exchange
-    encode = MimoModel.encode
-
-    def recording_encode(self, name, batch):  # noqa: ANN001, ANN202
-        out = encode(self, name, batch)
-        encoded_rows.append(out.shape[0] * out.shape[1])
-        return out
-
-    def recording_gather(k, v, group, dim):  # noqa: ANN001, ANN202
-        local_keys.append(k.shape[dim])
-        return gather(k, v, group, dim)
-
-    def recording_exchange(out: list, *args: object) -> list:
-        sends.extend((peer, tuple(t.shape)) for peer, t in out)
-        return exchange(out, *args)
-
-    # This forked rank only. engine_run installs its own counting wrapper around
-    # tests.common.exchange, so ours goes below it.
-    rejections: list[str] = []
-    train_step = common_module.train_step
-
-    def custom_step_first(run):  # noqa: ANN001, ANN202
-        if not rejections:  # A custom forward step is refused before any collective.
-            try:
-                train_step_mimo(_custom_forward_step, run.train_data_iterator, run.model,
-                                run.optimizer, run.schedulers, run.global_state,
-                                run.communicator, infra=run.infra)
-                rejections.append("accepted")
-            except ValueError as exc:
-                rejections.append(str(exc))
-        return train_step(run)
-
-    blocks_module.gather_kv = recording_gather
-    common_module.exchange = recording_exchange
-    common_module.train_step = custom_step_first
-    MimoModel.encode = recording_encode
-    result = engine_run(rank, world, overrides, num_iters)
-    return {**result, "local_keys": local_keys, "sends": sends, "encoded_rows": encoded_rows,
-            "rejections": rejections}
-
-
-def _custom_forward_step(model, batch, embeddings):  # noqa: ANN001, ANN202
-    """The built-in step plus an auxiliary metric: its sum would be CP rank 0's only."""
-    loss_sum, num_tokens, metrics = default_forward_step(model, batch, embeddings)
-    return loss_sum, num_tokens, {**metrics, "lm_loss": torch.stack([loss_sum.detach(),
-                                                                      num_tokens])}
-
-
-@cache
-def _reference() -> ReferenceRun:
-    """The plain loop, shared by every unpacked case (CP does not change the model or data)."""
-    return reference_run(tuple(PARITY), NUM_ITERS)
-
-
-def _check_bridge_rows(results: list[dict], overrides: list[str]) -> None:
-    """Each encoder leader sent every output row exactly once, split over the CP ranks.
-
-    The pieces are ``[n, H]`` rows (not ``[N, T, H]`` blocks), several CP ranks receive rows,
-    and the rows sent add up to the rows encoded (the language side's merge checks that
-    each CP rank got exactly the rows of its own placeholders).
-    """
-    layout = plan_layout(load_config(DIGITS, BASE + overrides))
-    language = layout.modules["language"]
-    first_stage = {language.rank_at(tp=0, cp=r, dp=d, pp=0)
-                   for r in range(language.parallel.context)
-                   for d in range(language.parallel.data)}
-    received = dict.fromkeys(first_stage, 0)
-    for rank, res in enumerate(results):
-        if layout.roles(rank)[0].module == "language":
-            continue
-        sent = 0
-        for peer, shape in res["sends"]:
-            if peer in first_stage:
-                assert len(shape) == 2 and shape[-1] == HIDDEN, shape
-                received[peer] += shape[0]
-                sent += shape[0]
-        assert sent == sum(res["encoded_rows"]) > 0, f"rank {rank}"
-    # Rows go to several CP ranks (at CP 4 a rank whose chunks hold no placeholder
-    # receives none: the demo's media placeholders come first in a sample).
-    assert sum(n > 0 for n in received.values()) >= 2, received
-
-
-def _check_run(results: list[dict], ref: ReferenceRun, overrides: list[str]) -> None:
-    assert_steps_match(results, ref)
-    assert_module_norms_match(results, ref, checked_modules(overrides))
-    assert_weights_match(results, ref)
-    context = load_config(DIGITS, BASE + overrides).modules["language"].parallel.context
-    for res in results:  # every rank refused the custom forward step, naming the field
-        assert res["rejections"] == [res["rejections"][0]], res["rejections"]
-        assert "forward_step_func" in res["rejections"][0], res["rejections"][0]
-        assert f"modules.language.parallel.context={context}" in res["rejections"][0]
-    keys = {k for res in results for k in res["local_keys"]}
-    assert keys == {SEQ // context}, keys  # every attention held S / c positions
-    _check_bridge_rows(results, overrides)
-
-
 @pytest.mark.parametrize("name", list(CASES))
 def test_context_parallel_matches_plain_loop(name):
     overrides = PARITY + CASES[name]
     world = plan_layout(load_config(DIGITS, BASE + overrides)).world_size
-    results = run_ranks(world, cp_engine_run, overrides, NUM_ITERS, timeout_s=300)
-    _check_run(results, _reference(), overrides)
+    results = engine_results(overrides, NUM_ITERS, cp_engine_run, world)
+    # CP does not change the model or data: the plain loop of PARITY alone.
+    check_cp_run(results, reference([], NUM_ITERS, PARITY), overrides)
 
 
 PACKED_CP = {"language-cp2": {"context": 2}, "language-cp4": {"context": 4},
@@ -192,50 +79,8 @@ def test_packed_context_parallel_matches_plain_loop(name):
     sp = ["modules.language.parallel.sequence_parallel=true"] if "sp" in name else []
     overrides = ["data.packing=true", "train.iters=12", *noncolocated({}, {}, language), *sp]
     world = plan_layout(load_config(DIGITS, BASE + overrides)).world_size
-    results = run_ranks(world, cp_engine_run, overrides, NUM_ITERS, timeout_s=300)
-    _check_run(results, _packed_reference(), overrides)
-
-
-def _dense_core(doc_ids: torch.Tensor | None):
-    """An attention core over whole rows with the mask written out here: causal, and
-    within one document for packed rows (RoPE by the model's own function)."""
-    def core(q, k, v, rope=None, plan=None):
-        cos, sin = (t[:, None, :] for t in rope)  # [S, 1, d/2] for [B, S, h, d]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        seq = q.shape[1]
-        allowed = torch.ones(seq, seq, dtype=torch.bool).tril()
-        if doc_ids is not None:
-            allowed = allowed & (doc_ids[:, :, None] == doc_ids[:, None, :])
-        group = q.shape[2] // k.shape[2]
-        k, v = (t.repeat_interleave(group, dim=2) for t in (k, v))
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        mask = allowed if allowed.dim() == 2 else allowed[:, None]
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2)
-    return core
-
-
-def _attention_rows(rank: int, world: int, packed: bool) -> dict:
-    """CP attention on this rank's positions (the engine's plan and kernel) vs attention
-    over the whole rows with a dense mask written in the test (same weights and input)."""
-    torch.manual_seed(0)
-    seq, hidden = 16, 32
-    attn = Attention(hidden, num_heads=4, causal=True, num_kv_heads=2)
-    x = torch.randn(2, seq, hidden)
-    doc_ids = torch.tensor([[0] * 5 + [1] * 7 + [2] * 4, [0] * 9 + [1] * 7])
-    cos, sin = rope_cache(seq, attn.head_dim)
-    full_x = x.clone().requires_grad_(True)
-    with mock.patch.object(attn, "core", _dense_core(doc_ids if packed else None)):
-        full = attn(full_x, (cos, sin))
-    full.square().sum().backward()
-    pos = load_balanced_positions(seq, world, rank)
-    attn.context_parallel_group = dist.group.WORLD
-    local_x = x[:, pos].clone().requires_grad_(True)
-    docs = Documents.from_doc_ids(doc_ids) if packed else Documents.whole(2, seq)
-    local = attn(local_x, (cos[pos], sin[pos]), plan_attention(docs, x.device, world, rank))
-    local.square().sum().backward()
-    return {"out_err": float((local - full[:, pos]).abs().max()),
-            "grad_err": float((local_x.grad - full_x.grad[:, pos]).abs().max()),
-            "scale": float(full.abs().max())}
+    results = engine_results(overrides, NUM_ITERS, cp_engine_run, world)
+    check_cp_run(results, packed_reference(PACKING, NUM_ITERS), overrides)
 
 
 @pytest.mark.parametrize("world", [2, 4], ids=["cp2", "cp4"])
@@ -245,7 +90,7 @@ def test_cp_attention_equals_rows_of_full_attention(packed, world):
 
     CP 4 cuts the 16 positions into chunks of 2, so documents span several chunks.
     """
-    for res in run_ranks(world, _attention_rows, packed, timeout_s=120):
+    for res in run_ranks(world, attention_rows, packed, timeout_s=120):
         assert res["out_err"] <= 1e-5 * res["scale"], res
         assert res["grad_err"] <= 1e-4, res
 
@@ -284,7 +129,7 @@ def test_plan_prints_context_parallel_ranks(capsys):
 
 
 def test_activation_estimate_divides_by_context():
-    from mimotron.parallel.memory import activation_bytes
+    from mimotron.estimate.memory import activation_bytes
 
     def estimate(language: dict, *extra: str) -> int:
         cfg = load_config(DIGITS, BASE + noncolocated({}, {}, language) + list(extra))
@@ -304,7 +149,7 @@ def test_activation_estimate_divides_by_context():
 
 def test_optimizer_estimate_shards_over_dp_times_cp():
     """With shard_optimizer the language optimizer is sharded over dp x cp (optim/build)."""
-    from mimotron.parallel.memory import estimate_memory
+    from mimotron.estimate.memory import estimate_memory
 
     def language_optimizer(language: dict) -> int:
         cfg = load_config(DIGITS, BASE + noncolocated({}, {}, language) + [
@@ -361,15 +206,6 @@ def test_cp_loss_pieces_sum_and_exact_match_is_reduced():
         assert res["correct"][0] == res["correct"][1] == [True, False, False, False]
 
 
-def _train(rank: int, world: int, overrides: list[str]) -> None:
-    run_training(load_config(DIGITS, overrides), init_runtime())
-
-
-def _records(log_dir: Path, key: str = "loss") -> dict[int, dict]:
-    lines = [json.loads(x) for x in (log_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["iteration"]: r for r in lines if key in r}
-
-
 def test_checkpoints_resume_across_context_parallel_degrees(tmp_path):
     """CP 1 -> CP 2 (language ZeRO over dp x cp) -> CP 1, following the one-process run.
 
@@ -380,24 +216,24 @@ def test_checkpoints_resume_across_context_parallel_degrees(tmp_path):
     one_rank = coloc({"data": 1}, {"data": 1}, {"data": 1})
     cp2 = noncolocated({}, {}, {"context": 2}) + [
         "modules.language.parallel.shard_optimizer=true"]
-    run_ranks(1, _train, common + one_rank + [
+    run_ranks(1, train, common + one_rank + [
         f"log.dir={tmp_path}/ref", f"checkpoint.dir={tmp_path}/ref/ckpt",
         "checkpoint.interval=2", "train.exit_interval=6"], timeout_s=120)
-    run_ranks(4, _train, common + cp2 + [
+    run_ranks(4, train, common + cp2 + [
         f"log.dir={tmp_path}/cp2", f"checkpoint.dir={tmp_path}/cp2/ckpt",
         f"checkpoint.load={tmp_path}/ref/ckpt/iter_0000002", "checkpoint.interval=2",
         "train.exit_interval=4"], timeout_s=240)
-    run_ranks(1, _train, common + one_rank + [
+    run_ranks(1, train, common + one_rank + [
         f"log.dir={tmp_path}/cp1", f"checkpoint.dir={tmp_path}/cp1/ckpt",
         f"checkpoint.load={tmp_path}/cp2/ckpt", "train.exit_interval=6"], timeout_s=120)
-    ref, cp2_run, cp1_run = (_records(tmp_path / d) for d in ("ref", "cp2", "cp1"))
+    ref, cp2_run, cp1_run = (records_by_iteration(tmp_path / d) for d in ("ref", "cp2", "cp1"))
     assert sorted(cp2_run) == [3, 4] and sorted(cp1_run) == [5, 6]
     for it, rec in {**cp2_run, **cp1_run}.items():
         assert rec["consumed_samples"] == ref[it]["consumed_samples"]
         assert rec["loss"] == pytest.approx(ref[it]["loss"], rel=1e-4), it
         assert rec["grad_norm"] == pytest.approx(ref[it]["grad_norm"], rel=1e-4), it
-    got, want = _records(tmp_path / "cp2", "eval_loss")[4], _records(tmp_path / "ref",
-                                                                      "eval_loss")[4]
+    got = records_by_iteration(tmp_path / "cp2", "eval_loss")[4]
+    want = records_by_iteration(tmp_path / "ref", "eval_loss")[4]
     assert got["eval_loss"] == pytest.approx(want["eval_loss"], rel=1e-4)
     assert (got["eval_accuracy"], got["eval_samples"]) == (want["eval_accuracy"],
                                                            want["eval_samples"])

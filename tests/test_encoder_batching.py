@@ -27,21 +27,17 @@ import pytest
 import torch
 
 from mimotron.config import load_config
+from mimotron.estimate.memory import activation_bytes
 from mimotron.parallel.grad_sync import GradSync
 from mimotron.parallel.layout import plan_layout
-from mimotron.parallel.memory import activation_bytes
 from mimotron.pipeline.encoder_batching import BatchedEncoders, concat_encoder_inputs
 from mimotron.runtime import init_runtime
-from mimotron.testing import run_ranks
 from mimotron.training.evaluate import evaluate
 from mimotron.training.language_step import LanguageStep
 from mimotron.training.loop import setup_mimo
 from mimotron.training.step import default_forward_step
 from tests.common import BASE, DIGITS, coloc, colocated, engine_run, noncolocated, train_step
-from tests.test_parity import (
-    run_against_plain_loop,
-    world_size,
-)
+from tests.parity import engine_results, run_against_plain_loop
 
 ON = ["train.encoder_batching=true"]
 SMALL_MB = ["train.micro_batch_size=4"]  # 4 micro-batches; DP slices of 1-2 samples
@@ -139,8 +135,7 @@ ON_OFF_CASES = {
 @pytest.mark.parametrize("name", list(ON_OFF_CASES))
 def test_encoder_batching_on_off_agree(name: str) -> None:
     overrides = [f"train.iters={ON_OFF_ITERS}", "eval.iters=1", *ON_OFF_CASES[name]]
-    results = run_ranks(world_size(overrides), on_off_run, overrides, ON_OFF_ITERS,
-                        timeout_s=300)
+    results = engine_results(overrides, ON_OFF_ITERS, on_off_run)
     tol = 1e-2 if "bf16" in name else 1e-5  # bf16: 8 significant bits, kernels reshaped
     for rank, res in enumerate(results):
         on, off = res["on"], res["off"]

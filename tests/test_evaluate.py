@@ -7,11 +7,12 @@ import torch
 from mimotron.config import load_config
 from mimotron.data import build_datasets
 from mimotron.data.collate import collate
+from mimotron.forked_ranks import run_ranks
 from mimotron.runtime import init_runtime
-from mimotron.testing import run_ranks
 from mimotron.training.evaluate import greedy_generate
 from mimotron.training.loop import setup_mimo
-from mimotron.training.step import default_forward_step, train_step_mimo
+from mimotron.training.megatron_compat import train_step_mimo
+from mimotron.training.step import default_forward_step
 from tests.common import BASE, DIGITS
 from tests.common import colocated as _colocated
 

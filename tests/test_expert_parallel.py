@@ -26,10 +26,10 @@ from torch.distributed.tensor import DTensor
 
 from mimotron.cli.plan import run_plan
 from mimotron.config import load_config
+from mimotron.forked_ranks import run_ranks
 from mimotron.models.moe import GroupedExperts
 from mimotron.parallel.expert_parallel import ExchangeBytes, exchange, shard_experts
 from mimotron.parallel.layout import plan_layout
-from mimotron.testing import run_ranks
 from tests.common import BASE, DIGITS, colocated, par
 
 E, H, F_, K, T = 4, 8, 6, 2, 5

@@ -34,9 +34,9 @@ from mimotron.config import load_config
 from mimotron.data.hf_tokenizer import HFTokenizer
 from mimotron.data.media import ImageProcessor
 from mimotron.demo.llava_assets import write_llava_assets
+from mimotron.forked_ranks import run_ranks
 from mimotron.models.mimo import MimoModel
 from mimotron.runtime import init_runtime
-from mimotron.testing import run_ranks
 from mimotron.training.loop import run_training
 
 transformers = pytest.importorskip("transformers")

@@ -29,7 +29,7 @@ from mimotron.failures import (
     record_failure,
     root_cause,
 )
-from mimotron.testing import RankError, run_groups, run_ranks
+from mimotron.forked_ranks import RankError, run_groups, run_ranks
 
 COLLATERAL = r"(failed as a consequence: peer lost|stopped as a consequence)"
 

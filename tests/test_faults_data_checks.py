@@ -22,10 +22,16 @@ import pytest
 
 from mimotron.config import load_config
 from mimotron.data.hf_tokenizer import HFTokenizer
-from mimotron.data.llava import LlavaDataset
 from mimotron.data.media import ImageProcessor
 from tests.common import DIGITS, SMALL_MODEL
-from tests.hf_data import CLIP_CONFIG, NUM_TOKENS, llava_env, make_tokenizer, write_jsonl, write_png
+from tests.hf_data import (
+    CLIP_CONFIG,
+    llava_dataset,
+    llava_env,
+    make_tokenizer,
+    write_jsonl,
+    write_png,
+)
 
 IMAGE_TURNS = [{"from": "human", "value": "<image> what digit is in this picture"},
                {"from": "gpt", "value": "the digit is seven"}]  # fmt: skip
@@ -37,10 +43,7 @@ def env(tmp_path_factory):
     return llava_env(tmp_path_factory.mktemp("faults_checks"))
 
 
-def dataset(env, path, **kwargs):
-    args = {"seq_length": 96, "num_tokens": NUM_TOKENS, "image_processor": env["images"],
-            "audio_features": env["audio"]} | kwargs  # fmt: skip
-    return LlavaDataset(path, env["root"], env["tokenizer"], **args)
+dataset = llava_dataset
 
 
 # ---- 1. keys the loader does not read ---------------------------------------------------

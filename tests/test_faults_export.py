@@ -27,8 +27,8 @@ from mimotron.checkpoint import export_checkpoint
 from mimotron.checkpoint.export_folder import MARKER
 from mimotron.cli.main import main as cli_main
 from mimotron.config import load_config
+from mimotron.forked_ranks import run_ranks
 from mimotron.runtime import init_runtime
-from mimotron.testing import run_ranks
 from mimotron.training.loop import run_training
 from tests.common import BASE, DIGITS, ONE_RANK
 

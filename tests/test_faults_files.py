@@ -25,8 +25,8 @@ import pytest
 from mimotron.checkpoint import CheckpointError, export_checkpoint, read_full_model
 from mimotron.cli.main import main as cli_main
 from mimotron.config import load_config
+from mimotron.forked_ranks import run_ranks
 from mimotron.runtime import init_runtime
-from mimotron.testing import run_ranks
 from mimotron.training.loop import run_training
 from mimotron.training.metrics import MetricsWriter, TrainingDivergedError, check_divergence
 from mimotron.training.state import TrainState

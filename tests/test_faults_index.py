@@ -20,23 +20,21 @@ nothing is downloaded.
 
 from __future__ import annotations
 
-import contextlib
 import io
 import json
 import multiprocessing as mp
 import os
 import tarfile
 from pathlib import Path
-from unittest import mock
 
 import numpy as np
 import pytest
 
+from mimotron.config.shard_paths import MAX_BRACE_NAMES, shard_paths
 from mimotron.data.llava import LlavaDataset
-from mimotron.data.llava_check import SampleChecker
 from mimotron.data.sample_index import ChunkResult, map_chunks
-from mimotron.data.webdataset import MAX_BRACE_NAMES, shard_paths, split_name, write_shards
-from tests.hf_data import NUM_TOKENS, llava_env, write_jsonl
+from mimotron.data.webdataset import split_name, write_shards
+from tests.hf_data import counting_checks, llava_dataset, llava_env, write_jsonl
 
 
 @pytest.fixture(scope="module")
@@ -45,24 +43,9 @@ def env(tmp_path_factory):
     return llava_env(tmp_path_factory.mktemp("faults_index"))
 
 
-def dataset(env, path, index_dir=None, **kwargs):
-    args = {"seq_length": 96, "num_tokens": NUM_TOKENS, "image_processor": env["images"],
-            "audio_features": env["audio"], "index_dir": index_dir} | kwargs  # fmt: skip
-    return LlavaDataset(path, env["root"], env["tokenizer"], **args)
+dataset = llava_dataset
 
 
-@contextlib.contextmanager
-def counting_checks():
-    """The locations of the samples checked while the block runs."""
-    checked: list[str] = []
-    original = SampleChecker.check_many
-
-    def spy(self, items, num_workers=0):
-        checked.extend(item.location for item in items)
-        return original(self, items, num_workers)
-
-    with mock.patch.object(SampleChecker, "check_many", spy):
-        yield checked
 
 
 def edit_in_place(path: Path, old: bytes, new: bytes, keep_mtime: bool) -> None:

@@ -23,10 +23,10 @@ import numpy as np
 import pytest
 import torch
 
-from mimotron.config_schema import DataConfig
+from mimotron.config.schema import DataConfig
 from mimotron.data.llava import LlavaDataset
 from tests.hf_data import (
-    NUM_TOKENS,
+    llava_dataset,
     llava_env,
     tone,
     write_jsonl,
@@ -46,10 +46,7 @@ def env(tmp_path_factory):
     return llava_env(tmp_path_factory.mktemp("faults_media"))
 
 
-def dataset(env, path, root=None, **kwargs):
-    args = {"seq_length": 96, "num_tokens": NUM_TOKENS, "image_processor": env["images"],
-            "audio_features": env["audio"]} | kwargs  # fmt: skip
-    return LlavaDataset(path, root or env["root"], env["tokenizer"], **args)
+dataset = llava_dataset
 
 
 def with_bad_third(env, path: Path, bad: dict | str) -> Path:
@@ -112,7 +109,7 @@ def _break_after_check(env, tmp_path, skip: bool) -> tuple[LlavaDataset, Path]:
     image = write_png(root / "img" / "late.png", 24, 24, seed=4)
     samples = [{"id": "ok", "conversations": env["samples"][3]["conversations"]},
                {"id": "late", "image": "img/late.png", "conversations": IMAGE_TURNS}]
-    data = dataset(env, write_jsonl(tmp_path / "d.jsonl", samples), root,
+    data = dataset(env, write_jsonl(tmp_path / "d.jsonl", samples), root=root,
                    skip_bad_samples=skip)  # fmt: skip
     image.write_bytes(image.read_bytes()[:40])  # broken after the check
     return data, image
@@ -173,11 +170,11 @@ def test_media_outside_the_root_is_a_bad_sample_unless_allowed(env, tmp_path, na
     path = write_jsonl(tmp_path / "d.jsonl", samples)
     with pytest.raises(ValueError, match=r"d.jsonl line 2 \(sample id 'out'\): .*"
                        + r"outside data.root.*data.allow_outside_root") as info:  # fmt: skip
-        dataset(env, path, root)
+        dataset(env, path, root=root)
     assert media in str(info.value) and "\n" not in str(info.value)
-    skipping = dataset(env, path, root, skip_bad_samples=True)
+    skipping = dataset(env, path, root=root, skip_bad_samples=True)
     assert skipping.num_skipped == 1 and len(skipping) == 1
-    allowed = dataset(env, path, root, allow_outside_root=True)
+    allowed = dataset(env, path, root=root, allow_outside_root=True)
     assert len(allowed) == 2 and allowed.load(1)["image"].shape == allowed.image_shape
 
 
@@ -187,7 +184,7 @@ def test_symlink_inside_the_root_and_dotdot_back_in_are_accepted(env, tmp_path):
     (root / "alias.png").symlink_to(root / "img" / "a.png")
     samples = [{"id": "link", "image": "alias.png", "conversations": IMAGE_TURNS},
                {"id": "back", "image": "img/../img/a.png", "conversations": IMAGE_TURNS}]
-    assert len(dataset(env, write_jsonl(tmp_path / "d.jsonl", samples), root)) == 2
+    assert len(dataset(env, write_jsonl(tmp_path / "d.jsonl", samples), root=root)) == 2
 
 
 def test_allow_outside_root_is_a_config_key_defaulting_to_false():

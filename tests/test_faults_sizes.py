@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 
 from mimotron.cli.main import main
 from mimotron.config import load_config
-from mimotron.config_limits import FORCE_LOCAL_RANKS_ENV, check_local_ranks, max_local_ranks
+from mimotron.config.limits import FORCE_LOCAL_RANKS_ENV, check_local_ranks, max_local_ranks
 from tests.common import DIGITS, ONE_RANK, SMALL_MODEL, colocated
 
 LLAMA = {"model_type": "llama", "vocab_size": 40, "hidden_size": 64, "intermediate_size": 128,
@@ -224,7 +224,7 @@ def test_item4_malformed_safetensors_are_named_before_launch(tmp_path, capsys, d
 
 def test_item4_a_sound_safetensors_file_passes(tmp_path):
     """Item 4 (control): the header check accepts what safetensors writes."""
-    from mimotron.models.hf.file_check import check_weight_files
+    from mimotron.config.hf_folder import check_weight_files
 
     _weights(_folder(tmp_path / "lm"))
     check_weight_files(tmp_path / "lm")

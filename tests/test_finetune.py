@@ -19,8 +19,6 @@ One stage-1 run (projectors only; one rank, 6 iterations, saved every 2) is shar
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -29,18 +27,20 @@ import torch
 from mimotron.checkpoint.export import export_checkpoint, read_full_model
 from mimotron.cli.main import main
 from mimotron.config import load_config
+from mimotron.forked_ranks import run_ranks
 from mimotron.run_dir import describe_run_dir
 from mimotron.runtime import init_runtime
-from mimotron.testing import run_ranks
-from mimotron.training.loop import run_training, setup_mimo
-from tests.common import BASE, DIGITS, ONE_RANK, _full, coloc, colocated, engine_run
-from tests.reference import frozen, reference_run
-from tests.test_parity import (
+from mimotron.training.loop import setup_mimo
+from tests.common import BASE, DIGITS, ONE_RANK, _full, coloc, colocated
+from tests.parity import (
     PARITY,
-    assert_module_norms_match,
-    assert_steps_match,
-    assert_weights_match,
+    RECORD_FIELDS,
+    assert_matches_reference,
+    engine_results,
+    train,
+    training_records,
 )
+from tests.reference import frozen, reference_run
 
 STAGE1 = ["modules.vision.freeze=encoder", "modules.audio.freeze=encoder",
           "modules.language.freeze=true"]
@@ -49,26 +49,17 @@ LOOP = ["log.interval=1", "log.progress=false", "eval.iters=1", "checkpoint.load
 STAGE1_RUN = [*ONE_RANK, *STAGE1, *LOOP, "train.iters=6", "checkpoint.interval=2"]
 TP2 = coloc({"data": 2}, {"data": 2}, {"tensor": 2, "data": 1})
 NUM_ITERS = 10
-FIELDS = ("iteration", "loss", "grad_norm", "num_zeros", "lr", "consumed_samples")
-
-
-def _train(rank: int, world: int, overrides: list[str]) -> None:
-    run_training(load_config(DIGITS, BASE + overrides), init_runtime())
-
-
-def _records(log_dir: Path) -> list[dict[str, Any]]:
-    lines = [json.loads(x) for x in (log_dir / "metrics.jsonl").read_text().splitlines()]
-    return [{k: r[k] for k in FIELDS} for r in lines if "loss" in r]
 
 
 @pytest.fixture(scope="module")
 def stage1(tmp_path_factory) -> dict[str, Any]:
     """The stage-1 run: records, its checkpoints (2, 4, 6) and final weights."""
     log_dir = tmp_path_factory.mktemp("stage1")
-    run_ranks(1, _train, [*STAGE1_RUN, f"log.dir={log_dir}"], timeout_s=240)
+    run_ranks(1, train, [*BASE, *STAGE1_RUN, f"log.dir={log_dir}"], timeout_s=240)
     root = log_dir / "checkpoints"
     weights, _ = read_full_model(root)
-    return {"records": _records(log_dir), "root": root, "weights": weights,
+    return {"records": training_records(log_dir, RECORD_FIELDS), "root": root,
+            "weights": weights,
             "iter4": root / "iter_0000004", "iter6": root / "iter_0000006"}
 
 
@@ -109,11 +100,9 @@ def test_stage2_starts_from_stage1_weights_fresh_and_trains_like_the_plain_loop(
 
     # Stage 2 on another layout (language TP 2), from the export folder.
     layout = [*TP2, f"log.dir={tmp_path / 'stage2'}", f"checkpoint.pretrained={export}"]
-    results = run_ranks(2, engine_run, PARITY + layout + STAGE2, NUM_ITERS, timeout_s=300)
+    results = engine_results(PARITY + layout + STAGE2, NUM_ITERS, world=2)
     ref = reference_run(tuple(PARITY + STAGE2), NUM_ITERS, start_from=stage1["weights"])
-    assert_steps_match(results, ref)
-    assert_module_norms_match(results, ref, {"vision", "audio", "language"})
-    assert_weights_match(results, ref)
+    assert_matches_reference(results, ref, {"vision", "audio", "language"})
     cfg = load_config(DIGITS, BASE + STAGE2)
     for name, want in stage1["weights"].items():  # the towers: stage 1's, bitwise
         final = next(r["weights"][name] for r in results if name in r["weights"])
@@ -123,8 +112,9 @@ def test_stage2_starts_from_stage1_weights_fresh_and_trains_like_the_plain_loop(
 def test_keeping_optimizer_and_schedule_continues_like_a_resume(stage1, tmp_path):
     new = [*STAGE1_RUN, f"log.dir={tmp_path}", f"checkpoint.pretrained={stage1['iter4']}",
            "checkpoint.pretrained_optimizer=true", "checkpoint.pretrained_schedule=true"]
-    run_ranks(1, _train, new, timeout_s=240)
-    assert _records(tmp_path) == stage1["records"][4:]  # iterations 5 and 6, bitwise
+    run_ranks(1, train, [*BASE, *new], timeout_s=240)
+    # Iterations 5 and 6, bitwise.
+    assert training_records(tmp_path, RECORD_FIELDS) == stage1["records"][4:]
     weights, meta = read_full_model(tmp_path / "checkpoints")
     assert meta["iteration"] == 6
     assert all(torch.equal(w, stage1["weights"][n]) for n, w in weights.items())

@@ -10,18 +10,18 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from mimotron.config import ModuleConfig, load_config
-from mimotron.config_limits import module_parameters
-from mimotron.models.blocks import default_ffn_hidden_size
-from mimotron.models.build import build_module
-from mimotron.models.hf.layers import PreLNEncoderLayer
-from mimotron.models.language import LanguageModel
-from mimotron.training.flops import (
+from mimotron.config.limits import module_parameters
+from mimotron.config.schema import default_ffn_hidden_size
+from mimotron.estimate.flops import (
     encoder_flops,
     language_model_flops,
     mlp_matrices,
     model_flops_per_iteration,
     transformer_layer_flops,
 )
+from mimotron.models.build import build_module
+from mimotron.models.hf.layers import PreLNEncoderLayer
+from mimotron.models.language import LanguageModel
 
 DIGITS = Path(__file__).resolve().parents[1] / "configs" / "digits.toml"
 

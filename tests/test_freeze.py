@@ -20,16 +20,17 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from mimotron.config import MimoConfig, ModuleConfig, load_config
+from mimotron.forked_ranks import run_ranks
 from mimotron.optim import (
     get_mimo_optimizer,
     load_schedulers_state_dict,
     schedulers_state_dict,
 )
 from mimotron.runtime import init_runtime
-from mimotron.testing import run_ranks
 from mimotron.training.loop import setup_mimo
+from mimotron.training.megatron_compat import train_step_mimo
 from mimotron.training.model_setup import freeze_modules
-from mimotron.training.step import default_forward_step, train_step_mimo
+from mimotron.training.step import default_forward_step
 from tests.common import BASE as COMMON_BASE
 from tests.common import MODULES, ONE_RANK
 

@@ -22,33 +22,32 @@ buckets of the projectors only, a frozen tower's activations as autograd saves t
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from mimotron.checkpoint.export import read_full_model
 from mimotron.config import load_config
+from mimotron.estimate.flops import model_flops_per_iteration, projector_flops
+from mimotron.estimate.memory import activation_bytes, estimate_memory
+from mimotron.forked_ranks import run_ranks
 from mimotron.models.build import build_module
 from mimotron.models.freeze import freeze_part
 from mimotron.parallel.layout import plan_layout
-from mimotron.parallel.memory import activation_bytes, estimate_memory
-from mimotron.runtime import init_runtime
-from mimotron.testing import run_ranks
-from mimotron.training.flops import model_flops_per_iteration, projector_flops
-from mimotron.training.loop import run_training
-from tests.common import BASE, DIGITS, coloc, engine_run, noncolocated
-from tests.reference import ReferenceRun, frozen, reference_run
-from tests.test_memory_estimate import _per_sample
-from tests.test_parity import (
+from tests.common import BASE, DIGITS, coloc, noncolocated
+from tests.parity import (
     LOSS_REL,
     PARITY,
-    assert_module_norms_match,
-    assert_steps_match,
+    RECORD_FIELDS,
+    assert_matches_reference,
     assert_weights_match,
-    world_size,
+    engine_results,
+    reference,
+    train,
+    training_records,
 )
+from tests.reference import ReferenceRun, frozen
+from tests.test_memory_estimate import _per_sample
 
 NUM_ITERS = 10
 STAGE1 = ["modules.vision.freeze=encoder", "modules.audio.freeze=encoder",
@@ -60,11 +59,6 @@ COLOCATED = [*coloc({"data": 2}, {"data": 2}, {"tensor": 2, "data": 1}),
              "modules.audio.parallel.shard_optimizer=true"]
 LOOP = ["log.interval=1", "log.progress=false", "eval.iters=1", "checkpoint.interval=5",
         "checkpoint.load=auto"]
-FIELDS = ("iteration", "loss", "grad_norm", "num_zeros", "lr", "consumed_samples")
-
-
-def _reference(extra: list[str]) -> ReferenceRun:
-    return reference_run(tuple(PARITY + extra), NUM_ITERS)
 
 
 def assert_only_projectors_moved(weights: dict[str, torch.Tensor], ref: ReferenceRun) -> None:
@@ -82,24 +76,12 @@ def assert_only_projectors_moved(weights: dict[str, torch.Tensor], ref: Referenc
 
 def test_stage1_on_a_split_layout_matches_the_plain_loop():
     overrides = PARITY + SPLIT + SPLIT_MODEL + STAGE1
-    results = run_ranks(world_size(overrides), engine_run, overrides, NUM_ITERS,
-                        timeout_s=300)
-    ref = _reference(SPLIT_MODEL + STAGE1)
-    assert_steps_match(results, ref)
+    results = engine_results(overrides, NUM_ITERS)
+    ref = reference(SPLIT_MODEL + STAGE1, NUM_ITERS)
     # Only the projectors have gradients: the frozen modules' norms are absent.
-    assert_module_norms_match(results, ref, {"vision", "audio"})
-    assert_weights_match(results, ref)
+    assert_matches_reference(results, ref, {"vision", "audio"})
     merged = {n: w for r in results for n, w in r["weights"].items()}
     assert_only_projectors_moved(merged, ref)
-
-
-def _train(rank: int, world: int, overrides: list[str]) -> None:
-    run_training(load_config(DIGITS, BASE + overrides), init_runtime())
-
-
-def _records(log_dir: Path) -> list[dict[str, Any]]:
-    lines = [json.loads(x) for x in (log_dir / "metrics.jsonl").read_text().splitlines()]
-    return [{k: r[k] for k in FIELDS} for r in lines if "loss" in r]
 
 
 def _rel(got: float, want: float) -> float:
@@ -110,20 +92,20 @@ def test_stage1_colocated_with_fsdp_and_zero_matches_the_plain_loop_and_resumes_
         tmp_path: Path) -> None:
     base = PARITY + COLOCATED + STAGE1 + LOOP + ["train.exit_interval=10"]
     straight, resumed_dir = tmp_path / "straight", tmp_path / "resumed"
-    run_ranks(2, _train, [*base, f"log.dir={straight}"], timeout_s=300)  # saves 5 and 10
+    run_ranks(2, train, [*BASE, *base, f"log.dir={straight}"], timeout_s=300)  # saves 5 and 10
     half = straight / "checkpoints" / "iter_0000005"
-    run_ranks(2, _train, [*base, f"log.dir={resumed_dir}", f"checkpoint.load={half}"],
+    run_ranks(2, train, [*BASE, *base, f"log.dir={resumed_dir}", f"checkpoint.load={half}"],
               timeout_s=300)
-    got = _records(straight)
+    got = training_records(straight, RECORD_FIELDS)
     assert [r["iteration"] for r in got] == list(range(1, NUM_ITERS + 1))
     # Bitwise: losses, norms, zero counts, lr, data position.
-    assert _records(resumed_dir) == got[5:]
+    assert training_records(resumed_dir, RECORD_FIELDS) == got[5:]
     weights, meta = read_full_model(straight / "checkpoints")
     assert meta["iteration"] == NUM_ITERS
     resumed, _ = read_full_model(resumed_dir / "checkpoints")
     assert all(torch.equal(resumed[n], w) for n, w in weights.items())
 
-    ref = _reference(STAGE1)
+    ref = reference(STAGE1, NUM_ITERS)
     for it, rec in enumerate(got):
         assert _rel(rec["loss"], ref.losses[it]) <= LOSS_REL, (it, rec["loss"], ref.losses[it])
         assert _rel(rec["grad_norm"], ref.grad_norms[it]) <= LOSS_REL, it

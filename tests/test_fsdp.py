@@ -29,10 +29,10 @@ from torch.distributed.tensor import DTensor
 
 from mimotron.checkpoint import read_full_model
 from mimotron.config import load_config
+from mimotron.estimate.memory import estimate_memory
+from mimotron.forked_ranks import run_ranks
 from mimotron.parallel.layout import plan_layout
-from mimotron.parallel.memory import estimate_memory
-from mimotron.testing import run_ranks
-from tests.common import BASE, DIGITS, coloc, colocated, noncolocated, train_step
+from tests.common import BASE, DIGITS, coloc, colocated, engine_run, noncolocated, train_step
 from tests.test_parity import SMALL_MB, reference, run_against_plain_loop
 from tests.test_zero_tensor_parallel import PLAIN, _ckpt, _launch, _records
 
@@ -63,6 +63,27 @@ CASES: dict[str, tuple[list[str], list[str]]] = {
 @pytest.mark.parametrize("name", list(CASES))
 def test_fsdp_matches_plain_loop(name):
     run_against_plain_loop(*CASES[name])
+
+
+# Short process-group timeouts: a rank that skips its FSDP collectives stops its peer
+# within 20 s, and the harness names the collective where they diverge (not a silent
+# 300-second hang).
+SHORT_TIMEOUT_S = 20
+
+
+def test_a_dp_rank_without_images_keeps_its_fsdp_peer_going():
+    """Vision FSDP over DP 2, four micro-batches a step: in the third step one vision
+    rank's slice of a micro-batch has no image. Its empty backward still gathers and
+    reduce-scatters every unit, as its peer's backward does."""
+    overrides = (noncolocated({"data": 2}, {}, {"data": 2}) + fsdp("vision", "language")
+                 + TWO_VISION_LAYERS + SMALL_MB + [f"train.pg_timeout_s={SHORT_TIMEOUT_S}"])
+    results = run_ranks(5, engine_run, overrides, 3, timeout_s=120,
+                        pg_timeout_s=SHORT_TIMEOUT_S)
+    assert [r["empty_encoder_outputs"] for r in results[:2]] == [0, 1]  # the path ran
+    for r in results[1:]:
+        assert r["steps"] == results[0]["steps"]
+    for name, w in results[0]["weights"].items():  # the two vision ranks agree
+        assert torch.equal(results[1]["weights"][name], w), name
 
 
 def _held_fraction(rank: int, world: int, overrides: list[str]) -> dict[str, float]:

@@ -27,14 +27,14 @@ from mimotron.checkpoint.files import file_digest, rank_files, write_manifest
 from mimotron.checkpoint.state import META, MODEL
 from mimotron.cli.main import main as cli_main
 from mimotron.config import load_config
-from mimotron.data.llava_setup import build_llava_tasks, build_tokenizer
+from mimotron.data.run_data import build_llava_tasks, build_tokenizer
 from mimotron.demo.llava_assets import write_llava_assets
+from mimotron.forked_ranks import run_ranks
 from mimotron.generate import Generator, Sampling
 from mimotron.models.hf.llama import build_hf_language_model
 from mimotron.models.kv_cache import KVCache
 from mimotron.models.language import LanguageModel
 from mimotron.runtime import init_runtime
-from mimotron.testing import run_ranks
 from mimotron.training.loop import run_training
 from tests.test_hf_language import _assert_close_relative, _hf_logits, _hf_model
 

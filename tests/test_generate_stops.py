@@ -25,11 +25,12 @@ from safetensors.torch import save_file
 from mimotron.checkpoint.export import CONFIG_FILE
 from mimotron.cli.main import main as cli_main
 from mimotron.config import config_from_dict
+from mimotron.config.vocab_size import padded_vocab_size
 from mimotron.data.bpe import CHATML_TEMPLATE, train_bpe_tokenizer
 from mimotron.data.hf_tokenizer import HFTokenizer
 from mimotron.generate import Generator, Sampling
 from mimotron.generate.prompt import encode_prompt
-from mimotron.models.build import build_module, padded_vocab_size
+from mimotron.models.build import build_module
 from mimotron.names import LANGUAGE
 
 HIDDEN = 32

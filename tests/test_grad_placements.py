@@ -16,8 +16,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from mimotron.forked_ranks import run_ranks
 from mimotron.parallel.data_parallel import align_grad_placements, same_placements
-from mimotron.testing import run_ranks
 
 
 def test_same_placements_tells_strided_from_plain_shards():

@@ -35,12 +35,12 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from mimotron.forked_ranks import run_ranks
 from mimotron.parallel.expert_parallel import EP_AXIS
 from mimotron.parallel.grad_sync import GradSync, finalize_model_grads
 from mimotron.parallel.groups import ProcessGroupCollection
 from mimotron.parallel.sequence_parallel import SP_ATTR
 from mimotron.parallel.zero import ZeroShards, chunk_range, shard_dim
-from mimotron.testing import run_ranks
 
 H = 8
 # 4 buckets a module (own parameters register first): [norm, a.weight],

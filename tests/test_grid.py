@@ -10,8 +10,8 @@ import torch._dynamo  # noqa: F401 - imported lazily by distribute_tensor: ~1 s 
 import torch.distributed as dist
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
+from mimotron.forked_ranks import run_ranks
 from mimotron.parallel.grid import HyperCommGrid
-from mimotron.testing import run_ranks
 
 BASE = ["tp", "cp", "dp", "pp"]
 EXPERT = ["expt_tp", "ep", "expt_dp", "pp"]

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from mimotron.config import ParallelConfig
+from mimotron.forked_ranks import run_ranks
 from mimotron.parallel.grid import HyperCommGrid
 from mimotron.parallel.groups import (
     GROUP_ORDER,
@@ -17,7 +18,6 @@ from mimotron.parallel.groups import (
     build_module_grid,
     build_pg_collections,
 )
-from mimotron.testing import run_ranks
 
 FIELDS = [f.name for f in fields(ProcessGroupCollection)]
 

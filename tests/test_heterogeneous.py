@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from mimotron.cli.train import run_train
-from mimotron.testing import run_ranks
+from mimotron.forked_ranks import run_ranks
 from tests.common import DIGITS, NUM_ITERS, noncolocated
 from tests.common import colocated as _colocated
 from tests.common import train_steps as _train

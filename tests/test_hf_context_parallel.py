@@ -20,7 +20,6 @@ An MoE checkpoint stays refused under CP and SP, with the field named.
 
 from __future__ import annotations
 
-from functools import cache
 from pathlib import Path
 
 import pytest
@@ -30,14 +29,13 @@ import mimotron.models.blocks as blocks_module
 import mimotron.models.language as language_module
 from mimotron.config import load_config
 from mimotron.parallel.layout import plan_layout
-from mimotron.testing import run_ranks
 from tests.common import BASE, DIGITS, engine_run, noncolocated
-from tests.reference import ReferenceRun, reference_run
-from tests.test_parity import (
-    assert_module_norms_match,
-    assert_steps_match,
-    assert_weights_match,
+from tests.parity import (
+    assert_matches_reference,
     checked_modules,
+    engine_results,
+    packed_reference,
+    reference,
 )
 
 NUM_ITERS = 10
@@ -101,11 +99,6 @@ def hf_cp_engine_run(rank: int, world: int, overrides: list[str], num_iters: int
     return {**result, "gathered": gathered, "sharded": sharded}
 
 
-@cache
-def _reference(path: Path) -> ReferenceRun:
-    return reference_run(tuple(_shared(path)), NUM_ITERS)
-
-
 @pytest.mark.parametrize("name", list(CASES))
 def test_hf_decoder_with_context_parallel_matches_plain_loop(qwen3_dir: Path, name: str
                                                              ) -> None:
@@ -113,13 +106,10 @@ def test_hf_decoder_with_context_parallel_matches_plain_loop(qwen3_dir: Path, na
     cfg = load_config(DIGITS, BASE + overrides)
     lm = cfg.modules["language"]
     assert (lm.num_heads, lm.num_layers) == (4, 2)
-    results = run_ranks(plan_layout(cfg).world_size, hf_cp_engine_run, overrides, NUM_ITERS,
-                        timeout_s=300)
-    ref = _reference(qwen3_dir)
+    results = engine_results(overrides, NUM_ITERS, hf_cp_engine_run)
+    ref = reference(_shared(qwen3_dir), NUM_ITERS, schedule=())
     assert ref.losses[-1] < ref.losses[0]  # a real learning rate: the model moved
-    assert_steps_match(results, ref)
-    assert_module_norms_match(results, ref, checked_modules(overrides))
-    assert_weights_match(results, ref)
+    assert_matches_reference(results, ref, checked_modules(overrides))
     # Tied: one matrix, no separate head; the qk norms and biases are the checkpoint's.
     assert "language_model.output.weight" not in ref.weights
     assert {"language_model.layers.0.attn.q_norm.weight",
@@ -161,26 +151,12 @@ PACKED = {
 }
 
 
-@cache
-def _packed_reference(path: Path) -> ReferenceRun:
-    from tests.test_packing import _reference_packer, _setup
-
-    cfg, task, _ = _setup()
-    return reference_run(tuple(_shared(path) + ["data.packing=true"]), NUM_ITERS,
-                         batch_at=_reference_packer(task, task.stream(cfg.train.seed),
-                                                    cfg.train.global_batch_size))
-
-
 @pytest.mark.parametrize("name", list(PACKED))
 def test_hf_decoder_packed_matches_plain_loop(qwen3_dir: Path, name: str) -> None:
     """Packed rows of the Qwen3 decoder (GQA, q/k norms, llama3 RoPE restarting per
     document) against the plain loop, whose attention and document mask are its own."""
     overrides = _shared(qwen3_dir) + ["data.packing=true"] + PACKED[name]
-    cfg = load_config(DIGITS, BASE + overrides)
-    results = run_ranks(plan_layout(cfg).world_size, engine_run, overrides, NUM_ITERS,
-                        timeout_s=300)
-    ref = _packed_reference(qwen3_dir)
+    results = engine_results(overrides, NUM_ITERS)
+    ref = packed_reference(_shared(qwen3_dir) + ["data.packing=true"], NUM_ITERS)
     assert ref.losses[-1] < ref.losses[0]
-    assert_steps_match(results, ref)
-    assert_module_norms_match(results, ref, checked_modules(overrides))
-    assert_weights_match(results, ref)
+    assert_matches_reference(results, ref, checked_modules(overrides))

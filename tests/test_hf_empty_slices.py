@@ -22,23 +22,22 @@ import pytest
 import torch
 from torch import nn
 
+from mimotron.forked_ranks import run_ranks
 from mimotron.models.encoders import ModalitySubmodule, Projector
 from mimotron.models.hf.clip import ClipVisionTower, SiglipVisionTower
 from mimotron.models.hf.whisper import WhisperEncoderTower
 from mimotron.models.init import init_parameters_
-from mimotron.testing import run_ranks
-from tests.common import coloc, engine_run
-from tests.reference import ReferenceRun
-from tests.test_parity import (
-    NUM_ITERS,
+from tests.common import coloc
+from tests.parity import (
     PARITY,
     assert_module_norms_match,
     assert_steps_match,
     assert_weights_match,
     checked_modules,
+    engine_results,
     reference,
-    world_size,
 )
+from tests.reference import ReferenceRun
 
 LM_HIDDEN = 24
 SEED = 3
@@ -163,8 +162,7 @@ def test_hf_towers_tp2_with_empty_slices_train_like_one_process(tmp_path: Path) 
               "modules.audio.downsample_factor=2", "train.micro_batch_size=2"]
     tp2 = {"tensor": 2, "data": 1}
     overrides = PARITY + coloc(tp2, tp2, {"data": 2}) + shared
-    results = run_ranks(world_size(overrides), engine_run, overrides, NUM_ITERS,
-                        timeout_s=300)
+    results = engine_results(overrides)
     ref = reference(shared)
     assert_steps_match(results, ref)
     assert_module_norms_match(results, ref, checked_modules(overrides))

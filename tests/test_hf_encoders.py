@@ -19,12 +19,12 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from mimotron.forked_ranks import run_ranks
 from mimotron.models.encoders import ModalitySubmodule, Projector
 from mimotron.models.hf.clip import ClipVisionTower, SiglipVisionTower
 from mimotron.models.hf.weights import load_hf_weights, to_hf_tensors
 from mimotron.models.hf.whisper import WhisperEncoderTower
 from mimotron.models.init import init_parameters_
-from mimotron.testing import run_ranks
 
 transformers = pytest.importorskip("transformers")
 

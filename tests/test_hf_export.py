@@ -36,6 +36,7 @@ from mimotron.checkpoint.save import _write_checkpoint
 from mimotron.checkpoint.state import META, model_state
 from mimotron.cli.main import main as cli_main
 from mimotron.data.hf_tokenizer import HFTokenizer, resize_embedding_rows
+from mimotron.forked_ranks import run_ranks
 from mimotron.models.encoders import ModalitySubmodule, Projector
 from mimotron.models.hf.clip import ClipVisionTower
 from mimotron.models.hf.llama import LlamaFamilySpec, build_hf_language_model
@@ -43,7 +44,6 @@ from mimotron.models.hf.weights import load_hf_weights
 from mimotron.models.hf.whisper import WhisperEncoderTower
 from mimotron.models.language import LanguageModel
 from mimotron.models.mimo import MimoModel
-from mimotron.testing import run_ranks
 from tests.hf_data import WHISPER_KWARGS, folder_tensors, make_tokenizer
 
 transformers = pytest.importorskip("transformers")

@@ -18,7 +18,8 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from mimotron.models.hf.folder import tensor_files
+from mimotron.config.hf_folder import tensor_files
+from mimotron.forked_ranks import run_ranks
 from mimotron.models.hf.llama import (
     LLAMA_WEIGHTS,
     LlamaFamilySpec,
@@ -26,7 +27,6 @@ from mimotron.models.hf.llama import (
     load_llama_weights,
 )
 from mimotron.models.language import LanguageModel
-from mimotron.testing import run_ranks
 
 VOCAB = 128
 SMALL = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 48,

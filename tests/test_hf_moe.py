@@ -63,7 +63,7 @@ def test_logits_match_transformers(family: str, tmp_path: Path) -> None:
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     # FLOPs and the plan's memory read the same MoE layout from config.json.
     from mimotron.config import ModuleConfig
-    from mimotron.models.build import moe_options
+    from mimotron.config.moe_config import moe_options
 
     opts = moe_options(ModuleConfig(kind="language", hf_path=str(path)))
     assert opts is not None and opts.num_experts == 4 and opts.top_k == 2

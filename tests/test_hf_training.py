@@ -25,8 +25,8 @@ from safetensors import safe_open
 from mimotron.cli.main import main
 from mimotron.config import load_config
 from mimotron.data.hf_tokenizer import resize_embedding_rows
+from mimotron.forked_ranks import run_ranks
 from mimotron.parallel.layout import plan_layout
-from mimotron.testing import run_ranks
 from tests.common import BASE, DIGITS, engine_run, noncolocated
 from tests.reference import reference_run
 

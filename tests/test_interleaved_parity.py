@@ -18,17 +18,15 @@ from unittest import mock
 import pytest
 
 from mimotron.config import load_config
-from mimotron.testing import run_ranks
-from tests.common import engine_run, noncolocated
-from tests.reference import reference_run
-from tests.test_parity import (
+from tests.common import noncolocated
+from tests.parity import (
     NUM_ITERS,
     PARITY,
-    assert_module_norms_match,
-    assert_steps_match,
-    assert_weights_match,
+    assert_matches_reference,
+    engine_results,
     run_against_plain_loop,
 )
+from tests.reference import reference_run
 
 FOUR_MB = ["train.micro_batch_size=4"]  # 16 samples: 4 micro-batches, a multiple of p = 2
 LANGUAGE_4 = ["modules.language.num_layers=4"]  # 2 stages x 2 chunks of one layer
@@ -75,11 +73,9 @@ def test_language_model_alone_pipelines(virtual):
     overrides = PARITY + layout + LANGUAGE_4 + FOUR_MB
     with mock.patch("tests.common.load_config", _without_encoders), \
             mock.patch("tests.reference.load_config", _without_encoders):
-        results = run_ranks(2, engine_run, overrides, NUM_ITERS, timeout_s=300)
+        results = engine_results(overrides, NUM_ITERS, world=2)
         # The extra (default) override keeps reference.py's data cache key apart from
         # runs with the encoders.
         ref = reference_run(tuple(PARITY + LANGUAGE_4 + FOUR_MB + ["modules.vision.num_layers=1"]),
                             NUM_ITERS)
-    assert_steps_match(results, ref)
-    assert_module_norms_match(results, ref, {"language"})
-    assert_weights_match(results, ref)
+    assert_matches_reference(results, ref, {"language"})

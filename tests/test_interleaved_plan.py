@@ -135,7 +135,7 @@ def test_validator_refuses(override, match):
 
 
 def test_plan_memory_counts_the_chunks():
-    from mimotron.parallel.memory import (
+    from mimotron.estimate.memory import (
         activation_bytes,
         interleaved_chunks_in_flight,
         stage_parameter_counts,

@@ -18,22 +18,21 @@ from pathlib import Path
 import pytest
 
 from mimotron.checkpoint import read_latest
-from mimotron.testing import run_ranks
-from tests.common import noncolocated
-from tests.test_checkpoint import colocated
-from tests.test_checkpoint_reshard import COMMON, _assert_follows, _records, _run
+from mimotron.forked_ranks import run_ranks
+from tests.common import RESUMING, colocated_plain, noncolocated
+from tests.parity import assert_records_follow, train, training_records
 
 SAVE_AT, ITERS = 2, 4
-BASE_RUN = COMMON + [f"train.iters={ITERS}", "modules.language.num_layers=4",
+BASE_RUN = RESUMING + [f"train.iters={ITERS}", "modules.language.num_layers=4",
                      "train.micro_batch_size=4", "eval.interval=2"]
 PP2 = noncolocated({}, {}, {"pipeline": 2})
 PP2VP2 = noncolocated({}, {}, {"pipeline": 2, "virtual_pipeline": 2})
 
 
 def _train(world: int, layout: list[str], out: Path, *extra: str) -> list[dict]:
-    run_ranks(world, _run, BASE_RUN + layout + [f"log.dir={out}", f"checkpoint.dir={out}/ckpt",
+    run_ranks(world, train, BASE_RUN + layout + [f"log.dir={out}", f"checkpoint.dir={out}/ckpt",
                                                 *extra], timeout_s=240)
-    return _records(out)
+    return training_records(out)
 
 
 def _eval_losses(out: Path) -> dict[int, float]:
@@ -49,16 +48,16 @@ def _assert_evals_follow(out: Path, ref: Path) -> None:
 
 
 def test_virtual_pipeline_checkpoints_load_both_ways(tmp_path):
-    ref = _train(1, colocated(1), tmp_path / "ref", f"checkpoint.interval={SAVE_AT}")
+    ref = _train(1, colocated_plain(1), tmp_path / "ref", f"checkpoint.interval={SAVE_AT}")
     saved = _train(4, PP2VP2, tmp_path / "vp2", f"train.exit_interval={SAVE_AT}")
     assert [r["iteration"] for r in saved] == [1, 2]
     assert read_latest(tmp_path / "vp2" / "ckpt") == SAVE_AT
-    _assert_follows(saved, ref)
+    assert_records_follow(saved, ref)
     _assert_evals_follow(tmp_path / "vp2", tmp_path / "ref")
     iter_dir = f"iter_{SAVE_AT:07d}"
     for layout, source, name in ((PP2, tmp_path / "vp2", "to-vp1"),
                                  (PP2VP2, tmp_path / "ref", "to-vp2")):
         got = _train(4, layout, tmp_path / name, f"checkpoint.load={source / 'ckpt' / iter_dir}")
         assert [r["iteration"] for r in got] == list(range(SAVE_AT + 1, ITERS + 1)), name
-        _assert_follows(got, ref)
+        assert_records_follow(got, ref)
         _assert_evals_follow(tmp_path / name, tmp_path / "ref")

@@ -111,7 +111,7 @@ def test_two_torchrun_nodes_train_a_heterogeneous_layout(tmp_path):
 
 # Modules (and their submodules) the launcher must not import. It does read a Hugging
 # Face folder's config.json (the family and sizes are checked at config load), so
-# mimotron.models.hf.{folder,specs,config_check,resolve} and mimotron.models.moe_options
+# mimotron.models.hf.{folder,specs,config_check,resolve} and mimotron.config.moe_options
 # are its business; the modules that build models (nn code, DTensor behind it) are not.
 _FORBIDDEN = ("torch.distributed.tensor", "torch.distributed.checkpoint",
               "mimotron.models.mimo", "mimotron.models.moe", "mimotron.models.hf.llama",
@@ -126,7 +126,7 @@ from mimotron.cli.lines import whole_lines  # noqa: F401
 from mimotron.checkpoint import CheckpointError, read_latest  # noqa: F401
 from mimotron.checkpoint.signals import read_stop_record  # noqa: F401
 from mimotron.config import load_config
-from mimotron.data.llava_setup import check_data
+from mimotron.data.run_data import check_data
 from mimotron.parallel.layout import plan_layout
 from mimotron.run_dir import prepare_run_dir
 cfg = load_config(sys.argv[1], sys.argv[2:])

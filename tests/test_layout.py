@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from mimotron.config import load_config
-from mimotron.parallel.layout import plan_layout, stage_layers
+from mimotron.parallel.layout import plan_layout
+from mimotron.parallel.virtual_pipeline import stage_layers
 
 DIGITS = Path(__file__).resolve().parents[1] / "configs" / "digits.toml"
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from mimotron.testing import run_ranks
+from mimotron.forked_ranks import run_ranks
 from tests.common import SMALL_MODEL
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "custom_forward_step.py"

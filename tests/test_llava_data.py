@@ -20,8 +20,8 @@ from mimotron.data.media import ImageProcessor, read_wav
 from mimotron.data.prefetch import PrefetchingReader
 from tests.hf_data import (
     CLIP_CONFIG,
-    NUM_TOKENS,
     WHISPER_KWARGS,
+    llava_dataset,
     llava_env,
     tone,
     write_jsonl,
@@ -36,10 +36,7 @@ def env(tmp_path_factory):
     return llava_env(tmp_path_factory.mktemp("llava"))
 
 
-def dataset(env, path, **kwargs):
-    args = {"seq_length": 96, "num_tokens": NUM_TOKENS, "image_processor": env["images"],
-            "audio_features": env["audio"]} | kwargs  # fmt: skip
-    return LlavaDataset(path, env["root"], env["tokenizer"], **args)
+dataset = llava_dataset
 
 
 def test_samples_hold_tokens_labels_and_preprocessed_media(env, tmp_path):

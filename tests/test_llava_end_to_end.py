@@ -35,7 +35,7 @@ from mimotron.cli.main import main as cli_main
 from mimotron.config import load_config
 from mimotron.data.bpe import train_bpe_tokenizer
 from mimotron.data.llava_export import conversation_texts, write_llava_task
-from mimotron.data.llava_setup import build_tokenizer, check_data
+from mimotron.data.run_data import build_tokenizer, check_data
 from mimotron.models.build import build_module
 from mimotron.models.hf.clip import CLIP_WEIGHTS
 from mimotron.models.hf.llama import LLAMA_WEIGHTS

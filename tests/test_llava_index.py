@@ -17,7 +17,6 @@ Files come from tests/hf_data.py (a locally trained tokenizer, PNG/WAV, JSONL).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import tracemalloc
@@ -30,10 +29,9 @@ import torch
 import mimotron.data.llava_source as llava_source
 from mimotron.data.hf_tokenizer import HFTokenizer
 from mimotron.data.llava import LlavaDataset
-from mimotron.data.llava_check import SampleChecker
 from mimotron.data.media import AudioFeatures, ImageProcessor
-from mimotron.testing import run_ranks
-from tests.hf_data import NUM_TOKENS, llava_env, write_jsonl
+from mimotron.forked_ranks import run_ranks
+from tests.hf_data import NUM_TOKENS, counting_checks, llava_dataset, llava_env, write_jsonl
 
 BAD = {"id": "bad", "image": "img/missing.png", "conversations": [
     {"from": "human", "value": "<image> what is this"}, {"from": "gpt", "value": "seven"}]}
@@ -45,24 +43,9 @@ def env(tmp_path_factory):
     return llava_env(tmp_path_factory.mktemp("llava_index"))
 
 
-def dataset(env, path, index_dir, **kwargs):
-    args = {"seq_length": 96, "num_tokens": NUM_TOKENS, "image_processor": env["images"],
-            "audio_features": env["audio"], "index_dir": index_dir} | kwargs  # fmt: skip
-    return LlavaDataset(path, env["root"], env["tokenizer"], **args)
+dataset = llava_dataset
 
 
-@contextlib.contextmanager
-def counting_checks():
-    """The locations of the samples checked while the block runs."""
-    checked: list[str] = []
-    original = SampleChecker.check_many
-
-    def spy(self, items, num_workers=0):
-        checked.extend(item.location for item in items)
-        return original(self, items, num_workers)
-
-    with mock.patch.object(SampleChecker, "check_many", spy):
-        yield checked
 
 
 def assert_same_samples(a: LlavaDataset, b: LlavaDataset) -> None:

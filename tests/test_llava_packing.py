@@ -17,33 +17,34 @@ defined here).
 from __future__ import annotations
 
 import copy
-import json
-from pathlib import Path
 
 import pytest
 import torch
 
 import tests.reference as reference
 from mimotron.config import load_config
+from mimotron.config.vocab_size import padded_vocab_size
 from mimotron.data import collate
 from mimotron.data.bpe import train_bpe_tokenizer
 from mimotron.data.llava_export import conversation_texts, write_llava_task
-from mimotron.data.llava_setup import build_llava_tasks, build_tokenizer, restrict_to_rank
 from mimotron.data.packing import pack_rows
+from mimotron.data.run_data import build_llava_tasks, build_tokenizer, restrict_to_rank
+from mimotron.forked_ranks import run_ranks
 from mimotron.models.build import build_mimo_model
-from mimotron.models.vocab_size import padded_vocab_size
 from mimotron.parallel.layout import plan_layout
-from mimotron.runtime import init_runtime
-from mimotron.testing import run_ranks
 from mimotron.training.data_provider import (
     PackedMicrobatchProvider,
     PackedTrainIterator,
     stream_lengths,
 )
-from mimotron.training.loop import run_training
-from tests.common import BASE, DIGITS, coloc, colocated, engine_run, noncolocated
-from tests.test_packing import _reference_packer
-from tests.test_parity import assert_steps_match, assert_weights_match
+from tests.common import BASE, DIGITS, coloc, colocated, noncolocated
+from tests.parity import (
+    assert_steps_match,
+    assert_weights_match,
+    engine_results,
+    records_by_iteration,
+    train,
+)
 
 NUM_ITERS = 10
 GBS, MBS = 8, 4  # rows per global batch / micro-batch
@@ -197,15 +198,6 @@ def test_resume_mid_stream_keeps_the_rows(llava):
         assert it.position > after_one.position
 
 
-def _train(rank: int, world: int, overrides: list[str]) -> None:
-    run_training(load_config(DIGITS, BASE + overrides), init_runtime())
-
-
-def _records(log_dir: Path) -> dict[int, dict]:
-    lines = [json.loads(x) for x in (log_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["iteration"]: r for r in lines if "loss" in r and "eval_loss" not in r}
-
-
 def test_checkpoint_resume_continues_the_packed_stream(llava, tmp_path):
     """vision | audio | language, 2 background loaders: a run saved at iteration 2 and
     resumed goes on from its consumed samples with the straight run's rows (equal
@@ -213,12 +205,12 @@ def test_checkpoint_resume_continues_the_packed_stream(llava, tmp_path):
     common = [*llava, *noncolocated({}, {}, {}), "train.iters=3", "log.interval=1",
               "log.progress=false", "data.num_workers=2", "eval.interval=1000"]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    run_ranks(3, _train, [*common, f"log.dir='{straight}'", "checkpoint.interval=2",
-                          f"checkpoint.dir='{straight / 'ckpt'}'"], timeout_s=300)
-    run_ranks(3, _train, [*common, f"log.dir='{resumed}'", "checkpoint.interval=0",
-                          f"checkpoint.load='{straight / 'ckpt' / 'iter_0000002'}'"],
+    run_ranks(3, train, [*BASE, *common, f"log.dir='{straight}'", "checkpoint.interval=2",
+                         f"checkpoint.dir='{straight / 'ckpt'}'"], timeout_s=300)
+    run_ranks(3, train, [*BASE, *common, f"log.dir='{resumed}'", "checkpoint.interval=0",
+                         f"checkpoint.load='{straight / 'ckpt' / 'iter_0000002'}'"],
               timeout_s=300)
-    want, got = _records(straight), _records(resumed)
+    want, got = records_by_iteration(straight), records_by_iteration(resumed)
     assert sorted(got) == [3]
     assert want[2]["consumed_samples"] > 2 * GBS, "the rows hold one conversation each"
     assert got[3]["consumed_samples"] == want[3]["consumed_samples"]
@@ -241,7 +233,7 @@ def packed_reference(llava: list[str]) -> reference.ReferenceRun:
         patch.setattr(reference, "reference_setup", setup)
         return reference.reference_run(
             tuple(llava), NUM_ITERS,
-            batch_at=_reference_packer(task, task.stream(cfg.train.seed), GBS))
+            batch_at=reference.reference_packer(task, task.stream(cfg.train.seed), GBS))
 
 
 @pytest.mark.parametrize("name,layout,world", [
@@ -256,6 +248,6 @@ def packed_reference(llava: list[str]) -> reference.ReferenceRun:
 def test_packed_llava_training_matches_plain_loop(llava, packed_reference, name, layout,
                                                    world):
     """10 packed iterations: losses, grad norms, token counts and weights (1e-4 rel)."""
-    results = run_ranks(world, engine_run, llava + layout, NUM_ITERS, timeout_s=300)
+    results = engine_results(llava + layout, NUM_ITERS, world=world)
     assert_steps_match(results, packed_reference)
     assert_weights_match(results, packed_reference)

@@ -17,7 +17,7 @@ import pytest
 
 from mimotron.data.bpe import train_bpe_tokenizer
 from mimotron.data.llava_export import conversation_texts, write_llava_task
-from mimotron.testing import run_groups
+from mimotron.forked_ranks import run_groups
 from tests.common import BASE, DIGITS, ONE_RANK, coloc, colocated, train_steps
 
 NUM_ITERS = 4
@@ -149,7 +149,7 @@ def test_encoder_ranks_of_a_context_parallel_bridge_load_the_tokens(llava):
     """Into a CP language model the encoders' last stages route rows by placeholder
     position, so with ``restrict_to_rank`` they load the tokens (not the other media)."""
     from mimotron.config import load_config
-    from mimotron.data.llava_setup import build_llava_tasks, build_tokenizer, restrict_to_rank
+    from mimotron.data.run_data import build_llava_tasks, build_tokenizer, restrict_to_rank
     from mimotron.parallel.layout import plan_layout
     from tests.common import noncolocated
 

@@ -25,9 +25,9 @@ import torch
 from mimotron.checkpoint.export import read_full_model
 from mimotron.cli.main import main as cli_main
 from mimotron.config import load_config
+from mimotron.forked_ranks import run_ranks
 from mimotron.generate import Generator, Sampling
 from mimotron.runtime import init_runtime
-from mimotron.testing import run_ranks
 from mimotron.training.loop import run_training
 from tests.test_generate import _toml
 
@@ -87,7 +87,7 @@ def test_stage1_stage2_generate_and_export_to_transformers(tmp_path: Path) -> No
     generator = Generator.from_path(stage2, device="cpu")
     data = [json.loads(x) for x in (assets / "data" / "data.jsonl").read_text().splitlines()]
     cfg = load_config(config)
-    from mimotron.data.llava_setup import build_llava_tasks, build_tokenizer
+    from mimotron.data.run_data import build_llava_tasks, build_tokenizer
 
     task, _ = build_llava_tasks(cfg, build_tokenizer(cfg))
     image_only = []

@@ -16,16 +16,16 @@ import pytest
 import torch
 
 from mimotron.config import load_config
-from mimotron.models.build import build_module
-from mimotron.models.language import language_loss
-from mimotron.parallel.layout import plan_layout
-from mimotron.parallel.memory import (
+from mimotron.estimate.memory import (
     activation_bytes,
     backward_workspace_bytes,
     estimate_memory,
     microbatches_in_flight,
     reduce_bucket_bytes,
 )
+from mimotron.models.build import build_module
+from mimotron.models.language import language_loss
+from mimotron.parallel.layout import plan_layout
 
 REPO = Path(__file__).resolve().parents[1]
 DIGITS = REPO / "configs" / "digits.toml"

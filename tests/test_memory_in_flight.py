@@ -1,6 +1,6 @@
 """Forwards in flight: the memory estimate's count against the plan and the executor.
 
-The estimate (``mimotron.parallel.memory``) takes each stage's peak of held forwards from
+The estimate (``mimotron.estimate.memory``) takes each stage's peak of held forwards from
 its training plan. Checked here three ways:
 
 * against a replay written out in this file of the rank plans ``build_rank_plan``
@@ -20,15 +20,15 @@ import pytest
 
 from mimotron.config import load_config
 from mimotron.dryrun import dry_run
-from mimotron.names import LANGUAGE
-from mimotron.parallel.layout import plan_layout
-from mimotron.parallel.memory import (
+from mimotron.estimate.memory import (
     activation_bytes,
     ends_bytes_per_sample,
     estimate_memory,
     interleaved_chunks_in_flight,
     microbatches_in_flight,
 )
+from mimotron.names import LANGUAGE
+from mimotron.parallel.layout import plan_layout
 from mimotron.pipeline import schedules
 from mimotron.pipeline.interleaved_plan import build_rank_plan
 from mimotron.pipeline.plan import BACKWARD, FORWARD

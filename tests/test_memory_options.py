@@ -18,8 +18,8 @@ from __future__ import annotations
 import pytest
 
 from mimotron.config import load_config
+from mimotron.estimate.memory import estimate_memory
 from mimotron.parallel.layout import plan_layout
-from mimotron.parallel.memory import estimate_memory
 from tests.common import DIGITS, colocated, noncolocated, par
 from tests.test_config_keys import config_keys
 
@@ -162,7 +162,9 @@ NO_EFFECT: dict[str, str] = {
     **{f"data.{k}": _HOST for k in ("train_fraction", "image_shift", "mock_num_samples",
                                     "num_workers", "path", "valid_path", "index_dir", "root",
                                     "allow_outside_root", "skip_bad_samples",
-                                    "system_prompt")},
+                                    "system_prompt", "ignore_keys")},
+    "data.allow_large_vocab": "lets a larger vocabulary through the check; the estimate "
+                              "counts the vocabulary the tokenizer has either way",
     **{f"eval.{k}": "evaluation runs forward only, keeping nothing for backward: below "
                     "the training peak" for k in ("interval", "iters")},
     **{f"checkpoint.{k}": _HOST for k in ("async_save", "dir", "interval", "keep", "load",

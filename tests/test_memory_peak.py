@@ -17,8 +17,8 @@ import pytest
 
 from mimotron.config import load_config
 from mimotron.dryrun.memory_peak import measure_peak
+from mimotron.estimate.memory import estimate_memory
 from mimotron.parallel.layout import plan_layout
-from mimotron.parallel.memory import estimate_memory
 
 ROOT = Path(__file__).resolve().parents[1]
 HF = ROOT / "tests" / "data" / "hf_configs"
@@ -60,8 +60,8 @@ def llama70b_small(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
 
 def _check(overrides: list[str], measured: list[int], run_first: list[int],
            config: str = "llava15_7b_8gpu.toml") -> None:
-    from mimotron.data.llava_setup import build_tokenizer
-    from mimotron.training.model_setup import padded_vocab_size
+    from mimotron.config.vocab_size import padded_vocab_size
+    from mimotron.data.run_data import build_tokenizer
 
     cfg = load_config(str(ROOT / "configs" / config), overrides)
     vocab = padded_vocab_size(build_tokenizer(cfg).vocab_size)

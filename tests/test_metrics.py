@@ -16,11 +16,12 @@ import torch
 from mimotron.config import load_config
 from mimotron.data import build_datasets
 from mimotron.data.tokenizer import CharTokenizer
+from mimotron.estimate.flops import model_flops_per_iteration
+from mimotron.forked_ranks import RankError, run_ranks
 from mimotron.optim.scheduler import OptimizerParamScheduler
 from mimotron.runtime import init_runtime
-from mimotron.testing import RankError, run_ranks
-from mimotron.training.flops import model_flops_per_iteration
-from mimotron.training.loop import setup_mimo, train_mimo
+from mimotron.training.loop import setup_mimo
+from mimotron.training.megatron_compat import train_mimo
 from mimotron.training.metrics import MetricsWriter, format_summary
 from mimotron.training.step import default_forward_step
 from tests.common import ONE_RANK, SMALL_MODEL

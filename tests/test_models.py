@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from mimotron.config import MimoConfig, load_config
+from mimotron.forked_ranks import run_ranks
 from mimotron.models import (
     Attention,
     AudioEncoder,
@@ -23,7 +24,6 @@ from mimotron.models import (
     language_loss,
     rope_cache,
 )
-from mimotron.testing import run_ranks
 
 VOCAB = 40
 PLACEHOLDERS = {"vision": 38, "audio": 39}

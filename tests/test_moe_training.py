@@ -19,10 +19,10 @@ import torch.nn.functional as F
 
 from mimotron.config import load_config
 from mimotron.data import collate
+from mimotron.estimate.flops import language_model_flops
+from mimotron.forked_ranks import run_ranks
 from mimotron.models.build import build_mimo_model, count_parameters
 from mimotron.models.moe import MoEFeedForward
-from mimotron.testing import run_ranks
-from mimotron.training.flops import language_model_flops
 from tests.common import BASE, DIGITS, ONE_RANK, coloc, engine_run, module_of, noncolocated
 from tests.reference import VOCAB_MULTIPLE, _clip, _data, _optimizer, lr_at
 
@@ -211,7 +211,8 @@ def _train_records(rank: int, world: int, overrides: list[str]) -> list[dict]:
     import json
 
     from mimotron.runtime import init_runtime
-    from mimotron.training.loop import setup_mimo, train_mimo
+    from mimotron.training.loop import setup_mimo
+    from mimotron.training.megatron_compat import train_mimo
     from mimotron.training.step import default_forward_step
 
     cfg = load_config(DIGITS, BASE + overrides)
@@ -236,8 +237,8 @@ def test_metrics_log_aux_losses_and_expert_load(tmp_path) -> None:
 
 
 def test_plan_memory_splits_expert_and_dense_parameters() -> None:
+    from mimotron.estimate.memory import estimate_memory
     from mimotron.parallel.layout import plan_layout
-    from mimotron.parallel.memory import estimate_memory
 
     cfg = load_config(DIGITS, BASE + MOE + noncolocated({}, {}, {"tensor": 2}))
     model = build_mimo_model(cfg, 64, {"vision": 1, "audio": 2})

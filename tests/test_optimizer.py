@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 from mimotron.config import MimoConfig, ModuleConfig, load_config
 from mimotron.data.tokenizer import CharTokenizer
+from mimotron.forked_ranks import run_ranks
 from mimotron.models.build import build_mimo_model
 from mimotron.optim import (
     ConstantLossScaler,
@@ -31,10 +32,10 @@ from mimotron.optim import (
 )
 from mimotron.parallel.groups import ProcessGroupCollection
 from mimotron.runtime import init_runtime
-from mimotron.testing import run_ranks
 from mimotron.training.loop import setup_mimo
+from mimotron.training.megatron_compat import train_step_mimo
 from mimotron.training.model_setup import freeze_modules
-from mimotron.training.step import default_forward_step, train_step_mimo
+from mimotron.training.step import default_forward_step
 
 SIZES = {"c": (3, 5), "a": (4, 3), "b": (6, 4)}  # module -> (in, out); unsorted on purpose
 ADAM = {"lr": 0.01, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}

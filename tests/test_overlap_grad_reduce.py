@@ -27,9 +27,9 @@ import pytest
 import torch
 
 from mimotron.config import load_config
+from mimotron.forked_ranks import run_ranks
 from mimotron.parallel.grad_sync import GradSync, backward_module_order
 from mimotron.parallel.layout import plan_layout
-from mimotron.testing import run_ranks
 from tests.common import BASE, DIGITS, coloc, colocated, engine_run, noncolocated, par
 
 NUM_ITERS = 4

@@ -29,11 +29,11 @@ import torch
 
 from mimotron.checkpoint import save_checkpoint
 from mimotron.config import load_config
+from mimotron.forked_ranks import run_ranks
 from mimotron.optim.mimo_optimizer import MimoOptimizer
 from mimotron.parallel.grad_sync import GradSync
 from mimotron.parallel.zero import ZeroShards
 from mimotron.runtime import init_runtime
-from mimotron.testing import run_ranks
 from mimotron.training.loop import setup_mimo
 from tests import common
 from tests.common import BASE, DIGITS, coloc, colocated, engine_run, noncolocated, par, train_step

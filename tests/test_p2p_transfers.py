@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from mimotron.config import load_config
+from mimotron.forked_ranks import RankError, run_ranks
 from mimotron.parallel.layout import plan_layout
 from mimotron.pipeline import communicator as communicator_module
 from mimotron.pipeline.communicator import MultiModulePipelineCommunicator
@@ -33,7 +34,6 @@ from mimotron.pipeline.links import build_link_groups, p2p_links
 from mimotron.pipeline.p2p import LinkGroups, PendingSends, Recv, TransferCounts, exchange
 from mimotron.pipeline.shapes import stage_link_shape
 from mimotron.runtime import init_runtime
-from mimotron.testing import RankError, run_ranks
 from mimotron.training import loop as loop_module
 from mimotron.training import step as step_module
 from mimotron.training.loop import setup_mimo

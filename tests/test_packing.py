@@ -3,7 +3,7 @@
 The forward tests run the real model in one process on packed rows of the digits stream
 and on the same documents one per row; the parity tests train packed runs through the
 engine and compare with the independent loop of ``tests.reference`` fed by a packer
-written here (consecutive samples while they fit).
+of its own (consecutive samples while they fit).
 """
 
 from __future__ import annotations
@@ -21,22 +21,21 @@ from mimotron.config import load_config
 from mimotron.data import CharTokenizer, build_datasets, collate
 from mimotron.data.packing import collate_packed, pack_rows, real_tokens
 from mimotron.data.prefetch import PrefetchingReader
+from mimotron.forked_ranks import run_ranks
 from mimotron.models.attention import document_args
 from mimotron.models.build import build_mimo_model
 from mimotron.parallel.layout import plan_layout
 from mimotron.runtime import init_runtime
-from mimotron.testing import run_ranks
 from mimotron.training.data_provider import (
     MicrobatchProvider,
     PackedMicrobatchProvider,
     PackedTrainIterator,
 )
 from mimotron.training.loop import run_training
-from tests.common import BASE, DIGITS, colocated, engine_run, noncolocated
-from tests.reference import VOCAB_MULTIPLE, reference_run
-from tests.test_parity import assert_steps_match, assert_weights_match
+from tests.common import BASE, DIGITS, colocated, noncolocated
+from tests.parity import assert_steps_match, assert_weights_match, engine_results, packed_reference
+from tests.reference import PACKING, VOCAB_MULTIPLE
 
-PACKING = ["data.packing=true", "train.iters=12"]
 NUM_ITERS = 10
 
 
@@ -174,35 +173,6 @@ def test_packing_with_an_unsupported_feature_is_a_one_line_error(extra, message)
     assert "\n" not in str(err.value)
 
 
-def _reference_packer(task: object, stream: object, gbs: int):
-    """An independent greedy packer for the plain loop (keeps its stream position)."""
-    state = {"pos": 0}
-
-    def fits(row: list, s: dict) -> bool:
-        return sum(x["tokens"].numel() for x in row) + s["tokens"].numel() <= task.seq_length
-
-    def batch_at(task_: object, stream_: object, k: int, gbs_: int) -> dict:
-        rows: list[list] = [[]]
-        while True:
-            s = stream.samples(state["pos"], 1)[0]
-            if rows[-1] and not fits(rows[-1], s):
-                if len(rows) == gbs:
-                    break
-                rows.append([])
-            rows[-1].append(s)
-            state["pos"] += 1
-        return collate_packed(rows, task.seq_length, **_kwargs(task))
-
-    return batch_at
-
-
-@cache
-def _packed_reference():
-    cfg, task, _ = _setup()
-    return reference_run(tuple(PACKING), NUM_ITERS,
-                         batch_at=_reference_packer(task, task.stream(cfg.train.seed), 16))
-
-
 @pytest.mark.parametrize("name,layout,world", [
     ("colocated-dp2", colocated(2), 2),
     # Heterogeneous: encoder DP 2 feeding a TP 2 x PP 2 language model (7 ranks).
@@ -211,8 +181,8 @@ def _packed_reference():
 ])
 def test_packed_training_matches_plain_loop(name, layout, world):
     """10 packed iterations: losses, grad norms, token counts and weights (1e-4 rel)."""
-    results = run_ranks(world, engine_run, PACKING + layout, NUM_ITERS, timeout_s=300)
-    ref = _packed_reference()
+    results = engine_results(PACKING + layout, NUM_ITERS, world=world)
+    ref = packed_reference(PACKING, NUM_ITERS)
     assert_steps_match(results, ref)
     assert_weights_match(results, ref)
 

@@ -11,10 +11,10 @@ Each layout of :data:`CASES` goes through both commands in this process:
 
 A check that only one side applies makes the verdicts differ; a refused layout must be
 refused by both with the same line. The layouts hold a valid and an invalid case for each
-rule the rank set-up used to apply after launch (:mod:`mimotron.setup_rules`), an invalid
+rule the rank set-up used to apply after launch (:mod:`mimotron.config.setup_rules`), an invalid
 one for each parallelism's own rule the set-up relies on (context, expert, virtual
 pipeline, FSDP, tensor, placement, data-parallel feeding, batch, encoder batching) and
-some of the validator's own (:mod:`mimotron.validation`); ``expected`` pins each verdict,
+some of the validator's own (:mod:`mimotron.config.validation`); ``expected`` pins each verdict,
 so a rule that disappears from both sides fails too.
 """
 

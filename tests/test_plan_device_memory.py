@@ -17,8 +17,8 @@ import pytest
 from mimotron.cli.device_fit import parse_device_memory
 from mimotron.cli.main import main
 from mimotron.config import load_config
+from mimotron.estimate.memory import estimate_memory
 from mimotron.parallel.layout import plan_layout
-from mimotron.parallel.memory import estimate_memory
 from tests.common import DIGITS, noncolocated
 
 

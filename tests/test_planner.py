@@ -20,23 +20,23 @@ from pathlib import Path
 
 import pytest
 
-from mimotron.cli.device_fit import rank_classes
 from mimotron.cli.main import main
 from mimotron.config import ParallelConfig, load_config
-from mimotron.data.llava_setup import check_data
+from mimotron.data.run_data import check_data
+from mimotron.estimate.flops import language_model_flops, transformer_layer_flops
+from mimotron.estimate.memory import estimate_memory
 from mimotron.parallel.layout import Layout, ModulePlacement, plan_layout
-from mimotron.parallel.memory import estimate_memory
 from mimotron.pipeline.interleaved_plan import build_rank_plan
 from mimotron.pipeline.plan import Position, build_1f1b_plan
 from mimotron.planner.cost import Calibration, model_vocabulary, step_cost
 from mimotron.planner.devices import DeviceSpec, device_table
+from mimotron.planner.fit import rank_classes
 from mimotron.planner.report import snippet
 from mimotron.planner.search import SearchRequest, search
 from mimotron.planner.simulate import Lane, SimulationError, simulate
 from mimotron.planner.terms import Links, chunk_compute, tp_efficiency, trainable_params
-from mimotron.training.flops import language_model_flops, transformer_layer_flops
 from tests.common import BASE, DIGITS
-from tests.test_parity import PARITY, run_against_plain_loop
+from tests.parity import PARITY, run_against_plain_loop
 
 LLAVA_7B = Path(__file__).resolve().parents[1] / "configs" / "llava15_7b_8gpu.toml"
 UNIT = {("F", 0): (1.0, 0.0), ("B", 0): (2.0, 0.0)}

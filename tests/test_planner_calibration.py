@@ -23,7 +23,8 @@ from mimotron.planner.calibration import (
     load_calibration,
     measure_host_cores,
 )
-from mimotron.planner.cost import COLLECTIVES, Calibration, model_vocabulary, step_cost
+from mimotron.planner.calibration_data import COLLECTIVES, Calibration
+from mimotron.planner.cost import model_vocabulary, step_cost
 from mimotron.planner.devices import device_table
 from mimotron.planner.terms import chunk_compute, tp_efficiency
 from tests.common import DIGITS, SMALL_MODEL

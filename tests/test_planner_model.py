@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 
 from mimotron.config import load_config
+from mimotron.estimate.flops import transformer_layer_flops
 from mimotron.parallel.layout import plan_layout
 from mimotron.planner.cost import Calibration, StepCost, model_vocabulary, step_cost
 from mimotron.planner.devices import DeviceSpec, device_table
@@ -26,7 +27,6 @@ from mimotron.planner.terms import (
     ring_factor,
     tp_efficiency,
 )
-from mimotron.training.flops import transformer_layer_flops
 from tests.common import BASE, DIGITS, colocated, noncolocated
 
 # No fixed overhead: the FLOP and byte terms alone, on a 4-device node.

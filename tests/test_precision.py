@@ -27,10 +27,11 @@ import pytest
 import torch
 
 from mimotron.config import load_config
+from mimotron.forked_ranks import run_groups, run_ranks
 from mimotron.runtime import compute_dtype, init_runtime
-from mimotron.testing import run_groups, run_ranks
 from mimotron.training.loop import setup_mimo
-from mimotron.training.step import autocast_factory, default_forward_step, train_step_mimo
+from mimotron.training.megatron_compat import train_step_mimo
+from mimotron.training.step import autocast_factory, default_forward_step
 from tests.common import BASE as COMMON_BASE
 from tests.common import MODULES, ONE_RANK
 

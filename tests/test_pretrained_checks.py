@@ -28,10 +28,10 @@ from mimotron.checkpoint.pretrained import _check_export_tensors
 from mimotron.checkpoint.safe_metadata import load_metadata
 from mimotron.checkpoint.save import save_checkpoint
 from mimotron.config import load_config
-from mimotron.models.hf.file_check import open_safetensors, read_safetensors
+from mimotron.config.hf_files import open_safetensors, read_safetensors
+from mimotron.forked_ranks import run_ranks
 from mimotron.models.hf.llama import build_hf_language_model
 from mimotron.runtime import init_runtime
-from mimotron.testing import run_ranks
 from mimotron.training.loop import setup_mimo
 from tests.common import BASE, DIGITS, ONE_RANK, coloc
 

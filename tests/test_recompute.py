@@ -11,7 +11,7 @@
 * What a layer keeps for backward, counted as the storages its forward creates that are
   still alive after it (each once): full < selective < none, full = the layer's input;
   selective under context parallelism drops the gathered keys and values; the memory
-  estimate (``mimotron.parallel.memory``) says the same.
+  estimate (``mimotron.estimate.memory``) says the same.
 """
 
 from __future__ import annotations
@@ -35,26 +35,21 @@ from benchmarks.recompute import fake_group, kept_per_layer
 from mimotron import host_sync
 from mimotron.config import load_config
 from mimotron.dryrun import dry_run
-from mimotron.models.build import build_module
-from mimotron.models.moe import pop_moe_stats, set_aux_loss_weights
-from mimotron.models.recompute import apply_recompute, recompute_mode, recomputed_layer_ids
-from mimotron.parallel.layout import plan_layout
-from mimotron.parallel.memory import (
+from mimotron.estimate.memory import (
     activation_bytes,
     context_kv_bytes_per_sample,
     estimate_memory,
     layer_bytes_per_sample,
     recompute_dropped_bytes,
 )
-from mimotron.testing import run_ranks
+from mimotron.forked_ranks import run_ranks
+from mimotron.models.build import build_module
+from mimotron.models.moe import pop_moe_stats, set_aux_loss_weights
+from mimotron.models.recompute import apply_recompute, recompute_mode, recomputed_layer_ids
+from mimotron.parallel.layout import plan_layout
 from tests.common import BASE, DIGITS, coloc, colocated, engine_run, noncolocated, par
-from tests.reference import reference_run
-from tests.test_moe_parity import MOE, _assert_module_norms, _expert_grads, aux_objective
-from tests.test_parity import (
-    assert_steps_match,
-    assert_weights_match,
-    run_against_plain_loop,
-)
+from tests.moe import MOE, expert_grads, moe_reference
+from tests.parity import assert_matches_reference, run_against_plain_loop
 
 ZERO = [f"modules.{m}.parallel.shard_optimizer=true" for m in ("vision", "audio", "language")]
 FOUR_MB = ["train.micro_batch_size=4"]
@@ -136,11 +131,9 @@ def test_recompute_moe_with_expert_parallelism_matches_plain_loop() -> None:
     overrides = MOE + coloc({"data": 2}, {"data": 2}, {"tensor": 2, "data": 1}) \
         + par("language", expert=2) + recompute(language="full")
     world = plan_layout(load_config(DIGITS, BASE + overrides)).world_size
-    results = run_ranks(world, _counting, _expert_grads, overrides, timeout_s=300)
-    ref = reference_run(tuple(MOE), 10, aux_objective)
-    assert_steps_match(results, ref)
-    _assert_module_norms(results, ref, {"vision", "audio", "language"})
-    assert_weights_match(results, ref)
+    results = run_ranks(world, _counting, expert_grads, overrides, timeout_s=300)
+    ref = moe_reference(MOE, 10)
+    assert_matches_reference(results, ref, {"vision", "audio", "language"})
     for r in results:
         assert r["num_zeros"] == ref.num_zeros
     _assert_recomputed(results)

@@ -14,11 +14,15 @@ import pytest
 
 import mimotron.models.language as language
 from mimotron.models.attention import Documents
-from mimotron.testing import run_ranks
 from tests.common import colocated, engine_run
-from tests.reference import reference_run
-from tests.test_packing import PACKING, _reference_packer, _setup
-from tests.test_parity import LOSS_REL, assert_steps_match, assert_weights_match
+from tests.parity import (
+    LOSS_REL,
+    assert_steps_match,
+    assert_weights_match,
+    engine_results,
+    packed_reference,
+)
+from tests.reference import PACKING
 
 NUM_ITERS = 2  # the planted bug shows at the first iteration
 ONE_RANK = colocated(1)
@@ -48,14 +52,12 @@ def _leaky_engine_run(rank: int, world: int, overrides: list[str], num_iters: in
 
 def test_planted_document_leak_fails_packed_parity():
     """One rank, 2 packed iterations: clean engine == plain loop; leaky engine != at step 0."""
-    cfg, task, _ = _setup()
-    ref = reference_run(tuple(PACKING), NUM_ITERS,
-                        batch_at=_reference_packer(task, task.stream(cfg.train.seed), 16))
-    clean = run_ranks(1, engine_run, PACKING + ONE_RANK, NUM_ITERS, timeout_s=300)
+    ref = packed_reference(PACKING, NUM_ITERS)
+    clean = engine_results(PACKING + ONE_RANK, NUM_ITERS, world=1)
     assert_steps_match(clean, ref)
     assert_weights_match(clean, ref)
 
-    leaky = run_ranks(1, _leaky_engine_run, PACKING + ONE_RANK, NUM_ITERS, timeout_s=300)
+    leaky = engine_results(PACKING + ONE_RANK, NUM_ITERS, _leaky_engine_run, world=1)
     # The bug sat where the engine builds its attention (once per forward at least).
     assert leaky[0]["leaky_plans"] >= NUM_ITERS, "the engine no longer calls plan_attention"
     loss, want = leaky[0]["steps"][0][0], ref.losses[0]

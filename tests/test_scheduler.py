@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from mimotron.config import MimoConfig, ModuleConfig, SchedulerConfig, load_config
+from mimotron.forked_ranks import run_ranks
 from mimotron.optim import (
     OptimizerParamScheduler,
     build_schedulers,
@@ -24,7 +25,6 @@ from mimotron.optim import (
     schedulers_state_dict,
 )
 from mimotron.runtime import init_runtime
-from mimotron.testing import run_ranks
 from mimotron.training.loop import run_training
 from mimotron.training.model_setup import freeze_modules
 

@@ -8,22 +8,16 @@ norms as stepped, final weights, 1e-4 relative); the rejected combinations name 
 
 from __future__ import annotations
 
-import math
-from functools import cache
-
 import pytest
 
 import mimotron.models.language as language_module
 from mimotron.config import load_config
 from mimotron.parallel.layout import plan_layout
-from mimotron.testing import run_ranks
-from tests.common import BASE, DIGITS, coloc, engine_run, module_of, noncolocated
-from tests.reference import ReferenceRun, reference_run
-from tests.test_parity import assert_steps_match
+from tests.common import BASE, DIGITS, coloc, engine_run, noncolocated
+from tests.parity import reference, run_against_plain_loop
 
 NUM_ITERS = 10
 PARITY = ["train.iters=10"]
-REL = 1e-4
 SP = ["modules.language.parallel.sequence_parallel=true"]
 SEQ = 64  # data.seq_length of configs/digits.toml
 
@@ -48,50 +42,15 @@ def sp_engine_run(rank: int, world: int, overrides: list[str], num_iters: int) -
     return {**engine_run(rank, world, overrides, num_iters), "sharded_seq": shapes}
 
 
-@cache
-def _reference() -> ReferenceRun:
-    """The plain loop, shared by every case (SP does not change the model or the data)."""
-    return reference_run(tuple(PARITY), NUM_ITERS)
-
-
-def _rel(got: float, want: float) -> float:
-    return abs(got - want) / max(abs(want), 1e-12)
-
-
-def _check_module_norms(results: list[dict], ref: ReferenceRun) -> None:
-    """Per-module grad norms as stepped; every copy of a gradient agrees (norm weights too)."""
-    for it in range(NUM_ITERS):
-        merged: dict[str, float] = {}
-        for rank, res in enumerate(results):
-            for pname, sq in res["grad_sq"][it].items():
-                assert merged.setdefault(pname, sq) == sq, f"it {it}: {pname} differs on {rank}"
-        norms: dict[str, float] = {}
-        for pname, sq in merged.items():
-            norms[module_of(pname)] = norms.get(module_of(pname), 0.0) + sq
-        for module, want in ref.module_norms[it].items():
-            assert _rel(math.sqrt(norms[module]), want) <= REL, f"it {it}: module {module}"
-
-
-def _check_weights(results: list[dict], ref: ReferenceRun) -> None:
-    merged = {}
-    for res in results:
-        merged.update(res["weights"])
-    assert sorted(merged) == sorted(ref.weights)
-    for pname, want in ref.weights.items():
-        err = float((merged[pname] - want).norm() / want.norm().clamp_min(1e-12))
-        assert err <= REL, f"{pname}: relative L2 {err:.2e}"
-        assert not (merged[pname] == ref.initial[pname]).all(), f"{pname} did not train"
-
-
 @pytest.mark.parametrize("name", list(CASES))
 def test_sequence_parallel_matches_plain_loop(name):
-    overrides = PARITY + CASES[name] + SP
-    world = plan_layout(load_config(DIGITS, BASE + overrides)).world_size
-    results = run_ranks(world, sp_engine_run, overrides, NUM_ITERS, timeout_s=300)
-    ref = _reference()
-    assert_steps_match(results, ref)
-    _check_module_norms(results, ref)
-    _check_weights(results, ref)
+    # SP does not change the model or the data: the plain loop of PARITY alone.
+    results = run_against_plain_loop(CASES[name] + SP, [], sp_engine_run, NUM_ITERS,
+                                     schedule=PARITY)
+    ref = reference([], NUM_ITERS, PARITY)
+    weights = {n: w for res in results for n, w in res["weights"].items()}
+    for pname, initial in ref.initial.items():
+        assert not (weights[pname] == initial).all(), f"{pname} did not train"
     # The language ranks really ran their layers on seq / tp positions.
     sharded = [s for res in results for s in res["sharded_seq"]]
     assert sharded and set(sharded) == {SEQ // 2}
@@ -116,8 +75,8 @@ def test_sequence_parallel_rejections_name_the_field(overrides, needle):
 
 
 def test_activation_estimate_accounts_for_sequence_parallelism():
-    from mimotron.models.blocks import default_ffn_hidden_size
-    from mimotron.parallel.memory import activation_bytes, layer_bytes_per_token
+    from mimotron.config.schema import default_ffn_hidden_size
+    from mimotron.estimate.memory import activation_bytes, layer_bytes_per_token
 
     def per_token(language: dict, *extra: str) -> tuple[int, int]:
         cfg = load_config(DIGITS, BASE + noncolocated({}, {}, language) + list(extra))

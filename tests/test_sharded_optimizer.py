@@ -27,11 +27,11 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
 from mimotron.config import load_config
+from mimotron.forked_ranks import run_ranks
 from mimotron.optim import MimoOptimizer, ModuleOptimizerInfo, OptimizerConfig
 from mimotron.parallel.groups import ProcessGroupCollection
 from mimotron.parallel.zero import ZeroShards, chunk_range, shard_dim
 from mimotron.runtime import init_runtime
-from mimotron.testing import run_ranks
 from mimotron.training.loop import setup_mimo
 from tests.common import BASE as COMMON_BASE
 from tests.common import train_step

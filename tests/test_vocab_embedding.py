@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from mimotron.testing import run_ranks
+from mimotron.forked_ranks import run_ranks
 
 VOCAB, HIDDEN = 64, 8
 

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from mimotron.config import load_config
+from mimotron.forked_ranks import run_ranks
 from mimotron.runtime import init_runtime
-from mimotron.testing import run_ranks
 from tests.common import BASE, DIGITS, ONE_RANK
 
 pytest.importorskip("wandb")

@@ -21,10 +21,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from mimotron.config.shard_paths import shard_paths
 from mimotron.data.bpe import train_bpe_tokenizer
 from mimotron.data.llava_export import conversation_texts, write_llava_task
-from mimotron.data.webdataset import shard_paths, write_shards
-from mimotron.testing import run_groups
+from mimotron.data.webdataset import write_shards
+from mimotron.forked_ranks import run_groups
 from tests.common import ONE_RANK, train_steps
 from tests.hf_data import llava_env, write_jsonl
 from tests.test_llava_data import dataset

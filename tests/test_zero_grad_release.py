@@ -20,10 +20,10 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from mimotron.config import load_config
+from mimotron.forked_ranks import run_ranks
 from mimotron.parallel.main_grad import MAIN_GRAD
 from mimotron.parallel.zero import ZeroShards
 from mimotron.runtime import init_runtime
-from mimotron.testing import run_ranks
 from mimotron.training.loop import setup_mimo
 from tests.common import BASE, DIGITS, colocated, train_step
 

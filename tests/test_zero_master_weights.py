@@ -30,13 +30,13 @@ from torch.distributed.tensor import DTensor
 from mimotron.checkpoint import read_full_model
 from mimotron.config import load_config
 from mimotron.data import collate
+from mimotron.estimate.memory import estimate_memory
+from mimotron.forked_ranks import run_ranks
 from mimotron.optim.mimo_optimizer import MimoOptimizer
 from mimotron.parallel.layout import plan_layout
 from mimotron.parallel.main_grad import MAIN_GRAD
-from mimotron.parallel.memory import estimate_memory
 from mimotron.parallel.zero import shard_dim
 from mimotron.runtime import init_runtime
-from mimotron.testing import run_ranks
 from mimotron.training.loop import run_training, setup_mimo
 from tests.common import BASE, DIGITS, coloc, colocated, train_step
 from tests.reference import _optimizer, lr_at, reference_run, reference_setup

@@ -24,19 +24,19 @@ import torch.distributed as dist
 from torch import nn
 
 from mimotron.config import load_config
-from mimotron.optim.build import get_mimo_optimizer
-from mimotron.parallel.layout import plan_layout
-from mimotron.parallel.memory import (
+from mimotron.estimate.memory import (
     activation_bytes,
     estimate_memory,
     frozen_encoder_output_bytes,
     param_gather_bytes,
     reduce_bucket_bytes,
 )
+from mimotron.forked_ranks import run_ranks
+from mimotron.optim.build import get_mimo_optimizer
+from mimotron.parallel.layout import plan_layout
 from mimotron.parallel.zero import ZeroShards
 from mimotron.runtime import init_runtime
-from mimotron.testing import run_ranks
-from mimotron.training import loop
+from mimotron.training import loop, megatron_compat
 from mimotron.training.loop import setup_mimo
 from mimotron.training.profiling import FAIL_AT_ITER_ENV, InjectedFault
 from mimotron.training.step import default_forward_step
@@ -188,9 +188,9 @@ def _hooks_and_failure(rank: int, world: int, overrides: list[str]) -> dict:
     first = _pre_hooks(run.model)
     os.environ[FAIL_AT_ITER_ENV] = "2"  # this forked rank only; every rank fails alike
     with pytest.raises(InjectedFault):
-        loop.train_mimo(default_forward_step, run.model, run.optimizer, run.schedulers,
-                        run.train_data_iterator, run.valid_data_iterator, run.global_state,
-                        run.infra, run.communicator)
+        megatron_compat.train_mimo(default_forward_step, run.model, run.optimizer, run.schedulers,
+                                   run.train_data_iterator, run.valid_data_iterator,
+                                   run.global_state, run.infra, run.communicator)
     landed = not any(i.zero is not None and i.zero.gather_pending
                      for i in run.optimizer.module_infos.values())
     again = get_mimo_optimizer(run.model, cfg, grids=run.infra.grids,

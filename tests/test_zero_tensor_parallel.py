@@ -22,7 +22,6 @@ inner optimizers' Adam moments, summed from the tensors themselves.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -32,24 +31,24 @@ from torch.distributed.tensor import DTensor
 
 from mimotron.checkpoint import read_full_model
 from mimotron.config import MimoConfig, load_config
+from mimotron.estimate.memory import estimate_memory
+from mimotron.forked_ranks import run_ranks
 from mimotron.optim.mimo_optimizer import MimoOptimizer
 from mimotron.parallel.expert_parallel import is_expert_param
 from mimotron.parallel.layout import plan_layout
-from mimotron.parallel.memory import estimate_memory
 from mimotron.parallel.zero import shard_dim
 from mimotron.runtime import init_runtime
-from mimotron.testing import run_ranks
 from mimotron.training import loop
 from mimotron.training.loop import run_training, setup_mimo
-from tests.common import BASE, DIGITS, coloc, par, train_step
-from tests.test_checkpoint import colocated
-from tests.test_moe_parity import MOE
+from tests.common import BASE, DIGITS, coloc, colocated_plain, par, train_step
+from tests.moe import MOE
+from tests.parity import assert_records_follow, records_by_iteration, training_records
 
 ZERO = [f"modules.{m}.parallel.shard_optimizer=true" for m in ("vision", "audio", "language")]
 TP_ZERO = coloc({"data": 4, "tensor": 1}, {"data": 4, "tensor": 1},
                 {"tensor": 2, "data": 2}) + ZERO
-DP4_ZERO = colocated(4) + ZERO
-PLAIN = colocated(1)
+DP4_ZERO = colocated_plain(4) + ZERO
+PLAIN = colocated_plain(1)
 OVERLAP = ["train.overlap_grad_reduce=true", "train.overlap_param_gather=true",
            "train.grad_bucket_mb=0.05"]
 COMMON = BASE + ["train.iters=12", "eval.iters=1", "log.interval=1", "log.progress=false",
@@ -105,9 +104,7 @@ def _held(optimizer: MimoOptimizer) -> dict[str, dict[str, int]]:
     return out
 
 
-def _records(log_dir: Path) -> list[dict[str, Any]]:
-    lines = [json.loads(x) for x in (log_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in lines if "loss" in r]
+_records = training_records  # tests/test_fsdp.py imports it from here
 
 
 def _launch(root: Path, name: str, world: int, layout: list[str], load: Path | None,
@@ -135,20 +132,16 @@ def chain(tmp_path_factory) -> dict[str, Any]:
     ("tp", 4, 9), ("dp4", 7, 9), ("tp-from-dp4", 10, 12), ("plain-from-tp", 10, 12)])
 def test_resharded_runs_follow_the_plain_loop(chain, name, first, last):
     root = chain["root"]
-    got = _records(root / name)
-    want = {r["iteration"]: r for r in _records(root / "ref")}
+    got = training_records(root / name)
     assert [r["iteration"] for r in got] == list(range(first, last + 1))
-    for r in got:
-        w = want[r["iteration"]]
-        assert r["loss"] == pytest.approx(w["loss"], rel=REL), r["iteration"]
-        assert r["grad_norm"] == pytest.approx(w["grad_norm"], rel=REL), r["iteration"]
+    assert_records_follow(got, training_records(root / "ref"), REL, lr_rel=None, same=())
 
 
 def test_resume_in_the_same_layout_is_bitwise(chain):
     """Same layout (overlaps on this time): the same losses, norms and weights, bit for bit."""
     root = chain["root"]
-    straight = {r["iteration"]: r for r in _records(root / "tp")}
-    resumed = _records(root / "tp-again")
+    straight = records_by_iteration(root / "tp")
+    resumed = training_records(root / "tp-again")
     assert [r["iteration"] for r in resumed] == [7, 8, 9]
     for r in resumed:
         assert (r["loss"], r["grad_norm"]) == (straight[r["iteration"]]["loss"],
@@ -218,7 +211,7 @@ def test_expert_tensor_zero_holds_expert_rows_over_expt_dp():
     """MoE on 4 colocated DP ranks, expert TP 2 (the expert-TP peers are DP ranks): dense
     rows over dp 4, each expert-TP shard's rows over expt_dp 2; ``mimotron plan``'s
     estimate says the same."""
-    overrides = MOE + colocated(4) + ZERO + par("language", expert_tensor=2)
+    overrides = MOE + colocated_plain(4) + ZERO + par("language", expert_tensor=2)
     held = run_ranks(4, _one_step, overrides, timeout_s=300)
     cfg = load_config(DIGITS, BASE + overrides)
     for rank, modules in enumerate(held):

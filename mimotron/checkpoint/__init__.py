@@ -25,7 +25,7 @@ _EXPORTS = {
     "iter_dir": "mimotron.checkpoint.files",
     "load_checkpoint": "mimotron.checkpoint.load",
     "load_exported": "mimotron.checkpoint.export",
-    "maybe_load_checkpoint": "mimotron.checkpoint.load",
+    "maybe_load_checkpoint": "mimotron.checkpoint.pretrained",
     "read_full_model": "mimotron.checkpoint.export",
     "read_latest": "mimotron.checkpoint.files",
     "resolve_load": "mimotron.checkpoint.files",

@@ -34,14 +34,16 @@ from mimotron.checkpoint.files import CheckpointError, read_manifest, resolve_ch
 from mimotron.checkpoint.load import SafeLoadPlanner, read_metadata, verify_share
 from mimotron.checkpoint.safe_metadata import SafeFileSystemReader
 from mimotron.checkpoint.state import META, MODEL
-from mimotron.config import MimoConfig, config_from_dict, validate_config
-from mimotron.data.llava_setup import build_tokenizer
+from mimotron.config.hf_files import read_safetensors
+from mimotron.config.load import config_from_dict
+from mimotron.config.schema import MimoConfig
+from mimotron.config.validation import validate_config
+from mimotron.config.vocab_size import padded_vocab_size
+from mimotron.data.run_data import build_tokenizer
 from mimotron.models.build import build_mimo_model
-from mimotron.models.hf.file_check import read_safetensors
 from mimotron.models.mimo import MimoModel
 from mimotron.names import ENCODER_PREFIX, LANGUAGE, LANGUAGE_MODEL_PREFIX
 from mimotron.outputs import new_file_mode
-from mimotron.training.model_setup import padded_vocab_size
 
 CONFIG_FILE = "config.json"
 

@@ -53,9 +53,9 @@ from safetensors.torch import save_file
 from mimotron.checkpoint.export import read_full_model, split_by_module, write_module_files
 from mimotron.checkpoint.export_folder import ExportFolder
 from mimotron.checkpoint.state import VOCAB_SIZE_UNPADDED
+from mimotron.config.hf_files import open_safetensors
+from mimotron.config.hf_folder import INDEX_FILE, SINGLE_FILE, read_hf_config, tensor_files
 from mimotron.models.hf.clip import CLIP_WEIGHTS, SIGLIP_WEIGHTS
-from mimotron.models.hf.file_check import open_safetensors
-from mimotron.models.hf.folder import INDEX_FILE, SINGLE_FILE, read_hf_config, tensor_files
 from mimotron.models.hf.llama import LLAMA_WEIGHTS, SUPPORTED_MODEL_TYPES, LlamaFamilySpec
 from mimotron.models.hf.weights import WeightMap, hf_tensors_of
 from mimotron.models.hf.whisper import WHISPER_WEIGHTS
@@ -220,13 +220,13 @@ def run_tokenizer(run_config: Mapping[str, Any]) -> Any:
     """The run's Hugging Face tokenizer with its placeholders, or ``None`` if it had none.
 
     Built by the function training builds it with
-    (:func:`~mimotron.data.llava_setup.run_hf_tokenizer`), from the module kinds the run
+    (:func:`~mimotron.data.run_data.run_hf_tokenizer`), from the module kinds the run
     config records, so the placeholders get the ids training gave them.
     """
     path = (run_config.get("data") or {}).get(TOKENIZER)
     if not path:
         return None
-    from mimotron.data.llava_setup import run_hf_tokenizer  # Deferred: loads transformers.
+    from mimotron.data.run_data import run_hf_tokenizer  # Deferred: loads transformers.
 
     modules = (run_config.get("modules") or {}).values()
     return run_hf_tokenizer(path, [m.get("kind") for m in modules if isinstance(m, Mapping)])

@@ -58,7 +58,7 @@ from mimotron.checkpoint.hf_export import (
     set_file_modes,
 )
 from mimotron.checkpoint.state import VOCAB_SIZE_UNPADDED
-from mimotron.models.hf.folder import SINGLE_FILE, read_hf_config, tensor_files
+from mimotron.config.hf_folder import SINGLE_FILE, read_hf_config, tensor_files
 from mimotron.models.hf.llama import LLAMA_WEIGHTS
 from mimotron.names import LANGUAGE
 

@@ -49,7 +49,6 @@ from mimotron.checkpoint.files import (
     CheckpointError,
     read_manifest,
     resolve_checkpoint,
-    resolve_load,
     verify_file,
 )
 from mimotron.checkpoint.safe_metadata import SafeFileSystemReader, load_metadata
@@ -67,8 +66,6 @@ from mimotron.optim.scheduler import OptimizerParamScheduler
 
 if TYPE_CHECKING:
     from mimotron.optim.mimo_optimizer import MimoOptimizer
-    from mimotron.training.infra import MimoModelInfra
-    from mimotron.training.state import GlobalState
 
 # DCP reports failures as CheckpointException, a BaseException: catch it explicitly. (Here,
 # not in files.py: that module is read by the launcher, which never imports DCP.)
@@ -331,39 +328,3 @@ def restore_fresh_scalers(meta: dict[str, Any], fresh_scalers: dict[str, Any],
         info.loss_scaler.load_state_dict(fresh_scalers[name])
     log(rank, f"precision changed ({saved_precision} -> {cfg.train.precision}): loss "
         "scaling starts afresh")
-
-
-def maybe_load_checkpoint(
-    model: nn.Module, optimizer: MimoOptimizer, schedulers: dict[str, OptimizerParamScheduler],
-    global_state: GlobalState, infra: MimoModelInfra,
-) -> int | None:
-    """Apply ``checkpoint.load`` (``auto`` / ``none`` / a path) to a freshly set-up run.
-
-    A run that starts fresh with ``checkpoint.pretrained`` loads that checkpoint's (or
-    export's) weights instead (:func:`~mimotron.checkpoint.pretrained.load_pretrained`).
-    Call before the data iterator is created: the restored ``consumed_samples`` is the
-    data position. Collective when a checkpoint is loaded (every rank resolves the same
-    path, so every rank takes the same branch).
-
-    Returns:
-        The iteration resumed from (or continued from ``pretrained`` with
-        ``pretrained_schedule``), or None when starting at iteration 0.
-
-    Raises:
-        ValueError: an invalid ``checkpoint.load`` or ``checkpoint.pretrained`` (before
-            any collective).
-        CheckpointError: see :func:`load_checkpoint`.
-    """
-    from mimotron.checkpoint.pretrained import load_pretrained
-    from mimotron.run_dir import pretrained_source
-
-    cfg = global_state.cfg
-    path = resolve_load(cfg.checkpoint.load, cfg.checkpoint_dir)
-    if path is not None:
-        return load_checkpoint(path, model, optimizer, schedulers, global_state, infra)
-    source = pretrained_source(cfg)
-    if source is not None:
-        return load_pretrained(source, model, optimizer, schedulers, global_state, infra)
-    if cfg.checkpoint.load == "auto":
-        log(global_state.runtime.rank, f"no checkpoint in {cfg.checkpoint_dir}; starting fresh")
-    return None

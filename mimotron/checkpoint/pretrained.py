@@ -27,6 +27,10 @@ Either way every model tensor this rank holds must be found at its full shape, o
 dtype that loads into it, and finite (:mod:`mimotron.models.weight_checks`); a damaged
 file is named. Any rank that finds a problem makes every rank raise the same error
 before any weight is used.
+
+What a run starts from is chosen here as well (:func:`maybe_load_checkpoint`): the
+checkpoint ``checkpoint.load`` resolves to (a resume, :mod:`mimotron.checkpoint.load`),
+else ``checkpoint.pretrained``, else nothing.
 """
 
 from __future__ import annotations
@@ -37,10 +41,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from mimotron.checkpoint.files import CheckpointError, read_manifest
+from mimotron.checkpoint.files import CheckpointError, read_manifest, resolve_load
 from mimotron.checkpoint.load import (
     agree_on_problems,
     checked_iteration,
+    load_checkpoint,
     log,
     read_checkpoint,
     read_metadata,
@@ -55,10 +60,10 @@ from mimotron.checkpoint.state import (
     model_state,
     rederive_rng,
 )
-from mimotron.models.hf.file_check import open_safetensors
+from mimotron.config.hf_files import open_safetensors
 from mimotron.models.weight_checks import capped, dtype_problem, nonfinite_problem
 from mimotron.names import ENCODER_PREFIX, LANGUAGE, LANGUAGE_MODEL_PREFIX
-from mimotron.run_dir import MODULE_FILE, describe_pretrained
+from mimotron.run_dir import MODULE_FILE, describe_pretrained, pretrained_source
 
 if TYPE_CHECKING:
     from torch import nn
@@ -68,7 +73,40 @@ if TYPE_CHECKING:
     from mimotron.training.infra import MimoModelInfra
     from mimotron.training.state import GlobalState
 
-__all__ = ["load_pretrained"]
+__all__ = ["load_pretrained", "maybe_load_checkpoint"]
+
+
+def maybe_load_checkpoint(
+    model: nn.Module, optimizer: MimoOptimizer, schedulers: dict[str, OptimizerParamScheduler],
+    global_state: GlobalState, infra: MimoModelInfra,
+) -> int | None:
+    """Apply ``checkpoint.load`` (``auto`` / ``none`` / a path) to a freshly set-up run.
+
+    A run that starts fresh with ``checkpoint.pretrained`` loads that checkpoint's (or
+    export's) weights instead (:func:`load_pretrained`).
+    Call before the data iterator is created: the restored ``consumed_samples`` is the
+    data position. Collective when a checkpoint is loaded (every rank resolves the same
+    path, so every rank takes the same branch).
+
+    Returns:
+        The iteration resumed from (or continued from ``pretrained`` with
+        ``pretrained_schedule``), or None when starting at iteration 0.
+
+    Raises:
+        ValueError: an invalid ``checkpoint.load`` or ``checkpoint.pretrained`` (before
+            any collective).
+        CheckpointError: see :func:`~mimotron.checkpoint.load.load_checkpoint`.
+    """
+    cfg = global_state.cfg
+    path = resolve_load(cfg.checkpoint.load, cfg.checkpoint_dir)
+    if path is not None:
+        return load_checkpoint(path, model, optimizer, schedulers, global_state, infra)
+    source = pretrained_source(cfg)
+    if source is not None:
+        return load_pretrained(source, model, optimizer, schedulers, global_state, infra)
+    if cfg.checkpoint.load == "auto":
+        log(global_state.runtime.rank, f"no checkpoint in {cfg.checkpoint_dir}; starting fresh")
+    return None
 
 
 def load_pretrained(source: tuple[Path, bool], model: nn.Module, optimizer: MimoOptimizer,

@@ -3,7 +3,7 @@
 The config is checked by the same validator as ``mimotron train`` (``load_config``, then
 :func:`~mimotron.parallel.layout.plan_layout` with the rules a rank's set-up applies), so
 a config ``plan`` accepts is one ``train`` starts. With ``--device-memory`` each rank's
-estimated peak is compared with one device (:mod:`mimotron.cli.device_fit`): a verdict
+estimated peak is compared with one device (:mod:`mimotron.planner.fit`): a verdict
 per rank and a summary line; the exit status stays 0 either way.
 """
 
@@ -13,18 +13,20 @@ import sys
 from typing import Any
 
 from mimotron.checkpoint.files import CheckpointError
-from mimotron.cli.device_fit import fit_lines, parse_device_memory
-from mimotron.config import MimoConfig, ModuleConfig, load_config
-from mimotron.models.build import moe_options
-from mimotron.parallel.expert_layout import format_expert_layout
-from mimotron.parallel.layout import Layout, format_skipped, plan_layout
-from mimotron.parallel.memory import (
+from mimotron.cli.device_fit import parse_device_memory
+from mimotron.config.load import load_config
+from mimotron.config.moe_config import moe_options
+from mimotron.config.schema import MimoConfig, ModuleConfig
+from mimotron.config.vocab_size import padded_vocab_size
+from mimotron.estimate.memory import (
     estimate_memory,
     microbatches_in_flight,
     stage_expert_counts,
     stage_parameter_counts,
 )
-from mimotron.training.model_setup import padded_vocab_size
+from mimotron.parallel.expert_layout import format_expert_layout
+from mimotron.parallel.layout import Layout, format_skipped, plan_layout
+from mimotron.planner.fit import fit_lines
 
 LEGEND = """\
 activ: saved tensors of the forwards held at the peak of the rank's plan (in fl.: their
@@ -63,7 +65,7 @@ def run_plan(config: str, overrides: list[str], dry_run: bool = False,
         from mimotron.run_dir import describe_run_dir
 
         run_dir = describe_run_dir(cfg)  # checkpoint.load checked as train checks it
-        from mimotron.data.llava_setup import check_data
+        from mimotron.data.run_data import check_data
 
         tokenizer = check_data(cfg)  # The tokenizer and (llava) every sample, as train.
     except (ValueError, CheckpointError) as exc:

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 from mimotron.checkpoint.files import CheckpointError
 from mimotron.cli.device_fit import parse_device_memory
-from mimotron.config import MimoConfig, load_config
+from mimotron.config.load import load_config
+from mimotron.config.schema import MimoConfig
 from mimotron.planner.cost import Calibration
 
 
@@ -74,7 +75,7 @@ def run_plan_auto(config: str, overrides: list[str], options: AutoOptions) -> in
         return _fail("invalid option", str(exc))
     try:
         cfg = load_config(config, overrides)
-        from mimotron.data.llava_setup import check_data
+        from mimotron.data.run_data import check_data
         from mimotron.run_dir import describe_run_dir
 
         describe_run_dir(cfg)  # checkpoint.load checked as train checks it

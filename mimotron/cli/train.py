@@ -39,8 +39,9 @@ import sys
 import traceback
 from typing import Any
 
-from mimotron.config import MimoConfig, load_config
-from mimotron.config_limits import check_local_ranks
+from mimotron.config.limits import check_local_ranks
+from mimotron.config.load import load_config
+from mimotron.config.schema import MimoConfig
 from mimotron.failures import (
     FAILURE_DIR_ENV,
     FailureRecord,
@@ -76,7 +77,7 @@ def run_train(config: str, overrides: list[str]) -> int:
             layout = plan_layout(cfg, env_world_size=env_world)
             check_local_ranks(layout.world_size, launched=not _under_launcher())
             if not _under_launcher():  # Every sample checked once, before any rank starts.
-                from mimotron.data.llava_setup import check_data
+                from mimotron.data.run_data import check_data
 
                 check_data(cfg)
             held.enter_context(run_lock(cfg))  # Before anything in the run dir is touched.

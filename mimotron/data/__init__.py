@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mimotron.config_schema import MimoConfig
+from mimotron.config.schema import MimoConfig
 from mimotron.data.collate import (
     Batch,
     Sample,
@@ -175,7 +175,7 @@ def build_datasets(cfg: MimoConfig, tokenizer: Any) -> tuple[Any, Any]:
         cfg: the run config (``data``, ``train.seed`` and ``modules`` are used).
         tokenizer: the tokenizer shared with the model: a ``CharTokenizer`` for
             ``digits`` / ``mock``, an ``HFTokenizer`` for ``llava``
-            (:func:`~mimotron.data.llava_setup.build_tokenizer` builds the right one).
+            (:func:`~mimotron.data.run_data.build_tokenizer` builds the right one).
 
     Returns:
         ``(train_task, validation_task)``.
@@ -186,12 +186,14 @@ def build_datasets(cfg: MimoConfig, tokenizer: Any) -> tuple[Any, Any]:
             sample, naming its id and line.
     """
     if cfg.data.dataset == "llava":
+        # Here, not at the top: the package's own modules import it (run_data, llava), and
+        # the synthetic datasets never load transformers' tokenizers.
         from mimotron.data.hf_tokenizer import HFTokenizer
-        from mimotron.data.llava_setup import build_llava_tasks
+        from mimotron.data.run_data import build_llava_tasks
 
         if not isinstance(tokenizer, HFTokenizer):
             raise ValueError("data.dataset='llava' needs the Hugging Face tokenizer of "
-                             "data.tokenizer (llava_setup.build_tokenizer), not "
+                             "data.tokenizer (run_data.build_tokenizer), not "
                              f"{type(tokenizer).__name__}")
         return build_llava_tasks(cfg, tokenizer)
     inputs = encoder_inputs(cfg)

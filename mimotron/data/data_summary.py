@@ -23,7 +23,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-from mimotron.config_schema import MimoConfig
+from mimotron.config.schema import MimoConfig
 
 # Sample kinds in the order they are shown (``text``: no media at all).
 KIND_ORDER = ("image", "audio", "both", "text")

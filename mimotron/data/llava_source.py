@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from mimotron.config.shard_paths import is_shard_path, shard_paths
 from mimotron.data.llava_check import RawItem
 from mimotron.data.llava_file import (
     SampleError,
@@ -43,7 +44,7 @@ from mimotron.data.llava_file import (
     parse_line,
     read_jsonl_sample,
 )
-from mimotron.data.webdataset import TarMember, is_shard_path, scan_shard, shard_paths
+from mimotron.data.webdataset import TarMember, scan_shard
 
 ROW_DTYPE = np.dtype([
     ("shard", "<i4"),         # shard number (0 for a file)

@@ -7,8 +7,8 @@ sample would then train as if the key were not there, with no word said. So such
 makes the sample bad (one line naming the key; ``data.skip_bad_samples`` skips it),
 unless ``data.ignore_keys`` lists it: that the run trains without it is then a choice.
 
-Kept apart from the check (no torch, no tokenizer) so that the config validation can
-refuse an ``ignore_keys`` entry naming a key the loader reads.
+The keys themselves live in :mod:`mimotron.config.sample_keys`, where the config
+validation refuses an ``ignore_keys`` entry naming a key the loader reads.
 """
 
 from __future__ import annotations
@@ -16,15 +16,8 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import Any
 
+from mimotron.config.sample_keys import SAMPLE_KEYS, TURN_KEYS
 from mimotron.data.llava_file import SampleError
-
-SAMPLE_KEYS = ("id", "image", "audio", "conversations")
-"""The keys of a sample the loader reads (a shard's ``image`` / ``audio`` fields are read
-as the documented hint that the media are the sample's members, and so count as read)."""
-TURN_KEYS = ("from", "value")
-"""The keys of a conversation turn the loader reads."""
-READ_KEYS = frozenset(SAMPLE_KEYS + TURN_KEYS)
-"""Keys ``data.ignore_keys`` may not list: the loader reads them."""
 
 
 def check_sample_keys(raw: dict[str, Any], ignore: Collection[str]) -> None:
@@ -54,18 +47,3 @@ def check_sample_keys(raw: dict[str, Any], ignore: Collection[str]) -> None:
                               f"(a turn's keys read are 'from', 'value'): the turn would train "
                               f"without it; list it in data.ignore_keys to train it so, or "
                               f"remove it from the data")  # fmt: skip
-
-
-def check_ignore_keys(keys: Collection[Any]) -> None:
-    """Raise unless ``data.ignore_keys`` holds non-empty strings the loader does not read.
-
-    Raises:
-        ValueError: ``data.ignore_keys=[...] is invalid: ...``.
-    """
-    bad = [k for k in keys if not isinstance(k, str) or not k]
-    read = sorted(k for k in keys if isinstance(k, str) and k in READ_KEYS)
-    if bad or read:
-        why = (f"{bad[0]!r} is not a non-empty string" if bad
-               else f"the loader reads {read[0]!r}: it cannot be ignored")
-        raise ValueError(f"data.ignore_keys={list(keys)!r} is invalid: {why} (expected keys "
-                         "the loader does not read, e.g. ['video'])")  # fmt: skip

@@ -1,7 +1,7 @@
 """A tokenizer whose vocabulary dwarfs the model it is to train: refused before launch.
 
 The language model's embedding and output head take their rows from the tokenizer
-(:func:`~mimotron.models.vocab_size.model_vocab_size`): a wrong ``data.tokenizer`` folder
+(:func:`~mimotron.config.vocab_size.model_vocab_size`): a wrong ``data.tokenizer`` folder
 of 3 million entries silently grows a model of 0.6 M parameters to 769 M, and the run is
 killed for memory on its first step with no word on why. :func:`vocabulary_check`
 refuses, in one line naming the vocabulary, the parameter counts and the fix, when
@@ -18,10 +18,10 @@ the rule: Llama 3 8B's 128 256 ids are 1 G parameters next to 7 G.
 
 from __future__ import annotations
 
-from mimotron.config_limits import module_parameters
-from mimotron.config_schema import MimoConfig
-from mimotron.models.hf.resolve import language_spec
-from mimotron.models.vocab_size import model_vocab_size
+from mimotron.config.hf_resolve import language_spec
+from mimotron.config.limits import module_parameters
+from mimotron.config.schema import MimoConfig
+from mimotron.config.vocab_size import model_vocab_size
 from mimotron.names import LANGUAGE
 
 VOCAB_SHARE_LIMIT = 100

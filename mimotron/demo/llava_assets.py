@@ -30,6 +30,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from mimotron.data.bpe import train_bpe_tokenizer
+from mimotron.data.hf_tokenizer import HFTokenizer
+from mimotron.data.llava_export import PROMPTS, write_llava_task
 from mimotron.data.tokenizer import number_to_words
 
 FORMAT = 2
@@ -56,7 +59,6 @@ CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
 def corpus() -> list[str]:
     """The tokenizer's training sentences: every prompt and answer the task can hold."""
-    from mimotron.data.llava_export import PROMPTS
 
     words = [number_to_words(n) for n in range(19)]
     sums = [f"{words[a]} plus {words[b]} is {words[a + b]}" for a in range(10) for b in range(10)]
@@ -134,10 +136,6 @@ def write_llava_assets(out_dir: str | Path, num_samples: int = NUM_SAMPLES, seed
     """
     import torch
     from transformers.utils import logging as hf_logging
-
-    from mimotron.data.bpe import train_bpe_tokenizer
-    from mimotron.data.hf_tokenizer import HFTokenizer
-    from mimotron.data.llava_export import write_llava_task
 
     if num_samples < 2:
         raise ValueError(f"num_samples={num_samples!r} is invalid: expected an integer >= 2")

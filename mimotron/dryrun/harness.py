@@ -11,7 +11,7 @@ tensor on its accelerator. For one rank of the layout it
    ops on fake ``cuda`` tensors). Modules are built and initialised on the host as in a
    real run and moved to the device, which on ``meta`` keeps shapes only;
 3. under ``FakeTensorMode`` and the :class:`~mimotron.dryrun.tracker.DeviceTracker`,
-   runs real training steps (:func:`~mimotron.training.step.train_step_mimo`: forward,
+   runs real training steps (:func:`~mimotron.training.step.train_step`: forward,
    backward, gradient finalisation, optimizer step), one evaluation step and the
    checkpoint state dict. Micro-batches come from the run's own data iterators, on the
    host, as in training; the step moves them.
@@ -33,7 +33,7 @@ import gc
 import itertools
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 from unittest import mock
 
 import torch
@@ -41,14 +41,18 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import DTensor
 
-from mimotron.config import MimoConfig
-from mimotron.dryrun.memory_peak import PeakObserver, torch_optimizers
+from mimotron.checkpoint.state import build_save_state
+from mimotron.config.schema import MimoConfig
 from mimotron.dryrun.tracker import DeviceTracker, Wire
 from mimotron.parallel.layout import plan_layout
 from mimotron.pipeline.plan import pipeline_positions
 from mimotron.runtime import Runtime, fake_accelerator, fake_backend
+from mimotron.training import model_setup
 from mimotron.training.data_provider import Microbatch
+from mimotron.training.evaluate import evaluate as run_evaluation
 from mimotron.training.language_step import LanguageStep, default_forward_step
+from mimotron.training.loop import setup_mimo
+from mimotron.training.step import build_step_run, module_parts, train_step
 
 
 @dataclass
@@ -116,7 +120,7 @@ class DryRunReport:
 
 def dry_run(cfg: MimoConfig, ranks: Sequence[int] | None = None, *, steps: int = 2,
             evaluate: bool = True, checkpoint: bool = True,
-            observers: Mapping[int, PeakObserver] | None = None,
+            observers: Mapping[int, StepObserver] | None = None,
             device: torch.device | None = None) -> list[DryRunReport]:
     """Run ranks of ``cfg``'s layout on a fake accelerator, one after the other.
 
@@ -171,7 +175,7 @@ def dry_run(cfg: MimoConfig, ranks: Sequence[int] | None = None, *, steps: int =
 
 
 def _run_one(cfg: MimoConfig, rank: int, world: int, wire: Wire, steps: int,
-             evaluate: bool, checkpoint: bool, observer: PeakObserver | None,
+             evaluate: bool, checkpoint: bool, observer: StepObserver | None,
              device: torch.device) -> DryRunReport:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -185,11 +189,7 @@ def _run_one(cfg: MimoConfig, rank: int, world: int, wire: Wire, steps: int,
 
 
 def _run_rank(cfg: MimoConfig, runtime: Runtime, wire: Wire, steps: int, evaluate: bool,
-              checkpoint: bool, observer: PeakObserver | None = None) -> DryRunReport:
-    from mimotron.checkpoint.state import build_save_state
-    from mimotron.training.evaluate import evaluate as run_evaluation
-    from mimotron.training.loop import setup_mimo
-    from mimotron.training.step import module_parts, train_step_mimo
+              checkpoint: bool, observer: StepObserver | None = None) -> DryRunReport:
 
     watch = observer or _NoObserver()
     with _meta_mesh(), _without_hf_weights():
@@ -198,6 +198,8 @@ def _run_rank(cfg: MimoConfig, runtime: Runtime, wire: Wire, steps: int, evaluat
         tracker = DeviceTracker(runtime.device, wire)
         _name_parameters(tracker, run.model)
         language = LanguageStep(default_forward_step)
+        step_run = build_step_run(run.model, run.optimizer, run.schedulers, run.global_state,
+                                  run.infra, run.communicator, language)
         reports, losses = [], []
         # One fake mode for the run (its tensors live across phases); host data is
         # collated outside it, as the loader does, so batches arrive as real host tensors.
@@ -206,9 +208,7 @@ def _run_rank(cfg: MimoConfig, runtime: Runtime, wire: Wire, steps: int, evaluat
             batches = _named(tracker, next(run.train_data_iterator), "step")
             tracker.reset_counts()
             with fake, tracker, watch.step(run.model, torch_optimizers(run.optimizer)):
-                loss, *_ = train_step_mimo(
-                    language, iter((batches,)), run.model, run.optimizer, run.schedulers,
-                    run.global_state, run.communicator, infra=run.infra)
+                loss, *_ = train_step(step_run, batches)
             losses.append(loss)
             reports.append(_snapshot(tracker))
         evaluation = None
@@ -232,6 +232,27 @@ def _run_rank(cfg: MimoConfig, runtime: Runtime, wire: Wire, steps: int, evaluat
     return DryRunReport(runtime.rank, runtime.world_size, str(runtime.device),
                         sorted(module_parts(run.model)), reports, evaluation, devices,
                         losses)
+
+
+class StepObserver(Protocol):
+    """What the dry run enters around a rank's set-up and each of its training steps: a
+    memory observer (:class:`~mimotron.dryrun.memory_peak.PeakObserver`)."""
+
+    def setup(self) -> contextlib.AbstractContextManager[None]:
+        """Entered around the rank's set-up."""
+        ...
+
+    def step(self, model: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer]
+             ) -> contextlib.AbstractContextManager[None]:
+        """Entered around one training step, inside the dry run's fake mode."""
+        ...
+
+
+def torch_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
+    """The ``torch.optim`` optimizers of a run's :class:`~mimotron.optim.mimo_optimizer.
+    MimoOptimizer`, one per trained module."""
+    infos = getattr(optimizer, "module_infos", {})
+    return [i.optimizer for i in infos.values() if i.optimizer is not None]
 
 
 class _NoObserver:
@@ -265,7 +286,6 @@ def _meta_mesh() -> Iterator[None]:
 def _without_hf_weights() -> Iterator[None]:
     """A dry run reads no weights: an ``hf_path`` module keeps its fake device's empty
     shards (shapes only), so a folder with config.json alone is enough to dry-run it."""
-    from mimotron.training import model_setup
 
     with mock.patch.object(model_setup, "load_hf_module", lambda cfg, name, part: part):
         yield

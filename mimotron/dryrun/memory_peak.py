@@ -14,7 +14,7 @@ is not comparable: the first time DTensor meets an op it propagates the sharding
 stand-ins of the global shapes (a fake mode of its own on a real run, the dry run's
 here, so the tracker counts them: about 3 GiB in the optimizer step of a cut-down 70B
 FSDP2 rank); later steps hit its cache and make none. It is what the
-analytic estimate (:func:`mimotron.parallel.memory.estimate_memory`) is checked
+analytic estimate (:func:`mimotron.estimate.memory.estimate_memory`) is checked
 against (``benchmarks/plan_vs_measured.py``, ``tests/test_memory_peak.py``).
 
 What it cannot see: the caching allocator's rounding and fragmentation (bytes are
@@ -31,7 +31,9 @@ from typing import Any
 
 import torch
 
-from mimotron.config import MimoConfig
+from mimotron.config.schema import MimoConfig
+from mimotron.dryrun.harness import dry_run
+from mimotron.runtime import fake_accelerator
 
 # The tracker's reference types, in the order the breakdown is printed.
 CATEGORIES = ("Parameter", "Buffer", "Gradient", "Optstate", "Activation", "Temp", "Other")
@@ -133,13 +135,6 @@ class PeakObserver:
                             list(self.step_peaks))
 
 
-def torch_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
-    """The ``torch.optim`` optimizers of a run's :class:`~mimotron.optim.mimo_optimizer.
-    MimoOptimizer`, one per trained module."""
-    infos = getattr(optimizer, "module_infos", {})
-    return [i.optimizer for i in infos.values() if i.optimizer is not None]
-
-
 def measure_peak(cfg: MimoConfig, ranks: Sequence[int], *, run_first: Sequence[int] = (),
                  steps: int = 2) -> dict[int, MeasuredPeak]:
     """Measure the memory peak of ``ranks`` in the fake-device dry run.
@@ -159,9 +154,6 @@ def measure_peak(cfg: MimoConfig, ranks: Sequence[int], *, run_first: Sequence[i
         ValueError: a rank outside the layout, or a process group already exists.
         DryRunError: a measured rank reads a message from a rank not run.
     """
-    from mimotron.dryrun.harness import dry_run
-    from mimotron.runtime import fake_accelerator
-
     device = fake_accelerator()
     if device.type == "meta":
         # A CPU-only torch build stands in ``meta`` for the accelerator, which has no

@@ -11,7 +11,7 @@ casts) as real ones.
 :func:`layer_activation_bytes` measures one transformer layer of a module as one rank of
 its tensor-parallel group holds it (TP and sequence parallelism applied with DTensor
 over a ``fake`` process group of ``tensor`` ranks), in the config's precision. It is
-how the analytic estimate (:func:`mimotron.parallel.memory.layer_bytes_per_token`) and
+how the analytic estimate (:func:`mimotron.estimate.memory.layer_bytes_per_token`) and
 the published figures are checked (``tests/test_activation_bytes.py``,
 ``benchmarks/activations.py``).
 """
@@ -27,7 +27,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mimotron.config import MimoConfig
+from mimotron.config.schema import MimoConfig
+from mimotron.models.build import build_module
+from mimotron.parallel.tensor_parallel import apply_tensor_parallel
+from mimotron.pipeline.shapes import residual_dtype
 from mimotron.training.precision import autocast_factory
 
 
@@ -103,7 +106,6 @@ def fake_tensor_group(world_size: int) -> Iterator[Any]:
 def _stage(cfg: MimoConfig, name: str, num_layers: int) -> nn.Module:
     """A middle pipeline stage of module ``name`` holding its first ``num_layers`` layers:
     no embedding, head or front end."""
-    from mimotron.models.build import build_module
 
     return build_module(cfg, name, 64, layer_ids=list(range(num_layers)), pre_process=False,
                         post_process=False, init=False)
@@ -170,9 +172,6 @@ def _in_child(fn: Callable[..., int], *args: Any) -> int:
 
 def _stage_bytes(cfg: MimoConfig, name: str, num_layers: int) -> int:
     from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from mimotron.parallel.tensor_parallel import apply_tensor_parallel
-    from mimotron.pipeline.shapes import residual_dtype
 
     mod = cfg.modules[name]
     par = mod.parallel

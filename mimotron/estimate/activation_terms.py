@@ -1,6 +1,6 @@
 """Saved activations the dense layer count leaves out: MoE layers.
 
-:func:`mimotron.parallel.memory.layer_bytes_per_token` counts a dense transformer layer
+:func:`mimotron.estimate.memory.layer_bytes_per_token` counts a dense transformer layer
 run by SDPA without a mask. Mixture of experts changes what a layer keeps, and
 :func:`extra_layer_bytes_per_sample` adds them for a module stage:
 
@@ -17,17 +17,19 @@ run by SDPA without a mask. Mixture of experts changes what a layer keeps, and
   rows); the all-to-all's own buffers are not counted.
 * **Packed documents and context parallelism** need no term here: attention runs
   without a mask (:mod:`mimotron.models.attention`), and the keys a context-parallel
-  rank reads are :func:`~mimotron.parallel.memory.context_kv_bytes_per_sample`.
+  rank reads are :func:`~mimotron.estimate.memory.context_kv_bytes_per_sample`.
 
 A recomputed layer (``modules.<m>.recompute = "full"``) keeps none of its MoE tensors.
 """
 
 from __future__ import annotations
 
-from mimotron.config_schema import MimoConfig
+from mimotron.config.hf_resolve import language_spec
+from mimotron.config.moe_config import moe_options
+from mimotron.config.schema import MimoConfig, default_ffn_hidden_size
+from mimotron.estimate.widths import BYTES, attention_widths
 from mimotron.names import LANGUAGE
 
-BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 ROUTED_INDEX_BYTES = 32
 """Per routed copy: its sort order and token index (int64) and its fp32 weight, measured."""
 TOKEN_ROUTER_BYTES = 8
@@ -40,9 +42,6 @@ def moe_extra_bytes_per_token(cfg: MimoConfig, name: str) -> int:
     Negative when the experts' SwiGLU tensors (``top_k`` narrower ones) are smaller than
     the dense one they replace. 0 for a dense module.
     """
-    from mimotron.models.blocks import default_ffn_hidden_size
-    from mimotron.models.build import moe_options
-
     mod = cfg.modules[name]
     opts = moe_options(mod)
     if opts is None:
@@ -60,8 +59,6 @@ def moe_extra_bytes_per_token(cfg: MimoConfig, name: str) -> int:
 
 def num_moe_layers(cfg: MimoConfig, name: str, layers: list[int]) -> int:
     """How many of the global layer indices ``layers`` are MoE layers (0 if dense)."""
-    from mimotron.models.build import moe_options
-
     opts = moe_options(cfg.modules[name])
     return 0 if opts is None else sum(opts.is_moe_layer(i) for i in layers)
 
@@ -105,15 +102,11 @@ def attention_bytes_per_sample(cfg: MimoConfig, name: str) -> int:
     none. The layer estimate counts all of it but the log-sum-exp (4 bytes per head
     and token, under 0.1% of a layer at the 7B shape).
     """
-    from mimotron.parallel.memory import attention_widths
-
     mod = cfg.modules[name]
     par = mod.parallel
     q_width, kv_width = attention_widths(cfg, name)
     num_heads = mod.num_heads
     if mod.hf_path:
-        from mimotron.models.hf.resolve import language_spec
-
         num_heads = language_spec(mod).num_heads
     c = BYTES[cfg.train.precision]
     tokens = cfg.data.seq_length // par.context

@@ -16,7 +16,7 @@ attention scores+context ``2 · 2·samples·S·S·h`` (``Q Kᵀ`` and ``A V``; t
                         square is counted, causal or not, as PaLM and Megatron do)
 SwiGLU MLP              ``3 · 2·N·h·f`` (gate, up, down)
 two-matrix MLP          ``2 · 2·N·h·f`` (``fc1``, ``fc2``: Hugging Face CLIP, SigLIP and
-                        Whisper encoders, :func:`~mimotron.models.hf.specs.mlp_matrices`)
+                        Whisper encoders, :func:`~mimotron.config.hf_specs.mlp_matrices`)
 MoE layer (instead)     ``2·N·h·E`` (router) + ``top_k · 3·2·N·h·f_e`` (the experts a
                         token visits) + ``3·2·N·h·f_s`` (shared experts)
 LM output head          ``2·N·h·V`` (the embedding lookup is free)
@@ -44,9 +44,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from mimotron.config import MimoConfig, ModuleConfig
-from mimotron.models.blocks import default_ffn_hidden_size
-from mimotron.models.hf.specs import mlp_matrices
+from mimotron.config.hf_specs import mlp_matrices
+from mimotron.config.moe_config import moe_options
+from mimotron.config.schema import MimoConfig, ModuleConfig, default_ffn_hidden_size
 from mimotron.names import LANGUAGE
 
 
@@ -66,7 +66,7 @@ def transformer_layer_flops(num_samples: float, seq_length: int, hidden_size: in
         hidden_size: model width ``h``.
         ffn_hidden_size: MLP width (0 = the SwiGLU default for ``h``).
         num_mlp_matrices: 3 for SwiGLU (gate, up, down), 2 for ``fc1``/``fc2``
-            (:func:`~mimotron.models.hf.specs.mlp_matrices`).
+            (:func:`~mimotron.config.hf_specs.mlp_matrices`).
 
     Returns:
         ``8·N·h² + 4·B·S²·h + 2·m·N·h·f`` with ``N = B·S``, ``m`` the MLP's matrices.
@@ -108,8 +108,6 @@ def moe_flops_delta(mod: ModuleConfig, num_tokens: float) -> float:
     """
     if mod.num_experts == 0 and not (mod.hf_path and mod.kind == "language"):
         return 0.0
-    from mimotron.models.build import moe_options
-
     moe = moe_options(mod)
     if moe is None:
         return 0.0

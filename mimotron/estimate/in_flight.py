@@ -5,19 +5,17 @@ A forward's saved tensors live until its backward runs (the executor keeps each
 then). Replaying a rank's plan (:func:`~mimotron.pipeline.interleaved_plan.
 build_rank_plan`: 1F1B, interleaved 1F1B, or an encoder warmed up to feed an
 interleaved language model) gives, after every compute, how many forwards of each model
-chunk are held; the memory estimate (:mod:`mimotron.parallel.memory`) takes its peak
+chunk are held; the memory estimate (:mod:`mimotron.estimate.memory`) takes its peak
 from here rather than from a closed form of the warm-up.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from mimotron.config.schema import MimoConfig
+from mimotron.estimate.widths import encoder_batching_factor
 from mimotron.parallel.layout import Layout
+from mimotron.pipeline.interleaved_plan import build_rank_plan
 from mimotron.pipeline.plan import BACKWARD, FORWARD, Action
-
-if TYPE_CHECKING:
-    from mimotron.config import MimoConfig
 
 
 def held_forwards(plan: list[Action], num_chunks: int = 1) -> list[tuple[int, ...]]:
@@ -55,8 +53,6 @@ def rank_held_forwards(layout: Layout, module: str, stage: int, num_microbatches
         num_microbatches: micro-batches in the step.
         pipelined: ``False`` for ``train.schedule = "no_pipelining"``.
     """
-    from mimotron.pipeline.interleaved_plan import build_rank_plan
-
     plan = build_rank_plan(layout, module, stage, num_microbatches, pipelined)
     chunks = 1 if layout.colocated else layout.modules[module].parallel.virtual_pipeline
     return held_forwards(plan, chunks)
@@ -70,7 +66,7 @@ def held_forwards_peak(cfg: MimoConfig, layout: Layout, name: str, stage: int,
     backward has not run yet are counted per model chunk and weighted by ``weights``
     (one per chunk, e.g. each chunk's bytes; ``None``: 1 each, the count). An encoder
     under ``train.encoder_batching`` holds the whole step at once
-    (:func:`mimotron.parallel.memory.encoder_batching_factor`).
+    (:func:`mimotron.estimate.memory.encoder_batching_factor`).
 
     Args:
         cfg: the run config (``train.schedule``, the micro-batches of a step).
@@ -79,8 +75,6 @@ def held_forwards_peak(cfg: MimoConfig, layout: Layout, name: str, stage: int,
         stage: the pipeline stage.
         weights: one weight per model chunk of the rank.
     """
-    from mimotron.parallel.memory import encoder_batching_factor
-
     batched = encoder_batching_factor(cfg, name)
     if batched > 1:
         trace: list[tuple[int, ...]] = [(batched,)]

@@ -15,14 +15,28 @@ from typing import Any
 
 import torch
 
-from mimotron.config_schema import MimoConfig
-from mimotron.models.blocks import default_ffn_hidden_size
+from mimotron.config.moe_config import moe_options
+from mimotron.config.schema import MimoConfig, default_ffn_hidden_size
+from mimotron.config.vocab_size import model_vocab_size
+from mimotron.estimate.activation_terms import context_keys_read, extra_layer_bytes_per_sample
+from mimotron.estimate.fsdp_memory import fsdp_memory_bytes
+from mimotron.estimate.in_flight import held_forwards_peak
+from mimotron.estimate.widths import (
+    BYTES,
+    FP32,
+    attention_widths,
+    mlp_saved_tensors,
+    optimizer_state_bytes_per_param,
+    residual_bytes,
+)
+from mimotron.models.blocks import _NORM_CHUNK_ELEMENTS
+from mimotron.models.build import build_module
+from mimotron.models.freeze import trainable_parameter_count
+from mimotron.models.moe import moe_layers
+from mimotron.models.recompute import recomputed_layer_ids
 from mimotron.names import LANGUAGE
-from mimotron.parallel.activation_terms import context_keys_read
-from mimotron.parallel.layout import Layout
+from mimotron.parallel.layout import Layout, plan_layout
 from mimotron.parallel.virtual_pipeline import rank_layers
-
-BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
 @dataclass(frozen=True)
@@ -58,8 +72,6 @@ class MemoryEstimate:
 
 def stage_parameter_counts(cfg: MimoConfig, name: str, vocab_size: int) -> list[int]:
     """Parameter count of each pipeline stage of a module (built on the meta device)."""
-    from mimotron.models.build import build_module
-
     par = cfg.modules[name].parallel
     # Under interleaving a rank holds its chunks' layers (and stage 0 / p-1 the ends).
     stages = [rank_layers(cfg.modules[name].num_layers, par, s)[0] for s in range(par.pipeline)]
@@ -85,9 +97,6 @@ def stage_trainable_counts(cfg: MimoConfig, name: str, vocab_size: int) -> list[
     All of :func:`stage_parameter_counts` for a trainable module, none for a frozen one,
     and for an encoder whose tower is frozen its projector's (on the last stage).
     """
-    from mimotron.models.build import build_module
-    from mimotron.models.freeze import trainable_parameter_count
-
     mod = cfg.modules[name]
     par = mod.parallel
     if not mod.freeze:
@@ -111,9 +120,6 @@ def stage_expert_counts(cfg: MimoConfig, name: str, vocab_size: int
     ``expert x expert_tensor`` ranks; the routers and shared experts are whole on every
     rank of the module (not tensor parallel). ``[]`` for a dense module.
     """
-    from mimotron.models.build import build_module, moe_options
-    from mimotron.models.moe import moe_layers
-
     mod = cfg.modules[name]
     if mod.kind != "language" or moe_options(mod) is None:
         return []
@@ -145,29 +151,6 @@ def rank_parameter_count(cfg: MimoConfig, name: str, stage_count: int,
 
 
 # The loss (log-softmax of the logits) and the norms' per-token statistics are fp32.
-FP32 = 4
-
-
-def residual_bytes(cfg: MimoConfig) -> int:
-    """Bytes per value of the residual stream: the compute dtype's, or fp32 under fp32 or
-    ``train.fp32_residual_connection`` (:func:`~mimotron.pipeline.shapes.residual_dtype`)."""
-    return FP32 if cfg.train.fp32_residual_connection else BYTES[cfg.train.precision]
-
-
-def attention_widths(cfg: MimoConfig, name: str) -> tuple[int, int]:
-    """``(query width, key/value width)`` of module ``name``'s attention, whole layer.
-
-    ``hidden`` for both, except a Hugging Face language model's (grouped-query
-    attention: ``num_kv_heads x head_dim`` for keys and values, read from config.json).
-    """
-    mod = cfg.modules[name]
-    if mod.kind == "language" and mod.hf_path:
-        from mimotron.models.hf.resolve import language_spec
-
-        spec = language_spec(mod)
-        head_dim = spec.head_dim or spec.hidden_size // spec.num_heads
-        return spec.num_heads * head_dim, spec.num_kv_heads * head_dim
-    return mod.hidden_size, mod.hidden_size
 
 
 def layer_bytes_per_token(cfg: MimoConfig, name: str) -> tuple[int, int]:
@@ -204,14 +187,6 @@ def layer_bytes_per_token(cfg: MimoConfig, name: str) -> tuple[int, int]:
     return whole, split
 
 
-def mlp_saved_tensors(cfg: MimoConfig, name: str) -> int:
-    """Tensors of the inner width module ``name``'s MLP keeps for backward: 4 for SwiGLU
-    (gate, silu(gate), up, product: the built-in blocks, Hugging Face decoders), 2 for
-    the Hugging Face encoders' ``fc2(act(fc1 x))`` (CLIP, SigLIP, Whisper)."""
-    mod = cfg.modules[name]
-    return 2 if mod.hf_path and mod.is_encoder else 4
-
-
 def ends_bytes_per_sample(cfg: MimoConfig, name: str, tokens: int, vocab_size: int
                           ) -> tuple[int, int]:
     """Saved bytes per sample outside the layers: ``(first stage, last stage)``.
@@ -243,7 +218,7 @@ def microbatches_in_flight(cfg: MimoConfig, layout: Layout, name: str, stage: in
     """Forwards whose activations a stage holds at once, at the peak of its plan.
 
     Replayed from the training plan the executor runs
-    (:func:`~mimotron.pipeline.in_flight.held_forwards_peak`): the 1F1B plan
+    (:func:`~mimotron.estimate.in_flight.held_forwards_peak`): the 1F1B plan
     (:func:`mimotron.pipeline.plan.build_1f1b_plan`) runs ``total - position - 1``
     warm-up forwards before the first backward, so a stage holds ``min(total - position,
     m)``; an encoder on its own ranks is a pipeline position ahead of the language
@@ -254,20 +229,7 @@ def microbatches_in_flight(cfg: MimoConfig, layout: Layout, name: str, stage: in
     (:func:`interleaved_chunks_in_flight`). Under ``train.encoder_batching`` an encoder
     holds every micro-batch of the step (:func:`encoder_batching_factor`).
     """
-    from mimotron.pipeline.in_flight import held_forwards_peak
-
     return int(held_forwards_peak(cfg, layout, name, stage))
-
-
-def encoder_batching_factor(cfg: MimoConfig, name: str) -> int:
-    """How many micro-batches of module ``name``'s activations are alive at once, beyond
-    the schedule's: ``num_microbatches`` for an encoder under ``train.encoder_batching``
-    (it runs the whole step in one forward, :mod:`mimotron.pipeline.encoder_batching`),
-    else 1. For a frozen encoder that multiplies its outputs only: it saves nothing for
-    backward (:func:`frozen_encoder_output_bytes`)."""
-    if cfg.train.encoder_batching and cfg.modules[name].is_encoder:
-        return cfg.num_microbatches
-    return 1
 
 
 def interleaved_chunks_in_flight(cfg: MimoConfig, name: str, stage: int,
@@ -286,8 +248,6 @@ def interleaved_chunks_in_flight(cfg: MimoConfig, name: str, stage: int,
         stage: the pipeline stage.
         layout: the config's layout (``None``: planned here).
     """
-    from mimotron.parallel.layout import plan_layout
-
     return microbatches_in_flight(cfg, layout or plan_layout(cfg), name, stage)
 
 
@@ -308,19 +268,15 @@ def activation_bytes(cfg: MimoConfig, name: str, vocab_size: int = 64,
     = v > 1``) a model-chunk forward holds ``1 / v`` of the rank's layers, plus the
     module's first (last) stage ends on its first (last) chunk: ``None`` takes the peak
     of the rank's plan, each chunk weighted by its bytes
-    (:func:`~mimotron.pipeline.in_flight.held_forwards_peak`); a number ``in_flight``
+    (:func:`~mimotron.estimate.in_flight.held_forwards_peak`); a number ``in_flight``
     spreads that many chunk forwards evenly over the chunks. A frozen
     encoder holds only its outputs (:func:`frozen_encoder_output_bytes`), one whose tower
     is frozen only its projector's saved tensors (:func:`projector_saved_bytes`). Each layer
     recomputed in backward (``modules.<m>.recompute``, :func:`recomputed_layers`) keeps
     :func:`recompute_dropped_bytes` less. MoE layers and attention masks (packing,
-    context parallelism) add :func:`~mimotron.parallel.activation_terms.
+    context parallelism) add :func:`~mimotron.estimate.activation_terms.
     extra_layer_bytes_per_sample`.
     """
-    from mimotron.parallel.activation_terms import extra_layer_bytes_per_sample
-    from mimotron.parallel.layout import plan_layout
-    from mimotron.pipeline.in_flight import held_forwards_peak
-
     mod = cfg.modules[name]
     par = mod.parallel
     samples = cfg.train.micro_batch_size // par.data
@@ -376,7 +332,7 @@ def layer_bytes_per_sample(cfg: MimoConfig, name: str) -> int:
 
 def context_kv_bytes_per_sample(cfg: MimoConfig, name: str) -> int:
     """The keys and values one layer's attention keeps under CP beyond the rank's own
-    (0 without CP): see :func:`~mimotron.parallel.activation_terms.context_keys_read`."""
+    (0 without CP): see :func:`~mimotron.estimate.activation_terms.context_keys_read`."""
     mod = cfg.modules[name]
     par = mod.parallel
     if mod.kind != "language" or par.context == 1:
@@ -394,8 +350,6 @@ def recomputed_layers(cfg: MimoConfig, name: str, stage: int) -> int:
     with 0), as :func:`mimotron.models.recompute.apply_recompute` picks them; none for
     ``recompute = "none"`` and for a frozen encoder or tower (its layers save nothing).
     """
-    from mimotron.models.recompute import recomputed_layer_ids
-
     mod = cfg.modules[name]
     if mod.recompute == "none" or (mod.freeze and mod.is_encoder):
         return 0
@@ -526,8 +480,6 @@ def backward_workspace_bytes(cfg: MimoConfig, name: str, vocab_size: int = 0,
       measured with ``language_loss`` and ``vocab_parallel_loss`` alike). With a real
       vocabulary this is the largest: 32,000 logits against an 11,008-wide SwiGLU.
     """
-    from mimotron.models.blocks import _NORM_CHUNK_ELEMENTS
-
     mod = cfg.modules[name]
     par = mod.parallel
     samples = cfg.train.micro_batch_size // par.data
@@ -561,8 +513,6 @@ def estimate_memory(
     (:func:`stage_trainable_counts`): none of a frozen module, only the projector of an
     encoder whose tower is frozen.
     """
-    from mimotron.models.build import model_vocab_size
-
     vocab_size = model_vocab_size(cfg, vocab_size)
     memo = {} if counts_memo is None else counts_memo
 
@@ -640,8 +590,6 @@ def _with_fsdp(cfg: MimoConfig, est: MemoryEstimate, vocab_size: int,
     """An FSDP2 module's estimate (:func:`~mimotron.parallel.fsdp.fsdp_memory_bytes`):
     1 / dp of the fp32 state; its gather / reduce-scatter buffers on top of the
     activations (in the workspace); no DP bucket of its own."""
-    from mimotron.parallel.fsdp import fsdp_memory_bytes
-
     held = fsdp_memory_bytes(cfg, est.module, est.num_params, vocab_size, num_trainable)
     return replace(est, weights=held["weights"], grads=held["grads"],
                    optimizer=held["optimizer"], workspace=est.workspace + held["buffers"],
@@ -665,18 +613,6 @@ def optimizer_state_bytes(cfg: MimoConfig, name: str, num_params: int,
     experts = 0 if expert_split is None else expert_split[0] // (par.expert * par.expert_tensor)
     expt_dp = par.size // (par.expert * par.expert_tensor * par.pipeline)
     return (num_params - experts) * per // _replicas(cfg, name) + experts * per // expt_dp
-
-
-def optimizer_state_bytes_per_param(cfg: MimoConfig, name: str) -> int:
-    """fp32 state per parameter of module ``name``'s optimizer (its effective ``name``).
-
-    Adam / AdamW keep two moments (8 bytes); SGD one momentum buffer (4) when
-    ``momentum > 0``, none without (``torch.optim.SGD`` creates no buffer then).
-    """
-    opt = cfg.effective_optimizer(name)
-    if opt.name in ("adam", "adamw"):
-        return 8
-    return 4 if opt.momentum else 0
 
 
 def has_master_weights(cfg: MimoConfig, name: str) -> bool:

@@ -32,10 +32,10 @@ from pathlib import Path
 
 import torch
 
-from mimotron.data.llava_setup import encoder_modalities
+from mimotron.config.hf_resolve import language_spec
+from mimotron.data.run_data import encoder_modalities
 from mimotron.generate.prompt import Prompt, check_files, encode_prompt, media_loader, user_text
 from mimotron.generate.source import LoadedModel, load_model
-from mimotron.models.hf.resolve import language_spec
 from mimotron.models.kv_cache import KVCache
 from mimotron.models.language import LanguageModel
 from mimotron.names import LANGUAGE

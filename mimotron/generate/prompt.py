@@ -30,10 +30,10 @@ from typing import Any
 
 import torch
 
-from mimotron.config import MimoConfig
+from mimotron.config.schema import MimoConfig
 from mimotron.data.chat import encode_conversation, to_messages
 from mimotron.data.hf_tokenizer import HFTokenizer
-from mimotron.data.llava_setup import audio_features, encoder_modalities, image_processor
+from mimotron.data.run_data import audio_features, encoder_modalities, image_processor
 
 # The stand-in assistant reply: its tokens are cut off, only where they start matters.
 _STAND_IN = "ok"

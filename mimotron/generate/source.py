@@ -13,7 +13,7 @@ A ``--format hf-llava`` folder is one ``transformers`` model, not mimotron's mod
 is refused, naming what to pass instead.
 
 :func:`load_model` reads the run config recorded there, builds the tokenizer as training
-built it (:func:`~mimotron.data.llava_setup.run_hf_tokenizer`: the placeholders get the
+built it (:func:`~mimotron.data.run_data.run_hf_tokenizer`: the placeholders get the
 ids training gave them), builds every module whole on one device and fills it with the
 trained weights. A checkpoint's files are checked against its manifest first and read
 in place into the model (one copy of the weights in memory). Module sizes of an
@@ -44,11 +44,13 @@ from mimotron.checkpoint.llava_export import FORMAT as LLAVA_FORMAT
 from mimotron.checkpoint.load import SafeLoadPlanner, read_metadata, verify_share
 from mimotron.checkpoint.safe_metadata import SafeFileSystemReader
 from mimotron.checkpoint.state import META, MODEL, model_state
-from mimotron.config import MimoConfig, config_from_dict
+from mimotron.config.hf_files import read_safetensors
+from mimotron.config.load import config_from_dict
+from mimotron.config.schema import MimoConfig
+from mimotron.config.vocab_size import padded_vocab_size
 from mimotron.data.hf_tokenizer import HFTokenizer
-from mimotron.data.llava_setup import run_hf_tokenizer
-from mimotron.models.build import build_module, padded_vocab_size
-from mimotron.models.hf.file_check import read_safetensors
+from mimotron.data.run_data import run_hf_tokenizer
+from mimotron.models.build import build_module
 from mimotron.models.mimo import MimoModel
 from mimotron.names import LANGUAGE, LANGUAGE_MODEL_PREFIX
 from mimotron.runtime import device_for

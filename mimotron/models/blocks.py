@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from mimotron.config.schema import default_ffn_hidden_size
 from mimotron.models.attention import AttentionPlan, attend
 from mimotron.models.kv_cache import LayerCache, attend_cached
 from mimotron.parallel.context_attention import gather_kv
@@ -29,24 +30,6 @@ from mimotron.parallel.context_attention import gather_kv
 # GPT-2's std, used for embeddings and (divided by sqrt(2 * num_layers)) for projections
 # that write onto the residual stream, so a pre-norm stack starts near the identity.
 INIT_STD = 0.02
-
-
-def default_ffn_hidden_size(hidden_size: int, multiple_of: int = 8) -> int:
-    """SwiGLU width for ``ffn_hidden_size = 0``: two thirds of ``4 * hidden``, rounded up.
-
-    SwiGLU has three matrices instead of two, so ``8/3 * hidden`` keeps the parameter count
-    of a ``4 * hidden`` GELU MLP. Rounding to a multiple of 8 keeps the width divisible by
-    every tensor-parallel degree up to 8.
-
-    Args:
-        hidden_size: model width.
-        multiple_of: the width is rounded up to a multiple of this.
-
-    Returns:
-        The feed-forward width.
-    """
-    width = int(math.ceil(8 * hidden_size / 3))
-    return multiple_of * ((width + multiple_of - 1) // multiple_of)
 
 
 def residual_init_std(num_layers: int) -> float:

@@ -12,21 +12,18 @@ import dataclasses
 import torch
 from torch import nn
 
-from mimotron.config_schema import MimoConfig, ModuleConfig
+from mimotron.config.hf_resolve import hf_family, language_spec, tower_kwargs
+from mimotron.config.moe_config import moe_options
+from mimotron.config.schema import MimoConfig, ModuleConfig
+from mimotron.config.vocab_size import model_vocab_size
 from mimotron.models.encoders import AudioEncoder, ModalitySubmodule, Projector, VisionEncoder
 from mimotron.models.hf.clip import ClipVisionTower, SiglipVisionTower
 from mimotron.models.hf.llama import LLAMA_WEIGHTS, check_llama_folder
-from mimotron.models.hf.resolve import hf_family, language_spec, tower_kwargs
 from mimotron.models.hf.weights import load_hf_weights
 from mimotron.models.hf.whisper import WhisperEncoderTower
 from mimotron.models.init import init_parameters_
 from mimotron.models.language import LanguageModel
 from mimotron.models.mimo import MimoModel
-from mimotron.models.moe_config import moe_options as moe_options
-from mimotron.models.vocab_size import VOCAB_MULTIPLE as VOCAB_MULTIPLE
-from mimotron.models.vocab_size import model_vocab_size
-from mimotron.models.vocab_size import padded_vocab_size as padded_vocab_size
-from mimotron.models.vocab_size import unpadded_vocab_size as unpadded_vocab_size
 from mimotron.names import LANGUAGE
 from mimotron.names import module_prefix as parameter_prefix
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from mimotron.config_schema import ModuleConfig
+from mimotron.config.schema import ModuleConfig
 
 TOWER = "encoder"
 """The child of an encoder module that ``freeze = "encoder"`` freezes."""

@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from mimotron.config.rope_scaling import validate_rope_scaling
 from mimotron.models.attention import AttentionPlan, Documents, plan_attention
 from mimotron.models.blocks import (
     RMSNorm,
@@ -24,7 +25,7 @@ from mimotron.models.blocks import (
 )
 from mimotron.models.kv_cache import KVCache
 from mimotron.models.moe import MoEOptions, check_layer_freq, moe_factory
-from mimotron.models.rope_scaling import rope_inv_freq, validate_rope_scaling
+from mimotron.models.rope_scaling import rope_inv_freq
 from mimotron.parallel.context_parallel import load_balanced_positions
 from mimotron.parallel.sequence_parallel import gather_sequence, scatter_sequence
 

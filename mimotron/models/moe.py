@@ -63,18 +63,18 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from mimotron.host_sync import EXPERT_COUNTS, to_host
-from mimotron.models.blocks import SwiGLU, default_ffn_hidden_size, residual_init_std
-
 # The options, their checks and a module config's options live in modules without
 # torch.nn (the launcher's config checks read them); re-exported here, where the blocks
 # they describe are built.
-from mimotron.models.moe_config import moe_options as moe_options
-from mimotron.models.moe_options import ROUTER_SCORES as ROUTER_SCORES
-from mimotron.models.moe_options import MoEOptions as MoEOptions
-from mimotron.models.moe_options import RouterScore as RouterScore
-from mimotron.models.moe_options import check_layer_freq as check_layer_freq
-from mimotron.models.moe_options import check_moe_options as check_moe_options
+from mimotron.config.moe_config import moe_options as moe_options
+from mimotron.config.moe_options import ROUTER_SCORES as ROUTER_SCORES
+from mimotron.config.moe_options import MoEOptions as MoEOptions
+from mimotron.config.moe_options import RouterScore as RouterScore
+from mimotron.config.moe_options import check_layer_freq as check_layer_freq
+from mimotron.config.moe_options import check_moe_options as check_moe_options
+from mimotron.config.schema import default_ffn_hidden_size
+from mimotron.host_sync import EXPERT_COUNTS, to_host
+from mimotron.models.blocks import SwiGLU, residual_init_std
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:

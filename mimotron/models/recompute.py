@@ -65,7 +65,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
-from mimotron.config_schema import RECOMPUTE_MODES
+from mimotron.config.schema import RECOMPUTE_MODES
 from mimotron.models.moe import MoEFeedForward, MoEStats, moe_layers
 from mimotron.models.save_policy import SavePolicy
 from mimotron.models.weight_casts import recompute_casts

@@ -1,6 +1,6 @@
 """Per-module optimizers with a global view, loss scaling, and per-module LR schedules."""
 
-from mimotron.config import OptimizerConfig
+from mimotron.config.schema import OptimizerConfig
 from mimotron.optim.build import (
     build_schedulers,
     build_torch_optimizer,

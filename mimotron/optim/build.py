@@ -15,7 +15,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from mimotron.config import PRECISIONS, MimoConfig, ModuleConfig, OptimizerConfig
+from mimotron.config.schema import PRECISIONS, MimoConfig, ModuleConfig, OptimizerConfig
+from mimotron.config.setup_rules import check_trainable
 from mimotron.models.freeze import is_frozen_parameter
 from mimotron.models.mimo import MimoModel, module_part
 from mimotron.optim.loss_scaler import ConstantLossScaler, DynamicLossScaler, LossScaler
@@ -26,7 +27,6 @@ from mimotron.parallel.expert_parallel import is_expert_param
 from mimotron.parallel.groups import ProcessGroupCollection
 from mimotron.parallel.zero import ExpertSplitShards, ZeroShards, remove_gather_hooks
 from mimotron.runtime import compute_dtype
-from mimotron.setup_rules import check_trainable
 
 
 def _check_groups(name: str, grid: Any, pg: ProcessGroupCollection | None) -> None:

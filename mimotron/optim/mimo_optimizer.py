@@ -60,7 +60,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from mimotron import host_sync
-from mimotron.config import OptimizerConfig
+from mimotron.config.schema import OptimizerConfig
 from mimotron.optim.grads import (
     collective_device,
     counted_local_grad,

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from mimotron.config import DECAY_STYLES
+from mimotron.config.schema import DECAY_STYLES
 
 WD_STYLES = ("constant", "linear", "cosine")
 

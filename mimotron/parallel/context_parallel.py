@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import torch
 
-from mimotron.config_schema import LANGUAGE_KINDS, MimoConfig, ModuleConfig
+from mimotron.config.hf_resolve import language_spec
+from mimotron.config.schema import LANGUAGE_KINDS, MimoConfig, ModuleConfig
 from mimotron.names import LANGUAGE
 
 
@@ -57,7 +58,6 @@ def moe_source(mod: ModuleConfig, name: str) -> str:
     if mod.num_experts > 0:
         return f"modules.{name}.num_experts={mod.num_experts}"
     if mod.hf_path and mod.kind in LANGUAGE_KINDS:
-        from mimotron.models.hf.resolve import language_spec  # reads config.json
 
         spec = language_spec(mod)
         if spec.moe is not None:

@@ -98,9 +98,3 @@ def replica_group(pg: ProcessGroupCollection) -> dist.ProcessGroup | None:
         return pg.dp_cp
     return pg.dp
 
-
-def zero_grad_buffer_for_multimodule(modules: dict[str, nn.Module]) -> None:
-    """Clear every module part's gradients before a new step (set to None)."""
-    for module in modules.values():
-        for p in module.parameters():
-            p.grad = None

@@ -13,7 +13,7 @@ of its stage (with ``expert_tensor > 1``, its ``expt_tp`` slice of their width).
 
 from __future__ import annotations
 
-from mimotron.config_schema import MimoConfig, ModuleConfig
+from mimotron.config.schema import MimoConfig, ModuleConfig, default_ffn_hidden_size
 
 
 def num_experts_of(mod: ModuleConfig) -> int:
@@ -23,8 +23,6 @@ def num_experts_of(mod: ModuleConfig) -> int:
 
 def expert_width(mod: ModuleConfig) -> int:
     """``F`` of a routed expert: ``moe_ffn_hidden_size``, else the dense width."""
-    from mimotron.models.blocks import default_ffn_hidden_size
-
     width = getattr(mod, "moe_ffn_hidden_size", 0) or mod.ffn_hidden_size
     return width or default_ffn_hidden_size(mod.hidden_size)
 

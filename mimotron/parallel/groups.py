@@ -16,7 +16,7 @@ from datetime import timedelta
 
 from torch.distributed import ProcessGroup
 
-from mimotron.config_schema import ParallelConfig
+from mimotron.config.schema import ParallelConfig
 from mimotron.names import GRID_AXES, LANGUAGE
 from mimotron.parallel.grid import HyperCommGrid
 

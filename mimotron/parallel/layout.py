@@ -15,14 +15,16 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from mimotron.config_schema import MimoConfig, ModuleConfig, ParallelConfig
+from mimotron.config.hf_resolve import head_counts, tied_embeddings
+from mimotron.config.schema import MimoConfig, ModuleConfig, ParallelConfig
+from mimotron.config.setup_rules import check_setup_rules
+from mimotron.data.run_data import check_vocab_split
 from mimotron.names import GRID_AXES, LANGUAGE
 from mimotron.parallel.context_parallel import check_context_parallel
 from mimotron.parallel.expert_layout import check_expert_layout
 from mimotron.parallel.fsdp import check_fsdp
 from mimotron.parallel.sequence_parallel import check_sequence_parallel
 from mimotron.parallel.virtual_pipeline import check_virtual_pipeline
-from mimotron.setup_rules import check_setup_rules
 
 GRID_DIMS = GRID_AXES
 RANK_MAP_LIMIT = 64
@@ -173,7 +175,7 @@ def plan_layout(cfg: MimoConfig, env_world_size: int | None = None) -> Layout:
     """Derive and validate the layout of a config.
 
     Args:
-        cfg: a config that passed :func:`mimotron.validation.validate_config`.
+        cfg: a config that passed :func:`mimotron.config.validation.validate_config`.
         env_world_size: the launcher's WORLD_SIZE, when running under torchrun; checked
             against the layout. ``None`` reads ``WORLD_SIZE`` only if ``TORCHELASTIC_RUN_ID``
             is set (i.e. under torchrun), else skips the check.
@@ -184,7 +186,7 @@ def plan_layout(cfg: MimoConfig, env_world_size: int | None = None) -> Layout:
     Raises:
         ValueError: the first rule broken, naming the field and what would be valid;
             the rules a rank's set-up applies included
-            (:func:`mimotron.setup_rules.check_setup_rules`), so ``mimotron plan`` and
+            (:func:`mimotron.config.setup_rules.check_setup_rules`), so ``mimotron plan`` and
             ``mimotron train`` accept the same configs.
     """
     modules = {n: ModulePlacement(n, m.parallel) for n, m in cfg.modules.items()}
@@ -198,6 +200,7 @@ def plan_layout(cfg: MimoConfig, env_world_size: int | None = None) -> Layout:
     _check_batch(cfg, modules)
     _check_encoder_batching(cfg, colocated)
     check_setup_rules(cfg, world_size)  # What a rank's set-up would refuse, refused here.
+    check_vocab_split(cfg)
     if env_world_size is None and os.environ.get("TORCHELASTIC_RUN_ID"):
         env_world_size = int(os.environ.get("WORLD_SIZE", "0"))
     if env_world_size is not None and env_world_size != world_size:
@@ -285,7 +288,6 @@ def _check_module_shape(cfg: MimoConfig, name: str, colocated: bool) -> None:
 
 def _hf_shape_keys(name: str, mod: ModuleConfig) -> list[tuple[str, int]]:
     """A checkpoint's key/value heads (checked like num_heads); tied embeddings need PP 1."""
-    from mimotron.models.hf.resolve import head_counts, tied_embeddings
 
     if mod.parallel.pipeline > 1 and tied_embeddings(mod):
         raise ValueError(
@@ -342,22 +344,3 @@ def _check_batch(cfg: MimoConfig, modules: dict[str, ModulePlacement]) -> None:
 def module_grid_shape(par: ParallelConfig) -> tuple[list[int], list[str]]:
     """Shape and dim names of a module's base grid (tp fastest)."""
     return [par.tensor, par.context, par.data, par.pipeline], list(GRID_DIMS)
-
-
-def stage_layers(
-    num_layers: int, pipeline: int, layers_per_stage: list[int] | None = None
-) -> list[list[int]]:
-    """Global layer indices of each pipeline stage: contiguous, balanced unless given.
-
-    A balanced split gives the first ``num_layers % pipeline`` stages one extra layer.
-    """
-    counts = list(layers_per_stage or [])
-    if not counts:
-        base, extra = divmod(num_layers, pipeline)
-        counts = [base + (1 if s < extra else 0) for s in range(pipeline)]
-    assert sum(counts) == num_layers and len(counts) == pipeline
-    out, start = [], 0
-    for n in counts:
-        out.append(list(range(start, start + n)))
-        start += n
-    return out

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mimotron.config_schema import MimoConfig
+from mimotron.config.schema import MimoConfig
 from mimotron.names import LANGUAGE
 from mimotron.parallel.context_parallel import moe_source
 

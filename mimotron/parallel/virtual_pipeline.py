@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
-from mimotron.config_schema import MimoConfig, ModuleConfig, ParallelConfig
+from mimotron.config.moe_config import moe_options
+from mimotron.config.schema import MimoConfig, ModuleConfig, ParallelConfig
 
 if TYPE_CHECKING:  # layout imports this file's checks
     from mimotron.parallel.layout import RankRole
@@ -40,8 +41,6 @@ def chunk_layers(num_layers: int, pipeline: int, virtual: int, stage: int) -> li
 def rank_layers(num_layers: int, par: ParallelConfig, stage: int
                 ) -> tuple[list[int], list[list[int]] | None]:
     """``(global layers a pipeline rank holds, its chunks or None without interleaving)``."""
-    from mimotron.parallel.layout import stage_layers  # layout imports this file's checks
-
     if par.virtual_pipeline == 1:
         return stage_layers(num_layers, par.pipeline, par.layers_per_stage)[stage], None
     chunks = chunk_layers(num_layers, par.pipeline, par.virtual_pipeline, stage)
@@ -117,6 +116,23 @@ def check_virtual_pipeline(cfg: MimoConfig, name: str, colocated: bool) -> None:
 
 def _hf_moe(mod: ModuleConfig) -> bool:
     """Whether an ``hf_path`` language model is a mixture of experts (its config.json)."""
-    from mimotron.models.build import moe_options  # models import this package
-
     return moe_options(mod) is not None
+
+
+def stage_layers(
+    num_layers: int, pipeline: int, layers_per_stage: list[int] | None = None
+) -> list[list[int]]:
+    """Global layer indices of each pipeline stage: contiguous, balanced unless given.
+
+    A balanced split gives the first ``num_layers % pipeline`` stages one extra layer.
+    """
+    counts = list(layers_per_stage or [])
+    if not counts:
+        base, extra = divmod(num_layers, pipeline)
+        counts = [base + (1 if s < extra else 0) for s in range(pipeline)]
+    assert sum(counts) == num_layers and len(counts) == pipeline
+    out, start = [], 0
+    for n in counts:
+        out.append(list(range(start, start + n)))
+        start += n
+    return out

@@ -293,7 +293,7 @@ class ZeroShards:
                 pre-hooks of :meth:`wait_before_forward` (or any reader) call first.
                 Every bucket's receive buffer stays alive until then: one (padded) copy
                 of the module's parameters, which ``mimotron plan`` counts
-                (:func:`~mimotron.parallel.memory.param_gather_bytes`). Without it, each
+                (:func:`~mimotron.estimate.memory.param_gather_bytes`). Without it, each
                 bucket is waited for and copied before the next is launched.
         """
         self.finish_gather()  # a previous gather must land before its buffers go

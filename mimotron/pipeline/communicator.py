@@ -13,13 +13,13 @@ rank holds one stage of one module). Its neighbours:
   to its TP group; gradients go back the same way.
 
 Into a context-parallel language model (``context = c > 1``) each pair becomes ``c``
-routes (:func:`bridge_routes`), one per CP coordinate of the destination replica: the
-encoder leader sends CP rank ``r`` only the ``[n_r, H]`` rows of the placeholders among
-its positions (:func:`~mimotron.parallel.context_parallel.placeholder_selection`, the
-row contract; it needs the tokens of the encoder's slice, which the schedule passes),
-and in backward scatters the returned pieces, which are disjoint, into a zero
-``[N * T, H]`` gradient. With ``c = 1`` the routes are the pairs and the same tensors
-travel as before.
+routes (:func:`~mimotron.pipeline.edges.bridge_routes`), one per CP coordinate of the
+destination replica: the encoder leader sends CP rank ``r`` only the ``[n_r, H]`` rows
+of the placeholders among its positions
+(:func:`~mimotron.parallel.context_parallel.placeholder_selection`, the row contract; it
+needs the tokens of the encoder's slice, which the schedule passes), and in backward
+scatters the returned pieces, which are disjoint, into a zero ``[N * T, H]`` gradient.
+With ``c = 1`` the routes are the pairs and the same tensors travel as before.
 
 Encoder outputs hold one row per sample that carries the modality, so a pair may
 exchange zero rows (a text-only slice): then only a header travels and every rank stays
@@ -56,9 +56,9 @@ import torch.distributed as dist
 
 from mimotron.names import LANGUAGE
 from mimotron.parallel.context_parallel import placeholder_selection
-from mimotron.parallel.layout import Layout, ModulePlacement
+from mimotron.parallel.layout import Layout
 from mimotron.parallel.virtual_pipeline import is_first_virtual_stage, is_last_virtual_stage
-from mimotron.pipeline.edges import Edge, slice_range
+from mimotron.pipeline.edges import Edge, bridge_routes, slice_range
 from mimotron.pipeline.links import Link, build_link_groups, p2p_links
 from mimotron.pipeline.p2p import (
     Known,
@@ -90,39 +90,6 @@ class Transfer:
     chunk: int
     microbatch: int
     payload: Any = None
-
-
-def bridge_pairs(layout: Layout, edge: Edge, mbs: int) -> list[tuple[int, int, int, int]]:
-    """``(src leader, dst leader, start, end)`` for each replica pair sharing samples."""
-    return [(s, d, lo, hi) for s, d, lo, hi, cp in bridge_routes(layout, edge, mbs) if cp == 0]
-
-
-def bridge_routes(layout: Layout, edge: Edge, mbs: int
-                  ) -> list[tuple[int, int, int, int, int]]:
-    """``(src leader, dst leader, start, end, dst cp rank)`` of every bridge transfer.
-
-    One route per replica pair sharing samples and per context-parallel coordinate of
-    the destination (its first stage's TP-0 rank at that coordinate): a CP rank
-    receives only the rows of the placeholders among its positions. Routes of one
-    pair are consecutive, in CP order; without CP they are :func:`bridge_pairs`.
-    """
-    src, dst = layout.modules[edge.src], layout.modules[edge.dst]
-    out = []
-    for i in range(src.parallel.data):
-        a0, a1 = slice_range(mbs, src.parallel.data, i)
-        for j in range(dst.parallel.data):
-            b0, b1 = slice_range(mbs, dst.parallel.data, j)
-            lo, hi = max(a0, b0), min(a1, b1)
-            if lo < hi:
-                for r in range(dst.parallel.context):
-                    out.append((_leader(src, i, last=True), _leader(dst, j, last=False, cp=r),
-                                lo, hi, r))
-    return out
-
-
-def _leader(mod: ModulePlacement, dp_rank: int, last: bool, cp: int = 0) -> int:
-    """The rank that talks across a boundary for one DP replica (TP 0, edge stage)."""
-    return mod.rank_at(cp=cp, dp=dp_rank, pp=mod.parallel.pipeline - 1 if last else 0)
 
 
 class MultiModulePipelineCommunicator:

@@ -1,17 +1,19 @@
 """The module DAG's boundaries and the sample slices of DP replicas (pure layout helpers).
 
 Both transports build on these: the non-colocated communicator
-(:mod:`mimotron.pipeline.communicator`) pairs replicas whose slices intersect, and the
-colocated transport (:mod:`mimotron.pipeline.colocated`) re-slices rows between DP
-layouts on shared ranks. Neither transport imports the other; both import this file.
-The data provider uses ``slice_range`` to cut each module's micro-batch slice.
+(:mod:`mimotron.pipeline.communicator`) sends along the bridge routes between replicas
+whose slices intersect (:func:`bridge_routes`, whose links
+:mod:`mimotron.pipeline.links` gives a process group each), and the colocated transport
+(:mod:`mimotron.pipeline.colocated`) re-slices rows between DP layouts on shared ranks.
+Neither transport imports the other; both import this file. The data provider uses
+``slice_range`` to cut each module's micro-batch slice.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mimotron.parallel.layout import Layout
+from mimotron.parallel.layout import Layout, ModulePlacement
 
 
 @dataclass(frozen=True)
@@ -39,3 +41,36 @@ def build_edges(layout: Layout, modality_of: dict[str, str]) -> list[Edge]:
             colocated = a.rank_offset == b.rank_offset and a.size == b.size
             edges.append(Edge(src, dst, modality_of[src], colocated))
     return edges
+
+
+def bridge_pairs(layout: Layout, edge: Edge, mbs: int) -> list[tuple[int, int, int, int]]:
+    """``(src leader, dst leader, start, end)`` for each replica pair sharing samples."""
+    return [(s, d, lo, hi) for s, d, lo, hi, cp in bridge_routes(layout, edge, mbs) if cp == 0]
+
+
+def bridge_routes(layout: Layout, edge: Edge, mbs: int
+                  ) -> list[tuple[int, int, int, int, int]]:
+    """``(src leader, dst leader, start, end, dst cp rank)`` of every bridge transfer.
+
+    One route per replica pair sharing samples and per context-parallel coordinate of
+    the destination (its first stage's TP-0 rank at that coordinate): a CP rank
+    receives only the rows of the placeholders among its positions. Routes of one
+    pair are consecutive, in CP order; without CP they are :func:`bridge_pairs`.
+    """
+    src, dst = layout.modules[edge.src], layout.modules[edge.dst]
+    out = []
+    for i in range(src.parallel.data):
+        a0, a1 = slice_range(mbs, src.parallel.data, i)
+        for j in range(dst.parallel.data):
+            b0, b1 = slice_range(mbs, dst.parallel.data, j)
+            lo, hi = max(a0, b0), min(a1, b1)
+            if lo < hi:
+                for r in range(dst.parallel.context):
+                    out.append((_leader(src, i, last=True), _leader(dst, j, last=False, cp=r),
+                                lo, hi, r))
+    return out
+
+
+def _leader(mod: ModulePlacement, dp_rank: int, last: bool, cp: int = 0) -> int:
+    """The rank that talks across a boundary for one DP replica (TP 0, edge stage)."""
+    return mod.rank_at(cp=cp, dp=dp_rank, pp=mod.parallel.pipeline - 1 if last else 0)

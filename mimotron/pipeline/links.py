@@ -30,7 +30,7 @@ from itertools import product
 import torch.distributed as dist
 
 from mimotron.parallel.layout import Layout, ModulePlacement
-from mimotron.pipeline.edges import Edge
+from mimotron.pipeline.edges import Edge, bridge_routes
 
 Link = tuple[int, int]  # (sending rank, receiving rank)
 
@@ -60,8 +60,6 @@ def p2p_links(layout: Layout, micro_batch_size: int, edges: list[Edge]) -> list[
             samples at a module boundary).
         edges: the module boundaries (``build_edges``).
     """
-    from mimotron.pipeline.communicator import bridge_routes  # the bridge's one rule
-
     links: set[Link] = set()
     for mod in layout.modules.values():
         links |= _stage_links(mod)

@@ -20,11 +20,11 @@ With ``encoder_batching`` (colocated only) the encoders run the step's micro-bat
 one forward and one backward (:mod:`mimotron.pipeline.encoder_batching`); the language
 side consumes their rows micro-batch by micro-batch.
 
-``forward_backward_pipelining_without_interleaving`` runs the 1F1B plan;
-``forward_backward_no_pipelining`` the same executor with no warm-up (each micro-batch's
-backward completes before the next forward). ``forward_only=True`` evaluates. A module
-with ``virtual_pipeline > 1`` gets the interleaved plan
-(:mod:`mimotron.pipeline.interleaved_plan`) from the same entry points and the same
+:func:`rank_plan` gives a rank's 1F1B plan, or the plan with no warm-up (each
+micro-batch's backward completes before the next forward); a run builds its plan once at
+set-up and :func:`run_schedule` executes it each step. ``forward_only=True`` evaluates. A
+module with ``virtual_pipeline > 1`` gets the interleaved plan
+(:mod:`mimotron.pipeline.interleaved_plan`) from the same entry point and the same
 executor: every action names its model chunk, the runner runs that chunk's layers, and
 the transport picks the ring neighbour of that chunk.
 """
@@ -35,7 +35,7 @@ import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -67,7 +67,9 @@ from mimotron.pipeline.plan import (
     Action,
     unpaired,
 )
-from mimotron.training.language_step import LanguageStep, LossOutput
+
+if TYPE_CHECKING:  # the language step is handed in; the schedule only calls it
+    from mimotron.training.language_step import LanguageStep, LossOutput
 
 # How activations move: in-process (colocated) or between ranks (split layouts).
 Transport = ColocatedTransport | MultiModulePipelineCommunicator
@@ -378,29 +380,39 @@ def _execute(plan: list[Action], runner: StageRunner, comm: Transport) -> None:
     comm.finish(forward_only=runner.ctx.forward_only)
 
 
-def _my_stage(ctx: StepContext) -> tuple[str, int]:
-    """``(module, pipeline stage)`` whose plan this rank runs (colocated: the first)."""
-    if ctx.layout.colocated:
-        return next(iter(ctx.layout.modules)), 0
-    (role,) = ctx.layout.roles(ctx.rank)
-    return role.module, role.pp
+def rank_plan(layout: Layout, rank: int, num_microbatches: int, pipelined: bool,
+              forward_only: bool = False) -> list[Action]:
+    """This rank's plan of one schedule run (pure; a run's is built once at set-up).
+
+    Args:
+        layout: the placement of every module.
+        rank: this global rank.
+        num_microbatches: micro-batches per step.
+        pipelined: 1F1B (warm-up / steady / cool-down per rank) if true, else micro-batch
+            after micro-batch (each backward finishes before the next forward).
+        forward_only: evaluation's forward-only plan.
+
+    Returns:
+        The actions of the (module, pipeline stage) this rank runs (colocated: the first
+        module's single position).
+    """
+    if layout.colocated:
+        module, stage = next(iter(layout.modules)), 0
+    else:
+        (role,) = layout.roles(rank)
+        module, stage = role.module, role.pp
+    return build_rank_plan(layout, module, stage, num_microbatches, pipelined,
+                           forward_only=forward_only)
 
 
-def _run(ctx: StepContext, pipelined: bool) -> list[MicrobatchOutput]:
+def run_schedule(ctx: StepContext, plan: list[Action]) -> list[MicrobatchOutput]:
+    """Run ``plan`` (:func:`rank_plan`) over the step's micro-batches on this rank.
+
+    Returns:
+        What the language model's last stage produced, one entry per micro-batch (none
+        on other ranks).
+    """
     runner = StageRunner(ctx)
-    module, stage = _my_stage(ctx)
-    plan = build_rank_plan(ctx.layout, module, stage, len(ctx.microbatches), pipelined,
-                           forward_only=ctx.forward_only)
     with torch.no_grad() if ctx.forward_only else contextlib.nullcontext():
         _execute(plan, runner, ctx.transport)
     return runner.outputs
-
-
-def forward_backward_pipelining_without_interleaving(ctx: StepContext) -> list[MicrobatchOutput]:
-    """1F1B over the module DAG (warm-up / steady / cool-down per rank)."""
-    return _run(ctx, pipelined=True)
-
-
-def forward_backward_no_pipelining(ctx: StepContext) -> list[MicrobatchOutput]:
-    """Micro-batch after micro-batch: each backward finishes before the next forward."""
-    return _run(ctx, pipelined=False)

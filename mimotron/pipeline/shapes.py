@@ -29,11 +29,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from mimotron.data.digits import modality_kind_map
 from mimotron.names import LANGUAGE
 from mimotron.parallel.layout import Layout
+from mimotron.runtime import compute_dtype
 
 if TYPE_CHECKING:
-    from mimotron.config import MimoConfig
+    from mimotron.config.schema import MimoConfig
 
 # Digits sample kinds and the modalities each carries (after the encoder remapping).
 _CARRIES = {"image": {"image"}, "audio": {"audio"}, "both": {"image", "audio"}, "text": set()}
@@ -98,7 +100,6 @@ def residual_dtype(cfg: MimoConfig, device: torch.device | None = None) -> torch
     ``train.fp32_residual_connection``, and fp32 on a device without autocast (the
     dry run's ``meta`` stand-in computes in fp32, so its stream stays fp32).
     """
-    from mimotron.runtime import compute_dtype
 
     if cfg.train.fp32_residual_connection:
         return torch.float32
@@ -114,7 +115,6 @@ def always_present(cfg: MimoConfig) -> set[str]:
     a modality without an encoder is remapped, :func:`~mimotron.data.digits.
     modality_kind_map`); packed rows may hold no item of a modality.
     """
-    from mimotron.data.digits import modality_kind_map
 
     d = cfg.data
     if d.dataset != "digits" or d.packing:

@@ -16,12 +16,12 @@ model and the collectives actually cost on the machine the command runs on:
 * **Collectives.** ``all_reduce``, ``all_gather``, ``reduce_scatter``, ``all_to_all`` on
   groups of 2, 4, ... ranks up to ``--world`` (and the world itself), and a one-way
   ``send``/``recv`` (``p2p``, between 2 ranks), over gloo on ranks forked as the test
-  harness forks them (:func:`mimotron.testing.run_ranks`), each at a few buffer sizes.
+  harness forks them (:func:`mimotron.forked_ranks.run_ranks`), each at a few buffer sizes.
   Time per call is the slowest rank's mean over back-to-back calls, median over rounds;
   ``latency + bytes / bandwidth`` is then fitted by least squares. The bytes are the
   largest buffer a rank holds in the call (all-reduce: the tensor; all-gather: the
   gathered output; reduce-scatter: the input; all-to-all: the send buffer; p2p: the
-  message), the convention :class:`~mimotron.planner.cost.Calibration` prices with.
+  message), the convention :class:`~mimotron.planner.calibration_data.Calibration` prices with.
 * **Host cores**: the cores' worth of compute ``--world`` busy ranks of this host get
   together (:func:`measure_host_cores`: the same matmul loop on one rank alone, then on
   every rank at once; at most :func:`core_probe_ranks` ranks are forked: no more than
@@ -56,10 +56,25 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mimotron.config import MimoConfig
-from mimotron.config_limits import usable_cores
-from mimotron.planner.cost import COLLECTIVES, Calibration, CalibrationRangeError, LinkCost
+from mimotron.config.limits import max_local_ranks, usable_cores
+from mimotron.config.schema import MimoConfig
+from mimotron.config.vocab_size import padded_vocab_size
+from mimotron.data import build_datasets, collate
+from mimotron.data.run_data import build_tokenizer
+from mimotron.forked_ranks import run_ranks
+from mimotron.models.attention import document_args
+from mimotron.models.build import build_mimo_model
+from mimotron.models.language import language_loss
+from mimotron.names import LANGUAGE
+from mimotron.planner.calibration_data import (
+    COLLECTIVES,
+    Calibration,
+    CalibrationRangeError,
+    LinkCost,
+)
 from mimotron.run_files import write_atomic
+from mimotron.training.model_setup import freeze_modules
+from mimotron.training.precision import autocast_factory
 
 CALIBRATION_FILE = "planner_calibration.json"
 """The cache's file name inside the run's log.dir."""
@@ -83,7 +98,7 @@ class CalibrationOptions:
         comm_calls: back-to-back calls per round (their mean is one round's figure).
         core_rounds: rounds of the host-cores probe (:func:`measure_host_cores`).
         buffer_bytes: per-rank buffer sizes the collectives are measured at (the
-            convention of :class:`~mimotron.planner.cost.Calibration`).
+            convention of :class:`~mimotron.planner.calibration_data.Calibration`).
     """
 
     warmup: int = 2
@@ -119,10 +134,8 @@ def group_sizes(world_size: int, max_ranks: int | None = None) -> list[int]:
     Args:
         world_size: the world the plan is for.
         max_ranks: the most ranks this host may fork (default:
-            :func:`~mimotron.config_limits.max_local_ranks`).
+            :func:`~mimotron.config.limits.max_local_ranks`).
     """
-    from mimotron.config_limits import max_local_ranks
-
     limit = min(world_size, max_ranks if max_ranks is not None else max_local_ranks())
     sizes, n = [], 2
     while n <= limit:
@@ -286,9 +299,6 @@ def _microbatches(cfg: MimoConfig, count: int, size: int
                   ) -> tuple[list[dict[str, torch.Tensor]], Any]:
     """``count`` micro-batches of ``size`` samples of the training data, in order; and
     the tokenizer."""
-    from mimotron.data import build_datasets, collate
-    from mimotron.data.llava_setup import build_tokenizer
-
     tokenizer = build_tokenizer(cfg)
     task, _ = build_datasets(cfg, tokenizer)
     stream = task.stream(cfg.train.seed)
@@ -315,10 +325,6 @@ def measure_modules(cfg: MimoConfig, num_threads: int,
     Returns:
         ``(module_seconds, module_fixed_seconds)`` as :class:`Calibration` holds them.
     """
-    from mimotron.models.build import build_mimo_model
-    from mimotron.training.model_setup import freeze_modules, padded_vocab_size
-    from mimotron.training.precision import autocast_factory
-
     options = options or CalibrationOptions()
     mbs = cfg.train.micro_batch_size
     small = max(1, mbs // 4)
@@ -374,9 +380,6 @@ def _time_micro_batch(model: Any, batch: dict[str, torch.Tensor], autocast: Call
     back); the language model gets the encoders' outputs as leaves that need gradients
     (what a pipelined rank receives) and back-propagates its loss.
     """
-    from mimotron.models.attention import document_args
-    from mimotron.models.language import language_loss
-
     out: dict[str, tuple[float, float]] = {}
     received: dict[str, torch.Tensor] = {}
     for name in model.modality_submodules:
@@ -403,8 +406,6 @@ def _time_micro_batch(model: Any, batch: dict[str, torch.Tensor], autocast: Call
 
     loss, fwd = _timed(forward)
     bwd = _timed(loss.backward)[1] if loss.requires_grad else 0.0
-    from mimotron.names import LANGUAGE
-
     out[LANGUAGE] = (fwd, bwd)
     return out
 
@@ -424,7 +425,7 @@ def core_probe_ranks(world_size: int, cores: int | None = None) -> int:
     """Ranks :func:`measure_host_cores` forks for a ``world_size``-rank plan.
 
     The world, but no more than the host's usable ``cores`` (default
-    :func:`~mimotron.config_limits.usable_cores`: more ranks than cores get no more
+    :func:`~mimotron.config.limits.usable_cores`: more ranks than cores get no more
     compute together) nor :data:`MAX_CORE_PROBE_RANKS`; at least 2 (one rank alone
     shares nothing).
     """
@@ -448,9 +449,8 @@ def measure_host_cores(world_size: int, rounds: int = 3, cores: int | None = Non
         world_size: ranks of the plan.
         rounds: rounds of the probe.
         cores: the host's usable cores (default :func:`usable_cores`).
-        spawn: what forks the ranks (default :func:`mimotron.testing.run_ranks`).
+        spawn: what forks the ranks (default :func:`mimotron.forked_ranks.run_ranks`).
     """
-    from mimotron.testing import run_ranks
 
     cores = cores or usable_cores()
     ranks = core_probe_ranks(world_size, cores)
@@ -515,9 +515,8 @@ def measure_collectives(sizes: list[int], options: CalibrationOptions | None = N
                         ) -> dict[str, dict[int, LinkCost]]:
     """Fitted costs of every collective kind at every group size in ``sizes`` (p2p: at 2).
 
-    Forks ``max(sizes)`` gloo ranks (:func:`mimotron.testing.run_ranks`).
+    Forks ``max(sizes)`` gloo ranks (:func:`mimotron.forked_ranks.run_ranks`).
     """
-    from mimotron.testing import run_ranks
 
     options = options or CalibrationOptions()
     world = max(sizes)

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mimotron.config import MimoConfig
+from mimotron.config.schema import MimoConfig
+from mimotron.estimate.memory import has_master_weights
+from mimotron.estimate.widths import BYTES
 from mimotron.names import LANGUAGE
 from mimotron.parallel.layout import Layout
-from mimotron.parallel.memory import BYTES, has_master_weights
-from mimotron.planner.cost import Calibration
+from mimotron.planner.calibration_data import Calibration
 from mimotron.planner.devices import DeviceSpec
 from mimotron.planner.simulate import LaneKey, MessageKey
 from mimotron.planner.terms import (

@@ -13,7 +13,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from mimotron.config import MimoConfig, ModuleConfig
+from mimotron.config.moe_config import moe_options
+from mimotron.config.schema import MimoConfig, ModuleConfig
 
 SHARDINGS = ("none", "zero1", "fsdp")
 """Optimizer sharding: none, ZeRO-1 (``shard_optimizer``), FSDP2 (``fsdp``)."""
@@ -82,8 +83,6 @@ def degree_options(cfg: MimoConfig, name: str, max_size: int, micro_batch: int,
     Yields:
         Options with recompute none and no sharding (set later).
     """
-    from mimotron.models.build import moe_options
-
     mod = cfg.modules[name]
     language = not mod.is_encoder
     moe = moe_options(mod) if language else None

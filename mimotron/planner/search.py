@@ -8,7 +8,7 @@ Three phases keep a 3-module model on 64 ranks well under a minute:
    times the micro-batches, plus ``(p - 1) / v`` stages of fill and the reduction and
    optimizer tail); walking them fastest first, each is given the fastest recompute /
    sharding rung (:func:`~mimotron.planner.options.memory_ladder`) whose memory
-   estimate (:func:`~mimotron.parallel.memory.estimate_memory`, on a config holding the
+   estimate (:func:`~mimotron.estimate.memory.estimate_memory`, on a config holding the
    candidate) fits, after the layout validator accepted it; the best
    :data:`KEEP` per block size stay (a colocated module also keeps each one's leanest
    rung that fits: the modules share a rank's memory).
@@ -30,12 +30,16 @@ import copy
 import time
 from dataclasses import dataclass, field
 
-from mimotron.config import MimoConfig, load_config
+from mimotron.config.load import load_config
+from mimotron.config.schema import MimoConfig
+from mimotron.estimate.memory import estimate_memory
 from mimotron.names import LANGUAGE
 from mimotron.parallel.layout import Layout, ModulePlacement, plan_layout
-from mimotron.parallel.memory import estimate_memory
-from mimotron.planner.cost import Calibration, StepCost, step_cost
+from mimotron.planner.calibration_data import Calibration
+from mimotron.planner.cost import StepCost, model_vocabulary, step_cost
 from mimotron.planner.devices import DeviceSpec
+from mimotron.planner.fit import rank_classes
+from mimotron.planner.lanes import lane_cost
 from mimotron.planner.options import (
     ModuleOption,
     apply_option,
@@ -44,6 +48,7 @@ from mimotron.planner.options import (
     module_overrides,
 )
 from mimotron.planner.simulate import SimulationError
+from mimotron.planner.terms import Links
 
 KEEP = 3
 """Options kept per module and block size after phase 1."""
@@ -143,8 +148,6 @@ def search(request: SearchRequest) -> SearchResult:
     Raises:
         ValueError: the base config is invalid, or ``world`` is not positive.
     """
-    from mimotron.planner.cost import model_vocabulary
-
     if not 1 <= request.world <= MAX_WORLD:
         raise ValueError(f"--world={request.world} is invalid: expected 1 to {MAX_WORLD:,} "
                          "ranks")
@@ -388,9 +391,6 @@ def _place(cfg: MimoConfig, name: str) -> Layout:
 def _alone_seconds(ctx: _Context, cfg: MimoConfig, name: str, option: ModuleOption) -> float:
     """Phase 1's analytic time of a module alone: its busiest stage's micro-batches,
     ``(p - 1) / v`` of them again as the pipeline's fill, and its tail."""
-    from mimotron.planner.lanes import lane_cost
-    from mimotron.planner.terms import Links
-
     ctx.scored += 1
     apply_option(cfg, name, option, 0)
     layout = _place(cfg, name)
@@ -442,8 +442,6 @@ def candidate_overrides(ctx_overrides: list[str], cand: Candidate,
 
 def _check(ctx: _Context, cand: Candidate) -> str:
     """Phase 3: the real validator, every rank's memory, the simulated step."""
-    from mimotron.cli.device_fit import rank_classes
-
     cand.overrides = candidate_overrides(ctx.request.overrides, cand)
     cand.changes = candidate_overrides(ctx.request.overrides, cand, ctx.base)
     try:

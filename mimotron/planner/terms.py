@@ -3,7 +3,7 @@
 The pieces :func:`mimotron.planner.cost.step_cost` puts on the simulated clock:
 
 * **compute** — without a calibration, the stage's model FLOPs
-  (:mod:`mimotron.training.flops`: its layers, the front end on the first stage, the
+  (:mod:`mimotron.estimate.flops`: its layers, the front end on the first stage, the
   head or projector on the last) over ``flops_per_s x tensor x tp_efficiency(tensor)``
   (:func:`tp_efficiency`: smaller matmuls run less efficiently) plus the device's
   ``layer_overhead_s`` per layer and end, per micro-batch; with one, the measured
@@ -32,14 +32,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from mimotron.config import MimoConfig
-from mimotron.models.blocks import default_ffn_hidden_size
-from mimotron.models.hf.specs import mlp_matrices
-from mimotron.parallel.layout import ModulePlacement, stage_layers
-from mimotron.parallel.memory import BYTES, attention_widths
-from mimotron.planner.cost import Calibration, LinkCost
-from mimotron.planner.devices import DeviceSpec
-from mimotron.training.flops import (
+from mimotron.config.hf_specs import mlp_matrices
+from mimotron.config.schema import MimoConfig, default_ffn_hidden_size
+from mimotron.estimate.flops import (
     encoder_flops,
     language_model_flops,
     matmul_flops,
@@ -47,6 +42,11 @@ from mimotron.training.flops import (
     projector_flops,
     transformer_layer_flops,
 )
+from mimotron.estimate.widths import BYTES, attention_widths
+from mimotron.parallel.layout import ModulePlacement
+from mimotron.parallel.virtual_pipeline import stage_layers
+from mimotron.planner.calibration_data import Calibration, LinkCost
+from mimotron.planner.devices import DeviceSpec
 
 SELECTIVE_SHARE = 0.1
 """Selective recompute re-runs a layer's elementwise work: this share of its forward."""
@@ -60,7 +60,7 @@ def ring_factor(kind: str, n: int) -> float:
     ``(n - 1) / n``, a point-to-point message 1.
 
     Raises:
-        ValueError: ``kind`` is not one of :data:`~mimotron.planner.cost.COLLECTIVES`.
+        ValueError: ``kind`` is not one of :data:`~mimotron.planner.calibration_data.COLLECTIVES`.
     """
     if kind == "p2p":
         return 1.0
@@ -86,7 +86,7 @@ class Links:
 
     def cost(self, kind: str, ranks: list[int], num_bytes: float) -> float:
         """Seconds of collective ``kind`` over ``ranks`` (``num_bytes``: the per-rank
-        buffer, as :class:`~mimotron.planner.cost.Calibration` defines it)."""
+        buffer, as :class:`~mimotron.planner.calibration_data.Calibration` defines it)."""
         n = len(ranks)
         if n <= 1 and kind != "p2p":
             return 0.0

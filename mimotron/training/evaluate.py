@@ -23,7 +23,8 @@ from mimotron.pipeline.schedules import (
     MicrobatchOutput,
     StepContext,
     Transport,
-    forward_backward_no_pipelining,
+    rank_plan,
+    run_schedule,
 )
 from mimotron.training.data_provider import Microbatch, microbatches_to_device
 from mimotron.training.infra import MimoModelInfra
@@ -71,8 +72,11 @@ def evaluate(
             language=LanguageStep.of(forward_step_func), transport=communicator,
             forward_only=True, encoder_batching=encoder_batching,
             autocast=autocast_factory(precision, device))
-        outputs = forward_backward_no_pipelining(ctx)
-        totals += torch.cat([local_output_sums(outputs, infra, device),
+        plan = rank_plan(infra.layout, infra.rank, len(microbatches), pipelined=False,
+                         forward_only=True)
+        outputs = run_schedule(ctx, plan)
+        totals += torch.cat([local_output_sums(outputs, infra.is_loss_leader,
+                                               infra.is_loss_partial, device),
                              _kind_sums(outputs, kinds, infra, device)])
     model.train(was_training)
     dist.all_reduce(totals)  # one world reduction for the whole evaluation

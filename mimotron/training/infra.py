@@ -11,7 +11,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from mimotron.config import MimoConfig
+from mimotron.config.schema import MimoConfig
 from mimotron.names import LANGUAGE
 from mimotron.parallel.grid import HyperCommGrid
 from mimotron.parallel.groups import (

@@ -10,7 +10,8 @@ and the last stage :meth:`LanguageStep.loss` — the built-in split of
 
 It also keeps the auxiliary metrics the forward step returns in training mode (every
 metric besides ``correct`` and ``samples``) until the loop takes them with
-:meth:`LanguageStep.pop_aux` for the metrics record.
+:meth:`LanguageStep.pop_aux` for the metrics record. :class:`GlobalTokenCount` is the
+loss's divisor: the step starts its reduction, the schedule reads it where first needed.
 """
 
 from __future__ import annotations
@@ -21,9 +22,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from mimotron import host_sync
 from mimotron.host_sync import host_copy
 from mimotron.models.attention import document_args
 from mimotron.models.language import language_loss
+from mimotron.names import LANGUAGE
 from mimotron.parallel.tensor_parallel import vocab_parallel_loss
 
 # (loss sum, loss tokens, metrics) of one micro-batch.
@@ -33,6 +36,40 @@ ForwardStepFunc = Callable[..., LossOutput]
 
 # Forward-step metrics that become train_accuracy rather than auxiliary losses.
 ACCURACY_KEYS = ("correct", "samples")
+
+
+class GlobalTokenCount:
+    """Loss tokens of the whole global batch, reduced over the world in the background.
+
+    Each language DP replica's leader contributes its slice's count; encoder-only ranks
+    contribute zero but still join, so they can scale their gradients identically. This
+    reduction cannot join the optimizer's: the loss is divided by the count before
+    backward. It is started before the schedule and waited for on first use (the
+    language model's last stage, at its first backward or MoE forward; every other rank
+    after its schedule), so no rank waits for the others to reach it before its first
+    forward: the encoders start at once. The value is the same float either way.
+
+    Args:
+        microbatches: the step's micro-batches on this rank.
+        leader: whether this rank is a loss leader (``MimoModelInfra.is_loss_leader``).
+        device: where the count is reduced.
+    """
+
+    def __init__(self, microbatches: list[dict[str, dict[str, torch.Tensor]]], leader: bool,
+                 device: torch.device) -> None:
+        local = 0.0
+        if leader:
+            local = sum(mb[LANGUAGE]["loss_mask"].sum() for mb in microbatches)
+        self._count = torch.as_tensor(local, dtype=torch.float64, device=device).reshape(1)
+        self._work = dist.all_reduce(self._count, async_op=True)
+        self._value: float | None = None
+
+    def value(self) -> float:
+        """The world's count (waits for the reduction once; one host sync)."""
+        if self._value is None:
+            self._work.wait()
+            self._value = float(host_sync.item(self._count, host_sync.TOKEN_COUNT))
+        return self._value
 
 
 def language_input(model: nn.Module, batch: dict[str, torch.Tensor],

@@ -1,17 +1,18 @@
-"""The training loop: ``setup_mimo`` builds a run, ``train_mimo`` drives it.
+"""The training loop: ``setup_mimo`` builds a run, :func:`train` drives it.
 
-``train_mimo`` takes Megatron-Bridge's arguments (names and order): the forward step,
-the model, the optimizer, per-module schedulers, data, ``GlobalState``, the infra, the
-communicator and the optional process-group collection and ``(module, grid)`` pairs; it
-runs until an exit condition. Everything it needs is passed in, so it serves library
-users with their own model or forward step as well as ``mimotron train``.
+:func:`train` takes the step's fixed inputs (a :class:`~mimotron.training.step.StepRun`)
+and the data, and runs until an exit condition, calling
+:func:`~mimotron.training.step.train_step` once per iteration. Everything it needs is
+passed in, so it serves library users with their own model or forward step as well as
+``mimotron train``; Megatron-Bridge's ``train_mimo`` is a thin layer over it
+(:mod:`mimotron.training.megatron_compat`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -20,25 +21,21 @@ import torch.distributed as dist
 from torch import nn
 
 from mimotron.checkpoint import CheckpointManager, maybe_load_checkpoint
-from mimotron.config import MimoConfig
+from mimotron.config.schema import MimoConfig
+from mimotron.config.vocab_size import padded_vocab_size, unpadded_vocab_size
 from mimotron.data import build_datasets
 from mimotron.data.data_summary import summarize_data
 from mimotron.data.hf_tokenizer import HFTokenizer
-from mimotron.data.llava_setup import build_tokenizer, restrict_to_rank
 from mimotron.data.prefetch import PrefetchingReader
+from mimotron.data.run_data import build_tokenizer, restrict_to_rank
 from mimotron.data.tokenizer import CharTokenizer
-from mimotron.models.build import unpadded_vocab_size
-from mimotron.names import LANGUAGE
 from mimotron.optim import build_schedulers, get_mimo_optimizer
 from mimotron.optim.scheduler import OptimizerParamScheduler
-from mimotron.parallel.grid import HyperCommGrid
-from mimotron.parallel.groups import MultiModuleProcessGroupCollection
 from mimotron.pipeline.edges import build_edges
 from mimotron.pipeline.schedules import Transport, build_transport
 from mimotron.pipeline.shapes import bridge_row_shapes, residual_dtype
 from mimotron.run_dir import guard_fresh_start
 from mimotron.runtime import Runtime, seed_everything
-from mimotron.training.bridge_args import resolve_module_parts, resolve_pg_collection
 from mimotron.training.data_provider import (
     MicrobatchProvider,
     PackedMicrobatchProvider,
@@ -51,17 +48,12 @@ from mimotron.training.data_provider import (
 )
 from mimotron.training.evaluate import evaluate
 from mimotron.training.infra import MimoModelInfra, build_infra
-from mimotron.training.language_step import (
-    ForwardStepFunc,
-    LanguageStep,
-    check_forward_step,
-    default_forward_step,
-)
+from mimotron.training.language_step import ForwardStepFunc, LanguageStep, default_forward_step
 from mimotron.training.metrics import LoopMonitor, check_divergence
-from mimotron.training.model_setup import build_rank_model, padded_vocab_size
+from mimotron.training.model_setup import build_rank_model
 from mimotron.training.profiling import StepProfiler, inject_fault
 from mimotron.training.state import GlobalState, TrainState
-from mimotron.training.step import module_parts, train_step_mimo
+from mimotron.training.step import StepRun, build_step_run, train_step
 
 if TYPE_CHECKING:
     from mimotron.optim.mimo_optimizer import MimoOptimizer
@@ -160,58 +152,25 @@ def _valid_factory(cfg: MimoConfig, infra: MimoModelInfra, runtime: Runtime, tas
     return steps
 
 
-def train_mimo(
-    forward_step_func: ForwardStepFunc,
-    model: nn.Module,
-    optimizer: MimoOptimizer,
-    schedulers: dict[str, OptimizerParamScheduler],
-    train_data_iterator: Iterator,
-    valid_data_iterator: Callable[[], Iterator] | None,
-    global_state: GlobalState,
-    mimo_infra: MimoModelInfra,
-    multimodule_communicator: Transport,
-    multimodule_pg_collection: MultiModuleProcessGroupCollection | None = None,
-    module_to_grid_tuple: Sequence[tuple[Any, HyperCommGrid]] | None = None,
-) -> dict[str, Any]:
+def train(run: StepRun, train_data_iterator: Iterator,
+          valid_data_iterator: Callable[[], Iterator] | None) -> dict[str, Any]:
     """Train until ``train.iters`` (or another exit condition); evaluate and log.
 
-    Megatron-Bridge's signature (parameter names and order); see docs/operations.md, "Library
-    use", for what differs.
-
     Args:
-        forward_step_func: ``(model, batch, embeddings) -> (loss_sum, num_tokens,
-            metrics)``, see ``default_forward_step``.
-        model: the ``MimoModel`` (this rank's modules).
-        optimizer: the ``MimoOptimizer``.
-        schedulers: per-module schedulers ``{module: OptimizerParamScheduler}``.
+        run: the step's fixed inputs (:func:`~mimotron.training.step.build_step_run`).
         train_data_iterator: yields each step's micro-batches for this rank.
         valid_data_iterator: ``None`` (no evaluation), or a callable returning a fresh
             iterator over the validation steps, called at each evaluation.
-        global_state: config, runtime, timers, train state.
-        mimo_infra: grids, process groups and roles of this rank.
-        multimodule_communicator: the run's transport (``build_transport``).
-        multimodule_pg_collection: this rank's process groups for the step (``None``:
-            ``mimo_infra``'s); must match ``mimo_infra``'s.
-        module_to_grid_tuple: ``(module part or name, grid)`` for each module on this
-            rank, for the gradient operations (``None``: from ``model`` and
-            ``mimo_infra``); must match them.
 
     Returns:
         A summary (final iteration, last loss, last eval metrics, wall time) — the same
         on every rank.
-
-    Raises:
-        ValueError: ``multimodule_pg_collection`` or ``module_to_grid_tuple``
-            contradicts ``mimo_infra`` or ``model`` (the message names the argument), or
-            a custom ``forward_step_func`` with a context-parallel language model.
     """
-    # Checked once here; the step re-checks cheaply (the same objects).
-    check_forward_step(forward_step_func, mimo_infra.layout.modules[LANGUAGE].parallel.context)
-    multimodule_pg_collection = resolve_pg_collection(multimodule_pg_collection, mimo_infra)
-    resolve_module_parts(module_to_grid_tuple, module_parts(model), mimo_infra)
+    model, optimizer, schedulers = run.model, run.optimizer, run.schedulers
+    global_state, mimo_infra, multimodule_communicator = run.state, run.infra, run.transport
     cfg, ts, runtime = global_state.cfg, global_state.train_state, global_state.runtime
     guard_fresh_start(cfg, ts.iteration, runtime.world_size)  # Before anything is written.
-    language = LanguageStep(forward_step_func)  # Also collects the auxiliary metrics.
+    language = run.language  # Also collects the auxiliary metrics.
     profiler = StepProfiler(cfg.profile, cfg.log_dir, runtime.rank, runtime.world_size)
     monitor = LoopMonitor(global_state, mimo_infra, model, optimizer)
     model.train()
@@ -233,11 +192,7 @@ def train_mimo(
             global_state.timers("data").stop()
             inject_fault(ts.iteration + 1, runtime.rank)  # Test hook: MIMOTRON_FAIL_*.
             monitor.count_samples(microbatches)
-            loss_dict, skipped, grad_norm, num_zeros = train_step_mimo(
-                language, iter((microbatches,)), model, optimizer, schedulers,
-                global_state, multimodule_communicator, multimodule_pg_collection,
-                mimo_infra, module_to_grid_tuple, cfg.num_microbatches, cfg.data.seq_length,
-                cfg.train.micro_batch_size)
+            loss_dict, skipped, grad_norm, num_zeros = train_step(run, microbatches)
             # Packed steps consume a varying number of stream samples (data.packing).
             _advance(ts, loss_dict["loss"], skipped,
                      getattr(train_data_iterator, "step_samples", cfg.train.global_batch_size))
@@ -313,13 +268,14 @@ def _evaluate_and_log(language: LanguageStep, valid_data_iterator: Callable[[], 
 def run_training(cfg: MimoConfig, runtime: Runtime,
                  forward_step_func: ForwardStepFunc = default_forward_step) -> dict[str, Any]:
     """Set up and train one run on this rank (what ``mimotron train`` runs per rank)."""
-    run = setup_mimo(cfg, runtime)
+    built = setup_mimo(cfg, runtime)
     try:
-        return train_mimo(forward_step_func, run.model, run.optimizer, run.schedulers,
-                          run.train_data_iterator, run.valid_data_iterator, run.global_state,
-                          run.infra, run.communicator)
+        run = build_step_run(built.model, built.optimizer, built.schedulers,
+                             built.global_state, built.infra, built.communicator,
+                             LanguageStep(forward_step_func))
+        return train(run, built.train_data_iterator, built.valid_data_iterator)
     finally:
-        if isinstance(run.train_data_iterator, StepPrefetcher):
-            run.train_data_iterator.close()  # before the reader its thread reads from
-        if run.data_reader is not None:
-            run.data_reader.close()
+        if isinstance(built.train_data_iterator, StepPrefetcher):
+            built.train_data_iterator.close()  # before the reader its thread reads from
+        if built.data_reader is not None:
+            built.data_reader.close()

@@ -20,7 +20,7 @@ losses by name (interval mean, and ``<name>_last``), ``interval_iters`` /
 ``skipped_iters`` / ``nan_iters`` (run totals), ``skipped_samples`` (bad samples the
 dataset left out, only for a dataset that checks them: ``llava``), ``peak_memory_bytes``
 (max over ranks) and ``peak_memory_bytes_per_rank``, ``model_flops_per_iteration`` and
-``model_flops_per_module`` (:mod:`mimotron.training.flops`),
+``model_flops_per_module`` (:mod:`mimotron.estimate.flops`),
 ``tflops_per_second_per_rank``, ``mfu`` (only where the device's peak is known),
 ``time_s`` (the step's timers) and ``module_time_s`` {module: {forward, backward,
 communication}} — seconds per iteration, the max over the ranks holding the module (see
@@ -52,11 +52,12 @@ import torch.distributed as dist
 from torch import nn
 
 from mimotron.data.packing import real_tokens
+from mimotron.estimate.flops import model_flops_per_iteration
+from mimotron.models.attention import attention_kernel
 from mimotron.names import LANGUAGE
 from mimotron.run_files import open_text, write_error
 from mimotron.runtime import compute_dtype, device_peak_flops, peak_memory_bytes
 from mimotron.training.console import LiveLine, fmt_duration, format_lrs, progress_bar
-from mimotron.training.flops import model_flops_per_iteration
 from mimotron.training.infra import MimoModelInfra
 from mimotron.training.interval import LAST, IntervalMeans, aux_value
 from mimotron.training.metrics_file import (
@@ -305,7 +306,6 @@ class MetricsWriter:
 
 def _attention_line(cfg: Any, device: torch.device) -> str:
     """Which attention kernel the language model runs (mimotron.models.attention)."""
-    from mimotron.models.attention import attention_kernel
 
     planned = cfg.data.packing or cfg.modules[LANGUAGE].parallel.context > 1
     kernel = attention_kernel(device, compute_dtype(cfg.train.precision), planned)

@@ -27,14 +27,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from mimotron.config import MimoConfig
-from mimotron.models.build import (
-    VOCAB_MULTIPLE,
-    build_module,
-    load_hf_module,
-    module_prefix,
-    padded_vocab_size,
-)
+from mimotron.config.schema import MimoConfig
+from mimotron.models.build import build_module, load_hf_module, module_prefix
 from mimotron.models.freeze import freeze_part
 from mimotron.models.init import init_parameters_
 from mimotron.models.mimo import MimoModel, module_part
@@ -47,7 +41,7 @@ from mimotron.parallel.tensor_parallel import apply_tensor_parallel, mark_tensor
 from mimotron.parallel.virtual_pipeline import rank_layers, set_layer_chunks
 from mimotron.training.infra import MimoModelInfra
 
-__all__ = ["VOCAB_MULTIPLE", "build_rank_model", "freeze_modules", "padded_vocab_size"]
+__all__ = ["build_rank_model", "freeze_modules"]
 
 
 def build_rank_model(cfg: MimoConfig, infra: MimoModelInfra, vocab_size: int,

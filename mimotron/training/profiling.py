@@ -32,10 +32,10 @@ import torch
 from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 
-from mimotron.config import ProfileConfig
+from mimotron.config.schema import ProfileConfig
+from mimotron.config.setup_rules import check_profile_ranks
 from mimotron.run_files import replacing
 from mimotron.runtime import synchronize
-from mimotron.setup_rules import check_profile_ranks
 
 FAIL_AT_ITER_ENV = "MIMOTRON_FAIL_AT_ITER"
 FAIL_RANK_ENV = "MIMOTRON_FAIL_RANK"

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from mimotron.config import MimoConfig
+from mimotron.config.schema import MimoConfig
 from mimotron.runtime import Runtime, synchronize
 
 if TYPE_CHECKING:

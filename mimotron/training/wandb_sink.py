@@ -31,7 +31,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from mimotron.config import MimoConfig
+from mimotron.config.schema import MimoConfig
 from mimotron.run_files import check_plain, read_text, write_text
 
 DEFAULT_PROJECT = "mimotron"

@@ -21,10 +21,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from mimotron.config.hf_specs import check_activation, clip_tower_args, siglip_tower_args
+from mimotron.config.hf_specs import used_layers as used_layers
 from mimotron.models.blocks import chunk_modules, is_last_chunk, make_layers, to_residual_dtype
 from mimotron.models.hf.layers import CastLayerNorm, PreLNEncoderLayer
-from mimotron.models.hf.specs import check_activation, clip_tower_args, siglip_tower_args
-from mimotron.models.hf.specs import used_layers as used_layers
 from mimotron.models.hf.weights import WeightMap
 
 STRATEGIES = ("default", "full")

@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mimotron.config.hf_specs import ACTIVATION_NAMES, check_activation
 from mimotron.models.blocks import compute_dtype_of, linear_on_rows, residual_init_std
-from mimotron.models.hf.specs import ACTIVATION_NAMES, check_activation
 
 
 def _quick_gelu(x: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """Llama / Qwen2 / Qwen3 decoders from a local Hugging Face folder.
 
-:class:`~mimotron.models.hf.specs.LlamaFamilySpec` (in the model-free
-:mod:`~mimotron.models.hf.specs`, re-exported here) reads a ``config.json`` dict into the
+:class:`~mimotron.config.hf_specs.LlamaFamilySpec` (in the model-free
+:mod:`~mimotron.config.hf_specs`, re-exported here) reads a ``config.json`` dict into the
 keyword arguments of :class:`~mimotron.models.language.LanguageModel`, which then
 computes exactly what ``transformers``' ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` /
 ``Qwen3ForCausalLM`` compute for the same config (tests/test_hf_language.py). Anything in
@@ -26,9 +26,9 @@ from pathlib import Path
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from mimotron.models.hf.folder import read_hf_config, tensor_files
-from mimotron.models.hf.specs import SUPPORTED_MODEL_TYPES as SUPPORTED_MODEL_TYPES
-from mimotron.models.hf.specs import LlamaFamilySpec
+from mimotron.config.hf_folder import read_hf_config, tensor_files
+from mimotron.config.hf_specs import SUPPORTED_MODEL_TYPES as SUPPORTED_MODEL_TYPES
+from mimotron.config.hf_specs import LlamaFamilySpec
 from mimotron.models.hf.weights import WeightMap, check_checkpoint, load_hf_weights
 from mimotron.models.language import LanguageModel
 from mimotron.parallel.tensor_parallel import apply_tensor_parallel, mark_tensor_partial_params

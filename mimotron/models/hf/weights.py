@@ -38,8 +38,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from mimotron.models.hf.file_check import open_safetensors
-from mimotron.models.hf.folder import tensor_files
+from mimotron.config.hf_files import open_safetensors
+from mimotron.config.hf_folder import tensor_files
 from mimotron.models.hf.vocab import read_rows
 from mimotron.models.weight_checks import capped, dtype_problem, nonfinite_problem
 
@@ -156,7 +156,7 @@ def check_checkpoint(
     """Compare a checkpoint's tensor names, shapes and dtypes with a model's (headers only).
 
     Args:
-        files: tensor name -> file (see :func:`mimotron.models.hf.folder.tensor_files`).
+        files: tensor name -> file (see :func:`mimotron.config.hf_folder.tensor_files`).
         expected: tensor name -> full shape, for every tensor that must be present.
         optional: names that may be present or absent (e.g. a tied head).
         known: names in the checkpoint that are fine although not expected (parts we

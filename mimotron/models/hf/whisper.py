@@ -22,9 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mimotron.config.hf_specs import check_activation, whisper_tower_args
 from mimotron.models.blocks import chunk_modules, is_last_chunk, make_layers, to_residual_dtype
 from mimotron.models.hf.layers import CastLayerNorm, PreLNEncoderLayer
-from mimotron.models.hf.specs import check_activation, whisper_tower_args
 from mimotron.models.hf.weights import WeightMap
 
 DOWNSAMPLE_MODES = ("avg", "stack")

@@ -7,8 +7,8 @@ its config.json).
 
 from __future__ import annotations
 
-from mimotron.config_schema import MimoConfig
-from mimotron.models.hf.resolve import language_spec
+from mimotron.config.hf_resolve import language_spec
+from mimotron.config.schema import MimoConfig
 from mimotron.names import LANGUAGE
 
 # The vocabulary is padded to a multiple of this (Megatron's make-vocab-divisible), the

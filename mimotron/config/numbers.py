@@ -18,7 +18,7 @@ import types
 import typing
 from typing import Any
 
-from mimotron.config_schema import OptimizerConfig, SchedulerConfig
+from mimotron.config.schema import OptimizerConfig, SchedulerConfig
 
 INT_MIN, INT_MAX = -(2**63), 2**63 - 1
 """The integer range every int field must fit (int64: torch seeds, tensor sizes)."""

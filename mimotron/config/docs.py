@@ -1,13 +1,13 @@
 """The configuration table of docs/configuration.md, generated from the config dataclasses.
 
 Every config field carries an attribute docstring: a string literal right after the
-field, as in torchtitan's ``JobConfig`` (:mod:`mimotron.config_schema`). Python keeps no
+field, as in torchtitan's ``JobConfig`` (:mod:`mimotron.config.schema`). Python keeps no
 such docstring at runtime, so :func:`field_docs` reads it from the class source with
 :mod:`ast`: an annotated assignment followed directly by a string-expression statement.
 :func:`render_table` turns the fields into a Markdown table (table, key, default,
 meaning = the docstring's first paragraph) and :func:`update_readme` writes it between
 the ``<!-- config-table:start -->`` / ``<!-- config-table:end -->`` markers of
-docs/configuration.md. ``make docs`` runs ``python -m mimotron.config_docs docs/configuration.md``;
+docs/configuration.md. ``make docs`` runs ``python -m mimotron.config.docs docs/configuration.md``;
 ``--check`` only reports whether the file is up to date. tests/test_config_docs.py
 fails when the table differs from the generated one or a field has no
 docstring.
@@ -25,7 +25,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from mimotron.config import MimoConfig, ModuleConfig, ParallelConfig
+from mimotron.config.schema import MimoConfig, ModuleConfig, ParallelConfig
 
 START = "<!-- config-table:start -->"
 END = "<!-- config-table:end -->"
@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     Returns:
         0 when the file is (now) up to date; 1 with ``--check`` when it is not.
     """
-    parser = argparse.ArgumentParser(prog="python -m mimotron.config_docs",
+    parser = argparse.ArgumentParser(prog="python -m mimotron.config.docs",
                                      description=__doc__.split("\n", 1)[0])
     parser.add_argument("readme", nargs="?", default="docs/configuration.md", type=Path)
     parser.add_argument("--check", action="store_true",

@@ -8,9 +8,9 @@ everything that reads them before any model exists (layout checks, the data's in
 shapes and placeholder counts, ``mimotron plan``, FLOP and memory estimates) sees the
 real model. A size key that contradicts ``config.json`` is a ``ValueError`` naming both
 values. A folder's config.json is read once per config load: the checks pass an
-:class:`~mimotron.models.hf.folder.HFConfigs` (or the parsed ``config``) down; a call
+:class:`~mimotron.config.hf_folder.HFConfigs` (or the parsed ``config``) down; a call
 without one reads the file. The family readers come from the model-free
-:mod:`~mimotron.models.hf.specs`: this runs in the launcher of ``mimotron train``, which
+:mod:`~mimotron.config.hf_specs`: this runs in the launcher of ``mimotron train``, which
 never imports the models.
 """
 
@@ -20,10 +20,9 @@ import dataclasses
 from collections.abc import Iterable
 from typing import Any
 
-from mimotron.config_schema import ModuleConfig
-from mimotron.models.hf.config_check import check_hf_config
-from mimotron.models.hf.folder import HFConfigs, read_hf_config
-from mimotron.models.hf.specs import (
+from mimotron.config.hf_check import check_hf_config
+from mimotron.config.hf_folder import HFConfigs, read_hf_config
+from mimotron.config.hf_specs import (
     SUPPORTED_MODEL_TYPES,
     LlamaFamilySpec,
     clip_tower_args,
@@ -31,6 +30,7 @@ from mimotron.models.hf.specs import (
     used_layers,
     whisper_tower_args,
 )
+from mimotron.config.schema import ModuleConfig
 
 # model_type -> family, per module kind.
 _FAMILIES: dict[str, dict[str, str]] = {
@@ -44,7 +44,7 @@ def module_hf_config(mod: ModuleConfig) -> dict[str, Any]:
     (:func:`resolve_hf_module`), else read from the file.
 
     Raises:
-        ValueError: as :func:`~mimotron.models.hf.folder.read_hf_config`.
+        ValueError: as :func:`~mimotron.config.hf_folder.read_hf_config`.
     """
     recorded = mod.hf_config
     if recorded is not None and recorded[0] == mod.hf_path:

@@ -2,14 +2,14 @@
 
 Each field carries an attribute docstring (a string literal right after it, as in
 torchtitan's ``JobConfig``): what it means, its unit, the valid values and how it
-interacts with other keys. :mod:`mimotron.config_docs` reads these docstrings to render
+interacts with other keys. :mod:`mimotron.config.docs` reads these docstrings to render
 docs/configuration.md's configuration table, so they are the one source of the config docs. Fields
 with a fixed set of values are typed ``Literal[...]``; the parser
 (:func:`mimotron.config.config_from_dict`) rejects any other value, and the tuples
 ``PRECISIONS``, ``DECAY_STYLES``, ... are derived from those types. The whole run,
 :class:`MimoConfig` (the whole run) is here too, so the models can type their arguments
 without importing the loader. Loading lives in :mod:`mimotron.config` (which re-exports
-every name here) and every check in :mod:`mimotron.validation`, above both this module
+every name here) and every check in :mod:`mimotron.config.validation`, above both this module
 and the models.
 """
 
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args
@@ -353,7 +354,7 @@ class ModuleConfig:
         return self.kind in ENCODER_KINDS
 
     # Not config keys (no annotation: not dataclass fields), filled in with the sizes when
-    # the module is resolved (mimotron.models.hf.resolve), None until then: hf_path's
+    # the module is resolved (mimotron.config.hf_resolve), None until then: hf_path's
     # parsed config.json as (hf_path, dict), which later checks and estimates read
     # instead of the file, and whether its vision tower has a class token (CLIP does,
     # SigLIP not).
@@ -382,7 +383,7 @@ class ModuleConfig:
             patches = (self.image_size // self.patch_size) ** 2
             if self.hf_path and self.vision_feature_select_strategy == "full":
                 assert self.hf_class_token is not None, \
-                    "a Hugging Face module is resolved (mimotron.validation) before use"
+                    "a Hugging Face module is resolved (mimotron.config.validation) before use"
                 return patches + int(self.hf_class_token)
             return patches
         if self.kind == "audio":
@@ -715,3 +716,21 @@ class MimoConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def default_ffn_hidden_size(hidden_size: int, multiple_of: int = 8) -> int:
+    """SwiGLU width for ``ffn_hidden_size = 0``: two thirds of ``4 * hidden``, rounded up.
+
+    SwiGLU has three matrices instead of two, so ``8/3 * hidden`` keeps the parameter count
+    of a ``4 * hidden`` GELU MLP. Rounding to a multiple of 8 keeps the width divisible by
+    every tensor-parallel degree up to 8.
+
+    Args:
+        hidden_size: model width.
+        multiple_of: the width is rounded up to a multiple of this.
+
+    Returns:
+        The feed-forward width.
+    """
+    width = int(math.ceil(8 * hidden_size / 3))
+    return multiple_of * ((width + multiple_of - 1) // multiple_of)

@@ -3,7 +3,7 @@
 :class:`MoEOptions` says how a stack's MoE layers are built and placed; the checks
 (:func:`check_moe_options`, :func:`check_layer_freq`) are the ``modules.<m>`` MoE keys'
 rules. They live here, not in :mod:`mimotron.models.moe`, because the config checks
-(:mod:`mimotron.validation`, and the Hugging Face spec readers that fill ``MoEOptions``
+(:mod:`mimotron.config.validation`, and the Hugging Face spec readers that fill ``MoEOptions``
 from a Qwen-MoE config.json) run in the launcher of ``mimotron train`` before any rank
 starts, and that process must not import the ``nn`` modules (nor DTensor behind them):
 this module imports nothing but the standard library. :mod:`mimotron.models.moe`

@@ -5,6 +5,8 @@ is an error naming it, so a typo can never turn into a download. Weights must be
 safetensors, either one ``model.safetensors`` or shards listed by
 ``model.safetensors.index.json`` (its ``weight_map``: tensor name -> shard file).
 Nothing here reads tensor data; :mod:`mimotron.models.hf.weights` does, slice by slice.
+Before any rank starts, :func:`check_hf_weight_files` checks the header of every weight
+file a folder holds (:mod:`mimotron.config.hf_files`).
 
 The helpers at the end read the parsed ``config.json`` dict the way every family needs:
 pick a tower's part of a full model's config, apply ``transformers``' defaults, and
@@ -17,6 +19,9 @@ import copy
 import json
 from pathlib import Path
 from typing import Any
+
+from mimotron.config.hf_files import check_safetensors, open_safetensors
+from mimotron.config.schema import MimoConfig
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -113,15 +118,54 @@ def tensor_files(path: str | Path) -> dict[str, Path]:
         return files
     single = folder / SINGLE_FILE
     if single.is_file():
-        # Imported here: file_check imports this module (a damaged file is named there).
-        from mimotron.models.hf.file_check import open_safetensors
-
         with open_safetensors(single) as handle:
             return {name: single for name in handle.keys()}  # noqa: SIM118 - not a dict
     raise ValueError(
         f"hf_path {str(path)!r} has neither {SINGLE_FILE} nor {INDEX_FILE}; only "
         "safetensors weights are read (convert pytorch_model.bin with transformers first)"
     )
+
+
+def check_weight_files(folder: str | Path) -> None:
+    """Check every safetensors file a Hugging Face folder names (headers only).
+
+    The single ``model.safetensors``, or each shard the index lists. A folder with
+    neither is left to the weight loader, which says what it expects.
+
+    Args:
+        folder: the ``hf_path`` folder.
+
+    Raises:
+        ValueError: the first malformed file, or an unreadable index, named.
+    """
+    root = hf_folder(folder)
+    index = root / INDEX_FILE
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError,
+                UnicodeDecodeError) as exc:
+            raise ValueError(f"{index} is not a safetensors index with a weight_map") from exc
+        files = [root / str(s) for s in shards]
+    else:
+        files = [root / SINGLE_FILE]
+    for file in files:
+        if file.is_file():  # A missing shard is named by the loader's own check.
+            check_safetensors(file)
+
+
+def check_hf_weight_files(cfg: MimoConfig) -> None:
+    """:func:`check_weight_files` for every module with an ``hf_path``, before launch.
+
+    Raises:
+        ValueError: ``modules.<m>: <file> is not a valid safetensors file: ...``.
+    """
+    for name, mod in cfg.modules.items():
+        if mod.hf_path:
+            try:
+                check_weight_files(mod.hf_path)
+            except ValueError as exc:
+                raise ValueError(f"modules.{name}: {exc}") from None
 
 
 def select_config(

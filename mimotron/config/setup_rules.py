@@ -14,7 +14,6 @@ can never disagree:
 * :func:`check_loss_scale`: the dynamic loss scale's floor is positive (fp16);
 * :func:`check_tensor_widths`: the tensor-parallel degree divides every width the
   column-parallel linears split (the SwiGLU and the projector's hidden width);
-* :func:`check_vocab_split`: it divides the padded vocabulary (the embedding and head);
 * :func:`check_profile_ranks`: ``profile.ranks`` name ranks of the world.
 
 Checks that need model weights or data files stay where those are read.
@@ -24,19 +23,19 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from mimotron.models.moe_config import moe_options
+from mimotron.config.moe_config import moe_options
+from mimotron.config.schema import default_ffn_hidden_size
 from mimotron.names import LANGUAGE
 
 if TYPE_CHECKING:
-    from mimotron.config import MimoConfig
-    from mimotron.config_schema import ProfileConfig
+    from mimotron.config.schema import MimoConfig, ProfileConfig
 
 
 def check_setup_rules(cfg: MimoConfig, world_size: int) -> None:
     """Every rule of this module (see the module docstring).
 
     Args:
-        cfg: a config that passed :func:`mimotron.validation.validate_config`.
+        cfg: a config that passed :func:`mimotron.config.validation.validate_config`.
         world_size: the layout's number of ranks.
 
     Raises:
@@ -47,7 +46,6 @@ def check_setup_rules(cfg: MimoConfig, world_size: int) -> None:
     check_loss_scale(cfg)
     for name in cfg.modules:
         check_tensor_widths(cfg, name)
-    check_vocab_split(cfg)
     check_profile_ranks(cfg.profile, world_size)
 
 
@@ -128,8 +126,6 @@ def check_tensor_widths(cfg: MimoConfig, name: str) -> None:
     Raises:
         ValueError: naming the module's ``parallel.tensor`` and the width's key.
     """
-    from mimotron.models.blocks import default_ffn_hidden_size
-
     mod = cfg.modules[name]
     tp = mod.parallel.tensor
     if tp == 1:
@@ -149,34 +145,6 @@ def check_tensor_widths(cfg: MimoConfig, name: str) -> None:
                 f"width {width} that the column-parallel linears split (modules.{name}.{key}"
                 f"{'' if getattr(mod, key) else ', its default'})"
             )
-
-
-def check_vocab_split(cfg: MimoConfig) -> None:
-    """Raise unless the language model's TP degree divides its padded vocabulary.
-
-    The embedding and the head split the vocabulary over TP
-    (:func:`~mimotron.parallel.tensor_parallel.apply_tensor_parallel`). It is padded to
-    a multiple of :data:`~mimotron.models.vocab_size.VOCAB_MULTIPLE`, so only a degree that
-    does not divide that multiple needs the tokenizer's size (the run's tokenizer is
-    built for it: characters, or the ``data.tokenizer`` folder).
-
-    Raises:
-        ValueError: naming ``modules.language.parallel.tensor`` and the padded size.
-    """
-    from mimotron.models.vocab_size import VOCAB_MULTIPLE, model_vocab_size
-
-    tp = cfg.modules[LANGUAGE].parallel.tensor
-    if VOCAB_MULTIPLE % tp == 0:
-        return
-    from mimotron.data.llava_setup import build_tokenizer
-
-    vocab = model_vocab_size(cfg, build_tokenizer(cfg).vocab_size)
-    if vocab % tp:
-        raise ValueError(
-            f"modules.{LANGUAGE}.parallel.tensor={tp} is invalid: it must divide the padded "
-            f"vocabulary ({vocab} rows, a multiple of {VOCAB_MULTIPLE}) that the embedding "
-            f"and the output head split; use a divisor of {VOCAB_MULTIPLE}"
-        )
 
 
 def check_profile_ranks(profile: ProfileConfig, world_size: int) -> None:

@@ -1,18 +1,18 @@
 """A module config's mixture-of-experts options: from its ``moe_*`` keys or its config.json.
 
 Kept apart from :mod:`mimotron.models.moe` (which re-exports :func:`moe_options`) so
-that the layout's rules (:mod:`mimotron.setup_rules`), the planner and the FLOP counts
+that the layout's rules (:mod:`mimotron.config.setup_rules`), the planner and the FLOP counts
 read a module's experts without importing the MoE block's ``torch.nn`` code: the
 launcher of ``mimotron train`` runs those rules before any rank starts. Not in
-:mod:`mimotron.models.moe_options` because a Hugging Face decoder's options come from
-its spec (:mod:`mimotron.models.hf.specs`), which itself builds :class:`MoEOptions`.
+:mod:`mimotron.config.moe_options` because a Hugging Face decoder's options come from
+its spec (:mod:`mimotron.config.hf_specs`), which itself builds :class:`MoEOptions`.
 """
 
 from __future__ import annotations
 
-from mimotron.config_schema import ModuleConfig
-from mimotron.models.hf.resolve import language_spec
-from mimotron.models.moe_options import MoEOptions
+from mimotron.config.hf_resolve import language_spec
+from mimotron.config.moe_options import MoEOptions
+from mimotron.config.schema import ModuleConfig
 
 __all__ = ["moe_options"]
 

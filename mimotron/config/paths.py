@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from mimotron.config_schema import MimoConfig
+from mimotron.config.schema import MimoConfig
 
 SYSTEM_FOLDERS = ("/", "/etc", "/usr", "/bin", "/sbin", "/proc", "/sys", "/dev", "/boot",
                   "/var")

@@ -1,12 +1,14 @@
-"""Checks of a Hugging Face folder's weight files before any rank starts.
+"""Checks of one ``.safetensors`` file, and how every loader opens one.
 
 A truncated or malformed ``.safetensors`` file used to fail inside every rank, after
 launch, with the ``safetensors`` library's message (which names no file) and a traceback
-per rank. :func:`check_weight_files` reads only each file's header, as the format defines
+per rank. :func:`check_safetensors` reads only the file's header, as the format defines
 it (an 8-byte little-endian length, then that many bytes of JSON mapping each tensor to
 its dtype, shape and ``data_offsets`` into the data that follows) and checks that the
 header fits the file, parses, and places every tensor within the file with the size its
-dtype and shape need. The first problem is one line naming the file.
+dtype and shape need. The first problem is one line naming the file; a Hugging Face
+folder's files are checked so before launch
+(:func:`mimotron.config.hf_folder.check_weight_files`).
 :func:`open_safetensors` is how every loader opens such a file: a header the
 ``safetensors`` library refuses is reported the same way, naming the file.
 """
@@ -22,9 +24,6 @@ from pathlib import Path
 from typing import Any
 
 from safetensors import SafetensorError, safe_open
-
-from mimotron.config_schema import MimoConfig
-from mimotron.models.hf.folder import INDEX_FILE, SINGLE_FILE, hf_folder
 
 # Bytes per element of every dtype the safetensors format defines.
 _DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2,
@@ -132,45 +131,3 @@ def read_safetensors(file: str | Path) -> dict[str, Any]:
     """
     with open_safetensors(file) as handle:
         return {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118
-
-
-def check_weight_files(folder: str | Path) -> None:
-    """Check every safetensors file a Hugging Face folder names (headers only).
-
-    The single ``model.safetensors``, or each shard the index lists. A folder with
-    neither is left to the weight loader, which says what it expects.
-
-    Args:
-        folder: the ``hf_path`` folder.
-
-    Raises:
-        ValueError: the first malformed file, or an unreadable index, named.
-    """
-    root = hf_folder(folder)
-    index = root / INDEX_FILE
-    if index.is_file():
-        try:
-            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (json.JSONDecodeError, KeyError, TypeError, AttributeError,
-                UnicodeDecodeError) as exc:
-            raise ValueError(f"{index} is not a safetensors index with a weight_map") from exc
-        files = [root / str(s) for s in shards]
-    else:
-        files = [root / SINGLE_FILE]
-    for file in files:
-        if file.is_file():  # A missing shard is named by the loader's own check.
-            check_safetensors(file)
-
-
-def check_hf_weight_files(cfg: MimoConfig) -> None:
-    """:func:`check_weight_files` for every module with an ``hf_path``, before launch.
-
-    Raises:
-        ValueError: ``modules.<m>: <file> is not a valid safetensors file: ...``.
-    """
-    for name, mod in cfg.modules.items():
-        if mod.hf_path:
-            try:
-                check_weight_files(mod.hf_path)
-            except ValueError as exc:
-                raise ValueError(f"modules.{name}: {exc}") from None

@@ -35,8 +35,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from mimotron.config import TOY_AUDIO_RATE, MimoConfig, ModuleConfig
+from mimotron.config.hf_folder import check_hf_weight_files
+from mimotron.config.schema import MimoConfig, ModuleConfig
+from mimotron.config.validation import TOY_AUDIO_RATE
+from mimotron.config.vocab_size import VOCAB_MULTIPLE, model_vocab_size
 from mimotron.data.hf_tokenizer import HFTokenizer
 from mimotron.data.llava import LlavaDataset, LlavaTask, llava_tasks
 from mimotron.data.media import AudioFeatures, ImageProcessor
@@ -44,7 +48,9 @@ from mimotron.data.sample_index import default_processes
 from mimotron.data.tokenizer import MODALITIES, CharTokenizer
 from mimotron.data.vocab_check import vocabulary_check
 from mimotron.names import LANGUAGE
-from mimotron.parallel.layout import Layout
+
+if TYPE_CHECKING:  # an annotation only: the layout is built above the data
+    from mimotron.parallel.layout import Layout
 
 # Toy vision preprocessing: a plain square resize, normalised to [-1, 1] (SigLIP's rule).
 _TOY_MEAN_STD = (0.5, 0.5, 0.5)
@@ -239,12 +245,34 @@ def check_data(cfg: MimoConfig) -> CharTokenizer | HFTokenizer:
     Raises:
         ValueError: what :func:`build_tokenizer` or :func:`build_llava_tasks` raise.
     """
-    if any(m.hf_path for m in cfg.modules.values()):
-        # Importing the package loads the model code: only runs with Hugging Face folders.
-        from mimotron.models.hf.file_check import check_hf_weight_files
-
-        check_hf_weight_files(cfg)  # Safetensors headers: one line naming a bad file.
+    check_hf_weight_files(cfg)  # Safetensors headers: one line naming a bad file.
     tokenizer = build_tokenizer(cfg)
     if isinstance(tokenizer, HFTokenizer):
         build_llava_tasks(cfg, tokenizer)  # both files with data.valid_path
     return tokenizer
+
+
+def check_vocab_split(cfg: MimoConfig) -> None:
+    """Raise unless the language model's TP degree divides its padded vocabulary.
+
+    The embedding and the head split the vocabulary over TP
+    (:func:`~mimotron.parallel.tensor_parallel.apply_tensor_parallel`). It is padded to
+    a multiple of :data:`~mimotron.config.vocab_size.VOCAB_MULTIPLE`, so only a degree that
+    does not divide that multiple needs the tokenizer's size (the run's tokenizer is
+    built for it: characters, or the ``data.tokenizer`` folder). It is a layout rule
+    (:func:`~mimotron.parallel.layout.plan_layout` calls it) that needs the data's
+    tokenizer, so it lives beside :func:`build_tokenizer`.
+
+    Raises:
+        ValueError: naming ``modules.language.parallel.tensor`` and the padded size.
+    """
+    tp = cfg.modules[LANGUAGE].parallel.tensor
+    if VOCAB_MULTIPLE % tp == 0:
+        return
+    vocab = model_vocab_size(cfg, build_tokenizer(cfg).vocab_size)
+    if vocab % tp:
+        raise ValueError(
+            f"modules.{LANGUAGE}.parallel.tensor={tp} is invalid: it must divide the padded "
+            f"vocabulary ({vocab} rows, a multiple of {VOCAB_MULTIPLE}) that the embedding "
+            f"and the output head split; use a divisor of {VOCAB_MULTIPLE}"
+        )

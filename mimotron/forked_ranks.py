@@ -137,22 +137,6 @@ def _dump_when_asked(recorder: CommRecorder, request: Any) -> None:
     threading.Thread(target=dump, name="trace-on-request", daemon=True).start()
 
 
-def warm_up_imports() -> None:
-    """Import and cache, once in the parent, what every forked rank would load itself.
-
-    the digits array (the demo data), torch's lazily imported optimizer
-    machinery (``torch._dynamo``, pulled in by the first ``AdamW``), and DTensor.
-    """
-    import torch.distributed.tensor  # noqa: F401
-
-    from mimotron.data.digits import load_digit_images
-
-    load_digit_images()
-    p = torch.nn.Parameter(torch.zeros(1))
-    p.grad = torch.zeros(1)
-    torch.optim.AdamW([p]).step()
-
-
 def run_ranks(
     world_size: int,
     fn: Callable[..., Any],

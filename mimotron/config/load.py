@@ -4,7 +4,7 @@ One TOML file describes a run (docs/design.md, "Configuration"). Overrides are d
 paths whose values are parsed as TOML (``train.iters=5``,
 ``optimizer.betas=[0.9,0.95]``); a value that is not valid TOML is taken as a string
 (``train.precision=bf16``). Unknown keys are rejected with the list of valid ones.
-Every check is :func:`mimotron.validation.validate_config` (the layer above this
+Every check is :func:`mimotron.config.validation.validate_config` (the layer above this
 module's schema and the models), which raises ``ValueError`` naming the field, the bad
 value and what would be valid; :func:`load_config` runs it, reading each Hugging Face
 folder's ``config.json`` once. Layout rules that involve several modules live in
@@ -20,87 +20,24 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from mimotron.config_schema import (
-    DATASETS,
-    DECAY_STYLES,
-    ENCODER_KINDS,
-    FREEZE_PARTS,
-    LANGUAGE_KINDS,
-    MODULE_KINDS,
-    OPTIMIZERS,
-    PRECISIONS,
-    RECOMPUTE_MODES,
-    SCHEDULES,
-    WEIGHT_DECAY_STYLES,
-    CheckpointConfig,
-    DataConfig,
-    DatasetName,
-    DecayStyle,
-    EncoderKind,
-    EvalConfig,
-    LanguageKind,
-    LogConfig,
+from mimotron.config.schema import (
     MimoConfig,
     ModuleConfig,
-    ModuleKind,
     OptimizerConfig,
-    OptimizerName,
-    ParallelConfig,
-    Precision,
-    ProfileConfig,
-    Schedule,
     SchedulerConfig,
-    TrainConfig,
-    WeightDecayStyle,
 )
-from mimotron.names import LANGUAGE
-from mimotron.validation import (
-    HF_ONLY_KEYS,
-    TOY_AUDIO_RATE,
+from mimotron.config.validation import (
     HFConfigs,
     resolve_module,
     validate_config,
 )
+from mimotron.names import LANGUAGE
 
 __all__ = [
-    "DATASETS",
-    "HF_ONLY_KEYS",
-    "TOY_AUDIO_RATE",
-    "DECAY_STYLES",
-    "ENCODER_KINDS",
-    "FREEZE_PARTS",
-    "LANGUAGE_KINDS",
-    "MODULE_KINDS",
-    "OPTIMIZERS",
-    "PRECISIONS",
-    "RECOMPUTE_MODES",
-    "SCHEDULES",
-    "WEIGHT_DECAY_STYLES",
-    "CheckpointConfig",
-    "DataConfig",
-    "DatasetName",
-    "DecayStyle",
-    "EncoderKind",
-    "EvalConfig",
-    "LanguageKind",
-    "LogConfig",
-    "MimoConfig",
-    "ModuleConfig",
-    "ModuleKind",
-    "OptimizerConfig",
-    "OptimizerName",
-    "ParallelConfig",
-    "Precision",
-    "ProfileConfig",
-    "Schedule",
-    "SchedulerConfig",
-    "TrainConfig",
-    "WeightDecayStyle",
     "apply_override",
     "config_from_dict",
     "load_config",
     "parse_override",
-    "validate_config",
 ]
 
 

@@ -3,7 +3,7 @@
 ``mimotron plan`` and ``mimotron train`` refuse the same configs, before any process
 starts, because both go through here (:func:`mimotron.config.load_config` calls it) and
 then through :func:`mimotron.parallel.layout.plan_layout` (the layout's rules and
-:mod:`mimotron.setup_rules`, what a rank's set-up applies). The layers::
+:mod:`mimotron.config.setup_rules`, what a rank's set-up applies). The layers::
 
     config_schema   the dataclasses (pure: no checks, no models)
     models          import config_schema only
@@ -13,7 +13,7 @@ then through :func:`mimotron.parallel.layout.plan_layout` (the layout's rules an
 
 so neither the config nor the models import each other inside a function to dodge a
 cycle. A Hugging Face folder's ``config.json`` is read once per load
-(:class:`~mimotron.models.hf.folder.HFConfigs`, one per :func:`load_config` call, handed
+(:class:`~mimotron.config.hf_folder.HFConfigs`, one per :func:`load_config` call, handed
 down to every check that reads it) and kept on the resolved module, so what runs after
 the load (the layout's rules, ``mimotron plan``'s estimates) does not read it again.
 
@@ -27,10 +27,14 @@ import importlib.util
 from pathlib import Path
 from typing import Any
 
-from mimotron.config_limits import check_limits
-from mimotron.config_numbers import check_numbers
-from mimotron.config_paths import check_paths
-from mimotron.config_schema import (
+from mimotron.config.hf_folder import HFConfigs
+from mimotron.config.hf_resolve import resolve_hf_module
+from mimotron.config.limits import check_limits
+from mimotron.config.moe_options import check_layer_freq, check_moe_options
+from mimotron.config.numbers import check_numbers
+from mimotron.config.paths import check_paths
+from mimotron.config.sample_keys import check_ignore_keys
+from mimotron.config.schema import (
     DATASETS,
     DECAY_STYLES,
     ENCODER_KINDS,
@@ -49,11 +53,7 @@ from mimotron.config_schema import (
     ParallelConfig,
     SchedulerConfig,
 )
-from mimotron.data.sample_keys import check_ignore_keys
-from mimotron.data.webdataset import is_shard_path, shard_paths
-from mimotron.models.hf.folder import HFConfigs
-from mimotron.models.hf.resolve import resolve_hf_module
-from mimotron.models.moe_options import check_layer_freq, check_moe_options
+from mimotron.config.shard_paths import is_shard_path, shard_paths
 from mimotron.names import LANGUAGE
 
 __all__ = ["HF_ONLY_KEYS", "TOY_AUDIO_RATE", "HFConfigs", "validate_config"]
@@ -116,7 +116,7 @@ def resolve_module(name: str, mod: ModuleConfig, table: dict[str, Any], hf: HFCo
         hf: the config.json reader of this load.
 
     Raises:
-        ValueError: see :func:`~mimotron.models.hf.resolve.resolve_hf_module`.
+        ValueError: see :func:`~mimotron.config.hf_resolve.resolve_hf_module`.
     """
     if mod.hf_path and mod.kind in MODULE_KINDS:
         resolve_hf_module(name, mod, explicit=set(table), configs=hf)

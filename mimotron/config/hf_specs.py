@@ -1,6 +1,6 @@
 """config.json -> constructor arguments of the Hugging Face families, without the models.
 
-Config validation (:mod:`mimotron.models.hf.resolve`, run by :mod:`mimotron.validation`
+Config validation (:mod:`mimotron.config.hf_resolve`, run by :mod:`mimotron.config.validation`
 in the launcher of ``mimotron train`` before any rank starts) reads a folder's family and
 sizes from its ``config.json``; the models are built later, on the ranks. So the readers
 live here, importing no ``torch.nn``, no DTensor and no model module, and the model files
@@ -23,10 +23,10 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from mimotron.config_schema import ModuleConfig
-from mimotron.models.hf.folder import read_keys, reject_set, select_config
-from mimotron.models.moe_options import MoEOptions
-from mimotron.models.rope_scaling import validate_rope_scaling
+from mimotron.config.hf_folder import read_keys, reject_set, select_config
+from mimotron.config.moe_options import MoEOptions
+from mimotron.config.rope_scaling import validate_rope_scaling
+from mimotron.config.schema import ModuleConfig
 
 __all__ = ["ACTIVATION_NAMES", "SUPPORTED_MODEL_TYPES", "LlamaFamilySpec", "check_activation",
            "clip_tower_args", "siglip_tower_args", "used_layers", "whisper_tower_args"]

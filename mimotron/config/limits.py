@@ -24,11 +24,10 @@ import os
 import sys
 from typing import Any
 
-from mimotron.config_schema import MimoConfig, ModuleConfig
-from mimotron.models.blocks import default_ffn_hidden_size
-from mimotron.models.hf.folder import HFConfigs
-from mimotron.models.hf.resolve import language_spec
-from mimotron.models.hf.specs import LlamaFamilySpec, mlp_matrices
+from mimotron.config.hf_folder import HFConfigs
+from mimotron.config.hf_resolve import language_spec
+from mimotron.config.hf_specs import LlamaFamilySpec, mlp_matrices
+from mimotron.config.schema import MimoConfig, ModuleConfig, default_ffn_hidden_size
 
 MAX_PARAMS = 10**13
 """Parameters of the whole model beyond which a plan is refused (no machine trains it)."""
@@ -126,7 +125,7 @@ def module_parameters(mod: ModuleConfig, hf: HFConfigs | None = None) -> tuple[i
 def rank_state_bytes(cfg: MimoConfig, name: str, dense: int, experts: int) -> int:
     """Weights + gradients + optimizer state one rank of module ``name`` holds.
 
-    The same accounting as :func:`mimotron.parallel.memory.estimate_memory` (fp32 master
+    The same accounting as :func:`mimotron.estimate.memory.estimate_memory` (fp32 master
     weights, a compute copy under 16-bit precision, fp32 gradients, two Adam moments),
     with the layers split evenly over the pipeline.
     """

@@ -1,6 +1,6 @@
 """Types and ranges of the ``config.json`` values the Hugging Face families read.
 
-The family readers (:mod:`~mimotron.models.hf.specs`) convert with ``int()`` /
+The family readers (:mod:`~mimotron.config.hf_specs`) convert with ``int()`` /
 ``float()``, which would take ``"128"``, truncate ``128.5`` and keep ``NaN``; a zero head
 count divides by zero later, and a size of ten million layers only shows as a hang. So
 before a family reads a folder, :func:`check_hf_config` checks every value it will read:
@@ -9,7 +9,7 @@ are finite positive numbers, head counts divide the width and key/value heads di
 query heads. The first bad value is one line naming the file, the key, the value and what
 is valid.
 Sizes are bounded only loosely here (:data:`MAX_SIZE`); the model's parameter count is
-bounded against the machine by :mod:`mimotron.config_limits`.
+bounded against the machine by :mod:`mimotron.config.limits`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from mimotron.models.hf.specs import SUPPORTED_MODEL_TYPES
+from mimotron.config.hf_specs import SUPPORTED_MODEL_TYPES
 
 MAX_SIZE = 2**40
 """No size in any real checkpoint comes near this; beyond it the arithmetic is the risk."""
