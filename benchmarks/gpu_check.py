@@ -178,12 +178,12 @@ def plan_numbers(config: Path, overrides: list[str]) -> dict[str, Any]:
     from mimotron.config.vocab_size import padded_vocab_size
     from mimotron.data.run_data import check_data
     from mimotron.estimate.memory import estimate_memory, stage_parameter_counts
-    from mimotron.parallel.layout import plan_layout
+    from mimotron.parallel.layout import check_layout
 
     cfg = load_config(config, [*QUIET, *overrides])
     vocab = padded_vocab_size(check_data(cfg).vocab_size)
     params = {name: sum(stage_parameter_counts(cfg, name, vocab)) for name in cfg.modules}
-    estimate = estimate_memory(cfg, plan_layout(cfg), vocab)[0]
+    estimate = estimate_memory(cfg, check_layout(cfg), vocab)[0]
     return {"params": params, "total_params": sum(params.values()),
             "estimate_bytes": sum(e.total for e in estimate),
             "estimate_bytes_per_module": {e.module: e.total for e in estimate},

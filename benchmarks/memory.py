@@ -74,10 +74,10 @@ def _estimate(cfg: Any, world: int, rank: int) -> dict[str, Any]:
     from mimotron.config.vocab_size import padded_vocab_size
     from mimotron.data.tokenizer import CharTokenizer
     from mimotron.estimate.memory import estimate_memory
-    from mimotron.parallel.layout import plan_layout
+    from mimotron.parallel.layout import check_layout
 
     vocab = padded_vocab_size(CharTokenizer().vocab_size)
-    est = estimate_memory(cfg, plan_layout(cfg, world), vocab)[rank]
+    est = estimate_memory(cfg, check_layout(cfg, world), vocab)[rank]
     keys = ("weights", "grads", "optimizer", "activations", "workspace", "reduce_bucket",
             "param_gather")
     return {"total": sum(e.total for e in est),
@@ -228,9 +228,9 @@ def _tensor_rank(rank: int, world: int, overrides: list[str], num_steps: int) ->
 
 def _measure(overrides: list[str], reps: int, num_steps: int) -> dict[str, Any]:
     """Tensor-level phases (one run) and RSS (``reps`` fresh runs) of every rank."""
-    from mimotron.parallel.layout import plan_layout
+    from mimotron.parallel.layout import check_layout
 
-    world = plan_layout(make_config(digits_raw(), overrides)).world_size
+    world = check_layout(make_config(digits_raw(), overrides)).world_size
     tensors = run_ranks(world, _tensor_rank, overrides, num_steps, timeout_s=300)
     runs = interleave(
         reps, {"run": lambda: run_ranks(world, _rss_rank, overrides, num_steps, timeout_s=300)}

@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 from mimotron.config import MimoConfig, load_config  # noqa: E402
 from mimotron.dryrun.memory_peak import measure_peak  # noqa: E402
 from mimotron.estimate.memory import estimate_memory  # noqa: E402
-from mimotron.parallel.layout import plan_layout  # noqa: E402
+from mimotron.parallel.layout import check_layout  # noqa: E402
 
 LLAVA_7B = "configs/llava15_7b_8gpu.toml"
 LLAMA_70B = "configs/llama2_70b_vit_64gpu.toml"
@@ -114,7 +114,7 @@ def estimate_totals(cfg: MimoConfig, ranks: list[int]) -> dict[int, int]:
     from mimotron.data.run_data import build_tokenizer
 
     vocab = padded_vocab_size(build_tokenizer(cfg).vocab_size)
-    per_rank = estimate_memory(cfg, plan_layout(cfg), vocab, ranks)
+    per_rank = estimate_memory(cfg, check_layout(cfg), vocab, ranks)
     return {r: sum(e.total for e in items) for r, items in per_rank.items()}
 
 

@@ -48,7 +48,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from mimotron.config import MimoConfig, load_config  # noqa: E402
-from mimotron.parallel.layout import plan_layout  # noqa: E402
+from mimotron.parallel.layout import check_layout  # noqa: E402
 from mimotron.planner.calibration import calibrate_cached  # noqa: E402
 from mimotron.planner.cost import Calibration, step_cost  # noqa: E402
 from mimotron.planner.devices import device_table  # noqa: E402
@@ -168,7 +168,7 @@ def train_once(row: Row, args: argparse.Namespace, out: Path, rep: int) -> list[
 def predict(row: Row, calibration: Calibration) -> None:
     """The planner's step for ``row``'s layout, with and without the calibration."""
     cfg = load_config(CONFIG, row.overrides)
-    layout = plan_layout(cfg)
+    layout = check_layout(cfg)
     cpu = device_table()["cpu"]
     with_cal = step_cost(cfg, layout, cpu, calibration)
     row.predicted, row.bottleneck = with_cal.total, with_cal.bottleneck

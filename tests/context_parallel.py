@@ -21,7 +21,7 @@ from mimotron.models.attention import Documents, plan_attention
 from mimotron.models.blocks import Attention, apply_rope, rope_cache
 from mimotron.models.mimo import MimoModel
 from mimotron.parallel.context_parallel import load_balanced_positions
-from mimotron.parallel.layout import plan_layout
+from mimotron.parallel.layout import check_layout
 from mimotron.training.megatron_compat import train_step_mimo
 from mimotron.training.step import default_forward_step
 from tests import common as common_module
@@ -93,7 +93,7 @@ def _check_bridge_rows(results: list[dict], overrides: list[str]) -> None:
     and the rows sent add up to the rows encoded (the language side's merge checks that
     each CP rank got exactly the rows of its own placeholders).
     """
-    layout = plan_layout(load_config(DIGITS, BASE + overrides))
+    layout = check_layout(load_config(DIGITS, BASE + overrides))
     language = layout.modules["language"]
     first_stage = {language.rank_at(tp=0, cp=r, dp=d, pp=0)
                    for r in range(language.parallel.context)

@@ -30,7 +30,7 @@ import torch
 
 from mimotron.config import load_config
 from mimotron.forked_ranks import run_ranks
-from mimotron.parallel.layout import plan_layout
+from mimotron.parallel.layout import check_layout
 from mimotron.runtime import init_runtime
 from mimotron.training.loop import run_training
 from tests.common import BASE, DIGITS, engine_run, module_of
@@ -49,7 +49,7 @@ RECORD_FIELDS = ("iteration", "loss", "grad_norm", "num_zeros", "lr", "consumed_
 
 def world_size(overrides: list[str]) -> int:
     """Ranks of the layout ``BASE + overrides`` describes."""
-    return plan_layout(load_config(DIGITS, BASE + overrides)).world_size
+    return check_layout(load_config(DIGITS, BASE + overrides)).world_size
 
 
 def checked_modules(overrides: list[str]) -> set[str]:

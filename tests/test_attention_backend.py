@@ -35,7 +35,7 @@ from mimotron.models.attention import Documents, attend, attention_kernel, kerne
 from mimotron.models.attention.varlen_emulation import varlen_attn_emulated
 from mimotron.models.build import build_module
 from mimotron.parallel.context_parallel import gathered_positions, load_balanced_positions
-from mimotron.parallel.layout import plan_layout
+from mimotron.parallel.layout import check_layout
 
 ROOT = Path(__file__).resolve().parents[1]
 DIGITS = ROOT / "configs" / "digits.toml"
@@ -231,7 +231,7 @@ def test_packed_cp_training_on_the_varlen_branch_matches_the_plain_loop(
     from tests.reference import PACKING
 
     overrides = ["data.packing=true", "train.iters=12", *noncolocated({}, {}, {"context": 2})]
-    world = plan_layout(load_config(DIGITS, BASE + overrides)).world_size
+    world = check_layout(load_config(DIGITS, BASE + overrides)).world_size
     results = run_ranks(world, cp_engine_run, overrides, NUM_ITERS, timeout_s=300)
     check_cp_run(results, packed_reference(PACKING, NUM_ITERS), overrides)
     assert _calls(emulated_varlen) > 0

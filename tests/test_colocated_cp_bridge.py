@@ -31,7 +31,7 @@ from mimotron.config import load_config
 from mimotron.config.schema import ParallelConfig
 from mimotron.forked_ranks import run_ranks
 from mimotron.parallel.context_parallel import placeholder_selection
-from mimotron.parallel.layout import Layout, ModulePlacement, plan_layout
+from mimotron.parallel.layout import Layout, ModulePlacement, check_layout
 from mimotron.pipeline import colocated as colocated_module
 from mimotron.pipeline.colocated import ColocatedTransport
 from mimotron.pipeline.colocated_cp import cp_bridge_geometry, plan_route
@@ -179,7 +179,7 @@ def _recording_engine_run(rank: int, world: int, overrides: list[str], num_iters
 def test_colocated_context_parallel_matches_plain_loop(name: str) -> None:
     overrides = PARITY + PARITY_LAYOUTS[name]
     cfg = load_config(DIGITS, BASE + overrides)
-    layout = plan_layout(cfg)  # the validator accepts CP in a colocated placement
+    layout = check_layout(cfg)  # the validator accepts CP in a colocated placement
     assert layout.colocated and layout.world_size == WORLD
     # CP and the layout change neither model nor data: the plain loop of PARITY alone.
     results = run_against_plain_loop(PARITY_LAYOUTS[name], [], _recording_engine_run,

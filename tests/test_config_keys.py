@@ -48,7 +48,7 @@ from mimotron.config import (
     load_config,
 )
 from mimotron.estimate.memory import estimate_memory
-from mimotron.parallel.layout import plan_layout
+from mimotron.parallel.layout import check_layout
 from mimotron.parallel.virtual_pipeline import stage_layers
 from mimotron.runtime import init_runtime
 from mimotron.training.loop import run_training, setup_mimo
@@ -355,7 +355,7 @@ def _built(cfg: MimoConfig) -> Any:
 def _step(cfg: MimoConfig) -> Any:
     run = setup_mimo(cfg, init_runtime())
     # Which plan the step ran: 1F1B (pipelined) or micro-batch after micro-batch.
-    with mock.patch.object(step_module, "rank_plan", wraps=step_module.rank_plan) as plans:
+    with mock.patch.object(step_module, "rank_actions", wraps=step_module.rank_actions) as plans:
         loss, skipped, norm, _ = train_step_mimo(
             default_forward_step, run.train_data_iterator, run.model, run.optimizer,
             run.schedulers, run.global_state, run.communicator, infra=run.infra)
@@ -363,7 +363,7 @@ def _step(cfg: MimoConfig) -> Any:
 
 
 def _plan(cfg: MimoConfig) -> Any:
-    layout = plan_layout(cfg)
+    layout = check_layout(cfg)
     stages = {n: stage_layers(m.num_layers, m.parallel.pipeline, m.parallel.layers_per_stage)
               for n, m in cfg.modules.items()}
     return repr(layout), stages
@@ -410,7 +410,7 @@ def _rerun(cfg: MimoConfig) -> Any:
 
 
 def _memory(cfg: MimoConfig) -> Any:
-    return estimate_memory(cfg, plan_layout(cfg), 64)
+    return estimate_memory(cfg, check_layout(cfg), 64)
 
 
 OBSERVERS = {"built": _built, "step": _step, "plan": _plan, "memory": _memory, "run": _run,

@@ -26,7 +26,7 @@ from mimotron.forked_ranks import run_ranks
 from mimotron.models.language import LanguageModel, language_loss
 from mimotron.models.mimo import MimoModel
 from mimotron.parallel.context_parallel import load_balanced_positions
-from mimotron.parallel.layout import plan_layout
+from mimotron.parallel.layout import check_layout
 from mimotron.training.language_step import context_parallel_counts, language_loss_step
 from mimotron.training.step import default_forward_step
 from tests.common import BASE, DIGITS, coloc, noncolocated
@@ -60,7 +60,7 @@ CASES = {
 @pytest.mark.parametrize("name", list(CASES))
 def test_context_parallel_matches_plain_loop(name):
     overrides = PARITY + CASES[name]
-    world = plan_layout(load_config(DIGITS, BASE + overrides)).world_size
+    world = check_layout(load_config(DIGITS, BASE + overrides)).world_size
     results = engine_results(overrides, NUM_ITERS, cp_engine_run, world)
     # CP does not change the model or data: the plain loop of PARITY alone.
     check_cp_run(results, reference([], NUM_ITERS, PARITY), overrides)
@@ -78,7 +78,7 @@ def test_packed_context_parallel_matches_plain_loop(name):
     language = PACKED_CP[name]
     sp = ["modules.language.parallel.sequence_parallel=true"] if "sp" in name else []
     overrides = ["data.packing=true", "train.iters=12", *noncolocated({}, {}, language), *sp]
-    world = plan_layout(load_config(DIGITS, BASE + overrides)).world_size
+    world = check_layout(load_config(DIGITS, BASE + overrides)).world_size
     results = engine_results(overrides, NUM_ITERS, cp_engine_run, world)
     check_cp_run(results, packed_reference(PACKING, NUM_ITERS), overrides)
 
@@ -113,7 +113,7 @@ INVALID = [
 @pytest.mark.parametrize(("overrides", "needle"), INVALID)
 def test_context_parallel_rejections_name_the_field(overrides, needle):
     with pytest.raises(ValueError, match=needle):
-        plan_layout(load_config(DIGITS, BASE + overrides))
+        check_layout(load_config(DIGITS, BASE + overrides))
 
 
 def test_plan_prints_context_parallel_ranks(capsys):
@@ -154,7 +154,7 @@ def test_optimizer_estimate_shards_over_dp_times_cp():
     def language_optimizer(language: dict) -> int:
         cfg = load_config(DIGITS, BASE + noncolocated({}, {}, language) + [
             "modules.language.parallel.shard_optimizer=true"])
-        estimates = estimate_memory(cfg, plan_layout(cfg), 64)
+        estimates = estimate_memory(cfg, check_layout(cfg), 64)
         return max(e.optimizer for per_rank in estimates.values() for e in per_rank
                    if e.module == "language")
 
@@ -169,7 +169,7 @@ def test_checkpoint_layout_description_names_the_cp_degree():
     from mimotron.checkpoint.state import describe_layout
 
     def described(language: dict) -> str:
-        layout = plan_layout(load_config(DIGITS, BASE + noncolocated({}, {}, language)))
+        layout = check_layout(load_config(DIGITS, BASE + noncolocated({}, {}, language)))
         return describe_layout({"world_size": layout.world_size, "device": "cpu", "ranks": [
             [asdict(role) for role in roles] for roles in layout.rank_map()]})
 
@@ -286,7 +286,7 @@ def test_cp_bridge_names_a_placeholder_count_that_does_not_match_the_rows():
     from mimotron.pipeline.communicator import MultiModulePipelineCommunicator
     from mimotron.pipeline.edges import build_edges
 
-    layout = plan_layout(load_config(DIGITS, BASE + noncolocated({}, {}, {"context": 2})))
+    layout = check_layout(load_config(DIGITS, BASE + noncolocated({}, {}, {"context": 2})))
     edges = build_edges(layout, {"vision": "image", "audio": "audio"})
     comm = MultiModulePipelineCommunicator(layout, 0, 8, edges, {}, torch.device("cpu"))
     rows, pid = 3, 7

@@ -29,7 +29,7 @@ import torch
 from mimotron.config import load_config
 from mimotron.estimate.memory import activation_bytes
 from mimotron.parallel.grad_sync import GradSync
-from mimotron.parallel.layout import plan_layout
+from mimotron.parallel.layout import check_layout
 from mimotron.pipeline.encoder_batching import BatchedEncoders, concat_encoder_inputs
 from mimotron.runtime import init_runtime
 from mimotron.training.evaluate import evaluate
@@ -154,11 +154,11 @@ def test_noncolocated_layout_refuses_encoder_batching() -> None:
     cfg = load_config(DIGITS, BASE + noncolocated({}, {}, {"data": 2}) + ON)
     with pytest.raises(ValueError, match="train.encoder_batching=true is invalid: it needs "
                                          "a colocated layout"):
-        plan_layout(cfg)
+        check_layout(cfg)
     with pytest.raises(ValueError, match="train.encoder_batching=true is invalid with "
                                          "train.precision='fp16'"):
-        plan_layout(load_config(DIGITS, BASE + colocated(2) + ON + ["train.precision='fp16'"]))
-    plan_layout(load_config(DIGITS, BASE + colocated(2) + ON))  # accepted
+        check_layout(load_config(DIGITS, BASE + colocated(2) + ON + ["train.precision='fp16'"]))
+    check_layout(load_config(DIGITS, BASE + colocated(2) + ON))  # accepted
 
 
 def test_plan_counts_every_microbatch_of_encoder_activations() -> None:

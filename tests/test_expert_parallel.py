@@ -29,7 +29,7 @@ from mimotron.config import load_config
 from mimotron.forked_ranks import run_ranks
 from mimotron.models.moe import GroupedExperts
 from mimotron.parallel.expert_parallel import ExchangeBytes, exchange, shard_experts
-from mimotron.parallel.layout import plan_layout
+from mimotron.parallel.layout import check_layout
 from tests.common import BASE, DIGITS, colocated, par
 
 E, H, F_, K, T = 4, 8, 6, 2, 5
@@ -184,7 +184,7 @@ MOE_CFG = ["modules.language.num_experts=4", "modules.language.top_k=2"]
 
 
 def _plan(overrides: list[str]) -> None:
-    plan_layout(load_config(DIGITS, BASE + overrides))
+    check_layout(load_config(DIGITS, BASE + overrides))
 
 
 @pytest.mark.parametrize("overrides, field", [

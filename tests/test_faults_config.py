@@ -273,7 +273,7 @@ def test_item8_debug_flag_and_one_line_unexpected_errors(monkeypatch, capsys):
     def broken(*args: Any, **kwargs: Any) -> Any:  # the injected fault
         raise RuntimeError("injected")
 
-    monkeypatch.setattr(plan_module, "plan_layout", broken)
+    monkeypatch.setattr(plan_module, "check_layout", broken)
     monkeypatch.setenv("MIMOTRON_DEBUG", "0")  # restored after the test; "0" = off
     assert main(["plan", DIGITS]) == 1
     line = _one_line(capsys.readouterr().err)

@@ -33,7 +33,7 @@ from mimotron.estimate.memory import activation_bytes, estimate_memory
 from mimotron.forked_ranks import run_ranks
 from mimotron.models.build import build_module
 from mimotron.models.freeze import freeze_part
-from mimotron.parallel.layout import plan_layout
+from mimotron.parallel.layout import check_layout
 from tests.common import BASE, DIGITS, coloc, noncolocated
 from tests.parity import (
     LOSS_REL,
@@ -117,7 +117,7 @@ def test_stage1_colocated_with_fsdp_and_zero_matches_the_plain_loop_and_resumes_
 
 def test_the_plan_and_the_flops_count_only_what_trains():
     cfg = load_config(DIGITS, BASE + noncolocated({}, {}, {"data": 2}) + STAGE1)
-    est = {e.module: e for es in estimate_memory(cfg, plan_layout(cfg), 64).values()
+    est = {e.module: e for es in estimate_memory(cfg, check_layout(cfg), 64).values()
            for e in es}
     trainable = load_config(DIGITS, BASE + noncolocated({}, {}, {"data": 2}))
     flops, unfrozen = (model_flops_per_iteration(c, 64, {"vision": 16, "audio": 16})

@@ -31,7 +31,7 @@ from mimotron.checkpoint import read_full_model
 from mimotron.config import load_config
 from mimotron.estimate.memory import estimate_memory
 from mimotron.forked_ranks import run_ranks
-from mimotron.parallel.layout import plan_layout
+from mimotron.parallel.layout import check_layout
 from tests.common import BASE, DIGITS, coloc, colocated, engine_run, noncolocated, train_step
 from tests.test_parity import SMALL_MB, reference, run_against_plain_loop
 from tests.test_zero_tensor_parallel import PLAIN, _ckpt, _launch, _records
@@ -126,7 +126,7 @@ def test_fsdp_rank_holds_what_the_estimate_says():
     held = run_ranks(2, _held_after_a_step, overrides, timeout_s=120)
     cfg = load_config(DIGITS, BASE + overrides)
     vocab = held[0]["vocab"]
-    est = next(e for e in estimate_memory(cfg, plan_layout(cfg), vocab, [0])[0]
+    est = next(e for e in estimate_memory(cfg, check_layout(cfg), vocab, [0])[0]
                if e.module == "language")
     for key in ("weights", "grads", "optimizer"):
         measured = sum(h[key] for h in held) / 2
@@ -151,7 +151,7 @@ def test_a_rank_holds_its_share_of_an_fsdp_module():
 def test_fsdp_refusals_name_the_field(extra, needle):
     cfg = load_config(DIGITS, BASE + colocated(2) + fsdp("language") + extra)
     with pytest.raises(ValueError, match=needle):
-        plan_layout(cfg)
+        check_layout(cfg)
 
 
 def test_reference_weights_are_full_tensors():

@@ -28,7 +28,7 @@ import torch
 import mimotron.models.blocks as blocks_module
 import mimotron.models.language as language_module
 from mimotron.config import load_config
-from mimotron.parallel.layout import plan_layout
+from mimotron.parallel.layout import check_layout
 from tests.common import BASE, DIGITS, engine_run, noncolocated
 from tests.parity import (
     assert_matches_reference,
@@ -140,7 +140,7 @@ def test_moe_checkpoint_stays_refused(tmp_path: Path, extra: list[str]) -> None:
     field = extra[-1].split("=")[0]
     with pytest.raises(ValueError, match=rf"{field}=\S+ is invalid with modules\.language\."
                                          r"hf_path \(a qwen3_moe checkpoint with 4 experts\)"):
-        plan_layout(cfg)
+        check_layout(cfg)
 
 
 PACKED = {

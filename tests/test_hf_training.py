@@ -26,7 +26,7 @@ from mimotron.cli.main import main
 from mimotron.config import load_config
 from mimotron.data.hf_tokenizer import resize_embedding_rows
 from mimotron.forked_ranks import run_ranks
-from mimotron.parallel.layout import plan_layout
+from mimotron.parallel.layout import check_layout
 from tests.common import BASE, DIGITS, engine_run, noncolocated
 from tests.reference import reference_run
 
@@ -108,7 +108,7 @@ LAYOUTS = {
 def test_hf_modules_train_like_one_process(hf_dirs: dict[str, Path], layout: str) -> None:
     shared = _hf_overrides(hf_dirs)
     overrides = shared + LAYOUTS[layout]
-    world = plan_layout(load_config(DIGITS, BASE + overrides)).world_size
+    world = check_layout(load_config(DIGITS, BASE + overrides)).world_size
     assert world == 5
     _check_against_reference(hf_dirs, shared, overrides, world)
 
@@ -123,7 +123,7 @@ def test_hf_modules_interleaved_train_like_one_process(tmp_path: Path) -> None:
                                      "modules.language.num_layers=4"]
     pp2vp2 = {"pipeline": 2, "virtual_pipeline": 2}
     overrides = shared + noncolocated(pp2vp2, pp2vp2, pp2vp2)
-    world = plan_layout(load_config(DIGITS, BASE + overrides)).world_size
+    world = check_layout(load_config(DIGITS, BASE + overrides)).world_size
     assert world == 6
     _check_against_reference(paths, shared, overrides, world)
 
@@ -243,7 +243,7 @@ def test_tensor_not_dividing_kv_heads_is_an_error(tmp_path: Path,
     over = _hf_overrides(paths) + noncolocated({}, {}, {"tensor": 2})
     cfg = load_config(DIGITS, BASE + over)  # the config alone is valid
     with pytest.raises(ValueError, match=r"tensor=2 is invalid.*num_kv_heads.*=1"):
-        plan_layout(cfg)
+        check_layout(cfg)
     code, _, err = _plan(over, capsys)
     assert code == 2 and "num_kv_heads" in err
 
@@ -252,7 +252,7 @@ def test_pipeline_with_tied_embeddings_is_an_error(tmp_path: Path) -> None:
     paths = _save_models(tmp_path, tied=True)
     over = _hf_overrides(paths) + noncolocated({}, {}, {"pipeline": 2})
     with pytest.raises(ValueError, match=r"pipeline=2 is invalid.*tie_word_embeddings"):
-        plan_layout(load_config(DIGITS, BASE + over))
+        check_layout(load_config(DIGITS, BASE + over))
 
 
 def test_hf_only_keys_without_hf_path_are_errors() -> None:

@@ -127,10 +127,10 @@ from mimotron.checkpoint import CheckpointError, read_latest  # noqa: F401
 from mimotron.checkpoint.signals import read_stop_record  # noqa: F401
 from mimotron.config import load_config
 from mimotron.data.run_data import check_data
-from mimotron.parallel.layout import plan_layout
+from mimotron.parallel.layout import check_layout
 from mimotron.run_dir import prepare_run_dir
 cfg = load_config(sys.argv[1], sys.argv[2:])
-plan_layout(cfg)
+check_layout(cfg)
 check_data(cfg)
 prepare_run_dir(cfg)
 import torch.distributed  # the launcher's TCPStore

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from mimotron.config import load_config
-from mimotron.parallel.layout import plan_layout
+from mimotron.parallel.layout import check_layout
 from mimotron.parallel.virtual_pipeline import stage_layers
 
 DIGITS = Path(__file__).resolve().parents[1] / "configs" / "digits.toml"
@@ -23,7 +23,7 @@ COLOCATED_1 = [f"modules.{m}.parallel.{k}={v}" for m in ("vision", "audio", "lan
 
 
 def _layout(overrides: list[str], env_world_size: int | None = None):
-    return plan_layout(load_config(DIGITS, ["train.micro_batch_size=8",
+    return check_layout(load_config(DIGITS, ["train.micro_batch_size=8",
                                             "train.global_batch_size=32", *COLOCATED_1,
                                             *overrides]),
                        env_world_size=env_world_size)
@@ -169,7 +169,7 @@ def test_large_layout_rank_map_is_consistent():
         "modules.language.num_layers=8",
         *_par("language", tensor=4, pipeline=2, data=16, rank_offset=128),
         "train.micro_batch_size=64", "train.global_batch_size=256"])
-    layout = plan_layout(cfg)
+    layout = check_layout(cfg)
     assert layout.world_size == 256 and not layout.colocated
     seen = {}
     for roles in layout.rank_map():

@@ -34,7 +34,7 @@ from mimotron.checkpoint.hf_export import VOCAB_SIZE_UNPADDED
 from mimotron.cli.main import main as cli_main
 from mimotron.config import load_config
 from mimotron.data.bpe import train_bpe_tokenizer
-from mimotron.data.llava_export import conversation_texts, write_llava_task
+from mimotron.data.digits_llava import conversation_texts, write_llava_task
 from mimotron.data.run_data import build_tokenizer, check_data
 from mimotron.models.build import build_module
 from mimotron.models.hf.clip import CLIP_WEIGHTS

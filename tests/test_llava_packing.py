@@ -26,12 +26,12 @@ from mimotron.config import load_config
 from mimotron.config.vocab_size import padded_vocab_size
 from mimotron.data import collate
 from mimotron.data.bpe import train_bpe_tokenizer
-from mimotron.data.llava_export import conversation_texts, write_llava_task
+from mimotron.data.digits_llava import conversation_texts, write_llava_task
 from mimotron.data.packing import pack_rows
 from mimotron.data.run_data import build_llava_tasks, build_tokenizer, restrict_to_rank
 from mimotron.forked_ranks import run_ranks
 from mimotron.models.build import build_mimo_model
-from mimotron.parallel.layout import plan_layout
+from mimotron.parallel.layout import check_layout
 from mimotron.training.data_provider import (
     PackedMicrobatchProvider,
     PackedTrainIterator,
@@ -98,10 +98,10 @@ def test_each_rank_of_a_split_layout_builds_its_part_of_the_same_rows(llava):
     language ranks no media and the encoder ranks no tokens."""
     overrides = llava + noncolocated({"data": 2}, {}, {"data": 2})
     cfg, _, task = _setup(overrides)
-    layout = plan_layout(cfg)
+    layout = check_layout(cfg)
     # Every part loaded, all modules on one rank: the whole rows of every micro-batch.
     full_cfg = load_config(DIGITS, BASE + llava + colocated(1))
-    (full,), _, full_iter = _rank_steps(full_cfg, task, plan_layout(full_cfg), 0, 1)
+    (full,), _, full_iter = _rank_steps(full_cfg, task, check_layout(full_cfg), 0, 1)
     assert full_iter.position > GBS, "no row packs several conversations"
     keys = {"vision": ("image", "has_image"), "audio": ("audio", "has_audio"),
             "language": ("tokens", "labels", "loss_mask", "doc_ids", "position_ids",
@@ -143,7 +143,7 @@ def test_each_document_gets_its_own_images(llava):
     document's placeholders that document's own projected image and tone."""
     overrides = llava + noncolocated({}, {}, {})
     cfg, tokenizer, task = _setup(overrides)
-    layout = plan_layout(cfg)
+    layout = check_layout(cfg)
     mb = [_rank_steps(cfg, task, layout, rank, 1)[0][0][0] for rank in range(3)]
     vision, audio, lm_batch = mb[0]["vision"], mb[1]["audio"], mb[2]["language"]
     placeholders = {n: tokenizer.placeholder_id(cfg.modules[n].modality)
@@ -185,7 +185,7 @@ def test_resume_mid_stream_keeps_the_rows(llava):
     the language rank without media) builds the rows of the straight run's next steps."""
     overrides = llava + noncolocated({}, {}, {})
     cfg, _, task = _setup(overrides)
-    layout = plan_layout(cfg)
+    layout = check_layout(cfg)
     for rank in range(3):
         straight, _, it = _rank_steps(cfg, task, layout, rank, 3)
         _, _, after_one = _rank_steps(cfg, task, layout, rank, 1)

@@ -16,7 +16,7 @@ import sys
 import pytest
 
 from mimotron.data.bpe import train_bpe_tokenizer
-from mimotron.data.llava_export import conversation_texts, write_llava_task
+from mimotron.data.digits_llava import conversation_texts, write_llava_task
 from mimotron.forked_ranks import run_groups
 from tests.common import BASE, DIGITS, ONE_RANK, coloc, colocated, train_steps
 
@@ -150,11 +150,11 @@ def test_encoder_ranks_of_a_context_parallel_bridge_load_the_tokens(llava):
     position, so with ``restrict_to_rank`` they load the tokens (not the other media)."""
     from mimotron.config import load_config
     from mimotron.data.run_data import build_llava_tasks, build_tokenizer, restrict_to_rank
-    from mimotron.parallel.layout import plan_layout
+    from mimotron.parallel.layout import check_layout
     from tests.common import noncolocated
 
     cfg = load_config(DIGITS, [*BASE, *llava["overrides"], *noncolocated({}, {}, {"context": 2})])
-    layout = plan_layout(cfg)
+    layout = check_layout(cfg)
     task, _ = build_llava_tasks(cfg, build_tokenizer(cfg))
     for rank, want in enumerate([{"text", "image"}, {"text", "audio"}, {"text"}, {"text"}]):
         restrict_to_rank(task, cfg, layout, rank)

@@ -25,7 +25,7 @@ from mimotron.estimate.memory import (
 )
 from mimotron.models.build import build_module
 from mimotron.models.language import language_loss
-from mimotron.parallel.layout import plan_layout
+from mimotron.parallel.layout import check_layout
 
 REPO = Path(__file__).resolve().parents[1]
 DIGITS = REPO / "configs" / "digits.toml"
@@ -108,22 +108,22 @@ def test_encoder_activations_match_saved_tensors(name, precision):
 
 def test_microbatches_in_flight_follow_the_1f1b_warmup():
     cfg = load_config(DIGITS, [])
-    layout = plan_layout(cfg)
+    layout = check_layout(cfg)
     # Encoders on their own ranks are one pipeline position ahead of the language model.
     assert [microbatches_in_flight(cfg, layout, m) for m in ("vision", "audio", "language")] \
         == [2, 2, 1]
     piped = load_config(DIGITS, ["modules.language.parallel.pipeline=2",
                                  "modules.language.parallel.data=1"])
-    lay = plan_layout(piped)
+    lay = check_layout(piped)
     assert microbatches_in_flight(piped, lay, "vision") == 3
     assert [microbatches_in_flight(piped, lay, "language", s) for s in (0, 1)] == [2, 1]
     plain = load_config(DIGITS, ['train.schedule="no_pipelining"'])
-    assert microbatches_in_flight(plain, plan_layout(plain), "vision") == 1
+    assert microbatches_in_flight(plain, check_layout(plain), "vision") == 1
 
 
 def test_estimate_total_peaks_once_and_shows_the_bucket():
     cfg = load_config(DIGITS, [])
-    est = {e.module: e for items in estimate_memory(cfg, plan_layout(cfg), VOCAB).values()
+    est = {e.module: e for items in estimate_memory(cfg, check_layout(cfg), VOCAB).values()
            for e in items}
     lm = est["language"]
     # DP 2: the fp32 gradients of a < 32 MiB model fit one bucket, flattened whole.

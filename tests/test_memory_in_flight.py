@@ -3,7 +3,7 @@
 The estimate (``mimotron.estimate.memory``) takes each stage's peak of held forwards from
 its training plan. Checked here three ways:
 
-* against a replay written out in this file of the rank plans ``build_rank_plan``
+* against a replay written out in this file of the rank plans ``build_rank_actions``
   returns, for several ``(pipeline, virtual_pipeline, micro-batches, stage)``, plus the
   interleaved figure at pipeline 8 x virtual 2 (23 chunk forwards on stage 0, where the
   1F1B count is 8);
@@ -28,10 +28,10 @@ from mimotron.estimate.memory import (
     microbatches_in_flight,
 )
 from mimotron.names import LANGUAGE
-from mimotron.parallel.layout import plan_layout
+from mimotron.parallel.layout import check_layout
 from mimotron.pipeline import schedules
-from mimotron.pipeline.interleaved_plan import build_rank_plan
-from mimotron.pipeline.plan import BACKWARD, FORWARD
+from mimotron.pipeline.actions import BACKWARD, FORWARD
+from mimotron.pipeline.interleaved_actions import build_rank_actions
 from tests.common import BASE, DIGITS, noncolocated
 
 
@@ -39,7 +39,7 @@ def _replayed_peak(layout, module: str, stage: int, num_microbatches: int) -> in
     """Most forwards whose backward has not run, replaying the plan's computes."""
     held: set[tuple[int, int]] = set()
     peak = 0
-    for a in build_rank_plan(layout, module, stage, num_microbatches):
+    for a in build_rank_actions(layout, module, stage, num_microbatches):
         if a.kind == FORWARD:
             held.add((a.chunk, a.microbatch))
             peak = max(peak, len(held))
@@ -64,7 +64,7 @@ def _language_chain(pipeline: int, virtual: int, num_microbatches: int,
 def test_in_flight_is_the_plans_peak(pipeline, virtual, num_microbatches, vision_virtual):
     cfg = load_config(DIGITS, _language_chain(pipeline, virtual, num_microbatches,
                                               vision_virtual))
-    layout = plan_layout(cfg)
+    layout = check_layout(cfg)
     for (module, stage) in [(m, s) for m, p in layout.modules.items()
                             for s in range(p.parallel.pipeline)]:
         want = _replayed_peak(layout, module, stage, num_microbatches)
@@ -75,7 +75,7 @@ def test_in_flight_is_the_plans_peak(pipeline, virtual, num_microbatches, vision
 
 def test_pipeline_8_by_virtual_2_holds_23_chunk_forwards():
     cfg = load_config(DIGITS, _language_chain(8, 2, 16))
-    layout = plan_layout(cfg)
+    layout = check_layout(cfg)
     counts = [interleaved_chunks_in_flight(cfg, LANGUAGE, s, layout) for s in range(8)]
     # Megatron's warm-up (p - r - 1) * 2 + (v - 1) * p, plus the first steady forward.
     assert counts == [(8 - r - 1) * 2 + 8 + 1 for r in range(8)] == [23, 21, 19, 17, 15,
@@ -94,13 +94,13 @@ def test_interleaved_ends_weigh_on_their_chunk_only():
     """Stage 0's first chunk holds the embedding's ends, the last stage's last chunk the
     loss: each counted for the forwards of that chunk held at the peak."""
     cfg = load_config(DIGITS, _language_chain(2, 2, 4))
-    layout = plan_layout(cfg)
+    layout = check_layout(cfg)
     vocab, samples = 64, cfg.train.micro_batch_size
     no_ends = activation_bytes(cfg, LANGUAGE, vocab, in_flight=2, stage=0) // 2  # per chunk
     _, last = ends_bytes_per_sample(cfg, LANGUAGE, cfg.data.seq_length, vocab)
     held = [0, 0]  # replay stage 1's plan: chunk forwards held per chunk
     peak = 0
-    for a in build_rank_plan(layout, LANGUAGE, 1, 4):
+    for a in build_rank_actions(layout, LANGUAGE, 1, 4):
         if a.kind in (FORWARD, BACKWARD):
             held[a.chunk] += 1 if a.kind == FORWARD else -1
             peak = max(peak, (held[0] + held[1]) * no_ends + held[1] * last * samples)
@@ -123,7 +123,7 @@ def test_executor_holds_what_the_estimate_counts(monkeypatch):
     monkeypatch.setattr(schedules.StageRunner, "forward", recording)
     cfg = load_config(DIGITS, [*BASE, *_language_chain(2, 2, 4, vision_virtual=2),
                                "log.dir=/tmp/mimotron-test-in-flight"])
-    layout = plan_layout(cfg)
+    layout = check_layout(cfg)
     dry_run(cfg, steps=1, evaluate=False, checkpoint=False)
     expected = {r: microbatches_in_flight(cfg, layout, role.module, role.pp)
                 for r in range(layout.world_size) for role in layout.roles(r)}

@@ -19,7 +19,7 @@ import pytest
 
 from mimotron.config import load_config
 from mimotron.estimate.memory import estimate_memory
-from mimotron.parallel.layout import plan_layout
+from mimotron.parallel.layout import check_layout
 from tests.common import DIGITS, colocated, noncolocated, par
 from tests.test_config_keys import config_keys
 
@@ -191,7 +191,7 @@ def test_every_key_is_classified() -> None:
 def _module_max(overrides: list[str], module: str, part: str) -> tuple[int, int]:
     """``(largest part, largest total)`` over the module's ranks."""
     cfg = load_config(DIGITS, [*overrides, "log.dir=/tmp/mimotron-test-memory-options"])
-    items = [e for per_rank in estimate_memory(cfg, plan_layout(cfg), 64).values()
+    items = [e for per_rank in estimate_memory(cfg, check_layout(cfg), 64).values()
              for e in per_rank if e.module == module]
     return max(getattr(e, part) for e in items), max(e.total for e in items)
 

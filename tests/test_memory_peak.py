@@ -18,7 +18,7 @@ import pytest
 from mimotron.config import load_config
 from mimotron.dryrun.memory_peak import measure_peak
 from mimotron.estimate.memory import estimate_memory
-from mimotron.parallel.layout import plan_layout
+from mimotron.parallel.layout import check_layout
 
 ROOT = Path(__file__).resolve().parents[1]
 HF = ROOT / "tests" / "data" / "hf_configs"
@@ -65,7 +65,7 @@ def _check(overrides: list[str], measured: list[int], run_first: list[int],
 
     cfg = load_config(str(ROOT / "configs" / config), overrides)
     vocab = padded_vocab_size(build_tokenizer(cfg).vocab_size)
-    estimate = estimate_memory(cfg, plan_layout(cfg), vocab, measured)
+    estimate = estimate_memory(cfg, check_layout(cfg), vocab, measured)
     peaks = measure_peak(cfg, measured, run_first=run_first)
     for rank in measured:
         total = sum(e.total for e in estimate[rank])

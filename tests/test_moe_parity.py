@@ -36,7 +36,7 @@ import torch
 
 from mimotron.config import load_config
 from mimotron.forked_ranks import run_ranks
-from mimotron.parallel.layout import plan_layout
+from mimotron.parallel.layout import check_layout
 from tests.common import BASE, DIGITS, coloc, colocated, noncolocated, par
 from tests.moe import MOE, expert_grads, moe_reference
 from tests.parity import assert_matches_reference
@@ -68,7 +68,7 @@ def reference() -> ReferenceRun:
 
 def _run(name: str) -> list[dict]:
     overrides = MOE + CASES[name]
-    world = plan_layout(load_config(DIGITS, BASE + overrides)).world_size
+    world = check_layout(load_config(DIGITS, BASE + overrides)).world_size
     return run_ranks(world, expert_grads, overrides, timeout_s=300)
 
 
@@ -103,7 +103,7 @@ def test_interleaved_moe_with_expert_parallelism_matches_plain_loop():
                                                           "train.micro_batch_size=4"]
     overrides = moe + noncolocated({}, {}, {"pipeline": 2, "virtual_pipeline": 2, "data": 2}) \
         + par("language", expert=2)
-    world = plan_layout(load_config(DIGITS, BASE + overrides)).world_size
+    world = check_layout(load_config(DIGITS, BASE + overrides)).world_size
     results = run_ranks(world, expert_grads, overrides, timeout_s=300)
     ref = moe_reference(moe)
     assert_matches_reference(results, ref, {"vision", "audio", "language"})

@@ -238,7 +238,7 @@ def test_metrics_log_aux_losses_and_expert_load(tmp_path) -> None:
 
 def test_plan_memory_splits_expert_and_dense_parameters() -> None:
     from mimotron.estimate.memory import estimate_memory
-    from mimotron.parallel.layout import plan_layout
+    from mimotron.parallel.layout import check_layout
 
     cfg = load_config(DIGITS, BASE + MOE + noncolocated({}, {}, {"tensor": 2}))
     model = build_mimo_model(cfg, 64, {"vision": 1, "audio": 2})
@@ -246,6 +246,6 @@ def test_plan_memory_splits_expert_and_dense_parameters() -> None:
     experts = sum(c for n, c in named if ".mlp.experts." in n)
     whole = sum(c for n, c in named if ".mlp." in n) - experts
     dense = sum(c for _, c in named) - experts - whole
-    lm = [e for items in estimate_memory(cfg, plan_layout(cfg), 64).values() for e in items
+    lm = [e for items in estimate_memory(cfg, check_layout(cfg), 64).values() for e in items
           if e.module == "language"]
     assert len(lm) == 2 and all(e.num_params == dense // 2 + whole + experts for e in lm)

@@ -29,7 +29,7 @@ import torch
 from mimotron.config import load_config
 from mimotron.forked_ranks import run_ranks
 from mimotron.parallel.grad_sync import GradSync, backward_module_order
-from mimotron.parallel.layout import plan_layout
+from mimotron.parallel.layout import check_layout
 from tests.common import BASE, DIGITS, coloc, colocated, engine_run, noncolocated, par
 
 NUM_ITERS = 4
@@ -76,7 +76,7 @@ def on_off_run(rank: int, world: int, overrides: list[str], num_iters: int) -> d
 
 
 def world_size(overrides: list[str]) -> int:
-    return plan_layout(load_config(DIGITS, BASE + overrides)).world_size
+    return check_layout(load_config(DIGITS, BASE + overrides)).world_size
 
 
 def assert_bitwise_equal(off: dict, on: dict, rank: int) -> None:

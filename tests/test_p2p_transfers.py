@@ -26,7 +26,7 @@ import torch
 
 from mimotron.config import load_config
 from mimotron.forked_ranks import RankError, run_ranks
-from mimotron.parallel.layout import plan_layout
+from mimotron.parallel.layout import check_layout
 from mimotron.pipeline import communicator as communicator_module
 from mimotron.pipeline.communicator import MultiModulePipelineCommunicator
 from mimotron.pipeline.edges import build_edges
@@ -66,7 +66,7 @@ def _recording_run(rank: int, world: int, overrides: list[str], num_iters: int =
         out = engine_run(rank, world, overrides, num_iters)
     finally:
         MultiModulePipelineCommunicator.finish = finish
-    role = plan_layout(load_config(DIGITS, BASE + overrides)).roles(rank)[0]
+    role = check_layout(load_config(DIGITS, BASE + overrides)).roles(rank)[0]
     return {**out, "module": role.module, "pp": role.pp, "counts": counts[-1]}
 
 
@@ -176,7 +176,7 @@ def test_variable_shapes_keep_their_header(runs: list[dict]) -> None:
 def test_each_direction_of_a_link_has_its_own_group() -> None:
     """On every point-to-point group one rank only sends and the other only receives."""
     cfg = load_config(DIGITS, BASE + LAYOUT)
-    layout = plan_layout(cfg)
+    layout = check_layout(cfg)
     links = p2p_links(layout, cfg.train.micro_batch_size,
                       build_edges(layout, {"vision": "image", "audio": "audio"}))
     # vision PP 2 on 0-1, audio on 2, language PP 2 on 3-4: stage links and bridges.
@@ -204,7 +204,7 @@ def _link_groups(rank: int, world: int, links: list[tuple[int, int]]
 
 def test_stage_link_shape_from_the_config() -> None:
     def layout(**language: int):  # noqa: ANN202
-        return plan_layout(load_config(DIGITS, BASE + noncolocated({}, {}, language)))
+        return check_layout(load_config(DIGITS, BASE + noncolocated({}, {}, language)))
 
     assert stage_link_shape(layout(), 8, 64, 32) is None  # one stage: no link
     assert stage_link_shape(layout(pipeline=2), 8, None, 32) is None  # unknown length

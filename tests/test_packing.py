@@ -24,7 +24,7 @@ from mimotron.data.prefetch import PrefetchingReader
 from mimotron.forked_ranks import run_ranks
 from mimotron.models.attention import document_args
 from mimotron.models.build import build_mimo_model
-from mimotron.parallel.layout import plan_layout
+from mimotron.parallel.layout import check_layout
 from mimotron.runtime import init_runtime
 from mimotron.training.data_provider import (
     MicrobatchProvider,
@@ -125,7 +125,7 @@ def test_positions_restart_and_documents_cannot_see_each_other():
 def test_resume_and_real_token_count():
     """A packed stream resumed at consumed_samples builds the straight run's rows."""
     cfg, task, _ = _setup()
-    layout = plan_layout(load_config(DIGITS, BASE + PACKING + colocated(1)))  # all on rank 0
+    layout = check_layout(load_config(DIGITS, BASE + PACKING + colocated(1)))  # all on rank 0
     args = (layout, 0, cfg.train.micro_batch_size, task.seq_length, task.stream(0).samples,
             _kwargs(task))
     straight = PackedTrainIterator(PackedMicrobatchProvider(*args), 0, 16)

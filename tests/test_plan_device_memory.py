@@ -18,7 +18,7 @@ from mimotron.cli.device_fit import parse_device_memory
 from mimotron.cli.main import main
 from mimotron.config import load_config
 from mimotron.estimate.memory import estimate_memory
-from mimotron.parallel.layout import plan_layout
+from mimotron.parallel.layout import check_layout
 from tests.common import DIGITS, noncolocated
 
 
@@ -61,7 +61,7 @@ def test_verdict_and_headroom_per_rank(tmp_path: Path, capsys: pytest.CaptureFix
                                        ) -> None:
     overrides = [f"log.dir={tmp_path}"]
     cfg = load_config(DIGITS, overrides)
-    est = estimate_memory(cfg, plan_layout(cfg), 64)
+    est = estimate_memory(cfg, check_layout(cfg), 64)
     totals = {rank: sum(e.total for e in items) for rank, items in est.items()}
     # Between the audio rank's total and the vision rank's: some fit, some do not.
     device = (totals[1] + totals[0]) // 2
@@ -88,7 +88,7 @@ def test_summary_counts_every_rank_past_the_rank_map(tmp_path: Path,
     overrides = [*noncolocated({}, {}, {"data": 64}), "train.micro_batch_size=64",
                  "train.global_batch_size=64", f"log.dir={tmp_path}"]
     cfg = load_config(DIGITS, overrides)
-    est = estimate_memory(cfg, plan_layout(cfg), 64, [0, 1, 2])
+    est = estimate_memory(cfg, check_layout(cfg), 64, [0, 1, 2])
     vision, audio, language = (est[r][0].total for r in (0, 1, 2))
     assert audio < language < vision  # the whole micro-batch on each encoder rank
     device = (audio + language) // 2  # only the audio rank fits

@@ -5,7 +5,7 @@
 * the compute and collective terms against hand-computed FLOPs and ring formulas;
 * the device table and a user's file;
 * over a grid of worlds and memory limits (digits and the LLaVA-1.5-7B shape), the first
-  choice passes ``load_config`` + ``plan_layout`` + the data check and its memory
+  choice passes ``load_config`` + ``check_layout`` + the data check and its memory
   estimate (recomputed from scratch) is within the limit; its TOML snippet gives the
   same layout;
 * the digits choice on 4 ranks, from its snippet, trains 10 iterations matching the
@@ -25,9 +25,9 @@ from mimotron.config import ParallelConfig, load_config
 from mimotron.data.run_data import check_data
 from mimotron.estimate.flops import language_model_flops, transformer_layer_flops
 from mimotron.estimate.memory import estimate_memory
-from mimotron.parallel.layout import Layout, ModulePlacement, plan_layout
-from mimotron.pipeline.interleaved_plan import build_rank_plan
-from mimotron.pipeline.plan import Position, build_1f1b_plan
+from mimotron.parallel.layout import Layout, ModulePlacement, check_layout
+from mimotron.pipeline.actions import Position, build_1f1b_actions
+from mimotron.pipeline.interleaved_actions import build_rank_actions
 from mimotron.planner.cost import Calibration, model_vocabulary, step_cost
 from mimotron.planner.devices import DeviceSpec, device_table
 from mimotron.planner.fit import rank_classes
@@ -43,7 +43,7 @@ UNIT = {("F", 0): (1.0, 0.0), ("B", 0): (2.0, 0.0)}
 
 
 def _two_stage_lanes(n: int) -> dict[tuple[str, int], Lane]:
-    return {("language", s): Lane(build_1f1b_plan(n, Position("language", s, s, 2, s > 0,
+    return {("language", s): Lane(build_1f1b_actions(n, Position("language", s, s, 2, s > 0,
                                                               s < 1)), 1, 2, 1, UNIT)
             for s in range(2)}
 
@@ -69,7 +69,7 @@ def test_simulation_ends_where_float_residue_no_longer_moves_the_clock():
     # At a clock of 1e5 s a float step is ~1.5e-11 s: a compute's remaining fixed part of
     # a few 1e-11 s (what subtracting the rounded step leaves) never moved the clock, and
     # the replay spun forever (a 7B model priced on CPU constants). It ends exactly.
-    plan = build_1f1b_plan(1, Position("language", 0, 0, 1, False, False))
+    plan = build_1f1b_actions(1, Position("language", 0, 0, 1, False, False))
     lane = Lane(plan, 1, 1, 1, {("F", 0): (1e5, 0.1), ("B", 0): (2e5, 0.1)})
     result = simulate({("language", 0): lane}, lambda src, msg: 0.0)
     assert result.makespan == pytest.approx(3e5 + 0.2, rel=1e-15)
@@ -82,7 +82,7 @@ def test_simulation_ends_where_float_residue_no_longer_moves_the_clock():
 
 
 def test_simulation_refuses_durations_it_cannot_replay():
-    plan = build_1f1b_plan(1, Position("language", 0, 0, 1, False, False))
+    plan = build_1f1b_actions(1, Position("language", 0, 0, 1, False, False))
     for bad in (float("inf"), float("nan"), -1.0):
         lanes = {("language", 0): Lane(plan, 1, 1, 1, {("F", 0): (bad, 0.0),
                                                        ("B", 0): (1.0, 0.0)})}
@@ -108,7 +108,7 @@ def test_language_model_waits_for_every_encoder():
     cost = {"vision": {("F", 0): (1.0, 0.0), ("B", 0): (1.0, 0.0)},
             "audio": {("F", 0): (3.0, 0.0), ("B", 0): (1.0, 0.0)},
             "language": {("F", 0): (1.0, 0.0), ("B", 0): (1.0, 0.0)}}
-    lanes = {(m, 0): Lane(build_rank_plan(layout, m, 0, 2), 1, 1, 1, cost[m]) for m in cost}
+    lanes = {(m, 0): Lane(build_rank_actions(layout, m, 0, 2), 1, 1, 1, cost[m]) for m in cost}
     result = simulate(lanes, lambda src, msg: 0.0)
     # audio F0 [0,3] F1 [3,6]; language F0 [3,4] B0 [4,5] F1 [6,7] B1 [7,8];
     # vision B0 [5,6] B1 [8,9]; audio B0 [6,7] B1 [8,9].
@@ -219,7 +219,7 @@ def _assert_trains(config: Path, base: list[str], world: int, device: str, limit
         return False
     best = result.candidates[0]
     cfg = load_config(config, best.overrides)
-    layout = plan_layout(cfg)
+    layout = check_layout(cfg)
     check_data(cfg)
     assert layout.world_size == world
     ranks = [r for r, _ in rank_classes(layout)]
@@ -257,7 +257,7 @@ def test_colocated_search_tries_a_leaner_rung_when_the_sum_is_over_the_limit():
     best = result.candidates[0]
     assert best.peak <= 3 * 2**20
     cfg = load_config(DIGITS, best.overrides)
-    est = estimate_memory(cfg, plan_layout(cfg), model_vocabulary(cfg), list(range(4)))
+    est = estimate_memory(cfg, check_layout(cfg), model_vocabulary(cfg), list(range(4)))
     assert max(sum(e.total for e in items) for items in est.values()) <= 3 * 2**20
 
 def test_plan_auto_command(capsys):
@@ -301,7 +301,7 @@ def test_digits_choice_on_four_ranks_matches_the_plain_loop():
                             micro_batches=(8,))
     best = search(request).candidates[0]
     layout = snippet_overrides(snippet(best))
-    assert plan_layout(load_config(DIGITS, [*base, *layout])).world_size == 4
+    assert check_layout(load_config(DIGITS, [*base, *layout])).world_size == 4
     run_against_plain_loop(layout, [], num_iters=10)
 
 
@@ -312,7 +312,7 @@ def test_data_parallel_reduction_is_exposed_unless_overlapped():
     for overlap in (False, True):
         cfg = load_config(DIGITS, [*BASE, *layout_keys,
                                    f"train.overlap_grad_reduce={str(overlap).lower()}"])
-        layout = plan_layout(cfg)
+        layout = check_layout(cfg)
         exposed[overlap] = step_cost(cfg, layout, device).data_parallel["language"]
     cfg = load_config(DIGITS, [*BASE, *layout_keys])
     grads = 4 * trainable_params(cfg, "language", 0, model_vocabulary(cfg))

@@ -10,7 +10,7 @@ import pytest
 
 from mimotron.cli.main import main
 from mimotron.config import load_config
-from mimotron.parallel.layout import plan_layout
+from mimotron.parallel.layout import check_layout
 from mimotron.planner.calibration import (
     CALIBRATION_FILE,
     CalibrationOptions,
@@ -190,7 +190,7 @@ def test_step_time_of_huge_measured_times_is_finite() -> None:
     # at 1e13 s no longer moves by the compute's float residue).
     cfg = load_config(DIGITS, SMALL_MODEL)
     huge = Calibration("cpu", {n: (1e12, 2e12) for n in cfg.modules}, samples=8)
-    cost = step_cost(cfg, plan_layout(cfg), device_table()["cpu"], huge)
+    cost = step_cost(cfg, check_layout(cfg), device_table()["cpu"], huge)
     assert 1e12 < cost.total < math.inf
 
 

@@ -12,7 +12,7 @@ import pytest
 
 from mimotron.config import load_config
 from mimotron.estimate.flops import transformer_layer_flops
-from mimotron.parallel.layout import plan_layout
+from mimotron.parallel.layout import check_layout
 from mimotron.planner.cost import Calibration, StepCost, model_vocabulary, step_cost
 from mimotron.planner.devices import DeviceSpec, device_table
 from mimotron.planner.options import ModuleOption
@@ -37,7 +37,7 @@ NO_OVERLAP = ["train.overlap_grad_reduce=false"]
 
 def _cost(*overrides: str, device: DeviceSpec = DEVICE) -> StepCost:
     cfg = load_config(DIGITS, [*BASE, *NO_OVERLAP, *overrides])
-    return step_cost(cfg, plan_layout(cfg), device)
+    return step_cost(cfg, check_layout(cfg), device)
 
 
 def _lm(**degrees: int) -> list[str]:
@@ -63,7 +63,7 @@ def _hand_collective(ring: float, nbytes: float, tp: int = 4) -> float:
 
 def _tp_chunk(*overrides: str, module: str = "language") -> tuple[float, float, object]:
     cfg = load_config(DIGITS, [*BASE, *overrides])
-    layout = plan_layout(cfg)
+    layout = check_layout(cfg)
     links = Links(TP_DEVICE, None)
     return (*chunk_collectives(cfg, module, 0, 0, layout.modules[module], links), cfg)
 
@@ -112,7 +112,7 @@ def test_encoder_tensor_parallel_collectives_equal_the_hand_count(hf):
     if hf:
         vit.hf_path = "/not/read"  # read only by the builder, not by the cost model
     links = Links(TP_DEVICE, None)
-    fwd, bwd = chunk_collectives(cfg, "vision", 0, 0, plan_layout(cfg).modules["vision"],
+    fwd, bwd = chunk_collectives(cfg, "vision", 0, 0, check_layout(cfg).modules["vision"],
                                  links)
     tokens, lm_h = vit.num_output_tokens, cfg.modules["language"].hidden_size
     assert (vit.num_layers, vit.hidden_size, tokens, lm_h) == (2, 32, 16, 64)
@@ -232,7 +232,7 @@ def test_bridge_fans_out_to_more_language_replicas():
 def test_each_pipeline_stage_reduces_among_its_own_ranks():
     cfg = load_config(DIGITS, [*BASE, "modules.language.num_layers=4",
                                *_lm(data=2, pipeline=2)])
-    placement = plan_layout(cfg).modules["language"]
+    placement = check_layout(cfg).modules["language"]
     assert replica_ranks(placement, 0) == [2, 3] and replica_ranks(placement, 1) == [4, 5]
     assert ring_factor("all_reduce", 4) == 1.5 and ring_factor("p2p", 2) == 1.0
     with pytest.raises(ValueError, match="kind='broadcast' is invalid"):
@@ -269,7 +269,7 @@ def test_step_time_at_a_tiny_flop_rate_is_finite():
     crawl = DeviceSpec("crawl", 1.0, 10**9, 4, 1e9, 1e8, 1e-5, layer_overhead_s=0.01)
     cfg = load_config(DIGITS, [*BASE, *NO_OVERLAP, *_lm(tensor=2)])
     f_s, b_s = chunk_compute(cfg, "language", 0, 0, model_vocabulary(cfg), crawl, None)
-    total = step_cost(cfg, plan_layout(cfg), crawl).total
+    total = step_cost(cfg, check_layout(cfg), crawl).total
     language = cfg.num_microbatches * (f_s + b_s)
     # The language model's own computes, plus the encoders' first forward before them.
     assert 1e8 < language <= total < 1.1 * language

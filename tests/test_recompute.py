@@ -46,7 +46,7 @@ from mimotron.forked_ranks import run_ranks
 from mimotron.models.build import build_module
 from mimotron.models.moe import pop_moe_stats, set_aux_loss_weights
 from mimotron.models.recompute import apply_recompute, recompute_mode, recomputed_layer_ids
-from mimotron.parallel.layout import plan_layout
+from mimotron.parallel.layout import check_layout
 from tests.common import BASE, DIGITS, coloc, colocated, engine_run, noncolocated, par
 from tests.moe import MOE, expert_grads, moe_reference
 from tests.parity import assert_matches_reference, run_against_plain_loop
@@ -130,7 +130,7 @@ def test_recompute_moe_with_expert_parallelism_matches_plain_loop() -> None:
     the TP gathers of the routed output and the aux-loss injection all run again."""
     overrides = MOE + coloc({"data": 2}, {"data": 2}, {"tensor": 2, "data": 1}) \
         + par("language", expert=2) + recompute(language="full")
-    world = plan_layout(load_config(DIGITS, BASE + overrides)).world_size
+    world = check_layout(load_config(DIGITS, BASE + overrides)).world_size
     results = run_ranks(world, _counting, expert_grads, overrides, timeout_s=300)
     ref = moe_reference(MOE, 10)
     assert_matches_reference(results, ref, {"vision", "audio", "language"})
@@ -423,7 +423,7 @@ def test_estimate_follows_recompute() -> None:
         want = (activation_bytes(load_config(DIGITS, BASE + layout), "language", 64, 1, 0)
                 - recomputed * recompute_dropped_bytes(cfg, "language") * samples / 2)
         assert activation_bytes(cfg, "language", 64, 1, 0) == int(want), (mode, n)
-        est = {e.module: e for e in estimate_memory(cfg, plan_layout(cfg), 64, [2])[2]}
+        est = {e.module: e for e in estimate_memory(cfg, check_layout(cfg), 64, [2])[2]}
         by_mode[mode, n] = (est["language"].activations, est["language"].workspace, per_layer)
     none, full, selective = by_mode["none", 0], by_mode["full", 0], by_mode["selective", 0]
     assert full[0] < selective[0] < none[0] and full[0] < by_mode["full", 1][0] < none[0]

@@ -12,7 +12,7 @@ import pytest
 
 import mimotron.models.language as language_module
 from mimotron.config import load_config
-from mimotron.parallel.layout import plan_layout
+from mimotron.parallel.layout import check_layout
 from tests.common import BASE, DIGITS, coloc, engine_run, noncolocated
 from tests.parity import reference, run_against_plain_loop
 
@@ -71,7 +71,7 @@ INVALID = [
 @pytest.mark.parametrize(("overrides", "needle"), INVALID)
 def test_sequence_parallel_rejections_name_the_field(overrides, needle):
     with pytest.raises(ValueError, match=needle):
-        plan_layout(load_config(DIGITS, BASE + overrides))
+        check_layout(load_config(DIGITS, BASE + overrides))
 
 
 def test_activation_estimate_accounts_for_sequence_parallelism():

@@ -17,7 +17,7 @@ import pytest
 
 from mimotron.config import load_config
 from mimotron.data.bpe import train_bpe_tokenizer
-from mimotron.data.llava_export import conversation_texts, write_llava_task
+from mimotron.data.digits_llava import conversation_texts, write_llava_task
 from mimotron.data.run_data import build_llava_tasks, build_tokenizer
 from mimotron.runtime import init_runtime
 from mimotron.training.loop import run_training

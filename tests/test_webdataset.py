@@ -23,7 +23,7 @@ import torch
 
 from mimotron.config.shard_paths import shard_paths
 from mimotron.data.bpe import train_bpe_tokenizer
-from mimotron.data.llava_export import conversation_texts, write_llava_task
+from mimotron.data.digits_llava import conversation_texts, write_llava_task
 from mimotron.data.webdataset import write_shards
 from mimotron.forked_ranks import run_groups
 from tests.common import ONE_RANK, train_steps

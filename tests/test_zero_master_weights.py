@@ -33,7 +33,7 @@ from mimotron.data import collate
 from mimotron.estimate.memory import estimate_memory
 from mimotron.forked_ranks import run_ranks
 from mimotron.optim.mimo_optimizer import MimoOptimizer
-from mimotron.parallel.layout import plan_layout
+from mimotron.parallel.layout import check_layout
 from mimotron.parallel.main_grad import MAIN_GRAD
 from mimotron.parallel.zero import shard_dim
 from mimotron.runtime import init_runtime
@@ -111,7 +111,7 @@ def test_bytes_per_parameter_per_rank(layout, dp):
         # mimotron plan's estimate (norms are whole on each TP rank where the estimate
         # divides every parameter by TP: a few hundred elements, hence 1%).
         cfg = load_config(DIGITS, BASE + layout + ZERO + BF16)
-        estimates = estimate_memory(cfg, plan_layout(cfg), 64, [rank])[rank]
+        estimates = estimate_memory(cfg, check_layout(cfg), 64, [rank])[rank]
         for e in estimates:
             h = modules[e.module]
             for got, want in ((e.weights, h["weights"]), (e.grads, h["main_grads"]),

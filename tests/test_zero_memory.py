@@ -33,7 +33,7 @@ from mimotron.estimate.memory import (
 )
 from mimotron.forked_ranks import run_ranks
 from mimotron.optim.build import get_mimo_optimizer
-from mimotron.parallel.layout import plan_layout
+from mimotron.parallel.layout import check_layout
 from mimotron.parallel.zero import ZeroShards
 from mimotron.runtime import init_runtime
 from mimotron.training import loop, megatron_compat
@@ -128,7 +128,7 @@ def test_sync_zero_collectives_hold_one_bucket_and_stale_reduces_are_dropped():
 
 def _language(overrides: list[str]) -> Any:
     cfg = load_config(DIGITS, BASE + overrides)
-    est = [e for items in estimate_memory(cfg, plan_layout(cfg), VOCAB).values()
+    est = [e for items in estimate_memory(cfg, check_layout(cfg), VOCAB).values()
            for e in items if e.module == "language"][0]
     return cfg, est
 

@@ -35,7 +35,7 @@ from mimotron.estimate.memory import estimate_memory
 from mimotron.forked_ranks import run_ranks
 from mimotron.optim.mimo_optimizer import MimoOptimizer
 from mimotron.parallel.expert_parallel import is_expert_param
-from mimotron.parallel.layout import plan_layout
+from mimotron.parallel.layout import check_layout
 from mimotron.parallel.zero import shard_dim
 from mimotron.runtime import init_runtime
 from mimotron.training import loop
@@ -187,7 +187,7 @@ def _estimate_matches(cfg: MimoConfig, rank: int, held: dict[str, dict[str, int]
     a few hundred elements here), hence the 1% tolerance; ZeRO's split is the part
     under test.
     """
-    estimates = {e.module: e for e in estimate_memory(cfg, plan_layout(cfg), 64, [rank])[rank]}
+    estimates = {e.module: e for e in estimate_memory(cfg, check_layout(cfg), 64, [rank])[rank]}
     for name, h in held.items():
         e = estimates[name]
         for key, got in (("weights", e.weights), ("grads", e.grads), ("optimizer", e.optimizer)):

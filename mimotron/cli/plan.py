@@ -1,7 +1,7 @@
 """``mimotron plan``: validate a config, print the rank map and a memory estimate.
 
 The config is checked by the same validator as ``mimotron train`` (``load_config``, then
-:func:`~mimotron.parallel.layout.plan_layout` with the rules a rank's set-up applies), so
+:func:`~mimotron.parallel.layout.check_layout` with the rules a rank's set-up applies), so
 a config ``plan`` accepts is one ``train`` starts. With ``--device-memory`` each rank's
 estimated peak is compared with one device (:mod:`mimotron.planner.fit`): a verdict
 per rank and a summary line; the exit status stays 0 either way.
@@ -25,7 +25,7 @@ from mimotron.estimate.memory import (
     stage_parameter_counts,
 )
 from mimotron.parallel.expert_layout import format_expert_layout
-from mimotron.parallel.layout import Layout, format_skipped, plan_layout
+from mimotron.parallel.layout import Layout, check_layout, format_skipped
 from mimotron.planner.fit import fit_lines
 
 LEGEND = """\
@@ -61,7 +61,7 @@ def run_plan(config: str, overrides: list[str], dry_run: bool = False,
         return 2
     try:
         cfg = load_config(config, overrides)
-        layout = plan_layout(cfg)
+        layout = check_layout(cfg)
         from mimotron.run_dir import describe_run_dir
 
         run_dir = describe_run_dir(cfg)  # checkpoint.load checked as train checks it

@@ -55,7 +55,7 @@ from mimotron.failures import (
     record_failure,
     root_cause,
 )
-from mimotron.parallel.layout import plan_layout
+from mimotron.parallel.layout import check_layout
 
 EXIT_FAILED, EXIT_CONFIG, EXIT_PEER_FAILED = 1, 2, 3
 DEBUG_ENV = "MIMOTRON_DEBUG"
@@ -74,7 +74,7 @@ def run_train(config: str, overrides: list[str]) -> int:
         try:
             cfg = load_config(config, overrides)
             env_world = int(os.environ["WORLD_SIZE"]) if _under_launcher() else None
-            layout = plan_layout(cfg, env_world_size=env_world)
+            layout = check_layout(cfg, env_world_size=env_world)
             check_local_ranks(layout.world_size, launched=not _under_launcher())
             if not _under_launcher():  # Every sample checked once, before any rank starts.
                 from mimotron.data.run_data import check_data

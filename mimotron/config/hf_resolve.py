@@ -105,7 +105,7 @@ def has_class_token(path: str, config: dict[str, Any] | None = None) -> bool:
 
 def head_counts(mod: ModuleConfig) -> tuple[int, int]:
     """``(num_heads, num_kv_heads)`` of an HF module (encoders: kv = query heads)."""
-    if mod.kind == "language":
+    if mod.is_language:
         spec = language_spec(mod)
         return spec.num_heads, spec.num_kv_heads
     return mod.num_heads, mod.num_heads
@@ -113,7 +113,7 @@ def head_counts(mod: ModuleConfig) -> tuple[int, int]:
 
 def tied_embeddings(mod: ModuleConfig) -> bool:
     """Whether an HF language model ties its output head to the embedding."""
-    return mod.kind == "language" and language_spec(mod).tie_word_embeddings
+    return mod.is_language and language_spec(mod).tie_word_embeddings
 
 
 def hf_sizes(mod: ModuleConfig, config: dict[str, Any] | None = None) -> dict[str, int]:
@@ -124,7 +124,7 @@ def hf_sizes(mod: ModuleConfig, config: dict[str, Any] | None = None) -> dict[st
         ValueError: as :func:`hf_family`, or an unsupported / inconsistent config.json.
     """
     config = module_hf_config(mod) if config is None else config
-    if mod.kind == "language":
+    if mod.is_language:
         spec = language_spec(mod, config)
         return {"hidden_size": spec.hidden_size, "num_layers": spec.num_layers,
                 "num_heads": spec.num_heads, "ffn_hidden_size": spec.intermediate_size}

@@ -109,7 +109,7 @@ def module_parameters(mod: ModuleConfig, hf: HFConfigs | None = None) -> tuple[i
     ends = 0
     experts = 0
     spec = None
-    if mod.kind == "language" and mod.hf_path:
+    if mod.is_language and mod.hf_path:
         spec = language_spec(mod, hf.read(mod.hf_path) if hf is not None else None)
         ends = spec.vocab_size * h * (1 if spec.tie_word_embeddings else 2)
         if spec.moe is not None:

@@ -29,7 +29,7 @@ def moe_options(mod: ModuleConfig) -> MoEOptions | None:
     Returns:
         The options, or ``None`` when the module has no MoE layer.
     """
-    if mod.hf_path and mod.kind == "language":
+    if mod.hf_path and mod.is_language:
         return language_spec(mod).moe  # reads config.json unless resolved
     if mod.num_experts == 0:
         return None

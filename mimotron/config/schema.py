@@ -353,6 +353,11 @@ class ModuleConfig:
         """Whether the module is an encoder (any kind but ``language``)."""
         return self.kind in ENCODER_KINDS
 
+    @property
+    def is_language(self) -> bool:
+        """Whether the module is a language model (``kind = "language"``)."""
+        return self.kind in LANGUAGE_KINDS
+
     # Not config keys (no annotation: not dataclass fields), filled in with the sizes when
     # the module is resolved (mimotron.config.hf_resolve), None until then: hf_path's
     # parsed config.json as (hf_path, dict), which later checks and estimates read

@@ -1,7 +1,7 @@
 """Rules the rank set-up enforces, checked from the config before any rank starts.
 
 ``mimotron plan`` and ``mimotron train`` accept exactly the same configs: both call
-:func:`mimotron.parallel.layout.plan_layout`, which ends with :func:`check_setup_rules`.
+:func:`mimotron.parallel.layout.check_layout`, which ends with :func:`check_setup_rules`.
 Every rule here is one that building a rank (model, tensor-parallel plan, optimizer,
 schedulers, loss scaler, profiler) would otherwise apply only after the ranks have
 started, where it fails on some ranks while their peers wait in a collective. Each rule

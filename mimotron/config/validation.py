@@ -2,7 +2,7 @@
 
 ``mimotron plan`` and ``mimotron train`` refuse the same configs, before any process
 starts, because both go through here (:func:`mimotron.config.load_config` calls it) and
-then through :func:`mimotron.parallel.layout.plan_layout` (the layout's rules and
+then through :func:`mimotron.parallel.layout.check_layout` (the layout's rules and
 :mod:`mimotron.config.setup_rules`, what a rank's set-up applies). The layers::
 
     config_schema   the dataclasses (pure: no checks, no models)

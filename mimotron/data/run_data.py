@@ -260,7 +260,7 @@ def check_vocab_split(cfg: MimoConfig) -> None:
     a multiple of :data:`~mimotron.config.vocab_size.VOCAB_MULTIPLE`, so only a degree that
     does not divide that multiple needs the tokenizer's size (the run's tokenizer is
     built for it: characters, or the ``data.tokenizer`` folder). It is a layout rule
-    (:func:`~mimotron.parallel.layout.plan_layout` calls it) that needs the data's
+    (:func:`~mimotron.parallel.layout.check_layout` calls it) that needs the data's
     tokenizer, so it lives beside :func:`build_tokenizer`.
 
     Raises:

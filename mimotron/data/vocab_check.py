@@ -48,7 +48,7 @@ def rest_parameters(cfg: MimoConfig) -> int:
     total = 0
     for mod in cfg.modules.values():
         dense, experts = module_parameters(mod)
-        if mod.kind == "language" and mod.hf_path:  # module_parameters' own condition
+        if mod.is_language and mod.hf_path:  # module_parameters' own condition
             # module_parameters counts a checkpoint's embedding and head: not "the rest".
             spec = language_spec(mod)
             dense -= spec.vocab_size * mod.hidden_size * (1 if spec.tie_word_embeddings else 2)

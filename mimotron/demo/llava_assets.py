@@ -4,7 +4,7 @@
 arguments give the same bytes), everything a user with real checkpoints has on disk:
 
 * ``data/data.jsonl`` with ``data/images/*.png`` and ``data/audio/*.wav``: the
-  digits/DTMF task in LLaVA format (:func:`~mimotron.data.llava_export.write_llava_task`);
+  digits/DTMF task in LLaVA format (:func:`~mimotron.data.digits_llava.write_llava_task`);
   ``configs/digits_llava.toml`` splits it into train and validation
   (``data.train_fraction``);
 * ``tokenizer/``: a byte-level BPE tokenizer with a ChatML template, trained locally
@@ -31,8 +31,8 @@ from pathlib import Path
 from typing import Any
 
 from mimotron.data.bpe import train_bpe_tokenizer
+from mimotron.data.digits_llava import PROMPTS, write_llava_task
 from mimotron.data.hf_tokenizer import HFTokenizer
-from mimotron.data.llava_export import PROMPTS, write_llava_task
 from mimotron.data.tokenizer import number_to_words
 
 FORMAT = 2

@@ -44,8 +44,8 @@ from torch.distributed.tensor import DTensor
 from mimotron.checkpoint.state import build_save_state
 from mimotron.config.schema import MimoConfig
 from mimotron.dryrun.tracker import DeviceTracker, Wire
-from mimotron.parallel.layout import plan_layout
-from mimotron.pipeline.plan import pipeline_positions
+from mimotron.parallel.layout import check_layout
+from mimotron.pipeline.actions import pipeline_positions
 from mimotron.runtime import Runtime, fake_accelerator, fake_backend
 from mimotron.training import model_setup
 from mimotron.training.data_provider import Microbatch
@@ -153,7 +153,7 @@ def dry_run(cfg: MimoConfig, ranks: Sequence[int] | None = None, *, steps: int =
     """
     cfg = copy.deepcopy(cfg)
     cfg.checkpoint.load = "none"  # a dry run never reads weights
-    layout = plan_layout(cfg)
+    layout = check_layout(cfg)
     world = layout.world_size
     chosen = list(range(world)) if ranks is None else list(ranks)
     bad = [r for r in chosen if not 0 <= r < world]

@@ -29,6 +29,7 @@ from torch import nn
 
 from mimotron.config.schema import MimoConfig
 from mimotron.models.build import build_module
+from mimotron.names import LANGUAGE
 from mimotron.parallel.tensor_parallel import apply_tensor_parallel
 from mimotron.pipeline.shapes import residual_dtype
 from mimotron.training.precision import autocast_factory
@@ -111,7 +112,7 @@ def _stage(cfg: MimoConfig, name: str, num_layers: int) -> nn.Module:
                         post_process=False, init=False)
 
 
-def layer_activation_bytes(cfg: MimoConfig, name: str = "language") -> int:
+def layer_activation_bytes(cfg: MimoConfig, name: str = LANGUAGE) -> int:
     """Bytes one transformer layer of ``name`` saves for backward on one rank, per micro-batch.
 
     A stage is built at the config's shapes under ``FakeTensorMode`` (CPU), sharded by
@@ -176,18 +177,18 @@ def _stage_bytes(cfg: MimoConfig, name: str, num_layers: int) -> int:
     mod = cfg.modules[name]
     par = mod.parallel
     samples = max(1, cfg.train.micro_batch_size // par.data)
-    tokens = cfg.data.seq_length if mod.kind == "language" else mod.num_output_tokens
+    tokens = cfg.data.seq_length if mod.is_language else mod.num_output_tokens
     autocast = autocast_factory(cfg.train.precision, torch.device("cpu"))
     with fake_tensor_group(par.tensor) as mesh, FakeTensorMode():
         part = _stage(cfg, name, num_layers)
         if par.tensor > 1:
-            apply_tensor_parallel(part, mesh, mod.kind == "language",
-                                  par.sequence_parallel and mod.kind == "language")
+            apply_tensor_parallel(part, mesh, mod.is_language,
+                                  par.sequence_parallel and mod.is_language)
         x = torch.randn(samples, tokens, mod.hidden_size, dtype=residual_dtype(cfg),
                         requires_grad=True)
 
         def run() -> torch.Tensor:
             with autocast():
-                return part(x) if mod.kind == "language" else part.encoder(x)
+                return part(x) if mod.is_language else part.encoder(x)
 
         return saved_bytes(run, list(part.parameters()))

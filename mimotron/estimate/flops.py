@@ -106,7 +106,7 @@ def moe_flops_delta(mod: ModuleConfig, num_tokens: float) -> float:
     SwiGLU's ``3·2·N·h·f``: experts a token does not visit cost nothing (dropless
     routing computes exactly the chosen ones).
     """
-    if mod.num_experts == 0 and not (mod.hf_path and mod.kind == "language"):
+    if mod.num_experts == 0 and not (mod.hf_path and mod.is_language):
         return 0.0
     moe = moe_options(mod)
     if moe is None:

@@ -48,5 +48,5 @@ def largest_unit_params(cfg: MimoConfig, name: str, vocab_size: int) -> int:
     q_width, kv_width = attention_widths(cfg, name)
     matrices = 3 if mlp_saved_tensors(cfg, name) == 4 else 2  # SwiGLU or fc1/fc2
     layer = h * (2 * q_width + 2 * kv_width) + matrices * h * f
-    ends = vocab_size * h if mod.kind == "language" else 0
+    ends = vocab_size * h if mod.is_language else 0
     return max(layer, ends) // mod.parallel.tensor

@@ -2,8 +2,8 @@
 
 A forward's saved tensors live until its backward runs (the executor keeps each
 ``(chunk, micro-batch)`` in :class:`~mimotron.pipeline.schedules.StageRunner` until
-then). Replaying a rank's plan (:func:`~mimotron.pipeline.interleaved_plan.
-build_rank_plan`: 1F1B, interleaved 1F1B, or an encoder warmed up to feed an
+then). Replaying a rank's plan (:func:`~mimotron.pipeline.interleaved_actions.
+build_rank_actions`: 1F1B, interleaved 1F1B, or an encoder warmed up to feed an
 interleaved language model) gives, after every compute, how many forwards of each model
 chunk are held; the memory estimate (:mod:`mimotron.estimate.memory`) takes its peak
 from here rather than from a closed form of the warm-up.
@@ -14,8 +14,8 @@ from __future__ import annotations
 from mimotron.config.schema import MimoConfig
 from mimotron.estimate.widths import encoder_batching_factor
 from mimotron.parallel.layout import Layout
-from mimotron.pipeline.interleaved_plan import build_rank_plan
-from mimotron.pipeline.plan import BACKWARD, FORWARD, Action
+from mimotron.pipeline.actions import BACKWARD, FORWARD, Action
+from mimotron.pipeline.interleaved_actions import build_rank_actions
 
 
 def held_forwards(plan: list[Action], num_chunks: int = 1) -> list[tuple[int, ...]]:
@@ -53,7 +53,7 @@ def rank_held_forwards(layout: Layout, module: str, stage: int, num_microbatches
         num_microbatches: micro-batches in the step.
         pipelined: ``False`` for ``train.schedule = "no_pipelining"``.
     """
-    plan = build_rank_plan(layout, module, stage, num_microbatches, pipelined)
+    plan = build_rank_actions(layout, module, stage, num_microbatches, pipelined)
     chunks = 1 if layout.colocated else layout.modules[module].parallel.virtual_pipeline
     return held_forwards(plan, chunks)
 

@@ -35,7 +35,7 @@ from mimotron.models.freeze import trainable_parameter_count
 from mimotron.models.moe import moe_layers
 from mimotron.models.recompute import recomputed_layer_ids
 from mimotron.names import LANGUAGE
-from mimotron.parallel.layout import Layout, plan_layout
+from mimotron.parallel.layout import Layout, check_layout
 from mimotron.parallel.virtual_pipeline import rank_layers
 
 
@@ -121,7 +121,7 @@ def stage_expert_counts(cfg: MimoConfig, name: str, vocab_size: int
     rank of the module (not tensor parallel). ``[]`` for a dense module.
     """
     mod = cfg.modules[name]
-    if mod.kind != "language" or moe_options(mod) is None:
+    if not mod.is_language or moe_options(mod) is None:
         return []
     par = mod.parallel
     out = []
@@ -203,7 +203,7 @@ def ends_bytes_per_sample(cfg: MimoConfig, name: str, tokens: int, vocab_size: i
     h, c, t = mod.hidden_size, BYTES[cfg.train.precision], mod.parallel.tensor
     head_input = c * h
     norm = residual_bytes(cfg) * h // (t if mod.parallel.sequence_parallel else 1)
-    if mod.kind == "language":
+    if mod.is_language:
         return 0, tokens * (norm + head_input + FP32 * vocab_size // t)
     width = mod.projector_hidden_size or cfg.modules[LANGUAGE].hidden_size
     last = tokens * (norm + head_input + 2 * c * width)
@@ -219,7 +219,7 @@ def microbatches_in_flight(cfg: MimoConfig, layout: Layout, name: str, stage: in
 
     Replayed from the training plan the executor runs
     (:func:`~mimotron.estimate.in_flight.held_forwards_peak`): the 1F1B plan
-    (:func:`mimotron.pipeline.plan.build_1f1b_plan`) runs ``total - position - 1``
+    (:func:`mimotron.pipeline.actions.build_1f1b_actions`) runs ``total - position - 1``
     warm-up forwards before the first backward, so a stage holds ``min(total - position,
     m)``; an encoder on its own ranks is a pipeline position ahead of the language
     model, so it keeps one more micro-batch than its own pipeline depth, and more when
@@ -237,7 +237,7 @@ def interleaved_chunks_in_flight(cfg: MimoConfig, name: str, stage: int,
     """Model-chunk forwards an interleaved rank holds at once, at the peak of its plan.
 
     Replayed from the rank's interleaved plan (:func:`microbatches_in_flight`):
-    Megatron's :func:`~mimotron.pipeline.interleaved_plan.num_warmup` forwards before
+    Megatron's :func:`~mimotron.pipeline.interleaved_actions.num_warmup` forwards before
     the first backward, then one more before each backward (capped at the step's ``m x
     v``); an encoder feeding an interleaved language model warms up longer, and that is
     counted. At ``pipeline = 8 x virtual_pipeline = 2`` stage 0 holds 23.
@@ -248,7 +248,7 @@ def interleaved_chunks_in_flight(cfg: MimoConfig, name: str, stage: int,
         stage: the pipeline stage.
         layout: the config's layout (``None``: planned here).
     """
-    return microbatches_in_flight(cfg, layout or plan_layout(cfg), name, stage)
+    return microbatches_in_flight(cfg, layout or check_layout(cfg), name, stage)
 
 
 def activation_bytes(cfg: MimoConfig, name: str, vocab_size: int = 64,
@@ -280,10 +280,10 @@ def activation_bytes(cfg: MimoConfig, name: str, vocab_size: int = 64,
     mod = cfg.modules[name]
     par = mod.parallel
     samples = cfg.train.micro_batch_size // par.data
-    tokens = (cfg.data.seq_length // par.context if mod.kind == "language"
+    tokens = (cfg.data.seq_length // par.context if mod.is_language
               else mod.num_output_tokens)
     if in_flight is None and layout is None:
-        layout = plan_layout(cfg)
+        layout = check_layout(cfg)
     if mod.freeze and mod.is_encoder:
         # Its outputs, or its projector's saved tensors: those of its last chunk's forwards.
         last_chunk = [0.0] * (par.virtual_pipeline - 1) + [1.0]
@@ -324,7 +324,7 @@ def layer_bytes_per_sample(cfg: MimoConfig, name: str) -> int:
     """
     mod = cfg.modules[name]
     par = mod.parallel
-    tokens = (cfg.data.seq_length // par.context if mod.kind == "language"
+    tokens = (cfg.data.seq_length // par.context if mod.is_language
               else mod.num_output_tokens)
     whole, split = layer_bytes_per_token(cfg, name)
     return tokens * (whole + split // par.tensor) + context_kv_bytes_per_sample(cfg, name)
@@ -335,7 +335,7 @@ def context_kv_bytes_per_sample(cfg: MimoConfig, name: str) -> int:
     (0 without CP): see :func:`~mimotron.estimate.activation_terms.context_keys_read`."""
     mod = cfg.modules[name]
     par = mod.parallel
-    if mod.kind != "language" or par.context == 1:
+    if not mod.is_language or par.context == 1:
         return 0
     seq = cfg.data.seq_length
     others = context_keys_read(seq, par.context) - seq // par.context
@@ -378,7 +378,7 @@ def recompute_dropped_bytes(cfg: MimoConfig, name: str) -> int:
     if mod.recompute != "full":
         return 0
     par = mod.parallel
-    tokens = (cfg.data.seq_length // par.context if mod.kind == "language"
+    tokens = (cfg.data.seq_length // par.context if mod.is_language
               else mod.num_output_tokens)
     kept = (tokens * residual_bytes(cfg) * mod.hidden_size
             // (par.tensor if par.sequence_parallel else 1))
@@ -393,7 +393,7 @@ def _selective_kept_bytes(cfg: MimoConfig, name: str) -> int:
     h, c = mod.hidden_size, BYTES[cfg.train.precision]
     f = mod.ffn_hidden_size or default_ffn_hidden_size(h)
     q_width, kv_width = attention_widths(cfg, name)
-    tokens = (cfg.data.seq_length // par.context if mod.kind == "language"
+    tokens = (cfg.data.seq_length // par.context if mod.is_language
               else mod.num_output_tokens)
     whole = residual_bytes(cfg) * h + 2 * c * h
     split = c * (2 * q_width + 2 * kv_width) + mlp_saved_tensors(cfg, name) // 2 * c * f
@@ -483,14 +483,14 @@ def backward_workspace_bytes(cfg: MimoConfig, name: str, vocab_size: int = 0,
     mod = cfg.modules[name]
     par = mod.parallel
     samples = cfg.train.micro_batch_size // par.data
-    tokens = (cfg.data.seq_length // par.context if mod.kind == "language"
+    tokens = (cfg.data.seq_length // par.context if mod.is_language
               else mod.num_output_tokens)
     h, c = mod.hidden_size, BYTES[cfg.train.precision]
     f = mod.ffn_hidden_size or default_ffn_hidden_size(h)
     values = samples * tokens * h // (par.tensor if par.sequence_parallel else 1)
     norm = c * values + 3 * FP32 * min(values, _NORM_CHUNK_ELEMENTS)
     loss = 0
-    if last_stage and mod.kind == "language":
+    if last_stage and mod.is_language:
         loss = 2 * FP32 * samples * tokens * vocab_size // par.tensor
     return max(samples * tokens * c * f // par.tensor, norm, loss)
 

@@ -28,7 +28,7 @@ def attention_widths(cfg: MimoConfig, name: str) -> tuple[int, int]:
     attention: ``num_kv_heads x head_dim`` for keys and values, read from config.json).
     """
     mod = cfg.modules[name]
-    if mod.kind == "language" and mod.hf_path:
+    if mod.is_language and mod.hf_path:
         spec = language_spec(mod)
         head_dim = spec.head_dim or spec.hidden_size // spec.num_heads
         return spec.num_heads * head_dim, spec.num_kv_heads * head_dim

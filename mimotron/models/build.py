@@ -67,7 +67,7 @@ def _construct(
         "num_heads": mod.num_heads,
         "ffn_hidden_size": mod.ffn_hidden_size,
     }
-    if mod.kind == "language":
+    if mod.is_language:
         return LanguageModel(vocab_size, max_seq_len=cfg.data.seq_length, moe=moe_options(mod),
                              **common, **stage)
     if mod.kind == "vit":
@@ -102,7 +102,7 @@ def _projector(cfg: MimoConfig, mod: ModuleConfig, width: int, post_process: boo
 def _construct_hf(cfg: MimoConfig, name: str, vocab_size: int, stage: dict) -> nn.Module:
     """A Hugging Face family module (weights not loaded) with mimotron's projector."""
     mod = cfg.modules[name]
-    if mod.kind == "language":
+    if mod.is_language:
         spec = language_spec(mod).replace(vocab_size=model_vocab_size(cfg, vocab_size))
         if spec.moe is not None:  # MoE layout from config.json, loss weights from ours
             spec = spec.replace(moe=dataclasses.replace(
@@ -139,7 +139,7 @@ def load_hf_module(cfg: MimoConfig, name: str, module: nn.Module) -> nn.Module:
         ValueError: a checkpoint that does not match the module (tensors named).
     """
     mod = cfg.modules[name]
-    if mod.kind == "language":
+    if mod.is_language:
         assert isinstance(module, LanguageModel)
         spec = check_llama_folder(mod.hf_path, language_spec(mod))
         rows = {n: spec.vocab_size for n in ("embed.weight", "output.weight")}

@@ -90,7 +90,7 @@ def _check_config(config: MimoConfig, precision: str) -> None:
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision={precision!r} is invalid: expected one of {PRECISIONS}")
-    check_trainable(config)  # The validator's rule (plan_layout), for direct callers.
+    check_trainable(config)  # The validator's rule (check_layout), for direct callers.
 
 
 def _loss_scaler(oc: OptimizerConfig, precision: str) -> LossScaler:

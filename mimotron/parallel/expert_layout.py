@@ -1,6 +1,6 @@
 """Expert layouts from the config alone: validation and the ``mimotron plan`` expert table.
 
-Pure functions (no process group), called by :func:`mimotron.parallel.layout.plan_layout`
+Pure functions (no process group), called by :func:`mimotron.parallel.layout.check_layout`
 before any process starts, so an invalid expert layout fails with one line naming the
 field on every rank alike and in ``mimotron plan``.
 

@@ -102,7 +102,7 @@ def check_fsdp(cfg: MimoConfig, name: str) -> None:
     if moe:
         raise ValueError(f"{p}=true is invalid with {moe}: FSDP supports dense modules only; "
                          "use fsdp=false (shard_optimizer shards an MoE module's optimizer)")
-    if mod.hf_path and mod.kind == "language":
+    if mod.hf_path and mod.is_language:
 
         spec = language_spec(mod)
         if spec.tie_word_embeddings:

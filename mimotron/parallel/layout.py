@@ -171,7 +171,7 @@ def format_skipped(count: int) -> str:
     return f"{'...':>4}  ({count:,} ranks not shown)"
 
 
-def plan_layout(cfg: MimoConfig, env_world_size: int | None = None) -> Layout:
+def check_layout(cfg: MimoConfig, env_world_size: int | None = None) -> Layout:
     """Derive and validate the layout of a config.
 
     Args:

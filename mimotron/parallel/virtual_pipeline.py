@@ -6,7 +6,7 @@ rank ``r`` holds chunks ``r, r + p, ..., r + (v - 1) p``. The rank builds one mo
 part holding the union of its chunks' layers (keyed by global index, so checkpoints
 are the same whatever ``v``), with the input embedding when it holds virtual stage 0
 and the final norm / output head when it holds the last one; a forward runs one chunk
-(``chunk=j``). The schedule is :mod:`mimotron.pipeline.interleaved_plan`.
+(``chunk=j``). The schedule is :mod:`mimotron.pipeline.interleaved_actions`.
 """
 
 from __future__ import annotations

@@ -58,6 +58,12 @@ from mimotron.names import LANGUAGE
 from mimotron.parallel.context_parallel import placeholder_selection
 from mimotron.parallel.layout import Layout
 from mimotron.parallel.virtual_pipeline import is_first_virtual_stage, is_last_virtual_stage
+from mimotron.pipeline.actions import (
+    RECV_BACKWARD,
+    RECV_FORWARD,
+    SEND_BACKWARD,
+    SEND_FORWARD,
+)
 from mimotron.pipeline.edges import Edge, bridge_routes, slice_range
 from mimotron.pipeline.links import Link, build_link_groups, p2p_links
 from mimotron.pipeline.p2p import (
@@ -68,12 +74,6 @@ from mimotron.pipeline.p2p import (
     TransferCounts,
     broadcast_tensor,
     exchange,
-)
-from mimotron.pipeline.plan import (
-    RECV_BACKWARD,
-    RECV_FORWARD,
-    SEND_BACKWARD,
-    SEND_FORWARD,
 )
 from mimotron.pipeline.shapes import LinkShape, bridge_link, stage_link_shape
 from mimotron.runtime import synchronize

@@ -11,7 +11,7 @@ model), which is exactly that order.
 
 So each *directed* link ``src -> dst`` gets a two-rank process group of its own: on it
 ``src`` only sends and ``dst`` only receives, in the same order (the plans keep each
-channel's receives in the sender's order; :mod:`mimotron.pipeline.plan_check`). Every
+channel's receives in the sender's order; :mod:`mimotron.pipeline.actions_check`). Every
 stream then holds operations of one kind, a send never stands before a receive, and a
 plan that completes with buffered sends completes under NCCL too. The cost is two
 communicators per neighbour pair, created once at set-up. ``mimotron.commcheck``

@@ -1,7 +1,7 @@
 """Schedules: run a step's micro-batches through every module stage on this rank.
 
 The *plan* (what to do, in which order) comes from the pure functions in
-:mod:`mimotron.pipeline.plan`; this module *executes* it. ``StageRunner`` knows how to
+:mod:`mimotron.pipeline.actions`; this module *executes* it. ``StageRunner`` knows how to
 run one forward or backward of whatever this rank holds:
 
 * a colocated rank holds every module: encoders, the colocated bridge, the language
@@ -20,11 +20,11 @@ With ``encoder_batching`` (colocated only) the encoders run the step's micro-bat
 one forward and one backward (:mod:`mimotron.pipeline.encoder_batching`); the language
 side consumes their rows micro-batch by micro-batch.
 
-:func:`rank_plan` gives a rank's 1F1B plan, or the plan with no warm-up (each
+:func:`rank_actions` gives a rank's 1F1B plan, or the plan with no warm-up (each
 micro-batch's backward completes before the next forward); a run builds its plan once at
 set-up and :func:`run_schedule` executes it each step. ``forward_only=True`` evaluates. A
 module with ``virtual_pipeline > 1`` gets the interleaved plan
-(:mod:`mimotron.pipeline.interleaved_plan`) from the same entry point and the same
+(:mod:`mimotron.pipeline.interleaved_actions`) from the same entry point and the same
 executor: every action names its model chunk, the runner runs that chunk's layers, and
 the transport picks the ring neighbour of that chunk.
 """
@@ -51,12 +51,7 @@ from mimotron.parallel.virtual_pipeline import (
     is_first_virtual_stage,
     is_last_virtual_stage,
 )
-from mimotron.pipeline.colocated import ColocatedTransport
-from mimotron.pipeline.communicator import MultiModulePipelineCommunicator, Transfer
-from mimotron.pipeline.edges import Edge
-from mimotron.pipeline.encoder_batching import BatchedEncoders
-from mimotron.pipeline.interleaved_plan import build_rank_plan
-from mimotron.pipeline.plan import (
+from mimotron.pipeline.actions import (
     BACKWARD,
     FORWARD,
     RECV_BACKWARD,
@@ -67,6 +62,11 @@ from mimotron.pipeline.plan import (
     Action,
     unpaired,
 )
+from mimotron.pipeline.colocated import ColocatedTransport
+from mimotron.pipeline.communicator import MultiModulePipelineCommunicator, Transfer
+from mimotron.pipeline.edges import Edge
+from mimotron.pipeline.encoder_batching import BatchedEncoders
+from mimotron.pipeline.interleaved_actions import build_rank_actions
 
 if TYPE_CHECKING:  # the language step is handed in; the schedule only calls it
     from mimotron.training.language_step import LanguageStep, LossOutput
@@ -380,7 +380,7 @@ def _execute(plan: list[Action], runner: StageRunner, comm: Transport) -> None:
     comm.finish(forward_only=runner.ctx.forward_only)
 
 
-def rank_plan(layout: Layout, rank: int, num_microbatches: int, pipelined: bool,
+def rank_actions(layout: Layout, rank: int, num_microbatches: int, pipelined: bool,
               forward_only: bool = False) -> list[Action]:
     """This rank's plan of one schedule run (pure; a run's is built once at set-up).
 
@@ -401,12 +401,12 @@ def rank_plan(layout: Layout, rank: int, num_microbatches: int, pipelined: bool,
     else:
         (role,) = layout.roles(rank)
         module, stage = role.module, role.pp
-    return build_rank_plan(layout, module, stage, num_microbatches, pipelined,
+    return build_rank_actions(layout, module, stage, num_microbatches, pipelined,
                            forward_only=forward_only)
 
 
 def run_schedule(ctx: StepContext, plan: list[Action]) -> list[MicrobatchOutput]:
-    """Run ``plan`` (:func:`rank_plan`) over the step's micro-batches on this rank.
+    """Run ``plan`` (:func:`rank_actions`) over the step's micro-batches on this rank.
 
     Returns:
         What the language model's last stage produced, one entry per micro-batch (none

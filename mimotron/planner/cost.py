@@ -18,8 +18,8 @@ from mimotron.config.vocab_size import model_vocab_size, padded_vocab_size
 from mimotron.data.run_data import build_tokenizer
 from mimotron.names import LANGUAGE
 from mimotron.parallel.layout import Layout
-from mimotron.pipeline.interleaved_plan import build_rank_plan
-from mimotron.pipeline.plan import Position, build_1f1b_plan
+from mimotron.pipeline.actions import Position, build_1f1b_actions
+from mimotron.pipeline.interleaved_actions import build_rank_actions
 from mimotron.planner.calibration_data import Calibration
 from mimotron.planner.devices import DeviceSpec
 from mimotron.planner.lanes import (
@@ -64,7 +64,7 @@ class StepCost:
     total: float
     bottleneck: str
     core_sharing: float = 0.0
-    critical: tuple[str, int] = ("language", 0)
+    critical: tuple[str, int] = (LANGUAGE, 0)
 
     def terms(self) -> list[tuple[str, float]]:
         """``(label, seconds)`` of every non-zero term, for ``--explain``."""
@@ -87,7 +87,7 @@ def step_cost(cfg: MimoConfig, layout: Layout, device: DeviceSpec,
     """Predict one training step of ``cfg`` laid out as ``layout`` on ``device``.
 
     Args:
-        cfg: a config that passed the validator (``load_config`` + ``plan_layout``).
+        cfg: a config that passed the validator (``load_config`` + ``check_layout``).
         layout: its layout.
         device: the device constants (:func:`~mimotron.planner.devices.device_table`).
         calibration: measured module times and collective costs that replace the
@@ -107,7 +107,7 @@ def step_cost(cfg: MimoConfig, layout: Layout, device: DeviceSpec,
     if layout.colocated:
         key = (LANGUAGE, 0)
         costs[key], bridge = colocated_lane_cost(cfg, layout, vocab, device, calibration, links)
-        plan = build_1f1b_plan(n, Position(LANGUAGE, 0, 0, 1, False, False), pipelined)
+        plan = build_1f1b_actions(n, Position(LANGUAGE, 0, 0, 1, False, False), pipelined)
         lanes[key] = Lane(plan, layout.world_size, 1, 1, costs[key].compute)
     else:
         bridge = bridge_seconds(cfg, layout, links)
@@ -116,7 +116,7 @@ def step_cost(cfg: MimoConfig, layout: Layout, device: DeviceSpec,
             for s in range(par.pipeline):
                 costs[(name, s)] = lane_cost(cfg, layout, name, s, vocab, device,
                                              calibration, links)
-                lanes[(name, s)] = Lane(build_rank_plan(layout, name, s, n, pipelined),
+                lanes[(name, s)] = Lane(build_rank_actions(layout, name, s, n, pipelined),
                                         par.size // par.pipeline, par.pipeline,
                                         par.virtual_pipeline, costs[(name, s)].compute)
     result = simulate(lanes, lambda src, msg: transfer_seconds(cfg, layout, links, src, msg),

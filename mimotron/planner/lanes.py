@@ -19,7 +19,7 @@ from mimotron.names import LANGUAGE
 from mimotron.parallel.layout import Layout
 from mimotron.planner.calibration_data import Calibration
 from mimotron.planner.devices import DeviceSpec
-from mimotron.planner.simulate import LaneKey, MessageKey
+from mimotron.planner.simulate import MessageKey, StageKey
 from mimotron.planner.terms import (
     Links,
     chunk_collectives,
@@ -157,7 +157,7 @@ def _optimizer_seconds(cfg: MimoConfig, name: str, stage: int, vocab: int,
     return params * OPTIMIZER_BYTES_PER_PARAM / (HBM_OVER_LINK * device.intra_node_bytes_per_s)
 
 
-def transfer_seconds(cfg: MimoConfig, layout: Layout, links: Links, src: LaneKey,
+def transfer_seconds(cfg: MimoConfig, layout: Layout, links: Links, src: StageKey,
                      message: MessageKey) -> float:
     """Seconds of one message from lane ``src`` to its receiver (activations or their
     gradient: the same bytes): one rank's slice of the micro-batch."""
@@ -177,7 +177,7 @@ def transfer_seconds(cfg: MimoConfig, layout: Layout, links: Links, src: LaneKey
 
 
 def _bridge_message_seconds(cfg: MimoConfig, layout: Layout, links: Links, encoder: str,
-                            src: LaneKey, message: MessageKey) -> float:
+                            src: StageKey, message: MessageKey) -> float:
     """One micro-batch's bridge between ``encoder`` and the language model, one way:
     encoder tokens in the language model's width. An encoder rank with fewer DP
     replicas than the language model sends its slice to ``lm.data / enc.data`` ranks,

@@ -18,7 +18,7 @@ Three phases keep a 3-module model on 64 ranks well under a minute:
    by that approximate time.
 3. **Check** the composed list in that order: each candidate is written as config
    overrides and goes through ``load_config`` and
-   :func:`~mimotron.parallel.layout.plan_layout` (the validator ``mimotron train``
+   :func:`~mimotron.parallel.layout.check_layout` (the validator ``mimotron train``
    runs), the memory estimate of every rank against the limit, and the step-time model
    (:func:`~mimotron.planner.cost.step_cost`: the simulated plans). The survivors are
    sorted by predicted step time.
@@ -34,7 +34,7 @@ from mimotron.config.load import load_config
 from mimotron.config.schema import MimoConfig
 from mimotron.estimate.memory import estimate_memory
 from mimotron.names import LANGUAGE
-from mimotron.parallel.layout import Layout, ModulePlacement, plan_layout
+from mimotron.parallel.layout import Layout, ModulePlacement, check_layout
 from mimotron.planner.calibration_data import Calibration
 from mimotron.planner.cost import StepCost, model_vocabulary, step_cost
 from mimotron.planner.devices import DeviceSpec
@@ -416,7 +416,7 @@ def _module_memory(ctx: _Context, cfg: MimoConfig, name: str, option: ModuleOpti
     apply_option(cfg, name, option, 0)
     layout = _place(cfg, name)
     try:
-        plan_layout(cfg)
+        check_layout(cfg)
     except ValueError:
         return None
     if colocated:
@@ -446,7 +446,7 @@ def _check(ctx: _Context, cand: Candidate) -> str:
     cand.changes = candidate_overrides(ctx.request.overrides, cand, ctx.base)
     try:
         cfg = load_config(ctx.request.config, cand.overrides)
-        layout = plan_layout(cfg)
+        layout = check_layout(cfg)
     except ValueError:
         return "refused"
     if layout.world_size != ctx.request.world:

@@ -2,7 +2,7 @@
 
 The step-time model (:mod:`mimotron.planner.cost`) does not estimate the pipeline
 bubble with ``(p - 1) / m``: it replays the plans the executor runs
-(:func:`~mimotron.pipeline.interleaved_plan.build_rank_plan`, 1F1B or interleaved, over
+(:func:`~mimotron.pipeline.interleaved_actions.build_rank_actions`, 1F1B or interleaved, over
 the module DAG: encoders feed the language model's first stage) with a duration per
 compute and per transfer, and reads off when each rank finishes.
 
@@ -33,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from mimotron.names import LANGUAGE
-from mimotron.pipeline.plan import (
+from mimotron.pipeline.actions import (
     BACKWARD,
     FORWARD,
     RECV_BACKWARD,
@@ -41,14 +41,13 @@ from mimotron.pipeline.plan import (
     SEND_BACKWARD,
     SEND_FORWARD,
     Action,
+    StageKey,
     unpaired,
 )
 
 EVENTS_PER_ACTION = 4
 """Events a replay may take per action of its plans (a compute takes 2, a receive 1)."""
 
-LaneKey = tuple[str, int]
-"""(module, pipeline stage)."""
 MessageKey = tuple[str, str, int, int, int]
 """(direction ``F`` / ``B``, receiving module, its stage, its chunk, micro-batch)."""
 
@@ -88,11 +87,11 @@ class SimResult:
     """
 
     makespan: float
-    finish: dict[LaneKey, float] = field(default_factory=dict)
-    busy: dict[LaneKey, float] = field(default_factory=dict)
+    finish: dict[StageKey, float] = field(default_factory=dict)
+    busy: dict[StageKey, float] = field(default_factory=dict)
 
 
-def destinations(lanes: dict[LaneKey, Lane], key: LaneKey, action: Action
+def destinations(lanes: dict[StageKey, Lane], key: StageKey, action: Action
                  ) -> list[MessageKey]:
     """Where a send's message goes: the next (virtual) stage or across modules."""
     module, stage = key
@@ -113,7 +112,7 @@ def destinations(lanes: dict[LaneKey, Lane], key: LaneKey, action: Action
             for m, s in lanes if m != LANGUAGE and s == 0]
 
 
-def _senders(lanes: dict[LaneKey, Lane], message: MessageKey) -> int:
+def _senders(lanes: dict[StageKey, Lane], message: MessageKey) -> int:
     """Messages a receive waits for: every encoder's at the language model's input."""
     direction, module, stage, chunk, _ = message
     if direction == "F" and module == LANGUAGE and stage == 0 and chunk == 0:
@@ -130,7 +129,7 @@ class _State:
     started: float = 0.0
 
 
-def simulate(lanes: dict[LaneKey, Lane], transfer: Callable[[LaneKey, MessageKey], float],
+def simulate(lanes: dict[StageKey, Lane], transfer: Callable[[StageKey, MessageKey], float],
              host_cores: int = 0, max_events: int | None = None) -> SimResult:
     """Replay every lane's plan; see the module docstring.
 
@@ -204,7 +203,7 @@ def _valid_seconds(value: float) -> bool:
     return math.isfinite(value) and value >= 0
 
 
-def _check_durations(lanes: dict[LaneKey, Lane]) -> None:
+def _check_durations(lanes: dict[StageKey, Lane]) -> None:
     """Raise :class:`SimulationError` naming the first compute not finite and >= 0."""
     for (module, stage), lane in lanes.items():
         for (kind, chunk), (work, fixed) in lane.compute.items():
@@ -234,7 +233,7 @@ def _progress(st: _State, step: float, rate: float) -> None:
     st.fixed = max(0.0, st.fixed - step)
 
 
-def _pending_arrival(lanes: dict[LaneKey, Lane], action: Action, key: LaneKey,
+def _pending_arrival(lanes: dict[StageKey, Lane], action: Action, key: StageKey,
                      arrived: dict[MessageKey, list[float]]) -> list[float]:
     """The arrival time a blocked receive waits for, once every sender has sent."""
     message = _received(key, action)
@@ -243,7 +242,7 @@ def _pending_arrival(lanes: dict[LaneKey, Lane], action: Action, key: LaneKey,
     return [max(arrived[message])]
 
 
-def _received(key: LaneKey, action: Action) -> MessageKey | None:
+def _received(key: StageKey, action: Action) -> MessageKey | None:
     if action.kind == RECV_FORWARD:
         return ("F", key[0], key[1], action.chunk, action.microbatch)
     if action.kind == RECV_BACKWARD:
@@ -251,9 +250,9 @@ def _received(key: LaneKey, action: Action) -> MessageKey | None:
     return None
 
 
-def _advance(lanes: dict[LaneKey, Lane], key: LaneKey, plan: list[Action], st: _State,
+def _advance(lanes: dict[StageKey, Lane], key: StageKey, plan: list[Action], st: _State,
              arrived: dict[MessageKey, list[float]],
-             transfer: Callable[[LaneKey, MessageKey], float], now: float) -> None:
+             transfer: Callable[[StageKey, MessageKey], float], now: float) -> None:
     """Run a lane's sends and ready receives until it starts a compute or blocks."""
     while st.pos < len(plan):
         action = plan[st.pos]

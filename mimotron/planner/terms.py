@@ -43,6 +43,7 @@ from mimotron.estimate.flops import (
     transformer_layer_flops,
 )
 from mimotron.estimate.widths import BYTES, attention_widths
+from mimotron.names import LANGUAGE
 from mimotron.parallel.layout import ModulePlacement
 from mimotron.parallel.virtual_pipeline import stage_layers
 from mimotron.planner.calibration_data import Calibration, LinkCost
@@ -163,7 +164,7 @@ def _ends_flops(cfg: MimoConfig, name: str, shape: StageShape, vocab: int
                 ) -> tuple[float, float]:
     """Forward FLOPs outside the layers: (first stage's front end, last stage's end)."""
     mod = cfg.modules[name]
-    lm_h = cfg.modules["language"].hidden_size
+    lm_h = cfg.modules[LANGUAGE].hidden_size
     if mod.is_encoder:
         whole = encoder_flops(mod, lm_h, shape.samples)
         proj = projector_flops(mod, lm_h, shape.samples)
@@ -177,7 +178,7 @@ def module_forward_flops(cfg: MimoConfig, name: str, vocab: int) -> float:
     """Forward FLOPs of the whole module on one micro-batch (for the calibration's share)."""
     mod = cfg.modules[name]
     samples = cfg.train.micro_batch_size
-    lm_h = cfg.modules["language"].hidden_size
+    lm_h = cfg.modules[LANGUAGE].hidden_size
     if mod.is_encoder:
         return encoder_flops(mod, lm_h, samples)
     return language_model_flops(mod, vocab, samples, cfg.data.seq_length)
@@ -250,7 +251,7 @@ def _measured_backward_flops(cfg: MimoConfig, name: str, forward: float, samples
     forward FLOPs): a frozen tower's backward is its projector's alone."""
     mod = cfg.modules[name]
     if mod.tower_frozen:
-        return 2.0 * projector_flops(mod, cfg.modules["language"].hidden_size, samples)
+        return 2.0 * projector_flops(mod, cfg.modules[LANGUAGE].hidden_size, samples)
     return backward_factor(cfg, name) * forward
 
 
@@ -321,7 +322,7 @@ def _tp_collectives(cfg: MimoConfig, name: str, shape: StageShape, chunk: int,
         bwd += all_reduce if last and not mod.is_encoder else 0.0
     if mod.is_encoder:
         if last:
-            lm_width = cfg.modules["language"].hidden_size
+            lm_width = cfg.modules[LANGUAGE].hidden_size
             fwd += links.cost("all_reduce", ranks, shape.samples * shape.tokens * lm_width * c)
             bwd += all_reduce
         return fwd, bwd
@@ -352,8 +353,8 @@ def stage_params(cfg: MimoConfig, name: str, stage: int, vocab: int) -> float:
     n = sum(shape.layers) * layer_params(cfg, name)
     h = mod.hidden_size
     if mod.is_encoder:
-        mid = mod.projector_hidden_size or cfg.modules["language"].hidden_size
-        n += (h * mid + mid * cfg.modules["language"].hidden_size) if shape.last else 0
+        mid = mod.projector_hidden_size or cfg.modules[LANGUAGE].hidden_size
+        n += (h * mid + mid * cfg.modules[LANGUAGE].hidden_size) if shape.last else 0
     else:
         n += vocab * h * ((1 if shape.first else 0) + (1 if shape.last else 0))
     return n / mod.parallel.tensor
@@ -367,7 +368,7 @@ def trainable_params(cfg: MimoConfig, name: str, stage: int, vocab: int) -> floa
     if mod.tower_frozen:
         if stage != mod.parallel.pipeline - 1:
             return 0.0
-        mid = mod.projector_hidden_size or cfg.modules["language"].hidden_size
-        lm_h = cfg.modules["language"].hidden_size
+        mid = mod.projector_hidden_size or cfg.modules[LANGUAGE].hidden_size
+        lm_h = cfg.modules[LANGUAGE].hidden_size
         return (mod.hidden_size * mid + mid * lm_h) / mod.parallel.tensor
     return stage_params(cfg, name, stage, vocab)

@@ -23,7 +23,7 @@ from mimotron.pipeline.schedules import (
     MicrobatchOutput,
     StepContext,
     Transport,
-    rank_plan,
+    rank_actions,
     run_schedule,
 )
 from mimotron.training.data_provider import Microbatch, microbatches_to_device
@@ -72,7 +72,7 @@ def evaluate(
             language=LanguageStep.of(forward_step_func), transport=communicator,
             forward_only=True, encoder_batching=encoder_batching,
             autocast=autocast_factory(precision, device))
-        plan = rank_plan(infra.layout, infra.rank, len(microbatches), pipelined=False,
+        plan = rank_actions(infra.layout, infra.rank, len(microbatches), pipelined=False,
                          forward_only=True)
         outputs = run_schedule(ctx, plan)
         totals += torch.cat([local_output_sums(outputs, infra.is_loss_leader,

@@ -20,7 +20,7 @@ from mimotron.parallel.groups import (
     build_module_grid,
     build_pg_collections,
 )
-from mimotron.parallel.layout import Layout, RankRole, plan_layout
+from mimotron.parallel.layout import Layout, RankRole, check_layout
 
 
 @dataclass
@@ -82,7 +82,7 @@ def build_infra(cfg: MimoConfig, rank: int, world_size: int) -> MimoModelInfra:
         ValueError: the layout does not fit ``world_size`` (raised on every rank before
             any group is created, so nobody waits on a collective).
     """
-    layout = plan_layout(cfg, env_world_size=world_size)
+    layout = check_layout(cfg, env_world_size=world_size)
     backend = dist.get_backend() if dist.is_initialized() else None
     # new_group ignores the world's timeout (default 30 min): pass ours so no rank hangs.
     timeout = timedelta(seconds=cfg.train.pg_timeout_s)

@@ -30,7 +30,7 @@ from mimotron.pipeline.schedules import (
     MicrobatchOutput,
     StepContext,
     Transport,
-    rank_plan,
+    rank_actions,
     run_schedule,
 )
 from mimotron.training.data_provider import Microbatch
@@ -176,13 +176,13 @@ def zero_grad_buffer_for_multimodule(modules: dict[str, nn.Module]) -> None:
 
 def forward_backward_pipelining_without_interleaving(ctx: StepContext) -> list[MicrobatchOutput]:
     """1F1B over the module DAG (warm-up / steady / cool-down per rank)."""
-    return run_schedule(ctx, rank_plan(ctx.layout, ctx.rank, len(ctx.microbatches),
+    return run_schedule(ctx, rank_actions(ctx.layout, ctx.rank, len(ctx.microbatches),
                                        pipelined=True, forward_only=ctx.forward_only))
 
 
 def forward_backward_no_pipelining(ctx: StepContext) -> list[MicrobatchOutput]:
     """Micro-batch after micro-batch: each backward finishes before the next forward."""
-    return run_schedule(ctx, rank_plan(ctx.layout, ctx.rank, len(ctx.microbatches),
+    return run_schedule(ctx, rank_actions(ctx.layout, ctx.rank, len(ctx.microbatches),
                                        pipelined=False, forward_only=ctx.forward_only))
 
 

@@ -168,7 +168,7 @@ class StepProfiler:
     """
 
     def __init__(self, cfg: ProfileConfig, log_dir: Path, rank: int, world_size: int) -> None:
-        check_profile_ranks(cfg, world_size)  # The validator's rule (plan_layout) too.
+        check_profile_ranks(cfg, world_size)  # The validator's rule (check_layout) too.
         self.enabled = cfg.enabled and rank in cfg.ranks
         self.start, self.end = max(cfg.start, 1), cfg.end
         self.path = log_dir / "profile" / f"rank{rank}_iter{self.start}-{self.end}.json"

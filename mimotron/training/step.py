@@ -29,12 +29,12 @@ from mimotron.optim.scheduler import OptimizerParamScheduler
 from mimotron.parallel.fsdp import fsdp_modules
 from mimotron.parallel.grad_sync import GradSync
 from mimotron.parallel.groups import MultiModuleProcessGroupCollection, ProcessGroupCollection
-from mimotron.pipeline.plan import Action
+from mimotron.pipeline.actions import Action
 from mimotron.pipeline.schedules import (
     MicrobatchOutput,
     StepContext,
     Transport,
-    rank_plan,
+    rank_actions,
     run_schedule,
 )
 from mimotron.training.data_provider import Microbatch, microbatches_to_device
@@ -176,7 +176,7 @@ def build_step_run(model: nn.Module, optimizer: MimoOptimizer,
         frozen={n for n, m in cfg.modules.items() if m.fully_frozen},
         fsdp=fsdp_modules(cfg), bucket_bytes=int(cfg.train.grad_bucket_mb * 2**20),
         pipelined=pipelined,
-        plan=rank_plan(infra.layout, infra.rank, cfg.num_microbatches, pipelined),
+        plan=rank_actions(infra.layout, infra.rank, cfg.num_microbatches, pipelined),
         num_microbatches=cfg.num_microbatches,
         autocast=autocast_factory(cfg.train.precision, state.runtime.device))
 
@@ -217,7 +217,7 @@ def train_step(run: StepRun, microbatches: list[Microbatch]) -> StepResult:
         autocast=run.autocast, grad_sync=grad_sync,
         encoder_batching=cfg.train.encoder_batching)
     plan = (run.plan if len(microbatches) == run.num_microbatches
-            else rank_plan(run.infra.layout, run.infra.rank, len(microbatches), run.pipelined))
+            else rank_actions(run.infra.layout, run.infra.rank, len(microbatches), run.pipelined))
     try:
         # One 16-bit copy of each weight for the step's micro-batches, freed before the
         # optimizer changes the weights (mimotron.training.precision).

@@ -1,8 +1,8 @@
 """All-ranks checks of pipeline plans: data dependencies, pairing, completeness, deadlock.
 
-A plan (:mod:`mimotron.pipeline.plan`, :mod:`mimotron.pipeline.interleaved_plan`) is
+A plan (:mod:`mimotron.pipeline.actions`, :mod:`mimotron.pipeline.interleaved_actions`) is
 the list of actions one rank runs. Each check here takes every rank's plan at once
-and raises :class:`PlanError` (a ``ValueError``) naming the rank, the index of the
+and raises :class:`ActionListError` (a ``ValueError``) naming the rank, the index of the
 offending action in that rank's plan and the rule it breaks:
 
 * **per rank** (:func:`check_rank`) — every (chunk, micro-batch) is computed forward
@@ -24,11 +24,11 @@ receiver's (chunk, micro-batch), so the checks hold for interleaved rings too.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from mimotron.parallel.layout import Layout
-from mimotron.pipeline.plan import (
+from mimotron.pipeline.actions import (
     BACKWARD,
     FORWARD,
     RECV_BACKWARD,
@@ -36,21 +36,21 @@ from mimotron.pipeline.plan import (
     SEND_BACKWARD,
     SEND_FORWARD,
     Action,
+    StageKey,
     unpaired,
 )
 
-Node = Hashable  # a rank's name, e.g. (module, pipeline stage)
 Label = tuple[str, int, int]  # (FORWARD | BACKWARD, chunk at the receiver, micro-batch)
-Plans = Mapping[Node, Sequence[Action]]
+Plans = Mapping[StageKey, Sequence[Action]]
 # Direction of the tensor each transfer moves.
 _DIRECTION = {SEND_FORWARD: FORWARD, RECV_FORWARD: FORWARD,
               SEND_BACKWARD: BACKWARD, RECV_BACKWARD: BACKWARD}
 
 
-class PlanError(ValueError):
+class ActionListError(ValueError):
     """A plan breaks a rule: ``node``'s action number ``index`` (``len(plan)``: its end)."""
 
-    def __init__(self, node: Node, index: int, action: Action | None, rule: str) -> None:
+    def __init__(self, node: StageKey, index: int, action: Action | None, rule: str) -> None:
         self.node, self.index, self.action = node, index, action
         where = f"action #{index} {action!r}" if action is not None else f"end (#{index})"
         super().__init__(f"rank {node} {where}: {rule}")
@@ -68,11 +68,11 @@ class Placement:
         downstream: first stage ranks of the modules the last virtual stage feeds.
     """
 
-    ring: tuple[Node, ...]
+    ring: tuple[StageKey, ...]
     stage: int
     virtual: int = 1
-    upstream: tuple[Node, ...] = ()
-    downstream: tuple[Node, ...] = ()
+    upstream: tuple[StageKey, ...] = ()
+    downstream: tuple[StageKey, ...] = ()
 
     def is_first(self, chunk: int) -> bool:
         """Whether ``chunk`` here is the module's first virtual stage."""
@@ -83,16 +83,16 @@ class Placement:
         return self.stage == len(self.ring) - 1 and chunk == self.virtual - 1
 
 
-Topology = Mapping[Node, Placement]
+Topology = Mapping[StageKey, Placement]
 
 
-def ring_topology(module: str, pipeline: int, virtual: int = 1) -> dict[Node, Placement]:
+def ring_topology(module: str, pipeline: int, virtual: int = 1) -> dict[StageKey, Placement]:
     """One module alone: nodes ``(module, stage)`` for ``stage < pipeline``."""
     ring = tuple((module, s) for s in range(pipeline))
     return {node: Placement(ring, s, virtual) for s, node in enumerate(ring)}
 
 
-def layout_topology(layout: Layout) -> dict[Node, Placement]:
+def layout_topology(layout: Layout) -> dict[StageKey, Placement]:
     """Every ``(module, stage)`` of a layout, wired by its module DAG.
 
     A colocated layout runs the whole model in one position on every rank (activations
@@ -100,7 +100,7 @@ def layout_topology(layout: Layout) -> dict[Node, Placement]:
     """
     if layout.colocated:
         return {(m, 0): Placement(((m, 0),), 0) for m in layout.modules}
-    out: dict[Node, Placement] = {}
+    out: dict[StageKey, Placement] = {}
     for m, mod in layout.modules.items():
         par = mod.parallel
         ring = tuple((m, s) for s in range(par.pipeline))
@@ -112,7 +112,7 @@ def layout_topology(layout: Layout) -> dict[Node, Placement]:
     return out
 
 
-def routes(topology: Topology, node: Node, action: Action) -> list[tuple[Node, Label]]:
+def routes(topology: Topology, node: StageKey, action: Action) -> list[tuple[StageKey, Label]]:
     """``(peer, label)`` of every message a send or receive moves (``[]``: no peer).
 
     The label names the tensor as the receiver knows it (its chunk), so both ends of a
@@ -138,7 +138,7 @@ def routes(topology: Topology, node: Node, action: Action) -> list[tuple[Node, L
 
 def expand(plan: Sequence[Action]) -> list[tuple[int, Action]]:
     """``(index in plan, action)`` with 1F1B's paired transfers as a send then a receive
-    (:func:`~mimotron.pipeline.plan.unpaired`)."""
+    (:func:`~mimotron.pipeline.actions.unpaired`)."""
     return [(i, b) for i, a in enumerate(plan) for b in unpaired(a)]
 
 
@@ -163,7 +163,7 @@ def _compute_rule(where: Placement, a: Action, done: set[Label], received: set[L
     return None
 
 
-def _transfer_rule(topology: Topology, node: Node, a: Action, done: set[Label],
+def _transfer_rule(topology: Topology, node: StageKey, a: Action, done: set[Label],
                    moved: set[tuple[str, int, int]]) -> str | None:
     """The dependency a send or receive breaks, or ``None``."""
     label = (_DIRECTION[a.kind], a.chunk, a.microbatch)
@@ -176,7 +176,7 @@ def _transfer_rule(topology: Topology, node: Node, a: Action, done: set[Label],
     return None
 
 
-def check_rank(topology: Topology, node: Node, plan: Sequence[Action],
+def check_rank(topology: Topology, node: StageKey, plan: Sequence[Action],
                num_microbatches: int, forward_only: bool = False) -> None:
     """Check one rank's plan on its own: data dependencies and a complete compute order.
 
@@ -188,7 +188,7 @@ def check_rank(topology: Topology, node: Node, plan: Sequence[Action],
         forward_only: evaluation (no backward may appear).
 
     Raises:
-        PlanError: naming the rank, the action index and the broken rule.
+        ActionListError: naming the rank, the action index and the broken rule.
     """
     where = topology[node]
     done: set[Label] = set()
@@ -197,7 +197,7 @@ def check_rank(topology: Topology, node: Node, plan: Sequence[Action],
     for i, a in expand(plan):
         if a.kind in (FORWARD, BACKWARD):
             if not (0 <= a.chunk < where.virtual and 0 <= a.microbatch < num_microbatches):
-                raise PlanError(node, i, a, "no such (chunk, micro-batch)")
+                raise ActionListError(node, i, a, "no such (chunk, micro-batch)")
             rule = _compute_rule(where, a, done, received, forward_only)
             done.add((a.kind, a.chunk, a.microbatch))
         elif a.kind in _DIRECTION:
@@ -208,11 +208,11 @@ def check_rank(topology: Topology, node: Node, plan: Sequence[Action],
         else:
             rule = f"unknown action kind {a.kind!r}"
         if rule is not None:
-            raise PlanError(node, i, a, rule)
+            raise ActionListError(node, i, a, rule)
     _check_complete(topology, node, plan, done, moved, num_microbatches, forward_only)
 
 
-def _check_complete(topology: Topology, node: Node, plan: Sequence[Action],
+def _check_complete(topology: Topology, node: StageKey, plan: Sequence[Action],
                     done: set[Label], moved: set[tuple[str, int, int]],
                     num_microbatches: int, forward_only: bool) -> None:
     """Every (chunk, micro-batch) computed, and every output with a consumer sent."""
@@ -220,18 +220,18 @@ def _check_complete(topology: Topology, node: Node, plan: Sequence[Action],
     expected = {(kind, c, k) for kind in kinds for c in range(topology[node].virtual)
                 for k in range(num_microbatches)}
     if missing := sorted(expected - done):
-        raise PlanError(node, len(plan), None, f"never computes {missing[:4]}")
+        raise ActionListError(node, len(plan), None, f"never computes {missing[:4]}")
     for kind, c, k in sorted(done):
         send = Action(SEND_FORWARD if kind == FORWARD else SEND_BACKWARD, k, chunk=c)
         if routes(topology, node, send) and (send.kind, c, k) not in moved:
-            raise PlanError(node, len(plan), None, f"never sends {(kind, c, k)}")
+            raise ActionListError(node, len(plan), None, f"never sends {(kind, c, k)}")
 
 
 def _channels(topology: Topology, plans: Plans, sending: bool
-              ) -> dict[tuple[Node, Node], list[tuple[Label, int, Action]]]:
+              ) -> dict[tuple[StageKey, StageKey], list[tuple[Label, int, Action]]]:
     """Per channel ``(sender, receiver)``: ``(label, index, action)`` in one end's order."""
     kinds = (SEND_FORWARD, SEND_BACKWARD) if sending else (RECV_FORWARD, RECV_BACKWARD)
-    out: dict[tuple[Node, Node], list[tuple[Label, int, Action]]] = {}
+    out: dict[tuple[StageKey, StageKey], list[tuple[Label, int, Action]]] = {}
     for node, plan in plans.items():
         for i, a in expand(plan):
             if a.kind in kinds:
@@ -245,7 +245,7 @@ def check_pairing(topology: Topology, plans: Plans) -> None:
     """Sends and receives pair up between neighbours: same labels, same order.
 
     Raises:
-        PlanError: at the first receive that does not match its channel's next message
+        ActionListError: at the first receive that does not match its channel's next message
             (or a message never received, named at its send).
     """
     sent, got = _channels(topology, plans, True), _channels(topology, plans, False)
@@ -253,13 +253,14 @@ def check_pairing(topology: Topology, plans: Plans) -> None:
         outbox, inbox = sent.get((src, dst), []), got.get((src, dst), [])
         for n, (label, i, a) in enumerate(inbox):
             if n >= len(outbox):
-                raise PlanError(dst, i, a, f"receives {label} from {src}, which never sends it")
+                raise ActionListError(dst, i, a,
+                                      f"receives {label} from {src}, which never sends it")
             if outbox[n][0] != label:
-                raise PlanError(dst, i, a, f"receives {label} from {src}, whose message "
+                raise ActionListError(dst, i, a, f"receives {label} from {src}, whose message "
                                            f"#{n} is {outbox[n][0]} (action #{outbox[n][1]})")
         if len(outbox) > len(inbox):
             label, i, a = outbox[len(inbox)]
-            raise PlanError(src, i, a, f"sends {label} to {dst}, which never receives it")
+            raise ActionListError(src, i, a, f"sends {label} to {dst}, which never receives it")
 
 
 def check_progress(topology: Topology, plans: Plans) -> None:
@@ -268,12 +269,12 @@ def check_progress(topology: Topology, plans: Plans) -> None:
     Assumes :func:`check_pairing` passed, so a receive only waits for its message count.
 
     Raises:
-        PlanError: at the receive of the first rank still waiting when none can move.
+        ActionListError: at the receive of the first rank still waiting when none can move.
     """
     steps = {node: expand(plan) for node, plan in plans.items()}
     at = dict.fromkeys(steps, 0)
-    posted: dict[tuple[Node, Node], int] = {}
-    taken: dict[tuple[Node, Node], int] = {}
+    posted: dict[tuple[StageKey, StageKey], int] = {}
+    taken: dict[tuple[StageKey, StageKey], int] = {}
     while any(at[n] < len(s) for n, s in steps.items()):
         moved = False
         for node, todo in steps.items():
@@ -294,11 +295,11 @@ def check_progress(topology: Topology, plans: Plans) -> None:
             waiting = {n: s[at[n]][1] for n, s in steps.items() if at[n] < len(s)}
             node = next(iter(waiting))
             i = steps[node][at[node]][0]
-            raise PlanError(node, i, plans[node][i],
+            raise ActionListError(node, i, plans[node][i],
                             f"deadlock: every rank waits, next actions {waiting}")
 
 
-def check_plans(topology: Topology, plans: Plans, num_microbatches: int,
+def check_action_lists(topology: Topology, plans: Plans, num_microbatches: int,
                 forward_only: bool = False) -> None:
     """Every check on every rank's plan: per rank, per channel, then all together.
 
@@ -310,7 +311,7 @@ def check_plans(topology: Topology, plans: Plans, num_microbatches: int,
         forward_only: evaluation plans (forwards only).
 
     Raises:
-        PlanError: naming the rank, the action index and the broken rule.
+        ActionListError: naming the rank, the action index and the broken rule.
     """
     if set(plans) != set(topology):
         raise ValueError(f"plans for {sorted(plans, key=repr)}, ranks "

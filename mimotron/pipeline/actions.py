@@ -47,7 +47,7 @@ class Action:
 
     For the paired communications, ``microbatch`` is the one whose tensor is *sent*
     and ``other`` the one received. ``chunk`` is the model chunk (virtual stage) of an
-    interleaved plan (:mod:`mimotron.pipeline.interleaved_plan`); 0 otherwise.
+    interleaved plan (:mod:`mimotron.pipeline.interleaved_actions`); 0 otherwise.
     """
 
     kind: str
@@ -76,6 +76,11 @@ def unpaired(a: Action) -> list[Action]:
     return [a]
 
 
+StageKey = tuple[str, int]
+"""(module, pipeline stage): the one key of a stage's actions, its position, the
+planner's lanes and the action-list checks."""
+
+
 @dataclass(frozen=True)
 class Position:
     """Where one module stage sits in the flattened pipeline."""
@@ -88,7 +93,7 @@ class Position:
     has_next: bool
 
 
-def pipeline_positions(layout: Layout) -> dict[tuple[str, int], Position]:
+def pipeline_positions(layout: Layout) -> dict[StageKey, Position]:
     """Position of every (module, pipeline stage) of a layout's DAG.
 
     Colocated layouts run every module on every rank with one stage each: the whole
@@ -111,7 +116,7 @@ def pipeline_positions(layout: Layout) -> dict[tuple[str, int], Position]:
     return out
 
 
-def build_1f1b_plan(num_microbatches: int, position: Position, pipelined: bool = True,
+def build_1f1b_actions(num_microbatches: int, position: Position, pipelined: bool = True,
                     min_warmup: int = 0) -> list[Action]:
     """The 1F1B plan of one rank.
 
@@ -122,7 +127,7 @@ def build_1f1b_plan(num_microbatches: int, position: Position, pipelined: bool =
             micro-batch's backward completes before the next forward starts).
         min_warmup: at least this many warm-up forwards (an encoder feeding an
             interleaved language model, which takes several inputs before its first
-            gradient; :func:`~mimotron.pipeline.interleaved_plan.build_rank_plan`).
+            gradient; :func:`~mimotron.pipeline.interleaved_actions.build_rank_actions`).
 
     Returns:
         The actions in execution order.
@@ -163,7 +168,7 @@ def build_1f1b_plan(num_microbatches: int, position: Position, pipelined: bool =
     return plan
 
 
-def build_forward_only_plan(num_microbatches: int, position: Position) -> list[Action]:
+def build_forward_only_actions(num_microbatches: int, position: Position) -> list[Action]:
     """Evaluation: receive, forward, send — micro-batch after micro-batch."""
     plan = []
     for k in range(num_microbatches):

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from mimotron.names import LANGUAGE
 from mimotron.parallel.layout import Layout
-from mimotron.pipeline.plan import (
+from mimotron.pipeline.actions import (
     BACKWARD,
     FORWARD,
     RECV_BACKWARD,
@@ -41,8 +41,8 @@ from mimotron.pipeline.plan import (
     SEND_BACKWARD,
     SEND_FORWARD,
     Action,
-    build_1f1b_plan,
-    build_forward_only_plan,
+    build_1f1b_actions,
+    build_forward_only_actions,
     pipeline_positions,
 )
 
@@ -94,7 +94,7 @@ def interleaved_compute_order(num_microbatches: int, pipeline: int, virtual: int
         virtual: model chunks per rank ``v``.
         stage: this rank's pipeline stage ``r``.
         extra_warmup: forwards added to the warm-up (an encoder feeding a deeper
-            pipeline, see :func:`build_rank_plan`).
+            pipeline, see :func:`build_rank_actions`).
     """
     check_interleaving(num_microbatches, pipeline, virtual)
     total = num_microbatches * virtual
@@ -156,7 +156,7 @@ def _source(op: Compute, stage: int, pipeline: int, virtual: int) -> int | None:
     return 0 if chunk < virtual - 1 else None
 
 
-def build_interleaved_plan(num_microbatches: int, pipeline: int, virtual: int, stage: int,
+def build_interleaved_actions(num_microbatches: int, pipeline: int, virtual: int, stage: int,
                            *, has_prev: bool, has_next: bool, extra_warmup: int = 0
                            ) -> list[Action]:
     """The interleaved 1F1B plan of one stage rank (computes and transfers).
@@ -231,7 +231,7 @@ def _encoder_extra_warmup(needs: list[int], pipeline: int, virtual: int) -> int:
     return max(0, gap - num_warmup(n, pipeline, virtual, pipeline - 1))
 
 
-def build_rank_plan(layout: Layout, module: str, stage: int, num_microbatches: int,
+def build_rank_actions(layout: Layout, module: str, stage: int, num_microbatches: int,
                     pipelined: bool = True, forward_only: bool = False) -> list[Action]:
     """The plan of one (module, pipeline stage) of a layout: 1F1B or interleaved.
 
@@ -248,15 +248,15 @@ def build_rank_plan(layout: Layout, module: str, stage: int, num_microbatches: i
     v = par.virtual_pipeline if not layout.colocated else 1
     if forward_only:
         if v == 1:
-            return build_forward_only_plan(num_microbatches, pos)
-        return build_interleaved_forward_only_plan(
+            return build_forward_only_actions(num_microbatches, pos)
+        return build_interleaved_forward_only_actions(
             num_microbatches, par.pipeline, v, stage,
             has_prev=pos.has_prev and module == LANGUAGE, has_next=module != LANGUAGE)
     encoder = module != LANGUAGE and not layout.colocated
     needs = _lm_input_needs(layout, num_microbatches) if encoder else []
     if v > 1:
         extra = _encoder_extra_warmup(needs, par.pipeline, v) if encoder else 0
-        return build_interleaved_plan(num_microbatches, par.pipeline, v, stage,
+        return build_interleaved_actions(num_microbatches, par.pipeline, v, stage,
                                       has_prev=pos.has_prev and not encoder,
                                       has_next=encoder, extra_warmup=extra)
     min_warmup = 0
@@ -265,10 +265,10 @@ def build_rank_plan(layout: Layout, module: str, stage: int, num_microbatches: i
         # further upstream).
         lead = max(need - j - 1 for j, need in enumerate(needs))
         min_warmup = lead + (par.pipeline - 1 - stage)
-    return build_1f1b_plan(num_microbatches, pos, pipelined, min_warmup=min_warmup)
+    return build_1f1b_actions(num_microbatches, pos, pipelined, min_warmup=min_warmup)
 
 
-def build_interleaved_forward_only_plan(num_microbatches: int, pipeline: int, virtual: int,
+def build_interleaved_forward_only_actions(num_microbatches: int, pipeline: int, virtual: int,
                                        stage: int, *, has_prev: bool, has_next: bool
                                        ) -> list[Action]:
     """Evaluation: chunk after chunk, each over every micro-batch.

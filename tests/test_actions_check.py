@@ -1,6 +1,6 @@
 """The all-ranks plan checker catches planted bugs, naming the rank, action and rule.
 
-Correct plans pass it in tests/test_plan.py and tests/test_interleaved_plan.py; here each
+Correct plans pass it in tests/test_actions.py and tests/test_interleaved_actions.py; here each
 test breaks one rule of a correct plan and asserts the checker reports exactly that.
 """
 
@@ -10,35 +10,35 @@ import re
 
 import pytest
 
-from mimotron.pipeline.interleaved_plan import build_interleaved_plan
-from mimotron.pipeline.plan import (
+from mimotron.pipeline.actions import (
     Action,
     Position,
-    build_1f1b_plan,
-    build_forward_only_plan,
+    build_1f1b_actions,
+    build_forward_only_actions,
 )
-from mimotron.pipeline.plan_check import (
-    PlanError,
+from mimotron.pipeline.actions_check import (
+    ActionListError,
     Topology,
+    check_action_lists,
     check_pairing,
-    check_plans,
     check_progress,
     ring_topology,
 )
+from mimotron.pipeline.interleaved_actions import build_interleaved_actions
 
 Plans = dict[tuple[str, int], list[Action]]
 
 
 def _chain(stages: int, num_mb: int, forward_only: bool = False) -> tuple[Topology, Plans]:
     """A module of ``stages`` 1F1B stages alone, and every stage's plan."""
-    build = build_forward_only_plan if forward_only else build_1f1b_plan
+    build = build_forward_only_actions if forward_only else build_1f1b_actions
     plans = {("x", s): build(num_mb, Position("x", s, s, stages, s > 0, s < stages - 1))
              for s in range(stages)}
     return ring_topology("x", stages), plans
 
 
 def _interleaved(p: int, v: int, n: int) -> tuple[Topology, Plans]:
-    plans = {("m", s): build_interleaved_plan(n, p, v, s, has_prev=False, has_next=False)
+    plans = {("m", s): build_interleaved_actions(n, p, v, s, has_prev=False, has_next=False)
              for s in range(p)}
     return ring_topology("m", p, v), plans
 
@@ -51,9 +51,9 @@ def _swap(plan: list[Action], a: Action, b: Action) -> list[Action]:
 
 
 def _raises(topology: Topology, plans: Plans, num_mb: int, node: tuple[str, int],
-            index: int, rule: str, forward_only: bool = False) -> PlanError:
-    with pytest.raises(PlanError, match=re.escape(rule)) as info:
-        check_plans(topology, plans, num_mb, forward_only)
+            index: int, rule: str, forward_only: bool = False) -> ActionListError:
+    with pytest.raises(ActionListError, match=re.escape(rule)) as info:
+        check_action_lists(topology, plans, num_mb, forward_only)
     assert (info.value.node, info.value.index) == (node, index), str(info.value)
     assert str(info.value).startswith(f"rank {node} ")
     return info.value

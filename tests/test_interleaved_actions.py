@@ -1,6 +1,6 @@
 """Interleaved 1F1B plans: Megatron's counts, and every rank's plan checked together.
 
-:func:`mimotron.pipeline.plan_check.check_plans` takes all (module, stage) plans of a
+:func:`mimotron.pipeline.actions_check.check_action_lists` takes all (module, stage) plans of a
 layout at once: per rank, each (chunk, micro-batch) computed once, sends after their
 compute, computes after the receives they consume; per channel, sends and receives
 pair up in order; all together, no deadlock with non-blocking sends.
@@ -14,17 +14,17 @@ import pytest
 
 from mimotron.config import load_config
 from mimotron.names import LANGUAGE
-from mimotron.parallel.layout import Layout, plan_layout
+from mimotron.parallel.layout import Layout, check_layout
 from mimotron.parallel.virtual_pipeline import chunk_layers
-from mimotron.pipeline.interleaved_plan import (
-    build_interleaved_forward_only_plan,
-    build_interleaved_plan,
-    build_rank_plan,
+from mimotron.pipeline.actions import build_1f1b_actions, pipeline_positions
+from mimotron.pipeline.actions_check import check_action_lists, layout_topology, ring_topology
+from mimotron.pipeline.interleaved_actions import (
+    build_interleaved_actions,
+    build_interleaved_forward_only_actions,
+    build_rank_actions,
     interleaved_compute_order,
     num_warmup,
 )
-from mimotron.pipeline.plan import build_1f1b_plan, pipeline_positions
-from mimotron.pipeline.plan_check import check_plans, layout_topology, ring_topology
 
 DIGITS = Path(__file__).resolve().parents[1] / "configs" / "digits.toml"
 
@@ -50,7 +50,7 @@ def _layout(vision: tuple[int, int], audio: tuple[int, int] | None,
     cfg = load_config(DIGITS, over)
     if audio is None:
         del cfg.modules["audio"]
-    return plan_layout(cfg)
+    return check_layout(cfg)
 
 
 CASES = [  # (vision, audio, language) as (pipeline, virtual), micro-batches
@@ -72,22 +72,22 @@ def test_all_ranks_run_together(vision, audio, language, num_mb):
     layout = _layout(vision, audio, language, num_mb)
     topology = layout_topology(layout)
     for forward_only in (False, True):
-        plans = {node: build_rank_plan(layout, *node, num_mb, forward_only=forward_only)
+        plans = {node: build_rank_actions(layout, *node, num_mb, forward_only=forward_only)
                  for node in topology}
-        check_plans(topology, plans, num_mb, forward_only)  # raises PlanError
+        check_action_lists(topology, plans, num_mb, forward_only)  # raises ActionListError
 
 
 @pytest.mark.parametrize("p,v,n", [(2, 2, 2), (2, 2, 8), (3, 2, 3), (4, 2, 4), (4, 3, 12),
                                    (3, 4, 9), (2, 4, 6)])
 def test_one_interleaved_module_checks(p, v, n):
     topology = ring_topology("m", p, v)
-    train = {node: build_interleaved_plan(n, p, v, node[1], has_prev=False, has_next=False)
+    train = {node: build_interleaved_actions(n, p, v, node[1], has_prev=False, has_next=False)
              for node in topology}
-    check_plans(topology, train, n)
-    evaluate = {node: build_interleaved_forward_only_plan(n, p, v, node[1], has_prev=False,
+    check_action_lists(topology, train, n)
+    evaluate = {node: build_interleaved_forward_only_actions(n, p, v, node[1], has_prev=False,
                                                           has_next=False)
                 for node in topology}
-    check_plans(topology, evaluate, n, forward_only=True)
+    check_action_lists(topology, evaluate, n, forward_only=True)
 
 
 @pytest.mark.parametrize("p,v,n", [(2, 2, 2), (2, 2, 8), (4, 2, 4), (4, 3, 12), (3, 4, 9)])
@@ -108,7 +108,7 @@ def test_megatron_order_and_warmup(p, v, n):
 def test_v1_is_the_1f1b_plan():
     layout = _layout((1, 1), (1, 1), (2, 1), 4)
     for node, pos in pipeline_positions(layout).items():
-        assert build_rank_plan(layout, node[0], node[1], 4) == build_1f1b_plan(4, pos)
+        assert build_rank_actions(layout, node[0], node[1], 4) == build_1f1b_actions(4, pos)
 
 
 def test_chunk_layers_interleave_and_cover():
@@ -131,7 +131,7 @@ def test_validator_refuses(override, match):
             "modules.language.parallel.virtual_pipeline=2",
             "train.global_batch_size=32", "train.micro_batch_size=8"]
     with pytest.raises(ValueError, match=match.replace("[", r"\[")):
-        plan_layout(load_config(DIGITS, base + override))
+        check_layout(load_config(DIGITS, base + override))
 
 
 def test_plan_memory_counts_the_chunks():
