@@ -8,7 +8,7 @@ Rows of ``--seq`` tokens packed with documents of ``--doc-tokens`` tokens on ave
 CPU). Two ways to attend causally within documents:
 
 * **plan**: mimotron's attention backend (:func:`mimotron.models.attention.attend`
-  over :func:`~mimotron.models.attention.plan_attention`'s segments; on the CPU one SDPA
+  over :func:`~mimotron.models.attention.attention_segments`'s segments; on the CPU one SDPA
   per document);
 * **dense**: what packing did before, ``scaled_dot_product_attention`` with a bool
   ``[B, 1, S, S]`` block-diagonal causal mask.
@@ -44,7 +44,7 @@ sys.path.insert(0, str(ROOT))
 from mimotron.config import load_config  # noqa: E402
 from mimotron.dryrun.saved_bytes import saved_bytes  # noqa: E402
 from mimotron.estimate.activation_terms import attention_bytes_per_sample  # noqa: E402
-from mimotron.models.attention import Documents, attend, plan_attention  # noqa: E402
+from mimotron.models.attention import Documents, attend, attention_segments  # noqa: E402
 
 LLAVA_7B = ROOT / "configs" / "llava15_7b_8gpu.toml"
 
@@ -62,7 +62,7 @@ def doc_ids(seq: int, mean: int, seed: int = 0) -> torch.Tensor:
 
 
 def _plan_run(q, k, v, ids):  # noqa: ANN001, ANN202
-    plan = plan_attention(Documents.from_doc_ids(ids), q.device)
+    plan = attention_segments(Documents.from_doc_ids(ids), q.device)
     return lambda: attend(q * 1, k * 1, v * 1, plan)
 
 
@@ -137,7 +137,7 @@ def fake_rows() -> None:
                 Documents.whole(1, seq)
             device = torch.device("meta")
             with FakeTensorMode():
-                plan = plan_attention(docs, device, context, context - 1)
+                plan = attention_segments(docs, device, context, context - 1)
                 q = torch.empty(1, seq // context, 32, 128, dtype=torch.bfloat16,
                                 device=device, requires_grad=True)
                 k, v = (torch.empty(1, seq, 32, 128, dtype=torch.bfloat16, device=device,

@@ -6,13 +6,21 @@ takes seconds; layouts are written as ``key=value`` overrides of ``configs/digit
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
 from torch.distributed.tensor import DTensor
 
 from mimotron.checkpoint.export import split_module
-from mimotron.config import load_config
+from mimotron.config import (
+    MimoConfig,
+    ModuleConfig,
+    OptimizerConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    load_config,
+)
 from mimotron.pipeline import communicator as communicator_module
 from mimotron.pipeline.p2p import exchange
 from mimotron.runtime import init_runtime
@@ -73,6 +81,27 @@ def coloc(vision: dict, audio: dict, language: dict) -> list[str]:
 
 
 ONE_RANK = colocated(1)
+
+
+def config_keys() -> set[str]:
+    """Every accepted key, from the dataclasses (``<m>`` = any module)."""
+    keys = set()
+    for f in dataclasses.fields(MimoConfig):
+        if f.name == "modules":
+            continue
+        if dataclasses.is_dataclass(f.default_factory if f.default_factory is not
+                                    dataclasses.MISSING else None):
+            keys |= {f"{f.name}.{g.name}" for g in dataclasses.fields(f.default_factory)}
+        else:
+            keys.add(f.name)
+    for f in dataclasses.fields(ModuleConfig):
+        if f.name not in ("parallel", "optimizer"):
+            keys.add(f"modules.<m>.{f.name}")
+    keys |= {f"modules.<m>.parallel.{f.name}" for f in dataclasses.fields(ParallelConfig)}
+    per_module = {f.name for f in dataclasses.fields(OptimizerConfig)}
+    per_module |= {f.name for f in dataclasses.fields(SchedulerConfig)} - {"min_lr"}
+    keys |= {f"modules.<m>.optimizer.{k}" for k in per_module}
+    return keys
 
 
 def train_step(run: MimoRun) -> tuple[dict, bool, float | None, int | None]:

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 import mimotron.models.blocks as blocks_module
 from mimotron.config import load_config
-from mimotron.models.attention import Documents, plan_attention
+from mimotron.models.attention import Documents, attention_segments
 from mimotron.models.blocks import Attention, apply_rope, rope_cache
 from mimotron.models.mimo import MimoModel
 from mimotron.parallel.context_parallel import load_balanced_positions
@@ -164,7 +164,7 @@ def attention_rows(rank: int, world: int, packed: bool) -> dict:
     attn.context_parallel_group = dist.group.WORLD
     local_x = x[:, pos].clone().requires_grad_(True)
     docs = Documents.from_doc_ids(doc_ids) if packed else Documents.whole(2, seq)
-    local = attn(local_x, (cos[pos], sin[pos]), plan_attention(docs, x.device, world, rank))
+    local = attn(local_x, (cos[pos], sin[pos]), attention_segments(docs, x.device, world, rank))
     local.square().sum().backward()
     return {"out_err": float((local - full[:, pos]).abs().max()),
             "grad_err": float((local_x.grad - full_x.grad[:, pos]).abs().max()),

@@ -26,6 +26,9 @@ MOE = [
     "modules.language.num_experts=4", "modules.language.top_k=2",
     f"modules.language.moe_aux_loss_coeff={AUX}", f"modules.language.moe_z_loss_coeff={Z}",
 ]
+# The same MoE without the auxiliary losses or a run length (the overlap tests).
+MOE_NO_AUX = ["modules.language.hidden_size=32", "modules.language.num_layers=2",
+              "modules.language.num_experts=4", "modules.language.top_k=2"]
 
 
 def aux_objective(model: torch.nn.Module) -> Callable[[dict], torch.Tensor]:

@@ -44,6 +44,7 @@ SMALL_MB = ["train.micro_batch_size=4"]  # 4 micro-batches; DP slices of 1-2 sam
 LOSS_REL = 1e-4
 WEIGHT_REL = 1e-4  # the worst measured is 2.2e-6 (docs/layouts.md, Heterogeneous parallelism)
 # The fields of a training record that a resumed run must reproduce bitwise (no timings).
+TINY_BUCKETS = ["train.grad_bucket_mb=0.01"]  # ~2600 fp32 values: several per module
 RECORD_FIELDS = ("iteration", "loss", "grad_norm", "num_zeros", "lr", "consumed_samples")
 
 
@@ -197,6 +198,16 @@ def assert_weights_match(results: list[dict], ref: ReferenceRun) -> dict[str, fl
         assert err <= WEIGHT_REL, f"{pname}: relative L2 {err:.2e}"
         errors[pname] = err
     return errors
+
+
+def assert_bitwise_equal(off: dict, on: dict, rank: int) -> None:
+    """Losses, grad norms, token counts, stepped gradients and final weights: same bits."""
+    assert on["steps"] == off["steps"], f"rank {rank}: losses or grad norms differ"
+    for it, (g_on, g_off) in enumerate(zip(on["grad_sq"], off["grad_sq"], strict=True)):
+        assert g_on == g_off, f"rank {rank} iteration {it}: a stepped gradient differs"
+    assert sorted(on["weights"]) == sorted(off["weights"])
+    for name, value in off["weights"].items():
+        assert torch.equal(on["weights"][name], value), f"rank {rank}: {name} differs"
 
 
 def train(rank: int, world: int, overrides: list[str], config: Path = DIGITS) -> None:

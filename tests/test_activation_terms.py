@@ -18,13 +18,8 @@ from mimotron.config import load_config
 from mimotron.estimate.memory import activation_bytes
 from mimotron.models.attention import Documents
 from mimotron.models.build import build_module
-from tests.test_memory_estimate import (
-    DIGITS,
-    SEQ,
-    VOCAB,
-    _saved_bytes,
-    language_bytes_per_sample,
-)
+from tests.common import DIGITS
+from tests.saved_bytes import SEQ, VOCAB, language_bytes_per_sample, saved_bytes
 
 MOE_CASES = {
     "E4-top1": ["modules.language.num_experts=4", "modules.language.top_k=1"],
@@ -77,7 +72,7 @@ def test_packed_rows_keep_no_mask(precision: str) -> None:
             with ctx:
                 return lm(torch.randn(n, SEQ, 128, requires_grad=True), **args)
 
-        return _saved_bytes(lambda: run(3)) - _saved_bytes(lambda: run(2))
+        return saved_bytes(lambda: run(3)) - saved_bytes(lambda: run(2))
 
     c = 4 if precision == "fp32" else 2
     extra = {n: measured(n, True) - measured(n, False) for n in (2, 4)}

@@ -31,7 +31,13 @@ from mimotron.config import load_config
 from mimotron.dryrun.saved_bytes import saved_bytes
 from mimotron.estimate.activation_terms import attention_bytes_per_sample, context_keys_read
 from mimotron.forked_ranks import run_ranks
-from mimotron.models.attention import Documents, attend, attention_kernel, kernels, plan_attention
+from mimotron.models.attention import (
+    Documents,
+    attend,
+    attention_kernel,
+    attention_segments,
+    kernels,
+)
 from mimotron.models.attention.varlen_emulation import varlen_attn_emulated
 from mimotron.models.build import build_module
 from mimotron.parallel.context_parallel import gathered_positions, load_balanced_positions
@@ -109,7 +115,7 @@ def test_plans_equal_a_dense_document_mask(context: int, kernel: str,
         pos = load_balanced_positions(seq, context, rank) if context > 1 else torch.arange(seq)
         # Keys as a context-parallel rank holds them: gathered, in rank order.
         order = gathered_positions(seq, context) if context > 1 else torch.arange(seq)
-        plan = plan_attention(docs, q.device, context, rank)
+        plan = attention_segments(docs, q.device, context, rank)
         want = _dense(q, k, v, doc_ids)
         got = attend(q[:, pos], k[:, order], v[:, order], plan)
         torch.testing.assert_close(got, want[:, pos])
@@ -127,7 +133,7 @@ def test_context_parallel_ranks_read_the_keys_the_plan_counts() -> None:
     seq = 64
     for context in (2, 4):
         for rank in range(context):
-            plan = plan_attention(Documents.whole(1, seq), torch.device("cpu"), context, rank)
+            plan = attention_segments(Documents.whole(1, seq), torch.device("cpu"), context, rank)
             assert plan.k_bounds[-1] == context_keys_read(seq, context)
             assert plan.num_segments == 2 and plan.max_k == seq - rank * seq // (2 * context)
 
@@ -192,7 +198,7 @@ def test_plan_attention_term_matches_the_fake_accelerator(seq: int, layout: str)
     device = torch.device("meta")
     heads, dim, local = 32, 128, seq // context
     with FakeTensorMode():
-        plan = plan_attention(docs, device, context, context - 1)
+        plan = attention_segments(docs, device, context, context - 1)
         q = torch.empty(1, local, heads, dim, dtype=torch.bfloat16, device=device,
                         requires_grad=True)
         k, v = (torch.empty(1, seq, heads, dim, dtype=torch.bfloat16, device=device,
@@ -266,7 +272,7 @@ def test_the_gpu_varlen_kernel_equals_the_dense_mask_and_the_emulator(context: i
         order = gathered_positions(seq, context) if context > 1 else torch.arange(seq)
         leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
         got = attend(leaves[0][:, pos], leaves[1][:, order], leaves[2][:, order],
-                     plan_attention(docs, device, context, rank))
+                     attention_segments(docs, device, context, rank))
         got.float().square().sum().backward()
         # The references in fp32 on the host, from the same bf16 values.
         ref = [t.detach().float().cpu().requires_grad_(True) for t in (q, k, v)]
@@ -275,7 +281,7 @@ def test_the_gpu_varlen_kernel_equals_the_dense_mask_and_the_emulator(context: i
         torch.testing.assert_close(got.float().cpu(), want, atol=2e-2, rtol=2e-2)
         for leaf, r in zip(leaves, ref, strict=True):
             torch.testing.assert_close(leaf.grad.float().cpu(), r.grad, atol=5e-2, rtol=5e-2)
-        plan = plan_attention(docs, torch.device("cpu"), context, rank)
+        plan = attention_segments(docs, torch.device("cpu"), context, rank)
         flat = [t.detach().float().cpu().reshape(-1, t.shape[2], dim)
                 for t in (q[:, pos], k[:, order], v[:, order])]
         keys = flat[1:] if plan.k_index is None else [t[plan.k_index] for t in flat[1:]]

@@ -8,7 +8,6 @@ through the real launcher in a subprocess.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -19,6 +18,7 @@ import pytest
 from mimotron.cli.main import main
 from mimotron.forked_ranks import run_ranks
 from tests.common import ONE_RANK, SMALL_MODEL
+from tests.parity import metrics_lines, training_records
 
 ROOT = Path(__file__).resolve().parents[1]
 DIGITS = str(ROOT / "configs" / "digits.toml")  # vision | audio | language DP 2: 4 ranks
@@ -29,10 +29,6 @@ TINY = [
     *SMALL_MODEL,
     "eval.iters=1", "log.interval=1",
 ]
-
-
-def _records(log_dir: Path) -> list[dict]:
-    return [json.loads(x) for x in (log_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_plan_prints_the_rank_map(capsys):
@@ -72,7 +68,7 @@ def one_rank_run(tmp_path_factory) -> Path:
 
 
 def test_train_one_rank_writes_contract_metrics_and_eval(one_rank_run):
-    records = _records(one_rank_run)
+    records = metrics_lines(one_rank_run)
     train = [r for r in records if "loss" in r]
     evals = [r for r in records if "eval_loss" in r]
     assert [r["iteration"] for r in train] == [1, 2, 3]
@@ -106,4 +102,4 @@ def test_train_two_ranks_through_the_launcher(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.count("placement: colocated, world size 2") == 1  # Banner once.
     assert proc.stdout.count("\nsummary\n") == 1
-    assert [r["iteration"] for r in _records(tmp_path) if "loss" in r] == [1, 2]
+    assert [r["iteration"] for r in training_records(tmp_path)] == [1, 2]

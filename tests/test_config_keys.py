@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
 import io
 import json
 import re
@@ -41,10 +40,6 @@ import mimotron.checkpoint.manager as manager_module
 import mimotron.training.step as step_module
 from mimotron.config import (
     MimoConfig,
-    ModuleConfig,
-    OptimizerConfig,
-    ParallelConfig,
-    SchedulerConfig,
     load_config,
 )
 from mimotron.estimate.memory import estimate_memory
@@ -55,7 +50,7 @@ from mimotron.training.loop import run_training, setup_mimo
 from mimotron.training.megatron_compat import train_step_mimo
 from mimotron.training.metrics import TrainingDivergedError
 from mimotron.training.step import default_forward_step
-from tests.common import DIGITS, ONE_RANK, SMALL_MODEL
+from tests.common import DIGITS, ONE_RANK, SMALL_MODEL, config_keys
 
 BASE = [*SMALL_MODEL, *ONE_RANK, "train.iters=8", "eval.iters=1", "eval.interval=1000",
         "log.progress=false", "log.dir='logs'"]
@@ -283,27 +278,6 @@ PROBES: dict[str, tuple[list[str], str, list[str]]] = {
     "modules.<m>.optimizer.expert_weight_decay": (
         ["modules.language.optimizer.expert_weight_decay=0.3"], "built", MOE),
 }
-
-
-def config_keys() -> set[str]:
-    """Every accepted key, from the dataclasses (``<m>`` = any module)."""
-    keys = set()
-    for f in dataclasses.fields(MimoConfig):
-        if f.name == "modules":
-            continue
-        if dataclasses.is_dataclass(f.default_factory if f.default_factory is not
-                                    dataclasses.MISSING else None):
-            keys |= {f"{f.name}.{g.name}" for g in dataclasses.fields(f.default_factory)}
-        else:
-            keys.add(f.name)
-    for f in dataclasses.fields(ModuleConfig):
-        if f.name not in ("parallel", "optimizer"):
-            keys.add(f"modules.<m>.{f.name}")
-    keys |= {f"modules.<m>.parallel.{f.name}" for f in dataclasses.fields(ParallelConfig)}
-    per_module = {f.name for f in dataclasses.fields(OptimizerConfig)}
-    per_module |= {f.name for f in dataclasses.fields(SchedulerConfig)} - {"min_lr"}
-    keys |= {f"modules.<m>.optimizer.{k}" for k in per_module}
-    return keys
 
 
 def test_every_key_has_a_probe() -> None:

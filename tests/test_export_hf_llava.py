@@ -30,27 +30,21 @@ from safetensors import safe_open
 
 from mimotron.checkpoint.export import load_exported, read_full_model
 from mimotron.cli.main import main as cli_main
-from mimotron.config import load_config
 from mimotron.data.hf_tokenizer import HFTokenizer
 from mimotron.data.media import ImageProcessor
 from mimotron.demo.llava_assets import write_llava_assets
 from mimotron.forked_ranks import run_ranks
 from mimotron.models.mimo import MimoModel
-from mimotron.runtime import init_runtime
-from mimotron.training.loop import run_training
 
 transformers = pytest.importorskip("transformers")
 
 from tests.hf_checkpoint import save_qwen2_for_tokenizer  # noqa: E402
+from tests.parity import train  # noqa: E402
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "digits_llava.toml"
 NUM_ITERS = 3
 NUM_NEW_TOKENS = 6
 PROMPT = "<image>\nwhich digit is this"
-
-
-def _train(rank: int, world: int, overrides: list[str]) -> None:
-    run_training(load_config(CONFIG, overrides), init_runtime())
 
 
 def _language_folder(folder: Path, tokenizer: Path) -> Path:
@@ -81,7 +75,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "optimizer.lr=3e-3", "eval.interval=1000", f"checkpoint.interval={NUM_ITERS}",
         f"log.dir='{root / 'run'}'", "log.interval=1",
     ]  # fmt: skip
-    run_ranks(1, _train, overrides, timeout_s=240)
+    run_ranks(1, train, overrides, CONFIG, timeout_s=240)
     return {"root": root, "checkpoint": root / "run" / "checkpoints", "language": language,
             "vision": models / "vision", "data": assets / "data"}
 

@@ -16,13 +16,16 @@ locally trained tokenizer); nothing is downloaded.
 
 from __future__ import annotations
 
+import io
 import shutil
+import tarfile
 
 import pytest
 
 from mimotron.config import load_config
 from mimotron.data.hf_tokenizer import HFTokenizer
 from mimotron.data.media import ImageProcessor
+from mimotron.data.webdataset import write_shards
 from tests.common import DIGITS, SMALL_MODEL
 from tests.hf_data import (
     CLIP_CONFIG,
@@ -69,6 +72,20 @@ def test_ignored_keys_are_accepted_and_the_used_keys_always_are(env, tmp_path):
     assert len(data) == 4 and data.num_skipped == 0
     # id, image, audio and conversations (from / value turns): the good samples pass.
     assert len(dataset(env, write_jsonl(tmp_path / "good.jsonl", env["samples"]))) == 4
+
+
+def test_an_unread_shard_member_is_refused_unless_its_extension_is_ignored(env, tmp_path):
+    """A WebDataset sample's ``.mp4`` member is read by nobody: refused, naming it."""
+    shard = write_shards(env["samples"][:2], env["root"], tmp_path / "shards")[0]
+    with tarfile.open(shard, "a") as archive:  # a member of the last sample's key
+        last = archive.getnames()[-1].partition(".")[0]
+        info = tarfile.TarInfo(f"{last}.mp4")
+        info.size = 4
+        archive.addfile(info, io.BytesIO(b"\0\0\0\0"))
+    with pytest.raises(ValueError, match=rf"shard member '{last}.mp4' is not read .*'mp4'.*"
+                                         r"data.ignore_keys"):  # fmt: skip
+        dataset(env, shard.parent)
+    assert len(dataset(env, shard.parent, ignore_keys=("mp4",))) == 2
 
 
 def test_unused_turn_key_is_refused_unless_ignored(env, tmp_path):

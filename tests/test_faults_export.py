@@ -26,29 +26,23 @@ from mimotron.checkpoint import export as export_module
 from mimotron.checkpoint import export_checkpoint
 from mimotron.checkpoint.export_folder import MARKER
 from mimotron.cli.main import main as cli_main
-from mimotron.config import load_config
 from mimotron.forked_ranks import run_ranks
-from mimotron.runtime import init_runtime
-from mimotron.training.loop import run_training
-from tests.common import BASE, DIGITS, ONE_RANK
+from tests.common import BASE, ONE_RANK
+from tests.parity import train
 
 pytest.importorskip("transformers")
 
-from tests.test_hf_training import _hf_overrides, _save_models  # noqa: E402
+from tests.hf_models import hf_overrides, save_models  # noqa: E402
 
 MODULES = ("audio", "language", "vision")
-
-
-def _train(rank: int, world: int, overrides: list[str]) -> None:
-    run_training(load_config(DIGITS, overrides), init_runtime())
 
 
 @pytest.fixture(scope="module")
 def hf_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """``models/<m>`` (the hf_path folders) and ``run/ckpt`` saved at iteration 2."""
     root = tmp_path_factory.mktemp("hf_run")
-    paths = _save_models(root / "models")
-    run_ranks(1, _train, [*BASE, *ONE_RANK, *_hf_overrides(paths), "train.iters=2",
+    paths = save_models(root / "models")
+    run_ranks(1, train, [*BASE, *ONE_RANK, *hf_overrides(paths), "train.iters=2",
                           "eval.iters=1", "log.progress=false", "checkpoint.interval=2",
                           f"log.dir={root}/run", f"checkpoint.dir={root}/run/ckpt"],
               timeout_s=180)

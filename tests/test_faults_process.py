@@ -28,7 +28,8 @@ from mimotron.cli.launch import Launcher
 from mimotron.cli.lines import LineWriter
 from mimotron.cli.train import _failure_verdict
 from mimotron.failures import DEATH_WINDOW_S, FailureRecord, read_failures, root_cause
-from tests.test_launch import COLOCATED, DIGITS, ROOT, TINY, _env
+from tests.common import DIGITS
+from tests.launching import COLOCATED, ROOT, TINY, launch_env
 
 GUARD_S = 240  # Hang guard for one launch on a loaded machine.
 
@@ -37,7 +38,7 @@ def _start(args: list[str], wrapper: list[str] = (), **env: str) -> subprocess.P
     """``mimotron train`` (behind ``wrapper``) in a new session: its pid is the group id."""
     return subprocess.Popen(
         [*wrapper, sys.executable, "-m", "mimotron", "train", *args], cwd=ROOT,
-        env=_env(**env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env=launch_env(**env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         start_new_session=True)
 
 
@@ -144,7 +145,7 @@ def test_job_wide_sigterm_saves_and_reports_the_saved_iteration(tmp_path):
     resumed = subprocess.run(
         [sys.executable, "-m", "mimotron", "train", *_stop_args(tmp_path, ckpt),
          f"train.iters={saved + 2}"],
-        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=GUARD_S)
+        cwd=ROOT, env=launch_env(), capture_output=True, text=True, timeout=GUARD_S)
     assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-4000:]
     assert _iterations(tmp_path) == list(range(1, saved + 3))
 

@@ -21,15 +21,12 @@ import pytest
 
 from mimotron.cli.main import main
 from mimotron.config import load_config
-from tests.test_launch import COLOCATED, DIGITS, ROOT, TINY, _env
+from tests.common import DIGITS
+from tests.launching import COLOCATED, ROOT, TINY, launch_env, run_args
 
 GUARD_S = 240  # Hang guard for one launch on a loaded machine.
 LOCK = "mimotron.lock"  # <log.dir>/mimotron.lock, the documented lock file.
 FAILURES = "mimotron-failures-"
-
-
-def _run_args(log_dir: Path) -> list[str]:
-    return [COLOCATED, *TINY, "train.iters=2", "checkpoint.interval=2", f"log.dir={log_dir}"]
 
 
 def _dead_pid() -> int:
@@ -62,8 +59,8 @@ def finished_run(tmp_path_factory) -> dict:
     (log_dir / LOCK).write_text(json.dumps(stale))
     (tmp / f"{FAILURES}{dead}-abc").mkdir()  # Its launcher was killed with kill -9.
     (tmp / f"{FAILURES}{os.getpid()}-abc").mkdir()  # A live launcher's: left alone.
-    proc = subprocess.run([sys.executable, "-m", "mimotron", "train", *_run_args(log_dir)],
-                          cwd=ROOT, env=_env(TMPDIR=str(tmp)), capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "mimotron", "train", *run_args(log_dir)],
+                          cwd=ROOT, env=launch_env(TMPDIR=str(tmp)), capture_output=True,
                           text=True, timeout=GUARD_S)
     return {"log_dir": log_dir, "tmp": tmp, "dead": dead, "code": proc.returncode,
             "out": proc.stdout + proc.stderr, "folders": _failure_folders(tmp)}
@@ -95,7 +92,7 @@ def test_a_launch_is_refused_while_another_holds_the_run_lock(tmp_path, capsys):
         lock.write(json.dumps(holder))
         lock.flush()
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        code = main(["train", *_run_args(tmp_path)])
+        code = main(["train", *run_args(tmp_path)])
         err = capsys.readouterr().err.strip()
     assert code != 0, err[-4000:]
     assert len(err.splitlines()) == 1, err
@@ -112,13 +109,13 @@ def test_a_finished_run_launched_again_has_nothing_to_train(finished_run, capsys
     assert finished_run["code"] == 0, finished_run["out"][-4000:]
     before = _snapshot(log_dir)
     assert "checkpoints/latest" in before
-    code = main(["train", *_run_args(log_dir)])
+    code = main(["train", *run_args(log_dir)])
     err = capsys.readouterr().err.strip()
     assert code != 0, err[-4000:]
     assert len(err.splitlines()) == 1, err
     assert err.startswith("mimotron train: nothing to train: iteration 2 already reached"), err
     assert _snapshot(log_dir) == before
-    assert main(["plan", *_run_args(log_dir)]) == 0  # plan says what train would do
+    assert main(["plan", *run_args(log_dir)]) == 0  # plan says what train would do
     assert "train would refuse: nothing to train" in capsys.readouterr().out
 
 
@@ -140,7 +137,7 @@ def test_run_directories_outside_a_run_folder_are_invalid(override, field):
 
 def test_a_system_log_dir_is_one_line_before_anything_runs(capsys):
     """Item 3, through the command: one line, exit 2, nothing planned or launched."""
-    assert main(["plan", DIGITS, "log.dir=/"]) == 2
+    assert main(["plan", str(DIGITS), "log.dir=/"]) == 2
     captured = capsys.readouterr()
     assert captured.err.strip().splitlines() == [
         captured.err.strip()], captured.err
@@ -180,7 +177,7 @@ def test_a_signal_around_the_ranks_leaves_no_failure_folder(tmp_path, where):
     proc = subprocess.run(
         [sys.executable, "-c", _SIGNAL_WINDOW, where, COLOCATED, *TINY, "train.iters=2",
          f"log.dir={tmp_path / 'run'}"],
-        cwd=ROOT, env=_env(TMPDIR=str(tmp)), capture_output=True, text=True,
+        cwd=ROOT, env=launch_env(TMPDIR=str(tmp)), capture_output=True, text=True,
         timeout=GUARD_S)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]

@@ -47,7 +47,7 @@ from tests.parity import (
     training_records,
 )
 from tests.reference import ReferenceRun, frozen
-from tests.test_memory_estimate import _per_sample
+from tests.saved_bytes import per_sample
 
 NUM_ITERS = 10
 STAGE1 = ["modules.vision.freeze=encoder", "modules.audio.freeze=encoder",
@@ -135,7 +135,7 @@ def test_the_plan_and_the_flops_count_only_what_trains():
         freeze_part(part, mod)
         shape = ((mod.in_channels, mod.image_size, mod.image_size) if mod.kind == "vit"
                  else (mod.num_freq_bins, mod.num_frames))
-        measured = _per_sample(part, lambda n, s=shape: torch.randn(n, *s), "fp32", loss=False)
+        measured = per_sample(part, lambda n, s=shape: torch.randn(n, *s), "fp32", loss=False)
         samples = cfg.train.micro_batch_size // mod.parallel.data
         assert activation_bytes(cfg, name, 64, in_flight=1) == measured * samples
         # The tower runs forward only, the projector forward and backward.

@@ -33,8 +33,8 @@ from mimotron.estimate.memory import estimate_memory
 from mimotron.forked_ranks import run_ranks
 from mimotron.parallel.layout import check_layout
 from tests.common import BASE, DIGITS, coloc, colocated, engine_run, noncolocated, train_step
-from tests.test_parity import SMALL_MB, reference, run_against_plain_loop
-from tests.test_zero_tensor_parallel import PLAIN, _ckpt, _launch, _records
+from tests.parity import SMALL_MB, reference, run_against_plain_loop, training_records
+from tests.resume_chain import PLAIN, ckpt, launch
 
 
 def fsdp(*modules: str) -> list[str]:
@@ -172,12 +172,12 @@ ZERO_DP2 = colocated(2) + [f"modules.{m}.parallel.shard_optimizer=true" for m in
 def chain(tmp_path_factory) -> Path:
     """Every run of the chain (12 iterations, a checkpoint every 3); returns their root."""
     root = tmp_path_factory.mktemp("fsdp_chain")
-    _launch(root, "ref", 1, PLAIN, None, 12)
-    _launch(root, "fsdp", 2, FSDP_DP2, _ckpt(root, "ref", 3), 9)
-    _launch(root, "fsdp-again", 2, FSDP_DP2, _ckpt(root, "fsdp", 6), 9)
-    _launch(root, "zero-from-fsdp", 2, ZERO_DP2, _ckpt(root, "fsdp", 6), 9)
-    _launch(root, "fsdp-from-zero", 2, FSDP_DP2, _ckpt(root, "zero-from-fsdp", 9), 12)
-    _launch(root, "plain-from-fsdp", 1, PLAIN, _ckpt(root, "fsdp", 9), 12)
+    launch(root, "ref", 1, PLAIN, None, 12)
+    launch(root, "fsdp", 2, FSDP_DP2, ckpt(root, "ref", 3), 9)
+    launch(root, "fsdp-again", 2, FSDP_DP2, ckpt(root, "fsdp", 6), 9)
+    launch(root, "zero-from-fsdp", 2, ZERO_DP2, ckpt(root, "fsdp", 6), 9)
+    launch(root, "fsdp-from-zero", 2, FSDP_DP2, ckpt(root, "zero-from-fsdp", 9), 12)
+    launch(root, "plain-from-fsdp", 1, PLAIN, ckpt(root, "fsdp", 9), 12)
     return root
 
 
@@ -185,8 +185,8 @@ def chain(tmp_path_factory) -> Path:
     ("fsdp", 4, 9), ("zero-from-fsdp", 7, 9), ("fsdp-from-zero", 10, 12),
     ("plain-from-fsdp", 10, 12)])
 def test_resharded_fsdp_runs_follow_the_plain_loop(chain, name, first, last):
-    got = _records(chain / name)
-    want = {r["iteration"]: r for r in _records(chain / "ref")}
+    got = training_records(chain / name)
+    want = {r["iteration"]: r for r in training_records(chain / "ref")}
     assert [r["iteration"] for r in got] == list(range(first, last + 1))
     for r in got:
         w = want[r["iteration"]]
@@ -195,14 +195,14 @@ def test_resharded_fsdp_runs_follow_the_plain_loop(chain, name, first, last):
 
 
 def test_fsdp_resume_in_the_same_layout_is_bitwise(chain):
-    straight = {r["iteration"]: r for r in _records(chain / "fsdp")}
-    resumed = _records(chain / "fsdp-again")
+    straight = {r["iteration"]: r for r in training_records(chain / "fsdp")}
+    resumed = training_records(chain / "fsdp-again")
     assert [r["iteration"] for r in resumed] == [7, 8, 9]
     for r in resumed:
         want = straight[r["iteration"]]
         assert (r["loss"], r["grad_norm"]) == (want["loss"], want["grad_norm"])
-    a, _ = read_full_model(_ckpt(chain, "fsdp", 9))
-    b, _ = read_full_model(_ckpt(chain, "fsdp-again", 9))
+    a, _ = read_full_model(ckpt(chain, "fsdp", 9))
+    b, _ = read_full_model(ckpt(chain, "fsdp-again", 9))
     assert sorted(a) == sorted(b)
     for key, value in a.items():
         assert torch.equal(value, b[key]), key

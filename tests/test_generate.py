@@ -34,12 +34,10 @@ from mimotron.generate import Generator, Sampling
 from mimotron.models.hf.llama import build_hf_language_model
 from mimotron.models.kv_cache import KVCache
 from mimotron.models.language import LanguageModel
-from mimotron.runtime import init_runtime
-from mimotron.training.loop import run_training
-from tests.test_hf_language import _assert_close_relative, _hf_logits, _hf_model
+from tests.hf_decoders import assert_close_relative, hf_logits, hf_model
+from tests.llava_overfit import NUM_ITERS, NUM_SAMPLES, overfit_toml
+from tests.parity import train
 
-NUM_ITERS = 50
-NUM_SAMPLES = 8  # train_fraction 0.75: samples 0, 2, 3, 4, 5, 7 train
 SEQ = 20
 
 
@@ -67,7 +65,7 @@ def test_cached_decoding_equals_full_forward_builtin() -> None:
     tokens = torch.randint(0, 64, (2, SEQ))
     with torch.no_grad():
         full = lm(lm.embed_tokens(tokens))
-    _assert_close_relative(_decode_in_pieces(lm, tokens), full)
+    assert_close_relative(_decode_in_pieces(lm, tokens), full)
     cache = KVCache(SEQ + 1)
     cache.advance(SEQ)
     with pytest.raises(ValueError, match="exceeds max_seq_len=20"):
@@ -85,13 +83,13 @@ def test_cached_decoding_equals_full_forward_hf(tmp_path: Path, model_type: str,
                                                 overrides: dict[str, Any]) -> None:
     """Qwen2 (q/k/v biases, GQA), Llama (llama3 RoPE), Qwen3 (q/k norms, head_dim):
     cached logits = our full forward = transformers' logits."""
-    hf = _hf_model(tmp_path, model_type, **overrides)
+    hf = hf_model(tmp_path, model_type, **overrides)
     ours = build_hf_language_model(tmp_path).eval()
     tokens = torch.arange(2 * SEQ).view(2, SEQ) * 37 % 128
-    want = _hf_logits(hf, tokens)
+    want = hf_logits(hf, tokens)
     with torch.no_grad():
-        _assert_close_relative(ours(ours.embed_tokens(tokens)), want)
-    _assert_close_relative(_decode_in_pieces(ours, tokens), want)
+        assert_close_relative(ours(ours.embed_tokens(tokens)), want)
+    assert_close_relative(_decode_in_pieces(ours, tokens), want)
 
 
 def test_cache_refuses_what_it_cannot_hold() -> None:
@@ -107,65 +105,14 @@ def test_cache_refuses_what_it_cannot_hold() -> None:
 # ---- an overfit model -------------------------------------------------------------------
 
 
-def _toml(root: Path, assets: Path) -> Path:
-    """The demo config, shrunk: one rank, 6 training samples, one checkpoint at the end."""
-    path = root / "overfit.toml"
-    path.write_text(f"""
-name = "generate_overfit"
-[modules.vision]
-kind = "vit"
-hf_path = "{assets / 'models' / 'vision'}"
-vision_feature_layer = -1
-[modules.audio]
-kind = "audio"
-hf_path = "{assets / 'models' / 'audio'}"
-downsample_factor = 16
-[modules.language]
-kind = "language"
-hf_path = "{assets / 'models' / 'language'}"
-[data]
-dataset = "llava"
-path = "{assets / 'data' / 'data.jsonl'}"
-tokenizer = "{assets / 'tokenizer'}"
-seq_length = 56
-train_fraction = 0.75
-[train]
-iters = {NUM_ITERS}
-global_batch_size = 6
-micro_batch_size = 6
-seed = 1
-precision = "fp32"
-[optimizer]
-lr = 3e-3
-min_lr = 3e-3
-weight_decay = 0.0
-[scheduler]
-warmup_iters = 5
-decay_style = "constant"
-[eval]
-interval = 1000
-[checkpoint]
-interval = {NUM_ITERS}
-[log]
-dir = "{root / 'run'}"
-interval = {NUM_ITERS}
-progress = false
-""")
-    return path
-
-
-def _train(rank: int, world: int, config: Path) -> None:
-    run_training(load_config(config), init_runtime())
-
-
 @pytest.fixture(scope="module")
 def overfit(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """The trained run, its config, and the train samples (conversation + files)."""
     root = tmp_path_factory.mktemp("generate")
     assets = root / "assets"
     write_llava_assets(assets, num_samples=NUM_SAMPLES)
-    config = _toml(root, assets)
-    run_ranks(1, _train, config, timeout_s=300)
+    config = overfit_toml(root, assets)
+    run_ranks(1, train, [], config, timeout_s=300)
     cfg = load_config(config)
     task, _ = build_llava_tasks(cfg, build_tokenizer(cfg))
     samples = [task.get(i) for i in range(len(task))]

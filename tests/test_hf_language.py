@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import transformers
 from safetensors.torch import load_file, save_file
 
 from mimotron.config.hf_folder import tensor_files
@@ -27,10 +26,14 @@ from mimotron.models.hf.llama import (
     load_llama_weights,
 )
 from mimotron.models.language import LanguageModel
+from tests.hf_decoders import (
+    SMALL,
+    TOKENS,
+    assert_close_relative,
+    hf_logits,
+    hf_model,
+)
 
-VOCAB = 128
-SMALL = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 48,
-         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4}
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 8}
 CASES = {
@@ -44,40 +47,11 @@ CASES = {
     "qwen3_qk_norm_head_dim": ("qwen3", {"num_key_value_heads": 2, "head_dim": 12}),
     "tied": ("qwen2", {"num_key_value_heads": 2, "tie_word_embeddings": True}),
 }
-TOKENS = torch.arange(2 * 20).view(2, 20) * 37 % VOCAB
-
-
-def _hf_classes(model_type: str) -> tuple[type, type]:
-    names = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}[model_type]
-    return getattr(transformers, f"{names}Config"), getattr(transformers, f"{names}ForCausalLM")
-
-
-def _hf_model(path: Path, model_type: str, seed: int = 0, **overrides: object) -> torch.nn.Module:
-    """A random HF model saved to ``path`` (returned in eval mode)."""
-    config_cls, model_cls = _hf_classes(model_type)
-    torch.manual_seed(seed)
-    model = model_cls(config_cls(**{**SMALL, **overrides})).eval()
-    with torch.no_grad():
-        for param in model.parameters():
-            param.add_(torch.randn_like(param) * 0.1)
-    model.save_pretrained(path)
-    return model
-
-
-def _hf_logits(model: torch.nn.Module, tokens: torch.Tensor = TOKENS) -> torch.Tensor:
-    with torch.no_grad():
-        return model(tokens).logits
 
 
 def _ours(module: LanguageModel, tokens: torch.Tensor = TOKENS) -> torch.Tensor:
     with torch.no_grad():
         return module(module.embed_tokens(tokens))
-
-
-def _assert_close_relative(got: torch.Tensor, ref: torch.Tensor, rel: float = 1e-5) -> None:
-    assert got.shape == ref.shape
-    err = (got - ref).abs().max().item()
-    assert err <= rel * ref.abs().max().item(), f"max abs error {err} vs scale {ref.abs().max()}"
 
 
 # ---- one process ------------------------------------------------------------------------
@@ -86,17 +60,17 @@ def _assert_close_relative(got: torch.Tensor, ref: torch.Tensor, rel: float = 1e
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_logits_match_transformers(tmp_path: Path, case: str) -> None:
     model_type, overrides = CASES[case]
-    hf = _hf_model(tmp_path, model_type, **overrides)
+    hf = hf_model(tmp_path, model_type, **overrides)
     ours = build_hf_language_model(tmp_path).eval()
-    _assert_close_relative(_ours(ours), _hf_logits(hf))
+    assert_close_relative(_ours(ours), hf_logits(hf))
 
 
 def test_spec_reads_each_family(tmp_path: Path) -> None:
-    _hf_model(tmp_path / "q3", "qwen3", num_key_value_heads=2, head_dim=12)
+    hf_model(tmp_path / "q3", "qwen3", num_key_value_heads=2, head_dim=12)
     spec = LlamaFamilySpec.from_hf_config(json.loads((tmp_path / "q3/config.json").read_text()))
     assert (spec.num_heads, spec.num_kv_heads, spec.head_dim) == (4, 2, 12)
     assert spec.qk_norm and not spec.qkv_bias and not spec.tie_word_embeddings
-    _hf_model(tmp_path / "q2", "qwen2", tie_word_embeddings=True)
+    hf_model(tmp_path / "q2", "qwen2", tie_word_embeddings=True)
     spec = LlamaFamilySpec.from_hf_config(json.loads((tmp_path / "q2/config.json").read_text()))
     assert spec.qkv_bias and not spec.out_bias and not spec.qk_norm and spec.tie_word_embeddings
     # The pre-transformers-5 format: top-level rope_theta, rope_scaling with "type".
@@ -108,7 +82,7 @@ def test_spec_reads_each_family(tmp_path: Path) -> None:
 
 
 def test_weight_names_map_both_ways(tmp_path: Path) -> None:
-    hf = _hf_model(tmp_path, "qwen3", num_key_value_heads=2, attention_bias=True)
+    hf = hf_model(tmp_path, "qwen3", num_key_value_heads=2, attention_bias=True)
     ours = build_hf_language_model(tmp_path)
     hf_names = set(hf.state_dict())
     our_names = dict(ours.named_parameters())
@@ -123,27 +97,27 @@ def test_weight_names_map_both_ways(tmp_path: Path) -> None:
 
 
 def test_sharded_checkpoint_with_index(tmp_path: Path) -> None:
-    hf = _hf_model(tmp_path / "one", "llama", num_key_value_heads=2)
+    hf = hf_model(tmp_path / "one", "llama", num_key_value_heads=2)
     hf.save_pretrained(tmp_path / "sharded", max_shard_size="20KB")
     assert (tmp_path / "sharded/model.safetensors.index.json").is_file()
     assert len(set(tensor_files(tmp_path / "sharded").values())) > 1
     ours = build_hf_language_model(tmp_path / "sharded").eval()
-    _assert_close_relative(_ours(ours), _hf_logits(hf))
+    assert_close_relative(_ours(ours), hf_logits(hf))
 
 
 def test_pipeline_stages_loaded_separately_match(tmp_path: Path) -> None:
-    hf = _hf_model(tmp_path, "qwen2", num_key_value_heads=2, num_hidden_layers=3)
+    hf = hf_model(tmp_path, "qwen2", num_key_value_heads=2, num_hidden_layers=3)
     first = build_hf_language_model(tmp_path, layer_ids=[0], post_process=False).eval()
     last = build_hf_language_model(tmp_path, layer_ids=[1, 2], pre_process=False).eval()
     assert sorted(first.layers) == ["0"] and first.output is None
     assert sorted(last.layers) == ["1", "2"] and last.embed is None
     with torch.no_grad():
         logits = last(first(first.embed_tokens(TOKENS)))
-    _assert_close_relative(logits, _hf_logits(hf))
+    assert_close_relative(logits, hf_logits(hf))
 
 
 def test_tied_embeddings_need_one_stage(tmp_path: Path) -> None:
-    _hf_model(tmp_path, "llama", tie_word_embeddings=True)
+    hf_model(tmp_path, "llama", tie_word_embeddings=True)
     whole = build_hf_language_model(tmp_path)
     assert whole.output.weight is whole.embed.weight
     with pytest.raises(ValueError, match="tie_word_embeddings.*pipeline=1"):
@@ -194,7 +168,7 @@ def _loss(logits: torch.Tensor, parts: int = 1) -> torch.Tensor:
 @pytest.mark.parametrize("case", ["llama_gqa_biases", "tied"])
 def test_tensor_parallel_loads_only_its_slice_and_matches(tmp_path: Path, case: str) -> None:
     model_type, overrides = CASES[case]
-    hf = _hf_model(tmp_path, model_type, **overrides)
+    hf = hf_model(tmp_path, model_type, **overrides)
     logits = hf(TOKENS).logits
     _loss(logits).backward()
     grads = {n: p.grad for n, p in hf.named_parameters()}
@@ -217,7 +191,7 @@ def _tp_bad_heads_rank(rank: int, world_size: int, path: str) -> str:
 
 
 def test_tensor_parallel_must_divide_kv_heads(tmp_path: Path) -> None:
-    _hf_model(tmp_path, "llama", num_key_value_heads=1)
+    hf_model(tmp_path, "llama", num_key_value_heads=1)
     messages = run_ranks(2, _tp_bad_heads_rank, str(tmp_path), timeout_s=120)
     assert all("tensor=2 does not divide num_kv_heads=1" in m for m in messages)
 
@@ -238,7 +212,7 @@ def _rewrite_weights(path: Path, change: dict[str, torch.Tensor | None]) -> None
 
 
 def test_missing_unexpected_and_misshaped_tensors_named_together(tmp_path: Path) -> None:
-    _hf_model(tmp_path, "llama", num_key_value_heads=2)
+    hf_model(tmp_path, "llama", num_key_value_heads=2)
     _rewrite_weights(tmp_path, {
         "model.layers.1.mlp.up_proj.weight": None,
         "model.layers.0.self_attn.extra.weight": torch.zeros(3),
@@ -255,7 +229,7 @@ def test_missing_unexpected_and_misshaped_tensors_named_together(tmp_path: Path)
 
 @pytest.mark.parametrize("kind", ["missing", "unexpected", "shape"])
 def test_each_bad_tensor_is_an_error(tmp_path: Path, kind: str) -> None:
-    _hf_model(tmp_path, "qwen2")
+    hf_model(tmp_path, "qwen2")
     name = "model.layers.0.self_attn.q_proj.bias"
     change = {"missing": {name: None}, "unexpected": {"model.extra": torch.zeros(1)},
               "shape": {name: torch.zeros(7)}}[kind]
@@ -279,7 +253,7 @@ def test_missing_folder_is_an_error_not_a_download(tmp_path: Path) -> None:
 
 
 def test_index_naming_absent_shard_is_an_error(tmp_path: Path) -> None:
-    hf = _hf_model(tmp_path / "one", "llama")
+    hf = hf_model(tmp_path / "one", "llama")
     hf.save_pretrained(tmp_path / "sharded", max_shard_size="20KB")
     shards = sorted((tmp_path / "sharded").glob("model-*.safetensors"))
     shards[-1].unlink()
@@ -303,7 +277,7 @@ def test_index_naming_absent_shard_is_an_error(tmp_path: Path) -> None:
 def test_unsupported_config_is_an_error_naming_the_key(
     tmp_path: Path, change: dict, words: str
 ) -> None:
-    _hf_model(tmp_path, "qwen2")
+    hf_model(tmp_path, "qwen2")
     config = json.loads((tmp_path / "config.json").read_text())
     config.update(change)
     (tmp_path / "config.json").write_text(json.dumps(config))
@@ -312,7 +286,7 @@ def test_unsupported_config_is_an_error_naming_the_key(
 
 
 def test_model_not_built_from_the_config_is_an_error(tmp_path: Path) -> None:
-    _hf_model(tmp_path, "llama", num_key_value_heads=2)
+    hf_model(tmp_path, "llama", num_key_value_heads=2)
     spec = LlamaFamilySpec.from_hf_config(json.loads((tmp_path / "config.json").read_text()))
     model = LanguageModel(**{**spec.model_kwargs(), "num_kv_heads": 4})
     with pytest.raises(ValueError, match=r"does not match the model: wrong shapes: "

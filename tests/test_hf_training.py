@@ -14,86 +14,30 @@ refused by config validation / the layout plan, before any process group exists.
 
 from __future__ import annotations
 
-import math
 import re
 from pathlib import Path
 
 import pytest
-import torch
-from safetensors import safe_open
 
 from mimotron.cli.main import main
 from mimotron.config import load_config
-from mimotron.data.hf_tokenizer import resize_embedding_rows
-from mimotron.forked_ranks import run_ranks
 from mimotron.parallel.layout import check_layout
-from tests.common import BASE, DIGITS, engine_run, noncolocated
-from tests.reference import reference_run
-
-NUM_ITERS = 10
-HF_VOCAB = 40  # below the padded model vocabulary (64): 24 rows are not in the checkpoint
-
-
-def _save_models(root: Path, kv_heads: int = 2, tied: bool = False, lm_layers: int = 2,
-                 vision_layers: int = 3, audio_layers: int = 2) -> dict[str, Path]:
-    from transformers import (
-        CLIPVisionConfig,
-        CLIPVisionModel,
-        LlamaConfig,
-        LlamaForCausalLM,
-        WhisperConfig,
-        WhisperModel,
-    )
-
-    torch.manual_seed(0)
-    paths = {m: root / m for m in ("vision", "audio", "language")}
-    # The digits task's inputs: 1 x 8 x 8 images, 129 x 16 spectrograms.
-    CLIPVisionModel(CLIPVisionConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=vision_layers,
-        num_attention_heads=4,
-        num_channels=1, image_size=8, patch_size=2)).save_pretrained(paths["vision"])
-    WhisperModel(WhisperConfig(
-        d_model=32, encoder_layers=audio_layers, encoder_attention_heads=4, encoder_ffn_dim=64,
-        decoder_layers=1, decoder_attention_heads=4, decoder_ffn_dim=64, num_mel_bins=129,
-        max_source_positions=8, max_target_positions=16, vocab_size=64, pad_token_id=0,
-        bos_token_id=1, eos_token_id=2, decoder_start_token_id=1,
-    )).save_pretrained(paths["audio"])
-    LlamaForCausalLM(LlamaConfig(
-        vocab_size=HF_VOCAB, hidden_size=64, intermediate_size=128,
-        num_hidden_layers=lm_layers, num_attention_heads=4, num_key_value_heads=kv_heads,
-        max_position_embeddings=128,
-        tie_word_embeddings=tied)).save_pretrained(paths["language"])
-    return paths
+from tests.common import BASE, DIGITS, noncolocated
+from tests.hf_models import check_against_reference, hf_overrides, save_models
 
 
 @pytest.fixture(scope="module")
 def hf_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    return _save_models(tmp_path_factory.mktemp("hf"))
-
-
-def _hf_overrides(paths: dict[str, Path]) -> list[str]:
-    return [f"modules.vision.hf_path='{paths['vision']}'",
-            f"modules.audio.hf_path='{paths['audio']}'",
-            f"modules.language.hf_path='{paths['language']}'",
-            "modules.audio.downsample_factor=2",
-            # configs/digits.toml and BASE size the toy modules; these match the folders.
-            "modules.vision.hidden_size=32", "modules.vision.num_layers=2",
-            "modules.audio.hidden_size=32", "modules.audio.num_layers=2",
-            "modules.language.hidden_size=64",
-            "train.iters=10"]
+    return save_models(tmp_path_factory.mktemp("hf"))
 
 
 def test_config_reads_sizes_from_the_folders(hf_dirs: dict[str, Path]) -> None:
-    cfg = load_config(DIGITS, BASE + _hf_overrides(hf_dirs))
+    cfg = load_config(DIGITS, BASE + hf_overrides(hf_dirs))
     vision, audio, lm = (cfg.modules[m] for m in ("vision", "audio", "language"))
     # vision_feature_layer -2 of 3 layers: 2 layers built; the class token is dropped.
     assert (vision.num_layers, vision.num_heads, vision.num_output_tokens) == (2, 4, 16)
     assert (audio.num_freq_bins, audio.num_frames, audio.num_output_tokens) == (129, 16, 4)
     assert (lm.num_layers, lm.ffn_hidden_size) == (2, 128)
-
-
-def _rel(got: float, want: float) -> float:
-    return abs(got - want) / max(abs(want), 1e-12)
 
 
 # Encoder TP slices + a language pipeline; an encoder pipeline + vocabulary-parallel TP
@@ -106,70 +50,26 @@ LAYOUTS = {
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_hf_modules_train_like_one_process(hf_dirs: dict[str, Path], layout: str) -> None:
-    shared = _hf_overrides(hf_dirs)
+    shared = hf_overrides(hf_dirs)
     overrides = shared + LAYOUTS[layout]
     world = check_layout(load_config(DIGITS, BASE + overrides)).world_size
     assert world == 5
-    _check_against_reference(hf_dirs, shared, overrides, world)
+    check_against_reference(hf_dirs, shared, overrides, world)
 
 
 def test_hf_modules_interleaved_train_like_one_process(tmp_path: Path) -> None:
     """A CLIP tower, a Whisper encoder and a Llama decoder, all under interleaved 1F1B
     (PP 2 x VP 2, one layer per chunk, 4 micro-batches; the CLIP class token rides the
     ring until the last chunk drops it), match the plain loop."""
-    paths = _save_models(tmp_path, lm_layers=4, vision_layers=5, audio_layers=4)
-    shared = _hf_overrides(paths) + ["train.micro_batch_size=4", "modules.vision.num_layers=4",
+    paths = save_models(tmp_path, lm_layers=4, vision_layers=5, audio_layers=4)
+    shared = hf_overrides(paths) + ["train.micro_batch_size=4", "modules.vision.num_layers=4",
                                      "modules.audio.num_layers=4",
                                      "modules.language.num_layers=4"]
     pp2vp2 = {"pipeline": 2, "virtual_pipeline": 2}
     overrides = shared + noncolocated(pp2vp2, pp2vp2, pp2vp2)
     world = check_layout(load_config(DIGITS, BASE + overrides)).world_size
     assert world == 6
-    _check_against_reference(paths, shared, overrides, world)
-
-
-def _check_against_reference(hf_dirs: dict[str, Path], shared: list[str],
-                             overrides: list[str], world: int) -> None:
-    results = run_ranks(world, engine_run, overrides, NUM_ITERS, timeout_s=300)
-    ref = reference_run(tuple(shared), NUM_ITERS)
-
-    # The reference starts from the checkpoints: rows [0, 40) of the embedding and head
-    # are the folder's, the rest are new; the projectors are mimotron's own.
-    with safe_open(hf_dirs["language"] / "model.safetensors", framework="pt") as f:
-        embed = f.get_tensor("model.embed_tokens.weight")
-        head = f.get_tensor("lm_head.weight")
-    assert torch.equal(ref.initial["language_model.embed.weight"][:HF_VOCAB], embed)
-    assert torch.equal(ref.initial["language_model.output.weight"][:HF_VOCAB], head)
-    assert ref.initial["language_model.embed.weight"].shape[0] == 64
-    # The extra rows follow the tokenizer-resize rule (mean + seeded noise x std).
-    for ours, table in (("embed", embed), ("output", head)):
-        want = resize_embedding_rows(table, 64, seed=load_config(DIGITS, BASE).train.seed)
-        torch.testing.assert_close(ref.initial[f"language_model.{ours}.weight"], want,
-                                   rtol=1e-6, atol=1e-7)
-    assert not torch.equal(ref.initial["language_model.embed.weight"][HF_VOCAB:],
-                           ref.initial["language_model.output.weight"][HF_VOCAB:])
-
-    for rank, res in enumerate(results):
-        for it, (loss, norm, skipped, tokens) in enumerate(res["steps"]):
-            where = f"rank {rank} iteration {it}"
-            assert skipped is False and tokens == ref.num_tokens[it], where
-            assert _rel(loss, ref.losses[it]) <= 1e-4, f"{where}: {loss} vs {ref.losses[it]}"
-            assert _rel(norm, ref.grad_norms[it]) <= 1e-4, f"{where}: {norm}"
-    assert ref.losses[-1] < ref.losses[0]  # a real learning rate: the model moved
-    merged: dict[str, torch.Tensor] = {}
-    for res in results:
-        merged.update(res["weights"])
-    assert set(merged) == set(ref.weights)
-    for name, want in ref.weights.items():
-        if name.endswith("attn.wk.bias"):
-            # Its gradient is zero in exact arithmetic (a key bias adds the same q.b to
-            # every score of a query; softmax ignores it), so Adam turns round-off into
-            # +-lr steps: not comparable. Its loss effect is nil, covered by the losses.
-            continue
-        err = (merged[name] - want).norm() / max(float(want.norm()), 1e-12)
-        assert float(err) <= 1e-4, f"{name}: relative error {float(err)}"
-        assert not math.isnan(float(err))
-        assert not torch.equal(want, ref.initial[name]) or "embed_positions" in name
+    check_against_reference(paths, shared, overrides, world)
 
 
 def _plan(overrides: list[str], capsys: pytest.CaptureFixture) -> tuple[int, str, str]:
@@ -181,7 +81,7 @@ def _plan(overrides: list[str], capsys: pytest.CaptureFixture) -> tuple[int, str
 
 def test_plan_reports_hf_modules(hf_dirs: dict[str, Path], capsys: pytest.CaptureFixture
                                  ) -> None:
-    code, out, err = _plan(_hf_overrides(hf_dirs)
+    code, out, err = _plan(hf_overrides(hf_dirs)
                            + noncolocated({"tensor": 2}, {}, {"pipeline": 2}), capsys)
     assert code == 0, err
     # The parameter counts are the checkpoints' (vocabulary 64) plus the projectors.
@@ -206,11 +106,11 @@ def test_a_config_json_is_read_once_per_load_and_once_per_plan(
 
     monkeypatch.setattr(Path, "read_text", counting)
     folders = sorted(str(p) for p in hf_dirs.values())
-    cfg = load_config(DIGITS, BASE + _hf_overrides(hf_dirs))
+    cfg = load_config(DIGITS, BASE + hf_overrides(hf_dirs))
     assert sorted(reads) == folders
     assert cfg.modules["language"].num_layers == 2  # the sizes came from the files
     reads.clear()
-    code, _, err = _plan(_hf_overrides(hf_dirs), capsys)  # a new load: read afresh, once
+    code, _, err = _plan(hf_overrides(hf_dirs), capsys)  # a new load: read afresh, once
     assert code == 0, err
     assert sorted(reads) == folders
 
@@ -226,7 +126,7 @@ def test_missing_folder_is_an_error_before_launch(tmp_path: Path,
 
 def test_size_contradicting_config_json_is_an_error(hf_dirs: dict[str, Path],
                                                     capsys: pytest.CaptureFixture) -> None:
-    over = _hf_overrides(hf_dirs)
+    over = hf_overrides(hf_dirs)
     with pytest.raises(ValueError, match=r"modules\.language\.hidden_size=96 contradicts "
                                          r"config\.json.*gives 64"):
         load_config(DIGITS, BASE + over + ["modules.language.hidden_size=96"])
@@ -239,8 +139,8 @@ def test_size_contradicting_config_json_is_an_error(hf_dirs: dict[str, Path],
 
 def test_tensor_not_dividing_kv_heads_is_an_error(tmp_path: Path,
                                                   capsys: pytest.CaptureFixture) -> None:
-    paths = _save_models(tmp_path, kv_heads=1)
-    over = _hf_overrides(paths) + noncolocated({}, {}, {"tensor": 2})
+    paths = save_models(tmp_path, kv_heads=1)
+    over = hf_overrides(paths) + noncolocated({}, {}, {"tensor": 2})
     cfg = load_config(DIGITS, BASE + over)  # the config alone is valid
     with pytest.raises(ValueError, match=r"tensor=2 is invalid.*num_kv_heads.*=1"):
         check_layout(cfg)
@@ -249,8 +149,8 @@ def test_tensor_not_dividing_kv_heads_is_an_error(tmp_path: Path,
 
 
 def test_pipeline_with_tied_embeddings_is_an_error(tmp_path: Path) -> None:
-    paths = _save_models(tmp_path, tied=True)
-    over = _hf_overrides(paths) + noncolocated({}, {}, {"pipeline": 2})
+    paths = save_models(tmp_path, tied=True)
+    over = hf_overrides(paths) + noncolocated({}, {}, {"pipeline": 2})
     with pytest.raises(ValueError, match=r"pipeline=2 is invalid.*tie_word_embeddings"):
         check_layout(load_config(DIGITS, BASE + over))
 

@@ -11,31 +11,14 @@ rank and call its blocked peer collateral.
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
-from tests.common import SMALL_MODEL
+from tests.common import DIGITS
+from tests.launching import COLOCATED, ROOT, TINY, launch_env
 
-ROOT = Path(__file__).resolve().parents[1]
-DIGITS = str(ROOT / "configs" / "digits.toml")  # vision | audio | language DP 2: 4 ranks
-COLOCATED = str(ROOT / "configs" / "digits_colocated.toml")  # all modules DP 2 on 2 ranks
-TINY = [
-    *SMALL_MODEL,
-    "eval.iters=1", "log.interval=1",
-]
-LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID", "MASTER_ADDR",
-                 "MASTER_PORT", "MIMOTRON_FAIL_AT_ITER", "MIMOTRON_FAIL_RANK",
-                 "MIMOTRON_FAIL_SIGNAL", "MIMOTRON_FAILURE_DIR")
 COLLATERAL = r"rank 0 (failed as a consequence: peer lost|stopped as a consequence)"
-
-
-def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
-    env.update(OMP_NUM_THREADS="1", **extra)
-    return env
 
 
 def test_a_rank_failing_mid_step_ends_the_job_non_zero_with_its_traceback(tmp_path):
@@ -44,7 +27,7 @@ def test_a_rank_failing_mid_step_ends_the_job_non_zero_with_its_traceback(tmp_pa
     proc = subprocess.run(
         [sys.executable, "-m", "mimotron", "train", COLOCATED, *TINY, "train.iters=5",
          "train.pg_timeout_s=60", f"log.dir={tmp_path}"],
-        cwd=ROOT, env=_env(MIMOTRON_FAIL_AT_ITER="2", MIMOTRON_FAIL_RANK="1"),
+        cwd=ROOT, env=launch_env(MIMOTRON_FAIL_AT_ITER="2", MIMOTRON_FAIL_RANK="1"),
         capture_output=True, text=True, timeout=240)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1, out[-4000:]
@@ -67,7 +50,7 @@ def test_a_rank_killed_by_a_signal_is_named_as_the_root_cause(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "mimotron", "train", COLOCATED, *TINY, "train.iters=5",
          "train.pg_timeout_s=60", f"log.dir={tmp_path}"],
-        cwd=ROOT, env=_env(MIMOTRON_FAIL_AT_ITER="2", MIMOTRON_FAIL_RANK="1",
+        cwd=ROOT, env=launch_env(MIMOTRON_FAIL_AT_ITER="2", MIMOTRON_FAIL_RANK="1",
                            MIMOTRON_FAIL_SIGNAL="SIGKILL"),
         capture_output=True, text=True, timeout=240)
     out = proc.stdout + proc.stderr
@@ -92,7 +75,7 @@ def test_two_torchrun_nodes_train_a_heterogeneous_layout(tmp_path):
          "--rdzv-id=mimotron-two-nodes", "--max-restarts=0", "--local-addr=127.0.0.1",
          "-m", "mimotron", "train", DIGITS, *TINY, *layout, "train.iters=3",
          "train.pg_timeout_s=120", f"log.dir={tmp_path}"],
-        cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        cwd=ROOT, env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for node in (0, 1)]
     try:
         outputs = [p.communicate(timeout=300)[0] for p in procs]
@@ -143,7 +126,7 @@ def test_the_launcher_imports_no_dtensor_dcp_or_model(tmp_path):
     # The launcher's checks run before any rank starts, so every import they pay for
     # delays every launch; DTensor, DCP and the models are the ranks' business only.
     proc = subprocess.run([sys.executable, "-c", _LAUNCHER_PATH, COLOCATED, *TINY,
-                           f"log.dir={tmp_path}"], cwd=ROOT, env=_env(),
+                           f"log.dir={tmp_path}"], cwd=ROOT, env=launch_env(),
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert proc.stdout.strip() == "[]", proc.stdout

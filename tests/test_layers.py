@@ -199,3 +199,28 @@ def test_a_planted_upward_import_fails(tmp_path: Path, where: str) -> None:
     (package / "models" / "blocks.py").write_text(body)
     edges = upward_edges(_modules(package))
     assert ("mimotron.models.blocks", "mimotron.training.loop") in edges
+
+
+def imported_test_files(folder: Path) -> list[str]:
+    """``file:line module`` for each import of a ``tests.test_*`` module by a file of
+    ``folder`` (at module level or inside a function), absolute or relative."""
+    found = []
+    for path in sorted(folder.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                # Every file of the folder is in the package ``tests``: ``.x`` is ``tests.x``.
+                base = ".".join(filter(None, ["tests" if node.level else "", node.module]))
+                names = [base, *(f"{base}.{alias.name}" for alias in node.names)]
+            else:
+                continue
+            found += [f"{path.name}:{node.lineno} {name}" for name in names
+                      if name.startswith("tests.test_")]
+    return found
+
+
+def test_no_test_file_imports_another() -> None:
+    """A helper that several test files share lives in a helper module (``tests/common.py``,
+    ``tests/parity.py``, ...), never in a ``test_*.py`` file that others import."""
+    assert imported_test_files(ROOT / "tests") == []

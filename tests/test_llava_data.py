@@ -36,11 +36,8 @@ def env(tmp_path_factory):
     return llava_env(tmp_path_factory.mktemp("llava"))
 
 
-dataset = llava_dataset
-
-
 def test_samples_hold_tokens_labels_and_preprocessed_media(env, tmp_path):
-    data = dataset(env, write_jsonl(tmp_path / "d.jsonl", env["samples"]))
+    data = llava_dataset(env, write_jsonl(tmp_path / "d.jsonl", env["samples"]))
     tok = env["tokenizer"]
     assert len(data) == 4 and data.num_skipped == 0
     assert data.image_shape == (3, 16, 16) and data.audio_shape == (16, 100)
@@ -66,7 +63,7 @@ def test_samples_hold_tokens_labels_and_preprocessed_media(env, tmp_path):
 @pytest.mark.parametrize("parts", [("image",), ("audio",), ("text",), ("text", "image")])
 def test_restricted_loading_keeps_presence_and_loads_only_its_parts(env, tmp_path, parts):
     path = write_jsonl(tmp_path / "d.jsonl", env["samples"])
-    full, part = dataset(env, path), dataset(env, path)
+    full, part = llava_dataset(env, path), llava_dataset(env, path)
     part.restrict_loading(parts)
     args = (96, full.pad_id, full.image_shape, full.audio_shape)
     whole = collate([full.load(i) for i in range(4)], *args)
@@ -87,7 +84,7 @@ def test_restricted_loading_keeps_presence_and_loads_only_its_parts(env, tmp_pat
 def test_pixels_equal_transformers_clip_processor(env, tmp_path):
     from PIL import Image
 
-    data = dataset(env, write_jsonl(tmp_path / "d.jsonl", env["samples"]))
+    data = llava_dataset(env, write_jsonl(tmp_path / "d.jsonl", env["samples"]))
     reference = CLIPImageProcessorPil(**CLIP_CONFIG)
     for index, name in ((0, "a.png"), (2, "b.png")):  # RGB; RGBA composited onto white
         expected = reference(Image.open(env["root"] / "img" / name), return_tensors="np")
@@ -109,7 +106,7 @@ def test_pixels_equal_transformers_siglip_processor(tmp_path, shape, mode):
 
 
 def test_log_mel_equals_whisper_feature_extractor(env, tmp_path):
-    data = dataset(env, write_jsonl(tmp_path / "d.jsonl", env["samples"]))
+    data = llava_dataset(env, write_jsonl(tmp_path / "d.jsonl", env["samples"]))
     reference = WhisperFeatureExtractor(**WHISPER_KWARGS)
     for index, name in ((1, "a.wav"), (2, "b.wav")):  # shorter and longer than 1 s
         with open(env["root"] / "wav" / name, "rb") as f:
@@ -165,8 +162,8 @@ def test_bad_sample_is_an_error_naming_id_and_line_or_is_skipped_and_counted(env
     sample_id = "None" if name == "broken_json" else "'b'"
     with pytest.raises(ValueError, match=rf"{name}.jsonl line 3 \(sample id {sample_id}\): "
                                          rf".*{pattern}"):  # fmt: skip
-        dataset(env, path)
-    skipping = dataset(env, path, skip_bad_samples=True, num_workers=2)
+        llava_dataset(env, path)
+    skipping = llava_dataset(env, path, skip_bad_samples=True, num_workers=2)
     assert skipping.num_skipped == 1 and len(skipping) == 3
     assert skipping.bad_samples[0].location == "line 3"
     assert [skipping.load(i)["sample_id"] for i in range(3)] == ["s0", "s1", "s3"]
@@ -175,23 +172,23 @@ def test_bad_sample_is_an_error_naming_id_and_line_or_is_skipped_and_counted(env
 def test_json_list_file_names_the_item_and_modality_without_encoder(env, tmp_path):
     path = tmp_path / "d.json"
     path.write_text(json.dumps(env["samples"]))
-    assert len(dataset(env, path)) == 4
+    assert len(llava_dataset(env, path)) == 4
     no_audio = {"seq_length": 96, "num_tokens": {"image": 4}, "audio_features": None}
     with pytest.raises(ValueError, match=r"d.json item 1 \(sample id 's1'\): .*no audio encoder"):
-        dataset(env, path, **no_audio)
-    assert dataset(env, path, skip_bad_samples=True, **no_audio).num_skipped == 2
+        llava_dataset(env, path, **no_audio)
+    assert llava_dataset(env, path, skip_bad_samples=True, **no_audio).num_skipped == 2
 
 
 def test_every_sample_bad_is_an_error_even_when_skipping(env, tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", ["not json", "[1"])
     with pytest.raises(ValueError, match="no usable sample"):
-        dataset(env, path, skip_bad_samples=True)
+        llava_dataset(env, path, skip_bad_samples=True)
 
 
 def test_sample_order_does_not_depend_on_the_number_of_workers(env, tmp_path):
     # 20 samples (image, audio, both and text), each with its own id.
     samples = [{**s, "id": f"{s['id']}-{k}"} for k in range(5) for s in env["samples"]]
-    data = dataset(env, write_jsonl(tmp_path / "d.jsonl", samples))
+    data = llava_dataset(env, write_jsonl(tmp_path / "d.jsonl", samples))
     train, _ = llava_tasks(data, train_fraction=0.75)
 
     def read(num_workers):
@@ -214,7 +211,7 @@ def test_sample_order_does_not_depend_on_the_number_of_workers(env, tmp_path):
 
 
 def test_splits_are_fixed_and_disjoint(env, tmp_path):
-    data = dataset(env, write_jsonl(tmp_path / "d.jsonl", env["samples"] * 3))
+    data = llava_dataset(env, write_jsonl(tmp_path / "d.jsonl", env["samples"] * 3))
     train, validation = llava_tasks(data, train_fraction=0.75)
     assert (len(train), len(validation)) == (9, 3)
     assert not set(train.indices.tolist()) & set(validation.indices.tolist())

@@ -27,16 +27,11 @@ from mimotron.cli.main import main as cli_main
 from mimotron.config import load_config
 from mimotron.forked_ranks import run_ranks
 from mimotron.generate import Generator, Sampling
-from mimotron.runtime import init_runtime
-from mimotron.training.loop import run_training
-from tests.test_generate import _toml
+from tests.llava_overfit import NUM_SAMPLES, overfit_toml
+from tests.parity import train
 
 STAGE1_ITERS, STAGE2_ITERS = 6, 50
 TOWERS = ["modules.vision.freeze=encoder", "modules.audio.freeze=encoder"]
-
-
-def _train(rank: int, world: int, config: Path, overrides: list[str]) -> None:
-    run_training(load_config(config, overrides), init_runtime())
 
 
 def _stage(config: Path, root: Path, name: str, iters: int, extra: list[str]) -> Path:
@@ -44,7 +39,7 @@ def _stage(config: Path, root: Path, name: str, iters: int, extra: list[str]) ->
     overrides = [f"name={name}", f"log.dir={run}", f"train.iters={iters}",
                  f"checkpoint.interval={iters}", f"log.interval={iters}", *extra]
     # (a later checkpoint.interval in extra wins)
-    run_ranks(1, _train, config, overrides, timeout_s=300)
+    run_ranks(1, train, overrides, config, timeout_s=300)
     return run
 
 
@@ -57,11 +52,10 @@ def test_stage1_stage2_generate_and_export_to_transformers(tmp_path: Path) -> No
     from PIL import Image
 
     from mimotron.demo.llava_assets import write_llava_assets
-    from tests.test_generate import NUM_SAMPLES
 
     assets = tmp_path / "assets"
     write_llava_assets(assets, num_samples=NUM_SAMPLES)
-    config = _toml(tmp_path, assets)
+    config = overfit_toml(tmp_path, assets)
 
     # Stage 1: projectors only (saved half way and at the end).
     stage1 = _stage(config, tmp_path, "stage1", STAGE1_ITERS,

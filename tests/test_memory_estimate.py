@@ -26,62 +26,14 @@ from mimotron.estimate.memory import (
 from mimotron.models.build import build_module
 from mimotron.models.language import language_loss
 from mimotron.parallel.layout import check_layout
+from tests.common import DIGITS
+from tests.saved_bytes import SEQ, VOCAB, language_bytes_per_sample, per_sample
 
 REPO = Path(__file__).resolve().parents[1]
-DIGITS = REPO / "configs" / "digits.toml"
-VOCAB = 64
-SEQ = 64
-
-
-def _saved_bytes(run) -> int:
-    """Bytes of the distinct non-parameter storages autograd saves while ``run()`` runs."""
-    storages: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        if not isinstance(t, torch.nn.Parameter):
-            s = t.untyped_storage()
-            storages[s.data_ptr()] = s.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = run()
-    del out
-    return sum(storages.values())
-
-
-def _per_sample(module: torch.nn.Module, make_input, precision: str, loss: bool) -> int:
-    """Saved bytes per sample: ``saved(3 samples) - saved(2 samples)``.
-
-    (Not 2 - 1: with one sample some reshapes are views that copy for more.)
-    """
-    ctx = (torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16"
-           else torch.autocast("cpu", enabled=False))
-
-    def run(n: int):
-        x = make_input(n)
-        with ctx:
-            out = module(x)
-            if loss:
-                labels = torch.zeros(n, SEQ, dtype=torch.long)
-                out = language_loss(out, labels, torch.ones(n, SEQ))[0]
-        return out
-
-    return _saved_bytes(lambda: run(3)) - _saved_bytes(lambda: run(2))
 
 
 def _cfg(precision: str, *extra: str):
     return load_config(DIGITS, [f"train.precision={precision}", *extra])
-
-
-def language_bytes_per_sample(cfg, precision: str) -> tuple[int, float]:
-    """``(measured, estimated)`` activation bytes per sample of the config's language model
-    (what autograd saves through a forward with the loss; ``activation_bytes``)."""
-    torch.manual_seed(0)
-    lm = build_module(cfg, "language", VOCAB)
-    measured = _per_sample(lm, lambda n: torch.randn(n, SEQ, 128, requires_grad=True),
-                           precision, loss=True)
-    samples = cfg.train.micro_batch_size // cfg.modules["language"].parallel.data
-    return measured, activation_bytes(cfg, "language", VOCAB, in_flight=1) / samples
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
@@ -100,7 +52,7 @@ def test_encoder_activations_match_saved_tensors(name, precision):
     encoder = build_module(cfg, name, VOCAB)
     shape = ((mod.in_channels, mod.image_size, mod.image_size) if mod.kind == "vit"
              else (mod.num_freq_bins, mod.num_frames))
-    measured = _per_sample(encoder, lambda n: torch.randn(n, *shape), precision, loss=False)
+    measured = per_sample(encoder, lambda n: torch.randn(n, *shape), precision, loss=False)
     samples = cfg.train.micro_batch_size // mod.parallel.data
     estimate = activation_bytes(cfg, name, VOCAB, in_flight=1) / samples
     assert estimate <= measured <= estimate * 1.02, (measured, estimate)

@@ -20,8 +20,7 @@ import pytest
 from mimotron.config import load_config
 from mimotron.estimate.memory import estimate_memory
 from mimotron.parallel.layout import check_layout
-from tests.common import DIGITS, colocated, noncolocated, par
-from tests.test_config_keys import config_keys
+from tests.common import DIGITS, colocated, config_keys, noncolocated, par
 
 LM = "language"
 MOE = ["modules.language.num_experts=4", "modules.language.top_k=2"]

@@ -24,20 +24,16 @@ and each branch of ``GradSync`` on its own: ``tests/test_grad_sync.py``.
 from __future__ import annotations
 
 import pytest
-import torch
 
-from mimotron.config import load_config
 from mimotron.forked_ranks import run_ranks
 from mimotron.parallel.grad_sync import GradSync, backward_module_order
-from mimotron.parallel.layout import check_layout
-from tests.common import BASE, DIGITS, coloc, colocated, engine_run, noncolocated, par
+from tests.common import coloc, colocated, engine_run, noncolocated, par
+from tests.moe import MOE_NO_AUX
+from tests.parity import TINY_BUCKETS, assert_bitwise_equal, world_size
 
 NUM_ITERS = 4
 OVERLAP = ["train.overlap_grad_reduce=true"]
 SMALL_MB = ["train.micro_batch_size=4"]  # 4 micro-batches; DP slices of 1-2 samples
-TINY_BUCKETS = ["train.grad_bucket_mb=0.01"]  # ~2600 fp32 values: several per module
-MOE = ["modules.language.hidden_size=32", "modules.language.num_layers=2",
-       "modules.language.num_experts=4", "modules.language.top_k=2"]
 
 # name: (overrides, some bucket must launch during the backward)
 CASES: dict[str, tuple[list[str], bool]] = {
@@ -56,7 +52,7 @@ CASES: dict[str, tuple[list[str], bool]] = {
     "language-tp2dp2-sp": (noncolocated({}, {}, {"tensor": 2, "data": 2}) + TINY_BUCKETS
                            + ["modules.language.parallel.sequence_parallel=true"], True),
     # Dense buckets over dp 4 launch early; the expert buckets (over expt_dp 2) are late.
-    "moe-ep2-dp4": (colocated(4) + MOE + par("language", expert=2) + TINY_BUCKETS, True),
+    "moe-ep2-dp4": (colocated(4) + MOE_NO_AUX + par("language", expert=2) + TINY_BUCKETS, True),
 }
 
 
@@ -73,20 +69,6 @@ def on_off_run(rank: int, world: int, overrides: list[str], num_iters: int) -> d
     GradSync.finish = counting_finish  # this forked rank only
     on = engine_run(rank, world, overrides + OVERLAP, num_iters)
     return {"off": off, "on": on, "counts": counts}
-
-
-def world_size(overrides: list[str]) -> int:
-    return check_layout(load_config(DIGITS, BASE + overrides)).world_size
-
-
-def assert_bitwise_equal(off: dict, on: dict, rank: int) -> None:
-    """Losses, grad norms, token counts, stepped gradients and final weights: same bits."""
-    assert on["steps"] == off["steps"], f"rank {rank}: losses or grad norms differ"
-    for it, (g_on, g_off) in enumerate(zip(on["grad_sq"], off["grad_sq"], strict=True)):
-        assert g_on == g_off, f"rank {rank} iteration {it}: a stepped gradient differs"
-    assert sorted(on["weights"]) == sorted(off["weights"])
-    for name, value in off["weights"].items():
-        assert torch.equal(on["weights"][name], value), f"rank {rank}: {name} differs"
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -37,7 +37,8 @@ from mimotron.runtime import init_runtime
 from mimotron.training.loop import setup_mimo
 from tests import common
 from tests.common import BASE, DIGITS, coloc, colocated, engine_run, noncolocated, par, train_step
-from tests.test_overlap_grad_reduce import MOE, TINY_BUCKETS, assert_bitwise_equal, world_size
+from tests.moe import MOE_NO_AUX
+from tests.parity import TINY_BUCKETS, assert_bitwise_equal, world_size
 
 NUM_ITERS = 10
 OVERLAP = ["train.overlap_grad_reduce=true", "train.overlap_param_gather=true"]
@@ -58,7 +59,7 @@ CASES: dict[str, list[str]] = {
     "zero-language-pp2dp2": noncolocated({}, {}, {"pipeline": 2, "data": 2})
     + zero("language") + ["train.micro_batch_size=4"],
     # Expert-parallel ZeRO-1: dense rows over dp (4), expert rows over expt_dp (2).
-    "zero-moe-ep2-dp4": colocated(4) + MOE + par("language", expert=2) + zero(*ALL),
+    "zero-moe-ep2-dp4": colocated(4) + MOE_NO_AUX + par("language", expert=2) + zero(*ALL),
 }
 
 

@@ -32,13 +32,8 @@ from tests.parity import (
     checked_modules,
     engine_results,
     reference,
-    run_against_plain_loop,
 )
 from tests.reference import ReferenceRun
-
-# tests/test_fsdp.py imports these from here.
-__all__ = ["SMALL_MB", "reference", "run_against_plain_loop"]
-
 
 ZERO = [f"modules.{m}.parallel.shard_optimizer=true" for m in ("vision", "audio", "language")]
 LR_OVERRIDES = ["modules.vision.optimizer.lr=1e-2", "modules.audio.optimizer.lr=5e-4",

@@ -21,7 +21,6 @@ from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-from unittest import mock
 
 import pytest
 import torch
@@ -30,7 +29,6 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import mimotron.models.recompute as recompute_module
-import tests.test_hf_training as hf_training
 from benchmarks.recompute import fake_group, kept_per_layer
 from mimotron import host_sync
 from mimotron.config import load_config
@@ -48,6 +46,7 @@ from mimotron.models.moe import pop_moe_stats, set_aux_loss_weights
 from mimotron.models.recompute import apply_recompute, recompute_mode, recomputed_layer_ids
 from mimotron.parallel.layout import check_layout
 from tests.common import BASE, DIGITS, coloc, colocated, engine_run, noncolocated, par
+from tests.hf_models import check_against_reference, hf_overrides, save_models
 from tests.moe import MOE, expert_grads, moe_reference
 from tests.parity import assert_matches_reference, run_against_plain_loop
 
@@ -142,19 +141,11 @@ def test_recompute_moe_with_expert_parallelism_matches_plain_loop() -> None:
 def test_recompute_hf_families_match_plain_loop(tmp_path: Path) -> None:
     """A CLIP tower (selective), a Whisper encoder (full) and a Llama decoder with
     grouped-query attention (full on its first layer) on two colocated DP ranks."""
-    paths = hf_training._save_models(tmp_path)
-    shared = hf_training._hf_overrides(paths)
+    paths = save_models(tmp_path)
+    shared = hf_overrides(paths)
     overrides = shared + colocated(2) + ["modules.language.recompute_num_layers=1"] \
         + recompute(vision="selective", audio="full", language="full")
-    results: list[dict] = []
-
-    def capturing(*args: Any, **kwargs: Any) -> list[dict]:
-        results.extend(run_ranks(*args, **kwargs))
-        return results
-
-    with mock.patch.object(hf_training, "run_ranks", capturing), \
-            mock.patch.object(hf_training, "engine_run", _counted_engine_run):
-        hf_training._check_against_reference(paths, shared, overrides, 2)
+    results = check_against_reference(paths, shared, overrides, 2, run=_counted_engine_run)
     _assert_recomputed(results)
 
 

@@ -36,7 +36,7 @@ def _merge_pairs(bounds: tuple[int, ...]) -> tuple[int, ...]:
 def _leaky_engine_run(rank: int, world: int, overrides: list[str], num_iters: int) -> dict:
     """``engine_run`` with the language model's attention plans built over merged pairs of
     documents (this forked rank only); reports how many plans it built."""
-    real_plan = language.plan_attention
+    real_plan = language.attention_segments
     plans = []
 
     def leaky_plan(docs: Documents, *args: object, **kwargs: object) -> object:
@@ -44,7 +44,7 @@ def _leaky_engine_run(rank: int, world: int, overrides: list[str], num_iters: in
         merged = Documents(docs.seq_len, tuple(_merge_pairs(b) for b in docs.bounds))
         return real_plan(merged, *args, **kwargs)
 
-    language.plan_attention = leaky_plan
+    language.attention_segments = leaky_plan
     out = engine_run(rank, world, overrides, num_iters)
     out["leaky_plans"] = len(plans)
     return out
@@ -59,7 +59,7 @@ def test_planted_document_leak_fails_packed_parity():
 
     leaky = engine_results(PACKING + ONE_RANK, NUM_ITERS, _leaky_engine_run, world=1)
     # The bug sat where the engine builds its attention (once per forward at least).
-    assert leaky[0]["leaky_plans"] >= NUM_ITERS, "the engine no longer calls plan_attention"
+    assert leaky[0]["leaky_plans"] >= NUM_ITERS, "the engine no longer calls attention_segments"
     loss, want = leaky[0]["steps"][0][0], ref.losses[0]
     assert abs(loss - want) > 10 * LOSS_REL * want, f"step 0 loss {loss} vs {want}"
     with pytest.raises(AssertionError, match="iteration 0: loss"):

@@ -29,7 +29,7 @@ from mimotron.run_lock import LOCK_FILE, RunLock
 from mimotron.training.metrics import MetricsWriter
 from mimotron.training.metrics_file import METRICS_FILE, rewrite_records
 from mimotron.training.wandb_sink import RUN_ID_FILE, run_id
-from tests.test_faults_rundir import _run_args
+from tests.launching import run_args
 
 VICTIM_TEXT = "someone else's file\n"
 RECORD = {"iteration": 1, "loss": 0.5}
@@ -141,7 +141,7 @@ def test_train_refuses_a_link_at_the_lock_in_one_line(tmp_path, capsys):
     run = tmp_path / "run"
     run.mkdir()
     (run / LOCK_FILE).symlink_to(victim)
-    assert main(["train", *_run_args(run)]) == 2
+    assert main(["train", *run_args(run)]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1, err
     assert f"{run / LOCK_FILE} is a symlink" in err and "invalid config" not in err, err
@@ -194,7 +194,7 @@ def test_a_lock_file_that_is_a_folder_says_so(tmp_path, capsys):
         RunLock(tmp_path).acquire()
     assert f"{tmp_path / LOCK_FILE} is a directory, not a plain file" in str(refused.value)
     assert "not writable" not in str(refused.value)
-    assert main(["train", *_run_args(tmp_path)]) == 2
+    assert main(["train", *run_args(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "is a directory" in err, err
 

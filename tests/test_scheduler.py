@@ -6,7 +6,6 @@ when ``[modules.<m>.optimizer]`` overrides lr, warm-up, decay style and min lr.
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from types import SimpleNamespace
@@ -15,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from mimotron.config import MimoConfig, ModuleConfig, SchedulerConfig, load_config
+from mimotron.config import MimoConfig, ModuleConfig, SchedulerConfig
 from mimotron.forked_ranks import run_ranks
 from mimotron.optim import (
     OptimizerParamScheduler,
@@ -24,9 +23,8 @@ from mimotron.optim import (
     load_schedulers_state_dict,
     schedulers_state_dict,
 )
-from mimotron.runtime import init_runtime
-from mimotron.training.loop import run_training
 from mimotron.training.model_setup import freeze_modules
+from tests.parity import metrics_lines, train
 
 
 def _opt(wd: float = 0.1) -> torch.optim.Optimizer:
@@ -194,7 +192,6 @@ def test_schedulers_state_round_trip_and_fresh_modules() -> None:
 
 # ---- end to end: metrics.jsonl logs each module's own schedule -------------------------
 
-DIGITS = Path(__file__).resolve().parents[1] / "configs" / "digits.toml"
 NUM_ITERS = 6
 LR_RUN = [
     "modules.vision.hidden_size=32", "modules.vision.num_layers=1",
@@ -228,17 +225,12 @@ def _expected_lr(module: str, k: int) -> float:
     return 0.5 * (math.cos(math.pi * (k - 2) / (NUM_ITERS - 2)) + 1) * 3e-3
 
 
-def _train_and_log(rank: int, world: int, log_dir: str) -> None:
-    cfg = load_config(DIGITS, LR_RUN + [f"log.dir={log_dir}"])
-    run_training(cfg, init_runtime())
-
-
 def test_logged_lr_follows_each_modules_own_schedule(tmp_path: Path) -> None:
-    run_ranks(3, _train_and_log, str(tmp_path), timeout_s=240)
-    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    train = [x for x in lines if "lr" in x]
-    assert [x["iteration"] for x in train] == list(range(1, NUM_ITERS + 1))
-    for x in train:
+    run_ranks(3, train, LR_RUN + [f"log.dir={tmp_path}"], timeout_s=240)
+    lines = metrics_lines(tmp_path)
+    logged = [x for x in lines if "lr" in x]
+    assert [x["iteration"] for x in logged] == list(range(1, NUM_ITERS + 1))
+    for x in logged:
         assert not x["skipped"]
         # lr of iteration k is logged after its (successful) step: the schedule at k.
         want = {m: _expected_lr(m, x["iteration"]) for m in ("audio", "language", "vision")}

@@ -27,8 +27,7 @@ from mimotron.data.digits_llava import conversation_texts, write_llava_task
 from mimotron.data.webdataset import write_shards
 from mimotron.forked_ranks import run_groups
 from tests.common import ONE_RANK, train_steps
-from tests.hf_data import llava_env, write_jsonl
-from tests.test_llava_data import dataset
+from tests.hf_data import llava_dataset, llava_env, write_jsonl
 
 NUM_ITERS = 3
 
@@ -46,7 +45,7 @@ def twelve(env) -> list[dict]:
 
 def test_shards_load_the_samples_of_the_equivalent_jsonl(env, tmp_path):
     samples = twelve(env)
-    jsonl = dataset(env, write_jsonl(tmp_path / "d.jsonl", samples))
+    jsonl = llava_dataset(env, write_jsonl(tmp_path / "d.jsonl", samples))
     shards = write_shards(samples, env["root"], tmp_path / "shards", samples_per_shard=5)
     assert [s.name for s in shards] == ["shard-000000.tar", "shard-000001.tar",
                                         "shard-000002.tar"]  # fmt: skip
@@ -55,7 +54,7 @@ def test_shards_load_the_samples_of_the_equivalent_jsonl(env, tmp_path):
     assert all(shard_paths(name) == shards for name in names)
     with pytest.raises(ValueError, match="shard-000003.tar"):
         shard_paths(f"{folder}/shard-{{000000..000003}}.tar")
-    tar = dataset(env, f"{folder}/shard-{{000000..000002}}.tar")
+    tar = llava_dataset(env, f"{folder}/shard-{{000000..000002}}.tar")
     assert len(tar) == len(jsonl) == 12 and tar.num_skipped == 0
     assert tar.lengths.tolist() == jsonl.lengths.tolist()
     for i in range(12):
@@ -113,9 +112,9 @@ def test_a_corrupt_shard_or_sample_is_one_clear_line(env, tmp_path):
     with pytest.raises(ValueError, match=r"shard-000000.tar key '000000001' \(sample id "
                                          r"'cut-image'\): image file .*shard-000000.tar:"
                                          r"000000001.png' is unreadable") as info:  # fmt: skip
-        dataset(env, tmp_path / "bad")
+        llava_dataset(env, tmp_path / "bad")
     assert "\n" not in str(info.value)
-    skipping = dataset(env, tmp_path / "bad", skip_bad_samples=True)
+    skipping = llava_dataset(env, tmp_path / "bad", skip_bad_samples=True)
     assert skipping.num_skipped == 2 and len(skipping) == 2
     assert "no .json member with key 'orphan'" in skipping.bad_samples[1].reason
 
@@ -123,9 +122,9 @@ def test_a_corrupt_shard_or_sample_is_one_clear_line(env, tmp_path):
     write_shards(samples, env["root"], tmp_path / "cut", samples_per_shard=6)
     _cut(tmp_path / "cut" / "shard-000001.tar", 0.6)
     with pytest.raises(ValueError, match=r"shard-000001.tar after key .*unreadable") as info:
-        dataset(env, tmp_path / "cut")
+        llava_dataset(env, tmp_path / "cut")
     assert "\n" not in str(info.value)
-    kept = dataset(env, tmp_path / "cut", skip_bad_samples=True)
+    kept = llava_dataset(env, tmp_path / "cut", skip_bad_samples=True)
     assert kept.num_skipped == 1 and 6 < len(kept) < 12
     assert [kept.load(i)["sample_id"] for i in range(6)] == [s["id"] for s in samples[:6]]
 
@@ -133,5 +132,5 @@ def test_a_corrupt_shard_or_sample_is_one_clear_line(env, tmp_path):
     (tmp_path / "cut" / "shard-000002.tar").write_bytes(b"not a tar file" * 64)
     with pytest.raises(ValueError, match=r"shard-000002.tar' is not a readable tar file"
                        ) as info:  # fmt: skip
-        dataset(env, tmp_path / "cut", skip_bad_samples=True)
+        llava_dataset(env, tmp_path / "cut", skip_bad_samples=True)
     assert "\n" not in str(info.value)

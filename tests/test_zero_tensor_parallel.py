@@ -22,109 +22,42 @@ inner optimizers' Adam moments, summed from the tensors themselves.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from torch.distributed.tensor import DTensor
 
 from mimotron.checkpoint import read_full_model
 from mimotron.config import MimoConfig, load_config
 from mimotron.estimate.memory import estimate_memory
 from mimotron.forked_ranks import run_ranks
-from mimotron.optim.mimo_optimizer import MimoOptimizer
-from mimotron.parallel.expert_parallel import is_expert_param
 from mimotron.parallel.layout import check_layout
-from mimotron.parallel.zero import shard_dim
 from mimotron.runtime import init_runtime
-from mimotron.training import loop
-from mimotron.training.loop import run_training, setup_mimo
+from mimotron.training.loop import setup_mimo
 from tests.common import BASE, DIGITS, coloc, colocated_plain, par, train_step
 from tests.moe import MOE
 from tests.parity import assert_records_follow, records_by_iteration, training_records
+from tests.resume_chain import COMMON, PLAIN, ckpt, launch, optimizer_holdings
 
 ZERO = [f"modules.{m}.parallel.shard_optimizer=true" for m in ("vision", "audio", "language")]
 TP_ZERO = coloc({"data": 4, "tensor": 1}, {"data": 4, "tensor": 1},
                 {"tensor": 2, "data": 2}) + ZERO
 DP4_ZERO = colocated_plain(4) + ZERO
-PLAIN = colocated_plain(1)
 OVERLAP = ["train.overlap_grad_reduce=true", "train.overlap_param_gather=true",
            "train.grad_bucket_mb=0.05"]
-COMMON = BASE + ["train.iters=12", "eval.iters=1", "log.interval=1", "log.progress=false",
-                 "checkpoint.interval=3", "checkpoint.keep=4", "checkpoint.load=auto"]
 REL = 1e-4
-
-
-def _ckpt(root: Path, run: str, iteration: int) -> Path:
-    return root / run / "ckpt" / f"iter_{iteration:07d}"
-
-
-def _train(rank: int, world: int, overrides: list[str]) -> dict[str, Any]:
-    """``run_training`` on this rank; then what the rank holds (see :func:`_held`)."""
-    runs = []
-    setup = loop.setup_mimo
-
-    def keep(cfg: Any, runtime: Any) -> Any:
-        runs.append(setup(cfg, runtime))
-        return runs[-1]
-
-    loop.setup_mimo = keep  # this forked rank only
-    run_training(load_config(DIGITS, overrides), init_runtime())
-    return _held(runs[0].optimizer)
-
-
-def _held(optimizer: MimoOptimizer) -> dict[str, dict[str, int]]:
-    """Per active module: local parameter elements, their bytes, gradient bytes, moments.
-
-    Fragments are views of the parameters and are not counted again; ``one_row`` is
-    the bound on a row split's imbalance (one row of every local tensor).
-    """
-    out = {}
-    for name, info in optimizer.module_infos.items():
-        if not info.is_active:
-            continue
-        params = ([info.zero.model_param(n) for n, _ in info.zero.fragments]
-                  if info.zero is not None else [p for _, p in info.params])
-        local = [p.to_local() if isinstance(p, DTensor) else p for p in params]
-        grads = [g.to_local() if isinstance(g, DTensor) else g
-                 for g in (p.grad for p in params) if g is not None]
-        moments = [v for st in info.optimizer.state.values() for v in st.values()
-                   if torch.is_tensor(v) and v.dim() > 0]
-        out[name] = {
-            "numel": sum(t.numel() for t in local),
-            "expert_numel": sum(t.numel() for p, t in zip(params, local, strict=True)
-                                if is_expert_param(p)),
-            "weights": sum(t.numel() * t.element_size() for t in local),
-            "grads": sum(g.numel() * g.element_size() for g in grads),
-            "moments": sum(v.numel() * v.element_size() for v in moments),
-            "one_row": sum(t.numel() // t.shape[shard_dim(t.shape)] for t in local),
-            "dp": 1 if info.zero is None else info.zero.group.size(),
-        }
-    return out
-
-
-_records = training_records  # tests/test_fsdp.py imports it from here
-
-
-def _launch(root: Path, name: str, world: int, layout: list[str], load: Path | None,
-            stop: int) -> list[dict[str, Any]]:
-    extra = [f"checkpoint.load={load}"] if load is not None else []
-    return run_ranks(world, _train, COMMON + layout + extra + [
-        f"log.dir={root / name}", f"checkpoint.dir={root / name / 'ckpt'}",
-        f"train.exit_interval={stop}"], timeout_s=300)
 
 
 @pytest.fixture(scope="module")
 def chain(tmp_path_factory) -> dict[str, Any]:
     """Every run of the chain (module docstring); returns the root and ``tp``'s holdings."""
     root = tmp_path_factory.mktemp("zero_tp")
-    _launch(root, "ref", 1, PLAIN, None, 12)
-    held = _launch(root, "tp", 4, TP_ZERO, _ckpt(root, "ref", 3), 9)
-    _launch(root, "tp-again", 4, TP_ZERO + OVERLAP, _ckpt(root, "tp", 6), 9)
-    _launch(root, "dp4", 4, DP4_ZERO, _ckpt(root, "tp", 6), 9)
-    _launch(root, "tp-from-dp4", 4, TP_ZERO, _ckpt(root, "dp4", 9), 12)
-    _launch(root, "plain-from-tp", 1, PLAIN, _ckpt(root, "tp", 9), 12)
+    launch(root, "ref", 1, PLAIN, None, 12)
+    held = launch(root, "tp", 4, TP_ZERO, ckpt(root, "ref", 3), 9)
+    launch(root, "tp-again", 4, TP_ZERO + OVERLAP, ckpt(root, "tp", 6), 9)
+    launch(root, "dp4", 4, DP4_ZERO, ckpt(root, "tp", 6), 9)
+    launch(root, "tp-from-dp4", 4, TP_ZERO, ckpt(root, "dp4", 9), 12)
+    launch(root, "plain-from-tp", 1, PLAIN, ckpt(root, "tp", 9), 12)
     return {"root": root, "held": held}
 
 
@@ -146,8 +79,8 @@ def test_resume_in_the_same_layout_is_bitwise(chain):
     for r in resumed:
         assert (r["loss"], r["grad_norm"]) == (straight[r["iteration"]]["loss"],
                                                straight[r["iteration"]]["grad_norm"])
-    a, _ = read_full_model(_ckpt(root, "tp", 9))
-    b, _ = read_full_model(_ckpt(root, "tp-again", 9))
+    a, _ = read_full_model(ckpt(root, "tp", 9))
+    b, _ = read_full_model(ckpt(root, "tp-again", 9))
     assert sorted(a) == sorted(b)
     for key, value in a.items():
         assert torch.equal(value, b[key]), key
@@ -204,7 +137,7 @@ def test_memory_estimate_counts_the_zero_split(chain):
 def _one_step(rank: int, world: int, overrides: list[str]) -> dict[str, dict[str, int]]:
     run = setup_mimo(load_config(DIGITS, BASE + overrides), init_runtime())
     train_step(run)
-    return _held(run.optimizer)
+    return optimizer_holdings(run.optimizer)
 
 
 def test_expert_tensor_zero_holds_expert_rows_over_expt_dp():

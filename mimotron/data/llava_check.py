@@ -43,7 +43,7 @@ from mimotron.data.chat_batch import ConversationEncoder
 from mimotron.data.hf_tokenizer import HFTokenizer
 from mimotron.data.llava_file import SampleError
 from mimotron.data.media import AudioFeatures, ImageProcessor
-from mimotron.data.sample_keys import check_sample_keys
+from mimotron.data.sample_keys import check_sample_keys, check_shard_members
 from mimotron.data.webdataset import TarMember
 
 Media = Path | TarMember
@@ -86,12 +86,14 @@ class RawItem:
         raw: the parsed JSON, or the SampleError reading it gave.
         media: a shard sample's members by modality; ``None``: paths in the JSON.
         key: a shard sample's key (its id when the JSON has none).
+        unread: a shard sample's members that no reader takes (``k.txt``).
     """
 
     location: str
     raw: Any
     media: dict[str, tuple[TarMember, ...]] | None = None
     key: str | None = None
+    unread: tuple[str, ...] = ()
 
 
 class SampleChecker:
@@ -169,6 +171,7 @@ class SampleChecker:
             record = self.parse(item)
             sample_id = record.sample_id
             check_sample_keys(item.raw, self.ignore_keys)
+            check_shard_members(item.unread, self.ignore_keys)
             for modality, files in (("image", record.images), ("audio", record.audios)):
                 self._check_files(modality, files, record.messages)
         except SampleError as bad:

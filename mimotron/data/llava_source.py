@@ -214,7 +214,7 @@ class ShardSource:
                 if len(media[modality]) == 1:
                     row[f"{modality}_offset"] = media[modality][0].offset
                     row[f"{modality}_size"] = media[modality][0].size
-            yield row, RawItem(location, raw, media, sample.key)
+            yield row, RawItem(location, raw, media, sample.key, tuple(sample.unread))
         if cut:
             yield _empty_row(chunk, -1), RawItem(f"{self.shards[chunk].name} after key "
                                                  f"{samples[-1].key if samples else None!r}",

@@ -47,3 +47,22 @@ def check_sample_keys(raw: dict[str, Any], ignore: Collection[str]) -> None:
                               f"(a turn's keys read are 'from', 'value'): the turn would train "
                               f"without it; list it in data.ignore_keys to train it so, or "
                               f"remove it from the data")  # fmt: skip
+
+
+def check_shard_members(members: Collection[str], ignore: Collection[str]) -> None:
+    """Raise unless every member of a shard sample that no reader takes is ignored.
+
+    Args:
+        members: the sample's unread members (``a/b.txt``, ``k.0.mp4``), in shard order.
+        ignore: ``data.ignore_keys``; a member is ignored by its last extension (``txt``).
+
+    Raises:
+        SampleError: naming the first member not ignored and its extension.
+    """
+    for name in members:
+        extension = name.rpartition("/")[2].rpartition(".")[2].lower()
+        if extension not in ignore:
+            raise SampleError(f"shard member {name!r} is not read by the loader (it reads "
+                              f"the .json conversation, image files and .wav audio): the "
+                              f"sample would train without it; list {extension!r} in "
+                              f"data.ignore_keys to train it so, or remove it from the shard")

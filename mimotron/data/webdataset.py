@@ -8,8 +8,10 @@ A shard (``shard-000000.tar`` ...) holds samples as consecutive members sharing 
   id when it has none); its ``image`` / ``audio`` fields are ignored (converted corpora
   keep the original paths there): the media are the sample's members;
 * ``<key>.jpg`` / ``.jpeg`` / ``.png`` / ``.webp`` / ``.bmp`` / ``.gif`` / ``.tif`` /
-  ``.tiff`` / ``.ppm``: its image; ``<key>.wav``: its audio clip. Other members
-  (``.txt``, ``.cls``, ...) are ignored.
+  ``.tiff`` / ``.ppm``: its image; ``<key>.wav``: its audio clip. Any other member
+  (``.txt``, ``.cls``, ``.mp4``, ...) would be read by nobody, so it makes the sample bad,
+  naming it, unless ``data.ignore_keys`` lists its extension (``"txt"``): nothing in the
+  data is dropped silently.
 
 ``data.path`` names the shards as a folder (every ``*.tar`` in it), one ``.tar`` file, a
 glob pattern (``shards/*.tar``) or a brace range as WebDataset writes it
@@ -44,7 +46,7 @@ from typing import Any
 
 IMAGE_EXTENSIONS = frozenset({"jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff", "ppm"})
 AUDIO_EXTENSIONS = frozenset({"wav"})
-_READ_EXTENSIONS = IMAGE_EXTENSIONS | AUDIO_EXTENSIONS | {"json"}  # other members: ignored
+_READ_EXTENSIONS = IMAGE_EXTENSIONS | AUDIO_EXTENSIONS | {"json"}  # others: see ShardSample
 
 
 @dataclass(frozen=True)
@@ -95,6 +97,7 @@ class ShardSample:
                                                                         "audio": []})
     duplicate: str = ""  # a second member of the same extension, named
     refused: str = ""  # why a member makes the sample bad (sparse, link, name), or ""
+    unread: list[str] = field(default_factory=list)  # members no reader takes, by name
 
 
 def split_name(name: str) -> tuple[str, str]:
@@ -167,7 +170,8 @@ def _add_member(samples: list[ShardSample], shard: Path, member: tarfile.TarInfo
         files[member.name] = member
     last = extension.rpartition(".")[2]  # "0.json" is a json member too
     if last not in _READ_EXTENSIONS:
-        return  # not read: whatever it is
+        sample.unread.append(member.name)  # the sample check names it (or data.ignore_keys)
+        return
     refused = _refused(shard, member, data)
     if refused:
         sample.refused = sample.refused or refused

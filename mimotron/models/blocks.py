@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mimotron.config.schema import default_ffn_hidden_size
-from mimotron.models.attention import AttentionPlan, attend
+from mimotron.models.attention import AttentionSegments, attend
 from mimotron.models.kv_cache import LayerCache, attend_cached
 from mimotron.parallel.context_attention import gather_kv
 
@@ -321,7 +321,7 @@ class Attention(nn.Module):
 
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-        plan: AttentionPlan | None = None, cache: LayerCache | None = None,
+        plan: AttentionSegments | None = None, cache: LayerCache | None = None,
     ) -> torch.Tensor:
         """Attend over the sequence.
 
@@ -329,7 +329,7 @@ class Attention(nn.Module):
             x: ``[batch, seq, hidden]``.
             rope: ``(cos, sin)`` for the sequence, or ``None`` for no rotary embedding.
             plan: packed documents or context-parallel chunks: which keys each query
-                reads (:func:`~mimotron.models.attention.plan_attention`; required under
+                reads (:func:`~mimotron.models.attention.attention_segments`; required under
                 context parallelism); ``None`` = plain causal (or bidirectional)
                 attention over the row.
             cache: incremental decoding only (:mod:`mimotron.models.kv_cache`): ``x``
@@ -375,7 +375,8 @@ class Attention(nn.Module):
 
     def core(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor] | None = None, plan: AttentionPlan | None = None,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+        plan: AttentionSegments | None = None,
     ) -> torch.Tensor:
         """The attention core between the projections and ``wo``: RoPE, the
         context-parallel key/value gather and the kernel (:func:`~mimotron.models.
@@ -404,7 +405,7 @@ class Attention(nn.Module):
         if self.context_parallel_group is not None:
             if plan is None:
                 raise ValueError("context-parallel attention needs an attention plan over "
-                                 "global positions (plan_attention); got plan=None")
+                                 "global positions (attention_segments); got plan=None")
             # After RoPE (keys carry their global positions): gathers the fewer
             # key/value heads of grouped-query attention.
             k, v = gather_kv(k, v, self.context_parallel_group, dim=1)
@@ -496,7 +497,7 @@ class TransformerBlock(nn.Module):
 
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-        plan: AttentionPlan | None = None, cache: LayerCache | None = None,
+        plan: AttentionSegments | None = None, cache: LayerCache | None = None,
     ) -> torch.Tensor:
         """Run the layer on ``[batch, seq, hidden]``; ``rope``/``plan``/``cache`` as in
         :class:`Attention`."""

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mimotron.config.rope_scaling import validate_rope_scaling
-from mimotron.models.attention import AttentionPlan, Documents, plan_attention
+from mimotron.models.attention import AttentionSegments, Documents, attention_segments
 from mimotron.models.blocks import (
     RMSNorm,
     chunk_modules,
@@ -168,7 +168,7 @@ class LanguageModel(nn.Module):
     def _rope_and_plan(
         self, seq: int, batch: int, rope: tuple[torch.Tensor, torch.Tensor],
         documents: Documents | None, position_ids: torch.Tensor | None,
-    ) -> tuple[tuple[torch.Tensor, torch.Tensor], AttentionPlan | None]:
+    ) -> tuple[tuple[torch.Tensor, torch.Tensor], AttentionSegments | None]:
         """RoPE rows at this rank's positions, and the attention plan of its queries.
 
         No plan for an unpacked row without context parallelism (plain causal SDPA).
@@ -189,7 +189,7 @@ class LanguageModel(nn.Module):
                     else torch.arange(seq, device=device).expand(batch, seq))
             rows = rows if pos is None else rows[:, pos]
             rope = (rope[0][rows].unsqueeze(1), rope[1][rows].unsqueeze(1))
-        return rope, plan_attention(documents, device, cp_size, cp_rank)
+        return rope, attention_segments(documents, device, cp_size, cp_rank)
 
     @staticmethod
     def _check_sizes(

@@ -6,7 +6,7 @@ a tail chunk). Queries stay local; keys and values (after RoPE, local heads unde
 are all-gathered over the CP group by :class:`GatherKV`, so each rank's queries can
 read every key. The gathered keys arrive in rank order
 (:func:`~mimotron.parallel.context_parallel.gathered_positions`); the attention plan
-(:func:`~mimotron.models.attention.plan_attention`) picks, for each run of a chunk's
+(:func:`~mimotron.models.attention.attention_segments`) picks, for each run of a chunk's
 queries, its document's keys up to the run's end, and a variable-length kernel attends
 causally aligned at the lower right: no mask over global positions is made, and no
 rank computes scores for keys after its queries.

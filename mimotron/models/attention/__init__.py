@@ -11,12 +11,12 @@ One place decides how causal attention is computed, for every model family:
 """
 
 from mimotron.models.attention.documents import (
-    AttentionPlan,
+    AttentionSegments,
     Documents,
+    attention_segments,
     document_args,
-    plan_attention,
 )
 from mimotron.models.attention.kernels import attend, attention_kernel
 
-__all__ = ["AttentionPlan", "Documents", "attend", "attention_kernel", "document_args",
-           "plan_attention"]
+__all__ = ["AttentionSegments", "Documents", "attend", "attention_kernel", "document_args",
+           "attention_segments"]

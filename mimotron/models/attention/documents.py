@@ -8,7 +8,7 @@ key). An unpacked row under context parallelism is one document.
 
 **Segments.** Under context parallelism a rank holds two chunks of each row (a head
 and a tail, :func:`~mimotron.parallel.context_parallel.load_balanced_positions`) and
-the keys of the whole row (all-gathered, in rank order). :func:`plan_attention` cuts
+the keys of the whole row (all-gathered, in rank order). :func:`attention_segments` cuts
 this rank's queries into *segments*: maximal runs of consecutive positions of one
 document inside one chunk. A segment of queries ``[q0, q1)`` of a document starting at
 ``d`` attends to the keys ``[d, q1)``, causally aligned at the lower right (query
@@ -71,7 +71,7 @@ class Documents:
 
 
 @dataclass(frozen=True)
-class AttentionPlan:
+class AttentionSegments:
     """This rank's attention as variable-length segments (see the module docstring).
 
     Attributes:
@@ -113,8 +113,8 @@ def _segments(docs: Documents, ranges: list[tuple[int, int]]
     return out
 
 
-def plan_attention(docs: Documents, device: torch.device, cp_size: int = 1,
-                   cp_rank: int = 0) -> AttentionPlan:
+def attention_segments(docs: Documents, device: torch.device, cp_size: int = 1,
+                   cp_rank: int = 0) -> AttentionSegments:
     """The segments of this rank's queries and the keys each reads.
 
     Args:
@@ -124,7 +124,7 @@ def plan_attention(docs: Documents, device: torch.device, cp_size: int = 1,
         cp_rank: this rank's coordinate in the CP group.
 
     Returns:
-        The :class:`AttentionPlan`.
+        The :class:`AttentionSegments`.
     """
     ranges = ([(0, docs.seq_len)] if cp_size == 1
               else load_balanced_ranges(docs.seq_len, cp_size, cp_rank))
@@ -141,7 +141,7 @@ def plan_attention(docs: Documents, device: torch.device, cp_size: int = 1,
         inverse = torch.argsort(gathered_positions(docs.seq_len, cp_size, device))
         k_index = torch.cat([row * docs.seq_len + inverse[d0:q1] for row, d0, _, q1 in segments])
     # The kernel's cumulative lengths: two small copies from the host per forward.
-    return AttentionPlan(
+    return AttentionSegments(
         q_bounds, k_bounds, max(q_len), max(k_len), k_index,
         torch.tensor(q_bounds, dtype=torch.int32).to(device),
         torch.tensor(k_bounds, dtype=torch.int32).to(device))

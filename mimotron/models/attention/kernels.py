@@ -5,7 +5,7 @@
 * **no plan** (an unpacked row, no context parallelism): ``scaled_dot_product_attention``
   with ``is_causal=True`` — no mask, so the flash kernels run (on the CPU too).
 * **a plan** (packed documents, context-parallel chunks; :func:`~mimotron.models.
-  attention.documents.plan_attention`): every segment's queries attend to their keys,
+  attention.documents.attention_segments`): every segment's queries attend to their keys,
   causally aligned at the lower right.
 
   - ``varlen``: on a GPU in 16-bit, one call of torch's variable-length flash attention
@@ -37,7 +37,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mimotron.models.attention.documents import AttentionPlan
+from mimotron.models.attention.documents import AttentionSegments
 from mimotron.models.attention.varlen_emulation import VarlenAttention
 from mimotron.runtime import accelerator_available
 
@@ -80,7 +80,7 @@ def varlen_function() -> VarlenAttention:
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-           plan: AttentionPlan | None, causal: bool = True) -> torch.Tensor:
+           plan: AttentionSegments | None, causal: bool = True) -> torch.Tensor:
     """Attention of ``q`` over ``k``/``v``; ``[B, S, heads, head_dim]`` in and out.
 
     Args:
@@ -113,7 +113,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return out.view(batch, seq, heads, head_dim)
 
 
-def _segments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan,
+def _segments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionSegments,
               gqa: bool) -> torch.Tensor:
     """One SDPA per segment over flattened ``[T, heads, head_dim]`` rows."""
     outs = []
