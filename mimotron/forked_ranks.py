@@ -102,6 +102,11 @@ def _rank_main(
             "gloo", store=store, rank=rank, world_size=world_size,
             timeout=timedelta(seconds=pg_timeout_s),
         )
+        # gloo's full mesh can be complete on one rank while a peer still finishes its
+        # handshake: without this barrier a rank whose function returns at once may exit
+        # and close a connection its peer is still opening ("Connection closed by peer"
+        # inside init_process_group). Not recorded: it is the harness's, not the test's.
+        dist.barrier()
         recorder = start_recording(rank)
         if recorder is not None:
             _dump_when_asked(recorder, dump_request)
