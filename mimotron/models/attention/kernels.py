@@ -47,8 +47,9 @@ _VARLEN_DTYPES = (torch.float16, torch.bfloat16)
 def _varlen_device(device: torch.device) -> bool:
     """Whether torch's variable-length flash kernel runs on ``device``.
 
-    The dry run's ``meta`` stand-in for a GPU counts as one: the kernel has a
-    shape-only implementation there, so the plan's memory is measured as on the GPU.
+    The dry run's ``meta`` stand-in for a GPU counts as one (the kernel has a
+    shape-only implementation there), but the dry run runs without autocast: under
+    ``bf16`` its queries are fp32, so it takes the per-segment branch, not this one.
     """
     return device.type == "meta" or (device.type != "cpu" and accelerator_available())
 
