@@ -143,8 +143,12 @@ def _grad_square_norms(model: torch.nn.Module, skip_modules: set[str]) -> dict[s
             if p.grad is not None and module_of(name) not in skip_modules}
 
 
-def engine_run(rank: int, world: int, overrides: list[str], num_iters: int) -> dict:
+def engine_run(rank: int, world: int, overrides: list[str], num_iters: int,
+               config: Path | None = None) -> dict:
     """Train ``num_iters`` iterations through the real engine and report what it did.
+
+    The run is ``configs/digits.toml`` with ``BASE + overrides``, or ``config`` (a TOML
+    file of a test's own) with ``overrides`` alone.
 
     Returns:
         ``steps``: per iteration ``(loss, grad_norm, skipped, num_loss_tokens)``;
@@ -155,7 +159,8 @@ def engine_run(rank: int, world: int, overrides: list[str], num_iters: int) -> d
         ``empty_encoder_outputs``: encoder calls that had no sample of their modality;
         ``header_only_sends``: transfers that carried a shape header and no payload.
     """
-    cfg = load_config(DIGITS, BASE + overrides)
+    cfg = load_config(DIGITS, BASE + overrides) if config is None else load_config(
+        config, overrides)
     run = setup_mimo(cfg, init_runtime())
     sharded = {n for n, m in cfg.modules.items() if m.parallel.shard_optimizer}
     counts = {"empty_encoder_outputs": 0, "header_only_sends": 0}

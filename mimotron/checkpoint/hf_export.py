@@ -169,19 +169,34 @@ def export_hf_checkpoint(checkpoint: str | Path, out_dir: str | Path) -> dict[st
     """
     folder = ExportFolder(out_dir)
     found: dict[str, Any] = {}
+    tensors, meta = read_full_model(checkpoint,
+                                    check_meta=lambda m: check_hf_run(m, folder, found))
+    written = write_hf_modules(tensors, meta, folder, found)
+    folder.finish()
+    return written
 
-    def check(meta: dict[str, Any]) -> None:
-        paths = hf_paths(meta["config"])
-        if not paths:
-            raise ValueError("export --format hf: no module of this checkpoint has an hf_path "
-                             "(modules.<m>.hf_path); use --format mimotron")
-        folder.check(meta["config"], subfolders=paths)
-        for module, path in paths.items():
-            config = read_hf_config(check_hf_folder(path, module))
-            family_of(config, f"modules.{module}.hf_path={path!r}")
-        found["tokenizer"] = run_tokenizer(meta["config"]) if LANGUAGE in paths else None
 
-    tensors, meta = read_full_model(checkpoint, check_meta=check)
+def check_hf_run(meta: Mapping[str, Any], folder: ExportFolder, found: dict[str, Any]) -> None:
+    """What :func:`export_hf_checkpoint` checks before any tensor is read; the run's
+    tokenizer goes to ``found["tokenizer"]``.
+
+    Raises:
+        ValueError: as :func:`export_hf_checkpoint`.
+    """
+    paths = hf_paths(meta["config"])
+    if not paths:
+        raise ValueError("export --format hf: no module of this checkpoint has an hf_path "
+                         "(modules.<m>.hf_path); use --format mimotron")
+    folder.check(meta["config"], subfolders=paths)
+    for module, path in paths.items():
+        config = read_hf_config(check_hf_folder(path, module))
+        family_of(config, f"modules.{module}.hf_path={path!r}")
+    found["tokenizer"] = run_tokenizer(meta["config"]) if LANGUAGE in paths else None
+
+
+def write_hf_modules(tensors: dict[str, torch.Tensor], meta: Mapping[str, Any],
+                     folder: ExportFolder, found: Mapping[str, Any]) -> dict[str, Path]:
+    """The files of :func:`export_hf_checkpoint` (``found``: from :func:`check_hf_run`)."""
     paths, iteration = hf_paths(meta["config"]), int(meta["iteration"])
     written: dict[str, Path] = {}
     plain: dict[str, dict[str, torch.Tensor]] = {}
@@ -201,7 +216,6 @@ def export_hf_checkpoint(checkpoint: str | Path, out_dir: str | Path) -> dict[st
     written.update(write_module_files(plain, folder, iteration))
     written["run config"] = folder.file(RUN_CONFIG_FILE)
     written["run config"].write_text(json.dumps(meta["config"], indent=1) + "\n")
-    folder.finish()
     return written
 
 
@@ -296,7 +310,7 @@ def _write_hf_module(
     prefix = f"{subfolder}/" if subfolder else ""
     # With a run tokenizer, the folder's own tokenizer files (when it ships one) give way
     # to it: the tokenizer training used, placeholders included, is written below.
-    written = _copy_files(folder, target, prefix,
+    written = copy_files(folder, target, prefix,
                           keep=lambda name: tokenizer is None or not is_tokenizer_file(name))
     if config != read_hf_config(folder):
         written.append(target.file(prefix + CONFIG_FILE))
@@ -358,12 +372,12 @@ def hf_module_weights(
             dropped.add(HEAD)
         if vocab_size is None and tokenizer is not None:
             vocab_size = max(int(config["vocab_size"]), int(tokenizer.vocab_size))
-        ours, config = _fit_vocab(ours, config, vocab_size, module)
-    weights = _merge(ours, dropped, tensor_files(folder), family.weight_map, module)
+        ours, config = fit_vocab(ours, config, vocab_size, module)
+    weights = merge_into_folder(ours, dropped, tensor_files(folder), family.weight_map, module)
     return weights, config
 
 
-def _fit_vocab(
+def fit_vocab(
     ours: dict[str, torch.Tensor], config: dict[str, Any], vocab_size: int | None, module: str
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Drop the padding rows of the embedding / head; ``vocab_size`` set to the rows."""
@@ -383,7 +397,7 @@ def _fit_vocab(
     return ours, config
 
 
-def _merge(
+def merge_into_folder(
     ours: Mapping[str, torch.Tensor],
     dropped: set[str],
     files: Mapping[str, Path],
@@ -469,7 +483,7 @@ def is_tokenizer_file(name: str) -> bool:
             or name.endswith(_TOKENIZER_SUFFIXES))
 
 
-def _copy_files(source: Path, target: ExportFolder, prefix: str,
+def copy_files(source: Path, target: ExportFolder, prefix: str,
                 keep: Callable[[str], bool] = lambda name: True) -> list[Path]:
     """Copy the top-level non-weight files of ``source`` (config, generation config, ...)
     that ``keep`` accepts to ``prefix<name>`` in the export folder; the files written."""
@@ -488,12 +502,12 @@ def write_tokenizer(tokenizer: Any, target: ExportFolder, prefix: str) -> list[P
     Only tokenizer files (:func:`is_tokenizer_file`): ``data.tokenizer`` is often the
     language model's own folder, whose ``config.json`` must not replace the export's.
     """
-    written = _copy_files(Path(tokenizer.path), target, prefix, keep=is_tokenizer_file)
+    written = copy_files(Path(tokenizer.path), target, prefix, keep=is_tokenizer_file)
     if tokenizer.num_added:
         # save_pretrained picks its own file names: saved aside, then each one recorded.
         with tempfile.TemporaryDirectory(prefix="mimotron-tokenizer-") as temp:
             tokenizer.tokenizer.save_pretrained(temp)
-            for file in _copy_files(Path(temp), target, prefix, keep=is_tokenizer_file):
+            for file in copy_files(Path(temp), target, prefix, keep=is_tokenizer_file):
                 if file not in written:
                     written.append(file)
     return written

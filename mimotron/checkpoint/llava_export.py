@@ -59,6 +59,7 @@ from mimotron.checkpoint.hf_export import (
 )
 from mimotron.checkpoint.state import VOCAB_SIZE_UNPADDED
 from mimotron.config.hf_folder import SINGLE_FILE, read_hf_config, tensor_files
+from mimotron.config.hf_vlm import is_vlm_config
 from mimotron.models.hf.llama import LLAMA_WEIGHTS
 from mimotron.names import LANGUAGE
 
@@ -193,8 +194,12 @@ def _check_run(run: Mapping[str, Any], modules: Sequence[str] | None, folder: Ex
     parts = llava_parts(run, modules)
     folder.check(run)
     for name, path in ((parts.vision, parts.vision_path), (LANGUAGE, parts.language_path)):
-        family = family_of(read_hf_config(check_hf_folder(path, name)),
-                           f"modules.{name}.hf_path={str(path)!r}")
+        config = read_hf_config(check_hf_folder(path, name))
+        if is_vlm_config(config):
+            raise ValueError(f"modules.{name}.hf_path={str(path)!r} is one vision-language "
+                             "folder: export the run with --format hf, which writes one folder "
+                             "of its class")
+        family = family_of(config, f"modules.{name}.hf_path={str(path)!r}")
         if family.name not in (("llama",) if name == LANGUAGE else ("clip", "siglip")):
             raise ValueError(f"modules.{name}.hf_path={str(path)!r} holds a {family.name} "
                              "model; a LLaVA folder needs a CLIP or SigLIP tower and a "

@@ -3,7 +3,9 @@
 ``--format mimotron`` (the default): one safetensors file per module plus the run
 config (:mod:`mimotron.checkpoint.export`). ``--format hf``: every module loaded from a
 Hugging Face folder as a folder ``transformers`` loads, the others as with the default
-(:mod:`mimotron.checkpoint.hf_export`). ``--format hf-llava``: the vision tower, its
+(:mod:`mimotron.checkpoint.hf_export`); a run split from one vision-language folder
+(top-level ``hf_path``) as one folder of that folder's class
+(:mod:`mimotron.checkpoint.vlm_export`). ``--format hf-llava``: the vision tower, its
 projector and the language model as one ``LlavaForConditionalGeneration`` folder with
 its processor (:mod:`mimotron.checkpoint.llava_export`); ``--modules vision,language``
 names the modules to keep when the run has others (an audio encoder).
@@ -40,8 +42,8 @@ def run_export(checkpoint: str, out_dir: str, format: str = "mimotron",  # noqa:
         The process exit code.
     """
     from mimotron.checkpoint import CheckpointError, export_checkpoint
-    from mimotron.checkpoint.hf_export import export_hf_checkpoint
     from mimotron.checkpoint.llava_export import export_llava_checkpoint
+    from mimotron.checkpoint.vlm_export import export_hf
 
     try:
         if modules is not None and format != "hf-llava":
@@ -50,7 +52,7 @@ def run_export(checkpoint: str, out_dir: str, format: str = "mimotron",  # noqa:
             names = None if modules is None else [m.strip() for m in modules.split(",")]
             written = export_llava_checkpoint(checkpoint, out_dir, names)
         elif format == "hf":
-            written = export_hf_checkpoint(checkpoint, out_dir)
+            written = export_hf(checkpoint, out_dir)
         else:
             written = export_checkpoint(checkpoint, out_dir)
             written["config"] = Path(out_dir) / "config.json"

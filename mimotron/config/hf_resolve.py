@@ -30,6 +30,7 @@ from mimotron.config.hf_specs import (
     used_layers,
     whisper_tower_args,
 )
+from mimotron.config.hf_vlm import is_vlm_config, vlm_module_options, vlm_part_config
 from mimotron.config.schema import ModuleConfig
 
 # model_type -> family, per module kind.
@@ -40,8 +41,9 @@ _FAMILIES: dict[str, dict[str, str]] = {
     "audio": {"whisper": "whisper"},
 }
 def module_hf_config(mod: ModuleConfig) -> dict[str, Any]:
-    """``mod.hf_path``'s config.json: the one recorded when the module was resolved
-    (:func:`resolve_hf_module`), else read from the file.
+    """``mod.hf_path``'s config.json (the module's part of it, for a vision-language
+    folder: :func:`~mimotron.config.hf_vlm.vlm_part_config`): the one recorded when the
+    module was resolved (:func:`resolve_hf_module`), else read from the file.
 
     Raises:
         ValueError: as :func:`~mimotron.config.hf_folder.read_hf_config`.
@@ -49,7 +51,16 @@ def module_hf_config(mod: ModuleConfig) -> dict[str, Any]:
     recorded = mod.hf_config
     if recorded is not None and recorded[0] == mod.hf_path:
         return recorded[1]
-    return read_hf_config(mod.hf_path)
+    return part_config(read_hf_config(mod.hf_path), mod.kind)
+
+
+def part_config(config: dict[str, Any], kind: str) -> dict[str, Any]:
+    """``config`` itself, or a module of ``kind``'s part of a vision-language folder's.
+
+    Raises:
+        ValueError: as :func:`~mimotron.config.hf_vlm.vlm_part_config`.
+    """
+    return vlm_part_config(config, kind) if is_vlm_config(config) else config
 
 
 def hf_family(mod: ModuleConfig, where: str = "module", config: dict[str, Any] | None = None
@@ -163,24 +174,36 @@ def resolve_hf_module(name: str, mod: ModuleConfig, explicit: Iterable[str] | No
     """
     where = f"modules.{name}"
     try:
-        config = (configs or HFConfigs()).read(mod.hf_path)
+        folder_config = (configs or HFConfigs()).read(mod.hf_path)
+        config = part_config(folder_config, mod.kind)
         check_hf_config(mod.hf_path, config)  # Before any int() of it.
         hf_family(mod, where, config)
+        if is_vlm_config(folder_config) and mod.kind == "vit":
+            # The folder fixes the feature selection and the projector: set them before
+            # the sizes are read (the tower's layer count follows the feature layer).
+            _fill(where, mod, vlm_module_options(folder_config), explicit)
         sizes = hf_sizes(mod, config)
     except ValueError as exc:
         message = str(exc)
         raise ValueError(message if message.startswith(where) else f"{where}: {message}") from exc
+    _fill(where, mod, sizes, explicit)
+    mod.hf_config = (mod.hf_path, config)  # later readers use it, not the file
+    if mod.kind == "vit":
+        mod.hf_class_token = has_class_token(mod.hf_path, config)
+
+
+def _fill(where: str, mod: ModuleConfig, values: dict[str, Any],
+          explicit: Iterable[str] | None) -> None:
+    """Set ``mod``'s keys to the folder's ``values``; a key the config set to another
+    value is a ``ValueError`` naming both (``explicit``: as :func:`resolve_hf_module`)."""
     defaults = {f.name: f.default for f in dataclasses.fields(mod)}
     given = set(explicit) if explicit is not None else {
-        k for k in sizes if getattr(mod, k) != defaults[k]}
-    for key, value in sizes.items():
+        k for k in values if getattr(mod, k) != defaults[k]}
+    for key, value in values.items():
         current = getattr(mod, key)
         if key in given and current != value:
             raise ValueError(
                 f"{where}.{key}={current!r} contradicts config.json in hf_path "
-                f"{mod.hf_path!r}, which gives {value}; remove the key or set it to {value}"
+                f"{mod.hf_path!r}, which gives {value!r}; remove the key or set it to {value!r}"
             )
-        setattr(mod, key, int(value))
-    mod.hf_config = (mod.hf_path, config)  # later readers use it, not the file
-    if mod.kind == "vit":
-        mod.hf_class_token = has_class_token(mod.hf_path, config)
+        setattr(mod, key, value)

@@ -7,7 +7,8 @@ live here, importing no ``torch.nn``, no DTensor and no model module, and the mo
 (:mod:`~mimotron.models.hf.llama`, :mod:`~mimotron.models.hf.clip`,
 :mod:`~mimotron.models.hf.whisper`) call them:
 
-* :class:`LlamaFamilySpec` (Llama, Qwen2, Qwen3 and their MoE variants) reads a decoder's
+* :class:`LlamaFamilySpec` (Llama, Qwen2, Qwen3 and their MoE variants, and the language
+  models of Qwen2.5-VL and Qwen3-VL with their 3-D rotary positions) reads a decoder's
   config into the keyword arguments of :class:`~mimotron.models.language.LanguageModel`.
   Anything that would change the function and that mimotron does not implement
   (sliding-window attention, an activation other than SiLU, RoPE types other than
@@ -28,8 +29,9 @@ from mimotron.config.moe_options import MoEOptions
 from mimotron.config.rope_scaling import validate_rope_scaling
 from mimotron.config.schema import ModuleConfig
 
-__all__ = ["ACTIVATION_NAMES", "SUPPORTED_MODEL_TYPES", "LlamaFamilySpec", "check_activation",
-           "clip_tower_args", "siglip_tower_args", "used_layers", "whisper_tower_args"]
+__all__ = ["ACTIVATION_NAMES", "SUPPORTED_MODEL_TYPES", "VL_MODEL_TYPES", "LlamaFamilySpec",
+           "check_activation", "clip_tower_args", "siglip_tower_args", "used_layers",
+           "whisper_tower_args"]
 
 ACTIVATION_NAMES: tuple[str, ...] = ("gelu", "quick_gelu", "gelu_pytorch_tanh", "gelu_new")
 """The encoder MLP activations, as ``transformers`` spells them
@@ -53,9 +55,20 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
                   "attention_bias": False, "num_experts": 128, "num_experts_per_tok": 8,
                   "moe_intermediate_size": 768, "norm_topk_prob": False,
                   "decoder_sparse_step": 1},
+    # The language models of Qwen2.5-VL (a Qwen2 decoder) and Qwen3-VL (a Qwen3 one),
+    # with 3-D rotary positions (M-RoPE).
+    "qwen2_5_vl_text": {"num_key_value_heads": 8, "head_dim": None,
+                        "max_position_embeddings": 32768, "rope_theta": 1e6,
+                        "mrope_section": (16, 24, 24)},
+    "qwen3_vl_text": {"num_key_value_heads": 32, "head_dim": 128,
+                      "max_position_embeddings": 128000, "attention_bias": False,
+                      "rope_theta": 5e5, "mrope_section": (24, 20, 20)},
 }
 _MOE_TYPES = ("qwen2_moe", "qwen3_moe")
 SUPPORTED_MODEL_TYPES = tuple(_DEFAULTS)
+VL_MODEL_TYPES: dict[str, str] = {"qwen2_5_vl": "qwen2_5_vl_text", "qwen3_vl": "qwen3_vl_text"}
+"""Full vision-language configs whose language model :class:`LlamaFamilySpec` reads
+(their ``text_config``) -> that part's ``model_type``."""
 
 _VISION_DEFAULTS = {
     "hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12,
@@ -87,6 +100,9 @@ class LlamaFamilySpec:
         max_position_embeddings: the config's context length (the default
             ``max_seq_len``).
         moe: the mixture-of-experts layers (Qwen2-MoE / Qwen3-MoE), ``None`` = dense.
+        mrope_section: 3-D rotary positions (Qwen2.5-VL / Qwen3-VL): frequencies per
+            axis (temporal, height, width); ``None`` = 1-D RoPE.
+        mrope_interleaved: Qwen3-VL's interleaved M-RoPE layout.
     """
 
     model_type: str
@@ -107,13 +123,17 @@ class LlamaFamilySpec:
     tie_word_embeddings: bool
     max_position_embeddings: int
     moe: MoEOptions | None = None
+    mrope_section: tuple[int, ...] | None = None
+    mrope_interleaved: bool = False
 
     @classmethod
     def from_hf_config(cls, config: dict[str, Any]) -> LlamaFamilySpec:
         """Read a Hugging Face ``config.json`` dict.
 
         Both config formats are read: ``rope_parameters`` (transformers 5) and the
-        older top-level ``rope_theta`` plus ``rope_scaling``.
+        older top-level ``rope_theta`` plus ``rope_scaling``. A full ``qwen2_5_vl`` /
+        ``qwen3_vl`` config gives its ``text_config`` (an older Qwen2.5-VL one holds
+        the text keys at the top level).
 
         Args:
             config: the parsed ``config.json``.
@@ -125,6 +145,7 @@ class LlamaFamilySpec:
             ValueError: unknown ``model_type``, a missing size, or a feature mimotron
                 does not implement; the message names the key.
         """
+        config = _text_part(config)
         model_type = config.get("model_type")
         if model_type not in _DEFAULTS:
             raise ValueError(
@@ -143,7 +164,17 @@ class LlamaFamilySpec:
 
         heads, hidden = int(config["num_attention_heads"]), int(config["hidden_size"])
         attention_bias = bool(get("attention_bias", False))
-        theta, scaling = _rope(config, int(get("max_position_embeddings")))
+        theta, scaling = _rope(config, int(get("max_position_embeddings")),
+                               float(get("rope_theta", 10000.0)))
+        mrope = "mrope_section" in defaults
+        # M-RoPE's keys ride in the RoPE parameters; the frequencies are the default's.
+        # Qwen3-VL's layout is interleaved whatever mrope_interleaved says (transformers).
+        section = scaling.pop("mrope_section", None) if mrope else None
+        if mrope:
+            scaling.pop("mrope_interleaved", None)
+        # transformers' Qwen2.5-VL attention ignores a head_dim key.
+        head_dim = (hidden // heads if model_type == "qwen2_5_vl_text"
+                    else int(get("head_dim") or hidden // heads))
         return cls(
             model_type=model_type,
             vocab_size=int(config["vocab_size"]),
@@ -151,20 +182,23 @@ class LlamaFamilySpec:
             num_layers=int(config["num_hidden_layers"]),
             num_heads=heads,
             num_kv_heads=int(get("num_key_value_heads") or heads),
-            head_dim=int(get("head_dim") or hidden // heads),
+            head_dim=head_dim,
             intermediate_size=int(config["intermediate_size"]),
             norm_eps=float(get("rms_norm_eps", 1e-6)),
             rope_theta=theta,
             rope_scaling=scaling,
             # Qwen2 always has q/k/v biases and never an output bias (Qwen2-MoE: qkv_bias).
-            qkv_bias=True if model_type == "qwen2" else bool(get("qkv_bias", False))
-            if model_type == "qwen2_moe" else attention_bias,
-            out_bias=False if model_type in ("qwen2", "qwen2_moe") else attention_bias,
+            qkv_bias=True if model_type in ("qwen2", "qwen2_5_vl_text")
+            else bool(get("qkv_bias", False)) if model_type == "qwen2_moe" else attention_bias,
+            out_bias=False if model_type in ("qwen2", "qwen2_moe", "qwen2_5_vl_text")
+            else attention_bias,
             mlp_bias=bool(get("mlp_bias", False)) if model_type == "llama" else False,
-            qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "qwen3_vl_text"),
             tie_word_embeddings=bool(get("tie_word_embeddings", False)),
             max_position_embeddings=int(get("max_position_embeddings")),
             moe=_moe(model_type, get, int(config["num_hidden_layers"])),
+            mrope_section=tuple(section or defaults["mrope_section"]) if mrope else None,
+            mrope_interleaved=model_type == "qwen3_vl_text",
         )
 
     def model_kwargs(self, max_seq_len: int | None = None) -> dict[str, Any]:
@@ -195,6 +229,9 @@ class LlamaFamilySpec:
             "rope_scaling": dict(self.rope_scaling),
             "tie_word_embeddings": self.tie_word_embeddings,
             "moe": self.moe,
+            **({} if self.mrope_section is None else {
+                "mrope_section": self.mrope_section,
+                "mrope_interleaved": self.mrope_interleaved}),
         }
 
     def replace(self, **changes: Any) -> LlamaFamilySpec:
@@ -243,14 +280,38 @@ def _refuse_unsupported(config: dict[str, Any]) -> None:
                          "attention has no dropout); expected 0.0")
 
 
-def _rope(config: dict[str, Any], max_positions: int) -> tuple[float, dict]:
-    """``(rope_theta, scaling dict)`` from either config format."""
+def _text_part(config: dict[str, Any]) -> dict[str, Any]:
+    """A decoder's config: ``config`` itself, or a full VL config's text part.
+
+    Tied where either the full config or its ``text_config`` says so (transformers 5
+    reads the outer one; older saves kept it in ``text_config``).
+    """
+    text_type = VL_MODEL_TYPES.get(config.get("model_type"))  # type: ignore[arg-type]
+    if text_type is None:
+        return config
+    sub = config.get("text_config")
+    text = dict(sub) if isinstance(sub, dict) else {
+        k: v for k, v in config.items() if k not in ("vision_config", "text_config")}
+    text["model_type"] = text_type
+    if config.get("tie_word_embeddings") is not None and sub is not None:
+        text["tie_word_embeddings"] = (bool(config["tie_word_embeddings"])
+                                       or bool(text.get("tie_word_embeddings")))
+    return text
+
+
+def _rope(config: dict[str, Any], max_positions: int, default_theta: float = 10000.0
+          ) -> tuple[float, dict]:
+    """``(rope_theta, scaling dict)`` from either config format (M-RoPE's legacy
+    ``"type": "mrope"`` is the default RoPE, as transformers reads it)."""
     key = "rope_parameters" if config.get("rope_parameters") else "rope_scaling"
     params = dict(config.get(key) or {})
     if any(isinstance(v, dict) for v in params.values()):
         raise ValueError(f"config.json {key} is nested per layer type; only one RoPE for "
                          "all layers is supported")
-    theta = float(params.pop("rope_theta", None) or config.get("rope_theta") or 10000.0)
+    if (params.get("rope_type") or params.get("type")) == "mrope":
+        params.pop("type", None)
+        params["rope_type"] = "default"
+    theta = float(params.pop("rope_theta", None) or config.get("rope_theta") or default_theta)
     if config.get("partial_rotary_factor") is not None:
         params.setdefault("partial_rotary_factor", config["partial_rotary_factor"])
     scaling = validate_rope_scaling(params, where=f"config.json {key}")

@@ -25,7 +25,7 @@ import sys
 from typing import Any
 
 from mimotron.config.hf_folder import HFConfigs
-from mimotron.config.hf_resolve import language_spec
+from mimotron.config.hf_resolve import language_spec, part_config
 from mimotron.config.hf_specs import LlamaFamilySpec, mlp_matrices
 from mimotron.config.schema import MimoConfig, ModuleConfig, default_ffn_hidden_size
 
@@ -110,7 +110,8 @@ def module_parameters(mod: ModuleConfig, hf: HFConfigs | None = None) -> tuple[i
     experts = 0
     spec = None
     if mod.is_language and mod.hf_path:
-        spec = language_spec(mod, hf.read(mod.hf_path) if hf is not None else None)
+        spec = language_spec(mod, part_config(hf.read(mod.hf_path), mod.kind)
+                             if hf is not None else None)
         ends = spec.vocab_size * h * (1 if spec.tie_word_embeddings else 2)
         if spec.moe is not None:
             experts = layers * spec.moe.num_experts * 3 * h * spec.moe.ffn_hidden_size

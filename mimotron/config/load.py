@@ -13,6 +13,7 @@ folder's ``config.json`` once. Layout rules that involve several modules live in
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import tomllib
 import types
@@ -20,6 +21,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
+from mimotron.config.hf_vlm import expand_vlm_modules
 from mimotron.config.schema import (
     MimoConfig,
     ModuleConfig,
@@ -124,7 +126,12 @@ def config_from_dict(raw: dict[str, Any], hf: HFConfigs | None = None) -> MimoCo
             module's sizes are filled in from its folder.
     """
     hf = hf if hf is not None else HFConfigs()
-    raw = dict(raw)
+    raw = copy.deepcopy(raw)
+    if raw.get("hf_path"):  # one vision-language folder: its modules' tables
+        path = raw["hf_path"]
+        if not isinstance(path, str):
+            raise ValueError(f"hf_path={path!r} is invalid: expected a folder path (a string)")
+        expand_vlm_modules(raw, hf.read(path).get("model_type"))
     modules = raw.pop("modules", {})
     if not isinstance(modules, dict):
         raise ValueError("modules is invalid: expected tables [modules.<name>]")

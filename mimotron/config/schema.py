@@ -668,6 +668,12 @@ class MimoConfig:
 
     name: str = "mimotron"
     """Run name; outputs go to ``runs/<name>/`` unless log.dir is set."""
+    hf_path: str = ""
+    """One local Hugging Face vision-language folder (``model_type`` ``llava``) to split
+    into modules: ``modules.vision`` (kind ``vit``: the vision tower and its projector)
+    and ``modules.language`` (kind ``language``), each loaded from it and laid out by its
+    own ``[modules.<m>.parallel]`` table; ``""`` = modules name their own folders.
+    """
     modules: dict[str, ModuleConfig] = field(default_factory=dict)
     """The model's modules, one ``[modules.<m>]`` table each, in merge order; ``language``
     is required.

@@ -177,6 +177,15 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps, compute_dtype_of(x))
 
 
+def default_inv_freq(head_dim: int, base: float = 10000.0,
+                     device: torch.device | None = None) -> torch.Tensor:
+    """The toy model's RoPE inverse frequencies ``base ** -(2i / head_dim)``, fp32
+    ``[head_dim // 2]`` (a Hugging Face decoder's come from
+    :func:`~mimotron.models.rope_scaling.rope_inv_freq`)."""
+    exponents = torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim
+    return base**-exponents
+
+
 def rope_cache(
     seq_len: int,
     head_dim: int,
@@ -204,8 +213,7 @@ def rope_cache(
     if head_dim % 2:
         raise ValueError(f"rotary embeddings need an even head_dim, got {head_dim}")
     if inv_freq is None:
-        exponents = torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim
-        inv_freq = base**-exponents
+        inv_freq = default_inv_freq(head_dim, base, device)
     elif inv_freq.shape != (head_dim // 2,):
         raise ValueError(
             f"inv_freq has shape {tuple(inv_freq.shape)}, expected ({head_dim // 2},)"

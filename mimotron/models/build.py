@@ -12,6 +12,7 @@ import dataclasses
 import torch
 from torch import nn
 
+from mimotron.config.hf_folder import read_hf_config, tensor_files
 from mimotron.config.hf_resolve import hf_family, language_spec, tower_kwargs
 from mimotron.config.moe_config import moe_options
 from mimotron.config.schema import MimoConfig, ModuleConfig
@@ -19,6 +20,7 @@ from mimotron.config.vocab_size import model_vocab_size
 from mimotron.models.encoders import AudioEncoder, ModalitySubmodule, Projector, VisionEncoder
 from mimotron.models.hf.clip import ClipVisionTower, SiglipVisionTower
 from mimotron.models.hf.llama import LLAMA_WEIGHTS, check_llama_folder
+from mimotron.models.hf.vlm_weights import part_weight_map, projector_weight_map
 from mimotron.models.hf.weights import load_hf_weights
 from mimotron.models.hf.whisper import WhisperEncoderTower
 from mimotron.models.init import init_parameters_
@@ -124,8 +126,10 @@ def _construct_hf(cfg: MimoConfig, name: str, vocab_size: int, stage: dict) -> n
 def load_hf_module(cfg: MimoConfig, name: str, module: nn.Module) -> nn.Module:
     """Fill a built HF module's checkpoint parameters from its ``hf_path``, in place.
 
-    The projector is not in the checkpoint and is left alone; a vocabulary larger than
-    the checkpoint's gets its extra rows from :mod:`mimotron.models.hf.vocab`.
+    A vision-language folder (:mod:`mimotron.config.hf_vlm`) gives each module its part
+    (:mod:`mimotron.models.hf.vlm_weights`), the projector included; a folder of the
+    module's own holds no projector, which keeps its initialisation. A vocabulary larger
+    than the checkpoint's gets its extra rows from :mod:`mimotron.models.hf.vocab`.
 
     Args:
         cfg: run config.
@@ -139,14 +143,21 @@ def load_hf_module(cfg: MimoConfig, name: str, module: nn.Module) -> nn.Module:
         ValueError: a checkpoint that does not match the module (tensors named).
     """
     mod = cfg.modules[name]
+    folder_config = read_hf_config(mod.hf_path)
+    names = list(tensor_files(mod.hf_path))
     if mod.is_language:
         assert isinstance(module, LanguageModel)
-        spec = check_llama_folder(mod.hf_path, language_spec(mod))
+        weight_map = part_weight_map(LLAMA_WEIGHTS, folder_config, mod.kind, names)
+        spec = check_llama_folder(mod.hf_path, language_spec(mod), weight_map)
         rows = {n: spec.vocab_size for n in ("embed.weight", "output.weight")}
-        load_hf_weights(module, mod.hf_path, LLAMA_WEIGHTS, rows=rows, seed=cfg.train.seed)
+        load_hf_weights(module, mod.hf_path, weight_map, rows=rows, seed=cfg.train.seed)
         return module
     assert isinstance(module, ModalitySubmodule)
-    load_hf_weights(module.encoder, mod.hf_path, module.encoder.weight_map)
+    load_hf_weights(module.encoder, mod.hf_path, part_weight_map(
+        module.encoder.weight_map, folder_config, mod.kind, names))
+    projector_map = projector_weight_map(folder_config)
+    if projector_map is not None and module.projector is not None:
+        load_hf_weights(module.projector, mod.hf_path, projector_map)
     return module
 
 

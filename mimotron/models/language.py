@@ -8,6 +8,8 @@ unless ``tie_word_embeddings``, which needs both ends on one stage).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -18,6 +20,7 @@ from mimotron.models.attention import AttentionSegments, Documents, attention_se
 from mimotron.models.blocks import (
     RMSNorm,
     chunk_modules,
+    default_inv_freq,
     is_last_chunk,
     make_layers,
     rope_cache,
@@ -25,6 +28,7 @@ from mimotron.models.blocks import (
 )
 from mimotron.models.kv_cache import KVCache
 from mimotron.models.moe import MoEOptions, check_layer_freq, moe_factory
+from mimotron.models.mrope import check_mrope_section, mrope_axes, mrope_tables
 from mimotron.models.rope_scaling import rope_inv_freq
 from mimotron.parallel.context_parallel import load_balanced_positions
 from mimotron.parallel.sequence_parallel import gather_sequence, scatter_sequence
@@ -63,10 +67,16 @@ class LanguageModel(nn.Module):
             pipeline split of the language model).
         moe: mixture-of-experts options (:class:`~mimotron.models.moe.MoEOptions`): the
             layers it selects get an MoE block as ``mlp``; ``None`` = dense model.
+        mrope_section: 3-D rotary positions (Qwen2.5-VL / Qwen3-VL, :mod:`mimotron.models.
+            mrope`): the frequencies of the temporal, height and width axes (summing to
+            ``head_dim / 2``); ``forward`` then takes ``[3, B, S]`` ``position_ids``.
+            ``None`` = 1-D RoPE.
+        mrope_interleaved: Qwen3-VL's interleaved layout of ``mrope_section``
+            (``False``: Qwen2.5-VL's consecutive sections).
 
     Raises:
         ValueError: on a bad ``vocab_size``, ``max_seq_len``, head layout, RoPE scaling,
-            or tied embeddings on a pipeline stage without both ends.
+            M-RoPE section, or tied embeddings on a pipeline stage without both ends.
     """
 
     def __init__(
@@ -92,9 +102,14 @@ class LanguageModel(nn.Module):
         rope_scaling: dict | None = None,
         tie_word_embeddings: bool = False,
         moe: MoEOptions | None = None,
+        mrope_section: Sequence[int] | None = None,
+        mrope_interleaved: bool = False,
     ) -> None:
         super().__init__()
         self._check_sizes(vocab_size, hidden_size, num_heads, head_dim, max_seq_len)
+        if mrope_interleaved and mrope_section is None:
+            raise ValueError("mrope_interleaved=true needs an mrope_section (three counts of "
+                             "frequencies: temporal, height, width)")
         if tie_word_embeddings and not (pre_process and post_process):
             raise ValueError(
                 "tie_word_embeddings=true needs the embedding and the output head on one "
@@ -108,6 +123,9 @@ class LanguageModel(nn.Module):
         self.post_process = post_process
         self.rope_theta = float(rope_theta)
         self.rope_scaling = None if rope_scaling is None else validate_rope_scaling(rope_scaling)
+        self.mrope_section = (None if mrope_section is None
+                              else check_mrope_section(mrope_section, self.head_dim))
+        self.mrope_interleaved = bool(mrope_interleaved)
         self.tie_word_embeddings = tie_word_embeddings
         self.embed = nn.Embedding(vocab_size, hidden_size) if pre_process else None
         if moe is not None:
@@ -165,6 +183,11 @@ class LanguageModel(nn.Module):
         return load_balanced_positions(seq_len, dist.get_world_size(group),
                                        dist.get_rank(group), device)
 
+    def _cp_coordinates(self) -> tuple[int, int]:
+        """``(size, rank)`` of this stage's context-parallel group (``(1, 0)`` without)."""
+        group = self.context_parallel_group
+        return (1, 0) if group is None else (dist.get_world_size(group), dist.get_rank(group))
+
     def _rope_and_plan(
         self, seq: int, batch: int, rope: tuple[torch.Tensor, torch.Tensor],
         documents: Documents | None, position_ids: torch.Tensor | None,
@@ -174,9 +197,7 @@ class LanguageModel(nn.Module):
         No plan for an unpacked row without context parallelism (plain causal SDPA).
         Packed rows index RoPE by ``position_ids`` (restarting per document).
         """
-        group = self.context_parallel_group
-        cp_size, cp_rank = (1, 0) if group is None else (dist.get_world_size(group),
-                                                         dist.get_rank(group))
+        cp_size, cp_rank = self._cp_coordinates()
         if documents is None and cp_size == 1:
             return rope, None
         device = rope[0].device
@@ -230,6 +251,52 @@ class LanguageModel(nn.Module):
         inv_freq = rope_inv_freq(self.head_dim, self.rope_theta, self.rope_scaling)
         return rope_cache(seq, self.head_dim, device=device, inv_freq=inv_freq)
 
+    def _inv_freq(self) -> torch.Tensor:
+        """RoPE inverse frequencies ``[head_dim // 2]``, fp32, computed on the CPU."""
+        if self.rope_scaling is None:
+            return default_inv_freq(self.head_dim, self.rope_theta, torch.device("cpu"))
+        return rope_inv_freq(self.head_dim, self.rope_theta, self.rope_scaling)
+
+    def mrope(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-row ``(cos, sin)`` of M-RoPE positions (:mod:`mimotron.models.mrope`).
+
+        Args:
+            position_ids: ``[3, B, S]`` (temporal, height, width), or ``[B, S]`` (text
+                positions: the same on every axis).
+
+        Returns:
+            fp32 ``[B, 1, S, head_dim // 2]`` each, on ``position_ids``' device.
+
+        Raises:
+            ValueError: a model built without ``mrope_section``, or another shape.
+        """
+        if self.mrope_section is None:
+            raise ValueError("3-D position_ids need a LanguageModel built with mrope_section")
+        if position_ids.dim() == 2:
+            position_ids = position_ids.unsqueeze(0).expand(3, -1, -1)
+        axes = mrope_axes(self.mrope_section, self.mrope_interleaved, self.head_dim)
+        return mrope_tables(position_ids, self._inv_freq(), axes)
+
+    def _mrope_and_plan(
+        self, seq: int, batch: int, device: torch.device, documents: Documents | None,
+        position_ids: torch.Tensor,
+    ) -> tuple[tuple[torch.Tensor, torch.Tensor], AttentionSegments | None]:
+        """:meth:`_rope_and_plan` of M-RoPE positions (whole rows: this rank takes its
+        load-balanced columns under context parallelism)."""
+        if tuple(position_ids.shape[-2:]) != (batch, seq) or position_ids.dim() not in (2, 3):
+            raise ValueError(f"position_ids of shape {tuple(position_ids.shape)} for hidden "
+                             f"states of {batch} x {seq}: expected [3, {batch}, {seq}] or "
+                             f"[{batch}, {seq}] (whole rows, also under context parallelism)")
+        cp_size, cp_rank = self._cp_coordinates()
+        positions = position_ids.to(device)
+        if cp_size > 1:
+            positions = positions[..., load_balanced_positions(seq, cp_size, cp_rank, device)]
+        rope = self.mrope(positions)
+        if documents is None and cp_size == 1:
+            return rope, None
+        documents = documents if documents is not None else Documents.whole(batch, seq)
+        return rope, attention_segments(documents, device, cp_size, cp_rank)
+
     def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         """Look up token embeddings ``[B, S] -> [B, S, hidden]`` (first stage only).
 
@@ -242,7 +309,8 @@ class LanguageModel(nn.Module):
 
     def forward(self, hidden: torch.Tensor, documents: Documents | None = None,
                 position_ids: torch.Tensor | None = None, chunk: int | None = None,
-                cache: KVCache | None = None) -> torch.Tensor:
+                cache: KVCache | None = None, deepstack: Sequence[torch.Tensor] | None = None,
+                visual_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Run this stage's layers (and, on the last stage, the norm and output head).
 
         Args:
@@ -253,22 +321,34 @@ class LanguageModel(nn.Module):
                 attention is then causal within each document only. Whole rows
                 (``S`` positions) under context parallelism too.
             position_ids: with ``documents``: ``[B, S]`` RoPE positions (restarting at 0
-                for every document); whole under context parallelism too.
+                for every document); whole under context parallelism too. A model with
+                ``mrope_section`` takes ``[3, B, S]`` (temporal, height, width;
+                :mod:`mimotron.data.mrope_positions`) or ``[B, S]`` (text), with or
+                without ``documents`` (``None``: ``0 .. S - 1``).
             chunk: interleaved pipelines only: run model chunk ``chunk`` of
                 ``layer_chunks`` (the head only after the last one); ``None`` = every layer.
             cache: incremental decoding (:mod:`mimotron.models.kv_cache`; one process,
                 the whole model): ``hidden`` holds the ``S`` positions after the
                 ``cache.length`` cached ones, which attend to all of them; the cache
-                then holds them too. Training passes ``None``.
+                then holds them too. Training passes ``None``. With ``mrope_section``,
+                ``position_ids`` are those ``S`` positions (``[3, B, S]``).
+            deepstack: Qwen3-VL's DeepStack: the layer of global index ``i <
+                len(deepstack)`` adds ``deepstack[i]`` (``[num visual, hidden]``) to its
+                output at the visual positions, in row-major order (only the layers
+                this stage holds add theirs).
+            visual_mask: with ``deepstack``: bool ``[B, S]`` of the visual positions,
+                whole rows also under context parallelism (on the host, it costs no
+                device synchronisation).
 
         Returns:
             Logits ``[B, S, vocab]`` on the last stage, else hidden states ``[B, S, hidden]``.
 
         Raises:
-            ValueError: if ``S`` exceeds ``max_seq_len``, or ``documents`` do not match it.
+            ValueError: if ``S`` exceeds ``max_seq_len``, ``documents``, ``position_ids``
+                or ``visual_mask`` do not match it, or ``deepstack`` has the wrong row count.
         """
         if cache is not None:
-            return self._cached_forward(hidden, cache)
+            return self._cached_forward(hidden, cache, position_ids)
         seq = hidden.shape[1]
         if self.context_parallel_group is not None:
             seq *= dist.get_world_size(self.context_parallel_group)
@@ -280,22 +360,77 @@ class LanguageModel(nn.Module):
                              f"positions for hidden states of {hidden.shape[0]} x {seq}")
         # Recomputed per call: tiny, and avoids buffers that meta-device builds and
         # checkpoints would have to special-case.
-        rope, plan = self._rope_and_plan(seq, hidden.shape[0], self.rope(seq, hidden.device),
-                                         documents, position_ids)
+        if self.mrope_section is not None and position_ids is not None:
+            rope, plan = self._mrope_and_plan(seq, hidden.shape[0], hidden.device, documents,
+                                              position_ids)
+        else:
+            if position_ids is not None and position_ids.dim() == 3:
+                raise ValueError("position_ids of shape [3, B, S] need a LanguageModel built "
+                                 "with mrope_section")
+            rope, plan = self._rope_and_plan(seq, hidden.shape[0],
+                                             self.rope(seq, hidden.device), documents,
+                                             position_ids)
+        visual = (None if not deepstack
+                  else self._visual_rows(visual_mask, deepstack, seq, hidden.shape[0],
+                                         hidden.device))
         hidden = to_residual_dtype(hidden, self.fp32_residual)
         group = self.sequence_parallel_group
         if group is not None:
             # Sequence parallelism: layers and norms hold seq / tp; stages exchange whole
             # sequences (mimotron.parallel.sequence_parallel).
             hidden = scatter_sequence(hidden, group)
-        for layer in chunk_modules(self.layers, self.layer_chunks, chunk):
+        layers = chunk_modules(self.layers, self.layer_chunks, chunk)
+        ids = (list(map(int, self.layers)) if chunk is None
+               else list(self.layer_chunks[chunk]))  # type: ignore[index]
+        for index, layer in zip(ids, layers, strict=True):
             hidden = layer(hidden, rope) if plan is None else layer(hidden, rope, plan)
+            if visual is not None and deepstack is not None and index < len(deepstack):
+                hidden = _add_visual(hidden, deepstack[index], visual)
         last = is_last_chunk(self.layer_chunks, chunk)
         if self.final_norm is None or self.output is None or not last:
             return hidden if group is None else gather_sequence(hidden, group)
         return self.output(self.final_norm(hidden))
 
-    def _cached_forward(self, hidden: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    def _visual_positions(self, seq: int, device: torch.device) -> torch.Tensor | None:
+        """The global positions along dim 1 of this rank's hidden states (``None``: all):
+        its load-balanced ones under CP, then its chunk of those under sequence
+        parallelism (:func:`~mimotron.parallel.sequence_parallel.scatter_sequence`)."""
+        cp_size, cp_rank = self._cp_coordinates()
+        held = None if cp_size == 1 else load_balanced_positions(seq, cp_size, cp_rank, device)
+        group = self.sequence_parallel_group
+        if group is not None:
+            held = torch.arange(seq, device=device) if held is None else held
+            held = held.chunk(dist.get_world_size(group))[dist.get_rank(group)]
+        return held
+
+    def _visual_rows(self, visual_mask: torch.Tensor | None, deepstack: Sequence[torch.Tensor],
+                     seq: int, batch: int, device: torch.device
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """``(row, column, feature row)`` of each visual position this rank holds.
+
+        Computed once per forward where the mask lives; the feature row is ``None``
+        where the rank holds every position (features in mask order).
+        """
+        if visual_mask is None or tuple(visual_mask.shape) != (batch, seq):
+            got = None if visual_mask is None else tuple(visual_mask.shape)
+            raise ValueError(f"deepstack needs a visual_mask of [{batch}, {seq}] (whole rows), "
+                             f"got {got}")
+        mask = visual_mask.bool()
+        order = mask.flatten().cumsum(0).view_as(mask) - 1  # feature row of each position
+        num_visual = int(order[-1, -1]) + 1 if order.numel() else 0
+        bad = [tuple(t.shape) for t in deepstack if t.dim() != 2 or t.shape[0] != num_visual]
+        if bad:
+            raise ValueError(f"deepstack features of shapes {bad} for {num_visual} visual "
+                             "positions: expected [num visual, hidden] each")
+        held = self._visual_positions(seq, mask.device)
+        if held is not None:
+            mask, order = mask[:, held], order[:, held]
+        rows, cols = mask.nonzero(as_tuple=True)
+        features = None if held is None else order[rows, cols].to(device)
+        return rows.to(device), cols.to(device), features
+
+    def _cached_forward(self, hidden: torch.Tensor, cache: KVCache,
+                        position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """:meth:`forward` of positions ``[cache.length, cache.length + S)`` (see there)."""
         whole = self.pre_process and self.post_process and self.layer_chunks is None
         parallel = (self.context_parallel_group is not None
@@ -307,14 +442,27 @@ class LanguageModel(nn.Module):
         if start + seq > self.max_seq_len:
             raise ValueError(f"sequence length {start + seq} exceeds "
                              f"max_seq_len={self.max_seq_len}")
-        cos, sin = self.rope(start + seq, hidden.device)
-        rope = (cos[start:], sin[start:])
+        if self.mrope_section is not None and position_ids is not None:
+            rope, _ = self._mrope_and_plan(seq, hidden.shape[0], hidden.device, None,
+                                           position_ids)
+        else:
+            cos, sin = self.rope(start + seq, hidden.device)
+            rope = (cos[start:], sin[start:])
         hidden = to_residual_dtype(hidden, self.fp32_residual)
         for key, layer in self.layers.items():
             hidden = layer(hidden, rope, None, cache.layer(key))
         cache.advance(seq)
         assert self.final_norm is not None and self.output is not None
         return self.output(self.final_norm(hidden))
+
+
+def _add_visual(hidden: torch.Tensor, features: torch.Tensor,
+                visual: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]) -> torch.Tensor:
+    """``hidden`` plus DeepStack ``features`` at the visual positions (out of place)."""
+    rows, cols, which = visual
+    values = features if which is None else features.index_select(0, which)
+    # Each position once: accumulate adds the feature to the hidden state in its dtype.
+    return hidden.index_put((rows, cols), values.to(hidden.dtype), accumulate=True)
 
 
 def language_loss(

@@ -1,12 +1,15 @@
 """The attention kernels, and the one function that picks among them.
 
-:func:`attend` computes causal attention of ``[B, S, heads, head_dim]`` queries:
+:func:`attend` computes causal (or, with ``causal=False``, bidirectional) attention of
+``[B, S, heads, head_dim]`` queries:
 
 * **no plan** (an unpacked row, no context parallelism): ``scaled_dot_product_attention``
   with ``is_causal=True`` — no mask, so the flash kernels run (on the CPU too).
 * **a plan** (packed documents, context-parallel chunks; :func:`~mimotron.models.
   attention.documents.attention_segments`): every segment's queries attend to their keys,
-  causally aligned at the lower right.
+  causally aligned at the lower right; with ``causal=False`` (vision towers: one segment
+  per image, frame or window) each query sees every key of its segment, which then must
+  be its own rows (no context parallelism).
 
   - ``varlen``: on a GPU in 16-bit, one call of torch's variable-length flash attention
     (:func:`torch.nn.attention.varlen.varlen_attn`) over all segments: no mask and no
@@ -90,13 +93,22 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             parallelism the gathered ones (rank order).
         v: like ``k``.
         plan: the segments (packed or context-parallel rows), or ``None``.
-        causal: without a plan, whether attention is causal (a plan always is).
+        causal: whether a query sees only the keys up to itself (within its segment
+            under a plan) or every key (of its segment).
 
     Returns:
         ``[B, S, heads, head_dim]`` (without a plan a transposed view of SDPA's output,
         so the heads merge for the output projection is a view).
+
+    Raises:
+        ValueError: ``causal=False`` with a plan whose segments read keys other than
+            their own queries' rows (a context-parallel plan, causal by construction).
     """
     gqa = k.shape[2] != q.shape[2]
+    if plan is not None and not causal and (plan.k_index is not None
+                                            or plan.k_bounds != plan.q_bounds):
+        raise ValueError("non-causal attention needs a plan whose segments attend to their "
+                         "own rows (attention_segments without context parallelism)")
     if plan is None:
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
@@ -108,23 +120,25 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         flat_k, flat_v = (t.index_select(0, plan.k_index) for t in (flat_k, flat_v))
     if attention_kernel(q.device, q.dtype, True) == "varlen":
         out = varlen_function()(flat_q, flat_k, flat_v, plan.cu_q, plan.cu_k, plan.max_q,
-                                plan.max_k, window_size=(-1, 0), enable_gqa=gqa)
+                                plan.max_k, window_size=(-1, 0) if causal else (-1, -1),
+                                enable_gqa=gqa)
     else:
-        out = _segments(flat_q, flat_k, flat_v, plan, gqa)
+        out = _segments(flat_q, flat_k, flat_v, plan, gqa, causal)
     return out.view(batch, seq, heads, head_dim)
 
 
 def _segments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionSegments,
-              gqa: bool) -> torch.Tensor:
-    """One SDPA per segment over flattened ``[T, heads, head_dim]`` rows."""
+              gqa: bool, causal: bool = True) -> torch.Tensor:
+    """One SDPA per segment over flattened ``[T, heads, head_dim]`` rows (non-causal:
+    every query of a segment sees all its keys)."""
     outs = []
     for i in range(plan.num_segments):
         q0, q1 = plan.q_bounds[i], plan.q_bounds[i + 1]
         k0, k1 = plan.k_bounds[i], plan.k_bounds[i + 1]
         qs, ks, vs = (t[a:b].transpose(0, 1).unsqueeze(0)
                       for t, a, b in ((q, q0, q1), (k, k0, k1), (v, k0, k1)))
-        if q1 - q0 == k1 - k0:
-            out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=gqa)
+        if not causal or q1 - q0 == k1 - k0:
+            out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal, enable_gqa=gqa)
         else:
             # Lower-right causal: query i of n sees keys up to i + (m - n). Written as a
             # bool mask of this segment (torch's CausalBias, a tensor subclass, does not

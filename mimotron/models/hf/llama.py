@@ -21,6 +21,8 @@ materialises more than a rank holds.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -70,6 +72,55 @@ LLAMA_WEIGHTS = WeightMap(
     ignored=(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$",),
 )
 
+# Qwen2.5-VL / Qwen3-VL folders hold the vision tower next to the decoder: not ours here.
+_VISUAL = r"(model\.)?visual\."
+
+
+def _under_language_model(hf: str) -> str:
+    """``model.layers.{i}.x`` -> ``model.language_model.layers.{i}.x`` (the head stays)."""
+    return "model.language_model." + hf[len("model."):] if hf.startswith("model.") else hf
+
+
+QWEN_VL_WEIGHTS = WeightMap(
+    rules=tuple((o, _under_language_model(h)) for o, h in LLAMA_WEIGHTS.rules),
+    stacked=tuple((o, _under_language_model(h)) for o, h in LLAMA_WEIGHTS.stacked),
+    ignored=(_VISUAL,),
+)
+"""The decoder of a Qwen2.5-VL / Qwen3-VL folder as transformers 5 saves it (and the
+Qwen3-VL hub holds it): ``model.language_model.*`` and ``lm_head.*``."""
+
+QWEN_VL_HUB_WEIGHTS = dataclasses.replace(LLAMA_WEIGHTS,
+                                          ignored=(*LLAMA_WEIGHTS.ignored, _VISUAL))
+"""The decoder of a Qwen2.5-VL hub folder: ``model.*`` and ``lm_head.*`` (the names
+transformers' ``Qwen2VLForConditionalGeneration`` conversion moves on load)."""
+
+
+def qwen_vl_weight_map(names: Iterable[str]) -> WeightMap:
+    """The decoder's map in a Qwen2.5-VL / Qwen3-VL folder, by the layout its names use.
+
+    Args:
+        names: the folder's tensor names
+            (:func:`~mimotron.config.hf_folder.tensor_files`).
+
+    Returns:
+        :data:`QWEN_VL_WEIGHTS` where any name is under ``model.language_model.``, else
+        :data:`QWEN_VL_HUB_WEIGHTS`.
+    """
+    moved = any(n.startswith("model.language_model.") for n in names)
+    return QWEN_VL_WEIGHTS if moved else QWEN_VL_HUB_WEIGHTS
+
+
+def decoder_weight_map(path: str | Path, spec: LlamaFamilySpec) -> WeightMap:
+    """The decoder's map in folder ``path``: :data:`LLAMA_WEIGHTS`, or for the language
+    model of a Qwen2.5-VL / Qwen3-VL folder :func:`qwen_vl_weight_map` of its names.
+
+    Raises:
+        ValueError: as :func:`~mimotron.config.hf_folder.tensor_files`.
+    """
+    if spec.mrope_section is None:
+        return LLAMA_WEIGHTS
+    return qwen_vl_weight_map(tensor_files(path))
+
 
 def expected_hf_tensors(spec: LlamaFamilySpec) -> tuple[dict[str, tuple[int, ...]], set[str]]:
     """Full shapes of every Hugging Face tensor of the model, and the optional names.
@@ -88,18 +139,36 @@ def expected_hf_tensors(spec: LlamaFamilySpec) -> tuple[dict[str, tuple[int, ...
     return shapes, optional
 
 
-def check_llama_folder(path: str | Path, spec: LlamaFamilySpec | None = None) -> LlamaFamilySpec:
+def check_llama_folder(path: str | Path, spec: LlamaFamilySpec | None = None,
+                       weight_map: WeightMap | None = None) -> LlamaFamilySpec:
     """Check a folder's config and tensor names/shapes (headers only); return its spec.
+
+    ``weight_map``: where the decoder sits in the folder (``None``: :data:`LLAMA_WEIGHTS`,
+    a decoder's own folder; a vision-language folder's part:
+    :func:`~mimotron.models.hf.vlm_weights.part_weight_map`).
 
     Raises:
         ValueError: missing folder or files, unsupported config, or tensors that are
             missing, unexpected or mis-shaped (all named in one message).
     """
     spec = spec or LlamaFamilySpec.from_hf_config(read_hf_config(path))
+    weight_map = weight_map or LLAMA_WEIGHTS
     shapes, optional = expected_hf_tensors(spec)
-    check_checkpoint(tensor_files(path), shapes, optional=optional,
-                     known=LLAMA_WEIGHTS.is_ignored, where=f"hf_path {str(path)!r}")
+    files = tensor_files(path)
+    prefix = weight_map.choose_prefix(files)
+    check_checkpoint(files, {_named(weight_map, prefix, n): s for n, s in shapes.items()},
+                     optional={_named(weight_map, prefix, n) for n in optional},
+                     known=weight_map.is_ignored, where=f"hf_path {str(path)!r}")
     return spec
+
+
+def _named(weight_map: WeightMap, prefix: str, hf_name: str) -> str:
+    """A decoder folder's tensor name as ``weight_map`` places it under ``prefix``."""
+    if weight_map is LLAMA_WEIGHTS:
+        return hf_name
+    ours = LLAMA_WEIGHTS.from_hf(hf_name)
+    assert ours is not None, hf_name
+    return prefix + weight_map.to_hf(ours)
 
 
 def load_llama_weights(
@@ -124,8 +193,10 @@ def load_llama_weights(
         ValueError: a bad folder or checkpoint, or a module whose parameters do not
             match the checkpoint (not built from its config).
     """
-    spec = check_llama_folder(path, spec)
-    load_hf_weights(module, path, LLAMA_WEIGHTS)
+    spec = spec or LlamaFamilySpec.from_hf_config(read_hf_config(path))
+    weight_map = decoder_weight_map(path, spec)
+    check_llama_folder(path, spec, weight_map)
+    load_hf_weights(module, path, weight_map)
     return spec
 
 
@@ -161,7 +232,8 @@ def build_hf_language_model(
         ValueError: as :func:`load_llama_weights`, or a TP degree that does not divide
             the vocabulary or the (key/value) head counts.
     """
-    spec = check_llama_folder(path)
+    spec = LlamaFamilySpec.from_hf_config(read_hf_config(path))
+    check_llama_folder(path, spec, decoder_weight_map(path, spec))
     with torch.device("meta"):
         module = LanguageModel(**spec.model_kwargs(max_seq_len), layer_ids=layer_ids,
                                pre_process=pre_process, post_process=post_process)

@@ -1,0 +1,205 @@
+"""Export a run of one vision-language folder back as one folder of the same class.
+
+A run whose modules were split from one LLaVA folder (``hf_path`` at the top of the
+config, :mod:`mimotron.config.hf_vlm`) exports with ``mimotron export --format hf`` as
+one folder that ``transformers``' Auto classes load as the class the original was
+(``LlavaForConditionalGeneration``), with no missing or unexpected keys:
+
+- ``model.safetensors``: every tensor of the original folder under its original name
+  and dtype (its layout kept: hub or ``model.language_model.*``), the trained ones in
+  place: the vision tower, the projector and the decoder. Tensors the run never built
+  (tower layers past the feature layer, the final LayerNorm) are the original's. The
+  vocabulary tables keep the real vocabulary's rows (padding dropped), and a tied head
+  is not written.
+- ``config.json``: the original, with ``text_config.vocab_size`` the trained vocabulary
+  and ``image_token_index`` the run's ``<image>`` id (both unchanged unless training
+  added tokens).
+- the original's other files (processor, chat template, generation config), the run's
+  tokenizer in place of the folder's, and ``mimotron_config.json``.
+
+Everything that can be checked before tensors are read is (the output folder, the
+modules, the recorded folder, the tokenizer).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from mimotron.checkpoint.export import read_full_model, split_by_module
+from mimotron.checkpoint.export_folder import ExportFolder
+from mimotron.checkpoint.hf_export import (
+    CONFIG_FILE,
+    EMBED,
+    HEAD,
+    RUN_CONFIG_FILE,
+    TOWER_PREFIX,
+    check_hf_folder,
+    check_hf_run,
+    copy_files,
+    fit_vocab,
+    hf_paths,
+    is_tokenizer_file,
+    merge_into_folder,
+    run_tokenizer,
+    set_file_modes,
+    write_hf_modules,
+    write_tokenizer,
+)
+from mimotron.checkpoint.state import VOCAB_SIZE_UNPADDED
+from mimotron.config.hf_folder import SINGLE_FILE, read_hf_config, tensor_files
+from mimotron.config.hf_vlm import is_vlm_config, vlm_part_config
+from mimotron.models.hf.clip import CLIP_WEIGHTS, SIGLIP_WEIGHTS
+from mimotron.models.hf.llama import LLAMA_WEIGHTS, LlamaFamilySpec
+from mimotron.models.hf.vlm_weights import LLAVA_PROJECTOR_WEIGHTS, part_weight_map
+from mimotron.models.hf.weights import WeightMap
+from mimotron.names import LANGUAGE
+
+__all__ = ["export_hf", "vlm_folder", "write_vlm_folder"]
+
+_PROJECTOR_PREFIX = "projector."
+
+
+def export_hf(checkpoint: str | Path, out_dir: str | Path) -> dict[str, Path]:
+    """``mimotron export --format hf``: the run's one VLM folder (this module), or a
+    folder per Hugging Face module
+    (:func:`~mimotron.checkpoint.hf_export.export_hf_checkpoint`) for a run of separate
+    folders.
+
+    Args:
+        checkpoint: a checkpoint root holding ``latest``, or one ``iter_NNNNNNN`` dir.
+        out_dir: the output folder (created): new, empty, or a previous export's own.
+
+    Returns:
+        What was written, by label.
+
+    Raises:
+        ValueError: as :func:`vlm_folder` and
+            :func:`~mimotron.checkpoint.hf_export.export_hf_checkpoint`.
+        CheckpointError: missing, incomplete or corrupted (names the file).
+    """
+    target = ExportFolder(out_dir)
+    found: dict[str, Any] = {}
+
+    def check(meta: dict[str, Any]) -> None:
+        found["vlm"] = vlm_folder(meta["config"])
+        if found["vlm"] is None:
+            check_hf_run(meta, target, found)
+        else:
+            target.check(meta["config"])
+            run_tokenizer(meta["config"])  # a tokenizer that is gone: before any tensor
+
+    tensors, meta = read_full_model(checkpoint, check_meta=check)
+    if found["vlm"] is None:
+        written = write_hf_modules(tensors, meta, target, found)
+    else:
+        written = write_vlm_folder(tensors, meta, target, *found["vlm"])
+    target.finish()
+    return written
+
+
+def vlm_folder(run_config: Mapping[str, Any]) -> tuple[Path, str] | None:
+    """``(the folder, its vision module)`` of a run split from one VLM folder, else ``None``.
+
+    Raises:
+        ValueError: a run that mixes the folder with modules it cannot hold (one line
+            naming the module).
+    """
+    paths = hf_paths(run_config)
+    vlm = {name: path for name, path in paths.items()
+           if Path(path).is_dir() and is_vlm_config(read_hf_config(path))}
+    if not vlm:
+        return None
+    folder = next(iter(vlm.values()))
+    modules = run_config.get("modules") or {}
+    for name in modules:
+        if vlm.get(name) != folder:
+            raise ValueError(f"export --format hf: module {name!r} is not part of the "
+                             f"vision-language folder {folder!r} the run was split from, and "
+                             "one folder of its class cannot hold it; use --format mimotron")
+    vision = [n for n, m in modules.items() if isinstance(m, Mapping) and m.get("kind") == "vit"]
+    if LANGUAGE not in vlm or len(vision) != 1:
+        raise ValueError(f"export --format hf of {folder!r} needs its vision module and "
+                         f"{LANGUAGE!r}; the run has {sorted(modules)}")
+    return check_hf_folder(folder, LANGUAGE), vision[0]
+
+
+def _placed(weight_map: WeightMap, names: list[str], ours_prefix: str = "") -> WeightMap:
+    """``weight_map`` with its folder prefix written into the rules: one map per part,
+    so the three parts' maps join into one (prefix ``""``)."""
+    prefix = weight_map.choose_prefix(names)
+    return WeightMap(
+        rules=tuple((ours_prefix + o, prefix + h) for o, h in weight_map.rules),
+        reshaped=frozenset(ours_prefix + r for r in weight_map.reshaped),
+        stacked=tuple((ours_prefix + o, prefix + h) for o, h in weight_map.stacked))
+
+
+def _joined(config: dict[str, Any], names: list[str]) -> WeightMap:
+    """One map of the three parts: the decoder under its own names, the tower under
+    ``encoder.``, the projector under ``projector.`` (a vision module's names)."""
+    vision_type = vlm_part_config(config, "vit")["model_type"]
+    tower = CLIP_WEIGHTS if vision_type == "clip_vision_model" else SIGLIP_WEIGHTS
+    parts = (_placed(part_weight_map(LLAMA_WEIGHTS, config, LANGUAGE, names), names),
+             _placed(part_weight_map(tower, config, "vit", names), names, TOWER_PREFIX),
+             _placed(LLAVA_PROJECTOR_WEIGHTS, names, _PROJECTOR_PREFIX))
+    return WeightMap(rules=tuple(r for p in parts for r in p.rules),
+                     reshaped=frozenset().union(*(p.reshaped for p in parts)),
+                     stacked=tuple(s for p in parts for s in p.stacked))
+
+
+def write_vlm_folder(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any],
+                     target: ExportFolder, folder: Path, vision: str) -> dict[str, Path]:
+    """Write the run as one folder of the original's class (see the module docstring).
+
+    Args:
+        tensors: the checkpoint's full model (``read_full_model``).
+        meta: its metadata (the run config, the iteration, the real vocabulary).
+        target: the checked output folder.
+        folder: the original folder (:func:`vlm_folder`).
+        vision: the vision module's name.
+
+    Returns:
+        ``{"model": OUT_DIR, "run config": OUT_DIR/mimotron_config.json}``.
+
+    Raises:
+        ValueError: the tensors do not belong to the folder (names every mismatch).
+    """
+    config, names = read_hf_config(folder), list(tensor_files(folder))
+    tokenizer = run_tokenizer(meta["config"])
+    state = split_by_module(dict(tensors))
+    ours = dict(state[LANGUAGE])
+    ours.update(state[vision])  # "encoder.*" and "projector.*": no clash with the decoder's
+    text = vlm_part_config(config, LANGUAGE)
+    dropped: set[str] = set()
+    if LlamaFamilySpec.from_hf_config(text).tie_word_embeddings:
+        ours.pop(HEAD, None)
+        dropped.add(HEAD)
+    vocab = meta.get(VOCAB_SIZE_UNPADDED)
+    if vocab is None and tokenizer is not None:
+        vocab = max(int(text["vocab_size"]), int(tokenizer.vocab_size))
+    ours, text = fit_vocab(ours, text, vocab, LANGUAGE)
+    assert EMBED in ours, sorted(ours)[:5]
+    weights = merge_into_folder(ours, dropped, tensor_files(folder), _joined(config, names),
+                                "model")
+    config = json.loads(json.dumps(config))  # a copy to change
+    config["text_config"]["vocab_size"] = int(text["vocab_size"])
+    if tokenizer is not None and "image" in tokenizer.modalities:
+        config["image_token_index"] = tokenizer.placeholder_id("image")
+    written = copy_files(folder, target, "", keep=lambda name: name != CONFIG_FILE and (
+        tokenizer is None or not is_tokenizer_file(name)))
+    written.append(target.file(CONFIG_FILE))
+    written[-1].write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    if tokenizer is not None:
+        written += write_tokenizer(tokenizer, target, "")
+    written.append(target.file(SINGLE_FILE))
+    save_file(weights, str(written[-1]), metadata={
+        "format": "pt", "iteration": str(meta["iteration"]), "mimotron_export": "hf"})
+    written.append(target.file(RUN_CONFIG_FILE))
+    written[-1].write_text(json.dumps(meta["config"], indent=1) + "\n")
+    set_file_modes(written)
+    return {"model": target.root, "run config": written[-1]}

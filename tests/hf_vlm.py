@@ -1,0 +1,250 @@
+"""A tiny LLaVA folder as users have one, its LLaVA-format data, and transformers' model as
+the independent reference.
+
+:func:`save_llava_folder` writes what ``llava-hf/llava-1.5-7b-hf`` holds, at toy sizes:
+``config.json`` (``model_type`` ``llava``: a CLIP vision tower, a Llama decoder),
+``model.safetensors`` in the hub layout (``layout="hub"``, as llava-hf publishes it),
+the ``model.language_model.*`` layout of transformers 4.52-4.57 (``"flat"``) or as
+transformers 5 saves it (``"saved"``: no ``vision_model.`` level in the tower), the CLIP
+image processor and a tokenizer (trained locally) with ``<image>`` at ``image_token_index``.
+
+:func:`hf_name` maps a parameter of mimotron's ``MimoModel`` to the parameter of
+``transformers``' ``LlavaForConditionalGeneration`` it must equal, from the
+per-family maps (each tested against transformers on its own) and the LLaVA module
+layout written out here; :func:`hf_llava_loss` is transformers' loss of a mimotron batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from mimotron.data.bpe import CHATML_TEMPLATE, train_bpe_tokenizer
+from mimotron.models.hf.clip import CLIP_WEIGHTS
+from mimotron.models.hf.llama import LLAMA_WEIGHTS
+from tests.hf_data import write_jsonl, write_png
+
+IMAGE = 16  # CLIP input side; patches of 8 -> 4 patches + the class token
+IMAGE_TOKENS = 4  # "default" strategy: the class token dropped
+SENTENCES = ["what digit is in this picture", "the digit is seven", "the digit is three",
+             "describe the image", "a cat sits on a mat", "you are a helpful assistant",
+             "what is two plus two", "four"] * 4
+
+
+def save_llava_folder(root: Path, layout: str = "hub", lm_layers: int = 2,
+                      vision_layers: int = 4, seed: int = 0) -> Path:
+    """A random LLaVA folder under ``root`` (see the module docstring); returns it."""
+    import transformers
+
+    folder = root / "llava"
+    tokenizer_dir = train_bpe_tokenizer(SENTENCES, root / "tok", vocab_size=300,
+                                        chat_template=CHATML_TEMPLATE)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    image_id = tokenizer.convert_tokens_to_ids("<image>")
+    vocab = -(-len(tokenizer) // 64) * 64  # a multiple of 64: no padding rows
+    torch.manual_seed(seed)
+    config = transformers.LlavaConfig(
+        vision_config=transformers.CLIPVisionConfig(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=vision_layers,
+            num_attention_heads=4, image_size=IMAGE, patch_size=8).to_dict(),
+        text_config=transformers.LlamaConfig(
+            vocab_size=vocab, hidden_size=32, intermediate_size=64,
+            num_hidden_layers=lm_layers, num_attention_heads=4, num_key_value_heads=2,
+            max_position_embeddings=256).to_dict(),
+        image_token_index=image_id, image_seq_length=IMAGE_TOKENS,
+        vision_feature_layer=-3)  # not the default -2: the folder's choice must be read
+    transformers.LlavaForConditionalGeneration(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    transformers.CLIPImageProcessor(
+        size={"shortest_edge": IMAGE}, crop_size={"height": IMAGE, "width": IMAGE},
+    ).save_pretrained(folder)  # fmt: skip
+    if layout != "saved":
+        file = folder / "model.safetensors"
+        rename = flat_name if layout == "flat" else (lambda n: n)
+        save_file({rename(_with_vision_model(n)): t for n, t in load_file(file).items()},
+                  str(file), metadata={"format": "pt"})
+    return folder
+
+
+def _with_vision_model(name: str) -> str:
+    """transformers 5 writes ``vision_tower.embeddings.*``; published folders hold
+    ``vision_tower.vision_model.embeddings.*``."""
+    head = "vision_tower."
+    return head + "vision_model." + name[len(head):] if name.startswith(head) else name
+
+
+def flat_name(hub: str) -> str:
+    """A hub-layout tensor name in the ``model.language_model.*`` layout (which is also
+    how ``LlavaForConditionalGeneration`` names its parameters)."""
+    for old, new in (("language_model.model.", "model.language_model."),
+                     ("language_model.lm_head.", "lm_head."),
+                     ("vision_tower.", "model.vision_tower."),
+                     ("multi_modal_projector.", "model.multi_modal_projector.")):
+        if hub.startswith(old):
+            return new + hub[len(old):]
+    raise AssertionError(hub)
+
+
+def hf_name(ours: str) -> str:
+    """The ``LlavaForConditionalGeneration`` parameter a ``MimoModel`` parameter equals."""
+    if ours.startswith("language_model."):
+        return flat_name("language_model." + LLAMA_WEIGHTS.to_hf(ours[len("language_model."):]))
+    head = "modality_submodules.vision."
+    assert ours.startswith(head), ours
+    local = ours[len(head):]
+    if local.startswith("projector."):
+        return "model.multi_modal_projector." + local[len("projector."):].replace(
+            "fc1.", "linear_1.").replace("fc2.", "linear_2.")
+    assert local.startswith("encoder."), ours
+    return "model.vision_tower." + CLIP_WEIGHTS.to_hf(local[len("encoder."):])
+
+
+def hf_llava_loss(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """transformers' mean loss of a mimotron batch (``tokens``, ``labels``, ``loss_mask``,
+    ``image``, ``has_image``): its labels are the trained next tokens, -100 elsewhere,
+    one position later (transformers shifts them back)."""
+    tokens = batch["tokens"]
+    labels = torch.full_like(tokens, -100)
+    trained = batch["loss_mask"].bool()
+    labels[:, 1:][trained[:, :-1]] = batch["labels"][:, :-1][trained[:, :-1]]
+    assert not bool(trained[:, -1].any()), "a last-position target has no place in HF labels"
+    pixels = batch["image"][batch["has_image"].bool()]
+    out = model(input_ids=tokens, pixel_values=pixels if len(pixels) else None, labels=labels)
+    return out.loss
+
+
+def write_image_data(root: Path, num_samples: int = 24, seed: int = 0) -> Path:
+    """LLaVA-format JSONL: images of several sizes (the processor resizes them) with
+    one- and two-turn conversations, and every fourth sample text-only."""
+    samples = []
+    for i in range(num_samples):
+        turns = [{"from": "human", "value": "<image>\nwhat digit is in this picture"},
+                 {"from": "gpt", "value": "the digit is " + ("seven", "three")[i % 2]}]
+        if i % 3 == 1:
+            turns += [{"from": "human", "value": "describe the image"},
+                      {"from": "gpt", "value": "a cat sits on a mat"}]
+        sample: dict[str, Any] = {"id": f"s{i}", "conversations": turns}
+        if i % 4 == 3:
+            turns[0]["value"] = "what is two plus two"
+            turns[1]["value"] = "four"
+        else:
+            size = (12 + 4 * (i % 3), 20 - 2 * (i % 4))
+            sample["image"] = write_png(root / f"img{i}.png", *size, seed=seed + i).name
+        samples.append(sample)
+    return write_jsonl(root / "train.jsonl", samples)
+
+
+def write_config(root: Path, folder: Path, data: Path, iters: int = 10) -> Path:
+    """A run of the folder as a user writes it: the folder once, the data, the schedule.
+    Layouts come as overrides of ``modules.<m>.parallel``."""
+    path = root / "llava_one_folder.toml"
+    path.write_text(f"""
+name = "llava_one_folder"
+hf_path = "{folder}"
+
+[data]
+dataset = "llava"
+path = "{data}"
+seq_length = 128
+
+[train]
+iters = {iters}
+global_batch_size = 8
+micro_batch_size = 4
+seed = 7
+precision = "fp32"
+
+[optimizer]
+lr = 2e-3
+clip_grad = 0.5
+weight_decay = 0.1
+
+[scheduler]
+warmup_iters = 2
+
+[eval]
+interval = 1000
+
+[log]
+dir = "{root / 'run'}"
+interval = 1
+progress = false
+""")
+    return path
+
+
+@dataclass
+class HFReference:
+    """What the plain loop on transformers' model did: per iteration the mean loss and
+    the gradient norm before clipping; the final and initial weights under mimotron's
+    names (``MimoModel``'s), and the loss tokens per iteration."""
+
+    losses: list[float]
+    grad_norms: list[float]
+    num_tokens: list[int]
+    weights: dict[str, torch.Tensor]
+    initial: dict[str, torch.Tensor]
+
+
+def hf_reference_run(config: Path, num_iters: int) -> HFReference:
+    """Train ``LlavaForConditionalGeneration`` (from the config's folder) in a plain loop.
+
+    One process: the whole global batch in one forward, transformers' own loss,
+    ``backward``, ``clip_grad_norm_``, ``torch.optim.AdamW`` (norms and biases without
+    weight decay) and Megatron's warm-up + cosine schedule written out in
+    :func:`tests.reference.lr_at`. From mimotron it borrows what a user would: the config
+    and the data API (the global sample order, the tokenised conversations). The names
+    of its parameters map to mimotron's by :func:`hf_name`.
+    """
+    import transformers
+
+    from mimotron.config import load_config
+    from mimotron.data import build_datasets, collate
+    from mimotron.data.run_data import build_tokenizer
+    from mimotron.models.build import build_mimo_model
+    from tests.reference import lr_at
+
+    cfg = load_config(config)
+    tokenizer = build_tokenizer(cfg)
+    task, _ = build_datasets(cfg, tokenizer)
+    model = transformers.LlavaForConditionalGeneration.from_pretrained(
+        cfg.hf_path, dtype=torch.float32)
+    # Only the names of what mimotron trains (the tower's unused last layer is not).
+    names = [n for n, _ in build_mimo_model(cfg, tokenizer.vocab_size, {
+        "vision": tokenizer.placeholder_id("image")}).named_parameters()]
+    params = dict(model.named_parameters())
+    ours = {n: params[hf_name(n)] for n in names}
+    for p in params.values():
+        p.requires_grad_(False)
+    for p in ours.values():
+        p.requires_grad_(True)
+    opt, sched = cfg.optimizer, cfg.scheduler
+    groups = [{"params": [p for n, p in ours.items() if not any(s in n for s in opt.no_decay)],
+               "weight_decay": opt.weight_decay},
+              {"params": [p for n, p in ours.items() if any(s in n for s in opt.no_decay)],
+               "weight_decay": 0.0}]
+    optimizer = torch.optim.AdamW(groups, lr=0.0, betas=tuple(opt.betas), eps=opt.eps)
+    initial = {n: p.detach().clone() for n, p in ours.items()}
+    out = HFReference([], [], [], {}, initial)
+    stream, gbs = task.stream(cfg.train.seed), cfg.train.global_batch_size
+    for k in range(num_iters):
+        batch = collate(stream.samples(k * gbs, gbs), task.seq_length, pad_id=task.pad_id,
+                        image_shape=task.image_shape, audio_shape=task.audio_shape)
+        optimizer.zero_grad(set_to_none=True)
+        loss = hf_llava_loss(model, batch)
+        loss.backward()
+        out.grad_norms.append(float(torch.nn.utils.clip_grad_norm_(list(ours.values()),
+                                                                   opt.clip_grad)))
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(k, opt.lr, opt.min_lr, sched.warmup_iters,
+                                sched.decay_iters or cfg.train.iters, sched.decay_style)
+        optimizer.step()
+        out.losses.append(float(loss.detach()))
+        out.num_tokens.append(int(batch["loss_mask"].sum()))
+    out.weights = {n: p.detach().clone() for n, p in ours.items()}
+    return out

@@ -1,0 +1,261 @@
+"""One LLaVA folder as a user has it: split into modules, equal to transformers' model, and
+trained on per-module layouts like a plain loop on transformers' model.
+
+The folder (:func:`tests.hf_vlm.save_llava_folder`) is made by ``transformers`` from its
+config classes with random weights; the independent reference is its own
+``LlavaForConditionalGeneration``, which shares no code with mimotron's modules.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from mimotron.cli.main import main as cli_main
+from mimotron.config import load_config
+from mimotron.config.hf_vlm import LLAMA_TEXT_DEFAULTS, vlm_module_options
+from mimotron.data import build_datasets, collate
+from mimotron.data.run_data import build_tokenizer
+from mimotron.forked_ranks import run_groups
+from mimotron.generate import Generator, Sampling
+from mimotron.models.build import build_mimo_model
+from tests.common import engine_run
+from tests.hf_data import folder_tensors
+from tests.hf_vlm import (
+    IMAGE_TOKENS,
+    hf_llava_loss,
+    hf_name,
+    hf_reference_run,
+    save_llava_folder,
+    write_config,
+    write_image_data,
+)
+
+transformers = pytest.importorskip("transformers")
+
+NUM_ITERS = 10
+
+
+@pytest.fixture(scope="module")
+def llava(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The folder (hub layout), image data and the one-folder config."""
+    root = tmp_path_factory.mktemp("llava_folder")
+    folder = save_llava_folder(root)
+    data = write_image_data(root / "data")
+    return {"root": root, "folder": folder, "data": data,
+            "config": write_config(root, folder, data, iters=NUM_ITERS)}
+
+
+def test_one_folder_becomes_a_vision_and_a_language_module(llava: dict[str, Path]) -> None:
+    cfg = load_config(llava["config"])
+    vision, language = cfg.modules["vision"], cfg.modules["language"]
+    assert (vision.kind, language.kind) == ("vit", "language")
+    assert vision.hf_path == language.hf_path == str(llava["folder"])
+    # The tower's part of config.json: 4 layers, feature layer -3 -> 2 built.
+    assert (vision.hidden_size, vision.num_layers, vision.num_output_tokens) == (
+        32, 2, IMAGE_TOKENS)
+    assert (vision.vision_feature_layer, vision.projector_hidden_size) == (-3, 32)
+    assert (language.hidden_size, language.num_layers, language.num_heads) == (32, 2, 4)
+    # The same folder named per module gives the same modules.
+    per_module = load_config(None, [
+        f"modules.vision.hf_path='{llava['folder']}'", "modules.vision.kind='vit'",
+        f"modules.language.hf_path='{llava['folder']}'", "data.dataset='llava'",
+        f"data.path='{llava['data']}'", "data.seq_length=128"])
+    assert per_module.modules == cfg.modules
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("modules.vision.vision_feature_layer=-2",
+     "modules.vision.vision_feature_layer=-2 contradicts config.json"),
+    ("modules.language.kind='vit'", "modules.language.kind='vit' contradicts the top-level"),
+    ("modules.vision.hidden_size=64", "modules.vision.hidden_size=64 contradicts config.json"),
+])
+def test_a_key_contradicting_the_folder_is_one_line(llava: dict[str, Path], override: str,
+                                                    message: str) -> None:
+    with pytest.raises(ValueError, match="^" + message.replace("[", r"\[")) as info:
+        load_config(llava["config"], [override])
+    assert "\n" not in str(info.value)
+
+
+def test_a_folder_that_is_not_a_supported_vlm_is_one_line(tmp_path: Path) -> None:
+    folder = tmp_path / "blip"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "blip-2"}))
+    with pytest.raises(ValueError, match=r"model_type='blip-2'.*expected one of \['llava'\]"):
+        load_config(None, [f"hf_path='{folder}'"])
+
+
+@pytest.mark.parametrize(("key", "value"), [("projector_hidden_act", "relu"),
+                                            ("multimodal_projector_bias", False),
+                                            ("vision_feature_layer", [-2, -5])])
+def test_a_projector_or_feature_selection_not_implemented_is_refused(key: str, value: object
+                                                                     ) -> None:
+    config = {"model_type": "llava", "text_config": {"hidden_size": 8}, key: value}
+    with pytest.raises(ValueError, match=f"config.json {key}="):
+        vlm_module_options(config)
+
+
+def test_text_defaults_are_transformers_llama_defaults() -> None:
+    # llava-1.5-7b-hf's text_config gives no sizes: transformers' LlamaConfig defaults apply.
+    default = transformers.LlamaConfig()
+    for key, value in LLAMA_TEXT_DEFAULTS.items():
+        assert getattr(default, key) == value, key
+
+
+def _batch_and_model(config: Path) -> tuple[dict[str, torch.Tensor], torch.nn.Module]:
+    cfg = load_config(config)
+    tokenizer = build_tokenizer(cfg)
+    task, _ = build_datasets(cfg, tokenizer)
+    batch = collate(task.stream(cfg.train.seed).samples(0, 8), task.seq_length,
+                    pad_id=task.pad_id, image_shape=task.image_shape,
+                    audio_shape=task.audio_shape)
+    model = build_mimo_model(cfg, tokenizer.vocab_size,
+                             {"vision": tokenizer.placeholder_id("image")})
+    return batch, model
+
+
+@pytest.mark.parametrize("layout", ["hub", "flat", "saved"])
+def test_loss_and_every_gradient_equal_transformers(tmp_path: Path, layout: str) -> None:
+    """Every checkpoint layout loads into the modules transformers' model computes with."""
+    folder = save_llava_folder(tmp_path, layout=layout)
+    config = write_config(tmp_path, folder, write_image_data(tmp_path / "data"))
+    batch, model = _batch_and_model(config)
+    assert int(batch["has_image"].sum()) >= 4 and int((~batch["has_image"].bool()).sum()) >= 1
+    reference = transformers.LlavaForConditionalGeneration.from_pretrained(
+        folder, dtype=torch.float32)
+    theirs = dict(reference.named_parameters())
+    for name, param in model.named_parameters():
+        assert torch.equal(param.detach().reshape(theirs[hf_name(name)].shape),
+                           theirs[hf_name(name)]), name
+    loss_sum, num_tokens, _ = model(batch)
+    (loss_sum / num_tokens).backward()
+    want = hf_llava_loss(reference, batch)
+    want.backward()
+    assert float(loss_sum / num_tokens) == pytest.approx(float(want), rel=1e-5)
+    for name, param in model.named_parameters():
+        if name.endswith("attn.wk.bias"):
+            # Zero in exact arithmetic (softmax ignores a per-query constant): round-off.
+            assert float(param.grad.abs().max()) < 1e-9, name
+            continue
+        grad = theirs[hf_name(name)].grad
+        err = float((param.grad.reshape(grad.shape) - grad).norm() / grad.norm())
+        assert err <= 1e-5, f"{name}: relative error {err}"
+
+
+_LAYOUTS = {
+    # world, overrides
+    "colocated vision DP 2 + language TP 2": (2, [
+        "modules.vision.parallel.data=2", "modules.language.parallel.tensor=2"]),
+    "vision DP 2 | language TP 2": (4, [
+        "modules.vision.parallel.data=2", "modules.language.parallel.tensor=2",
+        "modules.language.parallel.rank_offset=2"]),
+    "vision | language PP 2": (3, [
+        "modules.language.parallel.pipeline=2", "modules.language.parallel.rank_offset=1"]),
+    "vision | language CP 2": (3, [
+        "modules.language.parallel.context=2", "modules.language.parallel.rank_offset=1"]),
+}
+
+
+def test_layouts_train_like_a_plain_loop_on_transformers(llava: dict[str, Path]) -> None:
+    """10 iterations at a real learning rate: losses, grad norms, final weights."""
+    ref = hf_reference_run(llava["config"], NUM_ITERS)
+    assert ref.losses[-1] < ref.losses[0] - 0.3, ref.losses
+    groups = run_groups([(world, engine_run, (over, NUM_ITERS, llava["config"]), {})
+                         for world, over in _LAYOUTS.values()], timeout_s=300)
+    for layout, results in zip(_LAYOUTS, groups, strict=True):
+        merged: dict[str, torch.Tensor] = {}
+        for rank, res in enumerate(results):
+            merged.update(res["weights"])
+            for it, (loss, norm, skipped, tokens) in enumerate(res["steps"]):
+                where = f"{layout}, rank {rank}, iteration {it}"
+                assert not skipped and tokens == ref.num_tokens[it], where
+                assert loss == pytest.approx(ref.losses[it], rel=1e-5), where
+                assert norm == pytest.approx(ref.grad_norms[it], rel=1e-5), where
+        assert set(merged) == set(ref.weights), layout
+        for name, want in ref.weights.items():
+            if name.endswith("attn.wk.bias"):
+                continue  # Adam steps of a zero gradient's round-off (see above)
+            got = merged[name].reshape(want.shape)
+            err = float((got - want).norm() / want.norm())
+            assert err <= 1e-4, f"{layout}: {name}: relative error {err}"
+            assert not torch.equal(want, ref.initial[name]), name
+
+
+@pytest.fixture(scope="module")
+def exported(llava: dict[str, Path]) -> dict[str, Path]:
+    """``mimotron train`` (5 iterations) then ``mimotron export --format hf``, by the CLI."""
+    root = llava["root"] / "round_trip"
+    root.mkdir()
+    config = write_config(root, llava["folder"], llava["data"], iters=5)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    proc = subprocess.run([sys.executable, "-m", "mimotron", "train", str(config),
+                           "checkpoint.interval=5"],
+                          cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    checkpoint, out = root / "run" / "checkpoints", root / "export"
+    assert cli_main(["export", "--format", "hf", str(checkpoint), str(out)]) == 0
+    return {"checkpoint": checkpoint, "out": out, "image": llava["data"].parent / "img0.png"}
+
+
+def test_export_is_one_folder_transformers_loads_with_no_missing_keys(
+        exported: dict[str, Path], llava: dict[str, Path]) -> None:
+    out = exported["out"]
+    model, info = transformers.AutoModelForImageTextToText.from_pretrained(
+        out, dtype=torch.float32, output_loading_info=True)
+    assert type(model).__name__ == "LlavaForConditionalGeneration"
+    assert not any(info.values()), info  # no missing, unexpected or mismatched keys
+    # Every tensor of the original is there under its name; the trained ones changed.
+    original, written = folder_tensors(llava["folder"]), folder_tensors(out)
+    assert set(written) == set(original)
+    changed = {n for n in original if not torch.equal(original[n], written[n])}
+    assert any(n.startswith("multi_modal_projector.") for n in changed)
+    assert any(n.startswith("language_model.model.layers.") for n in changed)
+    assert any(n.startswith("vision_tower.vision_model.encoder.layers.1.") for n in changed)
+    # Layers past the feature layer (-3 of 4: layers 2 and 3) were never built: as they were.
+    assert not any(".encoder.layers.3." in n or "post_layernorm" in n for n in changed)
+    processor = transformers.AutoProcessor.from_pretrained(out)
+    assert type(processor.image_processor).__name__.startswith("CLIPImageProcessor")
+
+
+def test_hf_llava_format_of_a_one_folder_run_points_to_hf(exported: dict[str, Path],
+                                                          tmp_path: Path, capsys) -> None:
+    code = cli_main(["export", "--format", "hf-llava", str(exported["checkpoint"]),
+                     str(tmp_path / "out")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "export the run with --format hf" in err and "\n" not in err, err
+
+
+def test_exported_logits_and_greedy_tokens_equal_mimotron_generate(
+        exported: dict[str, Path]) -> None:
+    from PIL import Image
+
+    generator = Generator.from_path(exported["checkpoint"], device="cpu")
+    prompt = "what digit is in this picture"
+    encoded, hidden = generator.encode(prompt, [exported["image"]])
+    ours = generator.language_model(hidden)[0]
+    model = transformers.LlavaForConditionalGeneration.from_pretrained(
+        exported["out"], dtype=torch.float32)
+    processor = transformers.AutoProcessor.from_pretrained(exported["out"])
+    pixels = processor.image_processor(Image.open(exported["image"]).convert("RGB"),
+                                       return_tensors="pt")["pixel_values"]
+    ids = torch.tensor([encoded.tokens])
+    with torch.no_grad():
+        theirs = model(input_ids=ids, pixel_values=pixels).logits[0]
+    vocab = theirs.shape[-1]
+    err = float((ours[:, :vocab] - theirs).abs().max() / theirs.abs().max())
+    assert err <= 1e-5, err
+    reply = generator.generate(prompt, [exported["image"]], sampling=Sampling(max_new_tokens=8))
+    banned = [generator.loaded.tokenizer.placeholder_id("image"),
+              *range(generator.loaded.tokenizer.vocab_size, vocab)]
+    with torch.no_grad():
+        sequence = model.generate(input_ids=ids, pixel_values=pixels, max_new_tokens=8,
+                                  do_sample=False, suppress_tokens=banned)[0, ids.shape[1]:]
+    got, num = sequence.tolist(), len(reply.token_ids)
+    assert got[:num] == reply.token_ids, (got, reply)
+    assert reply.stop == "max_new_tokens" or got[num] in encoded.stop_ids, (got, reply)
