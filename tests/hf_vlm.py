@@ -5,7 +5,8 @@ the independent reference.
 ``config.json`` (``model_type`` ``llava``: a CLIP vision tower, a Llama decoder),
 ``model.safetensors`` in the hub layout (``layout="hub"``, as llava-hf publishes it),
 the ``model.language_model.*`` layout of transformers 4.52-4.57 (``"flat"``) or as
-transformers 5 saves it (``"saved"``: no ``vision_model.`` level in the tower), the CLIP
+transformers 5 saves it (``"saved"``: no ``vision_model.`` level in the tower; and
+``"sharded-fp16"``: float16 in several shards with an index), the CLIP
 image processor and a tokenizer (trained locally) with ``<image>`` at ``image_token_index``.
 
 :func:`hf_name` maps a parameter of mimotron's ``MimoModel`` to the parameter of
@@ -58,12 +59,16 @@ def save_llava_folder(root: Path, layout: str = "hub", lm_layers: int = 2,
             max_position_embeddings=256).to_dict(),
         image_token_index=image_id, image_seq_length=IMAGE_TOKENS,
         vision_feature_layer=-3)  # not the default -2: the folder's choice must be read
-    transformers.LlavaForConditionalGeneration(config).save_pretrained(folder)
+    model = transformers.LlavaForConditionalGeneration(config)
+    if layout == "sharded-fp16":  # as llava-1.5-7b-hf: float16, several shards and an index
+        model.half().save_pretrained(folder, max_shard_size="40KB")
+    else:
+        model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     transformers.CLIPImageProcessor(
         size={"shortest_edge": IMAGE}, crop_size={"height": IMAGE, "width": IMAGE},
     ).save_pretrained(folder)  # fmt: skip
-    if layout != "saved":
+    if layout in ("hub", "flat"):
         file = folder / "model.safetensors"
         rename = flat_name if layout == "flat" else (lambda n: n)
         save_file({rename(_with_vision_model(n)): t for n, t in load_file(file).items()},

@@ -120,10 +120,12 @@ def _batch_and_model(config: Path) -> tuple[dict[str, torch.Tensor], torch.nn.Mo
     return batch, model
 
 
-@pytest.mark.parametrize("layout", ["hub", "flat", "saved"])
+@pytest.mark.parametrize("layout", ["hub", "flat", "saved", "sharded-fp16"])
 def test_loss_and_every_gradient_equal_transformers(tmp_path: Path, layout: str) -> None:
     """Every checkpoint layout loads into the modules transformers' model computes with."""
     folder = save_llava_folder(tmp_path, layout=layout)
+    if layout == "sharded-fp16":
+        assert len(list(folder.glob("model-*.safetensors"))) > 2
     config = write_config(tmp_path, folder, write_image_data(tmp_path / "data"))
     batch, model = _batch_and_model(config)
     assert int(batch["has_image"].sum()) >= 4 and int((~batch["has_image"].bool()).sum()) >= 1
@@ -259,3 +261,48 @@ def test_exported_logits_and_greedy_tokens_equal_mimotron_generate(
     got, num = sequence.tolist(), len(reply.token_ids)
     assert got[:num] == reply.token_ids, (got, reply)
     assert reply.stop == "max_new_tokens" or got[num] in encoded.stop_ids, (got, reply)
+
+
+# llava-hf/llava-1.5-7b-hf's config.json as published: its text_config names no size.
+LLAVA_15_7B = {
+    "architectures": ["LlavaForConditionalGeneration"], "ignore_index": -100,
+    "image_token_index": 32000, "model_type": "llava", "pad_token_id": 32001,
+    "projector_hidden_act": "gelu",
+    "text_config": {"_name_or_path": "lmsys/vicuna-7b-v1.5",
+                    "architectures": ["LlamaForCausalLM"], "max_position_embeddings": 4096,
+                    "model_type": "llama", "rms_norm_eps": 1e-05, "torch_dtype": "float16",
+                    "vocab_size": 32064},
+    "tie_word_embeddings": False, "torch_dtype": "float16",
+    "transformers_version": "4.36.0.dev0",
+    "vision_config": {"hidden_size": 1024, "image_size": 336, "intermediate_size": 4096,
+                      "model_type": "clip_vision_model", "num_attention_heads": 16,
+                      "num_hidden_layers": 24, "patch_size": 14, "projection_dim": 768,
+                      "vocab_size": 32000},
+    "vision_feature_layer": -2, "vision_feature_select_strategy": "default",
+    "vocab_size": 32064,
+}
+
+
+def test_the_published_llava_1_5_7b_config_is_clip_l_336_and_llama_2_7b(tmp_path: Path
+                                                                         ) -> None:
+    from mimotron.models.build import count_parameters
+
+    (tmp_path / "config.json").write_text(json.dumps(LLAVA_15_7B))
+    cfg = load_config(None, [f"hf_path='{tmp_path}'", "data.seq_length=2048"])
+    vision, language = cfg.modules["vision"], cfg.modules["language"]
+    # CLIP ViT-L/14-336 up to its second-to-last layer: 23 of 24 layers, 576 tokens.
+    assert (vision.hidden_size, vision.num_layers, vision.num_heads) == (1024, 23, 16)
+    assert (vision.num_output_tokens, vision.projector_hidden_size) == (576, 4096)
+    # Vicuna-7B v1.5 = Llama-2-7B (transformers' LlamaConfig defaults), 32,064 rows.
+    assert (language.hidden_size, language.num_layers, language.num_heads,
+            language.ffn_hidden_size) == (4096, 32, 32, 11008)
+    assert count_parameters(cfg, "language", 32064) == 6_738_939_904
+    # The projector (1024 -> 4096 -> 4096 with biases) and, by hand, the tower's
+    # embeddings (patch convolution, class token, 577 positions, pre-norm) and 23 layers;
+    # with its 24th layer and final norm that is CLIP ViT-L/14-336's published 303.5 M.
+    projector = 1024 * 4096 + 4096 + 4096 * 4096 + 4096
+    layer = 4 * (1024 * 1024 + 1024) + 2 * 2048 + (1024 * 4096 + 4096) + (4096 * 1024 + 1024)
+    embeddings = 3 * 14 * 14 * 1024 + 1024 + 577 * 1024 + 2048
+    tower = embeddings + 23 * layer
+    assert count_parameters(cfg, "vision", 32064) - projector == tower
+    assert round((tower + layer + 2048) / 1e6, 1) == 303.5
