@@ -154,6 +154,8 @@ PROBES: dict[str, tuple[list[str], str, list[str]]] = {
     # the HF-only options on a module without hf_path, are refused.
     "modules.<m>.hf_path": (["modules.language.hf_path='no-such-hf-folder'"], "error:built",
                             []),
+    # One vision-language folder's modules: tests/test_hf_vlm.py.
+    "hf_path": (["hf_path='no-such-hf-folder'"], "error:built", []),
     "modules.<m>.vision_feature_layer": (["modules.vision.vision_feature_layer=-1"],
                                          "error:built", []),
     "modules.<m>.vision_feature_select_strategy": (
@@ -216,6 +218,7 @@ PROBES: dict[str, tuple[list[str], str, list[str]]] = {
     "data.root": (["data.root='x'"], "error:built", []),
     "data.allow_outside_root": (["data.allow_outside_root=true"], "error:built", []),
     "data.tokenizer": (["data.tokenizer='x'"], "error:built", []),
+    "data.chat_template": (["data.chat_template='vicuna'"], "error:built", []),
     "data.skip_bad_samples": (["data.skip_bad_samples=true"], "error:built", []),
     "data.system_prompt": (["data.system_prompt='x'"], "error:built", []),
     "data.index_dir": (["data.index_dir='x'"], "error:built", []),
@@ -223,6 +226,7 @@ PROBES: dict[str, tuple[list[str], str, list[str]]] = {
     "data.allow_large_vocab": (["data.allow_large_vocab=true"], "error:built", []),
     "data.num_workers": (["data.num_workers=2"], "run", ["log.progress=true"]),
     "data.packing": (["data.packing=true"], "built", []),  # the first training batch
+    "data.max_images_per_sample": (["data.max_images_per_sample=2"], "error:built", []),
     "train.iters": (["train.iters=12"], "built", []),
     "train.global_batch_size": (["train.global_batch_size=32"], "built", []),
     "train.micro_batch_size": (["train.micro_batch_size=4"], "built", []),
@@ -409,7 +413,7 @@ def test_key_changes_something_observable(key: str, baselines: dict) -> None:
     if cache_key not in baselines:  # the context alone is valid
         baselines[cache_key] = _observe(observer, context)
     if kind.startswith("error:"):
-        with pytest.raises(ValueError, match=key.rsplit(".", 1)[1]):
+        with pytest.raises(ValueError, match=key.rsplit(".", 1)[-1]):
             _observe(observer, context + overrides)
         return
     assert baselines[cache_key] != _observe(kind, context + overrides), key

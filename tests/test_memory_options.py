@@ -117,6 +117,7 @@ PROBES: dict[str, tuple[list[str], list[str], str, str, int]] = {
 THROUGH: dict[str, str] = {
     "modules.<m>.kind": "the module's architecture, through its size keys probed here",
     "modules.<m>.hf_path": "config.json's sizes fill the size keys probed here",
+    "hf_path": "a vision-language folder's modules, each through modules.<m>.hf_path",
     "modules.<m>.vision_feature_layer": "Hugging Face vision: the layers kept (num_layers)",
     "modules.<m>.vision_feature_select_strategy": "Hugging Face vision: the class token "
                                                   "in the output tokens (image_size, "
@@ -127,6 +128,8 @@ THROUGH: dict[str, str] = {
                                    "input (projector weights, from the built module)",
     "data.dataset": "shapes come from data.seq_length and the tokenizer's vocabulary",
     "data.tokenizer": "llava: the vocabulary (embedding and head rows) of the built model",
+    "data.max_images_per_sample": "llava only: the vision encoder's inputs per sample "
+                                  "(tests/test_llava_multi_image.py checks the estimate)",
 }
 
 _VALUES = "values the optimizer computes with; its state per parameter is unchanged"
@@ -161,7 +164,7 @@ NO_EFFECT: dict[str, str] = {
     **{f"data.{k}": _HOST for k in ("train_fraction", "image_shift", "mock_num_samples",
                                     "num_workers", "path", "valid_path", "index_dir", "root",
                                     "allow_outside_root", "skip_bad_samples",
-                                    "system_prompt", "ignore_keys")},
+                                    "system_prompt", "ignore_keys", "chat_template")},
     "data.allow_large_vocab": "lets a larger vocabulary through the check; the estimate "
                               "counts the vocabulary the tokenizer has either way",
     **{f"eval.{k}": "evaluation runs forward only, keeping nothing for backward: below "

@@ -79,6 +79,7 @@ _WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json", ".bin", ".bin.ind
 _TOKENIZER_NAMES = frozenset({"special_tokens_map.json", "added_tokens.json", "vocab.json",
                               "vocab.txt", "merges.txt", "chat_template.jinja",
                               "chat_template.json"})
+_TEMPLATE_NAMES = frozenset({"chat_template.jinja", "chat_template.json"})
 _TOKENIZER_SUFFIXES = (".model", ".tiktoken")  # spiece.model, sentencepiece.bpe.model, ...
 
 
@@ -234,16 +235,19 @@ def run_tokenizer(run_config: Mapping[str, Any]) -> Any:
     """The run's Hugging Face tokenizer with its placeholders, or ``None`` if it had none.
 
     Built by the function training builds it with
-    (:func:`~mimotron.data.run_data.run_hf_tokenizer`), from the module kinds the run
-    config records, so the placeholders get the ids training gave them.
+    (:func:`~mimotron.data.run_data.run_hf_tokenizer`), from the module kinds and the
+    ``data.chat_template`` the run config records, so the placeholders get the ids
+    training gave them and the template is the one training rendered with.
     """
-    path = (run_config.get("data") or {}).get(TOKENIZER)
+    data = run_config.get("data") or {}
+    path = data.get(TOKENIZER)
     if not path:
         return None
     from mimotron.data.run_data import run_hf_tokenizer  # Deferred: loads transformers.
 
     modules = (run_config.get("modules") or {}).values()
-    return run_hf_tokenizer(path, [m.get("kind") for m in modules if isinstance(m, Mapping)])
+    return run_hf_tokenizer(path, [m.get("kind") for m in modules if isinstance(m, Mapping)],
+                            data.get("chat_template") or "")
 
 
 def export_hf_module(
@@ -501,9 +505,14 @@ def write_tokenizer(tokenizer: Any, target: ExportFolder, prefix: str) -> list[P
 
     Only tokenizer files (:func:`is_tokenizer_file`): ``data.tokenizer`` is often the
     language model's own folder, whose ``config.json`` must not replace the export's.
+    A template that replaced the folder's (``data.chat_template``) is saved with the
+    tokenizer, and the folder's template files are not copied: a processor would read a
+    stale ``chat_template.json`` before the saved ``chat_template.jinja``.
     """
-    written = copy_files(Path(tokenizer.path), target, prefix, keep=is_tokenizer_file)
-    if tokenizer.num_added:
+    replaced = bool(getattr(tokenizer, "template_replaced", False))
+    written = copy_files(Path(tokenizer.path), target, prefix, keep=lambda name: (
+        is_tokenizer_file(name) and not (replaced and name in _TEMPLATE_NAMES)))
+    if tokenizer.num_added or replaced:
         # save_pretrained picks its own file names: saved aside, then each one recorded.
         with tempfile.TemporaryDirectory(prefix="mimotron-tokenizer-") as temp:
             tokenizer.tokenizer.save_pretrained(temp)

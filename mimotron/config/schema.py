@@ -49,6 +49,8 @@ DATASETS: tuple[str, ...] = get_args(DatasetName)
 SCHEDULES: tuple[str, ...] = get_args(Schedule)
 RECOMPUTE_MODES: tuple[str, ...] = get_args(Recompute)
 FREEZE_PARTS: tuple[str, ...] = get_args(FreezePart)
+CHAT_TEMPLATES: tuple[str, ...] = ("chatml", "llama3", "vicuna")
+"""Built-in templates ``data.chat_template`` may name (``mimotron/data/chat_templates.py``)."""
 
 
 @dataclass
@@ -449,6 +451,17 @@ class DataConfig:
     language model's folder (``modules.language.hf_path``), one of the two is required
     with ``dataset = "llava"``. ``<image>`` / ``<audio>`` placeholders are added if missing.
     """
+    chat_template: str = ""
+    """LLaVA: the chat template conversations are rendered with: empty = the tokenizer's
+    own; ``chatml``, ``llama3`` or ``vicuna`` (built in); or a ``.jinja`` file's path.
+
+    The built-ins: ``chatml`` (Qwen2's ChatML, with its default system message),
+    ``llama3`` (Llama 3 Instruct's headers and ``<|eot_id|>``) or ``vicuna`` (LLaVA-1.5's
+    ``USER: ... ASSISTANT: ...</s>`` format, each reply ended by the tokenizer's eos
+    token). The template replaces the tokenizer's own (a base model's tokenizer may have
+    none) and is written with the exported tokenizer. A built-in's control tokens must be
+    special tokens of the tokenizer.
+    """
     skip_bad_samples: bool = False
     """LLaVA: leave bad samples out (counted in the banner and ``skipped_samples`` of the
     metrics) instead of stopping with an error naming the first one.
@@ -483,6 +496,12 @@ class DataConfig:
     ``global_batch_size`` rows. With ``dataset = "llava"`` the rows are decided from the
     token counts recorded when the file is checked, so every rank packs the same rows.
     Not with an MoE language model (its aux loss is per row).
+    """
+    max_images_per_sample: int = 1
+    """LLaVA: the most images a sample may hold (>= 1); a sample's ``image`` list then
+    pairs its k-th path with the k-th ``<image>`` of the conversation. A sample with more
+    is a bad sample naming this key. Above 1 every batch carries ``K`` image slots per
+    row (images of fixed-size towers only; tar shards keep one image per sample).
     """
 
 

@@ -35,6 +35,7 @@ from mimotron.config.numbers import check_numbers
 from mimotron.config.paths import check_paths
 from mimotron.config.sample_keys import check_ignore_keys
 from mimotron.config.schema import (
+    CHAT_TEMPLATES,
     DATASETS,
     DECAY_STYLES,
     ENCODER_KINDS,
@@ -56,7 +57,8 @@ from mimotron.config.schema import (
 from mimotron.config.shard_paths import is_shard_path, shard_paths
 from mimotron.names import LANGUAGE
 
-__all__ = ["HF_ONLY_KEYS", "TOY_AUDIO_RATE", "HFConfigs", "validate_config"]
+__all__ = ["HF_ONLY_KEYS", "TOY_AUDIO_RATE", "HFConfigs", "check_chat_template_key",
+           "validate_config"]
 
 
 def validate_config(cfg: MimoConfig, hf: HFConfigs | None = None) -> MimoConfig:
@@ -362,6 +364,9 @@ def _validate_data(cfg: MimoConfig) -> None:
         "non-negative mixture weights p_image/p_audio/p_both/p_text with a positive sum",
     )
     _check(d.num_workers >= 0, "data.num_workers", d.num_workers, "an integer >= 0")
+    _check(d.max_images_per_sample >= 1 and (d.dataset == "llava" or d.max_images_per_sample == 1),
+           "data.max_images_per_sample", d.max_images_per_sample,
+           "an integer >= 1 (above 1 with data.dataset='llava' only)")
     experts = cfg.modules[LANGUAGE].num_experts
     if d.packing and experts:
         # The MoE aux loss is weighted per row: packed documents would change it.
@@ -371,7 +376,7 @@ def _validate_data(cfg: MimoConfig) -> None:
         _validate_llava(cfg)
         return  # The dataset checks each sample's length against seq_length.
     for key in ("path", "valid_path", "root", "allow_outside_root", "tokenizer",
-                "skip_bad_samples", "system_prompt", "index_dir", "ignore_keys",
+                "chat_template", "skip_bad_samples", "system_prompt", "index_dir", "ignore_keys",
                 "allow_large_vocab"):
         # Never silently ignored: these only mean something for a file dataset.
         _check(not getattr(d, key), f"data.{key}", getattr(d, key),
@@ -401,6 +406,28 @@ def _data_files_exist(path: str) -> bool:
         return False
 
 
+def check_chat_template_key(value: str) -> None:
+    """``data.chat_template``: empty, a built-in name, or an existing ``.jinja`` file.
+
+    A value with a path separator or the ``.jinja`` suffix is a path; any other is a name.
+    The data layer resolves the value through this check too, so a run config recorded
+    by an earlier run (``mimotron export``) is held to the same rule.
+
+    Raises:
+        ValueError: an unknown name, a path that is not a ``.jinja`` file, or a missing file.
+    """
+    if not value or value in CHAT_TEMPLATES:
+        return
+    valid = f"'' (the tokenizer's own), one of {CHAT_TEMPLATES} or a path to a .jinja file"
+    if not (value.endswith(".jinja") or "/" in value or "\\" in value):
+        raise ValueError(f"data.chat_template={value!r} is invalid: not a built-in template; "
+                         f"expected {valid}")
+    _check(value.endswith(".jinja"), "data.chat_template", value, f"{valid} (a file "
+           "holding one Jinja chat template, named *.jinja)")
+    _check(Path(value).is_file(), "data.chat_template", value,
+           "an existing .jinja file (no such file)")
+
+
 def _validate_llava(cfg: MimoConfig) -> None:
     """Files and folders a LLaVA run reads; the samples are checked when the data is built."""
     d = cfg.data
@@ -417,6 +444,7 @@ def _validate_llava(cfg: MimoConfig) -> None:
                          "modules.language.hf_path to a folder holding one)")
     _check(Path(d.tokenizer).is_dir(), "data.tokenizer", d.tokenizer,
            "an existing local Hugging Face tokenizer folder (nothing is downloaded)")
+    check_chat_template_key(d.chat_template)
     check_ignore_keys(d.ignore_keys)
     for name, m in cfg.modules.items():
         hf_path = getattr(m, "hf_path", "")  # Set by Hugging Face modules only.

@@ -127,7 +127,7 @@ def template_pieces(tokenizer: HFTokenizer, messages: Sequence[dict[str, str]]) 
         at = marked.find(marker, pos)
         if at < 0 or marked.count(marker) != 1:
             raise ValueError(
-                f"the chat template of data.tokenizer={str(tokenizer.path)!r} does not render "
+                f"{tokenizer.template_origin} does not render "
                 f"message {k}'s content exactly once, in order: its assistant tokens cannot be "
                 "located (add {% generation %} blocks to the template)"
             )
@@ -157,7 +157,7 @@ def _walk_pieces(tokenizer: HFTokenizer, pieces: list[str], text: str) -> list[t
     """Spans of contents the template changed: each ends where the next fixed piece starts."""
     def fail(why: str) -> ValueError:
         return ValueError(
-            f"the chat template of data.tokenizer={str(tokenizer.path)!r} changes message "
+            f"{tokenizer.template_origin} changes message "
             f"contents and {why}: its assistant tokens cannot be located (add "
             "{% generation %} blocks to the template)"
         )

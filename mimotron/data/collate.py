@@ -19,12 +19,19 @@ key            type                 meaning
 ``has_audio``  bool (optional)      likewise for ``audio``
 =============  ===================  ==================================================
 
+**Several items per sample** (LLaVA with ``data.max_images_per_sample = K > 1``): the
+sample's ``has_<key>`` is a Bool[K] tensor, its first ``n`` entries True, and ``<key>``
+holds its ``n`` items, Float[n, ...] in the order of their placeholders (``None`` when
+``n`` is 0 or the modality is not loaded on this rank).
+
 A **batch** (what :func:`collate` returns) holds only tensors, all with the batch on
 dim 0, so any contiguous DP slice or micro-batch is a plain ``narrow``:
 ``tokens``/``labels`` Long[B,S] (right-padded with ``<pad>`` to exactly ``seq_length``),
 ``loss_mask`` Float[B,S] (0 on padding), ``image`` Float[B,1,8,8] and ``audio``
 Float[B,129,16] (zeros where absent) with ``has_image``/``has_audio`` Bool[B], and
-``index`` Long[B].
+``index`` Long[B]. Samples with several items give ``image`` Float[B,K,1,8,8] and
+``has_image`` Bool[B,K] instead: the packed rows' format (:mod:`~mimotron.data.packing`),
+whose present items, row-major, are the placeholders' order.
 """
 
 from __future__ import annotations
@@ -83,6 +90,63 @@ def build_text_sample(
     }
 
 
+def item_mask(sample: Sample, key: str) -> torch.Tensor | None:
+    """A sample's Bool[K] presence of several ``key`` items, or ``None`` (one item at most).
+
+    Raises:
+        ValueError: a mask that is not one-dimensional or whose True entries do not come
+            first (items fill the slots in order).
+    """
+    mask = sample.get(f"has_{key}")
+    if not isinstance(mask, torch.Tensor):
+        return None
+    count = int(mask.sum())
+    if mask.dim() != 1 or not bool(mask[:count].all()):
+        raise ValueError(f"sample index {sample.get('index')} has has_{key}={mask.tolist()}: "
+                         "expected a Bool[K] mask whose True entries come first")
+    return mask.bool()
+
+
+def items_of(sample: Sample, key: str, shape: tuple[int, ...]) -> tuple[int, torch.Tensor | None]:
+    """``(count, Float[count, *shape] or None)``: a sample's ``key`` items in order.
+
+    One item at most (``has_<key>`` a flag) or several (a Bool[K] mask,
+    :func:`item_mask`); ``None`` where the items are not loaded on this rank.
+
+    Raises:
+        ValueError: items of another shape or count than the mask says.
+    """
+    mask, item = item_mask(sample, key), sample.get(key)
+    if mask is None:
+        count = int(bool(sample.get(f"has_{key}", item is not None)))
+        item = None if item is None or not count else item.unsqueeze(0)
+    else:
+        count = int(mask.sum())
+    if item is not None and tuple(item.shape) != (count, *shape):
+        raise ValueError(f"sample index {sample.get('index')} has {key} of shape "
+                         f"{tuple(item.shape)}: expected {(count, *shape)} (its count of "
+                         f"has_{key}, then the {key}_shape passed to collate)")
+    return count, item
+
+
+def _stack_items(samples: Sequence[Sample], shape: tuple[int, ...], key: str
+                 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``[B, K, *shape]`` items (zeros after each sample's) and the ``[B, K]`` mask."""
+    masks = [item_mask(s, key) for s in samples]
+    sizes = {None if m is None else m.numel() for m in masks}
+    if len(sizes) != 1:
+        raise ValueError(f"samples disagree on how many {key} items they may hold: has_{key} "
+                         f"lengths {sorted(sizes, key=str)} (None: a flag); expected one K")
+    num = sizes.pop()
+    assert num is not None
+    stacked = torch.zeros((len(samples), num, *shape), dtype=torch.float32)
+    for i, sample in enumerate(samples):
+        count, items = items_of(sample, key, shape)
+        if items is not None:
+            stacked[i, :count] = items
+    return stacked, torch.stack(masks)  # type: ignore[arg-type]
+
+
 def _stack_optional(
     samples: Sequence[Sample], shape: tuple[int, ...], key: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,8 +154,10 @@ def _stack_optional(
 
     A sample's ``has_<key>`` flag, where it has one, is the presence (a rank that does
     not load a modality still knows which samples hold it); otherwise presence is the
-    tensor not being ``None``.
+    tensor not being ``None``. Samples with a Bool[K] mask give ``[B, K, ...]`` items.
     """
+    if any(item_mask(s, key) is not None for s in samples):
+        return _stack_items(samples, shape, key)
     zeros = torch.zeros(shape)
     items: list[torch.Tensor | None] = [s[key] for s in samples]
     present = []

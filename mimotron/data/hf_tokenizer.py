@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from mimotron.config.schema import CHAT_TEMPLATES
 from mimotron.data.digits import sample_rng
 from mimotron.data.template_check import check_chat_template, check_template_renders
 from mimotron.data.tokenizer import MODALITIES
@@ -52,6 +53,8 @@ class HFTokenizer:
         placeholder_tokens: modality -> placeholder text; defaults to ``<image>`` and
             ``<audio>``.
         chat_template: a Jinja template that replaces the folder's own.
+        chat_template_origin: where ``chat_template`` came from, for messages (e.g.
+            ``data.chat_template='vicuna'``); empty = "given in code".
 
     Raises:
         ValueError: the folder does not exist, holds no fast tokenizer (or a
@@ -66,17 +69,25 @@ class HFTokenizer:
         modalities: Sequence[str] = MODALITIES,
         placeholder_tokens: dict[str, str] | None = None,
         chat_template: str | None = None,
+        chat_template_origin: str = "",
     ) -> None:
         self.path = Path(path)
         self.tokenizer = _load_fast_tokenizer(self.path)
+        # Export writes the tokenizer's files again when the template is not the folder's.
+        self.template_replaced = chat_template is not None
         if chat_template is not None:
             self.tokenizer.chat_template = chat_template
         if not isinstance(self.tokenizer.chat_template, str) or not self.tokenizer.chat_template:
             raise ValueError(
                 f"data.tokenizer={str(self.path)!r} has no chat template: expected a "
-                "'chat_template' in tokenizer_config.json or a chat_template.jinja file"
+                "'chat_template' in tokenizer_config.json or a chat_template.jinja file, or "
+                f"data.chat_template set to one of {CHAT_TEMPLATES} or a .jinja file"
             )
-        check_chat_template(self.tokenizer.chat_template, self.path, chat_template is not None)
+        given = chat_template_origin or chat_template is not None
+        # What the messages about rendering a conversation name as the template.
+        self.template_origin = (chat_template_origin or
+                                f"the chat template of data.tokenizer={str(self.path)!r}")
+        check_chat_template(self.tokenizer.chat_template, self.path, given)
         unknown = [m for m in modalities if m not in MODALITIES]
         if unknown:
             raise ValueError(f"modalities={list(modalities)!r} is invalid: expected items of "
@@ -89,8 +100,8 @@ class HFTokenizer:
         self.num_added = len(self.tokenizer) - self.base_vocab_size
         self._placeholder_ids = {m: self._single_id(t) for m, t in self._placeholder_text.items()}
         # Rendered once with its loops counted: a template that never ends is refused here.
-        check_template_renders(self.tokenizer.chat_template, self.path, chat_template is not None,
-                               _template_variables(self.tokenizer))  # fmt: skip
+        check_template_renders(self.tokenizer.chat_template, self.path, given,
+                               _template_variables(self.tokenizer))
         self.special_ids = frozenset(
             i for i, tok in self.tokenizer.added_tokens_decoder.items() if tok.special
         )

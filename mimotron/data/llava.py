@@ -1,19 +1,21 @@
 """LLaVA-format data: a JSON list, JSONL file or tar shards of conversations with media.
 
-Each sample is ``{"id": ..., "image": path | [path], "audio": path | [path],
+Each sample is ``{"id": ..., "image": path | [path, ...], "audio": path | [path],
 "conversations": [{"from": "human" | "gpt" | "system", "value": "...<image>..."}]}``,
 with paths relative to a root folder; in tar shards (WebDataset layout,
 :mod:`~mimotron.data.webdataset`) the media are the sample's members instead. One
 ``<image>`` (``<audio>``) per file stands in the human turns where the encoder's output
-goes; it is expanded to the encoder's token count (:mod:`mimotron.data.chat`).
+goes; it is expanded to the encoder's token count (:mod:`mimotron.data.chat`). With
+several images (up to ``max_images``, ``data.max_images_per_sample``) the k-th
+``<image>`` of the conversation takes the k-th image of the list.
 
 **Checked up front, once.** Every sample is checked before training starts, so before
 any collective (rules in :mod:`~mimotron.data.llava_check`): valid JSON, known roles, an
 assistant turn, no key the loader does not read (unless in ``ignore_keys``), as many
 placeholders as files, media paths inside the root (unless ``allow_outside_root``),
 media that decode in full by the load's decoder, images within the processor's resize
-bound, a modality the model has an encoder for, at most one file per modality, and a
-token count within ``seq_length``; a line that is not UTF-8 is bad too
+bound, a modality the model has an encoder for, at most ``max_images`` images and one audio
+clip, and a token count within ``seq_length``; a line that is not UTF-8 is bad too
 (:mod:`mimotron.data.llava_file`).
 The result is an index (:mod:`~mimotron.data.sample_index`): each kept sample's byte
 address, token count and media flags, plus the bad samples with their reasons. With
@@ -36,8 +38,12 @@ itself is memory-mapped, a few dozen bytes per sample.
 :mod:`~mimotron.data.collate` format with ``image`` Float[3, H, W] (the tower's
 preprocessing), ``audio`` Float[mel bins, frames] (Whisper's log-mel), explicit
 ``has_image`` / ``has_audio`` flags, ``answer`` (the last assistant reply) and
-``sample_id``. :meth:`LlavaDataset.restrict_loading` makes a rank load only the parts
-its modules use (the training loop does, from the layout).
+``sample_id``. With ``max_images > 1`` a sample's images are ``image`` Float[n, 3, H, W]
+(its ``n`` images in order; ``None`` for none or not loaded) and ``has_image`` Bool[K]
+(``K = max_images``, the first ``n`` True), the collate format of several items per row;
+``n`` comes from the sample's JSON, which every rank reads.
+:meth:`LlavaDataset.restrict_loading` makes a rank load only the parts its modules use
+(the training loop does, from the layout).
 
 **Lengths.** The check tokenises every conversation, so the index records each kept
 sample's token count, placeholders expanded (:attr:`LlavaDataset.lengths`,
@@ -110,6 +116,8 @@ class LlavaDataset:
         wait_timeout_s: how long a rank waiting for rank 0's check accepts no progress.
         ignore_keys: sample or turn keys the loader does not read that are accepted
             (``data.ignore_keys``); any other unread key makes the sample bad.
+        max_images: the most images a sample may hold (``data.max_images_per_sample``);
+            above 1 samples carry their images as several items (module docstring).
 
     Raises:
         ValueError: the first bad sample (without ``skip_bad_samples``), a modality
@@ -134,8 +142,12 @@ class LlavaDataset:
         num_check_processes: int = 1,
         wait_timeout_s: float = 300.0,
         ignore_keys: Sequence[str] = (),
+        max_images: int = 1,
     ) -> None:
+        if max_images < 1:
+            raise ValueError(f"max_images={max_images!r} is invalid: expected an integer >= 1")
         self.path, self.root = Path(path), Path(root)
+        self.max_images = max_images
         self.skip_bad_samples = skip_bad_samples
         # Samples that failed when loaded (skip_bad_samples); appended by loader threads.
         self.load_failures: list[BadSample] = []
@@ -156,7 +168,7 @@ class LlavaDataset:
         self.load_parts: frozenset[str] = frozenset(("text", *self.modalities))
         self.checker = SampleChecker(self.root, tokenizer, seq_length, self.num_tokens,
                                      audio_features, system_prompt, allow_outside_root,
-                                     image_processor, ignore_keys)  # fmt: skip
+                                     image_processor, ignore_keys, max_images)  # fmt: skip
         self.source = open_source(path)
         # Without an index_dir the index lives as long as the dataset (a JSON list's
         # converted lines are read from it).
@@ -212,6 +224,8 @@ class LlavaDataset:
             # The resize bound depends on these (ImageProcessor.check_size).
             "image_resize": None if image is None else [image.do_resize, image.size,
                                                         image.crop_size, MAX_RESIZE_FACTOR],
+            # Only when above 1: the default keeps the keys of indexes built before.
+            **({"max_images": self.max_images} if self.max_images > 1 else {}),
         }  # fmt: skip
 
     def _build(self, folder: Path, progress: Progress | None) -> SampleIndex:
@@ -329,23 +343,33 @@ class LlavaDataset:
         sample: dict[str, Any] = self._encode(record)  # checked when built: cannot fail
         try:
             image, audio = load_media(record, self.load_parts, self.image_processor,
-                                      self.audio_features)  # fmt: skip
+                                      self.audio_features, self.max_images > 1)  # fmt: skip
         except (OSError, ValueError) as exc:
             image, audio = self._skip_failed(record, exc)
             sample["loss_mask"] = torch.zeros_like(sample["loss_mask"])
         answer = [m["content"] for m in record.messages if m["role"] == "assistant"][-1]
-        return self._sample(sample, index, (image, audio), answer, record.sample_id)
+        return self._sample(sample, index, (image, audio), answer, record.sample_id,
+                            len(record.images))  # fmt: skip
 
     def _sample(self, sample: dict[str, Any], index: int, media: _Media, answer: str,
-                sample_id: str | None) -> Sample:  # fmt: skip
+                sample_id: str | None, num_images: int) -> Sample:  # fmt: skip
         row = self.index.rows[index]
         has = (bool(row["has_image"]), bool(row["has_audio"]))
         kind = {(True, True): "both", (True, False): "image", (False, True): "audio",
                 (False, False): "text"}[has]  # fmt: skip
-        sample.update(image=media[0], audio=media[1], has_image=has[0], has_audio=has[1],
+        has_image: bool | torch.Tensor = has[0]
+        if self.max_images > 1:  # Bool[K]: the collate format of several items per row
+            has_image = torch.arange(self.max_images) < (num_images if has[0] else 0)
+        sample.update(image=media[0], audio=media[1], has_image=has_image, has_audio=has[1],
                       answer=answer, index=index, kind=kind, length=int(row["length"]),
                       sample_id=sample_id)  # fmt: skip
         return sample
+
+    def _zero_images(self, num_images: int) -> torch.Tensor:
+        """Zeros standing in for ``num_images`` images that failed to load."""
+        if self.max_images > 1:
+            return torch.zeros((num_images, *self.image_shape))
+        return torch.zeros(self.image_shape)
 
     def _skip_failed(self, record: LlavaRecord, exc: Exception) -> _Media:
         """Zero media standing in for a sample that failed to load, or its one-line error."""
@@ -353,7 +377,7 @@ class LlavaDataset:
                      exc)  # fmt: skip
         image = audio = None
         if record.images and "image" in self.load_parts:
-            image = torch.zeros(self.image_shape)
+            image = self._zero_images(len(record.images))
         if record.audios and "audio" in self.load_parts:
             audio = torch.zeros(self.audio_shape)
         return image, audio
@@ -368,11 +392,14 @@ class LlavaDataset:
         pad = torch.full((length,), self.pad_id, dtype=torch.long)
         sample: dict[str, Any] = {"tokens": pad, "labels": pad.clone(),
                                   "loss_mask": torch.zeros(length)}  # fmt: skip
-        image = torch.zeros(self.image_shape) if row["has_image"] and \
+        # The JSON no longer says how many images: one, as the index's flag says.
+        num_images = int(row["has_image"])
+        image = self._zero_images(num_images) if num_images and \
             "image" in self.load_parts else None
         audio = torch.zeros(self.audio_shape) if row["has_audio"] and \
             "audio" in self.load_parts else None
-        return self._sample(sample, index, (image, audio), "", exc.sample_id or key)
+        return self._sample(sample, index, (image, audio), "", exc.sample_id or key,
+                            num_images)  # fmt: skip
 
     def _failed(self, bad: BadSample, exc: Exception) -> None:
         """Count and report a load failure (``skip_bad_samples``), or raise its line."""
@@ -420,6 +447,7 @@ class LlavaTask:
         self.seq_length = dataset.seq_length
         self.pad_id = dataset.pad_id
         self.image_shape = dataset.image_shape
+        self.max_images = dataset.max_images
         self.audio_shape = dataset.audio_shape
         self.modalities = dataset.modalities
 

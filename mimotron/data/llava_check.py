@@ -8,7 +8,9 @@ exist and decode in full by the decoder the load uses (images decoded by PIL, WA
 read to the last frame at the encoder's rate), images whose resized size is within the
 image processor's bound (read from the header, before decoding:
 :meth:`~mimotron.data.media.ImageProcessor.check_size`), a modality the model has an
-encoder for, at most one file per modality, and a token count within ``seq_length``.
+encoder for, at most ``max_images`` images (``data.max_images_per_sample``; one for a tar
+shard's sample, whose index row addresses one image member) and one audio clip per
+sample, and a token count within ``seq_length``.
 
 A sample comes as a :class:`RawItem`: its location for messages, its parsed JSON (or
 the :class:`~mimotron.data.llava_file.SampleError` reading it gave) and, for a tar
@@ -32,6 +34,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from mimotron.data.chat import (
     EncodedConversation,
@@ -109,14 +113,16 @@ class SampleChecker:
         allow_outside_root: accept media paths that resolve outside ``root``.
         image_processor: the vision tower's preprocessing (its resize bound is checked).
         ignore_keys: keys the loader does not read that are accepted (``data.ignore_keys``).
+        max_images: the most images a sample may hold (``data.max_images_per_sample``).
     """
 
     def __init__(self, root: str | Path, tokenizer: HFTokenizer, seq_length: int,
                  num_tokens: dict[str, int], audio_features: AudioFeatures | None = None,
                  system_prompt: str | None = None, allow_outside_root: bool = False,
                  image_processor: ImageProcessor | None = None,
-                 ignore_keys: Sequence[str] = ()) -> None:  # fmt: skip
+                 ignore_keys: Sequence[str] = (), max_images: int = 1) -> None:  # fmt: skip
         self.root = Path(root)
+        self.max_images = max_images
         self.image_processor = image_processor
         self.ignore_keys = frozenset(ignore_keys)
         self.real_root = self.root.resolve()
@@ -272,11 +278,22 @@ class SampleChecker:
                               "file")  # fmt: skip
         if files and modality not in self.num_tokens:
             raise SampleError(f"has {modality} input but the model has no {modality} encoder")
-        if len(files) > 1:
-            raise SampleError(f"{len(files)} {modality} files: at most one per sample is "
-                              "supported")  # fmt: skip
+        self._check_file_count(modality, files)
         for file in files:
             self._decode_once(modality, file)
+
+    def _check_file_count(self, modality: str, files: tuple[Media, ...]) -> None:
+        """At most one audio clip, one image of a shard sample, ``max_images`` images."""
+        if len(files) <= 1:
+            return
+        if modality != "image" or any(isinstance(f, TarMember) for f in files):
+            raise SampleError(f"{len(files)} {modality} files: at most one per sample is "
+                              "supported" + (" in tar shards" if modality == "image" else ""))
+        if len(files) > self.max_images:
+            raise SampleError(f"{len(files)} image files and <image> placeholders: more than "
+                              f"data.max_images_per_sample={self.max_images} (raise "
+                              f"data.max_images_per_sample to at least {len(files)} to "
+                              "accept the sample)")  # fmt: skip
 
     def _decode_once(self, modality: str, file: Media) -> None:
         """Decode ``file`` in full by the load's decoder, once per file and process."""
@@ -346,8 +363,18 @@ def open_image(file: Media, processor: ImageProcessor | None = None) -> Any:
 
 def load_media(record: LlavaRecord, parts: frozenset[str],
                image_processor: ImageProcessor | None,
-               audio_features: AudioFeatures | None) -> tuple[Any, Any]:  # fmt: skip
+               audio_features: AudioFeatures | None,
+               stack_images: bool = False) -> tuple[Any, Any]:  # fmt: skip
     """A record's ``(image, audio)`` tensors for the loaded ``parts`` (``None``: absent).
+
+    Args:
+        record: the checked sample.
+        parts: the parts this rank loads (``"image"``, ``"audio"``, ``"text"``).
+        image_processor: the vision tower's preprocessing.
+        audio_features: the Whisper feature extraction.
+        stack_images: give the image as ``[n, C, H, W]``, every image of the sample in
+            the order of its list (``data.max_images_per_sample > 1``); otherwise the one
+            image as ``[C, H, W]``.
 
     Raises:
         ValueError, OSError: a file that no longer decodes.
@@ -355,8 +382,10 @@ def load_media(record: LlavaRecord, parts: frozenset[str],
     image = audio = None
     if record.images and "image" in parts:
         assert image_processor is not None
+        assert stack_images or len(record.images) == 1, "the check allows one image"
         # The header's size is checked before decoding, as at the check.
-        image = image_processor(open_image(record.images[0], image_processor))
+        images = [image_processor(open_image(f, image_processor)) for f in record.images]
+        image = torch.stack(images) if stack_images else images[0]
     if record.audios and "audio" in parts:
         assert audio_features is not None
         file = record.audios[0]

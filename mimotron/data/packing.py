@@ -15,7 +15,9 @@ several media items of a modality: ``image`` is Float[B, K, ...] and ``has_image
 Bool[B, K] (``K`` = the most images a row of this batch holds; the row's images in
 document order, zeros and False after them), likewise ``audio``. Boolean indexing with
 the mask lists the present items row by row, document by document — the order of their
-placeholders in the rows, so each document's embeddings land on its own placeholders.
+placeholders in the rows, so each document's embeddings land on its own placeholders. A
+document with several images (``data.max_images_per_sample > 1``) adds them all, in its
+order: ``K`` counts the images of all the row's documents.
 Added: ``doc_ids`` Long[B, S] (the document of each position, 0, 1, ... within a row;
 padding is -1) and ``position_ids`` Long[B, S] (the position inside the document: RoPE
 restarts at 0 for every document). Labels never cross a document boundary: a sample's
@@ -29,14 +31,18 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from mimotron.data.collate import Batch, Sample, collate
+from mimotron.data.collate import Batch, Sample, collate, item_mask, items_of
 
 # Keys whose presence in a sample decides a row's modalities.
 _MEDIA = ("image", "audio")
 
 
 def has_media(sample: Sample, key: str) -> bool:
-    """Whether ``sample`` carries modality ``key`` (its ``has_<key>`` flag, else the tensor)."""
+    """Whether ``sample`` carries modality ``key`` (its ``has_<key>`` flag or Bool[K] mask,
+    else the tensor)."""
+    mask = item_mask(sample, key)
+    if mask is not None:
+        return bool(mask.any())
     return bool(sample.get(f"has_{key}", sample.get(key) is not None))
 
 
@@ -145,19 +151,17 @@ def _concat(row: Sequence[Sample]) -> Sample:
 def _stack_media(rows: Sequence[Sequence[Sample]], key: str, shape: tuple[int, ...]
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """``[B, K, *shape]`` media of each row in document order, and the ``[B, K]`` mask."""
-    owners = [[s for s in row if has_media(s, key)] for row in rows]
-    num = max([len(o) for o in owners] + [1])
+    items = [[items_of(s, key, shape) for s in row] for row in rows]
+    num = max([sum(count for count, _ in row) for row in items] + [1])
     stacked = torch.zeros((len(rows), num, *shape), dtype=torch.float32)
     present = torch.zeros((len(rows), num), dtype=torch.bool)
-    for i, docs in enumerate(owners):
-        for j, s in enumerate(docs):
-            present[i, j] = True
-            item = s.get(key)
-            if item is not None:  # a rank that does not load the modality keeps zeros
-                if tuple(item.shape) != tuple(shape):
-                    raise ValueError(f"sample index {s.get('index')} has {key} of shape "
-                                     f"{tuple(item.shape)}: expected {tuple(shape)}")
-                stacked[i, j] = item
+    for i, docs in enumerate(items):
+        j = 0
+        for count, media in docs:
+            present[i, j:j + count] = True
+            if media is not None:  # a rank that does not load the modality keeps zeros
+                stacked[i, j:j + count] = media
+            j += count
     return stacked, present
 
 

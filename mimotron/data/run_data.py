@@ -41,6 +41,7 @@ from mimotron.config.hf_folder import check_hf_weight_files
 from mimotron.config.schema import MimoConfig, ModuleConfig
 from mimotron.config.validation import TOY_AUDIO_RATE
 from mimotron.config.vocab_size import VOCAB_MULTIPLE, model_vocab_size
+from mimotron.data.chat_templates import check_template_tokens, resolve_chat_template
 from mimotron.data.hf_tokenizer import HFTokenizer
 from mimotron.data.llava import LlavaDataset, LlavaTask, llava_tasks
 from mimotron.data.media import AudioFeatures, ImageProcessor
@@ -62,23 +63,35 @@ def encoder_modalities(cfg: MimoConfig) -> dict[str, str]:
             if m.is_encoder and m.modality is not None}  # fmt: skip
 
 
-def run_hf_tokenizer(path: str | Path, kinds: Iterable[str | None]) -> HFTokenizer:
+def run_hf_tokenizer(path: str | Path, kinds: Iterable[str | None],
+                     chat_template: str = "") -> HFTokenizer:  # fmt: skip
     """The run's Hugging Face tokenizer: one placeholder per encoder modality.
 
-    Training (:func:`build_tokenizer`) and ``mimotron export --format hf`` (from the
-    config a checkpoint records) both build the tokenizer here, so the placeholders are
-    added in the same order and get the same ids: one for each modality an encoder kind
-    of ``kinds`` consumes, in :data:`~mimotron.data.tokenizer.MODALITIES` order.
+    Training (:func:`build_tokenizer`), ``mimotron export --format hf`` and generation
+    (from the config a checkpoint records) all build the tokenizer here, so the
+    placeholders are added in the same order and get the same ids (one for each modality
+    an encoder kind of ``kinds`` consumes, in :data:`~mimotron.data.tokenizer.MODALITIES`
+    order), and the chat template is the one training rendered with.
 
     Args:
         path: the tokenizer folder (``data.tokenizer``).
         kinds: the ``kind`` of every module (``language`` and unknown kinds add nothing).
+        chat_template: ``data.chat_template``: ``""`` keeps the folder's template, else a
+            built-in name or a ``.jinja`` file replaces it
+            (:func:`~mimotron.data.chat_templates.resolve_chat_template`).
 
     Raises:
-        ValueError: the tokenizer folder is missing or unusable (see ``HFTokenizer``).
+        ValueError: the tokenizer folder is missing or unusable (see ``HFTokenizer``), or
+            the chat template is unknown, missing or needs tokens the tokenizer lacks.
     """
     present = {ModuleConfig(kind=kind).modality for kind in kinds}  # type: ignore[arg-type]
-    return HFTokenizer(path, modalities=[m for m in MODALITIES if m in present])
+    template = resolve_chat_template(chat_template)
+    tokenizer = HFTokenizer(path, modalities=[m for m in MODALITIES if m in present],
+                            chat_template=template.source if template else None,
+                            chat_template_origin=template.origin if template else "")
+    if template is not None:
+        check_template_tokens(template, tokenizer)
+    return tokenizer
 
 
 def build_tokenizer(cfg: MimoConfig) -> CharTokenizer | HFTokenizer:
@@ -91,9 +104,12 @@ def build_tokenizer(cfg: MimoConfig) -> CharTokenizer | HFTokenizer:
     if cfg.data.dataset != "llava":
         return CharTokenizer()
     try:
-        tokenizer = run_hf_tokenizer(cfg.data.tokenizer, [m.kind for m in cfg.modules.values()])
+        tokenizer = run_hf_tokenizer(cfg.data.tokenizer, [m.kind for m in cfg.modules.values()],
+                                     cfg.data.chat_template)
     except ValueError as exc:
-        if cfg.data.tokenizer != cfg.modules[LANGUAGE].hf_path:
+        # The hint below is about the folder: not for an error of data.chat_template's.
+        if cfg.data.tokenizer != cfg.modules[LANGUAGE].hf_path or (
+                "data.chat_template=" in str(exc)):
             raise
         # The folder may be a model without a tokenizer: say where the path came from.
         raise ValueError(f"{exc} (data.tokenizer is modules.language.hf_path's folder, its "
@@ -195,7 +211,8 @@ def build_llava_tasks(cfg: MimoConfig, tokenizer: HFTokenizer) -> tuple[LlavaTas
                             # Checked once per run, kept for the ranks and later runs.
                             index_dir=index_dir(cfg), num_check_processes=default_processes(),
                             wait_timeout_s=cfg.train.pg_timeout_s,
-                            ignore_keys=d.ignore_keys)  # fmt: skip
+                            ignore_keys=d.ignore_keys,
+                            max_images=d.max_images_per_sample)  # fmt: skip
 
     if not d.valid_path:
         return llava_tasks(dataset(d.path), d.train_fraction)

@@ -27,13 +27,16 @@ TEMPLATE_FILES = ("chat_template.jinja", "tokenizer_config.json")
 """Where a tokenizer folder may keep its chat template, in ``transformers``' order."""
 
 
-def template_source(folder: Path, given: bool) -> str:
+def template_source(folder: Path, given: bool | str) -> str:
     """The file a tokenizer's template came from, for messages.
 
     Args:
         folder: the tokenizer folder.
-        given: the template was passed in code, not read from the folder.
+        given: the template was passed in code, not read from the folder; a string
+            names where it came from (``data.chat_template='my.jinja'``).
     """
+    if isinstance(given, str) and given:
+        return given
     if given:
         return f"the chat_template given for {folder}"
     for name in TEMPLATE_FILES:
@@ -42,13 +45,14 @@ def template_source(folder: Path, given: bool) -> str:
     return str(folder)
 
 
-def check_chat_template(template: str, folder: Path, given: bool = False) -> None:
+def check_chat_template(template: str, folder: Path, given: bool | str = False) -> None:
     """Compile a chat template; a syntax error is one line naming its file.
 
     Args:
         template: the Jinja source.
         folder: the tokenizer folder (``data.tokenizer``).
-        given: the template was passed in code (it replaces the folder's own).
+        given: the template was passed in code (it replaces the folder's own); a string
+            names where it came from.
 
     Raises:
         ValueError: ``<file>: the chat template does not compile: <error> (line N)``.
@@ -89,14 +93,15 @@ class _LoopBudget:
             yield item
 
 
-def check_template_renders(template: str, folder: Path, given: bool = False,
+def check_template_renders(template: str, folder: Path, given: bool | str = False,
                            variables: Mapping[str, Any] | None = None) -> None:  # fmt: skip
     """Render a chat template once on a two-message conversation, loops counted.
 
     Args:
         template: the Jinja source (compiled already: :func:`check_chat_template`).
         folder: the tokenizer folder (``data.tokenizer``).
-        given: the template was passed in code (it replaces the folder's own).
+        given: the template was passed in code (it replaces the folder's own); a string
+            names where it came from.
         variables: what ``transformers`` passes besides the messages (the special tokens).
 
     Raises:

@@ -279,7 +279,7 @@ def activation_bytes(cfg: MimoConfig, name: str, vocab_size: int = 64,
     """
     mod = cfg.modules[name]
     par = mod.parallel
-    samples = cfg.train.micro_batch_size // par.data
+    samples = local_items(cfg, name)
     tokens = (cfg.data.seq_length // par.context if mod.is_language
               else mod.num_output_tokens)
     if in_flight is None and layout is None:
@@ -402,6 +402,14 @@ def _selective_kept_bytes(cfg: MimoConfig, name: str) -> int:
     return tokens * (whole + split // par.tensor)
 
 
+def local_items(cfg: MimoConfig, name: str) -> int:
+    """Inputs a rank of module ``name`` runs per micro-batch: its samples, and for a
+    vision encoder every image they may hold (``data.max_images_per_sample`` each)."""
+    mod = cfg.modules[name]
+    samples = cfg.train.micro_batch_size // mod.parallel.data
+    return samples * (cfg.data.max_images_per_sample if mod.kind == "vit" else 1)
+
+
 def recompute_workspace_bytes(cfg: MimoConfig, name: str) -> int:
     """The backward's extra temporary under recompute: one recomputed layer's activations.
 
@@ -415,7 +423,7 @@ def recompute_workspace_bytes(cfg: MimoConfig, name: str) -> int:
     mod = cfg.modules[name]
     if mod.recompute == "none" or (mod.freeze and mod.is_encoder):
         return 0
-    return cfg.train.micro_batch_size // mod.parallel.data * recompute_dropped_bytes(cfg, name)
+    return local_items(cfg, name) * recompute_dropped_bytes(cfg, name)
 
 
 def frozen_encoder_output_bytes(cfg: MimoConfig, name: str, stage: int) -> int:
@@ -455,7 +463,7 @@ def projector_workspace_bytes(cfg: MimoConfig, name: str) -> int:
     hidden width (compute dtype) for one micro-batch of this rank's samples.
     """
     mod = cfg.modules[name]
-    samples = cfg.train.micro_batch_size // mod.parallel.data
+    samples = local_items(cfg, name)
     width = mod.projector_hidden_size or cfg.modules[LANGUAGE].hidden_size
     return samples * mod.num_output_tokens * BYTES[cfg.train.precision] * width
 
@@ -482,7 +490,7 @@ def backward_workspace_bytes(cfg: MimoConfig, name: str, vocab_size: int = 0,
     """
     mod = cfg.modules[name]
     par = mod.parallel
-    samples = cfg.train.micro_batch_size // par.data
+    samples = local_items(cfg, name)
     tokens = (cfg.data.seq_length // par.context if mod.is_language
               else mod.num_output_tokens)
     h, c = mod.hidden_size, BYTES[cfg.train.precision]

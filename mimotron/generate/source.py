@@ -201,7 +201,8 @@ def load_model(path: str | Path, device: str | torch.device | None = None) -> Lo
     source = find_source(path)
     cfg = _run_config(source)
     _check_language(source)
-    tokenizer = run_hf_tokenizer(cfg.data.tokenizer, [m.kind for m in cfg.modules.values()])
+    tokenizer = run_hf_tokenizer(cfg.data.tokenizer, [m.kind for m in cfg.modules.values()],
+                                 cfg.data.chat_template)  # the template training used
     target = device_for(0) if device is None else torch.device(device)
     vocab = padded_vocab_size(tokenizer.vocab_size)  # as training sized it (setup_mimo)
     # A --format hf export holds the Hugging Face modules as folders: read from there.

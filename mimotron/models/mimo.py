@@ -222,7 +222,7 @@ class MimoModel(nn.Module):
             raise ValueError(
                 f"sample {i}: {int(counts[i])} placeholder tokens for module {name!r} "
                 f"(modality {modality!r}) but expected {int(expected[i])} "
-                f"({'present' if bool(present[i]) else 'absent'}, {embeds.shape[1]} "
+                f"({'present' if bool(present[i].any()) else 'absent'}, {embeds.shape[1]} "
                 "tokens per sample)"
             )
 

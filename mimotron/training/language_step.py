@@ -161,7 +161,10 @@ def input_kind_counts(model: nn.Module, batch: dict[str, torch.Tensor], correct:
     any_media = torch.zeros_like(valid)
     out: dict[str, torch.Tensor] = {}
     for kind in input_kinds(model)[:-1]:
-        has = batch[f"has_{kind}"].bool() & valid
+        has = batch[f"has_{kind}"].bool()
+        if has.dim() > 1:  # several items per row ([B, K]): a sample holding any counts
+            has = has.any(dim=1)
+        has = has & valid
         any_media |= has
         out[f"correct_{kind}"], out[f"samples_{kind}"] = (correct & has).sum(), has.sum()
     text = valid & ~any_media
