@@ -37,8 +37,13 @@ SENTENCES = ["what digit is in this picture", "the digit is seven", "the digit i
 
 
 def save_llava_folder(root: Path, layout: str = "hub", lm_layers: int = 2,
-                      vision_layers: int = 4, seed: int = 0) -> Path:
-    """A random LLaVA folder under ``root`` (see the module docstring); returns it."""
+                      vision_layers: int = 4, seed: int = 0, siglip: bool = False,
+                      **llava: Any) -> Path:
+    """A random LLaVA folder under ``root`` (see the module docstring); returns it.
+
+    ``siglip``: a SigLIP tower with its pooling head (``vision_use_head``, which LLaVA
+    never runs) instead of CLIP's; ``llava``: ``LlavaConfig`` keys to set.
+    """
     import transformers
 
     folder = root / "llava"
@@ -49,16 +54,18 @@ def save_llava_folder(root: Path, layout: str = "hub", lm_layers: int = 2,
     image_id = tokenizer.convert_tokens_to_ids("<image>")
     vocab = -(-len(tokenizer) // 64) * 64  # a multiple of 64: no padding rows
     torch.manual_seed(seed)
+    tower = transformers.SiglipVisionConfig if siglip else transformers.CLIPVisionConfig
     config = transformers.LlavaConfig(
-        vision_config=transformers.CLIPVisionConfig(
+        vision_config=tower(
             hidden_size=32, intermediate_size=64, num_hidden_layers=vision_layers,
             num_attention_heads=4, image_size=IMAGE, patch_size=8).to_dict(),
         text_config=transformers.LlamaConfig(
             vocab_size=vocab, hidden_size=32, intermediate_size=64,
             num_hidden_layers=lm_layers, num_attention_heads=4, num_key_value_heads=2,
             max_position_embeddings=256).to_dict(),
-        image_token_index=image_id, image_seq_length=IMAGE_TOKENS,
-        vision_feature_layer=-3)  # not the default -2: the folder's choice must be read
+        **{"image_token_index": image_id, "image_seq_length": IMAGE_TOKENS,
+           # not the default -2: the folder's choice must be read
+           "vision_feature_layer": -3, **llava})
     model = transformers.LlavaForConditionalGeneration(config)
     if layout == "sharded-fp16":  # as llava-1.5-7b-hf: float16, several shards and an index
         model.half().save_pretrained(folder, max_shard_size="40KB")

@@ -19,7 +19,7 @@ import torch
 
 from mimotron.cli.main import main as cli_main
 from mimotron.config import load_config
-from mimotron.config.hf_vlm import LLAMA_TEXT_DEFAULTS, vlm_module_options
+from mimotron.config.hf_vlm import LLAMA_TEXT_DEFAULTS, TEXT_DEFAULTS, vlm_module_options
 from mimotron.data import build_datasets, collate
 from mimotron.data.run_data import build_tokenizer
 from mimotron.forked_ranks import run_groups
@@ -28,6 +28,7 @@ from mimotron.models.build import build_mimo_model
 from tests.common import engine_run
 from tests.hf_data import folder_tensors
 from tests.hf_vlm import (
+    IMAGE,
     IMAGE_TOKENS,
     hf_llava_loss,
     hf_name,
@@ -101,11 +102,13 @@ def test_a_projector_or_feature_selection_not_implemented_is_refused(key: str, v
         vlm_module_options(config)
 
 
-def test_text_defaults_are_transformers_llama_defaults() -> None:
+@pytest.mark.parametrize("family", sorted(TEXT_DEFAULTS))
+def test_text_defaults_are_transformers_defaults(family: str) -> None:
     # llava-1.5-7b-hf's text_config gives no sizes: transformers' LlamaConfig defaults apply.
-    default = transformers.LlamaConfig()
-    for key, value in LLAMA_TEXT_DEFAULTS.items():
+    default = transformers.AutoConfig.for_model(family)
+    for key, value in TEXT_DEFAULTS[family].items():
         assert getattr(default, key) == value, key
+    assert TEXT_DEFAULTS["llama"] is LLAMA_TEXT_DEFAULTS
 
 
 def _batch_and_model(config: Path) -> tuple[dict[str, torch.Tensor], torch.nn.Module]:
@@ -306,3 +309,85 @@ def test_the_published_llava_1_5_7b_config_is_clip_l_336_and_llama_2_7b(tmp_path
     tower = embeddings + 23 * layer
     assert count_parameters(cfg, "vision", 32064) - projector == tower
     assert round((tower + layer + 2048) / 1e6, 1) == 303.5
+
+
+def _loss_equals_transformers(folder: Path, root: Path) -> None:
+    config = write_config(root, folder, write_image_data(root / "data"))
+    batch, model = _batch_and_model(config)
+    reference = transformers.LlavaForConditionalGeneration.from_pretrained(
+        folder, dtype=torch.float32)
+    with torch.no_grad():
+        loss_sum, num_tokens, _ = model(batch)
+        want = hf_llava_loss(reference, batch)
+    assert float(loss_sum / num_tokens) == pytest.approx(float(want), rel=1e-5)
+
+
+@pytest.mark.parametrize("layout", ["hub", "saved"])
+def test_a_siglip_tower_with_its_pooling_head_loads(tmp_path: Path, layout: str) -> None:
+    # transformers' SiglipVisionConfig has vision_use_head on: the folder holds a head
+    # LLaVA never runs, which is not "unexpected".
+    folder = save_llava_folder(tmp_path, layout=layout, siglip=True,
+                               vision_feature_select_strategy="full")
+    _loss_equals_transformers(folder, tmp_path)
+
+
+def test_the_head_is_tied_when_the_top_level_config_ties_it(tmp_path: Path) -> None:
+    folder = save_llava_folder(tmp_path, tie_word_embeddings=True)
+    config = json.loads((folder / "config.json").read_text())
+    config["text_config"]["tie_word_embeddings"] = False  # only the top level says so
+    (folder / "config.json").write_text(json.dumps(config))
+    _loss_equals_transformers(folder, tmp_path)
+
+
+def test_a_folder_whose_processor_transformers_5_saved_loads(tmp_path: Path) -> None:
+    # LlavaProcessor.save_pretrained writes processor_config.json, the image settings inside.
+    folder = save_llava_folder(tmp_path)
+    (folder / "preprocessor_config.json").unlink()
+    transformers.LlavaProcessor(
+        image_processor=transformers.CLIPImageProcessor(
+            size={"shortest_edge": IMAGE}, crop_size={"height": IMAGE, "width": IMAGE}),
+        tokenizer=transformers.AutoTokenizer.from_pretrained(folder), patch_size=8,
+        vision_feature_select_strategy="default").save_pretrained(folder)
+    assert not (folder / "preprocessor_config.json").exists()
+    _loss_equals_transformers(folder, tmp_path)
+
+
+def test_siglip_with_the_default_strategy_is_refused_at_load(tmp_path: Path) -> None:
+    folder = save_llava_folder(tmp_path, siglip=True)  # LlavaConfig's default: "default"
+    with pytest.raises(ValueError, match="^modules.vision: config.json "
+                                         "vision_feature_select_strategy='default' with a SigLIP"):
+        load_config(write_config(tmp_path, folder, write_image_data(tmp_path / "data")))
+
+
+def test_a_projector_into_a_language_model_of_another_width_is_refused(
+        tmp_path: Path, llava: dict[str, Path]) -> None:
+    other = tmp_path / "llama64"
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=320, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    ).save_pretrained(other)
+    with pytest.raises(ValueError, match=r"brings a projector into a 32-wide language model .* "
+                                         r"modules.language.hidden_size=64"):
+        load_config(None, [f"modules.vision.hf_path='{llava['folder']}'",
+                           "modules.vision.kind='vit'", f"modules.language.hf_path='{other}'",
+                           "data.dataset='llava'", f"data.path='{llava['data']}'",
+                           f"data.tokenizer='{llava['folder']}'", "data.seq_length=128"])
+
+
+def test_export_takes_the_folder_with_other_modules_and_refuses_half_a_folder(
+        llava: dict[str, Path], tmp_path: Path) -> None:
+    from mimotron.checkpoint.vlm_export import vlm_folder
+
+    folder = str(llava["folder"])
+    run = {"modules": {"vision": {"kind": "vit", "hf_path": folder},
+                       "language": {"kind": "language", "hf_path": folder},
+                       "audio": {"kind": "audio"}}}
+    assert vlm_folder(run) == (llava["folder"], "vision")
+    clip = tmp_path / "clip"
+    transformers.CLIPVisionModel(transformers.CLIPVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        image_size=IMAGE, patch_size=8)).save_pretrained(clip)
+    run["modules"]["vision"]["hf_path"] = str(clip)
+    with pytest.raises(ValueError, match=r"^export --format hf: modules.language.hf_path=.* is a "
+                                         "part of a vision-language folder"):
+        vlm_folder(run)

@@ -42,7 +42,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -196,12 +196,16 @@ def check_hf_run(meta: Mapping[str, Any], folder: ExportFolder, found: dict[str,
 
 
 def write_hf_modules(tensors: dict[str, torch.Tensor], meta: Mapping[str, Any],
-                     folder: ExportFolder, found: Mapping[str, Any]) -> dict[str, Path]:
-    """The files of :func:`export_hf_checkpoint` (``found``: from :func:`check_hf_run`)."""
+                     folder: ExportFolder, found: Mapping[str, Any],
+                     skip: Collection[str] = ()) -> dict[str, Path]:
+    """The files of :func:`export_hf_checkpoint` (``found``: from :func:`check_hf_run`),
+    but for the modules in ``skip`` (written by the caller)."""
     paths, iteration = hf_paths(meta["config"]), int(meta["iteration"])
     written: dict[str, Path] = {}
     plain: dict[str, dict[str, torch.Tensor]] = {}
     for module, state in sorted(split_by_module(tensors).items()):
+        if module in skip:
+            continue
         if module not in paths:
             plain[module] = state
             continue

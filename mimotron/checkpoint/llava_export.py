@@ -58,8 +58,8 @@ from mimotron.checkpoint.hf_export import (
     set_file_modes,
 )
 from mimotron.checkpoint.state import VOCAB_SIZE_UNPADDED
+from mimotron.checkpoint.vlm_export import vlm_folder
 from mimotron.config.hf_folder import SINGLE_FILE, read_hf_config, tensor_files
-from mimotron.config.hf_vlm import is_vlm_config
 from mimotron.models.hf.llama import LLAMA_WEIGHTS
 from mimotron.names import LANGUAGE
 
@@ -193,12 +193,12 @@ def _check_run(run: Mapping[str, Any], modules: Sequence[str] | None, folder: Ex
     """
     parts = llava_parts(run, modules)
     folder.check(run)
+    if vlm_folder(run) is not None:  # a part of a VLM folder without the other: raises
+        raise ValueError(f"modules.{parts.vision}.hf_path={str(parts.vision_path)!r} is one "
+                         "vision-language folder: export the run with --format hf, which writes "
+                         "one folder of its class")
     for name, path in ((parts.vision, parts.vision_path), (LANGUAGE, parts.language_path)):
         config = read_hf_config(check_hf_folder(path, name))
-        if is_vlm_config(config):
-            raise ValueError(f"modules.{name}.hf_path={str(path)!r} is one vision-language "
-                             "folder: export the run with --format hf, which writes one folder "
-                             "of its class")
         family = family_of(config, f"modules.{name}.hf_path={str(path)!r}")
         if family.name not in (("llama",) if name == LANGUAGE else ("clip", "siglip")):
             raise ValueError(f"modules.{name}.hf_path={str(path)!r} holds a {family.name} "

@@ -15,7 +15,9 @@ one folder that ``transformers``' Auto classes load as the class the original wa
   and ``image_token_index`` the run's ``<image>`` id (both unchanged unless training
   added tokens).
 - the original's other files (processor, chat template, generation config), the run's
-  tokenizer in place of the folder's, and ``mimotron_config.json``.
+  tokenizer in place of the folder's, and ``mimotron_config.json``;
+- the run's other modules (an audio encoder) as ``--format hf`` writes them:
+  ``OUT_DIR/<m>/`` for a Hugging Face module, ``OUT_DIR/<m>.safetensors`` otherwise.
 
 Everything that can be checked before tensors are read is (the output folder, the
 modules, the recorded folder, the tokenizer).
@@ -37,11 +39,11 @@ from mimotron.checkpoint.hf_export import (
     CONFIG_FILE,
     EMBED,
     HEAD,
-    RUN_CONFIG_FILE,
     TOWER_PREFIX,
     check_hf_folder,
     check_hf_run,
     copy_files,
+    family_of,
     fit_vocab,
     hf_paths,
     is_tokenizer_file,
@@ -90,15 +92,21 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path) -> dict[str, Path]:
         found["vlm"] = vlm_folder(meta["config"])
         if found["vlm"] is None:
             check_hf_run(meta, target, found)
-        else:
-            target.check(meta["config"])
-            run_tokenizer(meta["config"])  # a tokenizer that is gone: before any tensor
+            return
+        others = {m: p for m, p in hf_paths(meta["config"]).items()
+                  if m not in (LANGUAGE, found["vlm"][1])}
+        target.check(meta["config"], subfolders=others)
+        for module, path in others.items():
+            family_of(read_hf_config(check_hf_folder(path, module)),
+                      f"modules.{module}.hf_path={path!r}")
+        run_tokenizer(meta["config"])  # a tokenizer that is gone: before any tensor
 
     tensors, meta = read_full_model(checkpoint, check_meta=check)
-    if found["vlm"] is None:
-        written = write_hf_modules(tensors, meta, target, found)
-    else:
+    written: dict[str, Path] = {}
+    if found["vlm"] is not None:
         written = write_vlm_folder(tensors, meta, target, *found["vlm"])
+    skip = () if found["vlm"] is None else (LANGUAGE, found["vlm"][1])
+    written.update(write_hf_modules(tensors, meta, target, found, skip=skip))
     target.finish()
     return written
 
@@ -106,26 +114,28 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path) -> dict[str, Path]:
 def vlm_folder(run_config: Mapping[str, Any]) -> tuple[Path, str] | None:
     """``(the folder, its vision module)`` of a run split from one VLM folder, else ``None``.
 
+    The run's other modules (an audio encoder) are exported beside it as
+    ``--format hf`` writes them.
+
     Raises:
-        ValueError: a run that mixes the folder with modules it cannot hold (one line
-            naming the module).
+        ValueError: a module that takes a part of a VLM folder without its other part
+            (one line naming the module).
     """
     paths = hf_paths(run_config)
     vlm = {name: path for name, path in paths.items()
            if Path(path).is_dir() and is_vlm_config(read_hf_config(path))}
     if not vlm:
         return None
-    folder = next(iter(vlm.values()))
     modules = run_config.get("modules") or {}
-    for name in modules:
-        if vlm.get(name) != folder:
-            raise ValueError(f"export --format hf: module {name!r} is not part of the "
-                             f"vision-language folder {folder!r} the run was split from, and "
-                             "one folder of its class cannot hold it; use --format mimotron")
-    vision = [n for n, m in modules.items() if isinstance(m, Mapping) and m.get("kind") == "vit"]
-    if LANGUAGE not in vlm or len(vision) != 1:
-        raise ValueError(f"export --format hf of {folder!r} needs its vision module and "
-                         f"{LANGUAGE!r}; the run has {sorted(modules)}")
+    vision = [n for n in vlm if isinstance(modules.get(n), Mapping)
+              and modules[n].get("kind") == "vit"]
+    folder = vlm.get(LANGUAGE)
+    if folder is None or len(vlm) != 2 or len(vision) != 1 or vlm[vision[0]] != folder:
+        name = sorted(vlm)[0]
+        raise ValueError(f"export --format hf: modules.{name}.hf_path={vlm[name]!r} is a part "
+                         "of a vision-language folder, and only a run holding both its vision "
+                         "module and its language model exports as that folder; use "
+                         "--format mimotron")
     return check_hf_folder(folder, LANGUAGE), vision[0]
 
 
@@ -164,7 +174,7 @@ def write_vlm_folder(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any
         vision: the vision module's name.
 
     Returns:
-        ``{"model": OUT_DIR, "run config": OUT_DIR/mimotron_config.json}``.
+        ``{"model": OUT_DIR}`` (the run config is written with the other modules).
 
     Raises:
         ValueError: the tensors do not belong to the folder (names every mismatch).
@@ -199,7 +209,5 @@ def write_vlm_folder(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any
     written.append(target.file(SINGLE_FILE))
     save_file(weights, str(written[-1]), metadata={
         "format": "pt", "iteration": str(meta["iteration"]), "mimotron_export": "hf"})
-    written.append(target.file(RUN_CONFIG_FILE))
-    written[-1].write_text(json.dumps(meta["config"], indent=1) + "\n")
     set_file_modes(written)
-    return {"model": target.root, "run config": written[-1]}
+    return {"model": target.root}

@@ -226,3 +226,50 @@ def reject_set(config: dict[str, Any], keys: tuple[str, ...], why: str) -> None:
     for key in keys:
         if config.get(key):
             raise ValueError(f"config.json {key}={config[key]!r} is not supported; {why}")
+
+
+PREPROCESSOR_FILE = "preprocessor_config.json"
+PROCESSOR_FILE = "processor_config.json"
+
+
+def preprocessor_file(path: str | Path) -> Path | None:
+    """The file holding a folder's input preprocessing, or ``None``.
+
+    ``preprocessor_config.json``, or else ``processor_config.json``: transformers 5
+    saves a multimodal processor (``LlavaProcessor``) as that one file, with the image
+    processor's settings under ``"image_processor"``.
+    """
+    for name in (PREPROCESSOR_FILE, PROCESSOR_FILE):
+        file = Path(path) / name
+        if file.is_file():
+            return file
+    return None
+
+
+def read_preprocessor_config(path: str | Path) -> dict[str, Any]:
+    """The image (or audio) preprocessing settings of a local folder
+    (:func:`preprocessor_file`; of a ``processor_config.json``, its ``image_processor``
+    or ``feature_extractor`` table).
+
+    Raises:
+        ValueError: neither file, a file that is not a JSON object, or a processor file
+            without such a table (each names the file).
+    """
+    file = preprocessor_file(path)
+    if file is None:
+        raise ValueError(f"{str(Path(path) / PREPROCESSOR_FILE)!r} is missing: expected a "
+                         "local Hugging Face preprocessor_config.json (or a transformers 5 "
+                         "processor_config.json; nothing is downloaded)")
+    try:
+        config = json.loads(file.read_text())
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"{str(file)!r} is not a JSON object: {exc}") from exc
+    if not isinstance(config, dict):
+        raise ValueError(f"{str(file)!r} is not a JSON object")
+    if file.name == PREPROCESSOR_FILE:
+        return config
+    for key in ("image_processor", "feature_extractor"):
+        if isinstance(config.get(key), dict):
+            return dict(config[key])
+    raise ValueError(f"{str(file)!r} holds no 'image_processor' or 'feature_extractor' table")
+

@@ -43,6 +43,24 @@ LLAMA_TEXT_DEFAULTS: dict[str, Any] = {
     "num_hidden_layers": 32, "num_attention_heads": 32, "hidden_act": "silu",
     "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
 }
+# transformers' Qwen2Config / Qwen3Config defaults (Qwen1.5-7B / Qwen3-8B sizes): a
+# config.json written by transformers 4 leaves out the keys equal to them. Checked
+# against transformers like the table above.
+QWEN2_TEXT_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016,
+    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
+    "hidden_act": "silu", "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+}
+QWEN3_TEXT_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016,
+    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
+    "head_dim": 128, "hidden_act": "silu", "max_position_embeddings": 32768,
+    "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+}
+TEXT_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": LLAMA_TEXT_DEFAULTS, "qwen2": QWEN2_TEXT_DEFAULTS, "qwen3": QWEN3_TEXT_DEFAULTS}
+"""A ``text_config``'s family -> the defaults of the keys it may leave out."""
 # LlavaConfig's defaults for its own keys.
 LLAVA_DEFAULTS: dict[str, Any] = {
     "image_token_index": 32000, "projector_hidden_act": "gelu",
@@ -92,8 +110,11 @@ def vlm_part_config(config: dict[str, Any], kind: str) -> dict[str, Any]:
     if kind == "language":
         text = _sub(config, "text_config")
         text.setdefault("model_type", "llama")
-        if text["model_type"] == "llama":
-            text = {**LLAMA_TEXT_DEFAULTS, **{k: v for k, v in text.items() if v is not None}}
+        defaults = TEXT_DEFAULTS.get(text["model_type"], {})
+        text = {**defaults, **{k: v for k, v in text.items() if v is not None}}
+        # transformers ties the head when either config says so (LlavaConfig's rule).
+        text["tie_word_embeddings"] = bool(config.get("tie_word_embeddings")
+                                           or text.get("tie_word_embeddings"))
         return text
     raise ValueError(f"a {model_type!r} folder holds a vision tower (kind 'vit') and a "
                      f"language model (kind 'language'); kind={kind!r} has no part in it")
@@ -122,10 +143,17 @@ def vlm_module_options(config: dict[str, Any]) -> dict[str, Any]:
     if get["multimodal_projector_bias"] is not True:
         raise ValueError("config.json multimodal_projector_bias="
                          f"{get['multimodal_projector_bias']!r} is not supported; expected true")
-    text = vlm_part_config(config, "language")
+    strategy = get["vision_feature_select_strategy"]
+    if strategy == "default" and vlm_part_config(config, "vit")["model_type"] != _VISION_TYPES[0]:
+        raise ValueError("config.json vision_feature_select_strategy='default' with a SigLIP "
+                         "tower is not supported (transformers then drops the first patch "
+                         "token; mimotron's SigLIP tower keeps every token); expected 'full'")
+    width = vlm_part_config(config, "language").get("hidden_size")
+    if isinstance(width, bool) or not isinstance(width, int) or width < 1:
+        raise ValueError(f"config.json text_config.hidden_size={width!r} is invalid: expected "
+                         "a positive integer (the projector's output width)")
     return {"vision_feature_layer": layer,
-            "vision_feature_select_strategy": get["vision_feature_select_strategy"],
-            "projector_hidden_size": int(text["hidden_size"])}
+            "vision_feature_select_strategy": strategy, "projector_hidden_size": width}
 
 
 def image_token_index(config: dict[str, Any]) -> int:

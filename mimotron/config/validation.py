@@ -27,8 +27,9 @@ import importlib.util
 from pathlib import Path
 from typing import Any
 
-from mimotron.config.hf_folder import HFConfigs
+from mimotron.config.hf_folder import HFConfigs, preprocessor_file
 from mimotron.config.hf_resolve import resolve_hf_module
+from mimotron.config.hf_vlm import is_vlm_config
 from mimotron.config.limits import check_limits
 from mimotron.config.moe_options import check_layer_freq, check_moe_options
 from mimotron.config.numbers import check_numbers
@@ -77,6 +78,7 @@ def validate_config(cfg: MimoConfig, hf: HFConfigs | None = None) -> MimoConfig:
     check_numbers(cfg)
     check_paths(cfg)  # name, log.dir, checkpoint.dir: never a system folder
     _validate_modules(cfg, hf)
+    _validate_vlm_projector(cfg, hf)
     _validate_train(cfg)
     _validate_optim(cfg.optimizer, "optimizer")
     _validate_scheduler(cfg.scheduler, "scheduler")
@@ -137,6 +139,21 @@ def _validate_wandb(cfg: MimoConfig) -> None:
 def _check(ok: bool, name: str, value: Any, valid: str) -> None:
     if not ok:
         raise ValueError(f"{name}={value!r} is invalid: expected {valid}")
+
+
+def _validate_vlm_projector(cfg: MimoConfig, hf: HFConfigs) -> None:
+    """A vision module split from a vision-language folder brings its projector, whose
+    output width is the folder's language model's: the run's must have that width."""
+    language = cfg.modules[LANGUAGE]
+    for name, mod in cfg.modules.items():
+        if mod.kind != "vit" or not mod.hf_path or not is_vlm_config(hf.read(mod.hf_path)):
+            continue
+        if mod.projector_hidden_size != language.hidden_size:
+            raise ValueError(
+                f"modules.{name}.hf_path={mod.hf_path!r} brings a projector into a "
+                f"{mod.projector_hidden_size}-wide language model (its text_config) but "
+                f"modules.language.hidden_size={language.hidden_size}: load the language model "
+                "from the same folder (modules.language.hf_path) or one of that width")
 
 
 def _validate_modules(cfg: MimoConfig, hf: HFConfigs) -> None:
@@ -449,9 +466,9 @@ def _validate_llava(cfg: MimoConfig) -> None:
     for name, m in cfg.modules.items():
         hf_path = getattr(m, "hf_path", "")  # Set by Hugging Face modules only.
         if hf_path and m.modality is not None:
-            file = Path(hf_path) / "preprocessor_config.json"
-            _check(file.is_file(), f"modules.{name}.hf_path", hf_path,
-                   "a folder with a preprocessor_config.json (the input preprocessing)")
+            _check(preprocessor_file(hf_path) is not None, f"modules.{name}.hf_path", hf_path,
+                   "a folder with a preprocessor_config.json (the input preprocessing) or a "
+                   "processor_config.json holding it")
         elif m.kind == "vit":
             _check(m.in_channels == 3, f"modules.{name}.in_channels", m.in_channels,
                    "3 with data.dataset='llava' (images are read as RGB)")

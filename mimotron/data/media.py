@@ -28,7 +28,6 @@ sample rate is refused, never silently resampled.
 
 from __future__ import annotations
 
-import json
 import wave
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -37,6 +36,8 @@ from typing import Any, BinaryIO
 
 import numpy as np
 import torch
+
+from mimotron.config.hf_folder import read_preprocessor_config
 
 # transformers' defaults for a CLIP image processor (OPENAI_CLIP_MEAN / _STD).
 CLIP_MEAN: tuple[float, float, float] = (0.48145466, 0.4578275, 0.40821073)
@@ -135,7 +136,7 @@ class ImageProcessor:
         Raises:
             ValueError: the file is missing or not JSON.
         """
-        return cls.from_dict(_read_preprocessor_config(path))
+        return cls.from_dict(read_preprocessor_config(path))
 
     @property
     def output_shape(self) -> tuple[int, int, int]:
@@ -232,17 +233,6 @@ def center_crop(pixels: np.ndarray, height: int, width: int) -> np.ndarray:
     top, left = top + pad_top, left + pad_left
     rows = slice(max(0, top), min(new_h, top + height))
     return padded[:, rows, max(0, left) : min(new_w, left + width)]
-
-
-def _read_preprocessor_config(path: str | Path) -> dict[str, Any]:
-    file = Path(path) / "preprocessor_config.json"
-    if not file.is_file():
-        raise ValueError(f"{str(file)!r} is missing: expected a local Hugging Face "
-                         "preprocessor_config.json (nothing is downloaded)")  # fmt: skip
-    try:
-        return dict(json.loads(file.read_text()))
-    except (ValueError, TypeError) as exc:
-        raise ValueError(f"{str(file)!r} is not a JSON object: {exc}") from exc
 
 
 # ---- audio ------------------------------------------------------------------------------
@@ -342,7 +332,7 @@ class AudioFeatures:
     def __init__(self, path: str | Path | None = None, **kwargs: Any) -> None:
         from transformers import WhisperFeatureExtractor  # Deferred: slow import.
 
-        config = _read_preprocessor_config(path) if path is not None else {}
+        config = read_preprocessor_config(path) if path is not None else {}
         config = {k: v for k, v in config.items() if k not in ("feature_extractor_type",
                                                                 "processor_class")}  # fmt: skip
         self.extractor = WhisperFeatureExtractor(**(config | kwargs))

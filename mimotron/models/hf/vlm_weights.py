@@ -84,10 +84,11 @@ def part_weight_map(base: WeightMap, config: dict[str, Any], kind: str,
     if not is_vlm_config(config):
         return base
     if kind == "vit":
+        # The family's own ignored parts (SigLIP's pooling head) sit under the tower.
         return dataclasses.replace(
             base, prefixes=("vision_tower.vision_model.", "vision_tower.",
                             "model.vision_tower.vision_model.", "model.vision_tower."),
-            ignored=(*base.ignored, _PROJECTOR, _LANGUAGE, _HEAD))
+            ignored=(*(_TOWER + p for p in base.ignored), _PROJECTOR, _LANGUAGE, _HEAD))
     assert kind == "language", kind
     names = list(names)
     hub, flat = _language_maps(base)
