@@ -391,3 +391,26 @@ def test_export_takes_the_folder_with_other_modules_and_refuses_half_a_folder(
     with pytest.raises(ValueError, match=r"^export --format hf: modules.language.hf_path=.* is a "
                                          "part of a vision-language folder"):
         vlm_folder(run)
+
+
+def test_the_folder_config_plans_as_the_two_folder_one() -> None:
+    """configs/llava15_7b_folder.toml (llava-1.5-7b-hf's config.json) and
+    configs/llava15_7b_8gpu.toml (CLIP-L/336 + Llama-2-7B folders) are one model: the
+    vision ranks' estimates are equal; the language ranks' differ by the 64 vocabulary
+    rows LLaVA-1.5 adds (32,064 vs 32,000)."""
+    from mimotron.estimate.memory import estimate_memory
+    from mimotron.parallel.layout import check_layout
+
+    def estimates(name: str) -> list[tuple[str, int]]:
+        cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / name)
+        vocab = 32064 if "folder" in name else 32000
+        return [(e.module, e.total) for per_rank in
+                estimate_memory(cfg, check_layout(cfg), vocab).values() for e in per_rank]
+
+    folder, two = estimates("llava15_7b_folder.toml"), estimates("llava15_7b_8gpu.toml")
+    assert [m for m, _ in folder] == [m for m, _ in two]
+    for (module, got), (_, want) in zip(folder, two, strict=True):
+        if module == "vision":
+            assert got == want
+        else:
+            assert 0 <= got - want <= 0.002 * want, (got, want)
