@@ -203,7 +203,8 @@ class HFReference:
     initial: dict[str, torch.Tensor]
 
 
-def hf_reference_run(config: Path, num_iters: int) -> HFReference:
+def hf_reference_run(config: Path, num_iters: int, overrides: tuple[str, ...] = ()
+                     ) -> HFReference:
     """Train ``LlavaForConditionalGeneration`` (from the config's folder) in a plain loop.
 
     One process: the whole global batch in one forward, transformers' own loss,
@@ -211,7 +212,9 @@ def hf_reference_run(config: Path, num_iters: int) -> HFReference:
     weight decay) and Megatron's warm-up + cosine schedule written out in
     :func:`tests.reference.lr_at`. From mimotron it borrows what a user would: the config
     and the data API (the global sample order, the tokenised conversations). The names
-    of its parameters map to mimotron's by :func:`hf_name`.
+    of its parameters map to mimotron's by :func:`hf_name`. With
+    ``modules.vision.freeze = "encoder"`` (LLaVA-1.5's stage 2) the tower's parameters
+    get no gradient and no optimizer state.
     """
     import transformers
 
@@ -221,7 +224,7 @@ def hf_reference_run(config: Path, num_iters: int) -> HFReference:
     from mimotron.models.build import build_mimo_model
     from tests.reference import lr_at
 
-    cfg = load_config(config)
+    cfg = load_config(config, list(overrides))
     tokenizer = build_tokenizer(cfg)
     task, _ = build_datasets(cfg, tokenizer)
     model = transformers.LlavaForConditionalGeneration.from_pretrained(
@@ -230,7 +233,9 @@ def hf_reference_run(config: Path, num_iters: int) -> HFReference:
     names = [n for n, _ in build_mimo_model(cfg, tokenizer.vocab_size, {
         "vision": tokenizer.placeholder_id("image")}).named_parameters()]
     params = dict(model.named_parameters())
-    ours = {n: params[hf_name(n)] for n in names}
+    frozen_tower = cfg.modules["vision"].freeze == "encoder"
+    ours = {n: params[hf_name(n)] for n in names
+            if not (frozen_tower and n.startswith("modality_submodules.vision.encoder."))}
     for p in params.values():
         p.requires_grad_(False)
     for p in ours.values():

@@ -8,6 +8,7 @@ config classes with random weights; the independent reference is its own
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -167,13 +168,19 @@ _LAYOUTS = {
 }
 
 
-def test_layouts_train_like_a_plain_loop_on_transformers(llava: dict[str, Path]) -> None:
+STAGE_2 = ("modules.vision.freeze='encoder'",)  # LLaVA-1.5's stage 2: the tower frozen
+
+
+@pytest.mark.parametrize("freeze", [(), STAGE_2], ids=["all", "stage_2"])
+def test_layouts_train_like_a_plain_loop_on_transformers(llava: dict[str, Path],
+                                                         freeze: tuple[str, ...]) -> None:
     """10 iterations at a real learning rate: losses, grad norms, final weights."""
-    ref = hf_reference_run(llava["config"], NUM_ITERS)
+    ref = hf_reference_run(llava["config"], NUM_ITERS, freeze)
     assert ref.losses[-1] < ref.losses[0] - 0.3, ref.losses
-    groups = run_groups([(world, engine_run, (over, NUM_ITERS, llava["config"]), {})
-                         for world, over in _LAYOUTS.values()], timeout_s=300)
-    for layout, results in zip(_LAYOUTS, groups, strict=True):
+    layouts = _LAYOUTS if not freeze else {k: _LAYOUTS[k] for k in list(_LAYOUTS)[:2]}
+    groups = run_groups([(world, engine_run, ([*over, *freeze], NUM_ITERS, llava["config"]),
+                          {}) for world, over in layouts.values()], timeout_s=300)
+    for layout, results in zip(layouts, groups, strict=True):
         merged: dict[str, torch.Tensor] = {}
         for rank, res in enumerate(results):
             merged.update(res["weights"])
@@ -182,7 +189,11 @@ def test_layouts_train_like_a_plain_loop_on_transformers(llava: dict[str, Path])
                 assert not skipped and tokens == ref.num_tokens[it], where
                 assert loss == pytest.approx(ref.losses[it], rel=1e-5), where
                 assert norm == pytest.approx(ref.grad_norms[it], rel=1e-5), where
-        assert set(merged) == set(ref.weights), layout
+        frozen = set(merged) - set(ref.weights)
+        assert frozen == ({n for n in merged if ".vision.encoder." in n} if freeze else set())
+        for name in frozen:  # the tower as loaded
+            want = _loaded(llava["folder"])[hf_name(name)]
+            assert torch.equal(merged[name].reshape(want.shape), want), name
         for name, want in ref.weights.items():
             if name.endswith("attn.wk.bias"):
                 continue  # Adam steps of a zero gradient's round-off (see above)
@@ -414,3 +425,12 @@ def test_the_folder_config_plans_as_the_two_folder_one() -> None:
             assert got == want
         else:
             assert 0 <= got - want <= 0.002 * want, (got, want)
+
+
+
+@functools.cache
+def _loaded(folder: Path) -> dict[str, torch.Tensor]:
+    """Every parameter of the folder as transformers loads it, by transformers' names."""
+    model = transformers.LlavaForConditionalGeneration.from_pretrained(folder,
+                                                                       dtype=torch.float32)
+    return {n: p.detach() for n, p in model.named_parameters()}
