@@ -141,11 +141,13 @@ def test_llama3_by_hand():
 
 
 def test_vicuna_by_hand():
-    assert _render("vicuna", HI, eos_token="</s>") == (
-        "A chat between a curious user and an artificial intelligence assistant. The "
+    assert _render("vicuna", HI, eos_token="</s>", bos_token="<s>") == (
+        "<s>A chat between a curious user and an artificial intelligence assistant. The "
         "assistant gives helpful, detailed, and polite answers to the user's questions. "
         "USER: <image>\nhi ASSISTANT: hello</s>"
     )
+    # A tokenizer without a bos_token renders none.
+    assert _render("vicuna", HI, eos_token="</s>").startswith("A chat between")
 
 
 def _render(name, messages, **tokens):
@@ -184,11 +186,15 @@ def test_llama3_renders_as_meta_llama3(tokenizers, conversation):
 @pytest.mark.parametrize("conversation", sorted(CONVERSATIONS))
 def test_vicuna_renders_as_llava_v1_5(tokenizers, conversation):
     tok, messages = tokenizers["vicuna"], CONVERSATIONS[conversation]
-    assert tok.render(messages) == llava_v1_prompt(messages)
+    # LLaVA-1.5 tokenises get_prompt() with the Llama tokenizer's <s> first: the template
+    # writes the tokenizer's bos_token there.
+    bos = tok.tokenizer.bos_token
+    assert bos is not None
+    assert tok.render(messages) == bos + llava_v1_prompt(messages)
     # LLaVA's generation prompt: get_prompt with the last message None ends "ASSISTANT:".
     prompt = tok.tokenizer.apply_chat_template(messages[:-1], tokenize=False,
                                                add_generation_prompt=True)  # fmt: skip
-    assert prompt == llava_v1_prompt(messages[:-1]) + "ASSISTANT:"
+    assert prompt == bos + llava_v1_prompt(messages[:-1]) + "ASSISTANT:"
 
 
 def test_vicuna_system_message_only_first(tokenizers):
@@ -336,7 +342,10 @@ def test_a_tokenizer_without_a_template_builds_llava_data_with_vicuna(vicuna_run
     assert tokenizer.chat_template == VICUNA_TEMPLATE
     train, _ = build_llava_tasks(cfg, tokenizer)
     sample = train.dataset.load(0)
-    text = tokenizer.decode(sample["tokens"].tolist())
+    tokens = sample["tokens"].tolist()
+    bos = tokenizer.tokenizer.bos_token_id
+    assert bos is not None and tokens[0] == bos  # LLaVA-1.5's sequences start with <s>
+    text = tokenizer.decode(tokens[1:])
     assert text.startswith(VICUNA_SYSTEM + " USER: ") and text.endswith("</s>")
     trained = sample["labels"][sample["loss_mask"] > 0].tolist()
     assert tokenizer.decode(trained).endswith("</s>")
@@ -379,3 +388,12 @@ def test_a_run_with_vicuna_trains(vicuna_run):
     losses = [step[0] for step in steps]
     assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0], losses
     assert all(step[3] > 0 for step in steps)  # tokens trained: the replies and their </s>
+
+
+@pytest.mark.parametrize("name", ["chatml", "llama3", "vicuna"])
+def test_a_processors_list_content_renders_as_the_string_training_renders(name):
+    # What an exported processor's users pass (transformers' multimodal message format).
+    parts = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "hi"}]},
+             {"role": "assistant", "content": [{"type": "text", "text": "hello"}]}]
+    tokens = {"eos_token": "</s>", "bos_token": "<s>"}
+    assert _render(name, parts, **tokens) == _render(name, HI, **tokens)

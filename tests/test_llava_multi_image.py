@@ -347,3 +347,31 @@ def test_a_placeholder_count_mismatch_with_several_images_is_a_value_error():
     with pytest.raises(ValueError, match="sample 1: 3 placeholder tokens .* expected 4 "
                                          r"\(present"):
         model._check_counts("vision", tokens == 5, embeds, present)
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_a_sample_whose_json_no_longer_reads_is_skipped_with_no_media(multi, k, monkeypatch):
+    """data.skip_bad_samples: a sample line edited after the check loads as padding with
+    no loss and no media (its tokens hold no placeholder), and the batch merges."""
+    from mimotron.data.llava_file import SampleError
+
+    over = [*multi["data"], "data.skip_bad_samples=true", f"data.max_images_per_sample={k}"]
+    cfg, tokenizer, task = _setup(over)
+    dataset = task.dataset
+    target = next(i for i in range(8) if task.get(i)["image"] is not None)
+    real, record = int(task.indices[target]), dataset.record
+    monkeypatch.setattr(dataset, "record", lambda i: (_ for _ in ()).throw(
+        SampleError("edited")) if i == real else record(i))
+    samples = [task.get(i) for i in range(8)]
+    assert dataset.load_failures and not bool(torch.as_tensor(samples[target]["has_image"]).any())
+    assert float(samples[target]["loss_mask"].sum()) == 0
+    batch = collate(samples, task.seq_length, **_kwargs(task))
+    placeholders = {n: tokenizer.placeholder_id(cfg.modules[n].modality)
+                    for n in cfg.encoder_names}
+    model = build_mimo_model(cfg, padded_vocab_size(tokenizer.vocab_size), placeholders).eval()
+    tokens = batch["tokens"]
+    with torch.no_grad():
+        embeds = {n: model.encode(n, batch) for n in model.modality_submodules}
+        present = {n: model.present_mask(n, batch) for n in embeds}
+        model.merge_embeddings(tokens, model.language_model.embed_tokens(tokens), embeds,
+                               present)

@@ -15,12 +15,18 @@ a tokenizer's own template may not be the format the run wants to train. The val
     ``<|start_header_id|>{role}<|end_header_id|>\\n\\n{content | trim}<|eot_id|>`` per
     message, the tokenizer's ``bos_token`` first;
   * ``vicuna``: LLaVA-1.5's training format (its ``--version v1``, ``conv_vicuna_v1`` of
-    ``llava/conversation.py``, ``SeparatorStyle.TWO``): the system message (Vicuna's by
-    default) and a space, then ``USER: {content} `` and ``ASSISTANT: {content}</s>``,
+    ``llava/conversation.py``, ``SeparatorStyle.TWO``): the tokenizer's ``bos_token``
+    (``<s>``, which LLaVA-1.5's tokenisation keeps at the start), the system message
+    (Vicuna's by default) and a space, then ``USER: {content} `` and ``ASSISTANT: {content}</s>``,
     where ``</s>`` is the tokenizer's ``eos_token`` (Vicuna's, so any tokenizer's own
     end token stops the model);
 
 - or the path of a ``.jinja`` file holding a template.
+
+A message's ``content`` is a string (what training renders) or, as ``transformers``'
+processors pass it, a list of parts: ``{"type": "image"}`` renders ``<image>`` and a
+newline (llava-1.5-hf's processor template does the same), ``{"type": "text", "text":
+...}`` its text. So an exported processor takes the messages its users write.
 
 The templates mark no ``{% generation %}`` blocks: :mod:`~mimotron.data.chat` locates
 the assistant contents between the template's fixed pieces and trains each reply plus
@@ -44,11 +50,27 @@ if TYPE_CHECKING:  # an annotation only: the tokenizer imports nothing from here
 
 # Every tag strips the whitespace around it ({%- -%}): the text rendered is exactly the
 # string literals, whatever the indentation here or transformers' trim settings.
-CHATML_TEMPLATE = r"""{%- for message in messages -%}
+_CONTENT = r"""{%- macro content_text(content) -%}
+    {%- if content is string -%}
+        {{- content -}}
+    {%- else -%}
+        {%- for part in content -%}
+            {%- if part['type'] == 'image' -%}
+                {{- '<image>\n' -}}
+            {%- elif part['type'] == 'text' -%}
+                {{- part['text'] -}}
+            {%- endif -%}
+        {%- endfor -%}
+    {%- endif -%}
+{%- endmacro -%}
+"""
+
+CHATML_TEMPLATE = _CONTENT + r"""{%- for message in messages -%}
     {%- if loop.first and message['role'] != 'system' -%}
         {{- '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' -}}
     {%- endif -%}
-    {{- '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' -}}
+    {{- '<|im_start|>' + message['role'] + '\n' + content_text(message['content'])
+        + '<|im_end|>\n' -}}
 {%- endfor -%}
 {%- if add_generation_prompt -%}
     {{- '<|im_start|>assistant\n' -}}
@@ -57,12 +79,12 @@ CHATML_TEMPLATE = r"""{%- for message in messages -%}
 
 # bos_token is the tokenizer's (<|begin_of_text|> for Llama 3); a tokenizer without
 # one renders nothing there rather than failing.
-LLAMA3_TEMPLATE = r"""{%- for message in messages -%}
+LLAMA3_TEMPLATE = _CONTENT + r"""{%- for message in messages -%}
     {%- if loop.first and bos_token is defined and bos_token is not none -%}
         {{- bos_token -}}
     {%- endif -%}
     {{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' -}}
-    {{- message['content'] | trim -}}
+    {{- content_text(message['content']) | trim -}}
     {{- '<|eot_id|>' -}}
 {%- endfor -%}
 {%- if add_generation_prompt -%}
@@ -71,7 +93,7 @@ LLAMA3_TEMPLATE = r"""{%- for message in messages -%}
 """
 
 # Vicuna v1.1's system message: LLaVA-1.5's default (conv_vicuna_v1.system).
-VICUNA_TEMPLATE = r"""{%- if eos_token is not defined or eos_token is none -%}
+VICUNA_TEMPLATE = _CONTENT + r"""{%- if eos_token is not defined or eos_token is none -%}
     {{- raise_exception('the vicuna chat template ends each reply with the eos_token, '
                         ~ 'and the tokenizer has none') -}}
 {%- endif -%}
@@ -84,12 +106,15 @@ VICUNA_TEMPLATE = r"""{%- if eos_token is not defined or eos_token is none -%}
                      ~ "questions." -%}
     {%- set turns = messages -%}
 {%- endif -%}
+{%- if bos_token is defined and bos_token is not none -%}
+    {{- bos_token -}}
+{%- endif -%}
 {{- system + ' ' -}}
 {%- for message in turns -%}
     {%- if message['role'] == 'user' -%}
-        {{- 'USER: ' + message['content'] + ' ' -}}
+        {{- 'USER: ' + content_text(message['content']) + ' ' -}}
     {%- elif message['role'] == 'assistant' -%}
-        {{- 'ASSISTANT: ' + message['content'] + eos_token -}}
+        {{- 'ASSISTANT: ' + content_text(message['content']) + eos_token -}}
     {%- else -%}
         {{- raise_exception('the vicuna chat template takes a system message first only, '
                             ~ 'then user and assistant turns') -}}

@@ -392,14 +392,12 @@ class LlavaDataset:
         pad = torch.full((length,), self.pad_id, dtype=torch.long)
         sample: dict[str, Any] = {"tokens": pad, "labels": pad.clone(),
                                   "loss_mask": torch.zeros(length)}  # fmt: skip
-        # The JSON no longer says how many images: one, as the index's flag says.
-        num_images = int(row["has_image"])
-        image = self._zero_images(num_images) if num_images and \
-            "image" in self.load_parts else None
-        audio = torch.zeros(self.audio_shape) if row["has_audio"] and \
-            "audio" in self.load_parts else None
-        return self._sample(sample, index, (image, audio), "", exc.sample_id or key,
-                            num_images)  # fmt: skip
+        # The tokens are padding, with no placeholder: the sample holds no media either
+        # (every rank reads the same JSON, so every rank agrees).
+        out = self._sample(sample, index, (None, None), "", exc.sample_id or key, 0)
+        out.update(has_image=torch.zeros(self.max_images, dtype=torch.bool)
+                   if self.max_images > 1 else False, has_audio=False)
+        return out
 
     def _failed(self, bad: BadSample, exc: Exception) -> None:
         """Count and report a load failure (``skip_bad_samples``), or raise its line."""

@@ -78,8 +78,9 @@ def user_text(tokenizer: HFTokenizer, text: str, files: Mapping[str, Sequence[An
             raise ValueError(f"{option} was given but the model has no {modality} encoder "
                              f"(it takes {list(tokenizer.modalities) or 'text only'})")
         if len(given) > 1:
-            raise ValueError(f"{len(given)} {option} files were given: at most one per prompt "
-                             "(training samples hold at most one per modality)")
+            raise ValueError(f"{len(given)} {option} files were given: generation takes at "
+                             "most one per prompt, whatever data.max_images_per_sample "
+                             "training used")
     for modality in tokenizer.modalities:
         placeholder = tokenizer.placeholder_text(modality)
         in_text, num_files = text.count(placeholder), len(files.get(modality, ()))
