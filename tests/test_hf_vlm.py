@@ -434,3 +434,17 @@ def _loaded(folder: Path) -> dict[str, torch.Tensor]:
     model = transformers.LlavaForConditionalGeneration.from_pretrained(folder,
                                                                        dtype=torch.float32)
     return {n: p.detach() for n, p in model.named_parameters()}
+
+
+def test_a_processor_the_tower_cannot_take_is_refused_before_launch(tmp_path: Path) -> None:
+    from mimotron.data.run_data import check_data
+
+    folder = save_llava_folder(tmp_path)
+    transformers.CLIPImageProcessor(size={"shortest_edge": 24},
+                                    crop_size={"height": 24, "width": 24}).save_pretrained(folder)
+    cfg = load_config(write_config(tmp_path, folder, write_image_data(tmp_path / "data")))
+    with pytest.raises(ValueError) as err:
+        check_data(cfg)
+    message = str(err.value)
+    assert len(message.splitlines()) == 1 and "modules.vision.hf_path" in message, message
+    assert "(3, 24, 24)" in message, message
