@@ -15,7 +15,11 @@ SAMPLE_KEYS = ("id", "image", "audio", "conversations")
 as the documented hint that the media are the sample's members, and so count as read)."""
 TURN_KEYS = ("from", "value")
 """The keys of a conversation turn the loader reads."""
-READ_KEYS = frozenset(SAMPLE_KEYS + TURN_KEYS)
+MESSAGES_SAMPLE_KEYS = ("id", "images", "audios", "messages")
+"""The keys read of a sample in the ``messages`` layout (LLaMA-Factory, ms-swift)."""
+MESSAGE_KEYS = ("role", "content")
+"""The keys read of a turn of ``messages``."""
+READ_KEYS = frozenset(SAMPLE_KEYS + TURN_KEYS + MESSAGES_SAMPLE_KEYS + MESSAGE_KEYS)
 """Keys ``data.ignore_keys`` may not list: the loader reads them."""
 
 

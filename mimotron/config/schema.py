@@ -476,7 +476,9 @@ class DataConfig:
     """LLaVA: keys of a sample (or of a conversation turn) that the loader does not read
     and that are accepted anyway (e.g. ``["video", "weight"]``); any other such key makes
     the sample bad, so nothing in the data is dropped silently. The keys read (``id``,
-    ``image``, ``audio``, ``conversations``; a turn's ``from``, ``value``) cannot be listed.
+    ``image``, ``audio``, ``conversations`` and a turn's ``from``, ``value``; in the
+    ``messages`` layout ``images``, ``audios``, ``messages`` and a turn's ``role``,
+    ``content``) cannot be listed.
     """
     allow_large_vocab: bool = False
     """LLaVA: accept a tokenizer whose vocabulary makes the language model's embedding and

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from mimotron.data.hf_tokenizer import HFTokenizer
+from mimotron.data.sample_keys import LLAVA_LAYOUT, SampleLayout
 
 # LLaVA's speaker names (and the chat names themselves) -> chat template roles.
 ROLES: dict[str, str] = {
@@ -59,31 +60,41 @@ class EncodedConversation:
 
 
 def to_messages(
-    conversations: Sequence[Mapping[str, object]], system_prompt: str | None = None
+    conversations: Sequence[Mapping[str, object]], system_prompt: str | None = None,
+    layout: SampleLayout = LLAVA_LAYOUT,
 ) -> list[dict[str, str]]:
     """LLaVA ``conversations`` (``from``/``value``) as chat messages (``role``/``content``).
 
     Args:
         conversations: the turns, e.g. ``[{"from": "human", "value": "<image>\\nHi"}]``.
         system_prompt: a system message put first unless the conversation has one.
+        layout: the sample's layout: the names of its turns' keys
+            (:data:`~mimotron.data.sample_keys.MESSAGES_LAYOUT`: ``messages`` of
+            ``role``/``content`` turns, as LLaMA-Factory and ms-swift keep them).
 
     Returns:
         The messages.
 
     Raises:
-        ValueError: a turn that is not a dict with a known ``from`` and a string ``value``.
+        ValueError: a turn that is not a dict with a known role and a string content.
     """
     messages: list[dict[str, str]] = []
     for k, turn in enumerate(conversations):
-        role = turn.get("from") if isinstance(turn, Mapping) else None
-        value = turn.get("value") if isinstance(turn, Mapping) else None
+        role = turn.get(layout.role) if isinstance(turn, Mapping) else None
+        value = turn.get(layout.content) if isinstance(turn, Mapping) else None
+        where = f"{layout.turns}[{k}]"
         if role not in ROLES:
-            raise ValueError(
-                f"conversations[{k}].from={role!r} is invalid: expected 'human' or 'gpt' "
-                f"(or one of {sorted(ROLES)})"
-            )
+            raise ValueError(f"{where}.{layout.role}={role!r} is invalid: expected "
+                             f"{layout.roles} (or one of {sorted(ROLES)})")  # fmt: skip
+        if isinstance(value, list):
+            # A list of typed parts carries its media inline or as {"type": "image"}
+            # slots; which placeholder text stands for them is the tokenizer's.
+            raise ValueError(f"{where}.{layout.content} is a list of parts: expected a "
+                             "string: the text, with one placeholder (e.g. <image>) where "
+                             "each media file goes")  # fmt: skip
         if not isinstance(value, str):
-            raise ValueError(f"conversations[{k}].value={value!r} is invalid: expected a string")
+            raise ValueError(f"{where}.{layout.content}={value!r} is invalid: expected a "
+                             "string")  # fmt: skip
         messages.append({"role": ROLES[str(role)], "content": value})
     if system_prompt is not None and not any(m["role"] == "system" for m in messages):
         messages.insert(0, {"role": "system", "content": system_prompt})

@@ -2,12 +2,15 @@
 
 Each sample is ``{"id": ..., "image": path | [path, ...], "audio": path | [path],
 "conversations": [{"from": "human" | "gpt" | "system", "value": "...<image>..."}]}``,
-with paths relative to a root folder; in tar shards (WebDataset layout,
-:mod:`~mimotron.data.webdataset`) the media are the sample's members instead. One
-``<image>`` (``<audio>``) per file stands in the human turns where the encoder's output
-goes; it is expanded to the encoder's token count (:mod:`mimotron.data.chat`). With
-several images (up to ``max_images``, ``data.max_images_per_sample``) the k-th
-``<image>`` of the conversation takes the k-th image of the list.
+or in the layout LLaMA-Factory and ms-swift keep ``{"messages": [{"role": "user" |
+"assistant" | "system", "content": ...}], "images": [...], "audios": [...]}``
+(:mod:`mimotron.data.sample_keys`), with paths relative to a root folder; in tar shards
+(WebDataset layout, :mod:`~mimotron.data.webdataset`) the media are the sample's
+members instead. One ``<image>`` (``<audio>``) per file stands in the human turns where
+the encoder's output goes; it is expanded to the encoder's token count
+(:mod:`mimotron.data.chat`). With several images (up to ``max_images``,
+``data.max_images_per_sample``) the k-th ``<image>`` of the conversation takes the k-th
+image of the list.
 
 **Checked up front, once.** Every sample is checked before training starts, so before
 any collective (rules in :mod:`~mimotron.data.llava_check`): valid JSON, known roles, an

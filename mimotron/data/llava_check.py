@@ -2,8 +2,9 @@
 
 :class:`SampleChecker` holds the rules (see :mod:`mimotron.data.llava`): valid JSON,
 known roles, an assistant turn, no key the loader does not read unless ignored
-(:mod:`~mimotron.data.sample_keys`), as many placeholders as files, media paths that
-resolve inside the root (symlinks followed; unless ``allow_outside_root``), files that
+(:mod:`~mimotron.data.sample_keys`; a sample in the ``messages`` layout of LLaMA-Factory
+and ms-swift is read as its LLaVA equivalent), as many placeholders as files, media
+paths that resolve inside the root (symlinks followed; unless ``allow_outside_root``), files that
 exist and decode in full by the decoder the load uses (images decoded by PIL, WAV files
 read to the last frame at the encoder's rate), images whose resized size is within the
 image processor's bound (read from the header, before decoding:
@@ -47,7 +48,7 @@ from mimotron.data.chat_batch import ConversationEncoder
 from mimotron.data.hf_tokenizer import HFTokenizer
 from mimotron.data.llava_file import SampleError
 from mimotron.data.media import AudioFeatures, ImageProcessor
-from mimotron.data.sample_keys import check_sample_keys, check_shard_members
+from mimotron.data.sample_keys import check_sample_keys, check_shard_members, sample_layout
 from mimotron.data.webdataset import TarMember
 
 Media = Path | TarMember
@@ -198,18 +199,22 @@ class SampleChecker:
         if not isinstance(raw, dict):
             raise SampleError(f"expected a JSON object, got {type(raw).__name__}")
         sample_id = str(raw["id"]) if raw.get("id") is not None else item.key
-        conversations = raw.get("conversations")
         try:
-            if not isinstance(conversations, list) or not conversations:
-                raise SampleError("'conversations' is missing or empty: expected a list of turns")
+            layout = sample_layout(raw)
+            turns = raw.get(layout.turns)
+            if not isinstance(turns, list) or not turns:
+                raise SampleError(f"{layout.turns!r} is missing or empty: expected a list of "
+                                  "turns ('conversations' of from/value, or 'messages' of "
+                                  "role/content)")  # fmt: skip
             try:
-                messages = tuple(to_messages(conversations, self.system_prompt))
+                messages = tuple(to_messages(turns, self.system_prompt, layout))
             except ValueError as exc:
                 raise SampleError(str(exc)) from None
             if item.media is not None:
                 files = {m: tuple(item.media.get(m, ())) for m in MODALITIES_CHECKED}
             else:
-                files = {m: self._files(raw, m) for m in MODALITIES_CHECKED}
+                keys = {"image": layout.image, "audio": layout.audio}
+                files = {m: self._files(raw, keys[m]) for m in MODALITIES_CHECKED}
         except SampleError as bad:
             raise SampleError(bad.reason, sample_id) from None
         return LlavaRecord(item.location, sample_id, files["image"], files["audio"], messages,

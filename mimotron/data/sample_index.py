@@ -59,7 +59,7 @@ import numpy as np
 
 from mimotron.data.llava_check import BadSample
 
-INDEX_FORMAT = 2
+INDEX_FORMAT = 3
 """Version of the folder's layout and of the checks; another version checks again."""
 _META = "index.json"
 _STORE_PREFIX = "mimotron/data_index/"

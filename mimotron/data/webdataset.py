@@ -5,8 +5,9 @@ A shard (``shard-000000.tar`` ...) holds samples as consecutive members sharing 
 ``a/b`` and extension ``0.json``). Per sample:
 
 * ``<key>.json``: the LLaVA sample (``conversations``, an optional ``id``: the key is the
-  id when it has none); its ``image`` / ``audio`` fields are ignored (converted corpora
-  keep the original paths there): the media are the sample's members;
+  id when it has none; or ``messages``: :mod:`~mimotron.data.sample_keys`); its ``image``
+  / ``audio`` fields (``images`` / ``audios``) are ignored (converted corpora keep the
+  original paths there): the media are the sample's members;
 * ``<key>.jpg`` / ``.jpeg`` / ``.png`` / ``.webp`` / ``.bmp`` / ``.gif`` / ``.tif`` /
   ``.tiff`` / ``.ppm``: its image; ``<key>.wav``: its audio clip. Any other member
   (``.txt``, ``.cls``, ``.mp4``, ...) would be read by nobody, so it makes the sample bad,
@@ -43,6 +44,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from mimotron.data.llava_file import SampleError
+from mimotron.data.sample_keys import sample_layout
 
 IMAGE_EXTENSIONS = frozenset({"jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff", "ppm"})
 AUDIO_EXTENSIONS = frozenset({"wav"})
@@ -209,7 +213,8 @@ def write_shards(samples: Iterable[dict[str, Any]], root: str | Path, out: str |
                  samples_per_shard: int = 1000) -> list[Path]:  # fmt: skip
     """Write LLaVA samples as ``out/shard-000000.tar``, ... (the layout above).
 
-    Each sample's ``image`` / ``audio`` paths (relative to ``root``) become members of
+    Each sample's ``image`` / ``audio`` paths (``images`` / ``audios`` in the ``messages``
+    layout; relative to ``root``) become members of
     the same key with the file's extension; the other fields go into ``<key>.json``.
     The members' metadata is fixed (mtime 0, mode 0644), so the same samples give the
     same bytes.
@@ -224,8 +229,8 @@ def write_shards(samples: Iterable[dict[str, Any]], root: str | Path, out: str |
         The shards written, in order.
 
     Raises:
-        ValueError: ``samples_per_shard < 1``, or a sample with more than one file of a
-            modality.
+        ValueError: ``samples_per_shard < 1``, a sample with more than one file of a
+            modality, or one holding both ``conversations`` and ``messages``.
     """
     if samples_per_shard < 1:
         raise ValueError(f"samples_per_shard={samples_per_shard!r} is invalid: expected >= 1")
@@ -252,8 +257,12 @@ def write_shards(samples: Iterable[dict[str, Any]], root: str | Path, out: str |
 def _write_sample(archive: tarfile.TarFile, key: str, sample: dict[str, Any], root: Path
                   ) -> None:  # fmt: skip
     members: list[tuple[str, bytes]] = []
-    for modality in ("image", "audio"):
-        value = sample.get(modality)
+    try:
+        layout = sample_layout(sample)  # "images" / "audios" in the messages layout
+    except SampleError as exc:
+        raise ValueError(f"sample {sample.get('id')!r} {exc.reason}") from None
+    for modality, field_name in (("image", layout.image), ("audio", layout.audio)):
+        value = sample.get(field_name)
         paths = [] if value is None else [value] if isinstance(value, str) else list(value)
         if len(paths) > 1:
             raise ValueError(f"sample {sample.get('id')!r} has {len(paths)} {modality} files: "
@@ -261,7 +270,7 @@ def _write_sample(archive: tarfile.TarFile, key: str, sample: dict[str, Any], ro
         for path in paths:
             extension = Path(path).suffix.lower().lstrip(".")
             members.append((f"{key}.{extension}", (root / path).read_bytes()))
-    text = {k: v for k, v in sample.items() if k not in ("image", "audio")}
+    text = {k: v for k, v in sample.items() if k not in (layout.image, layout.audio)}
     members.insert(0, (f"{key}.json", json.dumps(text, ensure_ascii=False).encode("utf-8")))
     for name, data in members:
         info = tarfile.TarInfo(name)
