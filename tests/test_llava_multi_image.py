@@ -375,3 +375,29 @@ def test_a_sample_whose_json_no_longer_reads_is_skipped_with_no_media(multi, k, 
         present = {n: model.present_mask(n, batch) for n in embeds}
         model.merge_embeddings(tokens, model.language_model.embed_tokens(tokens), embeds,
                                present)
+
+
+def test_generation_takes_as_many_images_as_training_and_fills_them_in_order(multi):
+    """``Generator.encode`` of a prompt with two images: the k-th placeholder run holds
+    the k-th file encoded alone; a third image is refused naming the key."""
+    from mimotron.generate import Generator, LoadedModel
+
+    cfg, tokenizer, task = _setup(multi["overrides"])
+    index = next(i for i in range(16) if len(_files(task, i)) == 2)
+    files = _files(task, index)
+    placeholders = {n: tokenizer.placeholder_id(cfg.modules[n].modality)
+                    for n in cfg.encoder_names}
+    torch.manual_seed(0)
+    model = build_mimo_model(cfg, padded_vocab_size(tokenizer.vocab_size), placeholders).eval()
+    generator = Generator(LoadedModel(cfg, model, tokenizer, None, torch.device("cpu")))
+    with torch.no_grad():
+        prompt, hidden = generator.encode("what digits are these", files)
+        tokens = torch.tensor(prompt.tokens)
+        runs = hidden[0][tokens == tokenizer.placeholder_id("image")].reshape(2, -1,
+                                                                            hidden.shape[-1])
+        for k, file in enumerate(files):
+            one = {"image": _decoded(task, file)[None], "has_image": torch.tensor([True])}
+            torch.testing.assert_close(runs[k], model.encode("vision", one)[0],
+                                       rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="3 --image files were given: at most 2 per prompt"):
+        generator.encode("three", [*files, files[0]])

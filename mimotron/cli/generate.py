@@ -32,7 +32,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--prompt", required=True, help="the user's text; <image>/<audio> are put "
                                                    "before it unless it holds them")
     s.add_argument("--image", action="append", default=[], metavar="FILE",
-                   help="an image file (at most one)")
+                   help="an image file; repeat it for several (up to the run's "
+                        "data.max_images_per_sample)")
     s.add_argument("--audio", action="append", default=[], metavar="FILE",
                    help="a WAV file (at most one)")
     s.add_argument("--max-new-tokens", type=int, default=None, metavar="N",

@@ -147,22 +147,28 @@ class Generator:
         loaded = self.loaded
         cfg, tokenizer, model = loaded.cfg, loaded.tokenizer, loaded.model
         files = {"image": list(images), "audio": list(audios)}
-        text = user_text(tokenizer, prompt, files)
+        several = cfg.data.max_images_per_sample > 1  # a run trained on [B, K] images
+        text = user_text(tokenizer, prompt, files,
+                         {"image": cfg.data.max_images_per_sample})
         encoders = encoder_modalities(cfg)
         media = {}
         for modality, given in files.items():
             if given:
                 if modality not in self._loaders:
                     self._loaders[modality] = media_loader(cfg, modality)
-                media[modality] = self._loaders[modality](given[0])
+                media[modality] = torch.stack([self._loaders[modality](f) for f in given])
         num_tokens = {m: cfg.modules[name].num_output_tokens for m, name in encoders.items()}
         encoded = encode_prompt(tokenizer, text, num_tokens, cfg.data.system_prompt or None)
         tokens = torch.tensor([encoded.tokens], device=loaded.device)
         embeds, present = {}, {}
         for modality, values in media.items():
             name = encoders[modality]
-            present[name] = torch.ones(1, dtype=torch.bool, device=loaded.device)
-            batch = {modality: values.unsqueeze(0).to(loaded.device),
+            # One row: [1, n, ...] images with a [1, n] mask (the k-th <image> takes the
+            # k-th file), or as before [1, ...] with a [1] flag.
+            items = several and modality == "image"
+            present[name] = torch.ones((1, len(values)) if items else 1, dtype=torch.bool,
+                                       device=loaded.device)
+            batch = {modality: (values if items else values[0]).unsqueeze(0).to(loaded.device),
                      f"has_{modality}": present[name]}
             embeds[name] = model.encode(name, batch)
         hidden = model.merge_embeddings(tokens, self.language_model.embed_tokens(tokens),
@@ -173,7 +179,8 @@ class Generator:
     def generate(self, prompt: str, images: Sequence[str | Path] = (),
                  audios: Sequence[str | Path] = (), sampling: Sampling | None = None
                  ) -> Generation:
-        """Answer ``prompt`` about ``images`` / ``audios`` (at most one of each).
+        """Answer ``prompt`` about ``images`` / ``audios`` (one audio clip; as many images as
+        the run's ``data.max_images_per_sample``).
 
         Args:
             prompt: the user's text; placeholders are added before it unless it holds
@@ -243,7 +250,7 @@ def generate(path: str | Path, prompt: str, images: Sequence[str | Path] = (),
         path: a run directory, a checkpoint or an export folder
             (:func:`~mimotron.generate.source.find_source`).
         prompt: the user's text.
-        images: image files (at most one).
+        images: image files (at most ``data.max_images_per_sample``).
         audios: WAV files (at most one).
         sampling: how tokens are picked (default: greedy, 64 new tokens).
         device: where to run (``None``: the runtime's device).

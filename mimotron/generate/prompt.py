@@ -53,20 +53,23 @@ class Prompt:
     stop_ids: frozenset[int]
 
 
-def user_text(tokenizer: HFTokenizer, text: str, files: Mapping[str, Sequence[Any]]) -> str:
+def user_text(tokenizer: HFTokenizer, text: str, files: Mapping[str, Sequence[Any]],
+              max_files: Mapping[str, int] | None = None) -> str:
     """The user turn: ``text`` with a placeholder per file, first as in LLaVA data.
 
     Args:
         tokenizer: the run's tokenizer (its placeholder texts).
         text: the user's prompt.
         files: modality -> the files given for it.
+        max_files: modality -> the most files a prompt takes (the run's
+            ``data.max_images_per_sample`` for images); 1 for a modality not named.
 
     Returns:
         ``text`` itself when it holds the placeholders already, else the missing ones,
         image before audio, then a newline and ``text``.
 
     Raises:
-        ValueError: more than one file of a modality, a modality the model has no
+        ValueError: more files of a modality than ``max_files``, a modality the model has no
             placeholder for, or a prompt whose placeholders do not match the files.
     """
     prefix = ""
@@ -77,10 +80,11 @@ def user_text(tokenizer: HFTokenizer, text: str, files: Mapping[str, Sequence[An
         if modality not in tokenizer.modalities:
             raise ValueError(f"{option} was given but the model has no {modality} encoder "
                              f"(it takes {list(tokenizer.modalities) or 'text only'})")
-        if len(given) > 1:
-            raise ValueError(f"{len(given)} {option} files were given: generation takes at "
-                             "most one per prompt, whatever data.max_images_per_sample "
-                             "training used")
+        limit = (max_files or {}).get(modality, 1)
+        if len(given) > limit:
+            raise ValueError(f"{len(given)} {option} files were given: at most {limit} per "
+                             "prompt (training samples held at most that many: "
+                             "data.max_images_per_sample for images)")
     for modality in tokenizer.modalities:
         placeholder = tokenizer.placeholder_text(modality)
         in_text, num_files = text.count(placeholder), len(files.get(modality, ()))
