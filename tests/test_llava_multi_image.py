@@ -401,3 +401,25 @@ def test_generation_takes_as_many_images_as_training_and_fills_them_in_order(mul
                                        rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="3 --image files were given: at most 2 per prompt"):
         generator.encode("three", [*files, files[0]])
+
+
+def test_the_planner_bridges_every_image_of_a_sample(multi):
+    """The planner's bridge between split vision and language ranks carries every image's
+    tokens: without its fixed latency, twice the bytes with two images per sample."""
+    from mimotron.parallel.layout import check_layout
+    from mimotron.planner.devices import DeviceSpec
+    from mimotron.planner.lanes import bridge_seconds
+    from mimotron.planner.terms import Links
+
+    device = DeviceSpec("test", 1e12, 10**9, 8, intra_node_bytes_per_s=1e9,
+                        inter_node_bytes_per_s=1e9, latency_s=0.0)
+    split = ["modules.vision.parallel.rank_offset=0", "modules.audio.parallel.rank_offset=1",
+             "modules.language.parallel.rank_offset=2"]
+
+    def seconds(overrides: list[str]) -> float:
+        cfg = load_config(DIGITS, [*BASE, *overrides, *split,
+                                   "modules.audio.num_audio_tokens=1"])
+        return bridge_seconds(cfg, check_layout(cfg), Links(device, None))
+
+    one = seconds([o for o in multi["overrides"] if "max_images_per_sample" not in o])
+    assert one > 0 and seconds(multi["overrides"]) == pytest.approx(2 * one)

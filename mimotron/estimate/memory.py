@@ -402,12 +402,17 @@ def _selective_kept_bytes(cfg: MimoConfig, name: str) -> int:
     return tokens * (whole + split // par.tensor)
 
 
+def items_per_sample(cfg: MimoConfig, name: str) -> int:
+    """Inputs of module ``name`` one sample may hold: ``data.max_images_per_sample`` for a
+    vision encoder, else 1."""
+    return cfg.data.max_images_per_sample if cfg.modules[name].kind == "vit" else 1
+
+
 def local_items(cfg: MimoConfig, name: str) -> int:
     """Inputs a rank of module ``name`` runs per micro-batch: its samples, and for a
-    vision encoder every image they may hold (``data.max_images_per_sample`` each)."""
+    vision encoder every image they may hold (:func:`items_per_sample`)."""
     mod = cfg.modules[name]
-    samples = cfg.train.micro_batch_size // mod.parallel.data
-    return samples * (cfg.data.max_images_per_sample if mod.kind == "vit" else 1)
+    return cfg.train.micro_batch_size // mod.parallel.data * items_per_sample(cfg, name)
 
 
 def recompute_workspace_bytes(cfg: MimoConfig, name: str) -> int:

@@ -26,6 +26,7 @@ from mimotron.models.blocks import (
     rope_cache,
     to_residual_dtype,
 )
+from mimotron.models.deepstack import add_visual, visual_rows
 from mimotron.models.kv_cache import KVCache
 from mimotron.models.moe import MoEOptions, check_layer_freq, moe_factory
 from mimotron.models.mrope import check_mrope_section, mrope_axes, mrope_tables
@@ -370,9 +371,10 @@ class LanguageModel(nn.Module):
             rope, plan = self._rope_and_plan(seq, hidden.shape[0],
                                              self.rope(seq, hidden.device), documents,
                                              position_ids)
-        visual = (None if not deepstack
-                  else self._visual_rows(visual_mask, deepstack, seq, hidden.shape[0],
-                                         hidden.device))
+        visual = (None if not deepstack else visual_rows(
+            visual_mask, deepstack, (hidden.shape[0], seq), hidden.device,
+            self._visual_positions(seq, hidden.device if visual_mask is None
+                                   else visual_mask.device)))
         hidden = to_residual_dtype(hidden, self.fp32_residual)
         group = self.sequence_parallel_group
         if group is not None:
@@ -385,7 +387,7 @@ class LanguageModel(nn.Module):
         for index, layer in zip(ids, layers, strict=True):
             hidden = layer(hidden, rope) if plan is None else layer(hidden, rope, plan)
             if visual is not None and deepstack is not None and index < len(deepstack):
-                hidden = _add_visual(hidden, deepstack[index], visual)
+                hidden = add_visual(hidden, deepstack[index], visual)
         last = is_last_chunk(self.layer_chunks, chunk)
         if self.final_norm is None or self.output is None or not last:
             return hidden if group is None else gather_sequence(hidden, group)
@@ -402,32 +404,6 @@ class LanguageModel(nn.Module):
             held = torch.arange(seq, device=device) if held is None else held
             held = held.chunk(dist.get_world_size(group))[dist.get_rank(group)]
         return held
-
-    def _visual_rows(self, visual_mask: torch.Tensor | None, deepstack: Sequence[torch.Tensor],
-                     seq: int, batch: int, device: torch.device
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """``(row, column, feature row)`` of each visual position this rank holds.
-
-        Computed once per forward where the mask lives; the feature row is ``None``
-        where the rank holds every position (features in mask order).
-        """
-        if visual_mask is None or tuple(visual_mask.shape) != (batch, seq):
-            got = None if visual_mask is None else tuple(visual_mask.shape)
-            raise ValueError(f"deepstack needs a visual_mask of [{batch}, {seq}] (whole rows), "
-                             f"got {got}")
-        mask = visual_mask.bool()
-        order = mask.flatten().cumsum(0).view_as(mask) - 1  # feature row of each position
-        num_visual = int(order[-1, -1]) + 1 if order.numel() else 0
-        bad = [tuple(t.shape) for t in deepstack if t.dim() != 2 or t.shape[0] != num_visual]
-        if bad:
-            raise ValueError(f"deepstack features of shapes {bad} for {num_visual} visual "
-                             "positions: expected [num visual, hidden] each")
-        held = self._visual_positions(seq, mask.device)
-        if held is not None:
-            mask, order = mask[:, held], order[:, held]
-        rows, cols = mask.nonzero(as_tuple=True)
-        features = None if held is None else order[rows, cols].to(device)
-        return rows.to(device), cols.to(device), features
 
     def _cached_forward(self, hidden: torch.Tensor, cache: KVCache,
                         position_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -454,15 +430,6 @@ class LanguageModel(nn.Module):
         cache.advance(seq)
         assert self.final_norm is not None and self.output is not None
         return self.output(self.final_norm(hidden))
-
-
-def _add_visual(hidden: torch.Tensor, features: torch.Tensor,
-                visual: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]) -> torch.Tensor:
-    """``hidden`` plus DeepStack ``features`` at the visual positions (out of place)."""
-    rows, cols, which = visual
-    values = features if which is None else features.index_select(0, which)
-    # Each position once: accumulate adds the feature to the hidden state in its dtype.
-    return hidden.index_put((rows, cols), values.to(hidden.dtype), accumulate=True)
 
 
 def language_loss(

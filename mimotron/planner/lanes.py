@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mimotron.config.schema import MimoConfig
-from mimotron.estimate.memory import has_master_weights
+from mimotron.estimate.memory import has_master_weights, items_per_sample
 from mimotron.estimate.widths import BYTES
 from mimotron.names import LANGUAGE
 from mimotron.parallel.layout import Layout
@@ -106,7 +106,8 @@ def _colocated_bridge(cfg: MimoConfig, layout: Layout, links: Links, encoder: st
     enc, lm = cfg.modules[encoder].parallel, cfg.modules[LANGUAGE].parallel
     if (enc.data, enc.tensor) == (lm.data, lm.tensor) and lm.context == 1:
         return 0.0
-    rows = cfg.train.micro_batch_size * cfg.modules[encoder].num_output_tokens
+    rows = (cfg.train.micro_batch_size * cfg.modules[encoder].num_output_tokens
+            * items_per_sample(cfg, encoder))
     nbytes = rows * cfg.modules[LANGUAGE].hidden_size * BYTES[cfg.train.precision]
     world = list(range(layout.world_size))
     return links.cost("all_gather", world, nbytes) + links.cost("all_reduce", world, nbytes)
@@ -184,8 +185,8 @@ def _bridge_message_seconds(cfg: MimoConfig, layout: Layout, links: Links, encod
     one message each (fan-out); with more, a language rank receives that many (fan-in):
     the busier side's messages, in turn."""
     enc, lm = cfg.modules[encoder].parallel, cfg.modules[LANGUAGE].parallel
-    per_sample = (cfg.modules[encoder].num_output_tokens * cfg.modules[LANGUAGE].hidden_size
-                  * BYTES[cfg.train.precision])
+    per_sample = (cfg.modules[encoder].num_output_tokens * items_per_sample(cfg, encoder)
+                  * cfg.modules[LANGUAGE].hidden_size * BYTES[cfg.train.precision])
     a = layout.modules[src[0]].rank_at(pp=src[1])
     b = layout.modules[message[1]].rank_at(pp=message[2])
     mbs = cfg.train.micro_batch_size
