@@ -76,16 +76,32 @@ LLAMA_WEIGHTS = WeightMap(
 _VISUAL = r"(model\.)?visual\."
 
 
-def _under_language_model(hf: str) -> str:
-    """``model.layers.{i}.x`` -> ``model.language_model.layers.{i}.x`` (the head stays)."""
-    return "model.language_model." + hf[len("model."):] if hf.startswith("model.") else hf
+_MOVED = "model.language_model."
 
 
-QWEN_VL_WEIGHTS = WeightMap(
-    rules=tuple((o, _under_language_model(h)) for o, h in LLAMA_WEIGHTS.rules),
-    stacked=tuple((o, _under_language_model(h)) for o, h in LLAMA_WEIGHTS.stacked),
-    ignored=(_VISUAL,),
-)
+def under_language_model(weight_map: WeightMap, ignored: tuple[str, ...]) -> WeightMap:
+    """A decoder's map with its ``model.*`` names moved under ``model.language_model.``
+    (the head stays ``lm_head.*``): how transformers 5 holds the decoder of a
+    vision-language model in memory, and how some of those folders store it.
+
+    Args:
+        weight_map: the decoder's own map (names at the root).
+        ignored: the patterns of the folder's other parts (full names).
+    """
+    def moved(hf: str) -> str:  # model.layers.{i}. -> model.language_model.layers.{i}.
+        return _MOVED + hf[len("model."):] if hf.startswith("model.") else hf
+    return WeightMap(rules=tuple((o, moved(h)) for o, h in weight_map.rules),
+                     stacked=tuple((o, moved(h)) for o, h in weight_map.stacked),
+                     reshaped=weight_map.reshaped, ignored=ignored)
+
+
+def holds_moved_decoder(names: Iterable[str]) -> bool:
+    """Whether a folder's tensor names put the decoder under ``model.language_model.``
+    (:func:`under_language_model`), rather than in the layout of the decoder's own folder."""
+    return any(n.startswith(_MOVED) for n in names)
+
+
+QWEN_VL_WEIGHTS = under_language_model(LLAMA_WEIGHTS, (_VISUAL,))
 """The decoder of a Qwen2.5-VL / Qwen3-VL folder as transformers 5 saves it (and the
 Qwen3-VL hub holds it): ``model.language_model.*`` and ``lm_head.*``."""
 
@@ -106,8 +122,7 @@ def qwen_vl_weight_map(names: Iterable[str]) -> WeightMap:
         :data:`QWEN_VL_WEIGHTS` where any name is under ``model.language_model.``, else
         :data:`QWEN_VL_HUB_WEIGHTS`.
     """
-    moved = any(n.startswith("model.language_model.") for n in names)
-    return QWEN_VL_WEIGHTS if moved else QWEN_VL_HUB_WEIGHTS
+    return QWEN_VL_WEIGHTS if holds_moved_decoder(names) else QWEN_VL_HUB_WEIGHTS
 
 
 def decoder_weight_map(path: str | Path, spec: LlamaFamilySpec) -> WeightMap:

@@ -31,6 +31,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from mimotron.config.hf_vlm import is_vlm_config
+from mimotron.models.hf.llama import holds_moved_decoder, under_language_model
 from mimotron.models.hf.weights import WeightMap
 
 __all__ = ["LLAVA_PROJECTOR_WEIGHTS", "part_weight_map", "projector_weight_map"]
@@ -47,25 +48,11 @@ LLAVA_PROJECTOR_WEIGHTS = WeightMap(
 """mimotron's projector (``Linear -> GELU -> Linear``) <-> LLaVA's ``multi_modal_projector``."""
 
 
-def _hits(weight_map: WeightMap, names: list[str]) -> int:
-    prefix = weight_map.choose_prefix(names)
-    return sum(1 for n in names if n.startswith(prefix)
-               and weight_map.from_hf(n[len(prefix):]) is not None)
-
-
 def _language_maps(base: WeightMap) -> tuple[WeightMap, WeightMap]:
     """The decoder's map in the hub layout and in the ``model.language_model.`` one."""
-    ignored = (*base.ignored, _TOWER, _PROJECTOR)
     hub = dataclasses.replace(base, prefixes=("language_model.",), ignored=(
         *(r"language_model\." + p for p in base.ignored), _TOWER, _PROJECTOR))
-
-    def moved(hf: str) -> str:  # model.layers.{i}. -> model.language_model.layers.{i}.
-        return "model.language_model." + hf[len("model."):] if hf.startswith("model.") else hf
-    flat = WeightMap(
-        rules=tuple((ours, moved(hf)) for ours, hf in base.rules), prefixes=("",),
-        ignored=ignored, reshaped=base.reshaped,
-        stacked=tuple((ours, moved(hf)) for ours, hf in base.stacked))
-    return hub, flat
+    return hub, under_language_model(base, (*base.ignored, _TOWER, _PROJECTOR))
 
 
 def part_weight_map(base: WeightMap, config: dict[str, Any], kind: str,
@@ -90,9 +77,8 @@ def part_weight_map(base: WeightMap, config: dict[str, Any], kind: str,
                             "model.vision_tower.vision_model.", "model.vision_tower."),
             ignored=(*(_TOWER + p for p in base.ignored), _PROJECTOR, _LANGUAGE, _HEAD))
     assert kind == "language", kind
-    names = list(names)
     hub, flat = _language_maps(base)
-    return max((hub, flat), key=lambda m: _hits(m, names))  # max keeps hub on a tie
+    return flat if holds_moved_decoder(names) else hub
 
 
 def projector_weight_map(config: dict[str, Any]) -> WeightMap | None:
