@@ -375,14 +375,39 @@ def hf_module_weights(
     ours = dict(tensors)
     dropped: set[str] = set()
     if family.language:
-        if LlamaFamilySpec.from_hf_config(config).tie_word_embeddings and EMBED in ours:
-            ours.pop(HEAD, None)
-            dropped.add(HEAD)
-        if vocab_size is None and tokenizer is not None:
-            vocab_size = max(int(config["vocab_size"]), int(tokenizer.vocab_size))
-        ours, config = fit_vocab(ours, config, vocab_size, module)
+        ours, dropped, config = fit_decoder(ours, config, vocab_size, tokenizer, module)
     weights = merge_into_folder(ours, dropped, tensor_files(folder), family.weight_map, module)
     return weights, config
+
+
+def fit_decoder(ours: dict[str, torch.Tensor], config: dict[str, Any], vocab_size: int | None,
+                tokenizer: Any, module: str
+                ) -> tuple[dict[str, torch.Tensor], set[str], dict[str, Any]]:
+    """A decoder's tensors as its folder keeps them: a tied head left out (transformers
+    ties it on load), the vocabulary tables cut to the real vocabulary.
+
+    Args:
+        ours: the decoder's full tensors under our names.
+        config: its config.json (a decoder's, or a vision-language folder's text part).
+        vocab_size: the real vocabulary (``None``: ``max(config's, len(tokenizer))`` with
+            a tokenizer, else every row).
+        tokenizer: the run's ``HFTokenizer`` or ``None``.
+        module: the module's name, for messages.
+
+    Returns:
+        ``(the tensors, the names left out, config with vocab_size set)``.
+
+    Raises:
+        ValueError: as :func:`fit_vocab`.
+    """
+    dropped: set[str] = set()
+    if LlamaFamilySpec.from_hf_config(config).tie_word_embeddings and EMBED in ours:
+        ours = {n: t for n, t in ours.items() if n != HEAD}
+        dropped.add(HEAD)
+    if vocab_size is None and tokenizer is not None:
+        vocab_size = max(int(config["vocab_size"]), int(tokenizer.vocab_size))
+    ours, config = fit_vocab(ours, config, vocab_size, module)
+    return ours, dropped, config
 
 
 def fit_vocab(

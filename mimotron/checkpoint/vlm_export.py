@@ -38,13 +38,12 @@ from mimotron.checkpoint.export_folder import ExportFolder
 from mimotron.checkpoint.hf_export import (
     CONFIG_FILE,
     EMBED,
-    HEAD,
     TOWER_PREFIX,
     check_hf_folder,
     check_hf_run,
     copy_files,
     family_of,
-    fit_vocab,
+    fit_decoder,
     hf_paths,
     is_tokenizer_file,
     merge_into_folder,
@@ -57,7 +56,7 @@ from mimotron.checkpoint.state import VOCAB_SIZE_UNPADDED
 from mimotron.config.hf_folder import SINGLE_FILE, read_hf_config, tensor_files
 from mimotron.config.hf_vlm import is_vlm_config, vlm_part_config
 from mimotron.models.hf.clip import CLIP_WEIGHTS, SIGLIP_WEIGHTS
-from mimotron.models.hf.llama import LLAMA_WEIGHTS, LlamaFamilySpec
+from mimotron.models.hf.llama import LLAMA_WEIGHTS
 from mimotron.models.hf.vlm_weights import LLAVA_PROJECTOR_WEIGHTS, part_weight_map
 from mimotron.models.hf.weights import WeightMap
 from mimotron.names import LANGUAGE
@@ -179,24 +178,14 @@ def write_vlm_folder(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any
     Raises:
         ValueError: the tensors do not belong to the folder (names every mismatch).
     """
-    config, names = read_hf_config(folder), list(tensor_files(folder))
+    config, files = read_hf_config(folder), tensor_files(folder)  # a fresh dict to change
     tokenizer = run_tokenizer(meta["config"])
     state = split_by_module(dict(tensors))
-    ours = dict(state[LANGUAGE])
-    ours.update(state[vision])  # "encoder.*" and "projector.*": no clash with the decoder's
-    text = vlm_part_config(config, LANGUAGE)
-    dropped: set[str] = set()
-    if LlamaFamilySpec.from_hf_config(text).tie_word_embeddings:
-        ours.pop(HEAD, None)
-        dropped.add(HEAD)
-    vocab = meta.get(VOCAB_SIZE_UNPADDED)
-    if vocab is None and tokenizer is not None:
-        vocab = max(int(text["vocab_size"]), int(tokenizer.vocab_size))
-    ours, text = fit_vocab(ours, text, vocab, LANGUAGE)
+    ours, dropped, text = fit_decoder(state[LANGUAGE], vlm_part_config(config, LANGUAGE),
+                                      meta.get(VOCAB_SIZE_UNPADDED), tokenizer, LANGUAGE)
     assert EMBED in ours, sorted(ours)[:5]
-    weights = merge_into_folder(ours, dropped, tensor_files(folder), _joined(config, names),
-                                "model")
-    config = json.loads(json.dumps(config))  # a copy to change
+    ours.update(state[vision])  # "encoder.*" and "projector.*": no clash with the decoder's
+    weights = merge_into_folder(ours, dropped, files, _joined(config, list(files)), "model")
     config["text_config"]["vocab_size"] = int(text["vocab_size"])
     if tokenizer is not None and "image" in tokenizer.modalities:
         config["image_token_index"] = tokenizer.placeholder_id("image")
