@@ -14,6 +14,7 @@ from torch import nn
 
 from mimotron.config.hf_folder import read_hf_config, tensor_files
 from mimotron.config.hf_resolve import hf_family, language_spec, tower_kwargs
+from mimotron.config.hf_vlm import is_vlm_config
 from mimotron.config.moe_config import moe_options
 from mimotron.config.schema import MimoConfig, ModuleConfig
 from mimotron.config.vocab_size import model_vocab_size
@@ -144,7 +145,10 @@ def load_hf_module(cfg: MimoConfig, name: str, module: nn.Module) -> nn.Module:
     """
     mod = cfg.modules[name]
     folder_config = read_hf_config(mod.hf_path)
-    names = list(tensor_files(mod.hf_path))
+    # Only a vision-language folder's decoder needs the names (its layout); the loader
+    # reads the headers itself.
+    names = (list(tensor_files(mod.hf_path)) if mod.is_language and is_vlm_config(folder_config)
+             else [])
     if mod.is_language:
         assert isinstance(module, LanguageModel)
         weight_map = part_weight_map(LLAMA_WEIGHTS, folder_config, mod.kind, names)

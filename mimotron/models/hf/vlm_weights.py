@@ -63,7 +63,8 @@ def part_weight_map(base: WeightMap, config: dict[str, Any], kind: str,
         base: the family's map (the tower's or the decoder's).
         config: the folder's parsed ``config.json`` (the whole of it, not the part).
         kind: the module's kind (``vit`` or ``language``).
-        names: the folder's tensor names (to tell the two layouts apart).
+        names: the folder's tensor names, read for a vision-language folder's decoder only
+            (to tell its two layouts apart).
 
     Returns:
         A map whose names are the folder's.
