@@ -202,7 +202,7 @@ class LanguageModel(nn.Module):
         if documents is None and cp_size == 1:
             return rope, None
         device = rope[0].device
-        pos = None if cp_size == 1 else load_balanced_positions(seq, cp_size, cp_rank, device)
+        pos = self.context_positions(seq, device)
         if documents is None:
             documents = Documents.whole(batch, seq)
             rope = (rope[0][pos], rope[1][pos])
@@ -290,8 +290,9 @@ class LanguageModel(nn.Module):
                              f"[{batch}, {seq}] (whole rows, also under context parallelism)")
         cp_size, cp_rank = self._cp_coordinates()
         positions = position_ids.to(device)
-        if cp_size > 1:
-            positions = positions[..., load_balanced_positions(seq, cp_size, cp_rank, device)]
+        held = self.context_positions(seq, device)
+        if held is not None:
+            positions = positions[..., held]
         rope = self.mrope(positions)
         if documents is None and cp_size == 1:
             return rope, None
@@ -397,8 +398,7 @@ class LanguageModel(nn.Module):
         """The global positions along dim 1 of this rank's hidden states (``None``: all):
         its load-balanced ones under CP, then its chunk of those under sequence
         parallelism (:func:`~mimotron.parallel.sequence_parallel.scatter_sequence`)."""
-        cp_size, cp_rank = self._cp_coordinates()
-        held = None if cp_size == 1 else load_balanced_positions(seq, cp_size, cp_rank, device)
+        held = self.context_positions(seq, device)
         group = self.sequence_parallel_group
         if group is not None:
             held = torch.arange(seq, device=device) if held is None else held
