@@ -17,9 +17,12 @@ from unittest import mock
 
 import numpy as np
 
+from mimotron.config import load_config
 from mimotron.data.bpe import CHATML_TEMPLATE, train_bpe_tokenizer
 from mimotron.data.llava import LlavaDataset
 from mimotron.data.llava_check import SampleChecker
+from mimotron.data.run_data import build_llava_tasks, build_tokenizer
+from tests.common import BASE, DIGITS
 
 SENTENCES = [
     "what digit is in this picture", "the digit is seven", "listen to the tone",
@@ -165,3 +168,18 @@ def counting_checks() -> Iterator[list[str]]:
 
     with mock.patch.object(SampleChecker, "check_many", spy):
         yield checked
+
+
+def llava_setup(overrides: list[str]) -> tuple[Any, Any, Any]:
+    """Config, tokenizer and the train task (every part loaded) of ``BASE + overrides``
+    on ``configs/digits.toml``."""
+    cfg = load_config(DIGITS, BASE + overrides)
+    tokenizer = build_tokenizer(cfg)
+    task, _ = build_llava_tasks(cfg, tokenizer)
+    return cfg, tokenizer, task
+
+
+def collate_kwargs(task: Any) -> dict[str, Any]:
+    """``collate``'s padding and media shapes of a task."""
+    return {"pad_id": task.pad_id, "image_shape": task.image_shape,
+            "audio_shape": task.audio_shape}

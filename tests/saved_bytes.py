@@ -12,6 +12,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from mimotron.estimate.memory import activation_bytes
 from mimotron.models.build import build_module
@@ -67,3 +69,20 @@ def language_bytes_per_sample(cfg: Any, precision: str) -> tuple[int, float]:
                           precision, loss=True)
     samples = cfg.train.micro_batch_size // cfg.modules["language"].parallel.data
     return measured, activation_bytes(cfg, "language", VOCAB, in_flight=1) / samples
+
+
+class LargestOutputs(TorchDispatchMode):
+    """The largest element count of any operator output (forward and backward) while
+    the mode is on: how the attention tests show no ``[S, S]`` tensor is made."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest: tuple[int, str] = (0, "")
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
+                           kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.numel() > self.largest[0]:
+                self.largest = (t.numel(), f"{func}: {tuple(t.shape)}")
+        return out

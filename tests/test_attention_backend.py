@@ -24,8 +24,6 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from mimotron.config import load_config
 from mimotron.dryrun.saved_bytes import saved_bytes
@@ -42,6 +40,7 @@ from mimotron.models.attention.varlen_emulation import varlen_attn_emulated
 from mimotron.models.build import build_module
 from mimotron.parallel.context_parallel import gathered_positions, load_balanced_positions
 from mimotron.parallel.layout import check_layout
+from tests.saved_bytes import LargestOutputs
 
 ROOT = Path(__file__).resolve().parents[1]
 DIGITS = ROOT / "configs" / "digits.toml"
@@ -138,22 +137,6 @@ def test_context_parallel_ranks_read_the_keys_the_plan_counts() -> None:
             assert plan.num_segments == 2 and plan.max_k == seq - rank * seq // (2 * context)
 
 
-class _LargestOutputs(TorchDispatchMode):
-    """The largest element count of any operator output (forward and backward)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.largest: tuple[int, str] = (0, "")
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
-                           kwargs: dict | None = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.numel() > self.largest[0]:
-                self.largest = (t.numel(), f"{func}: {tuple(t.shape)}")
-        return out
-
-
 def test_a_packed_step_at_4096_tokens_allocates_nothing_of_s_by_s() -> None:
     seq = 4096
     cfg = load_config(DIGITS, [f"data.seq_length={seq}", "modules.language.hidden_size=64",
@@ -164,7 +147,7 @@ def test_a_packed_step_at_4096_tokens_allocates_nothing_of_s_by_s() -> None:
     doc_ids = torch.cat([torch.full((n,), d) for d, n in enumerate(lengths)])[None]
     positions = torch.cat([torch.arange(n) for n in lengths])[None]
     x = torch.randn(1, seq, 64, requires_grad=True)
-    watch = _LargestOutputs()
+    watch = LargestOutputs()
     with watch:
         logits = lm(x, documents=Documents.from_doc_ids(doc_ids), position_ids=positions)
         logits.float().square().mean().backward()
@@ -172,7 +155,7 @@ def test_a_packed_step_at_4096_tokens_allocates_nothing_of_s_by_s() -> None:
     assert watch.largest[0] < limit, watch.largest
     assert attention_kernel(x.device, x.dtype, planned=True) == "segments"
     # The watcher sees a dense mask when there is one.
-    dense = _LargestOutputs()
+    dense = LargestOutputs()
     with dense:
         mask = doc_ids[:, :, None] == doc_ids[:, None, :]
         F.scaled_dot_product_attention(torch.randn(1, 1, seq, 8), torch.randn(1, 1, seq, 8),

@@ -23,11 +23,11 @@ from mimotron.data.bpe import train_bpe_tokenizer
 from mimotron.data.digits_llava import conversation_texts, write_llava_task
 from mimotron.data.llava_check import open_image
 from mimotron.data.packing import collate_packed, pack_rows
-from mimotron.data.run_data import build_llava_tasks, build_tokenizer
 from mimotron.forked_ranks import run_groups
 from mimotron.models.build import build_mimo_model
 from mimotron.training.language_step import input_kind_counts
 from tests.common import BASE, DIGITS, ONE_RANK, coloc, colocated, engine_run
+from tests.hf_data import collate_kwargs, llava_setup
 from tests.parity import assert_steps_match, assert_weights_match
 
 MAX_IMAGES = 2
@@ -62,19 +62,6 @@ def multi(tmp_path_factory: pytest.TempPathFactory) -> dict:
             "overrides": [*data, f"data.max_images_per_sample={MAX_IMAGES}"]}
 
 
-def _setup(overrides: list[str]) -> tuple:
-    """Config, tokenizer and train task (every part loaded) of ``BASE + overrides``."""
-    cfg = load_config(DIGITS, BASE + overrides)
-    tokenizer = build_tokenizer(cfg)
-    task, _ = build_llava_tasks(cfg, tokenizer)
-    return cfg, tokenizer, task
-
-
-def _kwargs(task: object) -> dict:
-    return {"pad_id": task.pad_id, "image_shape": task.image_shape,
-            "audio_shape": task.audio_shape}
-
-
 def _files(task: object, index: int) -> list[Path]:
     """The image files sample ``index`` of the task lists, in order (from its JSON)."""
     return list(task.dataset.record(int(task.indices[index])).images)
@@ -88,9 +75,9 @@ def _decoded(task: object, file: Path) -> torch.Tensor:
 def test_images_fill_their_placeholders_in_order(multi):
     """A collated batch holds each sample's images in list order, zeros after; merged,
     the k-th run of image placeholders of a row holds the k-th image encoded alone."""
-    cfg, tokenizer, task = _setup(multi["overrides"])
+    cfg, tokenizer, task = llava_setup(multi["overrides"])
     samples = [task.get(i) for i in range(16)]
-    batch = collate(samples, task.seq_length, **_kwargs(task))
+    batch = collate(samples, task.seq_length, **collate_kwargs(task))
     assert batch["image"].shape == (16, MAX_IMAGES, *task.image_shape)
     counts = [len(_files(task, i)) for i in range(16)]
     assert sorted(set(counts)) == [0, 1, 2], counts
@@ -128,7 +115,7 @@ def test_index_counts_every_image_and_ranks_decode_only_their_media(multi, monke
     """The index's length of a sample expands every image's placeholders; a rank loading
     the text alone decodes no image but knows each sample's image count; a rank loading
     the images alone gets them all."""
-    cfg, tokenizer, task = _setup(multi["overrides"])
+    cfg, tokenizer, task = llava_setup(multi["overrides"])
     pid = tokenizer.placeholder_id("image")
     tokens_per_image = cfg.modules["vision"].num_output_tokens
     samples = [task.get(i) for i in range(12)]
@@ -159,9 +146,9 @@ def test_index_counts_every_image_and_ranks_decode_only_their_media(multi, monke
 def test_packed_rows_hold_every_image_of_every_document(multi):
     """Packed, a row's mask counts all its documents' images and lists them in document
     order, each document's in its own order."""
-    _, _, task = _setup([*multi["overrides"], "data.packing=true"])
+    _, _, task = llava_setup([*multi["overrides"], "data.packing=true"])
     rows, _ = pack_rows(task.stream(0).samples, 0, 6, task.seq_length)
-    batch = collate_packed(rows, task.seq_length, **_kwargs(task))
+    batch = collate_packed(rows, task.seq_length, **collate_kwargs(task))
     want = [[f for doc in row for f in _files(task, doc["index"])] for row in rows]
     assert batch["image"].shape[1] == max(len(w) for w in want) >= 3
     assert batch["has_image"].sum(1).tolist() == [len(w) for w in want]
@@ -204,7 +191,7 @@ def test_check_refuses_too_many_images_or_a_count_mismatch(multi, files, placeho
     path = _rewrite(multi, f"bad-{files}-{placeholders}-{limit}.jsonl",
                     lambda r: _with_images(r, pictures, placeholders))
     with pytest.raises(ValueError) as err:
-        _setup([*multi["data"], f"data.path='{path}'", f"data.max_images_per_sample={limit}"])
+        llava_setup([*multi["data"], f"data.path='{path}'", f"data.max_images_per_sample={limit}"])
     line = str(err.value)
     assert "\n" not in line and "line 2" in line and "'many-2'" in line, line
     assert message in line, line
@@ -216,11 +203,11 @@ def test_config_key_is_checked_and_one_keeps_the_flag_format(multi):
     for value, extra in ((0, multi["data"]), (2, [])):
         with pytest.raises(ValueError, match=f"data.max_images_per_sample={value} is invalid"):
             load_config(DIGITS, [*BASE, *extra, f"data.max_images_per_sample={value}"])
-    _, _, task = _setup([*multi["data"], "data.skip_bad_samples=true"])
+    _, _, task = llava_setup([*multi["data"], "data.skip_bad_samples=true"])
     assert task.num_skipped == sum(isinstance(json.loads(x).get("image"), list)
                                    for x in multi["path"].read_text().splitlines()) >= 5
     assert "data.max_images_per_sample=1" in task.dataset.bad_samples[0].reason
-    batch = collate([task.get(i) for i in range(4)], task.seq_length, **_kwargs(task))
+    batch = collate([task.get(i) for i in range(4)], task.seq_length, **collate_kwargs(task))
     assert batch["has_image"].dim() == 1 and batch["image"].dim() == 4
 
 
@@ -287,7 +274,7 @@ def test_training_matches_across_layouts_and_the_plain_loop(multi):
     for result in split:
         assert [s[3] for s in result["steps"]] == [s[3] for s in one["steps"]]
         assert [s[0] for s in result["steps"]] == pytest.approx(losses, rel=1e-5, abs=1e-5)
-    cfg, tokenizer, task = _setup(over)
+    cfg, tokenizer, task = llava_setup(over)
     placeholders = {n: tokenizer.placeholder_id(cfg.modules[n].modality) for n in cfg.encoder_names}
     vocab = -(-tokenizer.vocab_size // reference.VOCAB_MULTIPLE) * reference.VOCAB_MULTIPLE
 
@@ -356,7 +343,7 @@ def test_a_sample_whose_json_no_longer_reads_is_skipped_with_no_media(multi, k, 
     from mimotron.data.llava_file import SampleError
 
     over = [*multi["data"], "data.skip_bad_samples=true", f"data.max_images_per_sample={k}"]
-    cfg, tokenizer, task = _setup(over)
+    cfg, tokenizer, task = llava_setup(over)
     dataset = task.dataset
     target = next(i for i in range(8) if task.get(i)["image"] is not None)
     real, record = int(task.indices[target]), dataset.record
@@ -365,7 +352,7 @@ def test_a_sample_whose_json_no_longer_reads_is_skipped_with_no_media(multi, k, 
     samples = [task.get(i) for i in range(8)]
     assert dataset.load_failures and not bool(torch.as_tensor(samples[target]["has_image"]).any())
     assert float(samples[target]["loss_mask"].sum()) == 0
-    batch = collate(samples, task.seq_length, **_kwargs(task))
+    batch = collate(samples, task.seq_length, **collate_kwargs(task))
     placeholders = {n: tokenizer.placeholder_id(cfg.modules[n].modality)
                     for n in cfg.encoder_names}
     model = build_mimo_model(cfg, padded_vocab_size(tokenizer.vocab_size), placeholders).eval()
@@ -382,7 +369,7 @@ def test_generation_takes_as_many_images_as_training_and_fills_them_in_order(mul
     the k-th file encoded alone; a third image is refused naming the key."""
     from mimotron.generate import Generator, LoadedModel
 
-    cfg, tokenizer, task = _setup(multi["overrides"])
+    cfg, tokenizer, task = llava_setup(multi["overrides"])
     index = next(i for i in range(16) if len(_files(task, i)) == 2)
     files = _files(task, index)
     placeholders = {n: tokenizer.placeholder_id(cfg.modules[n].modality)

@@ -28,7 +28,7 @@ from mimotron.data import collate
 from mimotron.data.bpe import train_bpe_tokenizer
 from mimotron.data.digits_llava import conversation_texts, write_llava_task
 from mimotron.data.packing import pack_rows
-from mimotron.data.run_data import build_llava_tasks, build_tokenizer, restrict_to_rank
+from mimotron.data.run_data import restrict_to_rank
 from mimotron.forked_ranks import run_ranks
 from mimotron.models.build import build_mimo_model
 from mimotron.parallel.layout import check_layout
@@ -38,6 +38,7 @@ from mimotron.training.data_provider import (
     stream_lengths,
 )
 from tests.common import BASE, DIGITS, coloc, colocated, noncolocated
+from tests.hf_data import collate_kwargs, llava_setup
 from tests.parity import (
     assert_steps_match,
     assert_weights_match,
@@ -62,19 +63,6 @@ def llava(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
             f"train.iters={NUM_ITERS + 2}"]  # fmt: skip
 
 
-def _setup(overrides: list[str]) -> tuple:
-    """Config, tokenizer and the train task (every part loaded) of ``BASE + overrides``."""
-    cfg = load_config(DIGITS, BASE + overrides)
-    tokenizer = build_tokenizer(cfg)
-    task, _ = build_llava_tasks(cfg, tokenizer)
-    return cfg, tokenizer, task
-
-
-def _kwargs(task: object) -> dict:
-    return {"pad_id": task.pad_id, "image_shape": task.image_shape,
-            "audio_shape": task.audio_shape}
-
-
 def _rank_steps(cfg: object, task: object, layout: object, rank: int, num_steps: int,
                 start: int = 0) -> tuple[list, list[int], PackedTrainIterator]:
     """``num_steps`` packed steps as ``rank`` builds them, its task restricted as the
@@ -87,7 +75,7 @@ def _rank_steps(cfg: object, task: object, layout: object, rank: int, num_steps:
     task.dataset.load = lambda index: loaded.append(index) or load(index)
     stream = task.stream(cfg.train.seed)
     provider = PackedMicrobatchProvider(layout, rank, MBS, task.seq_length, stream.samples,
-                                        _kwargs(task), lengths_at=stream_lengths(stream))
+                                        collate_kwargs(task), lengths_at=stream_lengths(stream))
     steps = PackedTrainIterator(provider, start, GBS)
     return [next(steps) for _ in range(num_steps)], loaded, steps
 
@@ -97,7 +85,7 @@ def test_each_rank_of_a_split_layout_builds_its_part_of_the_same_rows(llava):
     the rows packed with every part loaded; each rank loads only its rows' samples, the
     language ranks no media and the encoder ranks no tokens."""
     overrides = llava + noncolocated({"data": 2}, {}, {"data": 2})
-    cfg, _, task = _setup(overrides)
+    cfg, _, task = llava_setup(overrides)
     layout = check_layout(cfg)
     # Every part loaded, all modules on one rank: the whole rows of every micro-batch.
     full_cfg = load_config(DIGITS, BASE + llava + colocated(1))
@@ -142,7 +130,7 @@ def test_each_document_gets_its_own_images(llava):
     encoded and merged into the language rank's rows (tokens, no media) put at each
     document's placeholders that document's own projected image and tone."""
     overrides = llava + noncolocated({}, {}, {})
-    cfg, tokenizer, task = _setup(overrides)
+    cfg, tokenizer, task = llava_setup(overrides)
     layout = check_layout(cfg)
     mb = [_rank_steps(cfg, task, layout, rank, 1)[0][0][0] for rank in range(3)]
     vision, audio, lm_batch = mb[0]["vision"], mb[1]["audio"], mb[2]["language"]
@@ -162,7 +150,7 @@ def test_each_document_gets_its_own_images(llava):
     for i, row in enumerate(rows):
         start = 0
         for doc in row:
-            alone = collate([doc], task.seq_length, **_kwargs(task))
+            alone = collate([doc], task.seq_length, **collate_kwargs(task))
             span = slice(start, start + doc["tokens"].numel())
             start = span.stop
             for name, key in (("vision", "has_image"), ("audio", "has_audio")):
@@ -184,7 +172,7 @@ def test_resume_mid_stream_keeps_the_rows(llava):
     """Resumed at a step's consumed samples, every rank (an encoder rank without tokens,
     the language rank without media) builds the rows of the straight run's next steps."""
     overrides = llava + noncolocated({}, {}, {})
-    cfg, _, task = _setup(overrides)
+    cfg, _, task = llava_setup(overrides)
     layout = check_layout(cfg)
     for rank in range(3):
         straight, _, it = _rank_steps(cfg, task, layout, rank, 3)
@@ -221,7 +209,7 @@ def test_checkpoint_resume_continues_the_packed_stream(llava, tmp_path):
 @pytest.fixture(scope="module")
 def packed_reference(llava: list[str]) -> reference.ReferenceRun:
     """The plain loop on the independently packed LLaVA rows, 10 iterations."""
-    cfg, tokenizer, task = _setup(llava)
+    cfg, tokenizer, task = llava_setup(llava)
     placeholders = {n: tokenizer.placeholder_id(cfg.modules[n].modality)
                     for n in cfg.encoder_names}
     vocab = -(-tokenizer.vocab_size // reference.VOCAB_MULTIPLE) * reference.VOCAB_MULTIPLE

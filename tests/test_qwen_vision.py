@@ -30,13 +30,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from mimotron.config.qwen_vl_vision import media_tokens, qwen3_vision_args, qwen25_vision_args
 from mimotron.models.hf.qwen3_vision import Qwen3VisionTower
 from mimotron.models.hf.qwen25_vision import Qwen25VisionTower, window_order
 from mimotron.models.hf.weights import load_hf_weights
+from tests.saved_bytes import LargestOutputs
 
 transformers = pytest.importorskip("transformers")
 
@@ -203,22 +202,6 @@ def test_hub_layout_and_two_pipeline_stages(
         assert torch.allclose(a, b, rtol=0, atol=1e-6)
 
 
-class _LargestOutputs(TorchDispatchMode):
-    """The largest element count of any operator output (forward and backward)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.largest: tuple[int, str] = (0, "")
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
-                           kwargs: dict | None = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.numel() > self.largest[0]:
-                self.largest = (t.numel(), f"{func}: {tuple(t.shape)}")
-        return out
-
-
 @pytest.mark.parametrize("family", ["qwen25", "qwen3"])
 def test_no_tensor_of_s_by_s(family: str) -> None:
     """Eight 16 x 16-patch images (S = 2048): nothing of S * S / 16 elements, forward or
@@ -230,7 +213,7 @@ def test_no_tensor_of_s_by_s(family: str) -> None:
     grid = torch.tensor([[1, 16, 16]] * 8)
     seq = int(grid.prod(-1).sum())
     pixels = torch.randn(seq, 3 * TEMPORAL * PATCH * PATCH, requires_grad=True)
-    watch = _LargestOutputs()
+    watch = LargestOutputs()
     with watch:
         _loss(_outputs(family, tower(pixels, grid))).backward()
     assert watch.largest[0] < seq * seq // 16, watch.largest
