@@ -137,14 +137,8 @@ def build_1f1b_actions(num_microbatches: int, position: Position, pipelined: boo
     p = position
     warmup = min(max(p.total - p.index - 1, min_warmup), num_microbatches) if pipelined else 0
     remaining = num_microbatches - warmup
-    plan: list[Action] = []
-    # Warm-up: forwards only, filling the stages downstream.
-    for k in range(warmup):
-        if p.has_prev:
-            plan.append(Action(RECV_FORWARD, k))
-        plan.append(Action(FORWARD, k))
-        if p.has_next:
-            plan.append(Action(SEND_FORWARD, k))
+    # Warm-up: forwards only, filling the stages downstream (evaluation's plan).
+    plan = build_forward_only_actions(warmup, p)
     # Steady state: one forward, one backward.
     if remaining and p.has_prev:
         plan.append(Action(RECV_FORWARD, warmup))
