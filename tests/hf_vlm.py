@@ -203,9 +203,29 @@ class HFReference:
     initial: dict[str, torch.Tensor]
 
 
-def hf_reference_run(config: Path, num_iters: int, overrides: tuple[str, ...] = ()
-                     ) -> HFReference:
-    """Train ``LlavaForConditionalGeneration`` (from the config's folder) in a plain loop.
+@dataclass(frozen=True)
+class HFFamily:
+    """How the plain loop meets one family: its transformers model from the folder, the
+    transformers parameter a ``MimoModel`` parameter equals, the mean loss of a batch."""
+
+    load: Any
+    name_of: Any
+    loss: Any
+
+
+def _llava_model(path: str) -> Any:
+    import transformers
+
+    return transformers.LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.float32)
+
+
+LLAVA = HFFamily(_llava_model, lambda name, model: hf_name(name), hf_llava_loss)
+
+
+def hf_reference_run(config: Path, num_iters: int, overrides: tuple[str, ...] = (),
+                     family: HFFamily = LLAVA) -> HFReference:
+    """Train ``family``'s transformers model (``LlavaForConditionalGeneration`` by
+    default) from the config's folder in a plain loop.
 
     One process: the whole global batch in one forward, transformers' own loss,
     ``backward``, ``clip_grad_norm_``, ``torch.optim.AdamW`` (norms and biases without
@@ -216,8 +236,6 @@ def hf_reference_run(config: Path, num_iters: int, overrides: tuple[str, ...] = 
     ``modules.vision.freeze = "encoder"`` (LLaVA-1.5's stage 2) the tower's parameters
     get no gradient and no optimizer state.
     """
-    import transformers
-
     from mimotron.config import load_config
     from mimotron.data import build_datasets, collate
     from mimotron.data.run_data import build_tokenizer
@@ -227,14 +245,13 @@ def hf_reference_run(config: Path, num_iters: int, overrides: tuple[str, ...] = 
     cfg = load_config(config, list(overrides))
     tokenizer = build_tokenizer(cfg)
     task, _ = build_datasets(cfg, tokenizer)
-    model = transformers.LlavaForConditionalGeneration.from_pretrained(
-        cfg.hf_path, dtype=torch.float32)
+    model = family.load(cfg.hf_path)
     # Only the names of what mimotron trains (the tower's unused last layer is not).
     names = [n for n, _ in build_mimo_model(cfg, tokenizer.vocab_size, {
         "vision": tokenizer.placeholder_id("image")}).named_parameters()]
     params = dict(model.named_parameters())
     frozen_tower = cfg.modules["vision"].freeze == "encoder"
-    ours = {n: params[hf_name(n)] for n in names
+    ours = {n: params[family.name_of(n, model)] for n in names
             if not (frozen_tower and n.startswith("modality_submodules.vision.encoder."))}
     for p in params.values():
         p.requires_grad_(False)
@@ -253,7 +270,7 @@ def hf_reference_run(config: Path, num_iters: int, overrides: tuple[str, ...] = 
         batch = collate(stream.samples(k * gbs, gbs), task.seq_length, pad_id=task.pad_id,
                         image_shape=task.image_shape, audio_shape=task.audio_shape)
         optimizer.zero_grad(set_to_none=True)
-        loss = hf_llava_loss(model, batch)
+        loss = family.loss(model, batch)
         loss.backward()
         out.grad_norms.append(float(torch.nn.utils.clip_grad_norm_(list(ours.values()),
                                                                    opt.clip_grad)))
@@ -265,3 +282,20 @@ def hf_reference_run(config: Path, num_iters: int, overrides: tuple[str, ...] = 
         out.num_tokens.append(int(batch["loss_mask"].sum()))
     out.weights = {n: p.detach().clone() for n, p in ours.items()}
     return out
+
+
+def check_layout_run(layout: str, results: list[dict], ref: HFReference
+                     ) -> dict[str, torch.Tensor]:
+    """Every rank's losses, gradient norms and loss tokens of one engine run equal the
+    plain loop's, iteration by iteration; returns the ranks' final weights, merged."""
+    import pytest
+
+    merged: dict[str, torch.Tensor] = {}
+    for rank, res in enumerate(results):
+        merged.update(res["weights"])
+        for it, (loss, norm, skipped, tokens) in enumerate(res["steps"]):
+            where = f"{layout}, rank {rank}, iteration {it}"
+            assert not skipped and tokens == ref.num_tokens[it], where
+            assert loss == pytest.approx(ref.losses[it], rel=1e-5), where
+            assert norm == pytest.approx(ref.grad_norms[it], rel=1e-5), where
+    return merged

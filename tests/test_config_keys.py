@@ -160,6 +160,8 @@ PROBES: dict[str, tuple[list[str], str, list[str]]] = {
                                          "error:built", []),
     "modules.<m>.vision_feature_select_strategy": (
         ["modules.vision.vision_feature_select_strategy='full'"], "error:built", []),
+    # Native-resolution slots: tests/test_qwen_vl_engine.py.
+    "modules.<m>.max_pixels": (["modules.vision.max_pixels=64"], "error:built", []),
     "modules.<m>.downsample_factor": (["modules.audio.downsample_factor=2"], "error:built", []),
     "modules.<m>.downsample_mode": (["modules.audio.downsample_mode='stack'"], "error:built",
                                     []),

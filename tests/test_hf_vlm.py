@@ -31,6 +31,7 @@ from tests.hf_data import folder_tensors
 from tests.hf_vlm import (
     IMAGE,
     IMAGE_TOKENS,
+    check_layout_run,
     hf_llava_loss,
     hf_name,
     hf_reference_run,
@@ -89,7 +90,8 @@ def test_a_folder_that_is_not_a_supported_vlm_is_one_line(tmp_path: Path) -> Non
     folder = tmp_path / "blip"
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps({"model_type": "blip-2"}))
-    with pytest.raises(ValueError, match=r"model_type='blip-2'.*expected one of \['llava'\]"):
+    with pytest.raises(ValueError, match=r"model_type='blip-2'.*expected one of \['llava', "
+                                         r"'qwen2_5_vl', 'qwen3_vl'\]"):
         load_config(None, [f"hf_path='{folder}'"])
 
 
@@ -181,14 +183,7 @@ def test_layouts_train_like_a_plain_loop_on_transformers(llava: dict[str, Path],
     groups = run_groups([(world, engine_run, ([*over, *freeze], NUM_ITERS, llava["config"]),
                           {}) for world, over in layouts.values()], timeout_s=300)
     for layout, results in zip(layouts, groups, strict=True):
-        merged: dict[str, torch.Tensor] = {}
-        for rank, res in enumerate(results):
-            merged.update(res["weights"])
-            for it, (loss, norm, skipped, tokens) in enumerate(res["steps"]):
-                where = f"{layout}, rank {rank}, iteration {it}"
-                assert not skipped and tokens == ref.num_tokens[it], where
-                assert loss == pytest.approx(ref.losses[it], rel=1e-5), where
-                assert norm == pytest.approx(ref.grad_norms[it], rel=1e-5), where
+        merged = check_layout_run(layout, results, ref)
         frozen = set(merged) - set(ref.weights)
         assert frozen == ({n for n in merged if ".vision.encoder." in n} if freeze else set())
         for name in frozen:  # the tower as loaded

@@ -122,6 +122,8 @@ THROUGH: dict[str, str] = {
     "modules.<m>.vision_feature_select_strategy": "Hugging Face vision: the class token "
                                                   "in the output tokens (image_size, "
                                                   "patch_size)",
+    "modules.<m>.max_pixels": "Qwen-VL vision: the token slots per image "
+                              "(num_output_tokens)",
     "modules.<m>.downsample_factor": "Hugging Face audio: the output tokens "
                                      "(num_audio_tokens)",
     "modules.<m>.downsample_mode": "Hugging Face audio: stacked frames widen the projector "

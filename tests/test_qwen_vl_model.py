@@ -19,26 +19,21 @@ import torch
 import torch.nn.functional as F
 
 from mimotron.models.hf.qwen_vl import QwenVLModel
+from tests.qwen_vl import (
+    FAMILIES,
+    MERGE,
+    PATCH,
+    TEMPORAL,
+    VEND,
+    VIDEO,
+    VSTART,
+    decoder_name,
+    save_qwen_folder,
+)
 
 transformers = pytest.importorskip("transformers")
 
-IMAGE, VIDEO, VSTART, VEND = 120, 121, 122, 123
-HIDDEN, PATCH, MERGE, TEMPORAL = 48, 2, 2, 2
-TEXT = {"vocab_size": 128, "hidden_size": HIDDEN, "intermediate_size": 80,
-        "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2}
-VISION = {"hidden_size": 32, "num_heads": 2, "intermediate_size": 40,
-          "out_hidden_size": HIDDEN, "spatial_merge_size": MERGE, "patch_size": PATCH,
-          "temporal_patch_size": TEMPORAL}
-FAMILIES = {
-    "qwen2_5_vl": ("Qwen2_5_VL", {**TEXT, "rope_parameters": {
-        "rope_type": "default", "rope_theta": 1e4, "mrope_section": [2, 2, 2]}},
-        {**VISION, "depth": 3, "window_size": 8, "fullatt_block_indexes": [1]}),
-    "qwen3_vl": ("Qwen3VL", {**TEXT, "head_dim": 16, "rope_parameters": {
-        "rope_type": "default", "rope_theta": 5e3, "mrope_section": [2, 3, 3],
-        "mrope_interleaved": True}},
-        {**VISION, "depth": 3, "deepstack_visual_indexes": [0, 2],
-         "num_position_embeddings": 16}),
-}
+IMAGE = 120
 # Per row: text lengths and media (kind, (t, h, w) in patches).
 ROWS = ((3, ("image", (1, 4, 6)), 2, ("image", (1, 2, 2)), 4, ("video", (2, 4, 4)), 2),
         (5, ("image", (1, 6, 4)), 3, ("video", (2, 2, 4)), 6))
@@ -46,18 +41,7 @@ SECONDS = torch.tensor([0.5, 1.0])  # Qwen2.5-VL: seconds per temporal patch, pe
 
 
 def _save(path: Path, family: str) -> torch.nn.Module:
-    prefix, text, vision = FAMILIES[family]
-    config = getattr(transformers, f"{prefix}Config")(
-        text_config=dict(text), vision_config=dict(vision), image_token_id=IMAGE,
-        video_token_id=VIDEO, vision_start_token_id=VSTART, vision_end_token_id=VEND)
-    torch.manual_seed(0)
-    model = getattr(transformers, f"{prefix}ForConditionalGeneration")(config)
-    model.model.visual.set_attn_implementation("eager")
-    with torch.no_grad():
-        for param in model.parameters():
-            param.add_(torch.randn_like(param) * 0.1)
-    model.save_pretrained(path)
-    return model.float().eval()
+    return save_qwen_folder(path, family, IMAGE)
 
 
 def _row(parts: tuple, family: str, gen: torch.Generator) -> tuple[list[int], list, list]:
@@ -126,21 +110,13 @@ def test_loss_and_every_gradient_equal_transformers(tmp_path: Path, family: str)
         if name.startswith("visual."):
             hf = "model.visual." + ours.visual.weight_map.to_hf(name[len("visual."):])
         else:
-            hf = _language_name(name[len("language_model."):])
+            hf = decoder_name(name[len("language_model."):])
         grad = theirs[hf].grad
         assert param.grad is not None and grad is not None, name
         err = float((param.grad.reshape(grad.shape) - grad).norm() / grad.norm())
         assert err <= 1e-5, f"{name}: relative error {err}"
         checked.add(hf)
     assert checked == set(theirs)  # every transformers parameter has its twin
-
-
-def _language_name(ours: str) -> str:
-    """transformers' in-memory name of a decoder parameter (``model.language_model.*``)."""
-    from mimotron.models.hf.llama import LLAMA_WEIGHTS
-
-    hf = LLAMA_WEIGHTS.to_hf(ours)
-    return "model.language_model." + hf[len("model."):] if hf.startswith("model.") else hf
 
 
 def test_a_folder_of_another_family_is_refused(tmp_path: Path) -> None:

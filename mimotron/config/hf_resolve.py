@@ -30,16 +30,28 @@ from mimotron.config.hf_specs import (
     used_layers,
     whisper_tower_args,
 )
-from mimotron.config.hf_vlm import is_vlm_config, vlm_module_options, vlm_part_config
+from mimotron.config.hf_vlm import (
+    NATIVE_MODEL_TYPES,
+    is_native_config,
+    is_vlm_config,
+    vlm_module_options,
+    vlm_part_config,
+)
+from mimotron.config.native_vision import native_vision
+from mimotron.config.qwen_vl_vision import qwen3_vision_args, qwen25_vision_args
 from mimotron.config.schema import ModuleConfig
 
 # model_type -> family, per module kind.
 _FAMILIES: dict[str, dict[str, str]] = {
     "language": {t: "llama" for t in SUPPORTED_MODEL_TYPES},
     "vit": {"clip": "clip", "clip_vision_model": "clip", "siglip": "siglip",
-            "siglip_vision_model": "siglip"},
+            "siglip_vision_model": "siglip", "qwen2_5_vl_vision": "qwen2_5_vl",
+            "qwen3_vl_vision": "qwen3_vl"},
     "audio": {"whisper": "whisper"},
 }
+_NATIVE_ARGS = {"qwen2_5_vl": qwen25_vision_args, "qwen3_vl": qwen3_vision_args}
+
+
 def module_hf_config(mod: ModuleConfig) -> dict[str, Any]:
     """``mod.hf_path``'s config.json (the module's part of it, for a vision-language
     folder: :func:`~mimotron.config.hf_vlm.vlm_part_config`): the one recorded when the
@@ -102,6 +114,8 @@ def tower_kwargs(mod: ModuleConfig, config: dict[str, Any] | None = None) -> dic
         return {**whisper_tower_args(config),
                 "downsample_factor": mod.downsample_factor,
                 "downsample_mode": mod.downsample_mode}
+    if family in NATIVE_MODEL_TYPES:  # the merger is the tower's: no feature selection
+        return dict(_NATIVE_ARGS[family](config))
     read = clip_tower_args if family == "clip" else siglip_tower_args
     return {**read(config), "vision_feature_layer": mod.vision_feature_layer,
             "vision_feature_select_strategy": mod.vision_feature_select_strategy}
@@ -150,6 +164,10 @@ def hf_sizes(mod: ModuleConfig, config: dict[str, Any] | None = None) -> dict[st
                 "ffn_hidden_size": args["encoder_ffn_dim"],
                 "num_freq_bins": args["num_mel_bins"], "num_frames": 2 * positions,
                 "num_audio_tokens": positions // mod.downsample_factor}
+    if hf_family(mod, config=config) in NATIVE_MODEL_TYPES:
+        return {"hidden_size": args["hidden_size"], "num_layers": args["depth"],
+                "num_heads": args["num_heads"], "ffn_hidden_size": args["intermediate_size"],
+                "patch_size": args["patch_size"], "in_channels": args["in_channels"]}
     return {"hidden_size": args["hidden_size"],
             "num_layers": used_layers(args["num_hidden_layers"], mod.vision_feature_layer),
             "num_heads": args["num_attention_heads"], "ffn_hidden_size": args["intermediate_size"],
@@ -190,6 +208,9 @@ def resolve_hf_module(name: str, mod: ModuleConfig, explicit: Iterable[str] | No
     mod.hf_config = (mod.hf_path, config)  # later readers use it, not the file
     if mod.kind == "vit":
         mod.hf_class_token = has_class_token(mod.hf_path, config)
+    if mod.kind == "vit" and is_native_config(config):
+        mod.hf_native = native_vision(str(folder_config["model_type"]), tower_kwargs(mod, config),
+                                      mod.hf_path, mod.max_pixels, where)
 
 
 def _fill(where: str, mod: ModuleConfig, values: dict[str, Any],

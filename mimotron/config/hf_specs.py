@@ -30,8 +30,8 @@ from mimotron.config.rope_scaling import validate_rope_scaling
 from mimotron.config.schema import ModuleConfig
 
 __all__ = ["ACTIVATION_NAMES", "SUPPORTED_MODEL_TYPES", "VL_MODEL_TYPES", "LlamaFamilySpec",
-           "check_activation", "clip_tower_args", "siglip_tower_args", "used_layers",
-           "whisper_tower_args"]
+           "check_activation", "clip_tower_args", "siglip_tower_args", "text_part",
+           "used_layers", "whisper_tower_args"]
 
 ACTIVATION_NAMES: tuple[str, ...] = ("gelu", "quick_gelu", "gelu_pytorch_tanh", "gelu_new")
 """The encoder MLP activations, as ``transformers`` spells them
@@ -145,7 +145,7 @@ class LlamaFamilySpec:
             ValueError: unknown ``model_type``, a missing size, or a feature mimotron
                 does not implement; the message names the key.
         """
-        config = _text_part(config)
+        config = text_part(config)
         model_type = config.get("model_type")
         if model_type not in _DEFAULTS:
             raise ValueError(
@@ -280,7 +280,7 @@ def _refuse_unsupported(config: dict[str, Any]) -> None:
                          "attention has no dropout); expected 0.0")
 
 
-def _text_part(config: dict[str, Any]) -> dict[str, Any]:
+def text_part(config: dict[str, Any]) -> dict[str, Any]:
     """A decoder's config: ``config`` itself, or a full VL config's text part.
 
     Tied where either the full config or its ``text_config`` says so (transformers 5

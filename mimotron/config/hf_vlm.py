@@ -26,10 +26,15 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["VLM_MODEL_TYPES", "VLM_MODULES", "expand_vlm_modules", "is_vlm_config",
-           "vlm_module_options", "vlm_part_config"]
+from mimotron.config.hf_specs import text_part
 
-VLM_MODEL_TYPES: tuple[str, ...] = ("llava",)
+__all__ = ["NATIVE_MODEL_TYPES", "VLM_MODEL_TYPES", "VLM_MODULES", "expand_vlm_modules",
+           "is_native_config", "is_vlm_config", "vlm_module_options", "vlm_part_config"]
+
+NATIVE_MODEL_TYPES: tuple[str, ...] = ("qwen2_5_vl", "qwen3_vl")
+"""The vision-language families whose images keep their native resolution
+(:mod:`mimotron.config.native_vision`)."""
+VLM_MODEL_TYPES: tuple[str, ...] = ("llava", *NATIVE_MODEL_TYPES)
 """The ``model_type`` values of the vision-language folders mimotron splits into modules."""
 
 VLM_MODULES: dict[str, str] = {"vision": "vit", "language": "language"}
@@ -68,11 +73,19 @@ LLAVA_DEFAULTS: dict[str, Any] = {
     "multimodal_projector_bias": True,
 }
 _VISION_TYPES = ("clip_vision_model", "siglip_vision_model")
+_QWEN_IMAGE_TOKEN_ID = 151655  # both Qwen-VL configs' default image_token_id
 
 
 def is_vlm_config(config: dict[str, Any]) -> bool:
     """Whether a parsed ``config.json`` is one of :data:`VLM_MODEL_TYPES`."""
     return config.get("model_type") in VLM_MODEL_TYPES
+
+
+def is_native_config(config: dict[str, Any]) -> bool:
+    """Whether a parsed ``config.json`` is one of :data:`NATIVE_MODEL_TYPES` (a Qwen-VL
+    folder, or its vision part as :func:`vlm_part_config` gives it)."""
+    model_type = str(config.get("model_type"))
+    return model_type.removesuffix("_vision") in NATIVE_MODEL_TYPES
 
 
 def _sub(config: dict[str, Any], key: str) -> dict[str, Any]:
@@ -100,6 +113,8 @@ def vlm_part_config(config: dict[str, Any], kind: str) -> dict[str, Any]:
             sub-config (one line naming it).
     """
     model_type = config.get("model_type")
+    if model_type in NATIVE_MODEL_TYPES:
+        return _native_part(config, kind)
     if kind == "vit":
         vision = _sub(config, "vision_config")
         vision.setdefault("model_type", "clip_vision_model")
@@ -120,6 +135,18 @@ def vlm_part_config(config: dict[str, Any], kind: str) -> dict[str, Any]:
                      f"language model (kind 'language'); kind={kind!r} has no part in it")
 
 
+def _native_part(config: dict[str, Any], kind: str) -> dict[str, Any]:
+    """A Qwen-VL folder's parts: the ``vision_config`` (model type ``<family>_vision``, the
+    tower and its merger) and the text part (:func:`~mimotron.config.hf_specs.text_part`)."""
+    model_type = str(config.get("model_type"))
+    if kind == "vit":
+        return {**_sub(config, "vision_config"), "model_type": f"{model_type}_vision"}
+    if kind == "language":
+        return text_part(config)
+    raise ValueError(f"a {model_type!r} folder holds a vision tower (kind 'vit') and a "
+                     f"language model (kind 'language'); kind={kind!r} has no part in it")
+
+
 def vlm_module_options(config: dict[str, Any]) -> dict[str, Any]:
     """The vision module's keys a VLM folder fixes (its ``vision_feature_layer``,
     ``vision_feature_select_strategy`` and ``projector_hidden_size``).
@@ -132,6 +159,8 @@ def vlm_module_options(config: dict[str, Any]) -> dict[str, Any]:
             list of feature layers, a projector without biases or with another
             activation), one line naming the key.
     """
+    if config.get("model_type") in NATIVE_MODEL_TYPES:
+        return {}  # the merger is part of the tower: nothing to select or size
     get = {**LLAVA_DEFAULTS, **{k: v for k, v in config.items() if v is not None}}
     layer = get["vision_feature_layer"]
     if isinstance(layer, bool) or not isinstance(layer, int):
@@ -158,6 +187,9 @@ def vlm_module_options(config: dict[str, Any]) -> dict[str, Any]:
 
 def image_token_index(config: dict[str, Any]) -> int:
     """The id a VLM folder's model expects at each image position."""
+    if config.get("model_type") in NATIVE_MODEL_TYPES:
+        value = config.get("image_token_id")
+        return int(_QWEN_IMAGE_TOKEN_ID if value is None else value)
     value = config.get("image_token_index")
     return int(LLAVA_DEFAULTS["image_token_index"] if value is None else value)
 

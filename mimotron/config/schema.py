@@ -270,6 +270,12 @@ class ModuleConfig:
     """vit with hf_path only: ``default`` drops the class token (CLIP), ``full`` keeps every
     token (SigLIP, which has no class token, needs ``full``).
     """
+    max_pixels: int = 0
+    """vit with a Qwen2.5-VL / Qwen3-VL hf_path only: the largest image area in pixels
+    (>= 0; 0 = the folder's processor max_pixels). Images keep their native resolution,
+    resized by the processor to fit; each image travels in max_pixels / (patch_size x
+    merge_size)^2 token slots, so this bounds memory and transfer sizes.
+    """
     downsample_factor: int = 1
     """audio with hf_path only: k consecutive Whisper output frames become one token
     (>= 1, dividing max_source_positions); num_audio_tokens follows.
@@ -367,6 +373,7 @@ class ModuleConfig:
     # SigLIP not).
     hf_config = None
     hf_class_token = None
+    hf_native = None  # NativeVision of a Qwen-VL vision module (config/native_vision.py)
 
     @property
     def fully_frozen(self) -> bool:
@@ -386,6 +393,8 @@ class ModuleConfig:
     @property
     def num_output_tokens(self) -> int:
         """Embeddings an encoder emits per sample (placeholders in the text)."""
+        if self.kind == "vit" and self.hf_native is not None:
+            return int(self.hf_native.max_tokens)  # token slots per image
         if self.kind == "vit":
             patches = (self.image_size // self.patch_size) ** 2
             if self.hf_path and self.vision_feature_select_strategy == "full":

@@ -32,6 +32,7 @@ from mimotron.config.hf_resolve import resolve_hf_module
 from mimotron.config.hf_vlm import is_vlm_config
 from mimotron.config.limits import check_limits
 from mimotron.config.moe_options import check_layer_freq, check_moe_options
+from mimotron.config.native_vision import check_native_layout
 from mimotron.config.numbers import check_numbers
 from mimotron.config.paths import check_paths
 from mimotron.config.sample_keys import check_ignore_keys
@@ -79,6 +80,7 @@ def validate_config(cfg: MimoConfig, hf: HFConfigs | None = None) -> MimoConfig:
     check_paths(cfg)  # name, log.dir, checkpoint.dir: never a system folder
     _validate_modules(cfg, hf)
     _validate_vlm_projector(cfg, hf)
+    check_native_layout(cfg)
     _validate_train(cfg)
     _validate_optim(cfg.optimizer, "optimizer")
     _validate_scheduler(cfg.scheduler, "scheduler")
@@ -146,7 +148,8 @@ def _validate_vlm_projector(cfg: MimoConfig, hf: HFConfigs) -> None:
     output width is the folder's language model's: the run's must have that width."""
     language = cfg.modules[LANGUAGE]
     for name, mod in cfg.modules.items():
-        if mod.kind != "vit" or not mod.hf_path or not is_vlm_config(hf.read(mod.hf_path)):
+        if mod.kind != "vit" or not mod.hf_path or not is_vlm_config(hf.read(mod.hf_path)) \
+                or mod.hf_native is not None:  # a Qwen-VL merger: sized by the folder
             continue
         if mod.projector_hidden_size != language.hidden_size:
             raise ValueError(

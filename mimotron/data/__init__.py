@@ -22,8 +22,10 @@ sample is a text-only sum (see :func:`~mimotron.data.digits.modality_kind_map`).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
+from mimotron.config.hf_folder import read_hf_config
 from mimotron.config.schema import MimoConfig
 from mimotron.data.collate import (
     Batch,
@@ -51,6 +53,8 @@ from mimotron.data.dtmf import (
     spectrogram,
 )
 from mimotron.data.mock import MockTask
+from mimotron.data.mrope_positions import MRopeRule
+from mimotron.data.native_mock import NativeMockTask
 from mimotron.data.tokenizer import NUMBER_WORDS, CharTokenizer, number_to_words
 
 __all__ = [
@@ -149,6 +153,9 @@ def _mock_tasks(
     num_train = min(max(round(data.train_fraction * data.mock_num_samples), 1),
                     data.mock_num_samples - 1)  # fmt: skip
     sizes = {"train": num_train, "validation": data.mock_num_samples - num_train}
+    native = [m for m in cfg.modules.values() if m.hf_native is not None]
+    if native:
+        return _native_mock_tasks(cfg, tokenizer, native[0], sizes)
     counts = {m: inputs[m][0] if m in inputs else 1 for m in ("image", "audio")}
     train, validation = (
         MockTask(
@@ -160,6 +167,23 @@ def _mock_tasks(
         )  # fmt: skip
         for split in ("train", "validation")
     )
+    return train, validation
+
+
+def _native_mock_tasks(cfg: MimoConfig, tokenizer: CharTokenizer, vision: Any,
+                       sizes: dict[str, int]) -> tuple[NativeMockTask, NativeMockTask]:
+    """Mock tasks for a native-resolution vision module (images of random sizes)."""
+    if len(cfg.encoder_names) != 1:
+        raise ValueError(f"data.dataset='mock' with a {vision.hf_native.model_type} folder "
+                         f"takes its vision module alone; the config has encoders "
+                         f"{cfg.encoder_names}")
+    image_id = tokenizer.placeholder_id("image")
+    rule = dataclasses.replace(MRopeRule.from_hf_config(read_hf_config(vision.hf_path)),
+                               image_token_id=image_id)
+    train, validation = (
+        NativeMockTask(tokenizer.vocab_size, image_id, vision.hf_native, rule,
+                       cfg.data.seq_length, cfg.train.seed, sizes[split], split)
+        for split in ("train", "validation"))
     return train, validation
 
 

@@ -43,6 +43,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
 
+from mimotron.data.native_batch import stack_native
+
 Sample = dict[str, Any]
 Batch = dict[str, torch.Tensor]
 
@@ -222,6 +224,7 @@ def collate(
     batch["image"], batch["has_image"] = _stack_optional(samples, tuple(image_shape), "image")
     batch["audio"], batch["has_audio"] = _stack_optional(samples, tuple(audio_shape), "audio")
     batch["index"] = torch.tensor([int(s["index"]) for s in samples], dtype=torch.long)
+    batch.update(stack_native(samples, seq_length))  # native-resolution images only
     return batch
 
 

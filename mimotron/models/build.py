@@ -21,12 +21,14 @@ from mimotron.config.vocab_size import model_vocab_size
 from mimotron.models.encoders import AudioEncoder, ModalitySubmodule, Projector, VisionEncoder
 from mimotron.models.hf.clip import ClipVisionTower, SiglipVisionTower
 from mimotron.models.hf.llama import LLAMA_WEIGHTS, check_llama_folder
+from mimotron.models.hf.qwen_vl import QWEN_VL_TOWERS
 from mimotron.models.hf.vlm_weights import part_weight_map, projector_weight_map
 from mimotron.models.hf.weights import load_hf_weights
 from mimotron.models.hf.whisper import WhisperEncoderTower
 from mimotron.models.init import init_parameters_
 from mimotron.models.language import LanguageModel
 from mimotron.models.mimo import MimoModel
+from mimotron.models.native_vision import NativeVisionSubmodule
 from mimotron.names import LANGUAGE
 from mimotron.names import module_prefix as parameter_prefix
 
@@ -113,6 +115,9 @@ def _construct_hf(cfg: MimoConfig, name: str, vocab_size: int, stage: dict) -> n
                 z_loss_coeff=mod.moe_z_loss_coeff))
         return LanguageModel(**spec.model_kwargs(cfg.data.seq_length), **stage)
     kwargs = tower_kwargs(mod)
+    if mod.hf_native is not None:  # Qwen-VL: the tower ends in its own merger
+        tower_cls = QWEN_VL_TOWERS[hf_family(mod)]
+        return NativeVisionSubmodule(tower_cls(**kwargs, **stage), mod.hf_native.max_tokens)
     if mod.kind == "audio":
         encoder: nn.Module = WhisperEncoderTower(**kwargs, **stage)
         stacked = mod.downsample_mode == "stack"
@@ -156,7 +161,7 @@ def load_hf_module(cfg: MimoConfig, name: str, module: nn.Module) -> nn.Module:
         rows = {n: spec.vocab_size for n in ("embed.weight", "output.weight")}
         load_hf_weights(module, mod.hf_path, weight_map, rows=rows, seed=cfg.train.seed)
         return module
-    assert isinstance(module, ModalitySubmodule)
+    assert isinstance(module, (ModalitySubmodule, NativeVisionSubmodule))
     load_hf_weights(module.encoder, mod.hf_path, part_weight_map(
         module.encoder.weight_map, folder_config, mod.kind, names))
     projector_map = projector_weight_map(folder_config)

@@ -21,6 +21,7 @@ from mimotron.host_sync import host_copy
 from mimotron.models.attention import document_args
 from mimotron.models.encoders import ModalitySubmodule
 from mimotron.models.language import LanguageModel, language_loss
+from mimotron.models.native_vision import grid_key, native_embeddings
 from mimotron.names import LANGUAGE
 
 Batch = dict[str, torch.Tensor]
@@ -95,11 +96,15 @@ class MimoModel(nn.Module):
                 f"module {name!r} is not held on this rank (have "
                 f"{sorted(self.modality_submodules)})"
             )
-        inputs = present_rows(batch[self.modality_of[name]], self.present_mask(name, batch),
-                              self.host_present_mask(name, batch))
+        mask, host_mask = self.present_mask(name, batch), self.host_present_mask(name, batch)
+        inputs = present_rows(batch[self.modality_of[name]], mask, host_mask)
+        sub = self.modality_submodules[name]
+        if getattr(sub, "takes_grid", False):  # native resolution: each image's patch grid
+            grid = host_copy(batch, grid_key(self.modality_of[name]))
+            return sub(inputs, present_rows(grid, host_mask, host_mask))
         if chunk is None:
-            return self.modality_submodules[name](inputs)
-        return self.modality_submodules[name](inputs, chunk=chunk)
+            return sub(inputs)
+        return sub(inputs, chunk=chunk)
 
     def merge_embeddings(
         self,
@@ -108,6 +113,7 @@ class MimoModel(nn.Module):
         modality_embeds: dict[str, torch.Tensor],
         present: dict[str, torch.Tensor],
         host_tokens: torch.Tensor | None = None,
+        counts: dict[str, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Replace each module's placeholder positions by its embeddings.
 
@@ -121,6 +127,10 @@ class MimoModel(nn.Module):
             host_tokens: ``tokens`` on the host (the batch's host copy), if the caller
                 has it: the checks then count placeholders there, with no device sync
                 (give ``present`` on the host too).
+            counts: native-resolution modules (:mod:`mimotron.models.native_vision`):
+                module name -> each item's token count, shaped like ``present`` (on the
+                host); that module's embeddings are then the real rows ``[N, H]`` of
+                its items, in order (:func:`~mimotron.models.native_vision.slot_rows`).
 
         Returns:
             ``[B, S, H]``; gradients flow into both ``token_embeds`` and the modality
@@ -147,7 +157,10 @@ class MimoModel(nn.Module):
                     f"{sorted(self.placeholder_ids)}) and a present mask (have {sorted(present)})"
                 )
             pid = self.placeholder_ids[name]
-            self._check_counts(name, checked == pid, embeds, present[name])
+            if counts is not None and name in counts:
+                self._check_rows(name, checked == pid, embeds, counts[name])
+            else:
+                self._check_counts(name, checked == pid, embeds, present[name])
             mask = tokens == pid
             # masked_scatter fills True positions in row-major order: sample by sample,
             # position by position, which is exactly the order of the flattened rows.
@@ -199,6 +212,22 @@ class MimoModel(nn.Module):
             merged = merged.masked_scatter(mask.unsqueeze(-1), rows.to(merged.dtype))
         return merged
 
+    def _check_rows(self, name: str, mask: torch.Tensor, rows: torch.Tensor,
+                    counts: torch.Tensor) -> None:
+        """Raise ``ValueError`` unless each sample's placeholders number its items' tokens
+        and ``rows`` holds them all (a native-resolution module's real rows)."""
+        per_row = counts.long().to(mask.device)
+        per_row = per_row if per_row.dim() == 1 else per_row.sum(dim=1)
+        found = mask.sum(dim=1)
+        if rows.dim() != 2 or rows.shape[0] != int(per_row.sum()):
+            raise ValueError(f"module {name!r}: expected [{int(per_row.sum())}, H] rows for the "
+                             f"batch's image tokens, got {tuple(rows.shape)}")
+        bad = (found != per_row).nonzero().flatten()
+        if bad.numel():
+            i = int(bad[0])
+            raise ValueError(f"sample {i}: {int(found[i])} placeholder tokens for module "
+                             f"{name!r} but its media have {int(per_row[i])} tokens")
+
     def _check_counts(
         self, name: str, mask: torch.Tensor, embeds: torch.Tensor, present: torch.Tensor
     ) -> None:
@@ -248,14 +277,12 @@ class MimoModel(nn.Module):
             )
         embeds = {name: self.encode(name, batch) for name in self.modality_submodules}
         present = {name: self.present_mask(name, batch) for name in self.modality_submodules}
-        hidden = self.merge_embeddings(
-            batch["tokens"],
-            self.language_model.embed_tokens(batch["tokens"]),
-            embeds,
-            present,
-        )
+        tokens = batch["tokens"]
+        token_embeds = self.language_model.embed_tokens(tokens)
+        embeds, counts, visual = native_embeddings(self, batch, embeds, token_embeds.shape[-1])
+        hidden = self.merge_embeddings(tokens, token_embeds, embeds, present, counts=counts)
         # Packed rows (data.packing) carry their documents; see mimotron.data.packing.
-        logits = self.language_model(hidden, **document_args(batch))
+        logits = self.language_model(hidden, **document_args(batch), **visual)
         return language_loss(logits, batch["labels"], batch["loss_mask"])
 
 

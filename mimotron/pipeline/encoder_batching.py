@@ -42,6 +42,7 @@ from typing import Any
 import torch
 
 from mimotron.host_sync import HOST, host_copy
+from mimotron.models.native_vision import grid_key
 from mimotron.pipeline.edges import Edge
 
 Batch = dict[str, torch.Tensor]
@@ -77,6 +78,12 @@ def concat_encoder_inputs(batches: Sequence[Batch], modality: str) -> dict[str, 
     out: dict[str, Any] = {modality: torch.cat(inputs), key: torch.cat(masks)}
     if hosts:
         out[HOST] = {key: torch.cat(hosts)}
+    grid = grid_key(modality)  # native resolution: each image's patch grid, on the host
+    if batches and grid in batches[0]:
+        grids = [host_copy(b, grid) for b in batches]
+        if masks[0].dim() > 1:
+            grids = [_pad_items(g, masks[0].shape[1]) for g in grids]
+        out[grid] = torch.cat(grids)
     return out
 
 

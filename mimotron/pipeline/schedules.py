@@ -257,9 +257,10 @@ class StageRunner:
             self._saved[(chunk, k)] = (received, None)
             self._record_loss(k, self.ctx.language.forward_step(model, batch, received or {}))
             return None
-        hidden = (self.ctx.language.first_stage_input(model, batch, received or {})
-                  if self._is_first(chunk) else received)
-        out = model.language_model(hidden, **document_args(batch), **self._chunk_arg(chunk))
+        hidden, visual = (self.ctx.language.first_stage_input(model, batch, received or {})
+                          if self._is_first(chunk) else (received, {}))
+        out = model.language_model(hidden, **document_args(batch), **visual,
+                                   **self._chunk_arg(chunk))
         if self._is_last(chunk):
             self._saved[(chunk, k)] = (received, None)
             self._record_loss(k, self.ctx.language.loss(model, batch, out), chunk)

@@ -17,6 +17,7 @@ loss's divisor: the step starts its reduction, the schedule reads it where first
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -26,6 +27,7 @@ from mimotron import host_sync
 from mimotron.host_sync import host_copy
 from mimotron.models.attention import document_args
 from mimotron.models.language import language_loss
+from mimotron.models.native_vision import native_embeddings
 from mimotron.names import LANGUAGE
 from mimotron.parallel.tensor_parallel import vocab_parallel_loss
 
@@ -80,6 +82,15 @@ def language_input(model: nn.Module, batch: dict[str, torch.Tensor],
     and ``embeddings`` hold the ``[n_local, H]`` rows of the placeholders among them
     (:meth:`~mimotron.models.mimo.MimoModel.merge_context_embeddings`).
     """
+    return language_inputs(model, batch, embeddings)[0]
+
+
+def language_inputs(model: nn.Module, batch: dict[str, torch.Tensor],
+                    embeddings: dict[str, torch.Tensor | None]
+                    ) -> tuple[torch.Tensor, dict[str, Any]]:
+    """:func:`language_input` and the language model's vision arguments besides it
+    (Qwen3-VL's DeepStack features, :func:`~mimotron.models.native_vision.
+    native_embeddings`; ``{}`` for every other model)."""
     tokens = batch["tokens"]
     embeds = {m: e for m, e in embeddings.items() if e is not None}
     lm = model.language_model
@@ -91,10 +102,12 @@ def language_input(model: nn.Module, batch: dict[str, torch.Tensor],
         host_local = local if host_tokens is tokens else host_tokens[
             :, lm.context_positions(tokens.shape[1], host_tokens.device)]
         return model.merge_context_embeddings(local, lm.embed_tokens(local), embeds,
-                                              host_tokens=host_local)
+                                              host_tokens=host_local), {}
     present = {m: host_copy(batch, f"has_{model.modality_of[m]}") for m in embeds}
-    return model.merge_embeddings(tokens, model.language_model.embed_tokens(tokens), embeds,
-                                  present, host_tokens=host_tokens)
+    token_embeds = lm.embed_tokens(tokens)
+    embeds, counts, visual = native_embeddings(model, batch, embeds, token_embeds.shape[-1])
+    return model.merge_embeddings(tokens, token_embeds, embeds, present,
+                                  host_tokens=host_tokens, counts=counts), visual
 
 
 def language_loss_step(model: nn.Module, batch: dict[str, torch.Tensor], logits: torch.Tensor
@@ -181,8 +194,8 @@ def default_forward_step(model: nn.Module, batch: dict[str, torch.Tensor],
     function, ``language_input`` / ``language_loss_step``, runs instead) and is refused
     under context parallelism (:func:`check_forward_step`).
     """
-    logits = model.language_model(language_input(model, batch, embeddings),
-                                  **document_args(batch))
+    hidden, visual = language_inputs(model, batch, embeddings)
+    logits = model.language_model(hidden, **document_args(batch), **visual)
     return language_loss_step(model, batch, logits)
 
 
@@ -242,9 +255,11 @@ class LanguageStep:
         return out
 
     def first_stage_input(self, model: nn.Module, batch: dict[str, torch.Tensor],
-                          embeddings: dict[str, torch.Tensor | None]) -> torch.Tensor:
-        """The first stage's input of a pipelined language model (``language_input``)."""
-        return language_input(model, batch, embeddings)
+                          embeddings: dict[str, torch.Tensor | None]
+                          ) -> tuple[torch.Tensor, dict[str, Any]]:
+        """The first stage's input of a pipelined language model and its vision
+        arguments (:func:`language_inputs`)."""
+        return language_inputs(model, batch, embeddings)
 
     def loss(self, model: nn.Module, batch: dict[str, torch.Tensor], logits: torch.Tensor
              ) -> LossOutput:

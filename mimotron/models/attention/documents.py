@@ -148,14 +148,19 @@ def attention_segments(docs: Documents, device: torch.device, cp_size: int = 1,
 
 
 def document_args(batch: Mapping[str, Any]) -> dict[str, Any]:
-    """The language model's document arguments of a packed batch (``{}`` unpacked).
+    """The language model's document and position arguments of a batch (``{}``: neither).
 
     ``documents`` is read from the batch's host copy of ``doc_ids`` (no device sync);
-    ``position_ids`` (RoPE positions restarting at 0 per document) stays on the device.
+    ``position_ids`` (RoPE positions restarting at 0 per document; a native-resolution
+    VLM's 3-D positions, packed or not, ``[B, 3, S]`` in the batch) stays on the device.
     They travel with every stage's micro-batch, not as module state, so tensor- and
     pipeline-parallel stages all attend within the same documents.
     """
-    if "doc_ids" not in batch:
-        return {}
-    return {"documents": Documents.from_doc_ids(host_copy(batch, "doc_ids")),
-            "position_ids": batch["position_ids"]}
+    args: dict[str, Any] = {}
+    if "doc_ids" in batch:
+        args["documents"] = Documents.from_doc_ids(host_copy(batch, "doc_ids"))
+    if "position_ids" in batch:
+        positions = batch["position_ids"]
+        # M-RoPE positions travel per sample as [B, 3, S]; the model takes [3, B, S].
+        args["position_ids"] = positions.transpose(0, 1) if positions.dim() == 3 else positions
+    return args

@@ -30,8 +30,8 @@ import dataclasses
 from collections.abc import Iterable
 from typing import Any
 
-from mimotron.config.hf_vlm import is_vlm_config
-from mimotron.models.hf.llama import holds_moved_decoder, under_language_model
+from mimotron.config.hf_vlm import is_native_config, is_vlm_config
+from mimotron.models.hf.llama import holds_moved_decoder, qwen_vl_weight_map, under_language_model
 from mimotron.models.hf.weights import WeightMap
 
 __all__ = ["LLAVA_PROJECTOR_WEIGHTS", "part_weight_map", "projector_weight_map"]
@@ -71,6 +71,8 @@ def part_weight_map(base: WeightMap, config: dict[str, Any], kind: str,
     """
     if not is_vlm_config(config):
         return base
+    if is_native_config(config):  # Qwen-VL: the tower's map reads the folder's names
+        return base if kind == "vit" else qwen_vl_weight_map(names)
     if kind == "vit":
         # The family's own ignored parts (SigLIP's pooling head) sit under the tower.
         return dataclasses.replace(
@@ -85,4 +87,5 @@ def part_weight_map(base: WeightMap, config: dict[str, Any], kind: str,
 def projector_weight_map(config: dict[str, Any]) -> WeightMap | None:
     """The projector's map in a folder, or ``None`` where the folder holds none (a tower
     folder of its own: the projector is mimotron's, initialised by the run)."""
-    return LLAVA_PROJECTOR_WEIGHTS if is_vlm_config(config) else None
+    return (LLAVA_PROJECTOR_WEIGHTS if is_vlm_config(config) and not is_native_config(config)
+            else None)

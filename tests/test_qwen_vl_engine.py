@@ -1,0 +1,243 @@
+"""A Qwen2.5-VL / Qwen3-VL folder trained by the engine, against transformers' own model.
+
+One folder in (``hf_path`` at the top of the config): a ``vision`` module (the tower and
+its merger, at native resolution: every image its own token count) and a ``language``
+module (M-RoPE; Qwen3-VL's first layers add the DeepStack features). The data are random
+native-resolution samples (``data.dataset = "mock"``: images of random grids, text-only
+samples between them), so a micro-batch mixes images of different sizes.
+
+* One process: ``MimoModel``'s loss and every parameter's gradient equal transformers' on
+  a batch of two samples holding three images of different sizes (fp32, 1e-5).
+* Layouts: 10 iterations at a real learning rate, split (vision DP 2 | language TP 2),
+  colocated (vision DP 2 with language TP 2) and language PP 2 (for Qwen3-VL with both
+  DeepStack layers on the first stage): losses, grad norms and final weights equal the
+  plain loop on transformers' model (:func:`tests.hf_vlm.hf_reference_run`).
+* Layouts the towers cannot run are one line before launch.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from mimotron.config import load_config
+from mimotron.config.hf_folder import read_hf_config
+from mimotron.data.mrope_positions import MRopeRule, mrope_positions
+from mimotron.data.native_batch import stack_native
+from mimotron.forked_ranks import run_groups
+from mimotron.models.build import build_mimo_model
+from tests.common import engine_run
+from tests.hf_vlm import check_layout_run, hf_reference_run
+from tests.qwen_vl import (
+    FAMILIES,
+    MERGE,
+    PATCH,
+    QWEN_FAMILY,
+    TEMPORAL,
+    qwen_hf_name,
+    save_qwen_folder,
+)
+
+transformers = pytest.importorskip("transformers")
+
+IMAGE_ID = 3  # the character tokenizer's <image>: the folder's image_token_id
+NUM_ITERS = 10
+MAX_PIXELS = 256  # 16 token slots per image at patch 2, merge 2
+
+
+def _write_config(root: Path, folder: Path) -> Path:
+    path = root / "qwen.toml"
+    path.write_text(f"""
+hf_path = "{folder}"
+
+[modules.vision]
+max_pixels = {MAX_PIXELS}
+
+[data]
+dataset = "mock"
+seq_length = 40
+mock_num_samples = 96
+
+[train]
+iters = {NUM_ITERS}
+global_batch_size = 8
+micro_batch_size = 4
+seed = 3
+precision = "fp32"
+
+[optimizer]
+lr = 3e-3
+clip_grad = 0.5
+weight_decay = 0.1
+
+[scheduler]
+warmup_iters = 2
+
+[eval]
+interval = 1000
+
+[log]
+dir = "{root / 'run'}"
+""")
+    return path
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def qwen(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+         ) -> dict[str, object]:
+    root = tmp_path_factory.mktemp(request.param)
+    model = save_qwen_folder(root / "folder", request.param, IMAGE_ID)
+    return {"family": request.param, "root": root, "folder": root / "folder",
+            "model": model, "config": _write_config(root, root / "folder")}
+
+
+def _batch(folder: Path, gen: torch.Generator) -> tuple[dict[str, torch.Tensor], list]:
+    """Two samples: three images of different sizes (two in the first), text around."""
+    rows = (((1, 4, 6), (1, 2, 2)), ((1, 6, 4),))
+    rule = MRopeRule.from_hf_config(read_hf_config(folder))
+    width, samples, grids = 3 * TEMPORAL * PATCH**2, [], []
+    for images in rows:
+        ids, tokens, patches = [1], [], []
+        for grid in images:
+            count = grid[1] * grid[2] // MERGE**2
+            ids += [IMAGE_ID] * count + torch.randint(5, 100, (3,), generator=gen).tolist()
+            tokens.append(count)
+            patches.append(torch.zeros(MAX_PIXELS // PATCH**2, width))
+            patches[-1][:grid[1] * grid[2]] = torch.randn(grid[1] * grid[2], width,
+                                                          generator=gen)
+            grids.append(grid)
+        row = torch.tensor(ids)
+        samples.append({"tokens": row, "image": torch.stack(patches),
+                        "image_grid": torch.tensor(images), "image_tokens": torch.tensor(tokens),
+                        "position_ids": mrope_positions(row[None], rule, torch.tensor(
+                            images))[0][:, 0]})
+    seq = max(len(s["tokens"]) for s in samples)
+    batch = stack_native(samples, seq)
+    batch["tokens"] = torch.stack([torch.nn.functional.pad(s["tokens"], (0, seq - len(
+        s["tokens"]))) for s in samples])
+    batch["image"] = torch.stack([torch.nn.functional.pad(s["image"], (0, 0, 0, 0, 0, 2 - len(
+        s["image"]))) for s in samples])
+    batch["has_image"] = batch["image_tokens"] > 0
+    batch["labels"] = torch.roll(batch["tokens"], -1, 1)
+    batch["loss_mask"] = (batch["tokens"] != 0).float()
+    batch["loss_mask"][:, -1] = 0
+    return batch, grids
+
+
+def test_loss_and_every_gradient_equal_transformers(qwen: dict) -> None:
+    cfg = load_config(qwen["config"])
+    model = build_mimo_model(cfg, 128, {"vision": IMAGE_ID})
+    batch, grids = _batch(qwen["folder"], torch.Generator().manual_seed(0))
+    assert batch["image_tokens"].tolist() == [[6, 1], [6, 0]]  # sizes differ per image
+    loss_sum, num_tokens, _ = model(batch)
+    (loss_sum / num_tokens).backward()
+    reference = qwen["model"]
+    reference.zero_grad()
+    pixels = torch.cat([batch["image"][0, 0, :24], batch["image"][0, 1, :4],
+                        batch["image"][1, 0, :24]])
+    logits = reference(input_ids=batch["tokens"], pixel_values=pixels,
+                       image_grid_thw=torch.tensor(grids),
+                       mm_token_type_ids=(batch["tokens"] == IMAGE_ID).long()).logits
+    losses = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(),
+                                               reduction="none")
+    want = (losses * batch["loss_mask"].flatten()).sum() / batch["loss_mask"].sum()
+    want.backward()
+    assert float(loss_sum / num_tokens) == pytest.approx(float(want), rel=1e-5)
+    theirs = dict(reference.named_parameters())
+    checked = set()
+    for name, param in model.named_parameters():
+        hf = qwen_hf_name(name, reference)
+        grad = theirs[hf].grad
+        err = float((param.grad.reshape(grad.shape) - grad).norm() / grad.norm())
+        assert err <= 1e-5, f"{name}: relative error {err}"
+        checked.add(hf)
+    assert checked == set(theirs)
+
+
+_LAYOUTS = {
+    "vision DP 2 | language TP 2": (4, [
+        "modules.vision.parallel.data=2", "modules.language.parallel.tensor=2",
+        "modules.language.parallel.rank_offset=2"]),
+    "colocated vision DP 2, language TP 2": (2, [
+        "modules.vision.parallel.data=2", "modules.language.parallel.tensor=2"]),
+    "vision | language PP 2": (3, [
+        "modules.language.parallel.pipeline=2", "modules.language.parallel.rank_offset=1",
+        "modules.language.parallel.layers_per_stage=[2, 1]"]),
+}
+
+
+def test_layouts_train_like_a_plain_loop_on_transformers(qwen: dict) -> None:
+    """10 iterations at a real learning rate: losses, grad norms, final weights."""
+    ref = hf_reference_run(qwen["config"], NUM_ITERS, family=QWEN_FAMILY)
+    assert ref.losses[-1] < ref.losses[0] - 0.3, ref.losses
+    groups = run_groups([(world, engine_run, (over, NUM_ITERS, qwen["config"]), {})
+                         for world, over in _LAYOUTS.values()], timeout_s=400)
+    for layout, results in zip(_LAYOUTS, groups, strict=True):
+        merged = check_layout_run(layout, results, ref)
+        assert set(merged) == set(ref.weights), layout
+        for name, want in ref.weights.items():
+            got = merged[name].reshape(want.shape)
+            err = float((got - want).norm() / want.norm())
+            assert err <= 1e-4, f"{layout}: {name}: relative error {err}"
+            assert not torch.equal(want, ref.initial[name]), name
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("modules.vision.parallel.tensor=2", r"modules.vision.parallel.tensor=2 is not supported"),
+    ("modules.vision.parallel.pipeline=2", r"modules.vision.parallel.pipeline=2 is not "),
+    ("modules.language.parallel.context=2", r"modules.language.parallel.context=2 is not "),
+    ("modules.vision.max_pixels=8", r"modules.vision.max_pixels=8 is invalid"),
+])
+def test_a_layout_the_tower_cannot_run_is_one_line(qwen: dict, override: str, message: str
+                                                   ) -> None:
+    with pytest.raises(ValueError, match=message):
+        load_config(qwen["config"], [override])
+
+
+def test_deepstack_layers_spread_over_stages_are_refused(qwen: dict) -> None:
+    over = ["modules.language.parallel.pipeline=2", "modules.language.parallel.rank_offset=1"]
+    if qwen["family"] == "qwen2_5_vl":  # no DeepStack: any split
+        assert load_config(qwen["config"], over).modules["language"].parallel.pipeline == 2
+        return
+    with pytest.raises(ValueError, match=r"the first 2 language layers take modules.vision's "
+                                         r"DeepStack features"):
+        load_config(qwen["config"], over)
+
+
+def test_the_slots_follow_max_pixels(qwen: dict) -> None:
+    vision = load_config(qwen["config"]).modules["vision"]
+    assert vision.num_output_tokens == MAX_PIXELS // (PATCH * MERGE) ** 2 == 16
+    assert vision.hf_native.max_patches == 64 and vision.hf_native.patch_dim == 24
+    assert load_config(qwen["config"], ["modules.vision.max_pixels=0", "data.seq_length=264"]
+                       ).modules[
+        "vision"].num_output_tokens == 4096 // 16  # the folder's processor bound
+
+
+def test_max_pixels_without_a_qwen_folder_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"modules.vision.max_pixels=64 applies to a "
+                                         r"Qwen2.5-VL / Qwen3-VL vision module only"):
+        load_config(Path(__file__).resolve().parents[1] / "configs" / "digits.toml",
+                    ["modules.vision.max_pixels=64"])
+
+
+def test_stack_native_pads_items_and_positions() -> None:
+    """The native keys the reference and the engine both read, stacked by hand."""
+    one = {"image_grid": torch.tensor([1, 2, 4]), "image_tokens": torch.tensor(2),
+           "position_ids": torch.arange(6).expand(3, 6)}
+    none = {"image_grid": torch.zeros(3, dtype=torch.long), "image_tokens": torch.tensor(0),
+            "position_ids": torch.zeros(3, 4, dtype=torch.long)}
+    batch = stack_native([one, none], 8)
+    assert batch["image_grid"].tolist() == [[1, 2, 4], [0, 0, 0]]
+    assert batch["image_tokens"].tolist() == [2, 0]
+    assert batch["position_ids"].shape == (2, 3, 8)
+    assert batch["position_ids"][0, 1].tolist() == [0, 1, 2, 3, 4, 5, 0, 0]
+    two = {"image_grid": torch.tensor([[1, 2, 2], [1, 4, 2]]), "image_tokens": torch.tensor(
+        [1, 2]), "position_ids": torch.zeros(3, 2, dtype=torch.long)}
+    multi = stack_native([two, one], 8)  # several images per sample: [B, K, ...]
+    assert multi["image_grid"].tolist() == [[[1, 2, 2], [1, 4, 2]], [[1, 2, 4], [0, 0, 0]]]
+    assert multi["image_tokens"].tolist() == [[1, 2], [2, 0]]
+    assert stack_native([{"tokens": torch.ones(2), "position_ids": torch.arange(2)}], 8) == {}
+    with pytest.raises(ValueError, match=r"position_ids of shape \(3, 9\)"):
+        stack_native([{**one, "position_ids": torch.zeros(3, 9)}], 8)
