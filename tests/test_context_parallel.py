@@ -297,5 +297,5 @@ def test_cp_bridge_names_a_placeholder_count_that_does_not_match_the_rows():
     mask[:2] = True
     with pytest.raises(ValueError, match=r"hold 5 placeholder tokens \(id 7\) for 2 encoder "
                                          r"outputs of 3 rows each") as err:
-        comm._forward_sends(0, torch.zeros(2, rows, HIDDEN), mask, (tokens, pid))
+        comm._forward_sends(0, torch.zeros(2, rows, HIDDEN), mask, (tokens, pid, None))
     assert "\n" not in str(err.value)

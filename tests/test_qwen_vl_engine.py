@@ -8,10 +8,11 @@ samples between them), so a micro-batch mixes images of different sizes.
 
 * One process: ``MimoModel``'s loss and every parameter's gradient equal transformers' on
   a batch of two samples holding three images of different sizes (fp32, 1e-5).
-* Layouts: 10 iterations at a real learning rate, split (vision DP 2 | language TP 2),
-  colocated (vision DP 2 with language TP 2) and language PP 2 (for Qwen3-VL with both
-  DeepStack layers on the first stage): losses, grad norms and final weights equal the
-  plain loop on transformers' model (:func:`tests.hf_vlm.hf_reference_run`).
+* Layouts: 10 iterations at a real learning rate, split (vision DP 2 | language TP 2;
+  language CP 2; language PP 2, for Qwen3-VL with both DeepStack layers on the first
+  stage) and colocated (vision DP 2 with language TP 2; with language CP 2): losses,
+  grad norms and final weights equal the plain loop on transformers' model
+  (:func:`tests.hf_vlm.hf_reference_run`).
 * Layouts the towers cannot run are one line before launch.
 """
 
@@ -162,6 +163,10 @@ _LAYOUTS = {
         "modules.language.parallel.rank_offset=2"]),
     "colocated vision DP 2, language TP 2": (2, [
         "modules.vision.parallel.data=2", "modules.language.parallel.tensor=2"]),
+    "vision | language CP 2": (3, [
+        "modules.language.parallel.context=2", "modules.language.parallel.rank_offset=1"]),
+    "colocated vision DP 2, language CP 2": (2, [
+        "modules.vision.parallel.data=2", "modules.language.parallel.context=2"]),
     "vision | language PP 2": (3, [
         "modules.language.parallel.pipeline=2", "modules.language.parallel.rank_offset=1",
         "modules.language.parallel.layers_per_stage=[2, 1]"]),
@@ -187,7 +192,6 @@ def test_layouts_train_like_a_plain_loop_on_transformers(qwen: dict) -> None:
 @pytest.mark.parametrize(("override", "message"), [
     ("modules.vision.parallel.tensor=2", r"modules.vision.parallel.tensor=2 is not supported"),
     ("modules.vision.parallel.pipeline=2", r"modules.vision.parallel.pipeline=2 is not "),
-    ("modules.language.parallel.context=2", r"modules.language.parallel.context=2 is not "),
     ("modules.vision.max_pixels=8", r"modules.vision.max_pixels=8 is invalid"),
 ])
 def test_a_layout_the_tower_cannot_run_is_one_line(qwen: dict, override: str, message: str

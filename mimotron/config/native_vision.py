@@ -126,8 +126,8 @@ def check_native_layout(cfg: Any) -> None:
         ValueError: one line naming the key: a tower split by tensor or pipeline
             parallelism (the Qwen-VL towers have no tensor-parallel plan and run whole);
             a language model from another folder (its M-RoPE positions come from this
-            folder's rule); a language model under context parallelism (for now), or one
-            whose DeepStack layers are not all on the first stage's first model chunk.
+            folder's rule), or one whose DeepStack layers are not all on the first stage's
+            first model chunk.
     """
     language = cfg.modules.get("language")
     for name, mod in cfg.modules.items():
@@ -147,10 +147,6 @@ def check_native_layout(cfg: Any) -> None:
             raise ValueError(f"modules.language.hf_path must be {mod.hf_path!r} like "
                              f"modules.{name}.hf_path: a {vision.model_type} tower feeds its "
                              "own language model (3-D rotary positions)")
-        lpar = language.parallel
-        if lpar.context != 1:
-            raise ValueError(f"modules.language.parallel.context={lpar.context} is not "
-                             f"supported with a {vision.model_type} folder yet: expected 1")
         _check_deepstack_stage(name, mod, language)
 
 

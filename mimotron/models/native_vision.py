@@ -29,8 +29,9 @@ from torch import nn
 
 from mimotron.host_sync import host_copy
 
-__all__ = ["NativeVisionSubmodule", "grid_key", "native_embeddings", "slot_mask", "slot_rows",
-           "split_deepstack", "tokens_key"]
+__all__ = ["NativeVisionSubmodule", "grid_key", "native_context_embeddings", "native_embeddings",
+           "real_rows", "slot_mask",
+           "slot_rows", "split_deepstack", "tokens_key"]
 
 
 def grid_key(modality: str) -> str:
@@ -66,6 +67,25 @@ def slot_rows(blocks: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """
     mask = slot_mask(tokens, blocks.shape[1])
     return blocks[mask]
+
+
+def real_rows(blocks: torch.Tensor, present: torch.Tensor, counts: torch.Tensor | None
+              ) -> torch.Tensor | None:
+    """Where the real rows of slot blocks sit in ``blocks.reshape(-1, W)``, in order.
+
+    Args:
+        blocks: ``[n, slots, W]``, one block per present item.
+        present: the slice's presence mask (``[B]`` or ``[B, K]``, host).
+        counts: the slice's item token counts, shaped like ``present`` (host), or
+            ``None`` for an encoder whose blocks are all real.
+
+    Returns:
+        Long ``[sum(counts)]`` flat row indices (``None`` where ``counts`` is).
+    """
+    if counts is None:
+        return None
+    items = counts[present.bool()].long()
+    return slot_mask(items, blocks.shape[1]).flatten().nonzero().flatten().to(blocks.device)
 
 
 def split_deepstack(rows: torch.Tensor, hidden: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -110,6 +130,37 @@ def native_embeddings(model: nn.Module, batch: dict[str, torch.Tensor],
             visual = {"deepstack": deepstack,
                       "visual_mask": tokens == model.placeholder_ids[name]}
     return out, counts, visual
+
+
+def native_context_embeddings(model: nn.Module, batch: dict[str, torch.Tensor],
+                              embeds: dict[str, torch.Tensor], hidden: int, held: torch.Tensor
+                              ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """:func:`native_embeddings` on a context-parallel rank, whose rows are already
+    the real ones of its placeholders (``[n_local, W]``, row-major order).
+
+    The features are the first ``hidden`` columns. DeepStack's other columns are placed
+    at their rows among *all* the visual positions of the whole rows (zeros at those
+    other CP ranks hold), which is what the language model indexes with its positions.
+
+    Args:
+        model: the ``MimoModel``.
+        batch: the language micro-batch (whole rows).
+        embeds: module name -> this rank's rows.
+        hidden: the language model's width.
+        held: this CP rank's positions (host).
+    """
+    out, visual = dict(embeds), {}
+    for name, rows in embeds.items():
+        if tokens_key(model.modality_of[name]) not in batch or rows.shape[-1] == hidden:
+            continue
+        out[name], deepstack = split_deepstack(rows, hidden)
+        mask = host_copy(batch, "tokens") == model.placeholder_ids[name]
+        order = mask.flatten().cumsum(0).view_as(mask) - 1  # row of each visual position
+        local = order[:, held][mask[:, held]].to(rows.device)
+        whole = [part.new_zeros((int(mask.sum()), hidden)).index_copy(0, local, part)
+                 for part in deepstack]
+        visual = {"deepstack": whole, "visual_mask": mask}
+    return out, visual
 
 
 class NativeVisionSubmodule(nn.Module):

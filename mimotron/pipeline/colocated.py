@@ -33,6 +33,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from mimotron.host_sync import host_copy
+from mimotron.models.native_vision import real_rows, tokens_key
 from mimotron.parallel.layout import Layout
 from mimotron.pipeline.colocated_cp import CPBridgeGeometry, cp_bridge, cp_bridge_geometry
 from mimotron.pipeline.edges import Edge, slice_range
@@ -160,6 +162,11 @@ class ColocatedTransport:
             if language_batch is None or placeholder_id is None:
                 raise ValueError(f"the bridge of {edge.src!r} into a context-parallel "
                                  "language model needs language_batch and placeholder_id")
+            key = tokens_key(edge.modality)
+            if key in batch:  # native resolution: the real slots only, one per placeholder
+                real = real_rows(rows, host_copy(batch, f"has_{edge.modality}"),
+                                 host_copy(batch, key))
+                rows = rows.reshape(-1, rows.shape[-1])[real].unsqueeze(1)
             return cp_bridge(rows, batch["tokens"], language_batch["tokens"], placeholder_id,
                              cp_geo)
         geo = self.geometry[edge.src]

@@ -54,6 +54,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mimotron.models.native_vision import real_rows
 from mimotron.names import LANGUAGE
 from mimotron.parallel.context_parallel import placeholder_selection
 from mimotron.parallel.layout import Layout
@@ -193,7 +194,8 @@ class MultiModulePipelineCommunicator:
 
     # ---- forward direction -------------------------------------------------------------
     def _forward_sends(self, k: int, output: torch.Tensor, mask: torch.Tensor | None,
-                       placeholders: tuple[torch.Tensor, int] | None = None, chunk: int = 0
+                       placeholders: tuple[torch.Tensor, int, torch.Tensor | None] | None = None,
+                       chunk: int = 0
                        ) -> list[tuple[int, torch.Tensor]]:
         if not self._last(chunk):
             return [(self._stage_peer(+1), output)]
@@ -210,14 +212,17 @@ class MultiModulePipelineCommunicator:
                 sends.append((d_rank, block))
             else:
                 assert placeholders is not None, "a CP bridge needs the slice's tokens"
-                tokens, pid = placeholders
+                tokens, pid, counts = placeholders
                 sel = placeholder_selection(tokens[lo - start:hi - start], pid, self.cp, cp)
-                if sel.numel() != n * block.shape[1]:
+                real = real_rows(block, mask[lo - start:hi - start],
+                                 None if counts is None else counts[lo - start:hi - start])
+                if sel.numel() != (n * block.shape[1] if real is None else real.numel()):
                     raise ValueError(
                         f"samples {lo}..{hi - 1} of the micro-batch hold {sel.numel()} "
                         f"placeholder tokens (id {pid}) for {n} encoder outputs of "
                         f"{block.shape[1]} rows each: every present sample needs exactly "
-                        f"{block.shape[1]} placeholders")
+                        "its output's rows as placeholders")
+                sel = sel if real is None else real[sel]
                 sends.append((d_rank, block.reshape(-1, block.shape[-1])[sel]))
                 routed.append((offset, n, sel))
             if cp == self.cp - 1:  # a pair's routes are consecutive: next pair's rows

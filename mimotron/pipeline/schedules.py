@@ -43,6 +43,7 @@ import torch.distributed as dist
 from mimotron.host_sync import host_copy
 from mimotron.models.attention import document_args
 from mimotron.models.moe import set_aux_loss_weights
+from mimotron.models.native_vision import tokens_key
 from mimotron.names import LANGUAGE
 from mimotron.parallel.grad_sync import GradSync
 from mimotron.parallel.layout import Layout
@@ -190,17 +191,23 @@ class StageRunner:
             return None
         return host_copy(self.ctx.microbatches[k][m], f"has_{model.modality_of[m]}")
 
-    def placeholder_tokens(self, k: int) -> tuple[torch.Tensor, int] | None:
-        """``(tokens of this encoder rank's slice, placeholder id)`` for micro-batch ``k``.
+    def placeholder_tokens(self, k: int
+                           ) -> tuple[torch.Tensor, int, torch.Tensor | None] | None:
+        """``(tokens of this encoder rank's slice, placeholder id, item token counts)`` for
+        micro-batch ``k``.
 
         The bridge into a context-parallel language model routes each encoder row to the
         CP rank holding its placeholder (:func:`~mimotron.parallel.context_parallel.
-        placeholder_selection`); ``None`` off encoder ranks.
+        placeholder_selection`); a native-resolution encoder's rows are its items' real
+        slots, whose counts (the batch's ``<modality>_tokens``, on the host) come third
+        (``None`` for every other encoder). ``None`` off encoder ranks.
         """
         model, m = self.ctx.model, self.module
         if m is None or m == LANGUAGE:
             return None
-        return self.ctx.microbatches[k][m]["tokens"], model.placeholder_ids[m]
+        batch, key = self.ctx.microbatches[k][m], tokens_key(model.modality_of[m])
+        counts = host_copy(batch, key) if key in batch else None
+        return batch["tokens"], model.placeholder_ids[m], counts
 
     # ---- forward -------------------------------------------------------------------------
     def forward(self, k: int, received: Any, chunk: int = 0) -> Any:

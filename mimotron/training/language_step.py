@@ -27,7 +27,7 @@ from mimotron import host_sync
 from mimotron.host_sync import host_copy
 from mimotron.models.attention import document_args
 from mimotron.models.language import language_loss
-from mimotron.models.native_vision import native_embeddings
+from mimotron.models.native_vision import native_context_embeddings, native_embeddings
 from mimotron.names import LANGUAGE
 from mimotron.parallel.tensor_parallel import vocab_parallel_loss
 
@@ -101,8 +101,12 @@ def language_inputs(model: nn.Module, batch: dict[str, torch.Tensor],
         local = tokens[:, positions]
         host_local = local if host_tokens is tokens else host_tokens[
             :, lm.context_positions(tokens.shape[1], host_tokens.device)]
-        return model.merge_context_embeddings(local, lm.embed_tokens(local), embeds,
-                                              host_tokens=host_local), {}
+        local_embeds = lm.embed_tokens(local)
+        embeds, visual = native_context_embeddings(
+            model, batch, embeds, local_embeds.shape[-1],
+            lm.context_positions(tokens.shape[1], torch.device("cpu")))
+        return model.merge_context_embeddings(local, local_embeds, embeds,
+                                              host_tokens=host_local), visual
     present = {m: host_copy(batch, f"has_{model.modality_of[m]}") for m in embeds}
     token_embeds = lm.embed_tokens(tokens)
     embeds, counts, visual = native_embeddings(model, batch, embeds, token_embeds.shape[-1])
