@@ -251,8 +251,12 @@ def hf_reference_run(config: Path, num_iters: int, overrides: tuple[str, ...] = 
         "vision": tokenizer.placeholder_id("image")}).named_parameters()]
     params = dict(model.named_parameters())
     frozen_tower = cfg.modules["vision"].freeze == "encoder"
+    # A frozen tower: every encoder parameter but a Qwen-VL tower's patch mergers.
+    mergers = ("modality_submodules.vision.encoder.merger.",
+               "modality_submodules.vision.encoder.deepstack_mergers.")
     ours = {n: params[family.name_of(n, model)] for n in names
-            if not (frozen_tower and n.startswith("modality_submodules.vision.encoder."))}
+            if not (frozen_tower and n.startswith("modality_submodules.vision.encoder.")
+                    and not n.startswith(mergers))}
     for p in params.values():
         p.requires_grad_(False)
     for p in ours.values():

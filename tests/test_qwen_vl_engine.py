@@ -189,6 +189,27 @@ def test_layouts_train_like_a_plain_loop_on_transformers(qwen: dict) -> None:
             assert not torch.equal(want, ref.initial[name]), name
 
 
+def test_a_frozen_tower_trains_its_mergers_like_the_plain_loop(qwen: dict) -> None:
+    """``freeze = "encoder"``: the tower stops, its patch mergers (the projector) train."""
+    freeze = ("modules.vision.freeze='encoder'",)
+    ref = hf_reference_run(qwen["config"], NUM_ITERS, freeze, family=QWEN_FAMILY)
+    world, over = _LAYOUTS["colocated vision DP 2, language TP 2"]
+    [results] = run_groups([(world, engine_run, ([*over, *freeze], NUM_ITERS, qwen["config"]),
+                             {})], timeout_s=300)
+    merged = check_layout_run("frozen tower", results, ref)
+    trained = {n for n in ref.weights if ".vision." in n}
+    assert trained and all("merger" in n for n in trained), sorted(trained)
+    for name, want in ref.weights.items():
+        err = float((merged[name].reshape(want.shape) - want).norm() / want.norm())
+        assert err <= 1e-4, f"{name}: relative error {err}"
+    frozen = set(merged) - set(ref.weights)
+    assert frozen and all(".vision.encoder." in n and "merger" not in n for n in frozen)
+    loaded = dict(qwen["model"].named_parameters())
+    for name in frozen:  # as loaded from the folder
+        want = loaded[qwen_hf_name(name, qwen["model"])]
+        assert torch.equal(merged[name].reshape(want.shape), want), name
+
+
 @pytest.mark.parametrize(("override", "message"), [
     ("modules.vision.parallel.tensor=2", r"modules.vision.parallel.tensor=2 is not supported"),
     ("modules.vision.parallel.pipeline=2", r"modules.vision.parallel.pipeline=2 is not "),

@@ -329,8 +329,8 @@ class ModuleConfig:
     """What of the module does not train: ``false`` (all of it trains), ``true`` (none of
     it: no gradients, no optimizer state, no gradient sync), or, for an encoder,
     ``"encoder"``: its tower (the vision or audio encoder) is frozen and its projector
-    trains (LLaVA's stage 1, with ``modules.language.freeze = true``). Something must
-    train: a module or a projector.
+    trains (LLaVA's stage 1, with ``modules.language.freeze = true``); a Qwen-VL tower's
+    projector is its patch mergers. Something must train: a module or a projector.
     """
     recompute: Recompute = "none"
     """Activation recompute of the module's transformer layers: ``none``; ``selective``

@@ -4,7 +4,10 @@
 only) stops the *tower*, the ``encoder`` child of
 :class:`~mimotron.models.encoders.ModalitySubmodule` (the ViT, the audio encoder, a
 CLIP / SigLIP / Whisper tower), and leaves the ``projector`` training: LLaVA's stage 1
-trains the projectors alone, with the language model frozen too.
+trains the projectors alone, with the language model frozen too. A Qwen2.5-VL / Qwen3-VL
+tower holds its projector, the patch mergers (:data:`NATIVE_PROJECTOR`): they train, the
+rest of the tower stops (a frozen vision tower with a trained merger, as Qwen-VL
+fine-tuning recipes do).
 
 Freezing is ``requires_grad = False`` and nothing else; everything downstream reads
 ``requires_grad`` (the optimizer's parameter lists, the grad norm, the data-parallel
@@ -22,7 +25,12 @@ from mimotron.config.schema import ModuleConfig
 TOWER = "encoder"
 """The child of an encoder module that ``freeze = "encoder"`` freezes."""
 
-__all__ = ["TOWER", "freeze_part", "is_frozen_parameter", "trainable_parameter_count"]
+NATIVE_PROJECTOR = ("encoder.merger.", "encoder.deepstack_mergers.")
+"""A Qwen-VL tower's patch mergers: its projector, which ``freeze = "encoder"`` leaves
+training (the merger is inside the tower's module, as in the checkpoint)."""
+
+__all__ = ["NATIVE_PROJECTOR", "TOWER", "freeze_part", "is_frozen_parameter",
+           "trainable_parameter_count"]
 
 
 def is_frozen_parameter(mcfg: ModuleConfig, name: str) -> bool:
@@ -39,6 +47,8 @@ def is_frozen_parameter(mcfg: ModuleConfig, name: str) -> bool:
     """
     if mcfg.fully_frozen:
         return True
+    if mcfg.hf_native is not None and name.startswith(NATIVE_PROJECTOR):
+        return False
     return mcfg.tower_frozen and name.split(".", 1)[0] == TOWER
 
 
@@ -62,7 +72,9 @@ def freeze_part(part: nn.Module, mcfg: ModuleConfig) -> bool:
         return False
     tower = getattr(part, TOWER, None)
     assert isinstance(tower, nn.Module), "freeze = 'encoder' on a module without a tower"
-    tower.requires_grad_(False)
+    for name, param in part.named_parameters():
+        if is_frozen_parameter(mcfg, name):
+            param.requires_grad_(False)
     return True
 
 
