@@ -10,7 +10,8 @@ samples between them), so a micro-batch mixes images of different sizes.
   a batch of two samples holding three images of different sizes (fp32, 1e-5).
 * Layouts: 10 iterations at a real learning rate, split (vision DP 2 | language TP 2;
   language CP 2; language PP 2, for Qwen3-VL with both DeepStack layers on the first
-  stage) and colocated (vision DP 2 with language TP 2; with language CP 2): losses,
+  stage) and colocated (vision DP 2 with language TP 2, also with encoder batching and
+  the tower recomputed; with language CP 2): losses,
   grad norms and final weights equal the plain loop on transformers' model
   (:func:`tests.hf_vlm.hf_reference_run`).
 * Layouts the towers cannot run are one line before launch.
@@ -165,6 +166,9 @@ _LAYOUTS = {
         "modules.vision.parallel.data=2", "modules.language.parallel.tensor=2"]),
     "vision | language CP 2": (3, [
         "modules.language.parallel.context=2", "modules.language.parallel.rank_offset=1"]),
+    "colocated, encoder batching": (2, [
+        "modules.vision.parallel.data=2", "modules.language.parallel.tensor=2",
+        "train.encoder_batching=true", "modules.vision.recompute='full'"]),
     "colocated vision DP 2, language CP 2": (2, [
         "modules.vision.parallel.data=2", "modules.language.parallel.context=2"]),
     "vision | language PP 2": (3, [
