@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 # machine busy (docs/testing.md has the measured figures).
 TEST_WORKERS ?= 3
 
-.PHONY: venv demo demo-llava test lint plan docs clean
+.PHONY: venv demo demo-llava demo-qwen test lint plan docs clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +39,13 @@ demo-llava: $(STAMP)
 	$(PY) -m mimotron.demo.llava_assets runs/digits_llava/assets
 	$(VENV)/bin/mimotron train configs/digits_llava.toml train.overwrite=true checkpoint.load=none
 	$(VENV)/bin/mimotron plot runs/digits_llava
+
+# One tiny Qwen2.5-VL folder (random weights, made locally) trained on digits of several
+# sizes at native resolution (configs/digits_qwen.toml); from scratch as above.
+demo-qwen: $(STAMP)
+	$(PY) -m mimotron.demo.qwen_assets runs/digits_qwen/assets
+	$(VENV)/bin/mimotron train configs/digits_qwen.toml train.overwrite=true checkpoint.load=none
+	$(VENV)/bin/mimotron plot runs/digits_qwen
 
 test: $(STAMP)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)

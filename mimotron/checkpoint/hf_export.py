@@ -55,6 +55,7 @@ from mimotron.checkpoint.export_folder import ExportFolder
 from mimotron.checkpoint.state import VOCAB_SIZE_UNPADDED
 from mimotron.config.hf_files import open_safetensors
 from mimotron.config.hf_folder import INDEX_FILE, SINGLE_FILE, read_hf_config, tensor_files
+from mimotron.config.hf_vlm import NATIVE_MODEL_TYPES, image_token_index
 from mimotron.models.hf.clip import CLIP_WEIGHTS, SIGLIP_WEIGHTS
 from mimotron.models.hf.llama import LLAMA_WEIGHTS, SUPPORTED_MODEL_TYPES, LlamaFamilySpec
 from mimotron.models.hf.weights import WeightMap, hf_tensors_of
@@ -239,9 +240,10 @@ def run_tokenizer(run_config: Mapping[str, Any]) -> Any:
     """The run's Hugging Face tokenizer with its placeholders, or ``None`` if it had none.
 
     Built by the function training builds it with
-    (:func:`~mimotron.data.run_data.run_hf_tokenizer`), from the module kinds and the
-    ``data.chat_template`` the run config records, so the placeholders get the ids
-    training gave them and the template is the one training rendered with.
+    (:func:`~mimotron.data.run_data.run_hf_tokenizer`), from the module kinds, the
+    ``data.chat_template`` and the Qwen-VL folder (its ``<|image_pad|>`` is the image
+    placeholder) the run config records, so the placeholders get the ids training gave
+    them and the template is the one training rendered with.
     """
     data = run_config.get("data") or {}
     path = data.get(TOKENIZER)
@@ -249,9 +251,23 @@ def run_tokenizer(run_config: Mapping[str, Any]) -> Any:
         return None
     from mimotron.data.run_data import run_hf_tokenizer  # Deferred: loads transformers.
 
-    modules = (run_config.get("modules") or {}).values()
-    return run_hf_tokenizer(path, [m.get("kind") for m in modules if isinstance(m, Mapping)],
-                            data.get("chat_template") or "")
+    modules = [m for m in (run_config.get("modules") or {}).values() if isinstance(m, Mapping)]
+    return run_hf_tokenizer(path, [m.get("kind") for m in modules],
+                            data.get("chat_template") or "",
+                            placeholder_ids=_native_placeholder_ids(modules))
+
+
+def _native_placeholder_ids(modules: Sequence[Mapping[str, Any]]) -> dict[str, int]:
+    """``{"image": config.json image_token_id}`` where a vision module is a Qwen-VL
+    folder's tower (training's placeholder is the model's own token), else ``{}``."""
+    for module in modules:
+        path = module.get(HF_PATH)
+        if module.get("kind") != "vit" or not path or not Path(str(path)).is_dir():
+            continue
+        config = read_hf_config(path)
+        if config.get("model_type") in NATIVE_MODEL_TYPES:
+            return {"image": image_token_index(config)}
+    return {}
 
 
 def export_hf_module(

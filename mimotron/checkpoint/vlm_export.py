@@ -1,19 +1,24 @@
 """Export a run of one vision-language folder back as one folder of the same class.
 
-A run whose modules were split from one LLaVA folder (``hf_path`` at the top of the
-config, :mod:`mimotron.config.hf_vlm`) exports with ``mimotron export --format hf`` as
-one folder that ``transformers``' Auto classes load as the class the original was
-(``LlavaForConditionalGeneration``), with no missing or unexpected keys:
+A run whose modules were split from one vision-language folder (``hf_path`` at the top
+of the config, :mod:`mimotron.config.hf_vlm`) exports with ``mimotron export --format
+hf`` as one folder that ``transformers``' Auto classes load as the class the original
+was (``LlavaForConditionalGeneration``, ``Qwen2_5_VLForConditionalGeneration``,
+``Qwen3VLForConditionalGeneration``), with no missing or unexpected keys:
 
 - ``model.safetensors``: every tensor of the original folder under its original name
-  and dtype (its layout kept: hub or ``model.language_model.*``), the trained ones in
-  place: the vision tower, the projector and the decoder. Tensors the run never built
-  (tower layers past the feature layer, the final LayerNorm) are the original's. The
+  and dtype (its layout kept: LLaVA's hub or ``model.language_model.*``; Qwen-VL's
+  ``model.*`` + ``visual.*`` or ``model.language_model.*`` + ``model.visual.*``), the
+  trained ones in place: the vision tower, the projector (a Qwen-VL tower's patch
+  mergers are the tower's) and the decoder. Tensors the run never built (LLaVA tower
+  layers past the feature layer, the final LayerNorm) are the original's. The
   vocabulary tables keep the real vocabulary's rows (padding dropped), and a tied head
   is not written.
-- ``config.json``: the original, with ``text_config.vocab_size`` the trained vocabulary
-  and ``image_token_index`` the run's ``<image>`` id (both unchanged unless training
-  added tokens).
+- ``config.json``: the original, with the text part's ``vocab_size`` (in
+  ``text_config``, or at the top of a Qwen2.5-VL hub config) the trained vocabulary and
+  the image token id (LLaVA's ``image_token_index``, Qwen-VL's ``image_token_id``) the
+  run tokenizer's image placeholder (both unchanged unless training added tokens; a
+  Qwen-VL run's placeholder is the folder's own ``<|image_pad|>``).
 - the original's other files (processor, chat template, generation config), the run's
   tokenizer in place of the folder's, and ``mimotron_config.json``;
 - the run's other modules (an audio encoder) as ``--format hf`` writes them:
@@ -54,9 +59,10 @@ from mimotron.checkpoint.hf_export import (
 )
 from mimotron.checkpoint.state import VOCAB_SIZE_UNPADDED
 from mimotron.config.hf_folder import SINGLE_FILE, read_hf_config, tensor_files
-from mimotron.config.hf_vlm import is_vlm_config, vlm_part_config
+from mimotron.config.hf_vlm import is_native_config, is_vlm_config, vlm_part_config
 from mimotron.models.hf.clip import CLIP_WEIGHTS, SIGLIP_WEIGHTS
 from mimotron.models.hf.llama import LLAMA_WEIGHTS
+from mimotron.models.hf.qwen_vl import QWEN_VL_TOWERS
 from mimotron.models.hf.vlm_weights import LLAVA_PROJECTOR_WEIGHTS, part_weight_map
 from mimotron.models.hf.weights import WeightMap
 from mimotron.names import LANGUAGE
@@ -149,16 +155,40 @@ def _placed(weight_map: WeightMap, names: list[str], ours_prefix: str = "") -> W
 
 
 def _joined(config: dict[str, Any], names: list[str]) -> WeightMap:
-    """One map of the three parts: the decoder under its own names, the tower under
-    ``encoder.``, the projector under ``projector.`` (a vision module's names)."""
-    vision_type = vlm_part_config(config, "vit")["model_type"]
-    tower = CLIP_WEIGHTS if vision_type == "clip_vision_model" else SIGLIP_WEIGHTS
+    """One map of the folder's parts: the decoder under its own names, the tower under
+    ``encoder.`` and LLaVA's projector under ``projector.`` (a vision module's names; a
+    Qwen-VL tower holds its mergers)."""
+    if is_native_config(config):
+        tower = QWEN_VL_TOWERS[str(config["model_type"])].weight_map
+        projector = ()
+    else:
+        vision_type = vlm_part_config(config, "vit")["model_type"]
+        tower = CLIP_WEIGHTS if vision_type == "clip_vision_model" else SIGLIP_WEIGHTS
+        projector = (_placed(LLAVA_PROJECTOR_WEIGHTS, names, _PROJECTOR_PREFIX),)
     parts = (_placed(part_weight_map(LLAMA_WEIGHTS, config, LANGUAGE, names), names),
              _placed(part_weight_map(tower, config, "vit", names), names, TOWER_PREFIX),
-             _placed(LLAVA_PROJECTOR_WEIGHTS, names, _PROJECTOR_PREFIX))
+             *projector)
     return WeightMap(rules=tuple(r for p in parts for r in p.rules),
                      reshaped=frozenset().union(*(p.reshaped for p in parts)),
                      stacked=tuple(s for p in parts for s in p.stacked))
+
+
+def _fit_config(config: dict[str, Any], vocab_size: int, image_id: int | None) -> None:
+    """Set, in place, the text part's ``vocab_size`` and the image token id
+    (``image_id``: the run tokenizer's placeholder, ``None``: kept) where the family's
+    ``transformers`` config reads them.
+
+    A Qwen2.5-VL ``config.json`` may hold its text keys at the top (as the hub folders
+    do) or in ``text_config`` (as transformers 5 saves); a top-level ``vocab_size`` next
+    to a ``text_config`` is set too, so no stale copy is left.
+    """
+    text = config.get("text_config")
+    if isinstance(text, dict):
+        text["vocab_size"] = vocab_size
+    if not isinstance(text, dict) or "vocab_size" in config:
+        config["vocab_size"] = vocab_size
+    if image_id is not None:
+        config["image_token_id" if is_native_config(config) else "image_token_index"] = image_id
 
 
 def write_vlm_folder(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any],
@@ -184,11 +214,12 @@ def write_vlm_folder(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any
     ours, dropped, text = fit_decoder(state[LANGUAGE], vlm_part_config(config, LANGUAGE),
                                       meta.get(VOCAB_SIZE_UNPADDED), tokenizer, LANGUAGE)
     assert EMBED in ours, sorted(ours)[:5]
-    ours.update(state[vision])  # "encoder.*" and "projector.*": no clash with the decoder's
+    # "encoder.*" (and LLaVA's "projector.*"): no clash with the decoder's names.
+    ours.update(state[vision])
     weights = merge_into_folder(ours, dropped, files, _joined(config, list(files)), "model")
-    config["text_config"]["vocab_size"] = int(text["vocab_size"])
-    if tokenizer is not None and "image" in tokenizer.modalities:
-        config["image_token_index"] = tokenizer.placeholder_id("image")
+    image_id = (tokenizer.placeholder_id("image")
+                if tokenizer is not None and "image" in tokenizer.modalities else None)
+    _fit_config(config, int(text["vocab_size"]), image_id)
     written = copy_files(folder, target, "", keep=lambda name: name != CONFIG_FILE and (
         tokenizer is None or not is_tokenizer_file(name)))
     written.append(target.file(CONFIG_FILE))

@@ -325,6 +325,43 @@ def expand_placeholders(
     return EncodedConversation(tokens + ids[start:], targets + target[start:], assistant)
 
 
+def replace_placeholder(messages: Sequence[dict[str, str]], old: str, new: str
+                        ) -> list[dict[str, str]]:  # fmt: skip
+    """Copies of ``messages`` with every ``old`` of their contents written as ``new``.
+
+    A Qwen-VL model reads an image as ``<|vision_start|><|image_pad|><|vision_end|>``
+    where LLaVA data writes ``<image>``; the chat template then renders the model's own
+    text, as ``transformers``' processor would.
+    """
+    return [{**m, "content": m["content"].replace(old, new)} for m in messages]
+
+
+def expand_runs(encoded: EncodedConversation, placeholder_id: int, counts: Sequence[int]
+                ) -> EncodedConversation:  # fmt: skip
+    """The ``k``-th ``placeholder_id`` of ``encoded`` -> ``counts[k]`` copies (never trained).
+
+    :func:`encode_conversation` gives every placeholder of a modality the same count; a
+    native-resolution image has its own (its grid's merged tokens), so its conversation is
+    encoded with one id per image and expanded here.
+
+    Raises:
+        ValueError: as many placeholders as ``counts`` are not found, or a count below 1.
+    """
+    at = [i for i, t in enumerate(encoded.tokens) if t == placeholder_id]
+    if len(at) != len(counts) or any(c < 1 for c in counts):
+        raise ValueError(f"{len(at)} placeholder ids {placeholder_id} for the token counts "
+                         f"{list(counts)}: expected one placeholder per count >= 1")
+    tokens: list[int] = []
+    targets: list[bool] = []
+    start = 0
+    for i, copies in zip(at, counts, strict=True):
+        tokens += encoded.tokens[start:i] + [placeholder_id] * copies
+        targets += encoded.target[start:i] + [False] * copies
+        start = i + 1
+    return EncodedConversation(tokens + encoded.tokens[start:], targets + encoded.target[start:],
+                               encoded.assistant_texts)
+
+
 def shifted_sample(encoded: EncodedConversation, pad_id: int, seq_length: int
                    ) -> dict[str, torch.Tensor]:  # fmt: skip
     """``tokens``, next-token ``labels`` and ``loss_mask`` in the collate format.

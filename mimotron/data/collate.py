@@ -32,6 +32,11 @@ Float[B,129,16] (zeros where absent) with ``has_image``/``has_audio`` Bool[B], a
 ``index`` Long[B]. Samples with several items give ``image`` Float[B,K,1,8,8] and
 ``has_image`` Bool[B,K] instead: the packed rows' format (:mod:`~mimotron.data.packing`),
 whose present items, row-major, are the placeholders' order.
+
+**Native-resolution images** (a Qwen2.5-VL / Qwen3-VL vision module): samples carry
+``image`` as patch rows in slots (Float[max_patches, patch_dim], the ``image_shape``)
+and ``image_grid``, ``image_tokens``, ``position_ids`` besides, which the batch stacks as
+``[B, 3]``, ``[B]``, ``[B, 3, S]`` (:func:`~mimotron.data.native_batch.stack_native`).
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ can compute its own rows without the others (given the mean and std).
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -55,12 +55,16 @@ class HFTokenizer:
         chat_template: a Jinja template that replaces the folder's own.
         chat_template_origin: where ``chat_template`` came from, for messages (e.g.
             ``data.chat_template='vicuna'``); empty = "given in code".
+        placeholder_ids: modality -> an id the tokenizer already has whose token is that
+            modality's placeholder (a Qwen-VL folder's ``image_token_id``, its
+            ``<|image_pad|>``); nothing is added for it. Overrides ``placeholder_tokens``.
 
     Raises:
         ValueError: the folder does not exist, holds no fast tokenizer (or a
             ``tokenizer.json`` lacking what a load reads), has no chat template or one that
             does not render within the loop bound (:mod:`~mimotron.data.template_check`),
-            or a placeholder does not encode to exactly one id.
+            a placeholder does not encode to exactly one id, or a ``placeholder_ids`` id
+            is not a special token of the tokenizer.
     """
 
     def __init__(
@@ -70,6 +74,7 @@ class HFTokenizer:
         placeholder_tokens: dict[str, str] | None = None,
         chat_template: str | None = None,
         chat_template_origin: str = "",
+        placeholder_ids: Mapping[str, int] | None = None,
     ) -> None:
         self.path = Path(path)
         self.tokenizer = _load_fast_tokenizer(self.path)
@@ -92,19 +97,40 @@ class HFTokenizer:
         if unknown:
             raise ValueError(f"modalities={list(modalities)!r} is invalid: expected items of "
                              f"{MODALITIES}")  # fmt: skip
-        texts = {m: f"<{m}>" for m in MODALITIES} | dict(placeholder_tokens or {})
+        existing = {m: self._special_text(m, int(i)) for m, i in (placeholder_ids or {}).items()}
+        texts = {m: f"<{m}>" for m in MODALITIES} | dict(placeholder_tokens or {}) | existing
         self.modalities: tuple[str, ...] = tuple(modalities)
         self._placeholder_text = {m: texts[m] for m in self.modalities}
         self.base_vocab_size = len(self.tokenizer)
         self._add_placeholders()
         self.num_added = len(self.tokenizer) - self.base_vocab_size
         self._placeholder_ids = {m: self._single_id(t) for m, t in self._placeholder_text.items()}
+        for m, token_id in (placeholder_ids or {}).items():
+            if m in self._placeholder_ids and self._placeholder_ids[m] != token_id:
+                raise ValueError(f"{self._placeholder_text[m]!r} encodes to id "
+                                 f"{self._placeholder_ids[m]} with data.tokenizer="
+                                 f"{str(self.path)!r}, not the model's {m} id {token_id}")
         # Rendered once with its loops counted: a template that never ends is refused here.
         check_template_renders(self.tokenizer.chat_template, self.path, given,
                                _template_variables(self.tokenizer))
         self.special_ids = frozenset(
             i for i, tok in self.tokenizer.added_tokens_decoder.items() if tok.special
         )
+
+    def _special_text(self, modality: str, token_id: int) -> str:
+        """The text of ``token_id``, a special token the tokenizer already has.
+
+        Raises:
+            ValueError: one line naming the id: not a special token of the tokenizer (its
+                text would split, or a new token would be added).
+        """
+        token = self.tokenizer.added_tokens_decoder.get(token_id)
+        if token is None or not token.special:
+            raise ValueError(f"the {modality} placeholder id {token_id} (the model's "
+                             f"config.json) is not a special token of data.tokenizer="
+                             f"{str(self.path)!r}: expected the tokenizer of that model, "
+                             f"whose {modality} token has that id")
+        return str(token.content)
 
     def _add_placeholders(self) -> None:
         """Add the placeholders that are not yet single special tokens."""

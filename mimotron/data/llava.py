@@ -48,6 +48,15 @@ preprocessing), ``audio`` Float[mel bins, frames] (Whisper's log-mel), explicit
 :meth:`LlavaDataset.restrict_loading` makes a rank load only the parts its modules use
 (the training loop does, from the layout).
 
+**Native resolution** (a Qwen2.5-VL / Qwen3-VL vision module, ``native``:
+:mod:`~mimotron.data.native_llava`): each ``<image>`` becomes the model's
+``<|vision_start|>``, the image's own count of ``<|image_pad|>`` (its grid's merged
+tokens, read from the file's header at the check and at every load), ``<|vision_end|>``;
+a sample whose images alone need more than ``seq_length`` tokens is bad. Samples carry
+``image`` Float[max_patches, patch_dim] (the processor's patch rows, zeros after;
+``[n, ...]`` with ``max_images > 1``), ``image_grid``, ``image_tokens`` and
+``position_ids`` (:mod:`~mimotron.data.native_batch`).
+
 **Lengths.** The check tokenises every conversation, so the index records each kept
 sample's token count, placeholders expanded (:attr:`LlavaDataset.lengths`,
 :meth:`LlavaTask.length_of`; a loaded sample carries it as ``length`` whatever parts
@@ -76,6 +85,7 @@ from mimotron.data.llava_check import BadSample, LlavaRecord, RawItem, SampleChe
 from mimotron.data.llava_file import SampleError
 from mimotron.data.llava_source import ROW_DTYPE, ShardSource, file_identity, open_source
 from mimotron.data.media import MAX_RESIZE_FACTOR, AudioFeatures, ImageProcessor
+from mimotron.data.native_llava import NativeLlava
 from mimotron.data.sample_index import (
     ChunkResult,
     Progress,
@@ -121,6 +131,10 @@ class LlavaDataset:
             (``data.ignore_keys``); any other unread key makes the sample bad.
         max_images: the most images a sample may hold (``data.max_images_per_sample``);
             above 1 samples carry their images as several items (module docstring).
+        native: a native-resolution vision module's image text and processor
+            (:class:`~mimotron.data.native_llava.NativeLlava`, which replaces
+            ``image_processor``): each image has its own token count, and samples carry
+            the native-resolution keys (module docstring).
 
     Raises:
         ValueError: the first bad sample (without ``skip_bad_samples``), a modality
@@ -146,6 +160,7 @@ class LlavaDataset:
         wait_timeout_s: float = 300.0,
         ignore_keys: Sequence[str] = (),
         max_images: int = 1,
+        native: NativeLlava | None = None,
     ) -> None:
         if max_images < 1:
             raise ValueError(f"max_images={max_images!r} is invalid: expected an integer >= 1")
@@ -158,7 +173,8 @@ class LlavaDataset:
         self.tokenizer = tokenizer
         self.seq_length = seq_length
         self.num_tokens = {m: int(n) for m, n in num_tokens.items()}
-        self.image_processor = image_processor
+        self.native = native
+        self.image_processor: Any = native.processor if native is not None else image_processor
         self.audio_features = audio_features
         self.system_prompt = system_prompt
         self.num_workers = num_workers
@@ -166,12 +182,14 @@ class LlavaDataset:
         self._check_modalities()
         self.modalities = tuple(m for m in tokenizer.modalities if m in self.num_tokens)
         self.pad_id = tokenizer.pad_id
-        self.image_shape = image_processor.output_shape if image_processor else _ABSENT_SHAPE
+        self.image_shape = (self.image_processor.output_shape if self.image_processor
+                            else _ABSENT_SHAPE)
         self.audio_shape = audio_features.output_shape if audio_features else _ABSENT_SHAPE
         self.load_parts: frozenset[str] = frozenset(("text", *self.modalities))
         self.checker = SampleChecker(self.root, tokenizer, seq_length, self.num_tokens,
                                      audio_features, system_prompt, allow_outside_root,
-                                     image_processor, ignore_keys, max_images)  # fmt: skip
+                                     image_processor, ignore_keys, max_images,
+                                     native)  # fmt: skip
         self.source = open_source(path)
         # Without an index_dir the index lives as long as the dataset (a JSON list's
         # converted lines are read from it).
@@ -225,8 +243,10 @@ class LlavaDataset:
             "audio_rate": self.audio_features.sample_rate if self.audio_features else None,
             "ignore_keys": sorted(self.checker.ignore_keys),
             # The resize bound depends on these (ImageProcessor.check_size).
-            "image_resize": None if image is None else [image.do_resize, image.size,
-                                                        image.crop_size, MAX_RESIZE_FACTOR],
+            "image_resize": None if image is None or self.native else [
+                image.do_resize, image.size, image.crop_size, MAX_RESIZE_FACTOR],
+            # Only with a native-resolution tower: lengths depend on its image sizes.
+            **({"native": self.native.identity()} if self.native else {}),
             # Only when above 1: the default keeps the keys of indexes built before.
             **({"max_images": self.max_images} if self.max_images > 1 else {}),
         }  # fmt: skip
@@ -317,11 +337,47 @@ class LlavaDataset:
             raise ValueError(f"parts {unknown} are invalid: expected some of {list(known)}")
         self.load_parts = frozenset(parts)
 
-    def _encode(self, record: LlavaRecord) -> dict[str, torch.Tensor]:
+    def _encode(self, record: LlavaRecord, image_tokens: Sequence[int] = ()
+                ) -> dict[str, torch.Tensor]:  # fmt: skip
         if "text" not in self.load_parts:
             empty = torch.zeros(0, dtype=torch.long)
             return {"tokens": empty, "labels": empty, "loss_mask": empty.float()}
-        return self.checker.tokenize(record.messages)
+        return self.checker.tokenize(record.messages, image_tokens)
+
+    def _load_native(self, index: int, record: LlavaRecord) -> Sample:
+        """:meth:`load` with a native-resolution vision module (the keys of
+        :mod:`~mimotron.data.native_llava`): every rank reads each image's grid from its
+        header; a text rank expands its placeholders, an image rank decodes its patches.
+
+        A header that no longer reads, or a size that no longer gives the length the check
+        recorded, fails as an unreadable sample (:meth:`_unreadable`); an image that no
+        longer decodes keeps its grid and tokens, with zero patches and no loss.
+        """
+        native = self.native
+        assert native is not None
+        try:
+            grids = native.header_grids(record.images)
+            sample: dict[str, Any] = self._encode(record, native.tokens_of(grids))
+            length = int(self.index.rows[index]["length"])
+            if "text" in self.load_parts and sample["tokens"].numel() != length:
+                raise ValueError(f"its images now give {sample['tokens'].numel()} tokens, not "
+                                 f"the {length} the check counted: an image file changed")
+        except ValueError as exc:
+            return self._unreadable(index, SampleError(str(exc), record.sample_id))
+        try:
+            image = None
+            if record.images and "image" in self.load_parts:
+                image = native.load_images(record.images, grids)
+                image = image if self.max_images > 1 else image[0]
+            _, audio = load_media(record, self.load_parts - {"image"}, None,
+                                  self.audio_features)  # fmt: skip
+        except (OSError, ValueError) as exc:
+            image, audio = self._skip_failed(record, exc)
+            sample["loss_mask"] = torch.zeros_like(sample["loss_mask"])
+        sample.update(native.sample_keys(sample["tokens"], grids, self.max_images))
+        answer = [m["content"] for m in record.messages if m["role"] == "assistant"][-1]
+        return self._sample(sample, index, (image, audio), answer, record.sample_id,
+                            len(record.images))  # fmt: skip
 
     def load(self, index: int) -> Sample:
         """Sample ``index`` (of the kept samples, in data order).
@@ -343,6 +399,8 @@ class LlavaDataset:
             record = self.record(index)
         except SampleError as exc:
             return self._unreadable(index, exc)
+        if self.native is not None:
+            return self._load_native(index, record)
         sample: dict[str, Any] = self._encode(record)  # checked when built: cannot fail
         try:
             image, audio = load_media(record, self.load_parts, self.image_processor,
@@ -400,6 +458,8 @@ class LlavaDataset:
         out = self._sample(sample, index, (None, None), "", exc.sample_id or key, 0)
         out.update(has_image=torch.zeros(self.max_images, dtype=torch.bool)
                    if self.max_images > 1 else False, has_audio=False)
+        if self.native is not None:  # no image: zero grids, text positions
+            out.update(self.native.sample_keys(out["tokens"], [], self.max_images))
         return out
 
     def _failed(self, bad: BadSample, exc: Exception) -> None:

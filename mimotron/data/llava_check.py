@@ -28,13 +28,14 @@ kept by ``(real path, size, modification time)``.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -50,6 +51,9 @@ from mimotron.data.llava_file import SampleError
 from mimotron.data.media import AudioFeatures, ImageProcessor
 from mimotron.data.sample_keys import check_sample_keys, check_shard_members, sample_layout
 from mimotron.data.webdataset import TarMember
+
+if TYPE_CHECKING:  # an annotation only: native_llava builds on this file
+    from mimotron.data.native_llava import NativeLlava
 
 Media = Path | TarMember
 """A media file: a resolved path, or a member of a tar shard."""
@@ -72,7 +76,9 @@ class BadSample:
 @dataclass(frozen=True)
 class LlavaRecord:
     """A checked sample: its location, id, media, chat messages and token count
-    (``length``: the tokens it trains on, placeholders expanded)."""
+    (``length``: the tokens it trains on, placeholders expanded); with a
+    native-resolution vision module, each image's token count as the check read it
+    (``image_tokens``; empty after a :meth:`SampleChecker.parse`)."""
 
     location: str
     sample_id: str | None
@@ -80,6 +86,7 @@ class LlavaRecord:
     audios: tuple[Media, ...]
     messages: tuple[dict[str, str], ...]
     length: int
+    image_tokens: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -115,16 +122,24 @@ class SampleChecker:
         image_processor: the vision tower's preprocessing (its resize bound is checked).
         ignore_keys: keys the loader does not read that are accepted (``data.ignore_keys``).
         max_images: the most images a sample may hold (``data.max_images_per_sample``).
+        native: a native-resolution vision module's image text and processor
+            (:class:`~mimotron.data.native_llava.NativeLlava`): each ``<image>`` becomes
+            the model's image text, expanded to the image's own token count read from its
+            header; ``image_processor`` is then its processor.
     """
 
     def __init__(self, root: str | Path, tokenizer: HFTokenizer, seq_length: int,
                  num_tokens: dict[str, int], audio_features: AudioFeatures | None = None,
                  system_prompt: str | None = None, allow_outside_root: bool = False,
                  image_processor: ImageProcessor | None = None,
-                 ignore_keys: Sequence[str] = (), max_images: int = 1) -> None:  # fmt: skip
+                 ignore_keys: Sequence[str] = (), max_images: int = 1,
+                 native: NativeLlava | None = None) -> None:  # fmt: skip
         self.root = Path(root)
         self.max_images = max_images
-        self.image_processor = image_processor
+        self.native = native
+        self.image_processor: Any = native.processor if native is not None else image_processor
+        if native is not None:  # one placeholder id per image, expanded to its own count
+            num_tokens = {**num_tokens, "image": 1}
         self.ignore_keys = frozenset(ignore_keys)
         self.real_root = self.root.resolve()
         self.tokenizer, self.seq_length, self.num_tokens = tokenizer, seq_length, num_tokens
@@ -135,8 +150,9 @@ class SampleChecker:
         # Fast tokenizers are not safe to call from several threads at once.
         self._tokenizer_lock = threading.Lock()
         self._encoder = ConversationEncoder(tokenizer, num_tokens)
-        # Files already decoded by this process: (real path, size, mtime) -> None or error.
-        self._decoded: dict[tuple[str, int, int], str | None] = {}
+        # Files already decoded by this process: (real path, size, mtime) -> (error or
+        # None, an image's (width, height) or None).
+        self._decoded: dict[tuple[str, int, int], tuple[str | None, tuple[int, int] | None]] = {}
         # Media paths many samples share are resolved once (bounded: ranks parse on load).
         self._resolve = functools.lru_cache(maxsize=4096)(self._resolve_path)
 
@@ -166,7 +182,7 @@ class SampleChecker:
                 out.append(result)
                 continue
             try:
-                out.append((result, self._length_of(next(encoded))))
+                out.append((result, self._length_of(next(encoded), result.image_tokens)))
             except ValueError as exc:
                 out.append(BadSample(item.location, result.sample_id, str(exc)))
         return out
@@ -179,8 +195,11 @@ class SampleChecker:
             sample_id = record.sample_id
             check_sample_keys(item.raw, self.ignore_keys)
             check_shard_members(item.unread, self.ignore_keys)
-            for modality, files in (("image", record.images), ("audio", record.audios)):
-                self._check_files(modality, files, record.messages)
+            sizes = self._check_files("image", record.images, record.messages)
+            self._check_files("audio", record.audios, record.messages)
+            if self.native is not None:
+                counts = [self.native.processor.tokens_for_size(*size) for size in sizes]
+                record = dataclasses.replace(record, image_tokens=tuple(counts))
         except SampleError as bad:
             return BadSample(item.location, bad.sample_id or sample_id, bad.reason)
         except ValueError as exc:
@@ -210,6 +229,8 @@ class SampleChecker:
                 messages = tuple(to_messages(turns, self.system_prompt, layout))
             except ValueError as exc:
                 raise SampleError(str(exc)) from None
+            if self.native is not None:  # <image> as the model's own image text
+                messages = tuple(self.native.wrap(messages))
             if item.media is not None:
                 files = {m: tuple(item.media.get(m, ())) for m in MODALITIES_CHECKED}
             else:
@@ -220,7 +241,8 @@ class SampleChecker:
         return LlavaRecord(item.location, sample_id, files["image"], files["audio"], messages,
                            length)  # fmt: skip
 
-    def length(self, messages: tuple[dict[str, str], ...]) -> int:
+    def length(self, messages: tuple[dict[str, str], ...], image_tokens: Sequence[int] = ()
+               ) -> int:  # fmt: skip
         """The conversation's token count (what :meth:`tokenize` would give, no tensors).
 
         Raises:
@@ -228,27 +250,50 @@ class SampleChecker:
         """
         with self._tokenizer_lock:
             encoded = encode_conversation(self.tokenizer, messages, self.num_tokens)
-        return self._length_of(encoded)
+        return self._length_of(encoded, image_tokens)
 
-    def _length_of(self, encoded: EncodedConversation | ValueError) -> int:
+    def _length_of(self, encoded: EncodedConversation | ValueError,
+                   image_tokens: Sequence[int] = ()) -> int:  # fmt: skip
         """The token count, or the ``ValueError`` of an encoding or a length past
         ``seq_length``."""
         if isinstance(encoded, ValueError):
             raise encoded
+        encoded = self._expanded(encoded, image_tokens)
         if len(encoded.tokens) > self.seq_length:
             shifted_sample(encoded, self.pad_id, self.seq_length)  # raises its message
         return len(encoded.tokens)
 
-    def tokenize(self, messages: tuple[dict[str, str], ...] | list[dict[str, str]]
-                 ) -> dict[str, Any]:  # fmt: skip
+    def _expanded(self, encoded: EncodedConversation, image_tokens: Sequence[int]
+                  ) -> EncodedConversation:  # fmt: skip
+        """A native-resolution sample's image placeholders expanded to their counts.
+
+        Raises:
+            ValueError: images whose tokens alone exceed ``seq_length``.
+        """
+        if self.native is None:
+            return encoded
+        if sum(image_tokens) > self.seq_length:
+            raise ValueError(f"its {len(image_tokens)} image(s) alone need {sum(image_tokens)} "
+                             f"vision tokens {list(image_tokens)}: more than data.seq_length="
+                             f"{self.seq_length} (raise data.seq_length or lower "
+                             "modules.<vision>.max_pixels)")
+        return self.native.expand(encoded, image_tokens)
+
+    def tokenize(self, messages: tuple[dict[str, str], ...] | list[dict[str, str]],
+                 image_tokens: Sequence[int] = ()) -> dict[str, Any]:  # fmt: skip
         """``tokens``, ``labels`` and ``loss_mask`` of a conversation.
+
+        Args:
+            messages: the conversation (as :meth:`parse` gives it).
+            image_tokens: with a native-resolution vision module, each image's tokens.
 
         Raises:
             ValueError: the conversation cannot be encoded or is longer than seq_length.
         """
         with self._tokenizer_lock:
             encoded = encode_conversation(self.tokenizer, messages, self.num_tokens)
-        return shifted_sample(encoded, self.pad_id, self.seq_length)
+        return shifted_sample(self._expanded(encoded, image_tokens), self.pad_id,
+                              self.seq_length)
 
     # ---- media --------------------------------------------------------------------------
     def _files(self, raw: dict, key: str) -> tuple[Path, ...]:
@@ -272,11 +317,14 @@ class SampleChecker:
         return real
 
     def _check_files(self, modality: str, files: tuple[Media, ...],
-                     messages: tuple[dict[str, str], ...]) -> None:  # fmt: skip
+                     messages: tuple[dict[str, str], ...]) -> list[tuple[int, int] | None]:
+        """The rules of a sample's files of ``modality``; each image's (width, height)."""
         tokenizer = self.tokenizer
         placeholder = (tokenizer.placeholder_text(modality)
                        if modality in tokenizer.modalities else f"<{modality}>")
         count = sum(m["content"].count(placeholder) for m in messages)
+        if self.native is not None and modality == "image":
+            placeholder = "<image>"  # what the data holds (parse wrote it as the model's text)
         if count != len(files):
             raise SampleError(f"{count} {placeholder} placeholder(s) in the conversation but "
                               f"{len(files)} {modality} file(s): expected one placeholder per "
@@ -284,8 +332,7 @@ class SampleChecker:
         if files and modality not in self.num_tokens:
             raise SampleError(f"has {modality} input but the model has no {modality} encoder")
         self._check_file_count(modality, files)
-        for file in files:
-            self._decode_once(modality, file)
+        return [self._decode_once(modality, file) for file in files]
 
     def _check_file_count(self, modality: str, files: tuple[Media, ...]) -> None:
         """At most one audio clip, one image of a shard sample, ``max_images`` images."""
@@ -300,8 +347,9 @@ class SampleChecker:
                               f"data.max_images_per_sample to at least {len(files)} to "
                               "accept the sample)")  # fmt: skip
 
-    def _decode_once(self, modality: str, file: Media) -> None:
-        """Decode ``file`` in full by the load's decoder, once per file and process."""
+    def _decode_once(self, modality: str, file: Media) -> tuple[int, int] | None:
+        """Decode ``file`` in full by the load's decoder, once per file and process; an
+        image's (width, height)."""
         memo = None
         if isinstance(file, Path):
             try:
@@ -312,14 +360,16 @@ class SampleChecker:
                 raise SampleError(f"{modality} file {str(file)!r} not found")
             memo = (str(file), stat.st_size, stat.st_mtime_ns)
             if memo in self._decoded:
-                if self._decoded[memo] is not None:
-                    raise SampleError(str(self._decoded[memo]))
-                return
+                error, size = self._decoded[memo]
+                if error is not None:
+                    raise SampleError(error)
+                return size
+        size = None
         try:
             # Decoded in full, by the decoder the load uses: a file corrupt past its
             # header is bad here, not when training reaches it.
             if modality == "image":
-                open_image(file, self.image_processor)
+                size = open_image(file, self.image_processor).size
             else:
                 assert self.audio_features is not None
                 self.audio_features.decode(file.open() if isinstance(file, TarMember) else file)
@@ -327,9 +377,10 @@ class SampleChecker:
         except (ValueError, OSError) as exc:
             error = " ".join(str(exc).split())
         if memo is not None:
-            self._decoded[memo] = error
+            self._decoded[memo] = (error, size)
         if error is not None:
             raise SampleError(error)
+        return size
 
 
 def open_image(file: Media, processor: ImageProcessor | None = None) -> Any:

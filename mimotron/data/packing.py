@@ -23,6 +23,13 @@ padding is -1) and ``position_ids`` Long[B, S] (the position inside the document
 restarts at 0 for every document). Labels never cross a document boundary: a sample's
 last label is padding with loss mask 0, so the loss and its token count are the
 unpacked ones.
+
+**Native-resolution images** (samples with ``image_grid``, :mod:`~mimotron.data.
+native_batch`): ``image_grid`` Long[B, K, 3] and ``image_tokens`` Long[B, K] follow the
+row's images like ``image`` (zeros after them), and ``position_ids`` is Long[B, 3, S]:
+each document's own 3-D positions (which restart at 0 per document, as
+:func:`~mimotron.data.mrope_positions.mrope_positions` gives them with ``doc_ids``),
+concatenated; 0 on padding.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
+import torch.nn.functional as F
 
 from mimotron.data.collate import Batch, Sample, collate, item_mask, items_of
 
@@ -141,11 +149,60 @@ def _concat(row: Sequence[Sample]) -> Sample:
                                                                       "loss_mask")}
     out["doc_ids"] = torch.cat([torch.full((s["tokens"].numel(),), d, dtype=torch.long)
                                 for d, s in enumerate(row)])
-    out["position_ids"] = torch.cat([torch.arange(s["tokens"].numel()) for s in row])
+    if _is_native(row):  # each document's own 3-D positions
+        out["position_ids"] = torch.cat([s["position_ids"].long() for s in row], dim=1)
+    else:
+        out["position_ids"] = torch.cat([torch.arange(s["tokens"].numel()) for s in row])
     for key in _MEDIA:
         out[key], out[f"has_{key}"] = None, False  # stacked per row by _stack_media
     out["index"] = int(row[0]["index"])
     return out
+
+
+def _is_native(row: Sequence[Sample]) -> bool:
+    """Whether a row's samples carry native-resolution keys (all or none of them).
+
+    Raises:
+        ValueError: some do and some do not.
+    """
+    has = {"image_grid" in s for s in row}
+    if len(has) > 1:
+        raise ValueError(f"samples {[s.get('index') for s in row]} of one packed row disagree "
+                         "on image_grid: expected it in all of them (a native-resolution "
+                         "vision module) or none")
+    return has == {True}
+
+
+def _item_count(sample: Sample, key: str) -> int:
+    """How many ``key`` items a sample holds (its Bool[K] mask, flag or tensor)."""
+    mask = item_mask(sample, key)
+    if mask is not None:
+        return int(mask.sum())
+    return int(has_media(sample, key))
+
+
+def _stack_grids(rows: Sequence[Sequence[Sample]], num: int) -> Batch:
+    """``image_grid`` ``[B, num, 3]`` and ``image_tokens`` ``[B, num]`` of each row's
+    images in document order (the order of ``image``), zeros after them."""
+    grids = torch.zeros((len(rows), num, 3), dtype=torch.long)
+    tokens = torch.zeros((len(rows), num), dtype=torch.long)
+    for i, row in enumerate(rows):
+        j = 0
+        for s in row:
+            count = _item_count(s, "image")
+            grids[i, j:j + count] = s["image_grid"].long().reshape(-1, 3)[:count]
+            tokens[i, j:j + count] = s["image_tokens"].long().reshape(-1)[:count]
+            j += count
+    return {"image_grid": grids, "image_tokens": tokens}
+
+
+def _padded(values: Sequence[torch.Tensor], seq_length: int, fill: int,
+            shape: tuple[int, ...]) -> torch.Tensor:
+    """``[B, *shape, seq_length]``: each value's last dim right-padded with ``fill``."""
+    if not values:
+        return torch.full((0, *shape, seq_length), fill, dtype=torch.long)
+    return torch.stack([F.pad(v.long(), (0, seq_length - v.shape[-1]), value=fill)
+                        for v in values])
 
 
 def _stack_media(rows: Sequence[Sequence[Sample]], key: str, shape: tuple[int, ...]
@@ -179,17 +236,25 @@ def collate_packed(rows: Sequence[Sequence[Sample]], seq_length: int, pad_id: in
 
     Returns:
         The batch: ``collate``'s keys (media per row ``[B, K, ...]``) plus ``doc_ids`` and
-        ``position_ids``.
+        ``position_ids`` (and the native-resolution keys, module docstring).
+
+    Raises:
+        ValueError: a row longer than ``seq_length``, or one whose samples disagree on
+            the native-resolution keys.
     """
     merged = [_concat(row) for row in rows]
     batch = collate(merged, seq_length, pad_id, image_shape, audio_shape)
     for key, shape in (("image", image_shape), ("audio", audio_shape)):
         batch[key], batch[f"has_{key}"] = _stack_media(rows, key, tuple(shape))
-    for key, fill in (("doc_ids", -1), ("position_ids", 0)):
-        out = torch.full((len(merged), seq_length), fill, dtype=torch.long)
-        for i, s in enumerate(merged):
-            out[i, : s[key].numel()] = s[key]
-        batch[key] = out
+    native = {_is_native(row) for row in rows}
+    if len(native) > 1:
+        raise ValueError("packed rows disagree on image_grid: expected it in every sample (a "
+                         "native-resolution vision module) or in none")
+    batch["doc_ids"] = _padded([s["doc_ids"] for s in merged], seq_length, -1, ())
+    batch["position_ids"] = _padded([s["position_ids"] for s in merged], seq_length, 0,
+                                    (3,) if native == {True} else ())
+    if native == {True}:
+        batch.update(_stack_grids(rows, batch["image"].shape[1]))
     return batch
 
 

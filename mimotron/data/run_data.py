@@ -14,6 +14,13 @@ configured encoders consume. Unset, ``data.tokenizer`` is the language model's f
 **Placeholders per sample** are each encoder's ``num_output_tokens`` (what the model
 scatters into the placeholder positions), as for the synthetic datasets.
 
+**Native-resolution images** (a Qwen2.5-VL / Qwen3-VL folder's vision module,
+``modules.<m>.hf_native``): the image placeholder is the folder's own ``<|image_pad|>``
+(its ``config.json`` ``image_token_id``; no token is added), each ``<image>`` of the data
+becomes ``<|vision_start|>``, the image's own count of ``<|image_pad|>``, ``<|vision_end|>``,
+and the images are the folder's processor's patches with the run's ``max_pixels``
+(:mod:`mimotron.data.native_llava`).
+
 **Preprocessing.** An encoder module loaded from a Hugging Face folder
 (``modules.<m>.hf_path``) preprocesses with that folder's ``preprocessor_config.json``
 (CLIP / SigLIP image processor, Whisper feature extractor). A toy encoder gets
@@ -33,7 +40,7 @@ its first collective.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -45,6 +52,7 @@ from mimotron.data.chat_templates import check_template_tokens, resolve_chat_tem
 from mimotron.data.hf_tokenizer import HFTokenizer
 from mimotron.data.llava import LlavaDataset, LlavaTask, llava_tasks
 from mimotron.data.media import AudioFeatures, ImageProcessor
+from mimotron.data.native_llava import NativeLlava, native_image_id
 from mimotron.data.sample_index import default_processes
 from mimotron.data.tokenizer import MODALITIES, CharTokenizer
 from mimotron.data.vocab_check import vocabulary_check
@@ -63,8 +71,23 @@ def encoder_modalities(cfg: MimoConfig) -> dict[str, str]:
             if m.is_encoder and m.modality is not None}  # fmt: skip
 
 
+def native_image_module(cfg: MimoConfig) -> str | None:
+    """The name of the native-resolution vision module (``hf_native``), or ``None``."""
+    names = [n for n, m in cfg.modules.items()
+             if m.hf_native is not None and m.modality == "image"]  # fmt: skip
+    return names[0] if names else None
+
+
+def native_placeholder_ids(cfg: MimoConfig) -> dict[str, int]:
+    """``{"image": image_token_id}`` of a native-resolution vision module's folder, else
+    ``{}``: the placeholder ids :func:`run_hf_tokenizer` takes from the model."""
+    name = native_image_module(cfg)
+    return {} if name is None else {"image": native_image_id(cfg.modules[name].hf_path)}
+
+
 def run_hf_tokenizer(path: str | Path, kinds: Iterable[str | None],
-                     chat_template: str = "") -> HFTokenizer:  # fmt: skip
+                     chat_template: str = "", placeholder_ids: Mapping[str, int] | None = None
+                     ) -> HFTokenizer:  # fmt: skip
     """The run's Hugging Face tokenizer: one placeholder per encoder modality.
 
     Training (:func:`build_tokenizer`), ``mimotron export --format hf`` and generation
@@ -79,6 +102,9 @@ def run_hf_tokenizer(path: str | Path, kinds: Iterable[str | None],
         chat_template: ``data.chat_template``: ``""`` keeps the folder's template, else a
             built-in name or a ``.jinja`` file replaces it
             (:func:`~mimotron.data.chat_templates.resolve_chat_template`).
+        placeholder_ids: modality -> the model's own placeholder id, a special token the
+            tokenizer has (:func:`native_placeholder_ids`: a Qwen-VL folder's
+            ``<|image_pad|>``); other modalities get ``<image>`` / ``<audio>``.
 
     Raises:
         ValueError: the tokenizer folder is missing or unusable (see ``HFTokenizer``), or
@@ -88,7 +114,8 @@ def run_hf_tokenizer(path: str | Path, kinds: Iterable[str | None],
     template = resolve_chat_template(chat_template)
     tokenizer = HFTokenizer(path, modalities=[m for m in MODALITIES if m in present],
                             chat_template=template.source if template else None,
-                            chat_template_origin=template.origin if template else "")
+                            chat_template_origin=template.origin if template else "",
+                            placeholder_ids=placeholder_ids)
     if template is not None:
         check_template_tokens(template, tokenizer)
     return tokenizer
@@ -105,7 +132,7 @@ def build_tokenizer(cfg: MimoConfig) -> CharTokenizer | HFTokenizer:
         return CharTokenizer()
     try:
         tokenizer = run_hf_tokenizer(cfg.data.tokenizer, [m.kind for m in cfg.modules.values()],
-                                     cfg.data.chat_template)
+                                     cfg.data.chat_template, native_placeholder_ids(cfg))
     except ValueError as exc:
         # The hint below is about the folder: not for an error of data.chat_template's.
         if cfg.data.tokenizer != cfg.modules[LANGUAGE].hf_path or (
@@ -197,7 +224,11 @@ def build_llava_tasks(cfg: MimoConfig, tokenizer: HFTokenizer) -> tuple[LlavaTas
     d = cfg.data
     encoders = encoder_modalities(cfg)
     num_tokens = {mod: cfg.modules[name].num_output_tokens for mod, name in encoders.items()}
-    images = image_processor(cfg, encoders["image"]) if "image" in encoders else None
+    native_name = native_image_module(cfg)
+    native = None if native_name is None else NativeLlava.from_folder(
+        cfg.modules[native_name].hf_path, cfg.modules[native_name].hf_native, tokenizer)
+    images = (image_processor(cfg, encoders["image"])
+              if "image" in encoders and native is None else None)
     audio = audio_features(cfg, encoders["audio"]) if "audio" in encoders else None
     check_input_shapes(cfg, images, audio)
 
@@ -212,7 +243,7 @@ def build_llava_tasks(cfg: MimoConfig, tokenizer: HFTokenizer) -> tuple[LlavaTas
                             index_dir=index_dir(cfg), num_check_processes=default_processes(),
                             wait_timeout_s=cfg.train.pg_timeout_s,
                             ignore_keys=d.ignore_keys,
-                            max_images=d.max_images_per_sample)  # fmt: skip
+                            max_images=d.max_images_per_sample, native=native)  # fmt: skip
 
     if not d.valid_path:
         return llava_tasks(dataset(d.path), d.train_fraction)

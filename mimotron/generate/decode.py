@@ -29,11 +29,14 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from mimotron.config.hf_resolve import language_spec
-from mimotron.data.run_data import encoder_modalities
+from mimotron.data.mrope_positions import decode_positions
+from mimotron.data.run_data import encoder_modalities, native_image_module
+from mimotron.generate.native_prompt import encode_native_prompt
 from mimotron.generate.prompt import Prompt, check_files, encode_prompt, media_loader, user_text
 from mimotron.generate.source import LoadedModel, load_model
 from mimotron.models.kv_cache import KVCache
@@ -197,7 +200,15 @@ class Generator:
                 language model's context.
         """
         sampling = (sampling or Sampling()).check()
-        encoded, hidden = self.encode(prompt, images, audios)
+        native = native_image_module(self.loaded.cfg)
+        forward_args: dict[str, Any] = {}
+        if native is not None:  # Qwen-VL: native-resolution images, 3-D positions
+            if audios:
+                raise ValueError("--audio was given but the model has no audio encoder")
+            got = encode_native_prompt(self.loaded, native, prompt, images)
+            encoded, hidden, forward_args = got.prompt, got.hidden, got.forward_args
+        else:
+            encoded, hidden = self.encode(prompt, images, audios)
         length = len(encoded.tokens)
         if length >= self.max_len:
             raise ValueError(f"the prompt takes {length} tokens (placeholders expanded): the "
@@ -207,7 +218,7 @@ class Generator:
         # The prompt and the reply fit the context; the reply's last token is never fed.
         cache = KVCache(min(length + sampling.max_new_tokens, self.max_len) - 1)
         generator = torch.Generator().manual_seed(sampling.seed)
-        logits = lm(hidden, cache=cache)[0, -1]
+        logits = lm(hidden, cache=cache, **forward_args)[0, -1]
         out: list[int] = []
         while True:
             token = self._pick(logits, sampling, generator)
@@ -222,7 +233,10 @@ class Generator:
                 stop = STOP_CONTEXT
                 break
             step = torch.tensor([[token]], device=self.loaded.device)
-            logits = lm(lm.embed_tokens(step), cache=cache)[0, -1]
+            # After an M-RoPE prompt a token's position is its cache position + rope_deltas.
+            position = ({} if native is None else {"position_ids": decode_positions(
+                got.rope_deltas, cache.length, 1)})
+            logits = lm(lm.embed_tokens(step), cache=cache, **position)[0, -1]
         text = self.loaded.tokenizer.tokenizer.decode(out, skip_special_tokens=True)
         return Generation(str(text), out, stop, length)
 

@@ -31,12 +31,12 @@ from typing import Any
 import torch
 
 from mimotron.config.schema import MimoConfig
-from mimotron.data.chat import encode_conversation, to_messages
+from mimotron.data.chat import EncodedConversation, encode_conversation, to_messages
 from mimotron.data.hf_tokenizer import HFTokenizer
 from mimotron.data.run_data import audio_features, encoder_modalities, image_processor
 
 # The stand-in assistant reply: its tokens are cut off, only where they start matters.
-_STAND_IN = "ok"
+STAND_IN = "ok"
 _OPTION = {"image": "--image", "audio": "--audio"}
 
 
@@ -114,9 +114,19 @@ def encode_prompt(tokenizer: HFTokenizer, text: str, num_tokens: Mapping[str, in
         ValueError: what encoding a training conversation raises (a placeholder of a
             modality without an encoder, a template that hides the reply).
     """
-    conversation = [{"from": "human", "value": text}, {"from": "gpt", "value": _STAND_IN}]
+    conversation = [{"from": "human", "value": text}, {"from": "gpt", "value": STAND_IN}]
     encoded = encode_conversation(tokenizer, to_messages(conversation, system_prompt),
                                   num_tokens)
+    return prompt_of(tokenizer, encoded)
+
+
+def prompt_of(tokenizer: HFTokenizer, encoded: EncodedConversation) -> Prompt:
+    """The prompt of an encoded conversation whose assistant turn is :data:`STAND_IN`:
+    its tokens up to the reply, and the ids that end a reply.
+
+    Raises:
+        ValueError: a template that hides the reply.
+    """
     targets = [i for i, is_target in enumerate(encoded.target) if is_target]
     if not targets:
         raise ValueError(f"the chat template of data.tokenizer={str(tokenizer.path)!r} leaves "

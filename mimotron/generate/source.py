@@ -49,7 +49,7 @@ from mimotron.config.load import config_from_dict
 from mimotron.config.schema import MimoConfig
 from mimotron.config.vocab_size import padded_vocab_size
 from mimotron.data.hf_tokenizer import HFTokenizer
-from mimotron.data.run_data import run_hf_tokenizer
+from mimotron.data.run_data import native_placeholder_ids, run_hf_tokenizer
 from mimotron.models.build import build_module
 from mimotron.models.mimo import MimoModel
 from mimotron.names import LANGUAGE, LANGUAGE_MODEL_PREFIX
@@ -202,7 +202,8 @@ def load_model(path: str | Path, device: str | torch.device | None = None) -> Lo
     cfg = _run_config(source)
     _check_language(source)
     tokenizer = run_hf_tokenizer(cfg.data.tokenizer, [m.kind for m in cfg.modules.values()],
-                                 cfg.data.chat_template)  # the template training used
+                                 cfg.data.chat_template,  # the template training used
+                                 native_placeholder_ids(cfg))  # a Qwen-VL folder's own
     target = device_for(0) if device is None else torch.device(device)
     vocab = padded_vocab_size(tokenizer.vocab_size)  # as training sized it (setup_mimo)
     # A --format hf export holds the Hugging Face modules as folders: read from there.

@@ -350,7 +350,7 @@ class LanguageModel(nn.Module):
                 or ``visual_mask`` do not match it, or ``deepstack`` has the wrong row count.
         """
         if cache is not None:
-            return self._cached_forward(hidden, cache, position_ids)
+            return self._cached_forward(hidden, cache, position_ids, deepstack, visual_mask)
         seq = hidden.shape[1]
         if self.context_parallel_group is not None:
             seq *= dist.get_world_size(self.context_parallel_group)
@@ -406,7 +406,9 @@ class LanguageModel(nn.Module):
         return held
 
     def _cached_forward(self, hidden: torch.Tensor, cache: KVCache,
-                        position_ids: torch.Tensor | None = None) -> torch.Tensor:
+                        position_ids: torch.Tensor | None = None,
+                        deepstack: Sequence[torch.Tensor] | None = None,
+                        visual_mask: torch.Tensor | None = None) -> torch.Tensor:
         """:meth:`forward` of positions ``[cache.length, cache.length + S)`` (see there)."""
         whole = self.pre_process and self.post_process and self.layer_chunks is None
         parallel = (self.context_parallel_group is not None
@@ -424,9 +426,14 @@ class LanguageModel(nn.Module):
         else:
             cos, sin = self.rope(start + seq, hidden.device)
             rope = (cos[start:], sin[start:])
+        # A prompt with images (Qwen3-VL): its first layers add the DeepStack features.
+        visual = (None if not deepstack else visual_rows(
+            visual_mask, deepstack, (hidden.shape[0], seq), hidden.device, None))
         hidden = to_residual_dtype(hidden, self.fp32_residual)
         for key, layer in self.layers.items():
             hidden = layer(hidden, rope, None, cache.layer(key))
+            if visual is not None and deepstack is not None and int(key) < len(deepstack):
+                hidden = add_visual(hidden, deepstack[int(key)], visual)
         cache.advance(seq)
         assert self.final_norm is not None and self.output is not None
         return self.output(self.final_norm(hidden))
