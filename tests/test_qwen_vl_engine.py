@@ -270,3 +270,16 @@ def test_stack_native_pads_items_and_positions() -> None:
     assert stack_native([{"tokens": torch.ones(2), "position_ids": torch.arange(2)}], 8) == {}
     with pytest.raises(ValueError, match=r"position_ids of shape \(3, 9\)"):
         stack_native([{**one, "position_ids": torch.zeros(3, 9)}], 8)
+
+
+def test_an_empty_block_has_the_dtype_of_a_full_one(qwen: dict) -> None:
+    """Under bf16 autocast a rank without images sends what the others send: the language
+    side joins replicas' blocks, and one fp32 block would turn the gradient fp32."""
+    cfg = load_config(qwen["config"])
+    vision = build_mimo_model(cfg, 128, {"vision": IMAGE_ID}).modality_submodules["vision"]
+    patches = torch.randn(1, 64, 24)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        full = vision(patches, torch.tensor([[1, 2, 2]]))
+        empty = vision(patches[:0], torch.zeros(0, 3, dtype=torch.long))
+    assert full.dtype == empty.dtype == torch.bfloat16
+    assert empty.shape == (0, *full.shape[1:]) and empty.requires_grad

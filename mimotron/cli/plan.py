@@ -24,6 +24,7 @@ from mimotron.estimate.memory import (
     stage_expert_counts,
     stage_parameter_counts,
 )
+from mimotron.estimate.native_memory import native_count_lines
 from mimotron.parallel.expert_layout import format_expert_layout
 from mimotron.parallel.layout import Layout, check_layout, format_skipped
 from mimotron.planner.fit import fit_lines
@@ -150,6 +151,8 @@ def _print_memory(cfg: MimoConfig, layout: Layout, vocab: int) -> None:
     if previous < layout.world_size - 1:
         print(format_skipped(layout.world_size - 1 - previous))
     print(LEGEND)
+    for line in native_count_lines(cfg, layout):  # which image counts it used
+        print(line)
 
 
 def _rank_totals(cfg: MimoConfig, layout: Layout, vocab: int, ranks: list[int]

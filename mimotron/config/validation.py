@@ -194,7 +194,7 @@ def _validate_modules(cfg: MimoConfig, hf: HFConfigs) -> None:
             mod.num_heads,
             f"a divisor of hidden_size={mod.hidden_size}",
         )
-        if mod.kind == "vit":
+        if mod.kind == "vit" and mod.hf_native is None:  # native: no fixed image size
             _check(
                 mod.patch_size >= 1 and mod.image_size % mod.patch_size == 0,
                 f"{p}.patch_size",

@@ -14,6 +14,11 @@ Sample keys (the native-resolution batch format of :mod:`mimotron.data.collate`)
 ``image`` ``[max_patches, patch_dim]`` (zero rows after the image's own),
 ``image_grid`` ``[3]``, ``image_tokens`` ``[]`` and ``position_ids`` ``[3, L]``
 besides the text keys.
+
+The image sizes are known without drawing a sample: a sample is an image one with
+probability :data:`IMAGE_SHARE`, its grid has the law :func:`grid_distribution`, and
+:meth:`NativeMockTask.image_grid` is a sample's own grid (no pixels made), which the
+memory and FLOP estimates count (:mod:`mimotron.estimate.image_counts`).
 """
 
 from __future__ import annotations
@@ -29,12 +34,45 @@ from mimotron.data.collate import Sample, build_text_sample
 from mimotron.data.digits import SPLITS, SampleStream, sample_rng
 from mimotron.data.mrope_positions import MRopeRule, mrope_positions
 
-__all__ = ["NativeMockTask"]
+__all__ = ["IMAGE_SHARE", "NativeMockTask", "grid_distribution"]
 
 _SALT = 0x6E6D6F63
 _MAX_ANSWER_TOKENS = 6
 _MAX_QUESTION_TOKENS = 8
 _FIRST_ID = 5  # pad, bos, eos, <image>, <audio> (the character tokenizer's layout)
+_KINDS = ("image", "text")  # drawn uniformly: the first draw of every sample
+IMAGE_SHARE = 1 / len(_KINDS)
+"""The probability that a sample holds an image (else it is text only)."""
+
+
+def _draw_grid(vision: NativeVision, rng: np.random.Generator) -> tuple[int, int, int]:
+    """A random ``(1, h, w)`` whose tokens fit the slots: ``h`` in merge blocks uniform
+    on ``[1, max_tokens]``, then ``w`` uniform on ``[1, max_tokens // h]``."""
+    merge, limit = vision.merge_size, vision.max_tokens
+    h_units = int(rng.integers(1, limit + 1))
+    w_units = int(rng.integers(1, limit // h_units + 1))
+    return 1, h_units * merge, w_units * merge
+
+
+def grid_distribution(vision: NativeVision) -> tuple[np.ndarray, np.ndarray]:
+    """The exact law of an image sample's grid: every possible ``(1, h, w)`` and its
+    probability.
+
+    Args:
+        vision: the vision module's patching and bound.
+
+    Returns:
+        ``(grids, probabilities)``: int64 ``[G, 3]`` and float64 ``[G]`` (summing to 1),
+        the support of the draw :class:`NativeMockTask` makes for an image sample.
+    """
+    merge, limit = vision.merge_size, vision.max_tokens
+    h_units = np.arange(1, limit + 1)
+    widths = limit // h_units  # w is uniform on [1, widths[h - 1]] given h
+    rows = np.repeat(h_units, widths)
+    cols = np.concatenate([np.arange(1, n + 1) for n in widths])
+    probs = np.repeat(1.0 / (limit * widths), widths)
+    grids = np.stack([np.ones_like(rows), rows * merge, cols * merge], axis=1)
+    return grids.astype(np.int64), probs
 
 
 class NativeMockTask:
@@ -68,7 +106,7 @@ class NativeMockTask:
         self.seq_length, self.seed, self.num_samples, self.split = (seq_length, seed,
                                                                       num_samples, split)
         self.pad_id, self.bos_id, self.eos_id = 0, 1, 2
-        self.kinds = ("image", "text")
+        self.kinds = _KINDS
         self.image_shape = (vision.max_patches, vision.patch_dim)
         self.audio_shape = (0,)  # no audio: collate stacks none
 
@@ -79,12 +117,24 @@ class NativeMockTask:
         """The endless, layout-independent order of this task's samples for ``seed``."""
         return SampleStream(self, seed, shuffle)
 
-    def _grid(self, rng: np.random.Generator) -> tuple[int, int, int]:
-        """A random ``(1, h, w)`` whose tokens fit the slots."""
-        merge, limit = self.vision.merge_size, self.vision.max_tokens
-        h_units = int(rng.integers(1, limit + 1))
-        w_units = int(rng.integers(1, limit // h_units + 1))
-        return 1, h_units * merge, w_units * merge
+    def _start(self, index: int, epoch: int
+               ) -> tuple[np.random.Generator, str, tuple[int, int, int] | None]:
+        """The sample's generator after its first draws: its kind and its grid."""
+        if not 0 <= index < len(self):
+            raise ValueError(f"index={index!r} is invalid: expected 0 <= index < {len(self)}")
+        epoch = epoch if self.split == "train" else 0
+        rng = sample_rng(self.seed, _SALT, SPLITS.index(self.split), epoch, index)
+        kind = self.kinds[int(rng.integers(len(self.kinds)))]
+        return rng, kind, _draw_grid(self.vision, rng) if kind == "image" else None
+
+    def image_grid(self, index: int, epoch: int = 0) -> tuple[int, int, int] | None:
+        """Sample ``index``'s image grid ``(1, h, w)`` (``None``: a text sample), drawn
+        as :meth:`get` draws it, without the rest of the sample.
+
+        Raises:
+            ValueError: an index outside the split.
+        """
+        return self._start(index, epoch)[2]
 
     def get(self, index: int, epoch: int = 0) -> Sample:
         """Sample ``index`` of epoch ``epoch``.
@@ -92,12 +142,7 @@ class NativeMockTask:
         Raises:
             ValueError: an index outside the split.
         """
-        if not 0 <= index < len(self):
-            raise ValueError(f"index={index!r} is invalid: expected 0 <= index < {len(self)}")
-        epoch = epoch if self.split == "train" else 0
-        rng = sample_rng(self.seed, _SALT, SPLITS.index(self.split), epoch, index)
-        kind = self.kinds[int(rng.integers(len(self.kinds)))]
-        grid = self._grid(rng) if kind == "image" else None
+        rng, kind, grid = self._start(index, epoch)
         num_image = 0 if grid is None else grid[1] * grid[2] // self.vision.merge_size**2
         prompt = [self.bos_id] + [self.image_id] * num_image
         room = self.seq_length - len(prompt) - 1

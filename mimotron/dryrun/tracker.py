@@ -204,7 +204,7 @@ class DeviceTracker(TorchDispatchMode):
             out = func(*args, **kwargs)
             if func.__name__.split(".")[0] not in ("send", "broadcast_"):
                 # A reduction's result is the world's, not this rank's host data.
-                for t in tree_flatten((args, kwargs))[0]:
+                for t in tree_flatten(_written(func, args, kwargs))[0]:
                     if isinstance(t, FakeTensor):
                         self._drop(t)
             self._carry(func, args)
@@ -432,6 +432,13 @@ def _copy(real: torch.Tensor) -> torch.Tensor:
     """A real copy of a host value (outside ``FakeTensorMode``)."""
     with unset_fake_temporarily():
         return real.clone()
+
+
+def _written(func: Any, args: tuple, kwargs: dict) -> Any:
+    """What a collective writes: a ``c10d`` op its first argument (a gather's outputs,
+    a reduction's tensors; its inputs keep their host values, which the gather carries
+    to the outputs); a functional collective, for all the tracker knows, everything."""
+    return args[0] if func.namespace == "c10d" and args else (args, kwargs)
 
 
 def _mutated(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:

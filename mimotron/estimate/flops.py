@@ -38,6 +38,12 @@ the standard convention, kept so numbers compare with other frameworks.
 Encoders only see the samples that carry their modality, so the loop counts those per
 step (:class:`~mimotron.training.metrics.LoopMonitor`); the language model sees every
 sample padded to ``data.seq_length``.
+
+A native-resolution tower (Qwen2.5-VL, Qwen3-VL) is counted per image from its real
+patch rows and attention segments (:mod:`mimotron.estimate.native_flops`), its mergers
+being its projector; the per-image counts are the data's
+(:class:`~mimotron.estimate.image_counts.ImageStats`: the mock data's expectation, the
+``max_pixels`` bound, or a step's real grids given by the caller).
 """
 
 from __future__ import annotations
@@ -47,6 +53,8 @@ from collections.abc import Mapping
 from mimotron.config.hf_specs import mlp_matrices
 from mimotron.config.moe_config import moe_options
 from mimotron.config.schema import MimoConfig, ModuleConfig, default_ffn_hidden_size
+from mimotron.estimate.image_counts import ImageStats, bound_stats, image_stats
+from mimotron.estimate.native_flops import merger_flops, tower_flops
 from mimotron.names import LANGUAGE
 
 
@@ -121,13 +129,16 @@ def moe_flops_delta(mod: ModuleConfig, num_tokens: float) -> float:
     return len(moe.moe_layer_ids(mod.num_layers)) * per_layer
 
 
-def encoder_flops(mod: ModuleConfig, lm_hidden_size: int, num_samples: float) -> float:
+def encoder_flops(mod: ModuleConfig, lm_hidden_size: int, num_samples: float,
+                  stats: ImageStats | None = None) -> float:
     """Forward FLOPs of an encoder with its projector, for ``num_samples`` inputs.
 
     Args:
         mod: the encoder's config (``vit`` or ``audio``).
         lm_hidden_size: the language model's width (the projector's output).
-        num_samples: inputs that carry the encoder's modality.
+        num_samples: inputs that carry the encoder's modality (images of a native tower).
+        stats: a native-resolution tower's per-image counts (``None``: the
+            ``max_pixels`` bound, :func:`~mimotron.estimate.image_counts.bound_stats`).
 
     Returns:
         Front end + transformer layers + projector FLOPs.
@@ -135,6 +146,8 @@ def encoder_flops(mod: ModuleConfig, lm_hidden_size: int, num_samples: float) ->
     Raises:
         ValueError: the module is not an encoder kind this count knows.
     """
+    if mod.hf_native is not None:
+        return tower_flops(mod, stats or bound_stats(mod), num_samples)
     tokens = mod.num_output_tokens
     h = mod.hidden_size
     if mod.kind == "vit":
@@ -151,8 +164,12 @@ def encoder_flops(mod: ModuleConfig, lm_hidden_size: int, num_samples: float) ->
     return front + layers + projector_flops(mod, lm_hidden_size, num_samples)
 
 
-def projector_flops(mod: ModuleConfig, lm_hidden_size: int, num_samples: float) -> float:
-    """Forward FLOPs of an encoder's projector (its two matmuls) for ``num_samples``."""
+def projector_flops(mod: ModuleConfig, lm_hidden_size: int, num_samples: float,
+                    stats: ImageStats | None = None) -> float:
+    """Forward FLOPs of an encoder's projector (its two matmuls) for ``num_samples``; a
+    native tower's mergers (``stats`` as :func:`encoder_flops` takes them)."""
+    if mod.hf_native is not None:
+        return merger_flops(mod, stats or bound_stats(mod), num_samples)
     tokens, h = mod.num_output_tokens, mod.hidden_size
     mid = mod.projector_hidden_size or lm_hidden_size
     return (matmul_flops(num_samples * tokens, mid, h)
@@ -173,14 +190,20 @@ def training_multiplier(cfg: MimoConfig, name: str) -> int:
 
 def model_flops_per_iteration(cfg: MimoConfig, vocab_size: int,
                               encoder_samples: Mapping[str, float],
-                              num_samples: float | None = None) -> dict[str, float]:
+                              num_samples: float | None = None,
+                              native_stats: Mapping[str, ImageStats] | None = None
+                              ) -> dict[str, float]:
     """Training FLOPs of one iteration, per module (forward + backward).
 
     Args:
         cfg: the run config (module shapes, ``data.seq_length``, freezing).
         vocab_size: tokenizer vocabulary size.
-        encoder_samples: encoder name -> samples of the iteration carrying its modality.
+        encoder_samples: encoder name -> samples of the iteration carrying its modality
+            (a native-resolution tower: the images it ran).
         num_samples: samples through the language model (default: the global batch).
+        native_stats: a native tower's per-image counts for this iteration (its real
+            grids, :func:`~mimotron.estimate.image_counts.grid_stats`); missing ones
+            are the data's (:func:`~mimotron.estimate.image_counts.image_stats`).
 
     Returns:
         Module name -> FLOPs; sum the values for the model total.
@@ -191,7 +214,11 @@ def model_flops_per_iteration(cfg: MimoConfig, vocab_size: int,
         lm, vocab_size, samples, cfg.data.seq_length)}
     for name in cfg.encoder_names:
         mod, n = cfg.modules[name], encoder_samples.get(name, 0.0)
-        out[name] = training_multiplier(cfg, name) * encoder_flops(mod, lm.hidden_size, n)
+        stats = None
+        if mod.hf_native is not None:
+            stats = (native_stats or {}).get(name) or image_stats(cfg, name)
+        out[name] = training_multiplier(cfg, name) * encoder_flops(mod, lm.hidden_size, n,
+                                                                   stats)
         if mod.tower_frozen:  # its projector trains: backward x2 on top of the forward
-            out[name] += 2 * projector_flops(mod, lm.hidden_size, n)
+            out[name] += 2 * projector_flops(mod, lm.hidden_size, n, stats)
     return out

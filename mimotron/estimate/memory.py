@@ -21,6 +21,11 @@ from mimotron.config.vocab_size import model_vocab_size
 from mimotron.estimate.activation_terms import context_keys_read, extra_layer_bytes_per_sample
 from mimotron.estimate.fsdp_memory import fsdp_memory_bytes
 from mimotron.estimate.in_flight import held_forwards_peak
+from mimotron.estimate.native_memory import (
+    native_activation_bytes,
+    native_workspace_bytes,
+    uses_native_terms,
+)
 from mimotron.estimate.widths import (
     BYTES,
     FP32,
@@ -269,7 +274,10 @@ def activation_bytes(cfg: MimoConfig, name: str, vocab_size: int = 64,
     module's first (last) stage ends on its first (last) chunk: ``None`` takes the peak
     of the rank's plan, each chunk weighted by its bytes
     (:func:`~mimotron.estimate.in_flight.held_forwards_peak`); a number ``in_flight``
-    spreads that many chunk forwards evenly over the chunks. A frozen
+    spreads that many chunk forwards evenly over the chunks. A native-resolution
+    vision module is counted by the patch rows its replicas hold
+    (:func:`~mimotron.estimate.native_memory.native_activation_bytes`: the largest
+    replica's; ``in_flight`` is not used). A frozen
     encoder holds only its outputs (:func:`frozen_encoder_output_bytes`), one whose tower
     is frozen only its projector's saved tensors (:func:`projector_saved_bytes`). Each layer
     recomputed in backward (``modules.<m>.recompute``, :func:`recomputed_layers`) keeps
@@ -284,6 +292,10 @@ def activation_bytes(cfg: MimoConfig, name: str, vocab_size: int = 64,
               else mod.num_output_tokens)
     if in_flight is None and layout is None:
         layout = check_layout(cfg)
+    if mod.hf_native is not None:  # by patch rows, not slots: its largest replica's
+        layout, memo = layout or check_layout(cfg), {}
+        return max(native_activation_bytes(cfg, layout, name, stage, d, None, memo)[0]
+                   for d in range(par.data))
     if mod.freeze and mod.is_encoder:
         # Its outputs, or its projector's saved tensors: those of its last chunk's forwards.
         last_chunk = [0.0] * (par.virtual_pipeline - 1) + [1.0]
@@ -492,10 +504,16 @@ def backward_workspace_bytes(cfg: MimoConfig, name: str, vocab_size: int = 0,
       loss keeps (the fp32 gradient of the log-softmax and the logits' gradient,
       measured with ``language_loss`` and ``vocab_parallel_loss`` alike). With a real
       vocabulary this is the largest: 32,000 logits against an 11,008-wide SwiGLU.
+
+    A native-resolution tower: :func:`~mimotron.estimate.native_memory.
+    native_workspace_bytes` of a micro-batch whose image slots are all full
+    (:func:`estimate_memory` gives it the largest micro-batch the data holds).
     """
     mod = cfg.modules[name]
     par = mod.parallel
     samples = local_items(cfg, name)
+    if mod.hf_native is not None:  # its micro-batch's patch rows, every slot full
+        return native_workspace_bytes(cfg, name, samples * mod.hf_native.max_patches)
     tokens = (cfg.data.seq_length // par.context if mod.is_language
               else mod.num_output_tokens)
     h, c = mod.hidden_size, BYTES[cfg.train.precision]
@@ -510,7 +528,8 @@ def backward_workspace_bytes(cfg: MimoConfig, name: str, vocab_size: int = 0,
 
 def estimate_memory(
     cfg: MimoConfig, layout: Layout, vocab_size: int, ranks: list[int] | None = None,
-    counts_memo: dict[tuple[object, ...], list[Any]] | None = None,
+    counts_memo: dict[tuple[object, ...], Any] | None = None,
+    image_steps: range | None = None,
 ) -> dict[int, list[MemoryEstimate]]:
     """Per-rank estimates, one entry per module the rank holds (of ``ranks``; None: all).
 
@@ -525,6 +544,12 @@ def estimate_memory(
     the reduction's buffers count the parameters that train
     (:func:`stage_trainable_counts`): none of a frozen module, only the projector of an
     encoder whose tower is frozen.
+
+    A native-resolution vision module (Qwen2.5-VL, Qwen3-VL) and the first stage of a
+    language model fed by one over a bridge are counted per data-parallel replica, from
+    the images that replica holds (:func:`_with_native_images`; ``image_steps``: the
+    training steps whose samples are read, ``None``: :func:`~mimotron.estimate.
+    image_counts.image_steps`).
     """
     vocab_size = model_vocab_size(cfg, vocab_size)
     memo = {} if counts_memo is None else counts_memo
@@ -548,19 +573,36 @@ def estimate_memory(
         out[rank] = []
         for role in layout.roles(rank):
             name, stage, mod = role.module, role.pp, cfg.modules[role.module]
-            if (name, stage) not in activations:
-                activations[(name, stage)] = activation_bytes(
-                    cfg, name, vocab_size, None, stage, layout)
+            if (name, stage) not in activations:  # a native tower's: per replica, below
+                activations[(name, stage)] = 0 if mod.hf_native is not None else \
+                    activation_bytes(cfg, name, vocab_size, None, stage, layout)
             split = experts[name][stage] if experts[name] else None
             n = rank_parameter_count(cfg, name, counts[name][stage], split)
             t = n if not mod.freeze else (
                 0 if mod.fully_frozen else rank_parameter_count(cfg, name, trained[name][stage],
                                                                 split))
             est = _rank_estimate(cfg, name, stage, n, t, split, vocab_size)
-            out[rank].append(replace(est, activations=activations[(name, stage)]))
+            est = replace(est, activations=activations[(name, stage)])
+            if uses_native_terms(cfg, layout, name, stage):
+                est = _with_native_images(cfg, layout, est, stage, role.dp, image_steps, memo)
+            out[rank].append(est)
             if mod.parallel.fsdp and mod.parallel.data > 1:
                 out[rank][-1] = _with_fsdp(cfg, out[rank][-1], vocab_size, t)
     return out
+
+
+def _with_native_images(cfg: MimoConfig, layout: Layout, est: MemoryEstimate, stage: int,
+                        dp: int, steps: range | None, memo: dict[tuple[object, ...], Any]
+                        ) -> MemoryEstimate:
+    """``est`` with the native terms of replica ``dp``
+    (:func:`~mimotron.estimate.native_memory.native_activation_bytes`): a native tower's
+    activations and workspace replaced by its held images', the blocks a language
+    model's first stage received added to its own."""
+    held_bytes, held = native_activation_bytes(cfg, layout, est.module, stage, dp, steps, memo)
+    if est.module == LANGUAGE:
+        return replace(est, activations=est.activations + held_bytes)
+    return replace(est, activations=held_bytes,
+                   workspace=native_workspace_bytes(cfg, est.module, held.largest_patches))
 
 
 def _rank_estimate(cfg: MimoConfig, name: str, stage: int, n: int, trained: int,

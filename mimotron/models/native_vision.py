@@ -222,7 +222,12 @@ class NativeVisionSubmodule(nn.Module):
                              f"but the slots hold {patches.shape[1]} patches / "
                              f"{self.max_tokens} tokens (modules.<m>.max_pixels)")
         if num == 0:  # no image here: an empty block, still on the tower's graph
-            return self._on_graph(patches.new_zeros((0, self.max_tokens, self._width())))
+            # In the dtype a tower's output has here (autocast's), as the other ranks' blocks.
+            kind = patches.device.type
+            autocast = torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind)
+            dtype = torch.get_autocast_dtype(kind) if autocast else patches.dtype
+            return self._on_graph(patches.new_zeros((0, self.max_tokens, self._width()),
+                                                    dtype=dtype))
         real = slot_mask(torch.tensor(counts), patches.shape[1]).to(patches.device)
         out = self.encoder(patches[real], grid)
         if not isinstance(out, torch.Tensor):  # Qwen3-VL: (features, deepstack)
