@@ -99,12 +99,12 @@ def language_inputs(model: nn.Module, batch: dict[str, torch.Tensor],
     host_tokens = host_copy(batch, "tokens")
     if positions is not None:
         local = tokens[:, positions]
-        host_local = local if host_tokens is tokens else host_tokens[
-            :, lm.context_positions(tokens.shape[1], host_tokens.device)]
+        held = lm.context_positions(tokens.shape[1], torch.device("cpu"))  # host copy
+        host_local = local if host_tokens is tokens else host_tokens[:, held.to(
+            host_tokens.device)]
         local_embeds = lm.embed_tokens(local)
-        embeds, visual = native_context_embeddings(
-            model, batch, embeds, local_embeds.shape[-1],
-            lm.context_positions(tokens.shape[1], torch.device("cpu")))
+        embeds, visual = native_context_embeddings(model, batch, embeds,
+                                                   local_embeds.shape[-1], held)
         return model.merge_context_embeddings(local, local_embeds, embeds,
                                               host_tokens=host_local), visual
     present = {m: host_copy(batch, f"has_{model.modality_of[m]}") for m in embeds}
