@@ -5,9 +5,10 @@ collectives (the bridge, the step's reductions). A rank that issued a collective
 peers did not, or in another order, would hang or — worse — pair unrelated tensors. Under
 ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` torch wraps every process group so that, before each
 collective, the members compare fingerprints (sequence number, op, shapes, dtypes) and
-raise on any difference. The layouts below (encoder TP with DP next to a TP or DP
-language model, micro-batches small enough that slices are empty; one with overlapped
-gradient reduction and parameter gathers) train under that check.
+raise on any difference. The layout below (encoder TP with DP next to a TP language
+model and a ZeRO-1 DP encoder, micro-batches small enough that slices are empty,
+overlapped gradient reduction and parameter gathers) trains under that check; the
+replay under NCCL's rules checks the same property for every multi-rank test.
 
 The step's scalars (token count, found-inf, grad norm and zero slots, loss sums) cost
 two world collectives per step; a non-colocated layout, which has no bridge traffic on
@@ -28,10 +29,8 @@ from tests.common import BASE, DIGITS, coloc, engine_run, noncolocated, train_st
 
 SMALL_MB = ["train.micro_batch_size=4"]
 LAYOUTS = {
-    "audio-tp2dp2-language-tp2dp2": coloc({"data": 4}, {"tensor": 2, "data": 2},
-                                          {"tensor": 2, "data": 2}),
-    "vision-tp2dp2-language-dp4": coloc({"tensor": 2, "data": 2}, {"data": 4}, {"data": 4}),
-    # Overlap: buckets launched from gradient hooks (DTensor placements aligned there),
+    # Audio TP 2 x DP 2 beside a TP 2 x DP 2 language model and DP 4 vision, with
+    # overlap: buckets launched from gradient hooks (DTensor placements aligned there),
     # ZeRO-1 reduce-scatters in the backward and all-gathers landing in the next forward.
     "overlap-vision-zero-dp4-audio-language-tp2dp2": coloc(
         {"data": 4}, {"tensor": 2, "data": 2}, {"tensor": 2, "data": 2})

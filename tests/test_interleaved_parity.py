@@ -39,12 +39,12 @@ CASES: dict[str, tuple[list[str], list[str]]] = {
     "vision-pp2vp2-language-pp2vp2": (noncolocated(PP2VP2, {}, PP2VP2),
                                       VISION_4 + LANGUAGE_4 + FOUR_MB),
     "language-pp2vp2-dp2": (noncolocated({}, {}, {**PP2VP2, "data": 2}), LANGUAGE_4 + FOUR_MB),
-    "language-tp2pp2vp2": (noncolocated({}, {}, {**PP2VP2, "tensor": 2}), LANGUAGE_4 + FOUR_MB),
     "language-pp2vp2-dp2-zero": (noncolocated({}, {}, {**PP2VP2, "data": 2,
                                                     "shard_optimizer": "true"}),
                                  LANGUAGE_4 + FOUR_MB),
     "language-cp2pp2vp2": (noncolocated({}, {}, {**PP2VP2, "context": 2}),
                            LANGUAGE_4 + FOUR_MB),
+    # TP with sequence parallelism: TP's interleaved path and SP's, at once.
     "language-tp2pp2vp2-sp": (noncolocated({}, {}, {**PP2VP2, "tensor": 2,
                                                  "sequence_parallel": "true"}),
                               LANGUAGE_4 + FOUR_MB),

@@ -48,12 +48,8 @@ CASES: dict[str, tuple[list[str], list[str]]] = {
     # ---- colocated: every module on every rank, degrees differ per module
     "coloc-dp2": (colocated(2), []),
     "coloc-dp4-mb4": (colocated(4), SMALL_MB),
-    "coloc-vision-dp4-language-tp2dp2": (
-        coloc({"data": 4}, {"data": 4}, {"tensor": 2, "data": 2}), []),
     "coloc-audio-tp2dp2-language-tp2dp2-mb4": (
         coloc({"data": 4}, {"tensor": 2, "data": 2}, {"tensor": 2, "data": 2}), SMALL_MB),
-    "coloc-audio-tp2dp2-language-dp4-mb4": (
-        coloc({"data": 4}, {"tensor": 2, "data": 2}, {"data": 4}), SMALL_MB),
     "coloc-vision-tp2dp2-language-dp4-mb4": (
         coloc({"tensor": 2, "data": 2}, {"data": 4}, {"data": 4}), SMALL_MB),
     "coloc-vision-tp2-audio-tp2-language-tp2": (
@@ -65,7 +61,6 @@ CASES: dict[str, tuple[list[str], list[str]]] = {
     "fan-out-language-dp2-mb4": (noncolocated({}, {}, {"data": 2}), SMALL_MB),
     "fan-in-vision-dp2": (noncolocated({"data": 2}, {}, {}), []),
     "language-tp2": (noncolocated({}, {}, {"tensor": 2}), []),
-    "language-tp2dp2-fan-out": (noncolocated({}, {}, {"tensor": 2, "data": 2}), []),
     "fan-in-vision-dp2-into-language-tp2": (noncolocated({"data": 2}, {}, {"tensor": 2}), []),
     "vision-tp2": (noncolocated({"tensor": 2}, {}, {}), []),
     "audio-tp2": (noncolocated({}, {"tensor": 2}, {}), []),
