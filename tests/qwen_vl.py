@@ -111,3 +111,75 @@ def _load(path: str) -> Any:
 
 QWEN_FAMILY = HFFamily(_load, qwen_hf_name, qwen_hf_loss)
 """A Qwen-VL folder in :func:`tests.hf_vlm.hf_reference_run`."""
+
+
+def write_qwen_config(root: Path, folder: Path, max_pixels: int, iters: int) -> Path:
+    """``root/qwen.toml``: ``folder`` trained on mock native-resolution samples (fp32, a
+    real learning rate, batches of 8 in micro-batches of 4, images up to ``max_pixels``)."""
+    path = root / "qwen.toml"
+    path.write_text(f"""
+hf_path = "{folder}"
+
+[modules.vision]
+max_pixels = {max_pixels}
+
+[data]
+dataset = "mock"
+seq_length = 40
+mock_num_samples = 96
+
+[train]
+iters = {iters}
+global_batch_size = 8
+micro_batch_size = 4
+seed = 3
+precision = "fp32"
+
+[optimizer]
+lr = 3e-3
+clip_grad = 0.5
+weight_decay = 0.1
+
+[scheduler]
+warmup_iters = 2
+
+[eval]
+interval = 1000
+
+[log]
+dir = "{root / 'run'}"
+""")
+    return path
+
+
+def write_llava_config(root: Path, folder: Path, data: Path, name: str, *, max_pixels: int,
+                       media: str = "img", seq_length: int = 128, max_images: int = 1,
+                       packing: bool = False) -> Path:
+    """``root/<name>.toml``: ``folder`` on the LLaVA file ``data`` (media under
+    ``root/<media>``), images up to ``max_pixels``, batches of 2 in micro-batches of 1."""
+    path = root / f"{name}.toml"
+    path.write_text(f"""
+hf_path = "{folder}"
+
+[modules.vision]
+max_pixels = {max_pixels}
+
+[data]
+dataset = "llava"
+path = "{data}"
+root = "{root / media}"
+seq_length = {seq_length}
+max_images_per_sample = {max_images}
+packing = {str(packing).lower()}
+index_dir = "{root / name / 'index'}"
+train_fraction = 0.5
+
+[train]
+global_batch_size = 2
+micro_batch_size = 1
+precision = "fp32"
+
+[log]
+dir = "{root / name}"
+""")
+    return path

@@ -40,7 +40,7 @@ from mimotron.forked_ranks import run_groups
 from tests.common import engine_run
 from tests.hf_data import write_jsonl, write_png
 from tests.hf_vlm import check_layout_run, hf_reference_run
-from tests.qwen_vl import FAMILIES, QWEN_FAMILY
+from tests.qwen_vl import FAMILIES, QWEN_FAMILY, write_llava_config
 
 transformers = pytest.importorskip("transformers")
 PIL = pytest.importorskip("PIL.Image")
@@ -112,36 +112,6 @@ def _save_folder(path: Path, tokenizer: Any, family: str) -> Any:
     return model.eval()
 
 
-def _write_config(root: Path, folder: Path, data: Path, name: str, seq_length: int = 128,
-                  max_images: int = 1, packing: bool = False) -> Path:
-    path = root / f"{name}.toml"
-    path.write_text(f"""
-hf_path = "{folder}"
-
-[modules.vision]
-max_pixels = {MAX_PIXELS}
-
-[data]
-dataset = "llava"
-path = "{data}"
-root = "{root / 'img'}"
-seq_length = {seq_length}
-max_images_per_sample = {max_images}
-packing = {str(packing).lower()}
-index_dir = "{root / 'index'}"
-train_fraction = 0.5
-
-[train]
-global_batch_size = 2
-micro_batch_size = 1
-precision = "fp32"
-
-[log]
-dir = "{root / name}"
-""")
-    return path
-
-
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def qwen(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
          ) -> dict[str, Any]:
@@ -154,8 +124,9 @@ def qwen(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     data = write_jsonl(root / "data.jsonl", SAMPLES)
     multi = write_jsonl(root / "multi.jsonl", MULTI)
     return {"root": root, "folder": folder, "model": model,
-            "config": _write_config(root, folder, data, "single"),
-            "multi": _write_config(root, folder, multi, "multi", max_images=2),
+            "config": write_llava_config(root, folder, data, "single", max_pixels=MAX_PIXELS),
+            "multi": write_llava_config(root, folder, multi, "multi", max_images=2,
+                                        max_pixels=MAX_PIXELS),
             "tokenizer": transformers.AutoTokenizer.from_pretrained(str(folder)),
             "processor": transformers.Qwen2VLImageProcessorPil.from_pretrained(
                 folder, size={"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS})}
@@ -329,7 +300,8 @@ def test_refused_samples_are_named(qwen: dict, tmp_path: Path) -> None:
     """An image whose tokens alone exceed seq_length, or the wrong tokenizer, is one line."""
     root = qwen["root"]
     data = write_jsonl(tmp_path / "short.jsonl", [SAMPLES[1], SAMPLES[2]])
-    config = _write_config(root, qwen["folder"], data, "short", seq_length=40)
+    config = write_llava_config(root, qwen["folder"], data, "short", seq_length=40,
+                                max_pixels=MAX_PIXELS)
     with pytest.raises(ValueError) as err:
         _dataset(config, f"data.index_dir='{tmp_path / 'index'}'")
     message = str(err.value)
@@ -344,8 +316,9 @@ def test_training_equals_a_plain_loop_on_transformers(qwen: dict, tmp_path: Path
     """The data feed the engine: one process, and vision | language on two ranks (an image
     rank that never tokenises, a text rank that never decodes), 3 iterations at a real
     learning rate equal transformers' model in a plain loop on the same samples."""
-    config = _write_config(qwen["root"], qwen["folder"],
-                           write_jsonl(tmp_path / "train.jsonl", SAMPLES * 4), "train")
+    config = write_llava_config(qwen["root"], qwen["folder"],
+                                write_jsonl(tmp_path / "train.jsonl", SAMPLES * 4), "train",
+                                max_pixels=MAX_PIXELS)
     config.write_text(config.read_text().replace("train_fraction = 0.5", "train_fraction = 0.75")
                       .replace("[train]", "[train]\niters = 3\nseed = 1")
                       + "\n[optimizer]\nlr = 3e-3\n\n[eval]\ninterval = 1000\n")
@@ -368,7 +341,8 @@ def test_an_image_changed_after_the_check(qwen: dict, tmp_path: Path) -> None:
 
     shutil.copytree(qwen["root"] / "img", tmp_path / "img")
     data = write_jsonl(tmp_path / "data.jsonl", SAMPLES)
-    config = _write_config(tmp_path, qwen["folder"], data, "changed")
+    config = write_llava_config(tmp_path, qwen["folder"], data, "changed",
+                                max_pixels=MAX_PIXELS)
     _, _, dataset = _dataset(config)
     write_png(tmp_path / "img" / "a.png", 40, 40, seed=9)  # was 20 x 12
     with pytest.raises(ValueError, match=r"line 1 \(sample id 's0'\).*an image file changed"):

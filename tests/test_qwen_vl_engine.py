@@ -10,8 +10,9 @@ samples between them), so a micro-batch mixes images of different sizes.
   a batch of two samples holding three images of different sizes (fp32, 1e-5).
 * Layouts: 10 iterations at a real learning rate, split (vision DP 2 | language TP 2;
   language CP 2; language PP 2, for Qwen3-VL with both DeepStack layers on the first
-  stage) and colocated (vision DP 2 with language TP 2, also with encoder batching and
-  the tower recomputed; with language CP 2): losses,
+  stage) and colocated (vision DP 2 with language TP 2 with encoder batching and the
+  tower recomputed, and for Qwen3-VL with the tower frozen but its mergers; with
+  language CP 2): losses,
   grad norms and final weights equal the plain loop on transformers' model
   (:func:`tests.hf_vlm.hf_reference_run`).
 * Layouts the towers cannot run are one line before launch.
@@ -40,6 +41,7 @@ from tests.qwen_vl import (
     TEMPORAL,
     qwen_hf_name,
     save_qwen_folder,
+    write_qwen_config,
 )
 
 transformers = pytest.importorskip("transformers")
@@ -49,50 +51,14 @@ NUM_ITERS = 10
 MAX_PIXELS = 256  # 16 token slots per image at patch 2, merge 2
 
 
-def _write_config(root: Path, folder: Path) -> Path:
-    path = root / "qwen.toml"
-    path.write_text(f"""
-hf_path = "{folder}"
-
-[modules.vision]
-max_pixels = {MAX_PIXELS}
-
-[data]
-dataset = "mock"
-seq_length = 40
-mock_num_samples = 96
-
-[train]
-iters = {NUM_ITERS}
-global_batch_size = 8
-micro_batch_size = 4
-seed = 3
-precision = "fp32"
-
-[optimizer]
-lr = 3e-3
-clip_grad = 0.5
-weight_decay = 0.1
-
-[scheduler]
-warmup_iters = 2
-
-[eval]
-interval = 1000
-
-[log]
-dir = "{root / 'run'}"
-""")
-    return path
-
-
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def qwen(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
          ) -> dict[str, object]:
     root = tmp_path_factory.mktemp(request.param)
     model = save_qwen_folder(root / "folder", request.param, IMAGE_ID)
     return {"family": request.param, "root": root, "folder": root / "folder",
-            "model": model, "config": _write_config(root, root / "folder")}
+            "model": model,
+            "config": write_qwen_config(root, root / "folder", MAX_PIXELS, NUM_ITERS)}
 
 
 def _batch(folder: Path, gen: torch.Generator) -> tuple[dict[str, torch.Tensor], list]:
@@ -162,10 +128,9 @@ _LAYOUTS = {
     "vision DP 2 | language TP 2": (4, [
         "modules.vision.parallel.data=2", "modules.language.parallel.tensor=2",
         "modules.language.parallel.rank_offset=2"]),
-    "colocated vision DP 2, language TP 2": (2, [
-        "modules.vision.parallel.data=2", "modules.language.parallel.tensor=2"]),
     "vision | language CP 2": (3, [
         "modules.language.parallel.context=2", "modules.language.parallel.rank_offset=1"]),
+    # Colocated vision DP 2 with language TP 2 (without the two options: the frozen test).
     "colocated, encoder batching": (2, [
         "modules.vision.parallel.data=2", "modules.language.parallel.tensor=2",
         "train.encoder_batching=true", "modules.vision.recompute='full'"]),
@@ -193,11 +158,14 @@ def test_layouts_train_like_a_plain_loop_on_transformers(qwen: dict) -> None:
             assert not torch.equal(want, ref.initial[name]), name
 
 
+@pytest.mark.parametrize("qwen", ["qwen3_vl"], indirect=True)  # both kinds of merger
 def test_a_frozen_tower_trains_its_mergers_like_the_plain_loop(qwen: dict) -> None:
-    """``freeze = "encoder"``: the tower stops, its patch mergers (the projector) train."""
+    """``freeze = "encoder"``: the tower stops, its patch mergers (the projector: the
+    final one and DeepStack's) train. Colocated vision DP 2 with language TP 2."""
     freeze = ("modules.vision.freeze='encoder'",)
     ref = hf_reference_run(qwen["config"], NUM_ITERS, freeze, family=QWEN_FAMILY)
-    world, over = _LAYOUTS["colocated vision DP 2, language TP 2"]
+    world = 2
+    over = ["modules.vision.parallel.data=2", "modules.language.parallel.tensor=2"]
     [results] = run_groups([(world, engine_run, ([*over, *freeze], NUM_ITERS, qwen["config"]),
                              {})], timeout_s=300)
     merged = check_layout_run("frozen tower", results, ref)

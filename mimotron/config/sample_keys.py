@@ -19,6 +19,9 @@ MESSAGES_SAMPLE_KEYS = ("id", "images", "audios", "messages")
 """The keys read of a sample in the ``messages`` layout (LLaMA-Factory, ms-swift)."""
 MESSAGE_KEYS = ("role", "content")
 """The keys read of a turn of ``messages``."""
+VIDEO_KEYS = ("video", "videos")
+"""The video keys of the two layouts: read only with a native-resolution vision module
+(Qwen2.5-VL, Qwen3-VL), so not in :data:`READ_KEYS`: a run without one may ignore them."""
 READ_KEYS = frozenset(SAMPLE_KEYS + TURN_KEYS + MESSAGES_SAMPLE_KEYS + MESSAGE_KEYS)
 """Keys ``data.ignore_keys`` may not list: the loader reads them."""
 

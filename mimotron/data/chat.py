@@ -336,6 +336,16 @@ def replace_placeholder(messages: Sequence[dict[str, str]], old: str, new: str
     return [{**m, "content": m["content"].replace(old, new)} for m in messages]
 
 
+def placeholder_order(messages: Sequence[dict[str, str]], texts: Mapping[str, str]
+                      ) -> tuple[str, ...]:  # fmt: skip
+    """The name of each placeholder of ``texts`` (name -> text) in ``messages``, in text
+    order: ``("image", "video")`` for a conversation holding ``<image>`` then ``<video>``.
+    """
+    by_text = {text: name for name, text in texts.items()}
+    pattern = re.compile("|".join(re.escape(text) for text in by_text))
+    return tuple(by_text[m] for message in messages for m in pattern.findall(message["content"]))
+
+
 def expand_runs(encoded: EncodedConversation, placeholder_id: int, counts: Sequence[int]
                 ) -> EncodedConversation:  # fmt: skip
     """The ``k``-th ``placeholder_id`` of ``encoded`` -> ``counts[k]`` copies (never trained).

@@ -55,7 +55,11 @@ tokens, read from the file's header at the check and at every load), ``<|vision_
 a sample whose images alone need more than ``seq_length`` tokens is bad. Samples carry
 ``image`` Float[max_patches, patch_dim] (the processor's patch rows, zeros after;
 ``[n, ...]`` with ``max_images > 1``), ``image_grid``, ``image_tokens`` and
-``position_ids`` (:mod:`~mimotron.data.native_batch`).
+``position_ids`` (:mod:`~mimotron.data.native_batch`). Such a run also reads videos
+(``video`` / ``videos``, :mod:`~mimotron.data.native_video`): each ``<video>`` becomes
+the family's video text, and a sample's items are its images and videos in placeholder
+order (``max_images`` counts them); a video's frames and grid come from its header at the
+check and at every load, its frames are decoded by the ranks that load images.
 
 **Lengths.** The check tokenises every conversation, so the index records each kept
 sample's token count, placeholders expanded (:attr:`LlavaDataset.lengths`,
@@ -268,7 +272,7 @@ class LlavaDataset:
         for k, (row, *_) in enumerate(kept):  # row by row: np.stack is slower per row
             out[k] = row
         out["length"] = [length for *_, length in kept]
-        out["has_image"] = [bool(record.images) for _, _, record, _ in kept]
+        out["has_image"] = [bool(record.images or record.videos) for _, _, record, _ in kept]
         out["has_audio"] = [bool(record.audios) for _, _, record, _ in kept]
         bad = [result for result in checked if isinstance(result, BadSample)]
         return ChunkResult(out, [key for _, key, *_ in kept], bad, len(pairs))
@@ -342,15 +346,18 @@ class LlavaDataset:
         if "text" not in self.load_parts:
             empty = torch.zeros(0, dtype=torch.long)
             return {"tokens": empty, "labels": empty, "loss_mask": empty.float()}
-        return self.checker.tokenize(record.messages, image_tokens)
+        return self.checker.tokenize(record.messages, image_tokens, record.video_plans)
 
     def _load_native(self, index: int, record: LlavaRecord) -> Sample:
         """:meth:`load` with a native-resolution vision module (the keys of
-        :mod:`~mimotron.data.native_llava`): every rank reads each image's grid from its
-        header; a text rank expands its placeholders, an image rank decodes its patches.
+        :mod:`~mimotron.data.native_llava`): every rank reads each image's grid and each
+        video's plan from its header; a text rank expands its placeholders, an image rank
+        decodes its items' patches (images and videos, in placeholder order). The ``tokens``
+        and ``labels`` keep the true ids until the positions are computed, then every video
+        placeholder is written as the image placeholder (what the engine merges at).
 
         A header that no longer reads, or a size that no longer gives the length the check
-        recorded, fails as an unreadable sample (:meth:`_unreadable`); an image that no
+        recorded, fails as an unreadable sample (:meth:`_unreadable`); an item that no
         longer decodes keeps its grid and tokens, with zero patches and no loss.
         """
         native = self.native
@@ -360,24 +367,32 @@ class LlavaDataset:
             sample: dict[str, Any] = self._encode(record, native.tokens_of(grids))
             length = int(self.index.rows[index]["length"])
             if "text" in self.load_parts and sample["tokens"].numel() != length:
-                raise ValueError(f"its images now give {sample['tokens'].numel()} tokens, not "
-                                 f"the {length} the check counted: an image file changed")
+                media = "image or video" if record.videos else "image"
+                raise ValueError(f"its {media}s now give {sample['tokens'].numel()} tokens, "
+                                 f"not the {length} the check counted: an {media} file "
+                                 "changed")
         except ValueError as exc:
             return self._unreadable(index, SampleError(str(exc), record.sample_id))
         try:
             image = None
-            if record.images and "image" in self.load_parts:
-                image = native.load_images(record.images, grids)
+            if (record.images or record.videos) and "image" in self.load_parts:
+                image = native.load_items(record.images, grids, record.videos,
+                                          record.video_plans, record.item_kinds)
                 image = image if self.max_images > 1 else image[0]
             _, audio = load_media(record, self.load_parts - {"image"}, None,
                                   self.audio_features)  # fmt: skip
         except (OSError, ValueError) as exc:
             image, audio = self._skip_failed(record, exc)
             sample["loss_mask"] = torch.zeros_like(sample["loss_mask"])
-        sample.update(native.sample_keys(sample["tokens"], grids, self.max_images))
+        # Positions of the true ids (video runs laid out as videos), then the ids the
+        # engine reads: every item at an image placeholder.
+        sample.update(native.sample_keys(sample["tokens"], grids, self.max_images,
+                                         record.video_plans, record.item_kinds))
+        for key in ("tokens", "labels"):
+            sample[key] = native.image_placeholders(sample[key])
         answer = [m["content"] for m in record.messages if m["role"] == "assistant"][-1]
         return self._sample(sample, index, (image, audio), answer, record.sample_id,
-                            len(record.images))  # fmt: skip
+                            len(record.images) + len(record.videos))  # fmt: skip
 
     def load(self, index: int) -> Sample:
         """Sample ``index`` (of the kept samples, in data order).
@@ -437,8 +452,8 @@ class LlavaDataset:
         self._failed(BadSample(record.location, record.sample_id, f"failed to load: {exc}"),
                      exc)  # fmt: skip
         image = audio = None
-        if record.images and "image" in self.load_parts:
-            image = self._zero_images(len(record.images))
+        if (record.images or record.videos) and "image" in self.load_parts:
+            image = self._zero_images(len(record.images) + len(record.videos))
         if record.audios and "audio" in self.load_parts:
             audio = torch.zeros(self.audio_shape)
         return image, audio

@@ -54,6 +54,7 @@ from mimotron.data.webdataset import TarMember
 
 if TYPE_CHECKING:  # an annotation only: native_llava builds on this file
     from mimotron.data.native_llava import NativeLlava
+    from mimotron.data.native_video import VideoPlan
 
 Media = Path | TarMember
 """A media file: a resolved path, or a member of a tar shard."""
@@ -78,7 +79,9 @@ class LlavaRecord:
     """A checked sample: its location, id, media, chat messages and token count
     (``length``: the tokens it trains on, placeholders expanded); with a
     native-resolution vision module, each image's token count as the check read it
-    (``image_tokens``; empty after a :meth:`SampleChecker.parse`)."""
+    (``image_tokens``; empty after a :meth:`SampleChecker.parse`), its videos with the
+    sampled frames and grid their headers give (``videos``, ``video_plans``) and the kind
+    of each ``<image>`` / ``<video>`` placeholder in text order (``item_kinds``)."""
 
     location: str
     sample_id: str | None
@@ -87,6 +90,9 @@ class LlavaRecord:
     messages: tuple[dict[str, str], ...]
     length: int
     image_tokens: tuple[int, ...] = ()
+    videos: tuple[Media, ...] = ()
+    video_plans: tuple[VideoPlan, ...] = ()
+    item_kinds: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -182,7 +188,8 @@ class SampleChecker:
                 out.append(result)
                 continue
             try:
-                out.append((result, self._length_of(next(encoded), result.image_tokens)))
+                out.append((result, self._length_of(next(encoded), result.image_tokens,
+                                                    result.video_plans)))
             except ValueError as exc:
                 out.append(BadSample(item.location, result.sample_id, str(exc)))
         return out
@@ -193,10 +200,15 @@ class SampleChecker:
         try:
             record = self.parse(item)
             sample_id = record.sample_id
-            check_sample_keys(item.raw, self.ignore_keys)
+            check_sample_keys(item.raw, self.ignore_keys, videos=self.native is not None)
             check_shard_members(item.unread, self.ignore_keys)
             sizes = self._check_files("image", record.images, record.messages)
             self._check_files("audio", record.audios, record.messages)
+            if len(record.images) + len(record.videos) > self.max_images:
+                raise SampleError(f"{len(record.images)} image(s) and {len(record.videos)} "
+                                  f"video(s): more items than data.max_images_per_sample="
+                                  f"{self.max_images} (raise it to at least "
+                                  f"{len(record.images) + len(record.videos)})")
             if self.native is not None:
                 counts = [self.native.processor.tokens_for_size(*size) for size in sizes]
                 record = dataclasses.replace(record, image_tokens=tuple(counts))
@@ -229,20 +241,43 @@ class SampleChecker:
                 messages = tuple(to_messages(turns, self.system_prompt, layout))
             except ValueError as exc:
                 raise SampleError(str(exc)) from None
-            if self.native is not None:  # <image> as the model's own image text
-                messages = tuple(self.native.wrap(messages))
             if item.media is not None:
                 files = {m: tuple(item.media.get(m, ())) for m in MODALITIES_CHECKED}
             else:
                 keys = {"image": layout.image, "audio": layout.audio}
                 files = {m: self._files(raw, keys[m]) for m in MODALITIES_CHECKED}
+            videos: dict[str, Any] = {}
+            if self.native is not None:
+                videos = self._native_videos(raw, layout.video, item.media is None, messages)
+                messages = tuple(videos.pop("messages"))
         except SampleError as bad:
             raise SampleError(bad.reason, sample_id) from None
         return LlavaRecord(item.location, sample_id, files["image"], files["audio"], messages,
-                           length)  # fmt: skip
+                           length, **videos)  # fmt: skip
 
-    def length(self, messages: tuple[dict[str, str], ...], image_tokens: Sequence[int] = ()
-               ) -> int:  # fmt: skip
+    def _native_videos(self, raw: dict, key: str, in_json: bool,
+                       messages: tuple[dict[str, str], ...]) -> dict[str, Any]:
+        """A native-resolution sample's videos (their headers read), the kind of each
+        placeholder in text order, and its ``messages`` with each ``<image>`` and
+        ``<video>`` written as the model's text.
+
+        Raises:
+            SampleError: a bad ``video`` value, a placeholder count that differs from its
+                files, or a video that cannot be read (one line naming the file).
+        """
+        assert self.native is not None
+        kinds = self.native.item_kinds(messages)
+        videos = self._files(raw, key) if in_json else ()
+        try:
+            plans = self.native.video_plans(videos)
+            wrapped = self.native.wrap_videos(self.native.wrap(messages), plans)
+        except ValueError as exc:
+            raise SampleError(str(exc)) from None
+        return {"videos": videos, "video_plans": tuple(plans), "item_kinds": kinds,
+                "messages": wrapped}
+
+    def length(self, messages: tuple[dict[str, str], ...], image_tokens: Sequence[int] = (),
+               videos: Sequence[VideoPlan] = ()) -> int:  # fmt: skip
         """The conversation's token count (what :meth:`tokenize` would give, no tensors).
 
         Raises:
@@ -250,49 +285,55 @@ class SampleChecker:
         """
         with self._tokenizer_lock:
             encoded = encode_conversation(self.tokenizer, messages, self.num_tokens)
-        return self._length_of(encoded, image_tokens)
+        return self._length_of(encoded, image_tokens, videos)
 
     def _length_of(self, encoded: EncodedConversation | ValueError,
-                   image_tokens: Sequence[int] = ()) -> int:  # fmt: skip
+                   image_tokens: Sequence[int] = (), videos: Sequence[VideoPlan] = ()
+                   ) -> int:  # fmt: skip
         """The token count, or the ``ValueError`` of an encoding or a length past
         ``seq_length``."""
         if isinstance(encoded, ValueError):
             raise encoded
-        encoded = self._expanded(encoded, image_tokens)
+        encoded = self._expanded(encoded, image_tokens, videos)
         if len(encoded.tokens) > self.seq_length:
             shifted_sample(encoded, self.pad_id, self.seq_length)  # raises its message
         return len(encoded.tokens)
 
-    def _expanded(self, encoded: EncodedConversation, image_tokens: Sequence[int]
-                  ) -> EncodedConversation:  # fmt: skip
-        """A native-resolution sample's image placeholders expanded to their counts.
+    def _expanded(self, encoded: EncodedConversation, image_tokens: Sequence[int],
+                  videos: Sequence[VideoPlan] = ()) -> EncodedConversation:  # fmt: skip
+        """A native-resolution sample's image and video placeholders expanded to their
+        counts.
 
         Raises:
-            ValueError: images whose tokens alone exceed ``seq_length``.
+            ValueError: items whose tokens alone exceed ``seq_length``.
         """
         if self.native is None:
             return encoded
-        if sum(image_tokens) > self.seq_length:
-            raise ValueError(f"its {len(image_tokens)} image(s) alone need {sum(image_tokens)} "
-                             f"vision tokens {list(image_tokens)}: more than data.seq_length="
-                             f"{self.seq_length} (raise data.seq_length or lower "
-                             "modules.<vision>.max_pixels)")
-        return self.native.expand(encoded, image_tokens)
+        counts = [*image_tokens, *(t * h * w // self.native.processor.merge_size**2
+                                   for t, h, w in (p.grid for p in videos))]
+        if sum(counts) > self.seq_length:
+            raise ValueError(f"its {len(image_tokens)} image(s) and {len(videos)} video(s) "
+                             f"alone need {sum(counts)} vision tokens {counts}: more than "
+                             f"data.seq_length={self.seq_length} (raise data.seq_length or "
+                             "lower modules.<vision>.max_pixels)")
+        return self.native.expand(encoded, image_tokens, videos)
 
     def tokenize(self, messages: tuple[dict[str, str], ...] | list[dict[str, str]],
-                 image_tokens: Sequence[int] = ()) -> dict[str, Any]:  # fmt: skip
+                 image_tokens: Sequence[int] = (), videos: Sequence[VideoPlan] = ()
+                 ) -> dict[str, Any]:  # fmt: skip
         """``tokens``, ``labels`` and ``loss_mask`` of a conversation.
 
         Args:
             messages: the conversation (as :meth:`parse` gives it).
             image_tokens: with a native-resolution vision module, each image's tokens.
+            videos: its videos (their text's runs are expanded to their tokens).
 
         Raises:
             ValueError: the conversation cannot be encoded or is longer than seq_length.
         """
         with self._tokenizer_lock:
             encoded = encode_conversation(self.tokenizer, messages, self.num_tokens)
-        return shifted_sample(self._expanded(encoded, image_tokens), self.pad_id,
+        return shifted_sample(self._expanded(encoded, image_tokens, videos), self.pad_id,
                               self.seq_length)
 
     # ---- media --------------------------------------------------------------------------

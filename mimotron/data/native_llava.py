@@ -21,6 +21,17 @@ native-resolution sample keys (:mod:`mimotron.data.native_batch`):
   (``[K]``) and ``position_ids`` ``[3, L]`` (:func:`~mimotron.data.mrope_positions.
   mrope_positions` of the sample's tokens and grids; ``[3, 0]`` on a rank that loads no
   text).
+
+**Videos** (:mod:`~mimotron.data.native_video`): a sample's items are its images and
+videos in the order of their placeholders (``<image>``, ``<video>``), each video one item
+of grid ``(t, h, w)`` in the same slots, its patch rows the family's video patch rows.
+Each ``<video>`` becomes the family's video text (Qwen3-VL: a timestamp per temporal
+step), its ``<|video_pad|>`` runs expanded to the video's tokens; its sampled frames and
+grid come from the file's header (:meth:`NativeLlava.video_plans`). ``position_ids`` are
+those of the true ids (video runs of ``video_token_id``, Qwen2.5-VL's seconds per
+temporal step); then :meth:`NativeLlava.image_placeholders` writes every
+``video_token_id`` as ``image_token_id`` in the ids the engine reads, which merges every
+item at the image placeholders in text order (placeholders are never trained).
 """
 
 from __future__ import annotations
@@ -34,17 +45,25 @@ import torch
 import torch.nn.functional as F
 
 from mimotron.config.hf_folder import read_hf_config
-from mimotron.data.chat import EncodedConversation, expand_runs, replace_placeholder
+from mimotron.data.chat import (
+    EncodedConversation,
+    expand_runs,
+    placeholder_order,
+    replace_placeholder,
+)
 from mimotron.data.hf_tokenizer import HFTokenizer
 from mimotron.data.llava_check import Media, open_image
 from mimotron.data.mrope_positions import MRopeRule, mrope_positions
 from mimotron.data.native_images import Grid, NativeImageProcessor
+from mimotron.data.native_video import NativeVideoProcessor, VideoPlan
 from mimotron.data.webdataset import TarMember
 
-__all__ = ["LLAVA_IMAGE", "NativeLlava", "image_size", "native_image_id"]
+__all__ = ["LLAVA_IMAGE", "LLAVA_VIDEO", "NativeLlava", "image_size", "native_image_id"]
 
 LLAVA_IMAGE = "<image>"
 """Where LLaVA data puts an image in a conversation."""
+LLAVA_VIDEO = "<video>"
+"""Where LLaVA-Video / LLaMA-Factory data put a video in a conversation."""
 # transformers' config defaults of both families (Qwen2_5_VLConfig, Qwen3VLConfig).
 _DEFAULT_IDS = {"vision_start_token_id": 151652, "vision_end_token_id": 151653}
 
@@ -71,7 +90,8 @@ def image_size(file: Media) -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class NativeLlava:
-    """How a LLaVA sample's images become native-resolution keys (module docstring).
+    """How a LLaVA sample's images and videos become native-resolution keys (module
+    docstring).
 
     Attributes:
         processor: the folder's image processor with the run's pixel bounds.
@@ -79,20 +99,28 @@ class NativeLlava:
         image_text: the model's text of one image (``<|vision_start|><|image_pad|>
             <|vision_end|>``).
         image_id: the placeholder id (``image_token_id``).
+        video: the folder's video rule (``None`` where it cannot be built: ``video_error``).
+        video_tokens: the texts of ``<|vision_start|>``, ``<|video_pad|>``,
+            ``<|vision_end|>``.
+        video_error: why a sample with a video is refused (``""``: it is not).
     """
 
     processor: NativeImageProcessor
     rule: MRopeRule
     image_text: str
     image_id: int
+    video: NativeVideoProcessor | None = None
+    video_tokens: tuple[str, str, str] = ("", "", "")
+    video_error: str = ""
 
     @classmethod
     def from_folder(cls, hf_path: str | Path, vision: Any, tokenizer: HFTokenizer
                     ) -> NativeLlava:
-        """The native image text of a Qwen-VL folder and the run's tokenizer.
+        """The native image and video text of a Qwen-VL folder and the run's tokenizer.
 
         Args:
-            hf_path: the folder (its ``config.json`` and ``preprocessor_config.json``).
+            hf_path: the folder (its ``config.json``, ``preprocessor_config.json`` and
+                video processor file, :func:`~mimotron.data.native_video.read_video_config`).
             vision: the vision module's resolved ``hf_native`` (patching and bounds).
             tokenizer: the run's tokenizer, its image placeholder the folder's
                 ``image_token_id`` (:func:`~mimotron.data.run_data.run_hf_tokenizer`).
@@ -100,6 +128,8 @@ class NativeLlava:
         Raises:
             ValueError: one line: a tokenizer whose image placeholder is not the model's,
                 or whose vision start/end/pad tokens do not encode to the config's ids.
+                (A video processor file or a ``<|video_pad|>`` the tokenizer does not keep
+                whole refuses the samples with a video only: ``video_error``.)
         """
         config = read_hf_config(hf_path)
         rule = MRopeRule.from_hf_config(config)
@@ -107,35 +137,78 @@ class NativeLlava:
             raise ValueError(f"data.tokenizer={str(tokenizer.path)!r} has image placeholder id "
                              f"{tokenizer.placeholder_id('image')}, not the image_token_id="
                              f"{rule.image_token_id} of {str(hf_path)!r}")
-        ids = [int(config.get(k) or _DEFAULT_IDS[k]) for k in ("vision_start_token_id",
-                                                               "vision_end_token_id")]
-        ids.insert(1, rule.image_token_id)
+        start, end = (int(config.get(k) or _DEFAULT_IDS[k]) for k in ("vision_start_token_id",
+                                                                      "vision_end_token_id"))
+        ids = [start, rule.image_token_id, end]
         text = "".join(str(tokenizer.tokenizer.convert_ids_to_tokens(i) or "") for i in ids)
         if tokenizer.encode(text) != ids:
             raise ValueError(f"data.tokenizer={str(tokenizer.path)!r} encodes {text!r} as "
                              f"{tokenizer.encode(text)}: expected the vision_start, image and "
                              f"vision_end ids {ids} of {str(hf_path)!r}'s config.json")
         processor = NativeImageProcessor.from_vision(hf_path, vision)
-        return cls(processor, rule, text, rule.image_token_id)
+        return cls(processor, rule, text, rule.image_token_id,
+                   *_video_rule(hf_path, processor, rule, tokenizer, (start, end)))
 
     def identity(self) -> dict[str, Any]:
         """What a sample's length and keys depend on (part of a data index's key)."""
         return {"processor": self.processor.identity(), "image_text": self.image_text,
-                "image_id": self.image_id}
+                "image_id": self.image_id, "video_tokens": list(self.video_tokens),
+                "video": None if self.video is None else self.video.identity()}
 
     # ---- text ---------------------------------------------------------------------------
+    @staticmethod
+    def item_kinds(messages: Sequence[dict[str, str]]) -> tuple[str, ...]:
+        """``"image"`` / ``"video"`` for each ``<image>`` / ``<video>`` of the data's
+        messages, in text order: the order of the sample's items."""
+        return placeholder_order(messages, {"image": LLAVA_IMAGE, "video": LLAVA_VIDEO})
+
     def wrap(self, messages: Sequence[dict[str, str]]) -> list[dict[str, str]]:
         """``messages`` with each ``<image>`` written as the model's image text."""
         return replace_placeholder(messages, LLAVA_IMAGE, self.image_text)
 
-    def expand(self, encoded: EncodedConversation, counts: Sequence[int]
-               ) -> EncodedConversation:
-        """Image ``k``'s one placeholder id -> ``counts[k]`` copies.
+    def wrap_videos(self, messages: Sequence[dict[str, str]], plans: Sequence[VideoPlan]
+                    ) -> list[dict[str, str]]:
+        """``messages`` with the ``k``-th ``<video>`` written as video ``k``'s text.
 
         Raises:
-            ValueError: as :func:`~mimotron.data.chat.expand_runs`.
+            ValueError: one line: as many ``<video>`` as videos are not found, or one in
+                an assistant turn.
         """
-        return expand_runs(encoded, self.image_id, counts)
+        count = sum(m["content"].count(LLAVA_VIDEO) for m in messages)
+        if count != len(plans):
+            raise ValueError(f"{count} {LLAVA_VIDEO} placeholder(s) in the conversation but "
+                             f"{len(plans)} video file(s): expected one placeholder per file")
+        if not plans:
+            return list(messages)
+        assert self.video is not None, "video_plans made the plans"
+        texts = iter([self.video.text(p, *self.video_tokens) for p in plans])
+        out = []
+        for k, message in enumerate(messages):
+            if LLAVA_VIDEO in message["content"] and message["role"] == "assistant":
+                raise ValueError(f"message {k} (assistant) holds {LLAVA_VIDEO!r}: "
+                                 "placeholders belong in 'human' turns")
+            pieces = message["content"].split(LLAVA_VIDEO)
+            content = pieces[0] + "".join(next(texts) + piece for piece in pieces[1:])
+            out.append({**message, "content": content})
+        return out
+
+    def expand(self, encoded: EncodedConversation, counts: Sequence[int],
+               videos: Sequence[VideoPlan] = ()) -> EncodedConversation:
+        """Image ``k``'s one placeholder id -> ``counts[k]`` copies; each run of a video's
+        text (:meth:`wrap_videos`) -> its tokens.
+
+        Raises:
+            ValueError: as :func:`~mimotron.data.chat.expand_runs` (a ``<|video_pad|>``
+                of the text without its video among them).
+        """
+        encoded = expand_runs(encoded, self.image_id, counts)
+        runs = [r for plan in videos for r in self._video().runs(plan)]
+        return expand_runs(encoded, self.rule.video_token_id, runs)
+
+    def image_placeholders(self, ids: torch.Tensor) -> torch.Tensor:
+        """``ids`` with every ``video_token_id`` written as ``image_token_id`` (what the
+        engine reads: every item is merged at the image placeholders, in text order)."""
+        return ids.masked_fill(ids == self.rule.video_token_id, self.image_id)
 
     # ---- counts -------------------------------------------------------------------------
     def header_grids(self, files: Sequence[Media]) -> list[Grid]:
@@ -152,9 +225,32 @@ class NativeLlava:
                 raise ValueError(f"image file {str(file)!r}: {exc}") from None
         return grids
 
+    def video_plans(self, files: Sequence[Media]) -> list[VideoPlan]:
+        """Each video's sampled frames and grid from its header (no frame decoded).
+
+        Raises:
+            ValueError: one line naming the file: not found, unreadable, no frames, too
+                many frames for the slots, or the folder's video rule is unusable.
+        """
+        plans = []
+        for file in files:
+            if not isinstance(file, Path):
+                raise ValueError(f"video {str(file)!r} is a tar shard member: videos are read "
+                                 "from JSON / JSONL data only")
+            if not file.exists():
+                raise ValueError(f"video file {str(file)!r} not found")
+            plans.append(self._video().plan_file(file))
+        return plans
+
     def tokens_of(self, grids: Sequence[Grid]) -> list[int]:
         """Merged tokens of each grid."""
         return [t * h * w // self.processor.merge_size**2 for t, h, w in grids]
+
+    def _video(self) -> NativeVideoProcessor:
+        if self.video is None or self.video_error:
+            raise ValueError(f"the sample has a video, which this run cannot read: "
+                             f"{self.video_error}")
+        return self.video
 
     # ---- a loaded sample's keys ---------------------------------------------------------
     def load_images(self, files: Sequence[Media], grids: Sequence[Grid]) -> torch.Tensor:
@@ -173,28 +269,82 @@ class NativeLlava:
             slots.append(self.processor.padded(patches))
         return torch.stack(slots)
 
-    def sample_keys(self, tokens: torch.Tensor, grids: Sequence[Grid], max_images: int
+    def load_items(self, images: Sequence[Media], grids: Sequence[Grid],
+                   videos: Sequence[Media], plans: Sequence[VideoPlan],
+                   kinds: Sequence[str]) -> torch.Tensor:
+        """Float32 ``[n, max_patches, patch_dim]``: each item's patch rows in its slots,
+        images and videos in the order of their placeholders (``kinds``).
+
+        Raises:
+            ValueError, OSError: a file that no longer decodes as its header said.
+        """
+        if not videos:
+            return self.load_images(images, grids)
+        image_slots = list(self.load_images(images, grids)) if images else []
+        video_slots = [self.processor.padded(self._video()(Path(str(f)), p))
+                       for f, p in zip(videos, plans, strict=True)]
+        return torch.stack(_in_text_order(image_slots, video_slots, kinds))
+
+    def sample_keys(self, tokens: torch.Tensor, grids: Sequence[Grid], max_images: int,
+                    videos: Sequence[VideoPlan] = (), kinds: Sequence[str] = ()
                     ) -> dict[str, torch.Tensor]:
         """``image_grid``, ``image_tokens`` and ``position_ids`` of one sample.
 
         Args:
-            tokens: the sample's token ids (empty where the text is not loaded).
+            tokens: the sample's true token ids (empty where the text is not loaded).
             grids: its images' grids, in the order of their placeholders.
             max_images: ``data.max_images_per_sample`` (above 1: ``[K, ...]`` keys).
+            videos: its videos, in the order of their placeholders.
+            kinds: ``"image"`` / ``"video"`` per item in text order (empty: images only).
         """
-        grid = torch.tensor(list(grids), dtype=torch.long).reshape(-1, 3)
-        counts = grid.prod(dim=-1) // self.processor.merge_size**2
+        image_grid = torch.tensor(list(grids), dtype=torch.long).reshape(-1, 3)
+        video_grid = torch.tensor([p.grid for p in videos], dtype=torch.long).reshape(-1, 3)
+        items = _in_text_order(list(image_grid), list(video_grid), kinds)
+        grid = torch.stack(items) if items else torch.zeros(0, 3, dtype=torch.long)
         if tokens.numel():
+            # The true ids: video runs take the video layout (time, Qwen3-VL's runs per step).
+            seconds = (torch.tensor([p.seconds_per_step for p in videos], dtype=torch.float32)
+                       if videos and self.rule.family == "qwen2_5_vl" else None)
             positions = mrope_positions(tokens[None], self.rule,
-                                        grid if len(grids) else None)[0][:, 0]
+                                        image_grid if len(grids) else None,
+                                        video_grid if len(videos) else None,
+                                        second_per_grid_ts=seconds)[0][:, 0]
         else:
             positions = torch.zeros(3, 0, dtype=torch.long)
+        counts = grid.prod(dim=-1) // self.processor.merge_size**2
         if max_images > 1:
             pad = max_images - grid.shape[0]
             return {"image_grid": F.pad(grid, (0, 0, 0, pad)),
                     "image_tokens": F.pad(counts, (0, pad)), "position_ids": positions}
-        assert grid.shape[0] <= 1, "the check allows one image"
-        first = grid[0] if len(grids) else torch.zeros(3, dtype=torch.long)
+        assert grid.shape[0] <= 1, "the check allows one item"
+        first = grid[0] if grid.shape[0] else torch.zeros(3, dtype=torch.long)
         return {"image_grid": first, "image_tokens": first.prod() // self.processor.merge_size**2,
                 "position_ids": positions}
 
+
+def _video_rule(hf_path: str | Path, processor: NativeImageProcessor, rule: MRopeRule,
+                tokenizer: HFTokenizer, ends: tuple[int, int]
+                ) -> tuple[NativeVideoProcessor | None, tuple[str, str, str], str]:
+    """A folder's video processor, the texts of its vision start, video pad and vision end
+    tokens, and why videos are refused (``""``: they are not; an image-only run on a
+    folder without usable video settings still trains)."""
+    ids = [ends[0], rule.video_token_id, ends[1]]
+    pieces = [str(tokenizer.tokenizer.convert_ids_to_tokens(i) or "") for i in ids]
+    error, video = "", None
+    if tokenizer.encode("".join(pieces)) != ids:
+        error = (f"data.tokenizer={str(tokenizer.path)!r} encodes {''.join(pieces)!r} as "
+                 f"{tokenizer.encode(''.join(pieces))}: expected the vision_start, video and "
+                 f"vision_end ids {ids} of {str(hf_path)!r}'s config.json")
+    try:
+        video = NativeVideoProcessor.from_folder(hf_path, processor, rule.family)
+    except ValueError as exc:
+        error = error or str(exc)
+    return video, (pieces[0], pieces[1], pieces[2]), error
+
+
+def _in_text_order(images: list[Any], videos: list[Any], kinds: Sequence[str]) -> list[Any]:
+    """The items of images and videos in text order (``kinds``; empty: images only)."""
+    picks = {"image": iter(images), "video": iter(videos)}
+    items = [next(picks[k]) for k in kinds] if kinds else list(images)
+    assert len(items) == len(images) + len(videos), "one kind per item"
+    return items

@@ -19,7 +19,10 @@ scatters into the placeholder positions), as for the synthetic datasets.
 (its ``config.json`` ``image_token_id``; no token is added), each ``<image>`` of the data
 becomes ``<|vision_start|>``, the image's own count of ``<|image_pad|>``, ``<|vision_end|>``,
 and the images are the folder's processor's patches with the run's ``max_pixels``
-(:mod:`mimotron.data.native_llava`).
+(:mod:`mimotron.data.native_llava`). Such a run also reads the samples' videos (``video``,
+``videos``; files decoded with PyAV or folders of frames): each is one more item of the
+vision module, sampled and sized by the folder's video rules
+(:mod:`mimotron.data.native_video`).
 
 **Preprocessing.** An encoder module loaded from a Hugging Face folder
 (``modules.<m>.hf_path``) preprocesses with that folder's ``preprocessor_config.json``

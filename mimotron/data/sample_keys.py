@@ -14,6 +14,11 @@ layout of LLaMA-Factory and ms-swift (``messages`` of ``role`` / ``content`` tur
 first; one holding both is bad. Each layout reads its own keys only: an ``images`` beside
 ``conversations`` is a key no reader takes, as a ``video`` is.
 
+**Videos** (``video`` beside ``conversations``, ``videos`` beside ``messages``) are read
+only with a native-resolution vision module (Qwen2.5-VL, Qwen3-VL:
+:mod:`mimotron.data.native_video`); any other run refuses the key as before, unless
+``data.ignore_keys`` lists it.
+
 The keys themselves live in :mod:`mimotron.config.sample_keys`, where the config
 validation refuses an ``ignore_keys`` entry naming a key the loader reads.
 """
@@ -38,6 +43,7 @@ class SampleLayout:
         image: the image path or paths (``"image"``).
         audio: the audio clip's path (``"audio"``).
         roles: the speakers to name when a role is unknown (``"'human' or 'gpt'"``).
+        video: the video path or paths (``"video"``; read with a native vision module).
     """
 
     turns: str
@@ -46,6 +52,7 @@ class SampleLayout:
     image: str
     audio: str
     roles: str
+    video: str = ""
 
     @property
     def sample_keys(self) -> tuple[str, ...]:
@@ -60,9 +67,9 @@ class SampleLayout:
 
 # Their keys are those of mimotron.config.sample_keys (tests/test_llava_messages.py).
 LLAVA_LAYOUT = SampleLayout("conversations", "from", "value", "image", "audio",
-                            "'human' or 'gpt'")  # fmt: skip
+                            "'human' or 'gpt'", "video")  # fmt: skip
 MESSAGES_LAYOUT = SampleLayout("messages", "role", "content", "images", "audios",
-                               "'user' or 'assistant'")  # fmt: skip
+                               "'user' or 'assistant'", "videos")  # fmt: skip
 
 
 def sample_layout(raw: Mapping[str, Any]) -> SampleLayout:
@@ -79,12 +86,14 @@ def sample_layout(raw: Mapping[str, Any]) -> SampleLayout:
     return MESSAGES_LAYOUT
 
 
-def check_sample_keys(raw: dict[str, Any], ignore: Collection[str]) -> None:
+def check_sample_keys(raw: dict[str, Any], ignore: Collection[str], videos: bool = False
+                      ) -> None:  # fmt: skip
     """Raise unless every key of ``raw`` and of its turns is read or ignored.
 
     Args:
         raw: the sample's JSON object (its turns not yet checked).
         ignore: ``data.ignore_keys``.
+        videos: the layout's video key is read (a native-resolution vision module).
 
     Raises:
         SampleError: ``sample key 'video' is not read by the loader ...`` (the first
@@ -92,7 +101,7 @@ def check_sample_keys(raw: dict[str, Any], ignore: Collection[str]) -> None:
             sample holds both layouts.
     """
     layout = sample_layout(raw)
-    read = layout.sample_keys
+    read = (*layout.sample_keys, layout.video) if videos else layout.sample_keys
     unread = [k for k in raw if k not in read and k not in ignore]
     if unread:
         raise SampleError(f"sample key {unread[0]!r} is not read by the loader (it reads "
