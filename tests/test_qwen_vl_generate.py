@@ -149,3 +149,77 @@ def test_cached_decoding_gives_the_logits_of_the_whole_sequence(trained: dict, s
     got_logits = torch.stack(got)[:, :want.shape[-1]]
     err = float((got_logits - want).norm() / want.norm())
     assert err <= 1e-5, err
+
+
+def test_greedy_tokens_with_a_video_equal_transformers_generate(trained: dict,
+                                                                tmp_path: Path) -> None:
+    """A folder of four frames (one digit image each, same size) as a video: the prompt's
+    video positions (seconds per temporal step) and the decode positions after them give
+    the tokens of ``transformers``' ``generate`` on the video inputs its processor would
+    make (the text written out as :func:`_hf_inputs` does; the patches are ours, tested
+    equal to the family's video processor in ``tests/test_native_video.py``)."""
+    from PIL import Image
+
+    from mimotron.data.native_images import NativeImageProcessor
+    from mimotron.data.native_video import NativeVideoProcessor
+
+    frames = tmp_path / "frames"
+    frames.mkdir()
+    same = [p for p in trained["images"] if Image.open(p).size[0] == 16][:4]
+    for k, path in enumerate(same):
+        Image.open(path).save(frames / f"{k:02d}.png")
+    export = trained["export"]
+    model = transformers.AutoModelForImageTextToText.from_pretrained(
+        export, dtype=torch.float32).eval()
+    images = NativeImageProcessor.from_vision(export, _native(trained["checkpoint"]))
+    video = NativeVideoProcessor.from_folder(export, images, "qwen2_5_vl")
+    plan = video.plan_file(frames)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(export)
+    chat = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "<|vision_start|><|video_pad|><|vision_end|>\nwhich digit "
+                                     "is this"}], tokenize=False, add_generation_prompt=True)
+    chat = chat.replace("<|video_pad|>", "<|video_pad|>" * video.tokens(plan))
+    ids = torch.tensor([tokenizer(chat, add_special_tokens=False)["input_ids"]])
+    video_id = tokenizer.convert_tokens_to_ids("<|video_pad|>")
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+              "pixel_values_videos": video(frames, plan),
+              "video_grid_thw": torch.tensor([plan.grid]),
+              "second_per_grid_ts": torch.tensor([plan.seconds_per_step]),
+              "mm_token_type_ids": (ids == video_id).long() * 2}
+    # Two temporal steps 1 s apart (2 frames per step at 2 frames per second), placed
+    # tokens_per_second positions apart, not 1 as an image's steps would be.
+    assert plan.grid[0] == 2 and model.config.vision_config.tokens_per_second != 1
+    want = model.generate(**inputs, max_new_tokens=6, do_sample=False)[0, ids.shape[1]:].tolist()
+    ours = Generator.from_path(trained["checkpoint"]).generate(
+        "which digit is this", sampling=Sampling(max_new_tokens=6), videos=[frames])
+    assert ours.prompt_tokens == ids.shape[1]
+    end = model.generation_config.eos_token_id
+    ends = set(end if isinstance(end, list) else [end])
+    got = ours.token_ids + ([want[len(ours.token_ids)]] if len(want) > len(ours.token_ids)
+                            and want[len(ours.token_ids)] in ends else [])
+    assert got == want[:len(got)] and len(got) == len(want), (got, want)
+    # The reply fed through the KV cache scores as transformers scores the whole sequence.
+    reply = tokenizer("seven plus three is ten", add_special_tokens=False)["input_ids"]
+    whole = {**inputs, "input_ids": torch.cat([ids, torch.tensor([reply])], 1)}
+    whole["attention_mask"] = torch.ones_like(whole["input_ids"])
+    whole["mm_token_type_ids"] = torch.nn.functional.pad(inputs["mm_token_type_ids"],
+                                                         (0, len(reply)))
+    with torch.no_grad():
+        want_logits = model(**whole).logits[0, -len(reply) - 1:]
+        loaded = Generator.from_path(trained["checkpoint"]).loaded
+        prompt = encode_native_prompt(loaded, "vision", "which digit is this", [], [frames])
+        lm = loaded.model.language_model
+        cache = KVCache(len(prompt.prompt.tokens) + len(reply))
+        got_logits = [lm(prompt.hidden, cache=cache, **prompt.forward_args)[0, -1]]
+        for token in reply:
+            positions = decode_positions(prompt.rope_deltas, cache.length, 1)
+            got_logits.append(lm(lm.embed_tokens(torch.tensor([[token]])), cache=cache,
+                                 position_ids=positions)[0, -1])
+    stacked = torch.stack(got_logits)[:, :want_logits.shape[-1]]
+    err = float((stacked - want_logits).norm() / want_logits.norm())
+    assert err <= 1e-5, err
+
+
+def _native(checkpoint: Path) -> object:
+    """The run's resolved native vision settings (its max_pixels)."""
+    return Generator.from_path(checkpoint).loaded.cfg.modules["vision"].hf_native

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+from pathlib import Path
 
 from mimotron.outputs import EXIT_FAILED, EXIT_USAGE, report_error
 
@@ -34,6 +35,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--image", action="append", default=[], metavar="FILE",
                    help="an image file; repeat it for several (up to the run's "
                         "data.max_images_per_sample)")
+    s.add_argument("--video", action="append", default=[], metavar="PATH",
+                   help="a video file or folder of frames (a Qwen2.5-VL / Qwen3-VL model); "
+                        "repeat it for several")
     s.add_argument("--audio", action="append", default=[], metavar="FILE",
                    help="a WAV file (at most one)")
     s.add_argument("--max-new-tokens", type=int, default=None, metavar="N",
@@ -59,8 +63,12 @@ def run_generate(args: argparse.Namespace) -> int:
             sampling = dataclasses.replace(sampling, max_new_tokens=args.max_new_tokens)
         sampling.check()  # these two before the model is read
         check_files({"image": args.image, "audio": args.audio})
+        missing = [v for v in args.video if not Path(v).exists()]
+        if missing:
+            raise ValueError(f"--video {missing[0]!r} not found (a video file or a folder "
+                             "of frames)")
         generator = Generator.from_path(args.source)
-        reply = generator.generate(args.prompt, args.image, args.audio, sampling)
+        reply = generator.generate(args.prompt, args.image, args.audio, sampling, args.video)
     except ValueError as exc:
         return report_error("generate", exc, EXIT_USAGE, show_type=False)
     except CheckpointError as exc:

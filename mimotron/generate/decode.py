@@ -180,8 +180,8 @@ class Generator:
 
     @torch.no_grad()
     def generate(self, prompt: str, images: Sequence[str | Path] = (),
-                 audios: Sequence[str | Path] = (), sampling: Sampling | None = None
-                 ) -> Generation:
+                 audios: Sequence[str | Path] = (), sampling: Sampling | None = None,
+                 videos: Sequence[str | Path] = ()) -> Generation:
         """Answer ``prompt`` about ``images`` / ``audios`` (one audio clip; as many images as
         the run's ``data.max_images_per_sample``).
 
@@ -191,6 +191,7 @@ class Generator:
             images: image files.
             audios: WAV files.
             sampling: how tokens are picked (default: greedy, 64 new tokens).
+            videos: video files or folders of frames (a Qwen-VL model only).
 
         Returns:
             The reply.
@@ -205,8 +206,11 @@ class Generator:
         if native is not None:  # Qwen-VL: native-resolution images, 3-D positions
             if audios:
                 raise ValueError("--audio was given but the model has no audio encoder")
-            got = encode_native_prompt(self.loaded, native, prompt, images)
+            got = encode_native_prompt(self.loaded, native, prompt, images, videos)
             encoded, hidden, forward_args = got.prompt, got.hidden, got.forward_args
+        elif videos:
+            raise ValueError("--video was given but the model's vision module takes images "
+                             "only (videos need a Qwen2.5-VL / Qwen3-VL folder)")
         else:
             encoded, hidden = self.encode(prompt, images, audios)
         length = len(encoded.tokens)
