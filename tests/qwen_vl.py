@@ -13,6 +13,7 @@ batch in the native-resolution format (:mod:`mimotron.data.native_batch`).
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -82,10 +83,14 @@ def qwen_hf_name(ours: str, model: Any) -> str:
     return "model.visual." + tower.weight_map.to_hf(ours[len(head):])
 
 
-def qwen_hf_loss(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """transformers' mean loss of a native-resolution mimotron batch (one image per
-    sample): the real patch rows of each present image, its grid, labels -100 off the
-    loss mask (one position later: transformers shifts them back)."""
+def qwen_hf_loss(model: Any, batch: dict[str, torch.Tensor], given_positions: bool = False
+                 ) -> torch.Tensor:
+    """transformers' mean loss of a native-resolution mimotron batch: the real patch rows
+    of each present item (in text order), its grid, labels -100 off the loss mask (one
+    position later: transformers shifts them back). ``given_positions``: the batch's 3-D
+    positions instead of the model's own (a batch whose items include videos, which it
+    holds at image placeholders: the data path's positions, tested against
+    ``get_rope_index`` in ``tests/test_native_video.py``)."""
     tokens = batch["tokens"]
     labels = torch.full_like(tokens, -100)
     trained = batch["loss_mask"].bool()
@@ -96,8 +101,10 @@ def qwen_hf_loss(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
                                                        strict=True)]
     pixels = torch.cat(rows) if rows else None
     kinds = (tokens == model.config.image_token_id).long()
+    extra = {"position_ids": batch["position_ids"].transpose(0, 1)} if given_positions else {}
     out = model(input_ids=tokens, pixel_values=pixels,
-                image_grid_thw=grids if rows else None, labels=labels, mm_token_type_ids=kinds)
+                image_grid_thw=grids if rows else None, labels=labels, mm_token_type_ids=kinds,
+                **extra)
     return out.loss
 
 
@@ -110,6 +117,7 @@ def _load(path: str) -> Any:
 
 
 QWEN_FAMILY = HFFamily(_load, qwen_hf_name, qwen_hf_loss)
+QWEN_VIDEO_FAMILY = HFFamily(_load, qwen_hf_name, partial(qwen_hf_loss, given_positions=True))
 """A Qwen-VL folder in :func:`tests.hf_vlm.hf_reference_run`."""
 
 

@@ -41,8 +41,11 @@ from mimotron.data.native_video import (
 )
 from mimotron.data.run_data import build_tokenizer
 from mimotron.data.sample_keys import LLAVA_LAYOUT, MESSAGES_LAYOUT, check_sample_keys
+from mimotron.forked_ranks import run_groups
+from tests.common import engine_run
 from tests.hf_data import write_jsonl, write_png
-from tests.qwen_vl import FAMILIES, write_llava_config
+from tests.hf_vlm import check_layout_run, hf_reference_run
+from tests.qwen_vl import FAMILIES, QWEN_VIDEO_FAMILY, write_llava_config
 
 transformers = pytest.importorskip("transformers")
 av = pytest.importorskip("av")
@@ -352,6 +355,9 @@ def _save_folder(path: Path, family: str) -> tuple[Any, Any]:
         vision_end_token_id=ids["<|vision_end|>"])
     torch.manual_seed(0)
     model = getattr(transformers, f"{prefix}ForConditionalGeneration")(config).eval()
+    with torch.no_grad():  # off the constant initial values (zero biases, unit norms)
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.1)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     transformers.Qwen2VLImageProcessorPil(patch_size=PATCH, merge_size=MERGE,
@@ -528,3 +534,32 @@ def test_bad_videos_are_named_at_the_check(qwen: dict, tmp_path: Path) -> None:
     reasons = [b.reason for b in dataset.bad_samples]
     assert len(dataset) == 2 and len(reasons) == 2
     assert "2 <video> placeholder(s) in the conversation but 1 video file(s)" in reasons[1]
+
+
+def test_training_with_videos_equals_a_plain_loop_on_transformers(qwen: dict) -> None:
+    """Images and videos from the data file through the engine: 10 iterations at a real
+    learning rate, split (vision | language TP 2) and colocated (vision DP 2 with
+    language TP 2), equal transformers' model in a plain loop on the same samples
+    (losses, grad norms, final weights)."""
+    root = Path(str(qwen["root"]))
+    config = write_llava_config(root, root / "qwen", write_jsonl(
+        root / "train.jsonl", SAMPLES * 3), "train", **_VIDEO_RUN)
+    config.write_text(config.read_text()
+                      .replace("train_fraction = 0.5", "train_fraction = 0.75")
+                      .replace("global_batch_size = 2\nmicro_batch_size = 1",
+                               "global_batch_size = 4\nmicro_batch_size = 2")
+                      .replace("[train]", "[train]\niters = 10\nseed = 1")
+                      + "\n[optimizer]\nlr = 3e-3\n\n[eval]\ninterval = 1000\n")
+    ref = hf_reference_run(config, 10, family=QWEN_VIDEO_FAMILY)
+    assert ref.losses[-1] < ref.losses[0], ref.losses
+    layouts = {"vision | language TP 2": (3, ["modules.language.parallel.tensor=2",
+                                              "modules.language.parallel.rank_offset=1"]),
+               "colocated vision DP 2, language TP 2": (2, [
+                   "modules.vision.parallel.data=2", "modules.language.parallel.tensor=2"])}
+    groups = run_groups([(world, engine_run, (over, 10, config), {})
+                         for world, over in layouts.values()], timeout_s=300)
+    for layout, results in zip(layouts, groups, strict=True):
+        merged = check_layout_run(layout, results, ref)
+        for name, want in ref.weights.items():
+            err = float((merged[name].reshape(want.shape) - want).norm() / want.norm())
+            assert err <= 1e-4, f"{layout}: {name}: relative error {err}"
