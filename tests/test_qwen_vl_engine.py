@@ -158,6 +158,31 @@ def test_layouts_train_like_a_plain_loop_on_transformers(qwen: dict) -> None:
             assert not torch.equal(want, ref.initial[name]), name
 
 
+# The language model's own options, with DeepStack (Qwen3-VL) in the first layers:
+# sequence parallelism (the features added to sequence-sharded rows) and FSDP.
+_LANGUAGE_OPTIONS = {
+    "vision | language TP 2 with sequence parallelism": (3, [
+        "modules.language.parallel.tensor=2", "modules.language.parallel.sequence_parallel=true",
+        "modules.language.parallel.rank_offset=1"]),
+    "colocated vision DP 2, language FSDP 2": (2, [
+        "modules.vision.parallel.data=2", "modules.language.parallel.data=2",
+        "modules.language.parallel.fsdp=true"]),
+}
+
+
+@pytest.mark.parametrize("qwen", ["qwen3_vl"], indirect=True)
+def test_language_options_train_like_a_plain_loop_on_transformers(qwen: dict) -> None:
+    """10 iterations: losses, grad norms, final weights (as the layouts above)."""
+    ref = hf_reference_run(qwen["config"], NUM_ITERS, family=QWEN_FAMILY)
+    groups = run_groups([(world, engine_run, (over, NUM_ITERS, qwen["config"]), {})
+                         for world, over in _LANGUAGE_OPTIONS.values()], timeout_s=400)
+    for layout, results in zip(_LANGUAGE_OPTIONS, groups, strict=True):
+        merged = check_layout_run(layout, results, ref)
+        for name, want in ref.weights.items():
+            err = float((merged[name].reshape(want.shape) - want).norm() / want.norm())
+            assert err <= 1e-4, f"{layout}: {name}: relative error {err}"
+
+
 @pytest.mark.parametrize("qwen", ["qwen3_vl"], indirect=True)  # both kinds of merger
 def test_a_frozen_tower_trains_its_mergers_like_the_plain_loop(qwen: dict) -> None:
     """``freeze = "encoder"``: the tower stops, its patch mergers (the projector: the
