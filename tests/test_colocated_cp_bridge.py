@@ -151,9 +151,7 @@ def test_route_rejects_rows_that_do_not_match_the_placeholders() -> None:
 PARITY_ITERS = 10
 PARITY = ["train.iters=10"]
 PARITY_LAYOUTS = {
-    # language CP 2 x DP 2 fed by vision DP 4 (fan-in) and audio TP 2 x DP 2
-    "vision-dp4-audio-tp2dp2-language-cp2dp2": coloc(
-        {"data": 4}, {"tensor": 2, "data": 2}, {"context": 2, "data": 2}),
+    # (Language CP 2 x DP 2 beside the same encoders: tests/test_encoder_batching.py.)
     # language CP 2 x TP 2: its TP copies return their (identical) gradients once
     "vision-dp4-audio-tp2dp2-language-cp2tp2": coloc(
         {"data": 4}, {"tensor": 2, "data": 2}, {"context": 2, "tensor": 2, "data": 1}),

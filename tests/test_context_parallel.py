@@ -49,7 +49,7 @@ CASES = {
     "vision-dp2|language-cp2": noncolocated({"data": 2}, {}, {"context": 2}),
     # Fan-out: vision and audio DP 1 feed a language DP 2 x CP 2 (6 ranks, dp x cp = 4).
     "language-dp2cp2": noncolocated({}, {}, {"data": 2, "context": 2}),
-    "language-cp2tp2-sp": noncolocated({}, {}, {"context": 2, "tensor": 2}) + SP,
+    # CP x TP with sequence parallelism: the packed test below (and the HF decoder's).
     "language-cp2pp2-zero": noncolocated({}, {}, {"context": 2, "pipeline": 2})
     + ["modules.language.parallel.shard_optimizer=true"],
     # CP 4: chunks of 8 positions; each rank's two chunks read 16 to 64 keys.

@@ -13,7 +13,7 @@ import pytest
 import mimotron.models.language as language_module
 from mimotron.config import load_config
 from mimotron.parallel.layout import check_layout
-from tests.common import BASE, DIGITS, coloc, engine_run, noncolocated
+from tests.common import BASE, DIGITS, engine_run, noncolocated
 from tests.parity import reference, run_against_plain_loop
 
 NUM_ITERS = 10
@@ -24,8 +24,8 @@ SEQ = 64  # data.seq_length of configs/digits.toml
 CASES = {
     "language-tp2-sp": noncolocated({}, {}, {"tensor": 2}),
     "language-tp2pp2-sp": noncolocated({}, {}, {"tensor": 2, "pipeline": 2}),
-    "coloc-language-tp2dp2-sp": coloc({"data": 4}, {"data": 4}, {"tensor": 2, "data": 2}),
 }
+# Colocated SP: tests/test_recompute.py trains coloc-language-tp2-sp against the plain loop.
 
 
 def sp_engine_run(rank: int, world: int, overrides: list[str], num_iters: int) -> dict:
