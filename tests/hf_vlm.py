@@ -223,7 +223,7 @@ LLAVA = HFFamily(_llava_model, lambda name, model: hf_name(name), hf_llava_loss)
 
 
 def hf_reference_run(config: Path, num_iters: int, overrides: tuple[str, ...] = (),
-                     family: HFFamily = LLAVA) -> HFReference:
+                     family: HFFamily = LLAVA, packed: bool = False) -> HFReference:
     """Train ``family``'s transformers model (``LlavaForConditionalGeneration`` by
     default) from the config's folder in a plain loop.
 
@@ -235,6 +235,10 @@ def hf_reference_run(config: Path, num_iters: int, overrides: tuple[str, ...] = 
     of its parameters map to mimotron's by :func:`hf_name`. With
     ``modules.vision.freeze = "encoder"`` (LLaVA-1.5's stage 2) the tower's parameters
     get no gradient and no optimizer state.
+
+    ``packed``: each step takes the samples the engine packs into its rows (the greedy
+    packer of :func:`tests.reference.packed_rows`), each sample in a row of its own: a
+    packed row's documents attend only within themselves, so the loss is the same.
     """
     from mimotron.config import load_config
     from mimotron.data import build_datasets, collate
@@ -270,8 +274,13 @@ def hf_reference_run(config: Path, num_iters: int, overrides: tuple[str, ...] = 
     initial = {n: p.detach().clone() for n, p in ours.items()}
     out = HFReference([], [], [], {}, initial)
     stream, gbs = task.stream(cfg.train.seed), cfg.train.global_batch_size
+    from tests.reference import packed_rows
+
+    rows_at = packed_rows(task, stream, gbs) if packed else None
     for k in range(num_iters):
-        batch = collate(stream.samples(k * gbs, gbs), task.seq_length, pad_id=task.pad_id,
+        samples = ([s for row in rows_at() for s in row] if rows_at is not None
+                   else stream.samples(k * gbs, gbs))
+        batch = collate(samples, task.seq_length, pad_id=task.pad_id,
                         image_shape=task.image_shape, audio_shape=task.audio_shape)
         optimizer.zero_grad(set_to_none=True)
         loss = family.loss(model, batch)

@@ -228,14 +228,25 @@ def reference_packer(task: object, stream: object, gbs: int
     Returns:
         The ``batch_at`` argument of :func:`reference_run`.
     """
-    state = {"pos": 0}
     kwargs = {"pad_id": task.pad_id, "image_shape": task.image_shape,
               "audio_shape": task.audio_shape}
+    rows_at = packed_rows(task, stream, gbs)
+
+    def batch_at(task_: object, stream_: object, k: int, gbs_: int) -> dict:
+        return collate_packed(rows_at(), task.seq_length, **kwargs)
+
+    return batch_at
+
+
+def packed_rows(task: object, stream: object, gbs: int) -> Callable[[], list[list[dict]]]:
+    """The greedy packing of :func:`reference_packer`: each call, the next ``gbs`` rows of
+    consecutive samples of ``stream`` (a row takes samples while they fit)."""
+    state = {"pos": 0}
 
     def fits(row: list, s: dict) -> bool:
         return sum(x["tokens"].numel() for x in row) + s["tokens"].numel() <= task.seq_length
 
-    def batch_at(task_: object, stream_: object, k: int, gbs_: int) -> dict:
+    def rows_at() -> list[list[dict]]:
         rows: list[list] = [[]]
         while True:
             s = stream.samples(state["pos"], 1)[0]
@@ -245,9 +256,9 @@ def reference_packer(task: object, stream: object, gbs: int
                 rows.append([])
             rows[-1].append(s)
             state["pos"] += 1
-        return collate_packed(rows, task.seq_length, **kwargs)
+        return rows
 
-    return batch_at
+    return rows_at
 
 
 def packed_reference_run(overrides: tuple[str, ...], num_iters: int) -> ReferenceRun:
