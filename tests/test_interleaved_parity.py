@@ -44,7 +44,8 @@ CASES: dict[str, tuple[list[str], list[str]]] = {
                                  LANGUAGE_4 + FOUR_MB),
     "language-cp2pp2vp2": (noncolocated({}, {}, {**PP2VP2, "context": 2}),
                            LANGUAGE_4 + FOUR_MB),
-    # TP with sequence parallelism: TP's interleaved path and SP's, at once.
+    # TP with sequence parallelism: TP's interleaved path and SP's, at once (no separate
+    # TP-only row).
     "language-tp2pp2vp2-sp": (noncolocated({}, {}, {**PP2VP2, "tensor": 2,
                                                  "sequence_parallel": "true"}),
                               LANGUAGE_4 + FOUR_MB),

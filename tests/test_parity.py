@@ -46,6 +46,9 @@ VISION_2_LAYERS = ["modules.vision.num_layers=2"]
 # name: (layout, overrides shared with the reference)
 CASES: dict[str, tuple[list[str], list[str]]] = {
     # ---- colocated: every module on every rank, degrees differ per module
+    # (vision DP 4 beside language TP 2 x DP 2: the ZeRO row below and
+    # tests/test_overlap_grad_reduce.py; audio TP 2 x DP 2 beside language DP 4: the row
+    # beside language TP 2 x DP 2)
     "coloc-dp2": (colocated(2), []),
     "coloc-dp4-mb4": (colocated(4), SMALL_MB),
     "coloc-audio-tp2dp2-language-tp2dp2-mb4": (
@@ -61,6 +64,7 @@ CASES: dict[str, tuple[list[str], list[str]]] = {
     "fan-out-language-dp2-mb4": (noncolocated({}, {}, {"data": 2}), SMALL_MB),
     "fan-in-vision-dp2": (noncolocated({"data": 2}, {}, {}), []),
     "language-tp2": (noncolocated({}, {}, {"tensor": 2}), []),
+    # (Language TP 2 x DP 2 fed by DP 1 encoders: the SP + ZeRO row below.)
     "fan-in-vision-dp2-into-language-tp2": (noncolocated({"data": 2}, {}, {"tensor": 2}), []),
     "vision-tp2": (noncolocated({"tensor": 2}, {}, {}), []),
     "audio-tp2": (noncolocated({}, {"tensor": 2}, {}), []),
