@@ -25,8 +25,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from mimotron.data.bpe import CHATML_TEMPLATE, train_bpe_tokenizer
+from mimotron.forked_ranks import run_groups
 from mimotron.models.hf.clip import CLIP_WEIGHTS
 from mimotron.models.hf.llama import LLAMA_WEIGHTS
+from tests.common import engine_run
 from tests.hf_data import write_jsonl, write_png
 
 IMAGE = 16  # CLIP input side; patches of 8 -> 4 patches + the class token
@@ -312,3 +314,24 @@ def check_layout_run(layout: str, results: list[dict], ref: HFReference
             assert loss == pytest.approx(ref.losses[it], rel=1e-5), where
             assert norm == pytest.approx(ref.grad_norms[it], rel=1e-5), where
     return merged
+
+
+def run_layouts(config: Path, ref: HFReference, layouts: dict[str, tuple[int, list[str]]],
+                num_iters: int, timeout_s: float = 300) -> dict[str, dict[str, torch.Tensor]]:
+    """Train ``config`` in each layout (``name -> (world size, overrides)``) on forked
+    ranks side by side: every rank's steps equal the plain loop's
+    (:func:`check_layout_run`) and every weight it trains ends within 1e-4 of it.
+
+    Returns:
+        Per layout, its ranks' final weights, merged.
+    """
+    groups = run_groups([(world, engine_run, (over, num_iters, config), {})
+                         for world, over in layouts.values()], timeout_s=timeout_s)
+    out = {}
+    for layout, results in zip(layouts, groups, strict=True):
+        merged = check_layout_run(layout, results, ref)
+        for name, want in ref.weights.items():
+            err = float((merged[name].reshape(want.shape) - want).norm() / want.norm())
+            assert err <= 1e-4, f"{layout}: {name}: relative error {err}"
+        out[layout] = merged
+    return out

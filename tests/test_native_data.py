@@ -36,10 +36,8 @@ from mimotron.data.hf_tokenizer import HFTokenizer
 from mimotron.data.mrope_positions import MRopeRule, mrope_positions
 from mimotron.data.packing import collate_packed
 from mimotron.data.run_data import build_tokenizer
-from mimotron.forked_ranks import run_groups
-from tests.common import engine_run
 from tests.hf_data import write_jsonl, write_png
-from tests.hf_vlm import check_layout_run, hf_reference_run
+from tests.hf_vlm import hf_reference_run, run_layouts
 from tests.qwen_vl import FAMILIES, QWEN_FAMILY, write_llava_config
 
 transformers = pytest.importorskip("transformers")
@@ -318,20 +316,10 @@ def test_training_equals_a_plain_loop_on_transformers(qwen: dict, tmp_path: Path
     learning rate equal transformers' model in a plain loop on the same samples."""
     config = write_llava_config(qwen["root"], qwen["folder"],
                                 write_jsonl(tmp_path / "train.jsonl", SAMPLES * 4), "train",
-                                max_pixels=MAX_PIXELS)
-    config.write_text(config.read_text().replace("train_fraction = 0.5", "train_fraction = 0.75")
-                      .replace("[train]", "[train]\niters = 3\nseed = 1")
-                      + "\n[optimizer]\nlr = 3e-3\n\n[eval]\ninterval = 1000\n")
+                                max_pixels=MAX_PIXELS, train_iters=3)
     ref = hf_reference_run(config, 3, family=QWEN_FAMILY)
-    layouts = {"one process": (1, []),
-               "vision | language": (2, ["modules.language.parallel.rank_offset=1"])}
-    groups = run_groups([(world, engine_run, (over, 3, config), {})
-                         for world, over in layouts.values()], timeout_s=300)
-    for layout, results in zip(layouts, groups, strict=True):
-        merged = check_layout_run(layout, results, ref)
-        for name, want in ref.weights.items():
-            err = float((merged[name].reshape(want.shape) - want).norm() / want.norm())
-            assert err <= 1e-4, f"{layout}: {name}: relative error {err}"
+    run_layouts(config, ref, {"one process": (1, []), "vision | language": (
+        2, ["modules.language.parallel.rank_offset=1"])}, 3)
 
 
 def test_an_image_changed_after_the_check(qwen: dict, tmp_path: Path) -> None:

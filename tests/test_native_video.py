@@ -41,10 +41,8 @@ from mimotron.data.native_video import (
 )
 from mimotron.data.run_data import build_tokenizer
 from mimotron.data.sample_keys import LLAVA_LAYOUT, MESSAGES_LAYOUT, check_sample_keys
-from mimotron.forked_ranks import run_groups
-from tests.common import engine_run
 from tests.hf_data import write_jsonl, write_png
-from tests.hf_vlm import check_layout_run, hf_reference_run
+from tests.hf_vlm import hf_reference_run, run_layouts
 from tests.qwen_vl import FAMILIES, QWEN_VIDEO_FAMILY, write_llava_config
 from tests.reference import packed_rows
 
@@ -544,26 +542,16 @@ def test_training_with_videos_equals_a_plain_loop_on_transformers(qwen: dict) ->
     (losses, grad norms, final weights)."""
     root = Path(str(qwen["root"]))
     config = write_llava_config(root, root / "qwen", write_jsonl(
-        root / "train.jsonl", SAMPLES * 3), "train", **_VIDEO_RUN)
-    config.write_text(config.read_text()
-                      .replace("train_fraction = 0.5", "train_fraction = 0.75")
-                      .replace("global_batch_size = 2\nmicro_batch_size = 1",
-                               "global_batch_size = 4\nmicro_batch_size = 2")
-                      .replace("[train]", "[train]\niters = 10\nseed = 1")
-                      + "\n[optimizer]\nlr = 3e-3\n\n[eval]\ninterval = 1000\n")
+        root / "train.jsonl", SAMPLES * 3), "train", **_VIDEO_RUN, train_iters=10)
+    config.write_text(config.read_text().replace("global_batch_size = 2\nmicro_batch_size = 1",
+                                                 "global_batch_size = 4\nmicro_batch_size = 2"))
     ref = hf_reference_run(config, 10, family=QWEN_VIDEO_FAMILY)
     assert ref.losses[-1] < ref.losses[0], ref.losses
-    layouts = {"vision | language TP 2": (3, ["modules.language.parallel.tensor=2",
-                                              "modules.language.parallel.rank_offset=1"]),
-               "colocated vision DP 2, language TP 2": (2, [
-                   "modules.vision.parallel.data=2", "modules.language.parallel.tensor=2"])}
-    groups = run_groups([(world, engine_run, (over, 10, config), {})
-                         for world, over in layouts.values()], timeout_s=300)
-    for layout, results in zip(layouts, groups, strict=True):
-        merged = check_layout_run(layout, results, ref)
-        for name, want in ref.weights.items():
-            err = float((merged[name].reshape(want.shape) - want).norm() / want.norm())
-            assert err <= 1e-4, f"{layout}: {name}: relative error {err}"
+    run_layouts(config, ref, {
+        "vision | language TP 2": (3, ["modules.language.parallel.tensor=2",
+                                       "modules.language.parallel.rank_offset=1"]),
+        "colocated vision DP 2, language TP 2": (2, [
+            "modules.vision.parallel.data=2", "modules.language.parallel.tensor=2"])}, 10)
 
 
 def test_packed_rows_under_context_parallelism_equal_transformers(qwen: dict) -> None:
@@ -573,22 +561,11 @@ def test_packed_rows_under_context_parallelism_equal_transformers(qwen: dict) ->
     root = Path(str(qwen["root"]))
     config = write_llava_config(root, root / "qwen", write_jsonl(
         root / "packed.jsonl", SAMPLES * 4), "packed", **{**_VIDEO_RUN, "max_images": 4},
-        packing=True)
-    config.write_text(config.read_text()
-                      .replace("train_fraction = 0.5", "train_fraction = 0.75")
-                      .replace("[train]", "[train]\niters = 10\nseed = 1")
-                      + "\n[optimizer]\nlr = 3e-3\n\n[eval]\ninterval = 1000\n")
+        packing=True, train_iters=10)
     cfg = load_config(config)
     task, _ = build_datasets(cfg, build_tokenizer(cfg))
     rows = packed_rows(task, task.stream(cfg.train.seed), cfg.train.global_batch_size)()
     assert max(len(row) for row in rows) > 1, rows  # documents share rows
     ref = hf_reference_run(config, 10, family=QWEN_VIDEO_FAMILY, packed=True)
-    layouts = {"vision | language CP 2": (3, ["modules.language.parallel.context=2",
-                                              "modules.language.parallel.rank_offset=1"])}
-    groups = run_groups([(world, engine_run, (over, 10, config), {})
-                         for world, over in layouts.values()], timeout_s=300)
-    for layout, results in zip(layouts, groups, strict=True):
-        merged = check_layout_run(layout, results, ref)
-        for name, want in ref.weights.items():
-            err = float((merged[name].reshape(want.shape) - want).norm() / want.norm())
-            assert err <= 1e-4, f"{layout}: {name}: relative error {err}"
+    run_layouts(config, ref, {"vision | language CP 2": (3, [
+        "modules.language.parallel.context=2", "modules.language.parallel.rank_offset=1"])}, 10)
