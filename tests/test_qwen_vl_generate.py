@@ -171,7 +171,9 @@ def test_greedy_tokens_with_a_video_equal_transformers_generate(trained: dict,
     export = trained["export"]
     model = transformers.AutoModelForImageTextToText.from_pretrained(
         export, dtype=torch.float32).eval()
-    images = NativeImageProcessor.from_vision(export, _native(trained["checkpoint"]))
+    generator = Generator.from_path(trained["checkpoint"])
+    images = NativeImageProcessor.from_vision(
+        export, generator.loaded.cfg.modules["vision"].hf_native)
     video = NativeVideoProcessor.from_folder(export, images, "qwen2_5_vl")
     plan = video.plan_file(frames)
     tokenizer = transformers.AutoTokenizer.from_pretrained(export)
@@ -190,8 +192,8 @@ def test_greedy_tokens_with_a_video_equal_transformers_generate(trained: dict,
     # tokens_per_second positions apart, not 1 as an image's steps would be.
     assert plan.grid[0] == 2 and model.config.vision_config.tokens_per_second != 1
     want = model.generate(**inputs, max_new_tokens=6, do_sample=False)[0, ids.shape[1]:].tolist()
-    ours = Generator.from_path(trained["checkpoint"]).generate(
-        "which digit is this", sampling=Sampling(max_new_tokens=6), videos=[frames])
+    ours = generator.generate("which digit is this", sampling=Sampling(max_new_tokens=6),
+                              videos=[frames])
     assert ours.prompt_tokens == ids.shape[1]
     end = model.generation_config.eos_token_id
     ends = set(end if isinstance(end, list) else [end])
@@ -206,7 +208,7 @@ def test_greedy_tokens_with_a_video_equal_transformers_generate(trained: dict,
                                                          (0, len(reply)))
     with torch.no_grad():
         want_logits = model(**whole).logits[0, -len(reply) - 1:]
-        loaded = Generator.from_path(trained["checkpoint"]).loaded
+        loaded = generator.loaded
         prompt = encode_native_prompt(loaded, "vision", "which digit is this", [], [frames])
         lm = loaded.model.language_model
         cache = KVCache(len(prompt.prompt.tokens) + len(reply))
@@ -219,7 +221,3 @@ def test_greedy_tokens_with_a_video_equal_transformers_generate(trained: dict,
     err = float((stacked - want_logits).norm() / want_logits.norm())
     assert err <= 1e-5, err
 
-
-def _native(checkpoint: Path) -> object:
-    """The run's resolved native vision settings (its max_pixels)."""
-    return Generator.from_path(checkpoint).loaded.cfg.modules["vision"].hf_native

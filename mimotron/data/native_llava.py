@@ -285,6 +285,27 @@ class NativeLlava:
                        for f, p in zip(videos, plans, strict=True)]
         return torch.stack(_in_text_order(image_slots, video_slots, kinds))
 
+    def positions(self, tokens: torch.Tensor, grids: Sequence[Grid],
+                  videos: Sequence[VideoPlan] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+        """``([3, L], [1, 1])``: a sample's 3-D positions and its ``rope_deltas``
+        (:func:`~mimotron.data.mrope_positions.mrope_positions` of its true ids: video runs
+        take the video layout, time and Qwen3-VL's runs per step).
+
+        Args:
+            tokens: the sample's true token ids ``[L]``.
+            grids: its images' grids, in the order of their placeholders.
+            videos: its videos, in the order of their placeholders.
+        """
+        image_grid = torch.tensor(list(grids), dtype=torch.long).reshape(-1, 3)
+        video_grid = torch.tensor([p.grid for p in videos], dtype=torch.long).reshape(-1, 3)
+        seconds = (torch.tensor([p.seconds_per_step for p in videos], dtype=torch.float32)
+                   if videos and self.rule.family == "qwen2_5_vl" else None)
+        positions, deltas = mrope_positions(tokens[None], self.rule,
+                                            image_grid if len(grids) else None,
+                                            video_grid if len(videos) else None,
+                                            second_per_grid_ts=seconds)
+        return positions[:, 0], deltas
+
     def sample_keys(self, tokens: torch.Tensor, grids: Sequence[Grid], max_images: int,
                     videos: Sequence[VideoPlan] = (), kinds: Sequence[str] = ()
                     ) -> dict[str, torch.Tensor]:
@@ -301,16 +322,8 @@ class NativeLlava:
         video_grid = torch.tensor([p.grid for p in videos], dtype=torch.long).reshape(-1, 3)
         items = _in_text_order(list(image_grid), list(video_grid), kinds)
         grid = torch.stack(items) if items else torch.zeros(0, 3, dtype=torch.long)
-        if tokens.numel():
-            # The true ids: video runs take the video layout (time, Qwen3-VL's runs per step).
-            seconds = (torch.tensor([p.seconds_per_step for p in videos], dtype=torch.float32)
-                       if videos and self.rule.family == "qwen2_5_vl" else None)
-            positions = mrope_positions(tokens[None], self.rule,
-                                        image_grid if len(grids) else None,
-                                        video_grid if len(videos) else None,
-                                        second_per_grid_ts=seconds)[0][:, 0]
-        else:
-            positions = torch.zeros(3, 0, dtype=torch.long)
+        positions = (self.positions(tokens, grids, videos)[0] if tokens.numel()
+                     else torch.zeros(3, 0, dtype=torch.long))
         counts = grid.prod(dim=-1) // self.processor.merge_size**2
         if max_images > 1:
             pad = max_images - grid.shape[0]

@@ -101,10 +101,11 @@ def encode_native_prompt(loaded: LoadedModel, name: str, text: str,
                             native.tokens_of(grids), plans)
     prompt = prompt_of(tokenizer, encoded)
     true = torch.tensor(prompt.tokens)
-    keys = native.sample_keys(true, grids, max(limit, 2), plans, kinds)  # [K, ...] keys
-    positions = keys["position_ids"].unsqueeze(1)  # [3, 1, length]
-    deltas = (positions.max() + 1 - true.numel()).reshape(1, 1) if true.numel() else \
-        torch.zeros(1, 1, dtype=torch.long)
+    # The items' [K, ...] keys in text order; no text given, so no positions made twice:
+    # they come below with the rope_deltas generation needs.
+    keys = native.sample_keys(true[:0], grids, max(limit, 2), plans, kinds)
+    positions, deltas = native.positions(true, grids, plans)
+    positions = positions.unsqueeze(1)  # [3, 1, length]
     tokens = native.image_placeholders(true)[None]  # every item at an image placeholder
     device = loaded.device
     hidden = model.language_model.embed_tokens(tokens.to(device))
