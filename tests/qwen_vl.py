@@ -42,15 +42,20 @@ FAMILIES = {
 """family -> (transformers class prefix, text_config, vision_config)."""
 
 
-def save_qwen_folder(path: Path, family: str, image_id: int, max_pixels: int = 4096
+def save_qwen_folder(path: Path, family: str, image_id: int, max_pixels: int = 4096,
+                     text_layers: int | None = None, deepstack: list[int] | None = None
                      ) -> torch.nn.Module:
     """Write a tiny random folder of ``family`` and return transformers' model of it (fp32,
-    eval mode). ``image_id`` is its ``image_token_id``."""
+    eval mode). ``image_id`` is its ``image_token_id``; ``text_layers``: the language
+    model's layers (default 3); ``deepstack``: Qwen3-VL's ``deepstack_visual_indexes``
+    (default ``[0, 2]``)."""
     import transformers
 
     prefix, text, vision = FAMILIES[family]
+    layers = {} if text_layers is None else {"num_hidden_layers": text_layers}
+    stack = {} if deepstack is None else {"deepstack_visual_indexes": deepstack}
     config = getattr(transformers, f"{prefix}Config")(
-        text_config=dict(text), vision_config=dict(vision), image_token_id=image_id,
+        text_config={**text, **layers}, vision_config={**vision, **stack}, image_token_id=image_id,
         video_token_id=VIDEO, vision_start_token_id=VSTART, vision_end_token_id=VEND)
     torch.manual_seed(0)
     model = getattr(transformers, f"{prefix}ForConditionalGeneration")(config)

@@ -10,10 +10,10 @@ samples between them), so a micro-batch mixes images of different sizes.
   a batch of two samples holding three images of different sizes (fp32, 1e-5).
 * Layouts: 10 iterations at a real learning rate, split (vision DP 2 | language TP 2;
   language CP 2; language PP 2, for Qwen3-VL with both DeepStack layers on the first
-  stage) and colocated (vision DP 2 with language TP 2 with encoder batching and the
-  tower recomputed, and for Qwen3-VL with the tower frozen but its mergers; with
-  language CP 2): losses,
-  grad norms and final weights equal the plain loop on transformers' model
+  stage; spread over stages: ``test_deepstack_stages``) and colocated (vision DP 2 with
+  language TP 2 with encoder batching and the tower recomputed, and for Qwen3-VL with
+  the tower frozen but its mergers; with language CP 2): losses, grad norms and final
+  weights equal the plain loop on transformers' model
   (:func:`tests.hf_vlm.hf_reference_run`).
 * Layouts the towers cannot run are one line before launch.
 """
@@ -198,16 +198,6 @@ def test_a_layout_the_tower_cannot_run_is_one_line(qwen: dict, override: str, me
                                                    ) -> None:
     with pytest.raises(ValueError, match=message):
         load_config(qwen["config"], [override])
-
-
-def test_deepstack_layers_spread_over_stages_are_refused(qwen: dict) -> None:
-    over = ["modules.language.parallel.pipeline=2", "modules.language.parallel.rank_offset=1"]
-    if qwen["family"] == "qwen2_5_vl":  # no DeepStack: any split
-        assert load_config(qwen["config"], over).modules["language"].parallel.pipeline == 2
-        return
-    with pytest.raises(ValueError, match=r"the first 2 language layers take modules.vision's "
-                                         r"DeepStack features"):
-        load_config(qwen["config"], over)
 
 
 def test_the_slots_follow_max_pixels(qwen: dict) -> None:

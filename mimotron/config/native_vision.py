@@ -24,7 +24,7 @@ from typing import Any
 
 from mimotron.config.hf_folder import preprocessor_file, read_preprocessor_config
 
-__all__ = ["DEFAULT_MAX_PIXELS", "NativeVision", "native_vision"]
+__all__ = ["DEFAULT_MAX_PIXELS", "NativeVision", "deepstack_source", "native_vision"]
 
 DEFAULT_MAX_PIXELS = 1003520
 """transformers' ``Qwen2VLImageProcessor`` default ``size["longest_edge"]``: the bound of a
@@ -126,8 +126,7 @@ def check_native_layout(cfg: Any) -> None:
         ValueError: one line naming the key: a tower split by tensor or pipeline
             parallelism (the Qwen-VL towers have no tensor-parallel plan and run whole);
             a language model from another folder (its M-RoPE positions come from this
-            folder's rule), or one whose DeepStack layers are not all on the first stage's
-            first model chunk.
+            folder's rule).
     """
     language = cfg.modules.get("language")
     for name, mod in cfg.modules.items():
@@ -147,21 +146,17 @@ def check_native_layout(cfg: Any) -> None:
             raise ValueError(f"modules.language.hf_path must be {mod.hf_path!r} like "
                              f"modules.{name}.hf_path: a {vision.model_type} tower feeds its "
                              "own language model (3-D rotary positions)")
-        _check_deepstack_stage(name, mod, language)
 
 
-def _check_deepstack_stage(name: str, mod: Any, language: Any) -> None:
-    """DeepStack features reach the first language stage only: its layers must be there."""
-    config = mod.hf_config[1] if mod.hf_config else {}
-    num = len(config.get("deepstack_visual_indexes") or ())
-    par = language.parallel
-    if num == 0 or par.pipeline * par.virtual_pipeline == 1:
-        return
-    first = (par.layers_per_stage[0] if par.layers_per_stage
-             else language.num_layers // par.pipeline)
-    if par.virtual_pipeline > 1 or first < num:
-        raise ValueError(f"modules.language.parallel: the first {num} language layers take "
-                         f"modules.{name}'s DeepStack features and must all be on the first "
-                         f"pipeline stage (first stage holds {first}, virtual_pipeline="
-                         f"{par.virtual_pipeline}); give layers_per_stage a first entry >= "
-                         f"{num} and virtual_pipeline = 1")
+def deepstack_source(cfg: Any) -> tuple[str, int] | None:
+    """``(vision module, number of DeepStack layers)`` of a Qwen3-VL run, else ``None``.
+
+    The language model's first that many layers add the module's DeepStack features
+    (wherever its pipeline stages put them: :mod:`mimotron.pipeline.deepstack_link`).
+    """
+    for name, mod in cfg.modules.items():
+        config = mod.hf_config[1] if mod.hf_native is not None and mod.hf_config else {}
+        num = len(config.get("deepstack_visual_indexes") or ())
+        if num:
+            return name, num
+    return None

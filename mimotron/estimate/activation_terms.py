@@ -1,4 +1,4 @@
-"""Saved activations the dense layer count leaves out: MoE layers.
+"""Saved activations the dense layer count leaves out: MoE layers, DeepStack links.
 
 :func:`mimotron.estimate.memory.layer_bytes_per_token` counts a dense transformer layer
 run by SDPA without a mask. Mixture of experts changes what a layer keeps, and
@@ -19,6 +19,12 @@ run by SDPA without a mask. Mixture of experts changes what a layer keeps, and
   without a mask (:mod:`mimotron.models.attention`), and the keys a context-parallel
   rank reads are :func:`~mimotron.estimate.memory.context_kv_bytes_per_sample`.
 
+* **Qwen3-VL's DeepStack features across pipeline stages**
+  (:mod:`mimotron.pipeline.deepstack_link`): a stage link before the last DeepStack layer
+  carries its feature sets after the hidden states, and both ends keep the whole link
+  tensor until its backward: ``(sets in + sets out) x hidden`` more residual-dtype
+  values per position (:func:`deepstack_link_bytes_per_sample`).
+
 A recomputed layer (``modules.<m>.recompute = "full"``) keeps none of its MoE tensors.
 """
 
@@ -26,9 +32,11 @@ from __future__ import annotations
 
 from mimotron.config.hf_resolve import language_spec
 from mimotron.config.moe_config import moe_options
+from mimotron.config.native_vision import deepstack_source
 from mimotron.config.schema import MimoConfig, default_ffn_hidden_size
-from mimotron.estimate.widths import BYTES, attention_widths
+from mimotron.estimate.widths import BYTES, attention_widths, residual_bytes
 from mimotron.names import LANGUAGE
+from mimotron.pipeline.deepstack_link import carried
 
 ROUTED_INDEX_BYTES = 32
 """Per routed copy: its sort order and token index (int64) and its fp32 weight, measured."""
@@ -65,7 +73,8 @@ def num_moe_layers(cfg: MimoConfig, name: str, layers: list[int]) -> int:
 
 def extra_layer_bytes_per_sample(cfg: MimoConfig, name: str, layers: list[int],
                                  recomputed: int) -> float:
-    """The MoE term of a stage holding ``layers``, per sample of a micro-batch.
+    """The MoE and DeepStack-link terms of a stage holding ``layers``, per sample of a
+    micro-batch.
 
     Args:
         cfg: the run config.
@@ -77,7 +86,30 @@ def extra_layer_bytes_per_sample(cfg: MimoConfig, name: str, layers: list[int],
     tokens = cfg.data.seq_length // mod.parallel.context if name == LANGUAGE else 0
     kept = 1.0 - (recomputed / len(layers) if layers and mod.recompute == "full" else 0.0)
     moe = num_moe_layers(cfg, name, layers) * tokens * moe_extra_bytes_per_token(cfg, name)
-    return moe * kept
+    return moe * kept + deepstack_link_bytes_per_sample(cfg, name, layers)
+
+
+def deepstack_link_bytes_per_sample(cfg: MimoConfig, name: str, layers: list[int]) -> int:
+    """The DeepStack feature sets on a language stage's links, per sample (module docs).
+
+    Each contiguous run of ``layers`` is a model chunk: its input link carries the sets
+    from its first layer on (none into layer 0: the embeddings), its output link those
+    after its last layer.
+    """
+    source = deepstack_source(cfg)
+    if name != LANGUAGE or source is None or not layers:
+        return 0
+    runs = [[layers[0]]]
+    for i in layers[1:]:
+        if i == runs[-1][-1] + 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    sets = sum((carried(source[1], run[0]) if run[0] else 0) + carried(source[1], run[-1] + 1)
+               for run in runs)
+    mod = cfg.modules[name]
+    tokens = cfg.data.seq_length // mod.parallel.context
+    return sets * tokens * mod.hidden_size * residual_bytes(cfg)
 
 
 def context_keys_read(seq_len: int, context: int) -> int:

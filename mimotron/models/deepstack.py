@@ -24,7 +24,7 @@ VisualRows = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
 is ``None`` where the rank holds every position (features in mask order)."""
 
 
-def visual_rows(visual_mask: torch.Tensor | None, deepstack: Sequence[torch.Tensor],
+def visual_rows(visual_mask: torch.Tensor | None, deepstack: Sequence[torch.Tensor | None],
                 shape: tuple[int, int], device: torch.device,
                 held: torch.Tensor | None) -> VisualRows:
     """The visual positions of this rank's hidden states and their feature rows.
@@ -33,7 +33,8 @@ def visual_rows(visual_mask: torch.Tensor | None, deepstack: Sequence[torch.Tens
 
     Args:
         visual_mask: bool ``[B, S]`` of the visual positions, whole rows.
-        deepstack: one ``[num visual, hidden]`` feature tensor per layer.
+        deepstack: one ``[num visual, hidden]`` feature tensor per layer (``None`` for
+            a layer another pipeline stage holds).
         shape: ``(B, S)`` of the whole rows.
         device: where the hidden states are.
         held: the global positions along dim 1 this rank holds (``None``: all).
@@ -48,7 +49,8 @@ def visual_rows(visual_mask: torch.Tensor | None, deepstack: Sequence[torch.Tens
     mask = visual_mask.bool()
     order = mask.flatten().cumsum(0).view_as(mask) - 1  # feature row of each position
     num_visual = int(order[-1, -1]) + 1 if order.numel() else 0
-    bad = [tuple(t.shape) for t in deepstack if t.dim() != 2 or t.shape[0] != num_visual]
+    bad = [tuple(t.shape) for t in deepstack
+           if t is not None and (t.dim() != 2 or t.shape[0] != num_visual)]
     if bad:
         raise ValueError(f"deepstack features of shapes {bad} for {num_visual} visual "
                          "positions: expected [num visual, hidden] each")

@@ -311,7 +311,8 @@ class LanguageModel(nn.Module):
 
     def forward(self, hidden: torch.Tensor, documents: Documents | None = None,
                 position_ids: torch.Tensor | None = None, chunk: int | None = None,
-                cache: KVCache | None = None, deepstack: Sequence[torch.Tensor] | None = None,
+                cache: KVCache | None = None,
+                deepstack: Sequence[torch.Tensor | None] | None = None,
                 visual_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Run this stage's layers (and, on the last stage, the norm and output head).
 
@@ -337,7 +338,8 @@ class LanguageModel(nn.Module):
             deepstack: Qwen3-VL's DeepStack: the layer of global index ``i <
                 len(deepstack)`` adds ``deepstack[i]`` (``[num visual, hidden]``) to its
                 output at the visual positions, in row-major order (only the layers
-                this stage holds add theirs).
+                this stage holds add theirs; ``None`` where another stage holds layer
+                ``i``, :mod:`mimotron.pipeline.deepstack_link`).
             visual_mask: with ``deepstack``: bool ``[B, S]`` of the visual positions,
                 whole rows also under context parallelism (on the host, it costs no
                 device synchronisation).
@@ -387,8 +389,10 @@ class LanguageModel(nn.Module):
                else list(self.layer_chunks[chunk]))  # type: ignore[index]
         for index, layer in zip(ids, layers, strict=True):
             hidden = layer(hidden, rope) if plan is None else layer(hidden, rope, plan)
-            if visual is not None and deepstack is not None and index < len(deepstack):
-                hidden = add_visual(hidden, deepstack[index], visual)
+            features = (deepstack[index] if visual is not None and deepstack is not None
+                        and index < len(deepstack) else None)
+            if features is not None:
+                hidden = add_visual(hidden, features, visual)
         last = is_last_chunk(self.layer_chunks, chunk)
         if self.final_norm is None or self.output is None or not last:
             return hidden if group is None else gather_sequence(hidden, group)

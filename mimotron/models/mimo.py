@@ -45,6 +45,11 @@ class MimoModel(nn.Module):
         ValueError: if a held module has no placeholder id or modality.
     """
 
+    deepstack: tuple[str, int] | None = None
+    """Qwen3-VL: ``(vision module, layers)`` whose DeepStack features the language model's
+    first ``layers`` layers add; set by the engine's build, so a pipelined language model
+    carries them across its stages (:mod:`mimotron.pipeline.deepstack_link`)."""
+
     def __init__(
         self,
         modality_submodules: dict[str, ModalitySubmodule],

@@ -117,6 +117,9 @@ class MultiModulePipelineCommunicator:
             constructs its communicator at the same point), else none.
         link_timeout: the timeout of the link groups created here.
         stage_dtype: the dtype of the language model's stage links (its residual stream).
+        deepstack: ``(chunk, downstream) -> DeepStack feature sets`` each of this
+            rank's stage links carries besides the hidden states
+            (:func:`~mimotron.pipeline.deepstack_link.model_link_extras`; ``None``: none).
 
     Raises:
         ValueError: ``layout`` is colocated (use ``ColocatedTransport``).
@@ -128,7 +131,8 @@ class MultiModulePipelineCommunicator:
                  bridge_rows: dict[str, tuple[int, int]] | None = None,
                  link_groups: dict[Link, dist.ProcessGroup] | None = None,
                  link_timeout: timedelta | None = None,
-                 stage_dtype: torch.dtype = torch.float32) -> None:
+                 stage_dtype: torch.dtype = torch.float32,
+                 deepstack: dict[tuple[int, bool], int] | None = None) -> None:
         if layout.colocated:
             raise ValueError("a colocated layout has no pipeline transfers: use "
                              "mimotron.pipeline.colocated.ColocatedTransport")
@@ -160,9 +164,12 @@ class MultiModulePipelineCommunicator:
         # The same for each input received, checked against the gradient sent back.
         self._received: dict[tuple[int, int, int], tuple[tuple[int, ...], torch.dtype]] = {}
         # Known to both ends of a language stage link from the config: no header.
-        self._stage: LinkShape | None = (
-            stage_link_shape(layout, micro_batch_size, seq_length, hidden_size, stage_dtype)
-            if self.module == LANGUAGE else None)
+        # (chunk, downstream) -> that link's tensor (wider where DeepStack crosses it).
+        self._stage: dict[tuple[int, bool], LinkShape | None] = {
+            (j, down): stage_link_shape(layout, micro_batch_size, seq_length, hidden_size,
+                                        stage_dtype, (deepstack or {}).get((j, down), 0))
+            for j in range(self.num_chunks) for down in (False, True)
+        } if self.module == LANGUAGE else {}
         # (src leader, dst leader) -> the bridge tensor of that pair, where it is fixed.
         self._bridge: dict[tuple[int, int], LinkShape] = {
             (s, d): bridge_link(src, hi - lo, bridge_rows[src],
@@ -385,7 +392,7 @@ class MultiModulePipelineCommunicator:
     def _link(self, peer: int, downstream: bool, chunk: int = 0) -> LinkShape | None:
         """The tensor the link with ``peer`` carries, if both ends know it (else None)."""
         if not (self._last(chunk) if downstream else self._first(chunk)):
-            return self._stage  # a stage link inside the module
+            return self._stage.get((chunk, downstream))  # a stage link inside the module
         return self._bridge.get((self.rank, peer) if downstream else (peer, self.rank))
 
     def _checked(self, peer: int, downstream: bool, t: torch.Tensor, what: str,

@@ -65,6 +65,7 @@ from mimotron.pipeline.actions import (
 )
 from mimotron.pipeline.colocated import ColocatedTransport
 from mimotron.pipeline.communicator import MultiModulePipelineCommunicator, Transfer
+from mimotron.pipeline.deepstack_link import deepstack_link
 from mimotron.pipeline.edges import Edge
 from mimotron.pipeline.encoder_batching import BatchedEncoders
 from mimotron.pipeline.interleaved_actions import build_rank_actions
@@ -81,7 +82,8 @@ def build_transport(layout: Layout, rank: int, micro_batch_size: int, edges: lis
                     seq_length: int | None = None, hidden_size: int | None = None,
                     bridge_rows: dict[str, tuple[int, int]] | None = None,
                     link_timeout: timedelta | None = None,
-                    stage_dtype: torch.dtype = torch.float32) -> Transport:
+                    stage_dtype: torch.dtype = torch.float32,
+                    deepstack: dict[tuple[int, bool], int] | None = None) -> Transport:
     """The run's transport, chosen once from the layout.
 
     Args:
@@ -100,12 +102,15 @@ def build_transport(layout: Layout, rank: int, micro_batch_size: int, edges: lis
             only; created here, collectively: :mod:`mimotron.pipeline.links`).
         stage_dtype: the language model's residual dtype, which its stage links carry
             (:func:`~mimotron.pipeline.shapes.residual_dtype`).
+        deepstack: the DeepStack feature sets each language stage link of this rank
+            carries (:func:`~mimotron.pipeline.deepstack_link.model_link_extras`).
     """
     if layout.colocated:
         return ColocatedTransport(layout, rank, micro_batch_size, edges)
     return MultiModulePipelineCommunicator(layout, rank, micro_batch_size, edges, tp_groups,
                                            device, seq_length, hidden_size, bridge_rows,
-                                           link_timeout=link_timeout, stage_dtype=stage_dtype)
+                                           link_timeout=link_timeout, stage_dtype=stage_dtype,
+                                           deepstack=deepstack)
 
 
 @dataclass
@@ -169,6 +174,7 @@ class StageRunner:
                              "runs each encoder stage on its own ranks); set it to False")
         self.batched = (BatchedEncoders(ctx.model, ctx.transport.edges, ctx.microbatches)
                         if ctx.encoder_batching else None)
+        self.deepstack = (deepstack_link(ctx.model) if self.module == LANGUAGE else None)
 
     def _is_first(self, chunk: int) -> bool:
         return is_first_virtual_stage(self.roles[self.module], chunk)
@@ -264,14 +270,21 @@ class StageRunner:
             self._saved[(chunk, k)] = (received, None)
             self._record_loss(k, self.ctx.language.forward_step(model, batch, received or {}))
             return None
-        hidden, visual = (self.ctx.language.first_stage_input(model, batch, received or {})
-                          if self._is_first(chunk) else (received, {}))
-        out = model.language_model(hidden, **document_args(batch), **visual,
-                                   **self._chunk_arg(chunk))
+        lm, link = model.language_model, self.deepstack
+        carried: list[torch.Tensor | None] = []  # DeepStack sets passed on as received
+        if self._is_first(chunk):
+            hidden, visual = self.ctx.language.first_stage_input(model, batch, received or {})
+        elif link is not None:
+            hidden, visual, carried = link.stage_input(lm, batch, received, chunk)
+        else:
+            hidden, visual = received, {}
+        out = lm(hidden, **document_args(batch), **visual, **self._chunk_arg(chunk))
         if self._is_last(chunk):
             self._saved[(chunk, k)] = (received, None)
             self._record_loss(k, self.ctx.language.loss(model, batch, out), chunk)
             return None
+        if link is not None:
+            out = link.stage_output(lm, batch, out, visual, carried, chunk)
         self._saved[(chunk, k)] = (received, out)
         return out
 

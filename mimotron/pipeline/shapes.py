@@ -6,6 +6,9 @@ sender does, travels without a shape header (:mod:`mimotron.pipeline.p2p`):
 * the language model's stage links: every stage sees the same padded batch geometry,
   so a link carries ``[micro_batch_size / data, seq_length / context, hidden]`` in the
   residual stream's dtype forward, and the same (the gradient of that input) backward;
+  a Qwen3-VL link before the last DeepStack layer is wider by the feature sets it
+  carries (:mod:`mimotron.pipeline.deepstack_link`), a count both ends derive from the
+  layer split;
 * the bridge of an encoder whose modality *every* sample carries, by the data config
   (the digits task with no weight on kinds without it, unpacked): a replica pair then
   exchanges one ``[tokens, hidden]`` row per sample of its intersection, fp32 (under
@@ -64,8 +67,8 @@ class LinkShape:
 
 
 def stage_link_shape(layout: Layout, micro_batch_size: int, seq_length: int | None,
-                     hidden_size: int | None, dtype: torch.dtype = torch.float32
-                     ) -> LinkShape | None:
+                     hidden_size: int | None, dtype: torch.dtype = torch.float32,
+                     deepstack: int = 0) -> LinkShape | None:
     """The language model's stage-link tensor, or ``None`` if it is not known in advance.
 
     Args:
@@ -75,6 +78,8 @@ def stage_link_shape(layout: Layout, micro_batch_size: int, seq_length: int | No
             ``None``: unknown (the links keep their headers).
         hidden_size: the language model's hidden size; ``None``: unknown.
         dtype: the residual stream's dtype (:func:`residual_dtype`).
+        deepstack: the DeepStack feature sets the link carries after the hidden
+            states, each ``hidden_size`` wide (:mod:`mimotron.pipeline.deepstack_link`).
 
     Returns:
         ``None`` where the language model has one stage or a value is unknown.
@@ -84,10 +89,13 @@ def stage_link_shape(layout: Layout, micro_batch_size: int, seq_length: int | No
     par = layout.modules[LANGUAGE].parallel
     if par.pipeline == 1:
         return None
-    shape = (micro_batch_size // par.data, seq_length // par.context, hidden_size)
+    shape = (micro_batch_size // par.data, seq_length // par.context,
+             hidden_size * (1 + deepstack))
+    width = (f"hidden_size={hidden_size}" if not deepstack else
+             f"hidden_size={hidden_size} x (1 + {deepstack} DeepStack feature sets)")
     origin = (f"the language model's stage link carries {list(shape)} {dtype} "
               f"(train.micro_batch_size={micro_batch_size} / data={par.data}, "
-              f"data.seq_length={seq_length} / context={par.context}, hidden_size={hidden_size})")
+              f"data.seq_length={seq_length} / context={par.context}, {width})")
     need = f"every micro-batch must hold {[shape[0], seq_length]} tokens per language DP rank"
     return LinkShape(shape, dtype, origin, need)
 

@@ -31,6 +31,7 @@ from mimotron.data.run_data import build_tokenizer, restrict_to_rank
 from mimotron.data.tokenizer import CharTokenizer
 from mimotron.optim import build_schedulers, get_mimo_optimizer
 from mimotron.optim.scheduler import OptimizerParamScheduler
+from mimotron.pipeline.deepstack_link import model_link_extras
 from mimotron.pipeline.edges import build_edges
 from mimotron.pipeline.schedules import Transport, build_transport
 from mimotron.pipeline.shapes import bridge_row_shapes, residual_dtype
@@ -103,7 +104,7 @@ def setup_mimo(cfg: MimoConfig, runtime: Runtime) -> MimoRun:
         cfg.data.seq_length, getattr(model.language_model, "hidden_size", None),
         bridge_row_shapes(cfg, infra.layout),
         link_timeout=timedelta(seconds=cfg.train.pg_timeout_s),
-        stage_dtype=residual_dtype(cfg, runtime.device))
+        stage_dtype=residual_dtype(cfg, runtime.device), deepstack=model_link_extras(model))
     state = GlobalState(cfg, runtime)
     state.skipped_samples = getattr(train_task, "num_skipped", None)
     if infra.is_logging_rank and cfg.log.progress:  # what the banner shows; nothing is read

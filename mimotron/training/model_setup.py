@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from mimotron.config.native_vision import deepstack_source
 from mimotron.config.schema import MimoConfig
 from mimotron.models.build import build_module, load_hf_module, module_prefix
 from mimotron.models.freeze import freeze_part
@@ -97,6 +98,7 @@ def build_rank_model(cfg: MimoConfig, infra: MimoModelInfra, vocab_size: int,
     if language is not None and cfg.modules[LANGUAGE].parallel.tensor > 1:
         tp_group = infra.pg_collections[LANGUAGE].tp
     model = MimoModel(parts, language, dict(placeholder_ids), modality_of, tp_group)
+    model.deepstack = deepstack_source(cfg)
     freeze_modules(model, cfg)
     return model
 
