@@ -21,6 +21,7 @@ from mimotron.config import (
     SchedulerConfig,
     load_config,
 )
+from mimotron.config.lora import LoraConfig
 from mimotron.pipeline import communicator as communicator_module
 from mimotron.pipeline.p2p import exchange
 from mimotron.runtime import init_runtime
@@ -95,9 +96,10 @@ def config_keys() -> set[str]:
         else:
             keys.add(f.name)
     for f in dataclasses.fields(ModuleConfig):
-        if f.name not in ("parallel", "optimizer"):
+        if f.name not in ("parallel", "optimizer", "lora"):
             keys.add(f"modules.<m>.{f.name}")
     keys |= {f"modules.<m>.parallel.{f.name}" for f in dataclasses.fields(ParallelConfig)}
+    keys |= {f"modules.<m>.lora.{f.name}" for f in dataclasses.fields(LoraConfig)}
     per_module = {f.name for f in dataclasses.fields(OptimizerConfig)}
     per_module |= {f.name for f in dataclasses.fields(SchedulerConfig)} - {"min_lr"}
     keys |= {f"modules.<m>.optimizer.{k}" for k in per_module}

@@ -236,7 +236,9 @@ def hf_reference_run(config: Path, num_iters: int, overrides: tuple[str, ...] = 
     and the data API (the global sample order, the tokenised conversations). The names
     of its parameters map to mimotron's by :func:`hf_name`. With
     ``modules.vision.freeze = "encoder"`` (LLaVA-1.5's stage 2) the tower's parameters
-    get no gradient and no optimizer state.
+    get no gradient and no optimizer state. With ``modules.language.lora`` PEFT's
+    adapters go on transformers' model with mimotron's initial values
+    (:func:`tests.lora_reference.with_adapters`) and train alone in the language model.
 
     ``packed``: each step takes the samples the engine packs into its rows (the greedy
     packer of :func:`tests.reference.packed_rows`), each sample in a row of its own: a
@@ -246,6 +248,8 @@ def hf_reference_run(config: Path, num_iters: int, overrides: tuple[str, ...] = 
     from mimotron.data import build_datasets, collate
     from mimotron.data.run_data import build_tokenizer
     from mimotron.models.build import build_mimo_model
+    from mimotron.models.lora import is_lora_parameter
+    from tests.lora_reference import with_adapters
     from tests.reference import lr_at
 
     cfg = load_config(config, list(overrides))
@@ -253,16 +257,21 @@ def hf_reference_run(config: Path, num_iters: int, overrides: tuple[str, ...] = 
     task, _ = build_datasets(cfg, tokenizer)
     model = family.load(cfg.hf_path)
     # Only the names of what mimotron trains (the tower's unused last layer is not).
-    names = [n for n, _ in build_mimo_model(cfg, tokenizer.vocab_size, {
-        "vision": tokenizer.placeholder_id("image")}).named_parameters()]
+    built = build_mimo_model(cfg, tokenizer.vocab_size, {
+        "vision": tokenizer.placeholder_id("image")})
+    names = [n for n, _ in built.named_parameters()]
+    name_of, lora = family.name_of, cfg.modules["language"].lora
+    if lora.rank:  # PEFT's adapters on transformers' model, holding mimotron's values
+        model, name_of = with_adapters(model, built, lora.rank, lora.alpha, family.name_of)
     params = dict(model.named_parameters())
     frozen_tower = cfg.modules["vision"].freeze == "encoder"
     # A frozen tower: every encoder parameter but a Qwen-VL tower's patch mergers.
     mergers = ("modality_submodules.vision.encoder.merger.",
                "modality_submodules.vision.encoder.deepstack_mergers.")
-    ours = {n: params[family.name_of(n, model)] for n in names
+    ours = {n: params[name_of(n, model)] for n in names
             if not (frozen_tower and n.startswith("modality_submodules.vision.encoder.")
-                    and not n.startswith(mergers))}
+                    and not n.startswith(mergers))
+            and not (lora.rank and n.startswith("language_model.") and not is_lora_parameter(n))}
     for p in params.values():
         p.requires_grad_(False)
     for p in ours.values():

@@ -46,8 +46,9 @@ def test_table_has_a_row_per_key_with_its_default():
     rows = table.splitlines()[2:]
     n_keys = sum(len(dataclasses.fields(c)) for c in config_classes())
     # Every MimoConfig field but ``name`` and ``hf_path`` (its sections and ``modules``)
-    # and ModuleConfig.parallel are tables, not rows; ModuleConfig.optimizer is one row.
-    containers = (len(dataclasses.fields(MimoConfig)) - 2) + 1
+    # and ModuleConfig.parallel and .lora are tables, not rows; ModuleConfig.optimizer is
+    # one row.
+    containers = (len(dataclasses.fields(MimoConfig)) - 2) + 2
     assert len(rows) == n_keys - containers
     assert "| | `momentum` | `0.0` | SGD momentum" in table
     assert "| `scheduler` | `warmup_iters` | `0` |" in table

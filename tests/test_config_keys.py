@@ -121,6 +121,7 @@ def _table_probes() -> dict[str, tuple[list[str], str, list[str]]]:
 
 
 MOE = ["modules.language.num_experts=4"]
+LORA = ["modules.language.lora.rank=2"]
 
 
 def _par(item: str) -> list[str]:
@@ -204,6 +205,10 @@ PROBES: dict[str, tuple[list[str], str, list[str]]] = {
     "modules.<m>.parallel.virtual_pipeline": (_par("virtual_pipeline=2"), "plan",
                                               [*NONCOLOCATED, *_par("pipeline=2"),
                                                "modules.language.num_layers=4"]),
+    "modules.<m>.lora.rank": (["modules.language.lora.rank=2"], "built", []),
+    "modules.<m>.lora.alpha": (["modules.language.lora.alpha=4"], "step", LORA),
+    "modules.<m>.lora.dropout": (["modules.language.lora.dropout=0.5"], "step", LORA),
+    "modules.<m>.lora.targets": (["modules.language.lora.targets=['attn.wq']"], "built", LORA),
     "data.dataset": (["data.dataset='mock'"], "built", []),
     "data.seq_length": (["data.seq_length=96"], "built", []),
     "data.train_fraction": (["data.train_fraction=0.5"], "built", []),

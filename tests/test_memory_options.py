@@ -51,6 +51,10 @@ PROBES: dict[str, tuple[list[str], list[str], str, str, int]] = {
     "modules.<m>.num_audio_tokens": (NC, ["modules.audio.num_audio_tokens=8"], "audio",
                                      "activations", 1),
     "modules.<m>.freeze": (NC, ["modules.vision.freeze=true"], "vision", "grads", -1),
+    # Only the adapters train: fewer gradients; fewer targets, fewer still.
+    "modules.<m>.lora.rank": (NC, ["modules.language.lora.rank=8"], LM, "grads", -1),
+    "modules.<m>.lora.targets": (NC + ["modules.language.lora.rank=8"],
+                                 ["modules.language.lora.targets=['attn.wq']"], LM, "grads", -1),
     "modules.<m>.recompute": (NC, ["modules.language.recompute='full'"], LM, "activations",
                               -1),
     "modules.<m>.recompute_num_layers": (NC + ["modules.language.recompute='full'"],
@@ -146,6 +150,9 @@ NO_EFFECT: dict[str, str] = {
                  "no_decay", "expert_lr", "expert_weight_decay") if f"{p}.{k}" != (
                      "modules.<m>.optimizer.min_lr")},
     "modules.<m>.optimizer.min_lr": _VALUES,
+    "modules.<m>.lora.alpha": "the adapters' scale: a value, not a size",
+    "modules.<m>.lora.dropout": "a mask on the adapters' input, freed with the batch (not "
+                                "estimated)",
     **{f"scheduler.{k}": _SCHEDULE for k in ("warmup_iters", "decay_iters", "decay_style",
                                              "min_lr", "start_weight_decay",
                                              "end_weight_decay", "weight_decay_style")},

@@ -57,6 +57,7 @@ from mimotron.checkpoint.hf_export import (
     run_tokenizer,
     set_file_modes,
 )
+from mimotron.checkpoint.lora_export import merge_adapters
 from mimotron.checkpoint.state import VOCAB_SIZE_UNPADDED
 from mimotron.checkpoint.vlm_export import vlm_folder
 from mimotron.config.hf_folder import SINGLE_FILE, read_hf_config, tensor_files
@@ -164,6 +165,7 @@ def export_llava_checkpoint(checkpoint: str | Path, out_dir: str | Path,
         found["parts"], found["tokenizer"] = _check_run(meta["config"], modules, folder)
 
     tensors, meta = read_full_model(checkpoint, check_meta=check)
+    tensors = merge_adapters(tensors, meta["config"])  # the adapted model, as plain weights
     parts, tokenizer = found["parts"], found["tokenizer"]
     state = split_by_module(tensors)
     weights, text_config = _language_weights(state[LANGUAGE], parts, tokenizer,

@@ -57,6 +57,7 @@ from mimotron.checkpoint.hf_export import (
     write_hf_modules,
     write_tokenizer,
 )
+from mimotron.checkpoint.lora_export import merge_adapters
 from mimotron.checkpoint.state import VOCAB_SIZE_UNPADDED
 from mimotron.config.hf_folder import SINGLE_FILE, read_hf_config, tensor_files
 from mimotron.config.hf_vlm import is_native_config, is_vlm_config, vlm_part_config
@@ -107,6 +108,7 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path) -> dict[str, Path]:
         run_tokenizer(meta["config"])  # a tokenizer that is gone: before any tensor
 
     tensors, meta = read_full_model(checkpoint, check_meta=check)
+    tensors = merge_adapters(tensors, meta["config"])  # the adapted model, as plain weights
     written: dict[str, Path] = {}
     if found["vlm"] is not None:
         written = write_vlm_folder(tensors, meta, target, *found["vlm"])
@@ -154,7 +156,7 @@ def _placed(weight_map: WeightMap, names: list[str], ours_prefix: str = "") -> W
         stacked=tuple((ours_prefix + o, prefix + h) for o, h in weight_map.stacked))
 
 
-def _joined(config: dict[str, Any], names: list[str]) -> WeightMap:
+def joined_weight_map(config: dict[str, Any], names: list[str]) -> WeightMap:
     """One map of the folder's parts: the decoder under its own names, the tower under
     ``encoder.`` and LLaVA's projector under ``projector.`` (a vision module's names; a
     Qwen-VL tower holds its mergers)."""
@@ -216,7 +218,8 @@ def write_vlm_folder(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any
     assert EMBED in ours, sorted(ours)[:5]
     # "encoder.*" (and LLaVA's "projector.*"): no clash with the decoder's names.
     ours.update(state[vision])
-    weights = merge_into_folder(ours, dropped, files, _joined(config, list(files)), "model")
+    weights = merge_into_folder(ours, dropped, files, joined_weight_map(config, list(files)),
+                                "model")
     image_id = (tokenizer.placeholder_id("image")
                 if tokenizer is not None and "image" in tokenizer.modalities else None)
     _fit_config(config, int(text["vocab_size"]), image_id)

@@ -1,4 +1,4 @@
-"""``mimotron export [--format mimotron|hf|hf-llava] CHECKPOINT OUT_DIR``: a checkpoint's model.
+"""``mimotron export [--format mimotron|hf|hf-llava|peft] CHECKPOINT OUT_DIR``: a model out.
 
 ``--format mimotron`` (the default): one safetensors file per module plus the run
 config (:mod:`mimotron.checkpoint.export`). ``--format hf``: every module loaded from a
@@ -8,7 +8,10 @@ Hugging Face folder as a folder ``transformers`` loads, the others as with the d
 (:mod:`mimotron.checkpoint.vlm_export`). ``--format hf-llava``: the vision tower, its
 projector and the language model as one ``LlavaForConditionalGeneration`` folder with
 its processor (:mod:`mimotron.checkpoint.llava_export`); ``--modules vision,language``
-names the modules to keep when the run has others (an audio encoder).
+names the modules to keep when the run has others (an audio encoder). ``--format peft``:
+a run's LoRA adapters as a PEFT adapter folder for its Hugging Face folder's model
+(:mod:`mimotron.checkpoint.lora_export`); ``hf`` and ``hf-llava`` merge the adapters
+into the weights they write.
 
 Runs in this one process, without ``torch.distributed``. The output folder is checked
 first, before any tensor is read: it must be new, empty or a previous export's own, and
@@ -25,7 +28,7 @@ from pathlib import Path
 
 from mimotron.outputs import EXIT_FAILED, EXIT_USAGE, report_error
 
-FORMATS = ("mimotron", "hf", "hf-llava")
+FORMATS = ("mimotron", "hf", "hf-llava", "peft")
 
 
 def run_export(checkpoint: str, out_dir: str, format: str = "mimotron",  # noqa: A002
@@ -43,6 +46,7 @@ def run_export(checkpoint: str, out_dir: str, format: str = "mimotron",  # noqa:
     """
     from mimotron.checkpoint import CheckpointError, export_checkpoint
     from mimotron.checkpoint.llava_export import export_llava_checkpoint
+    from mimotron.checkpoint.lora_export import export_peft
     from mimotron.checkpoint.vlm_export import export_hf
 
     try:
@@ -53,6 +57,8 @@ def run_export(checkpoint: str, out_dir: str, format: str = "mimotron",  # noqa:
             written = export_llava_checkpoint(checkpoint, out_dir, names)
         elif format == "hf":
             written = export_hf(checkpoint, out_dir)
+        elif format == "peft":
+            written = export_peft(checkpoint, out_dir)
         else:
             written = export_checkpoint(checkpoint, out_dir)
             written["config"] = Path(out_dir) / "config.json"

@@ -47,11 +47,13 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("checkpoint", help="checkpoint dir holding 'latest', or an iter_NNNNNNN dir")
     s.add_argument("out_dir", help="output directory (mimotron: <module>.safetensors + "
                                    "config.json; hf: <module>/ per hf_path module)")
-    s.add_argument("--format", choices=("mimotron", "hf", "hf-llava"), default="mimotron",
+    s.add_argument("--format", choices=("mimotron", "hf", "hf-llava", "peft"),
+                   default="mimotron",
                    help="mimotron (default): safetensors per module; hf: a folder per module "
                         "loaded from hf_path that transformers' from_pretrained loads, with "
                         "the original names, plus the tokenizer; hf-llava: one "
-                        "LlavaForConditionalGeneration folder with its processor")
+                        "LlavaForConditionalGeneration folder with its processor (both with "
+                        "LoRA adapters merged in); peft: the LoRA adapters as a PEFT folder")
     s.add_argument("--modules", default=None, metavar="M1,M2",
                    help="hf-llava: the modules to export (e.g. vision,language), leaving "
                         "out the run's others (an audio encoder)")

@@ -25,13 +25,14 @@ import typing
 from pathlib import Path
 from typing import Any
 
+from mimotron.config.lora import LoraConfig
 from mimotron.config.schema import MimoConfig, ModuleConfig, ParallelConfig
 
 START = "<!-- config-table:start -->"
 END = "<!-- config-table:end -->"
 HEADER = "| table | key | default | meaning |\n|---|---|---|---|"
 # ModuleConfig fields that are tables of their own, not keys of [modules.<m>].
-_MODULE_SUBTABLES = ("parallel", "optimizer")
+_MODULE_SUBTABLES = ("parallel", "optimizer", "lora")
 _PER_MODULE_KEY = "any `[optimizer]` or `[scheduler]` key"
 
 
@@ -119,7 +120,7 @@ def _rows(cls: type, table: str, skip: tuple[str, ...] = ()) -> list[tuple[str, 
 
 
 def config_rows() -> list[tuple[str, ...]]:
-    """The table's rows in ``MimoConfig`` order; ``modules`` expands to its three tables."""
+    """The table's rows in ``MimoConfig`` order; ``modules`` expands to its four tables."""
     hints = typing.get_type_hints(MimoConfig)
     top_docs = field_docs(MimoConfig)
     module_docs = field_docs(ModuleConfig)
@@ -128,6 +129,7 @@ def config_rows() -> list[tuple[str, ...]]:
         if f.name == "modules":
             rows += _rows(ModuleConfig, "`modules.<m>`", skip=_MODULE_SUBTABLES)
             rows += _rows(ParallelConfig, "`modules.<m>.parallel`")
+            rows += _rows(LoraConfig, "`modules.<m>.lora`")
             rows.append(("`modules.<m>.optimizer`", _PER_MODULE_KEY, "—",
                          summary(module_docs["optimizer"])))
         elif dataclasses.is_dataclass(hints[f.name]):

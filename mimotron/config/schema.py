@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args
 
+from mimotron.config.lora import LoraConfig
+
 EncoderKind = Literal["vit", "audio"]
 LanguageKind = Literal["language"]
 ModuleKind = Literal[EncoderKind, LanguageKind]
@@ -347,6 +349,9 @@ class ModuleConfig:
     """
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     """The module's parallel layout (the ``[modules.<m>.parallel]`` table)."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """Low-rank adapters on the module's linear layers (the ``[modules.<m>.lora]`` table;
+    docs/lora.md); with ``rank > 0`` only the adapters train."""
     optimizer: dict[str, Any] = field(default_factory=dict)
     """Per-module overrides: ``[modules.<m>.optimizer]`` overrides any ``[optimizer]`` or
     ``[scheduler]`` key (except ``scheduler.min_lr``) for this module, e.g. ``lr``,

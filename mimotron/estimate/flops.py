@@ -178,8 +178,11 @@ def projector_flops(mod: ModuleConfig, lm_hidden_size: int, num_samples: float,
 
 def training_multiplier(cfg: MimoConfig, name: str) -> int:
     """3 for a trainable module, 1 for a frozen encoder or tower (its projector is added
-    apart), 2 or 1 for a frozen LM (see above)."""
+    apart), 2 or 1 for a frozen LM (see above), 2 for a module with LoRA adapters (the
+    gradients of its inputs reach every adapter; the adapters' own are negligible)."""
     mod = cfg.modules[name]
+    if mod.lora.rank:
+        return 2
     if not mod.freeze:
         return 3
     if mod.is_encoder:

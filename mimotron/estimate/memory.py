@@ -37,6 +37,7 @@ from mimotron.estimate.widths import (
 from mimotron.models.blocks import _NORM_CHUNK_ELEMENTS
 from mimotron.models.build import build_module
 from mimotron.models.freeze import trainable_parameter_count
+from mimotron.models.lora import adapter_parameter_count
 from mimotron.models.moe import moe_layers
 from mimotron.models.recompute import recomputed_layer_ids
 from mimotron.names import LANGUAGE
@@ -75,35 +76,40 @@ class MemoryEstimate:
                       self.param_gather))
 
 
-def stage_parameter_counts(cfg: MimoConfig, name: str, vocab_size: int) -> list[int]:
-    """Parameter count of each pipeline stage of a module (built on the meta device)."""
+def _stage_parts(cfg: MimoConfig, name: str, vocab_size: int) -> list[torch.nn.Module]:
+    """Each pipeline stage of a module, built on the meta device."""
     par = cfg.modules[name].parallel
     # Under interleaving a rank holds its chunks' layers (and stage 0 / p-1 the ends).
     stages = [rank_layers(cfg.modules[name].num_layers, par, s)[0] for s in range(par.pipeline)]
-    counts = []
+    parts = []
     for s, layers in enumerate(stages):
         with torch.device("meta"):
-            mod = build_module(
-                cfg,
-                name,
-                vocab_size,
-                layer_ids=layers,
-                pre_process=s == 0,
-                post_process=s == len(stages) - 1,
-                init=False,
-            )
-        counts.append(sum(p.numel() for p in mod.parameters()))
-    return counts
+            parts.append(build_module(cfg, name, vocab_size, layer_ids=layers,
+                                      pre_process=s == 0, post_process=s == len(stages) - 1,
+                                      init=False))
+    return parts
+
+
+def stage_parameter_counts(cfg: MimoConfig, name: str, vocab_size: int) -> list[int]:
+    """Parameter count of each pipeline stage of a module (built on the meta device),
+    LoRA adapters included."""
+    lora = cfg.modules[name].lora
+    return [sum(p.numel() for p in part.parameters()) + adapter_parameter_count(part, lora)
+            for part in _stage_parts(cfg, name, vocab_size)]
 
 
 def stage_trainable_counts(cfg: MimoConfig, name: str, vocab_size: int) -> list[int]:
-    """Parameters of each pipeline stage that train (``modules.<m>.freeze``).
+    """Parameters of each pipeline stage that train (``modules.<m>.freeze``, ``lora``).
 
     All of :func:`stage_parameter_counts` for a trainable module, none for a frozen one,
-    and for an encoder whose tower is frozen its projector's (on the last stage).
+    for an encoder whose tower is frozen its projector's (on the last stage), and for a
+    module with LoRA adapters the adapters'.
     """
     mod = cfg.modules[name]
     par = mod.parallel
+    if mod.lora.rank:
+        return [adapter_parameter_count(part, mod.lora)
+                for part in _stage_parts(cfg, name, vocab_size)]
     if not mod.freeze:
         return stage_parameter_counts(cfg, name, vocab_size)
     if mod.fully_frozen:
@@ -555,15 +561,16 @@ def estimate_memory(
     memo = {} if counts_memo is None else counts_memo
 
     def memoised(count: Any, name: str) -> list[Any]:
-        par = cfg.modules[name].parallel
+        par, lora = cfg.modules[name].parallel, cfg.modules[name].lora
         key = (count.__name__, name, vocab_size, par.pipeline, par.virtual_pipeline,
-               tuple(par.layers_per_stage))
+               tuple(par.layers_per_stage), lora.rank, tuple(lora.targets))
         if key not in memo:
             memo[key] = count(cfg, name, vocab_size)
         return memo[key]
 
     counts = {n: memoised(stage_parameter_counts, n) for n in cfg.modules}
-    trained = {n: memoised(stage_trainable_counts, n) if cfg.modules[n].freeze else counts[n]
+    trained = {n: memoised(stage_trainable_counts, n)
+               if cfg.modules[n].freeze or cfg.modules[n].lora.rank else counts[n]
                for n in cfg.modules}  # all of a trainable module's (no second build)
     experts = {n: memoised(stage_expert_counts, n) for n in cfg.modules}
     out: dict[int, list[MemoryEstimate]] = {}
@@ -578,7 +585,7 @@ def estimate_memory(
                     activation_bytes(cfg, name, vocab_size, None, stage, layout)
             split = experts[name][stage] if experts[name] else None
             n = rank_parameter_count(cfg, name, counts[name][stage], split)
-            t = n if not mod.freeze else (
+            t = n if not (mod.freeze or mod.lora.rank) else (
                 0 if mod.fully_frozen else rank_parameter_count(cfg, name, trained[name][stage],
                                                                 split))
             est = _rank_estimate(cfg, name, stage, n, t, split, vocab_size)

@@ -50,7 +50,8 @@ from mimotron.config.schema import MimoConfig
 from mimotron.config.vocab_size import padded_vocab_size
 from mimotron.data.hf_tokenizer import HFTokenizer
 from mimotron.data.run_data import native_placeholder_ids, run_hf_tokenizer
-from mimotron.models.build import build_module
+from mimotron.models.build import build_module, module_prefix
+from mimotron.models.lora import attach_lora
 from mimotron.models.mimo import MimoModel
 from mimotron.names import LANGUAGE, LANGUAGE_MODEL_PREFIX
 from mimotron.runtime import device_for
@@ -266,12 +267,15 @@ def _build_part(cfg: MimoConfig, name: str, vocab_size: int, device: torch.devic
     hf_path = bool(cfg.modules[name].hf_path)
     if (from_folder and hf_path) or unsaved:
         whole = {"layer_ids": None, "pre_process": True, "post_process": True}
-        if hf_path:
-            return build_hf_part(cfg, name, vocab_size, whole, None, device)
-        return build_module(cfg, name, vocab_size).to(device)
-    part.to_empty(device=device)
-    if getattr(part, "tie_word_embeddings", False):
-        part.tie_weights()  # to_empty allocates each reference separately
+        part = (build_hf_part(cfg, name, vocab_size, whole, None, device) if hf_path
+                else build_module(cfg, name, vocab_size).to(device))
+    else:
+        part.to_empty(device=device)
+        if getattr(part, "tie_word_embeddings", False):
+            part.tie_weights()  # to_empty allocates each reference separately
+    lora = cfg.modules[name].lora
+    if lora.rank:  # the run's adapters (their values from the checkpoint)
+        attach_lora(part, lora, cfg.train.seed, module_prefix(cfg, name))
     return part
 
 

@@ -27,6 +27,7 @@ from mimotron.models.hf.weights import load_hf_weights
 from mimotron.models.hf.whisper import WhisperEncoderTower
 from mimotron.models.init import init_parameters_
 from mimotron.models.language import LanguageModel
+from mimotron.models.lora import attach_lora
 from mimotron.models.mimo import MimoModel
 from mimotron.models.native_vision import NativeVisionSubmodule
 from mimotron.names import LANGUAGE
@@ -241,6 +242,9 @@ def build_mimo_model(
         raise ValueError(f"placeholder_ids {placeholder_ids} lack encoder modules {missing}")
     encoders = {n: build_module(cfg, n, vocab_size) for n in cfg.encoder_names if n in wanted}
     language = build_module(cfg, LANGUAGE, vocab_size) if LANGUAGE in wanted else None
+    for name, part in [*encoders.items(), (LANGUAGE, language)]:
+        if part is not None and cfg.modules[name].lora.rank:
+            attach_lora(part, cfg.modules[name].lora, cfg.train.seed, module_prefix(cfg, name))
     assert language is None or isinstance(language, LanguageModel)
     modality_of = {n: str(cfg.modules[n].modality) for n in cfg.encoder_names}
     return MimoModel(encoders, language, dict(placeholder_ids), modality_of)

@@ -21,6 +21,7 @@ from __future__ import annotations
 from torch import nn
 
 from mimotron.config.schema import ModuleConfig
+from mimotron.models.lora import freeze_for_lora, is_lora_parameter
 
 TOWER = "encoder"
 """The child of an encoder module that ``freeze = "encoder"`` freezes."""
@@ -47,6 +48,8 @@ def is_frozen_parameter(mcfg: ModuleConfig, name: str) -> bool:
     """
     if mcfg.fully_frozen:
         return True
+    if mcfg.lora.rank:
+        return not is_lora_parameter(name)
     if mcfg.hf_native is not None and name.startswith(NATIVE_PROJECTOR):
         return False
     return mcfg.tower_frozen and name.split(".", 1)[0] == TOWER
@@ -67,6 +70,9 @@ def freeze_part(part: nn.Module, mcfg: ModuleConfig) -> bool:
     """
     if mcfg.fully_frozen:
         part.requires_grad_(False)
+        return True
+    if mcfg.lora.rank:  # adapters: they alone train (mimotron.models.lora)
+        freeze_for_lora(part)
         return True
     if not mcfg.tower_frozen:
         return False

@@ -185,8 +185,11 @@ def module_forward_flops(cfg: MimoConfig, name: str, vocab: int) -> float:
 
 
 def backward_factor(cfg: MimoConfig, name: str) -> float:
-    """Backward FLOPs over forward: 2 trains, 1 frozen LM, 0 frozen encoder/tower."""
+    """Backward FLOPs over forward: 2 trains, 1 frozen LM or LoRA adapters (input
+    gradients only), 0 frozen encoder/tower."""
     mod = cfg.modules[name]
+    if mod.lora.rank:
+        return 1.0
     if not mod.freeze:
         return 2.0
     return 0.0 if mod.is_encoder else 1.0

@@ -32,12 +32,14 @@ from mimotron.config.schema import MimoConfig
 from mimotron.models.build import build_module, load_hf_module, module_prefix
 from mimotron.models.freeze import freeze_part
 from mimotron.models.init import init_parameters_
+from mimotron.models.lora import attach_lora
 from mimotron.models.mimo import MimoModel, module_part
 from mimotron.models.recompute import apply_recompute
 from mimotron.names import LANGUAGE
 from mimotron.parallel.expert_parallel import shard_experts
 from mimotron.parallel.fsdp import apply_fsdp
 from mimotron.parallel.groups import EXPERT_VIEW
+from mimotron.parallel.lora_tp import shard_lora
 from mimotron.parallel.tensor_parallel import apply_tensor_parallel, mark_tensor_partial_params
 from mimotron.parallel.virtual_pipeline import rank_layers, set_layer_chunks
 from mimotron.training.infra import MimoModelInfra
@@ -83,6 +85,10 @@ def build_rank_model(cfg: MimoConfig, infra: MimoModelInfra, vocab_size: int,
         if mesh is not None and not mod.hf_path:  # build_hf_part applied TP already
             apply_tensor_parallel(parts[name], mesh, name == LANGUAGE,
                                   mod.parallel.sequence_parallel)
+        if mod.lora.rank:  # after the TP plan, which must not see the adapters
+            attach_lora(parts[name], mod.lora, cfg.train.seed, module_prefix(cfg, name))
+            if mesh is not None:
+                shard_lora(parts[name], mesh, name == LANGUAGE and mod.parallel.sequence_parallel)
         if mod.parallel.expert > 1 or mod.parallel.expert_tensor > 1:  # never with hf_path
             apply_expert_parallel(parts[name], infra, name, device,
                                   mod.parallel.expert_tensor > 1)

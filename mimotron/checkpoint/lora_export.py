@@ -1,0 +1,190 @@
+"""LoRA adapters out of a checkpoint: merged into the base weights, or as a PEFT folder.
+
+A run with ``[modules.<m>.lora]`` checkpoints each adapted layer's ``lora_a`` /
+``lora_b`` next to its (frozen) weight (:mod:`mimotron.models.lora`).
+
+* :func:`merge_adapters`: ``W + (alpha / r) B A`` for every adapted layer, the adapters
+  dropped. ``--format hf`` and ``--format hf-llava`` export the merged model, so the
+  folder they write is the adapted model as a plain ``transformers`` one.
+* :func:`export_peft` (``mimotron export --format peft``): ``adapter_config.json`` and
+  ``adapter_model.safetensors`` as PEFT saves them (``base_model.model.<layer>.lora_A.
+  weight``, ``lora_B``), naming the layers as the ``transformers`` class of the run's
+  folder names them, so ``PeftModel.from_pretrained(base, OUT_DIR)`` puts them on the
+  base model the user already has. What else trained in full (LLaVA's projector in the
+  stage-2 recipe) goes in as PEFT's ``modules_to_save``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from mimotron.checkpoint.export import read_full_model, split_by_module
+from mimotron.checkpoint.export_folder import ExportFolder
+from mimotron.checkpoint.hf_export import check_hf_folder, family_of, hf_paths, set_file_modes
+from mimotron.config.hf_folder import read_hf_config
+from mimotron.models.lora import LORA_PARAMS
+from mimotron.names import LANGUAGE
+
+__all__ = ["ADAPTER_CONFIG", "ADAPTER_FILE", "export_peft", "lora_tables", "merge_adapters"]
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_FILE = "adapter_model.safetensors"
+
+
+def lora_tables(run_config: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """``module -> its [lora] table`` for each module of the run with adapters."""
+    return {m: t["lora"] for m, t in run_config["modules"].items()
+            if (t.get("lora") or {}).get("rank", 0) > 0}
+
+
+def _prefix(module: str) -> str:
+    return "language_model." if module == LANGUAGE else f"modality_submodules.{module}."
+
+
+def merge_adapters(tensors: Mapping[str, torch.Tensor], run_config: Mapping[str, Any]
+                   ) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors with every adapter merged into its layer's weight (in
+    fp32, stored in the weight's dtype) and the adapters dropped; unchanged without."""
+    out = dict(tensors)
+    for module, table in lora_tables(run_config).items():
+        scale = float(table["alpha"]) / int(table["rank"])
+        prefix = _prefix(module)
+        for name in [n for n in out if n.startswith(prefix) and n.endswith(".lora_a")]:
+            layer = name[:-len(".lora_a")]
+            a, b = out.pop(name), out.pop(f"{layer}.lora_b")
+            weight = out[f"{layer}.weight"]
+            merged = weight.float() + scale * (b.float() @ a.float())
+            out[f"{layer}.weight"] = merged.to(weight.dtype)
+    return out
+
+
+def _base_folder(run_config: Mapping[str, Any]) -> tuple[Path, str | None]:
+    """``(the folder, its vision module or None)`` the adapters go onto: the run's one
+    vision-language folder, or its language model's."""
+    from mimotron.checkpoint.vlm_export import vlm_folder
+
+    found = vlm_folder(run_config)
+    if found is not None:
+        return found
+    path = hf_paths(run_config).get(LANGUAGE)
+    if path is None:
+        raise ValueError("export --format peft needs a language model loaded from a Hugging "
+                         "Face folder (modules.language.hf_path or hf_path): PEFT adapters "
+                         "go onto that folder's transformers model")
+    return check_hf_folder(path, LANGUAGE), None
+
+
+def _memory_names(folder: Path, vision: str | None) -> list[str]:
+    """The parameter names of the folder's ``transformers`` model as it holds them in
+    memory (built on the meta device: nothing allocated, no weight read)."""
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(str(folder))
+    auto = (transformers.AutoModelForImageTextToText if vision is not None
+            else transformers.AutoModelForCausalLM)
+    with torch.device("meta"):
+        model = auto.from_config(config)
+    return [n for n, _ in model.named_parameters()]
+
+
+def _hf_names(folder: Path, vision: str | None, names: list[str]) -> dict[str, str]:
+    """mimotron's names (inside ``MimoModel``) -> the in-memory ``transformers`` model's."""
+    from mimotron.checkpoint.vlm_export import joined_weight_map
+
+    config = read_hf_config(folder)
+    memory = _memory_names(folder, vision)
+    if vision is not None:
+        weight_map = joined_weight_map(config, memory)
+    else:
+        weight_map = family_of(config, f"modules.language.hf_path={str(folder)!r}").weight_map
+    out = {}
+    for name in names:
+        if name.startswith("language_model."):
+            local = name[len("language_model."):]
+        elif vision is not None and name.startswith(_prefix(vision)):
+            local = name[len(_prefix(vision)):]
+        else:
+            raise ValueError(f"export --format peft: {name} trained in a module that is not "
+                             f"in the folder {str(folder)!r}; export with --format mimotron")
+        out[name] = weight_map.to_hf(local)
+        if out[name] not in memory:
+            raise ValueError(f"export --format peft: {name} maps to {out[name]}, which the "
+                             f"folder's transformers model does not have")
+    return out
+
+
+def export_peft(checkpoint: str | Path, out_dir: str | Path) -> dict[str, Path]:
+    """``mimotron export --format peft``: the run's adapters as a PEFT adapter folder.
+
+    Args:
+        checkpoint: a checkpoint root holding ``latest``, or one ``iter_NNNNNNN`` dir.
+        out_dir: the output folder (created): new, empty, or a previous export's own.
+
+    Returns:
+        ``{"adapter": OUT_DIR}``.
+
+    Raises:
+        ValueError: a run without adapters, or whose base is not a Hugging Face folder.
+        CheckpointError: missing, incomplete or corrupted (names the file).
+    """
+    target = ExportFolder(out_dir)
+    found: dict[str, Any] = {}
+
+    def check(meta: dict[str, Any]) -> None:
+        tables = lora_tables(meta["config"])
+        if len(tables) != 1:
+            raise ValueError(f"export --format peft needs one module with adapters "
+                             f"(modules.<m>.lora.rank > 0); this run has {sorted(tables)}")
+        found["module"], found["table"] = next(iter(tables.items()))
+        found["folder"], found["vision"] = _base_folder(meta["config"])
+        target.check(meta["config"])
+
+    tensors, meta = read_full_model(checkpoint, check_meta=check)
+    adapters = {n: t for n, t in tensors.items() if n.rsplit(".", 1)[-1] in LORA_PARAMS}
+    saved = _trained_in_full(tensors, meta["config"], found["module"])
+    names = _hf_names(found["folder"], found["vision"],
+                      [f"{n.rsplit('.', 1)[0]}.weight" for n in adapters] + sorted(saved))
+    weights, targets = {}, set()
+    for name, tensor in adapters.items():
+        layer, kind = name.rsplit(".", 1)
+        path = names[f"{layer}.weight"][:-len(".weight")]
+        targets.add(path)
+        weights[f"base_model.model.{path}.{'lora_A' if kind == 'lora_a' else 'lora_B'}.weight"] \
+            = tensor.contiguous()
+    for name in saved:
+        weights[f"base_model.model.{names[name]}"] = tensors[name].contiguous()
+    table = found["table"]
+    config = {"peft_type": "LORA", "r": int(table["rank"]), "lora_alpha": table["alpha"],
+              "lora_dropout": table["dropout"], "target_modules": sorted(targets),
+              "bias": "none", "base_model_name_or_path": str(found["folder"]),
+              "modules_to_save": sorted({names[n].rsplit(".", 1)[0] for n in saved}) or None,
+              "task_type": None, "inference_mode": True, "use_rslora": False,
+              "use_dora": False, "fan_in_fan_out": False}
+    written = [target.file(ADAPTER_CONFIG), target.file(ADAPTER_FILE)]
+    written[0].write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    save_file(weights, str(written[1]), metadata={"format": "pt",
+                                                  "iteration": str(meta["iteration"])})
+    set_file_modes(written)
+    target.finish()
+    return {"adapter": target.root}
+
+
+def _trained_in_full(tensors: Mapping[str, torch.Tensor], run_config: Mapping[str, Any],
+                     adapted: str) -> set[str]:
+    """The tensors of modules that trained without adapters and are not frozen: a
+    projector (``freeze = "encoder"``) or a whole module."""
+    out = set()
+    for module, table in split_by_module(dict(tensors)).items():
+        mod = run_config["modules"][module]
+        if module == adapted or mod.get("freeze") is True:
+            continue
+        frozen_tower = mod.get("freeze") == "encoder"
+        out |= {_prefix(module) + n for n in table
+                if not (frozen_tower and n.startswith("encoder."))}
+    return out

@@ -1,0 +1,91 @@
+"""The ``[modules.<m>.lora]`` table: low-rank adapters on a module's linear layers.
+
+With ``rank > 0`` the linear layers whose names match ``targets`` get an adapter
+(``W x + (alpha / rank) B A dropout(x)``, LoRA) and everything else of the module stops
+training (:mod:`mimotron.models.lora`). The checks here run before any rank starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["DEFAULT_TARGETS", "LoraConfig", "check_lora", "check_lora_targets"]
+
+DEFAULT_TARGETS = ("attn.wq", "attn.wk", "attn.wv", "attn.wo", "mlp.w1", "mlp.w2", "mlp.w3")
+"""Every linear layer of a transformer layer: the attention projections and the MLP."""
+
+
+@dataclass
+class LoraConfig:
+    """One module's adapters (``[modules.<m>.lora]``)."""
+
+    rank: int = 0
+    """Rank ``r`` of each adapter (>= 0); 0 = no adapters (the module trains as ``freeze``
+    says). With ``r > 0`` only the adapters of the module train."""
+    alpha: float = 16.0
+    """Scale numerator (> 0): the update is ``(alpha / rank) B A x``, as in PEFT."""
+    dropout: float = 0.0
+    """Dropout on the adapter's input (0 <= p < 1); needs ``parallel.tensor = 1``."""
+    targets: list[str] = field(default_factory=lambda: list(DEFAULT_TARGETS))
+    """Linear layers that get adapters, by name inside the module: an entry matches a
+    layer whose name ends with it after a dot (``attn.wq`` matches ``layers.3.attn.wq``),
+    or as a glob (``layers.1*.mlp.*``). Names are mimotron's (``attn.wq/wk/wv/wo``,
+    ``mlp.w1/w2/w3``; a projector's ``projector.fc1/fc2``); every entry must match a
+    linear layer."""
+
+
+def check_lora(name: str, lora: LoraConfig, mod: Any) -> None:
+    """Raise one ``ValueError`` line for a ``[modules.<name>.lora]`` table that cannot run.
+
+    Args:
+        name: the module.
+        lora: its table.
+        mod: its ``ModuleConfig``.
+    """
+    where = f"modules.{name}.lora"
+    if lora.rank < 0:
+        raise ValueError(f"{where}.rank={lora.rank} is invalid: expected >= 0 (0 = no adapters)")
+    if lora.rank == 0:
+        return
+    if not lora.alpha > 0:
+        raise ValueError(f"{where}.alpha={lora.alpha} is invalid: expected > 0")
+    if not 0 <= lora.dropout < 1:
+        raise ValueError(f"{where}.dropout={lora.dropout} is invalid: expected 0 <= p < 1")
+    if not lora.targets:
+        raise ValueError(f"{where}.targets is empty: name at least one linear layer "
+                         f"(e.g. {list(DEFAULT_TARGETS)})")
+    if mod.freeze is not False:
+        raise ValueError(f"{where}.rank={lora.rank} with modules.{name}.freeze="
+                         f"{mod.freeze!r}: adapters already freeze the rest of the module; "
+                         "set freeze = false")
+    par = mod.parallel
+    if lora.dropout and par.tensor > 1:
+        raise ValueError(f"{where}.dropout={lora.dropout} is not supported with modules."
+                         f"{name}.parallel.tensor={par.tensor}: tensor-parallel ranks would "
+                         "drop different inputs; use dropout = 0")
+    unsupported = [(par.fsdp, "parallel.fsdp = true"), (mod.num_experts > 0, "num_experts > 0"),
+                   (par.expert > 1, "parallel.expert > 1")]
+    for bad, what in unsupported:
+        if bad:
+            raise ValueError(f"{where}.rank={lora.rank} is not supported with modules.{name}."
+                             f"{what} yet; train the module in full or drop that option")
+
+
+def check_lora_targets(cfg: Any, name: str) -> None:
+    """Raise one line unless every ``targets`` entry names a linear layer of the module:
+    one layer of it built on the meta device (no memory, no weights read) is searched."""
+    import torch
+
+    from mimotron.models.build import build_module
+    from mimotron.models.lora import lora_targets
+
+    lora = cfg.modules[name].lora
+    with torch.device("meta"):
+        part = build_module(cfg, name, 64, layer_ids=[0], init=False)
+    missing = [t for t in lora.targets if not lora_targets(part, [t])]
+    if missing:
+        linear = sorted({n.split(".", 2)[-1] if n.startswith("layers.") else n
+                         for n, m in part.named_modules() if isinstance(m, torch.nn.Linear)})
+        raise ValueError(f"modules.{name}.lora.targets {missing} match no linear layer of the "
+                         f"module: expected names such as {linear}")

@@ -1,0 +1,244 @@
+"""LoRA adapters against ``transformers`` + ``peft``, the independent reference.
+
+A tiny LLaVA folder in LLaVA-1.5's stage-2 LoRA recipe: the tower frozen, the projector
+trained in full, adapters on every linear layer of the language model (whose base
+weights then stop). PEFT's LoRA layers on transformers' model hold the same adapter
+values (:func:`tests.lora_reference.with_adapters`).
+
+* One process: the loss and the gradient of every adapter and of the projector equal
+  transformers + peft's (fp32, 1e-5), with nonzero ``lora_b`` so every adapter matrix
+  has a gradient.
+* Layouts: 10 iterations at a real learning rate, split (vision DP 2 | language TP 2,
+  language TP 2 with sequence parallelism, PP 2, CP 2) and colocated (vision DP 2 +
+  language TP 2): losses, grad norms and final weights equal the plain loop on the PEFT
+  model; the base weights end as loaded.
+* What the config refuses, one line each.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from mimotron.config import load_config
+from mimotron.forked_ranks import run_groups
+from mimotron.models.build import build_mimo_model
+from mimotron.models.lora import is_lora_parameter
+from tests.hf_vlm import (
+    LLAVA,
+    check_layout_run,
+    hf_llava_loss,
+    hf_name,
+    hf_reference_run,
+    save_llava_folder,
+    write_config,
+    write_image_data,
+)
+from tests.lora_reference import with_adapters
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("peft")
+
+NUM_ITERS = 10
+RANK, ALPHA = 4, 8.0
+RECIPE = ("modules.vision.freeze='encoder'", f"modules.language.lora.rank={RANK}",
+          f"modules.language.lora.alpha={ALPHA}", "optimizer.lr=2e-2")
+
+
+@pytest.fixture(scope="module")
+def llava(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("llava_lora")
+    folder = save_llava_folder(root)
+    data = write_image_data(root / "data")
+    return {"root": root, "folder": folder,
+            "config": write_config(root, folder, data, iters=NUM_ITERS)}
+
+
+def test_loss_and_adapter_gradients_equal_transformers_with_peft(llava: dict[str, Path]
+                                                                 ) -> None:
+    from mimotron.data import build_datasets, collate
+    from mimotron.data.run_data import build_tokenizer
+    from mimotron.training.model_setup import freeze_modules
+
+    cfg = load_config(llava["config"], list(RECIPE))
+    tokenizer = build_tokenizer(cfg)
+    task, _ = build_datasets(cfg, tokenizer)
+    model = build_mimo_model(cfg, tokenizer.vocab_size,
+                             {"vision": tokenizer.placeholder_id("image")})
+    freeze_modules(model, cfg)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # lora_b starts at zero: give both matrices a gradient
+        for name, param in model.named_parameters():
+            if name.endswith("lora_b"):
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.1)
+    reference, name_of = with_adapters(LLAVA.load(cfg.hf_path), model, RANK, ALPHA, LLAVA.name_of)
+    theirs = dict(reference.named_parameters())
+    trained = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    for name in trained:  # PEFT froze all but its adapters; the projector trains too
+        theirs[name_of(name, reference)].requires_grad_(True)
+    batch = collate(task.stream(cfg.train.seed).samples(0, 8), task.seq_length,
+                    pad_id=task.pad_id, image_shape=task.image_shape)
+    loss_sum, num_tokens, _ = model(batch)
+    (loss_sum / num_tokens).backward()
+    want = hf_llava_loss(reference, batch)
+    want.backward()
+    assert float(loss_sum / num_tokens) == pytest.approx(float(want), rel=1e-5)
+    assert {n for n in trained if n.startswith("language_model.")} == {
+        n for n, _ in model.named_parameters() if is_lora_parameter(n)}
+    assert any(".projector." in n for n in trained)
+    for name, param in trained.items():
+        grad = theirs[name_of(name, reference)].grad
+        err = float((param.grad.reshape(grad.shape) - grad).norm() / grad.norm())
+        assert err <= 1e-5, f"{name}: relative error {err}"
+    frozen = [p for n, p in model.named_parameters() if n.startswith("language_model.")
+              and not is_lora_parameter(n)]
+    assert frozen and all(p.grad is None for p in frozen)
+
+
+_LAYOUTS = {
+    "colocated vision DP 2 + language TP 2": (2, [
+        "modules.vision.parallel.data=2", "modules.language.parallel.tensor=2"]),
+    "vision DP 2 | language TP 2": (4, [
+        "modules.vision.parallel.data=2", "modules.language.parallel.tensor=2",
+        "modules.language.parallel.rank_offset=2"]),
+    "vision | language TP 2 + SP": (3, [
+        "modules.language.parallel.tensor=2", "modules.language.parallel.sequence_parallel=true",
+        "modules.language.parallel.rank_offset=1"]),
+    "vision | language PP 2": (3, [
+        "modules.language.parallel.pipeline=2", "modules.language.parallel.rank_offset=1"]),
+    "vision | language CP 2": (3, [
+        "modules.language.parallel.context=2", "modules.language.parallel.rank_offset=1"]),
+}
+
+
+def test_layouts_train_like_a_plain_loop_on_transformers_with_peft(llava: dict[str, Path]
+                                                                   ) -> None:
+    """10 iterations: losses, grad norms, final weights; the base as loaded."""
+    from tests.common import engine_run
+
+    ref = hf_reference_run(llava["config"], NUM_ITERS, RECIPE)
+    assert ref.losses[-1] < ref.losses[0] - 0.2, ref.losses
+    groups = run_groups([(world, engine_run, ([*over, *RECIPE], NUM_ITERS, llava["config"]), {})
+                         for world, over in _LAYOUTS.values()], timeout_s=300)
+    loaded = dict(LLAVA.load(str(llava["folder"])).named_parameters())
+    for layout, results in zip(_LAYOUTS, groups, strict=True):
+        merged = check_layout_run(layout, results, ref)
+        for name, want in ref.weights.items():
+            err = float((merged[name].reshape(want.shape) - want).norm() / want.norm())
+            assert err <= 1e-4, f"{layout}: {name}: relative error {err}"
+            assert not torch.equal(want, ref.initial[name]), name
+        base = [n for n in merged if n.startswith("language_model.") and not is_lora_parameter(n)]
+        assert base, layout
+        for name in base:  # the frozen base as loaded
+            want = loaded[hf_name(name)]
+            assert torch.equal(merged[name].reshape(want.shape), want), (layout, name)
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["modules.language.lora.rank=-1"], r"modules.language.lora.rank=-1 is invalid"),
+    (["modules.language.lora.rank=4", "modules.language.lora.alpha=0"],
+     r"modules.language.lora.alpha=0"),
+    (["modules.language.lora.rank=4", "modules.language.lora.dropout=1.0"],
+     r"modules.language.lora.dropout=1.0 is invalid"),
+    (["modules.language.lora.rank=4", "modules.language.freeze=true"],
+     r"set freeze = false"),
+    (["modules.language.lora.rank=4", "modules.language.lora.dropout=0.1",
+      "modules.language.parallel.tensor=2", "modules.language.parallel.rank_offset=1"],
+     r"tensor-parallel ranks would drop different inputs"),
+    (["modules.language.lora.rank=4", "modules.language.lora.targets=['attn.wqq']"],
+     r"modules.language.lora.targets \['attn.wqq'\] match no linear layer"),
+    (["modules.language.lora.rank=4", "modules.language.parallel.data=2",
+      "modules.language.parallel.fsdp=true", "modules.language.parallel.rank_offset=1"],
+     r"not supported with modules.language.parallel.fsdp = true"),
+])
+def test_a_table_that_cannot_run_is_one_line(llava: dict[str, Path], overrides: list[str],
+                                             message: str) -> None:
+    with pytest.raises(ValueError, match=message) as err:
+        load_config(llava["config"], overrides)
+    assert "\n" not in str(err.value)
+
+
+def test_targets_choose_the_layers(llava: dict[str, Path]) -> None:
+    cfg = load_config(llava["config"], ["modules.language.lora.rank=2",
+                                        "modules.language.lora.targets=['attn.wq', 'mlp.w2']"])
+    model = build_mimo_model(cfg, 300, {"vision": 1})
+    adapted = {n.rsplit(".", 1)[0] for n, _ in model.named_parameters() if is_lora_parameter(n)}
+    layers = cfg.modules["language"].num_layers
+    assert adapted == {f"language_model.layers.{i}.{t}" for i in range(layers)
+                       for t in ("attn.wq", "mlp.w2")}
+    a = model.language_model.layers["0"].attn.wq.lora_a
+    assert a.shape == (2, cfg.modules["language"].hidden_size)
+    assert float(a.abs().max()) <= 1 / a.shape[1] ** 0.5  # PEFT's Kaiming-uniform bound
+    assert not model.language_model.layers["0"].attn.wq.lora_b.any()  # starts at the base
+
+
+@pytest.fixture(scope="module")
+def trained(llava: dict[str, Path]) -> dict[str, Path]:
+    """``mimotron train`` (5 iterations of the recipe) then ``export --format peft`` and
+    ``--format hf`` (merged), by the CLI."""
+    import os
+    import subprocess
+    import sys
+
+    from mimotron.cli.main import main as cli_main
+
+    root = llava["root"] / "round_trip"
+    root.mkdir()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    proc = subprocess.run([sys.executable, "-m", "mimotron", "train", str(llava["config"]),
+                           *RECIPE, "train.iters=5", "checkpoint.interval=5",
+                           f"log.dir='{root / 'run'}'"],
+                          cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    checkpoint = root / "run" / "checkpoints"
+    out = {"checkpoint": checkpoint, "peft": root / "peft", "merged": root / "merged"}
+    assert cli_main(["export", "--format", "peft", str(checkpoint), str(out["peft"])]) == 0
+    assert cli_main(["export", "--format", "hf", str(checkpoint), str(out["merged"])]) == 0
+    return out
+
+
+def _logits(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    kinds = batch["has_image"].bool()
+    with torch.no_grad():
+        return model(input_ids=batch["tokens"], pixel_values=batch["image"][kinds]).logits
+
+
+def test_peft_and_the_merged_export_give_mimotrons_logits(trained: dict[str, Path],
+                                                          llava: dict[str, Path]) -> None:
+    import peft
+
+    from mimotron.data import build_datasets, collate
+    from mimotron.generate import Generator
+
+    generator = Generator.from_path(trained["checkpoint"], device="cpu")
+    model, cfg = generator.loaded.model, generator.loaded.cfg
+    adapted = [n for n, _ in model.named_parameters() if is_lora_parameter(n)]
+    assert adapted and all(float(p.abs().max()) > 0 for n, p in model.named_parameters()
+                           if n.endswith("lora_b"))  # trained: B moved from zero
+    task, _ = build_datasets(cfg, generator.loaded.tokenizer)
+    batch = collate(task.stream(cfg.train.seed).samples(0, 4), task.seq_length,
+                    pad_id=task.pad_id, image_shape=task.image_shape)
+    base = LLAVA.load(str(llava["folder"]))
+    with_adapter = peft.PeftModel.from_pretrained(base, str(trained["peft"]))
+    theirs = _logits(with_adapter, batch)
+    merged = _logits(transformers.LlavaForConditionalGeneration.from_pretrained(
+        trained["merged"], dtype=torch.float32), batch)
+    vocab = theirs.shape[-1]
+    ours = _mimotron_logits(model, batch)[..., :vocab]
+    for name, got in (("peft", theirs), ("merged", merged)):
+        err = float((ours - got).abs().max() / got.abs().max())
+        assert err <= 1e-5, (name, err)
+    untrained = _logits(LLAVA.load(str(llava["folder"])), batch)
+    assert float((ours - untrained).abs().max()) > 1e-3  # the adapters changed something
+
+
+def _mimotron_logits(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """mimotron's logits of a batch: the encoders, the merge, the language model."""
+    from mimotron.training.language_step import language_inputs
+
+    with torch.no_grad():
+        embeds = {n: model.encode(n, batch) for n in model.modality_submodules}
+        hidden, visual = language_inputs(model, batch, embeds)
+        return model.language_model(hidden, **visual)
