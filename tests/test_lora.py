@@ -26,6 +26,7 @@ from mimotron.config import load_config
 from mimotron.forked_ranks import run_groups
 from mimotron.models.build import build_mimo_model
 from mimotron.models.lora import is_lora_parameter
+from mimotron.parallel.layout import check_layout
 from tests.hf_vlm import (
     LLAVA,
     check_layout_run,
@@ -156,7 +157,7 @@ def test_layouts_train_like_a_plain_loop_on_transformers_with_peft(llava: dict[s
 def test_a_table_that_cannot_run_is_one_line(llava: dict[str, Path], overrides: list[str],
                                              message: str) -> None:
     with pytest.raises(ValueError, match=message) as err:
-        load_config(llava["config"], overrides)
+        check_layout(load_config(llava["config"], overrides))
     assert "\n" not in str(err.value)
 
 

@@ -10,7 +10,6 @@ full-size layout is in ``benchmarks/plan_vs_measured.py`` (docs/performance.md).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -19,30 +18,15 @@ from mimotron.config import load_config
 from mimotron.dryrun.memory_peak import measure_peak
 from mimotron.estimate.memory import estimate_memory
 from mimotron.parallel.layout import check_layout
-
-ROOT = Path(__file__).resolve().parents[1]
-HF = ROOT / "tests" / "data" / "hf_configs"
-BAND = (0.85, 1.15)
-
-
-def _shallow(src: Path, dst: Path, layers: dict[str, int]) -> str:
-    """A copy of a config-only folder with fewer layers (keys of ``layers``, nested in
-    ``vision_config`` for CLIP)."""
-    dst.mkdir()
-    for file in src.iterdir():
-        config = json.loads(file.read_text())
-        if file.name == "config.json":
-            (config.get("vision_config") or config).update(layers)
-        (dst / file.name).write_text(json.dumps(config))
-    return str(dst)
+from tests.memory_band import BAND, HF, ROOT, shallow_folder
 
 
 @pytest.fixture(scope="module")
 def llava_small(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
     """Overrides pointing configs/llava15_7b_8gpu.toml at shallow copies of its models."""
     root = tmp_path_factory.mktemp("hf")
-    vision = _shallow(HF / "clip_vit_l14_336", root / "clip", {"num_hidden_layers": 3})
-    language = _shallow(HF / "llama2_7b", root / "llama", {"num_hidden_layers": 2})
+    vision = shallow_folder(HF / "clip_vit_l14_336", root / "clip", {"num_hidden_layers": 3})
+    language = shallow_folder(HF / "llama2_7b", root / "llama", {"num_hidden_layers": 2})
     return [f"modules.vision.hf_path={vision}", f"modules.language.hf_path={language}",
             f"log.dir={root / 'runs'}"]
 
@@ -52,8 +36,8 @@ def llama70b_small(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
     """Overrides pointing configs/llama2_70b_vit_64gpu.toml at shallow copies of its
     models: 3 Llama-2-70B layers (hidden 8192, SwiGLU 28672, 8 key/value heads)."""
     root = tmp_path_factory.mktemp("hf70b")
-    vision = _shallow(HF / "clip_vit_l14_336", root / "clip", {"num_hidden_layers": 3})
-    language = _shallow(HF / "llama2_70b", root / "llama", {"num_hidden_layers": 3})
+    vision = shallow_folder(HF / "clip_vit_l14_336", root / "clip", {"num_hidden_layers": 3})
+    language = shallow_folder(HF / "llama2_70b", root / "llama", {"num_hidden_layers": 3})
     return [f"modules.vision.hf_path={vision}", f"modules.language.hf_path={language}",
             f"log.dir={root / 'runs'}"]
 

@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from mimotron.checkpoint.export_folder import ExportFolder
 from mimotron.checkpoint.files import CheckpointError, read_manifest, resolve_checkpoint
 from mimotron.checkpoint.load import SafeLoadPlanner, read_metadata, verify_share
+from mimotron.checkpoint.lora_base import with_base
 from mimotron.checkpoint.safe_metadata import SafeFileSystemReader
 from mimotron.checkpoint.state import META, MODEL
 from mimotron.config.hf_files import read_safetensors
@@ -64,7 +65,8 @@ def split_module(name: str) -> tuple[str, str]:
 
 
 def read_full_model(
-    checkpoint: str | Path, check_meta: Callable[[dict[str, Any]], None] | None = None
+    checkpoint: str | Path, check_meta: Callable[[dict[str, Any]], None] | None = None,
+    base: bool = True,
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Every model tensor of a checkpoint at full shape, and its ``meta``; one process.
 
@@ -74,6 +76,8 @@ def read_full_model(
         checkpoint: a checkpoint root holding ``latest``, or one ``iter_NNNNNNN`` dir.
         check_meta: called with the ``meta`` before any tensor is read, so a problem it
             can see there (a folder the export needs is gone) costs no tensor read.
+        base: add the base of each LoRA module that checkpointed its adapters only,
+            read from its folder (:func:`~mimotron.checkpoint.lora_base.with_base`).
 
     Returns:
         ``({"<name inside MimoModel>": tensor}, meta)``.
@@ -98,7 +102,8 @@ def read_full_model(
         if key.startswith(MODEL) and isinstance(md, TensorStorageMetadata):
             template[key] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
     _dcp_read(path, template)
-    return {k[len(MODEL) :]: v for k, v in template.items()}, meta
+    tensors = {k[len(MODEL) :]: v for k, v in template.items()}
+    return (with_base(tensors, meta["config"]) if base else tensors), meta
 
 
 def _dcp_read(path: Path, template: dict[str, Any]) -> None:

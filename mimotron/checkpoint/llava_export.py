@@ -57,7 +57,7 @@ from mimotron.checkpoint.hf_export import (
     run_tokenizer,
     set_file_modes,
 )
-from mimotron.checkpoint.lora_export import merge_adapters
+from mimotron.checkpoint.lora_merge import merge_adapters
 from mimotron.checkpoint.state import VOCAB_SIZE_UNPADDED
 from mimotron.checkpoint.vlm_export import vlm_folder
 from mimotron.config.hf_folder import SINGLE_FILE, read_hf_config, tensor_files

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import errno
 import io
+import json
 import re
 import shutil
 from pathlib import Path
@@ -51,8 +52,10 @@ from mimotron.checkpoint.files import (
     resolve_checkpoint,
     verify_file,
 )
+from mimotron.checkpoint.lora_base import check_base
 from mimotron.checkpoint.safe_metadata import SafeFileSystemReader, load_metadata
 from mimotron.checkpoint.state import (
+    META,
     MODEL,
     LoadRequest,
     apply_loaded,
@@ -206,6 +209,8 @@ def load_checkpoint(
     fresh_scalers = {n: i.loss_scaler.state_dict() for n, i in optimizer.module_infos.items()}
     req = build_load_request(model, optimizer, schedulers, global_state, metadata, same_layout)
     read_checkpoint(path, manifest, req, runtime.rank, process_group, metadata)
+    # Adapters belong to the base they were trained on: the same refusal on every rank.
+    check_base(json.loads(req.state[META]), global_state.cfg, path)
     meta, fresh = apply_loaded(req, optimizer, schedulers, global_state)
     say_fresh(fresh, path, infra)
     iteration = checked_iteration(path, meta, manifest)

@@ -1,17 +1,12 @@
-"""LoRA adapters out of a checkpoint: merged into the base weights, or as a PEFT folder.
+"""``mimotron export --format peft``: a run's LoRA adapters as a PEFT adapter folder.
 
-A run with ``[modules.<m>.lora]`` checkpoints each adapted layer's ``lora_a`` /
-``lora_b`` next to its (frozen) weight (:mod:`mimotron.models.lora`).
-
-* :func:`merge_adapters`: ``W + (alpha / r) B A`` for every adapted layer, the adapters
-  dropped. ``--format hf`` and ``--format hf-llava`` export the merged model, so the
-  folder they write is the adapted model as a plain ``transformers`` one.
-* :func:`export_peft` (``mimotron export --format peft``): ``adapter_config.json`` and
-  ``adapter_model.safetensors`` as PEFT saves them (``base_model.model.<layer>.lora_A.
-  weight``, ``lora_B``), naming the layers as the ``transformers`` class of the run's
-  folder names them, so ``PeftModel.from_pretrained(base, OUT_DIR)`` puts them on the
-  base model the user already has. What else trained in full (LLaVA's projector in the
-  stage-2 recipe) goes in as PEFT's ``modules_to_save``.
+``adapter_config.json`` and ``adapter_model.safetensors`` as PEFT saves them
+(``base_model.model.<layer>.lora_A.weight``, ``lora_B``), naming the layers as the
+``transformers`` class of the run's folder names them, so
+``PeftModel.from_pretrained(base, OUT_DIR)`` puts them on the base model the user
+already has. What else trained in full (LLaVA's projector in the stage-2 recipe) goes in
+as PEFT's ``modules_to_save``. (The other exports merge the adapters:
+:mod:`mimotron.checkpoint.lora_merge`.)
 """
 
 from __future__ import annotations
@@ -27,48 +22,21 @@ from safetensors.torch import save_file
 from mimotron.checkpoint.export import read_full_model, split_by_module
 from mimotron.checkpoint.export_folder import ExportFolder
 from mimotron.checkpoint.hf_export import check_hf_folder, family_of, hf_paths, set_file_modes
+from mimotron.checkpoint.lora_merge import lora_tables, module_prefix_of
+from mimotron.checkpoint.vlm_export import joined_weight_map, vlm_folder
 from mimotron.config.hf_folder import read_hf_config
 from mimotron.models.lora import LORA_PARAMS
 from mimotron.names import LANGUAGE
 
-__all__ = ["ADAPTER_CONFIG", "ADAPTER_FILE", "export_peft", "lora_tables", "merge_adapters"]
+__all__ = ["ADAPTER_CONFIG", "ADAPTER_FILE", "export_peft"]
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_FILE = "adapter_model.safetensors"
 
 
-def lora_tables(run_config: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
-    """``module -> its [lora] table`` for each module of the run with adapters."""
-    return {m: t["lora"] for m, t in run_config["modules"].items()
-            if (t.get("lora") or {}).get("rank", 0) > 0}
-
-
-def _prefix(module: str) -> str:
-    return "language_model." if module == LANGUAGE else f"modality_submodules.{module}."
-
-
-def merge_adapters(tensors: Mapping[str, torch.Tensor], run_config: Mapping[str, Any]
-                   ) -> dict[str, torch.Tensor]:
-    """The checkpoint's tensors with every adapter merged into its layer's weight (in
-    fp32, stored in the weight's dtype) and the adapters dropped; unchanged without."""
-    out = dict(tensors)
-    for module, table in lora_tables(run_config).items():
-        scale = float(table["alpha"]) / int(table["rank"])
-        prefix = _prefix(module)
-        for name in [n for n in out if n.startswith(prefix) and n.endswith(".lora_a")]:
-            layer = name[:-len(".lora_a")]
-            a, b = out.pop(name), out.pop(f"{layer}.lora_b")
-            weight = out[f"{layer}.weight"]
-            merged = weight.float() + scale * (b.float() @ a.float())
-            out[f"{layer}.weight"] = merged.to(weight.dtype)
-    return out
-
-
 def _base_folder(run_config: Mapping[str, Any]) -> tuple[Path, str | None]:
     """``(the folder, its vision module or None)`` the adapters go onto: the run's one
     vision-language folder, or its language model's."""
-    from mimotron.checkpoint.vlm_export import vlm_folder
-
     found = vlm_folder(run_config)
     if found is not None:
         return found
@@ -95,8 +63,6 @@ def _memory_names(folder: Path, vision: str | None) -> list[str]:
 
 def _hf_names(folder: Path, vision: str | None, names: list[str]) -> dict[str, str]:
     """mimotron's names (inside ``MimoModel``) -> the in-memory ``transformers`` model's."""
-    from mimotron.checkpoint.vlm_export import joined_weight_map
-
     config = read_hf_config(folder)
     memory = _memory_names(folder, vision)
     if vision is not None:
@@ -107,8 +73,8 @@ def _hf_names(folder: Path, vision: str | None, names: list[str]) -> dict[str, s
     for name in names:
         if name.startswith("language_model."):
             local = name[len("language_model."):]
-        elif vision is not None and name.startswith(_prefix(vision)):
-            local = name[len(_prefix(vision)):]
+        elif vision is not None and name.startswith(module_prefix_of(vision)):
+            local = name[len(module_prefix_of(vision)):]
         else:
             raise ValueError(f"export --format peft: {name} trained in a module that is not "
                              f"in the folder {str(folder)!r}; export with --format mimotron")
@@ -145,7 +111,7 @@ def export_peft(checkpoint: str | Path, out_dir: str | Path) -> dict[str, Path]:
         found["folder"], found["vision"] = _base_folder(meta["config"])
         target.check(meta["config"])
 
-    tensors, meta = read_full_model(checkpoint, check_meta=check)
+    tensors, meta = read_full_model(checkpoint, check_meta=check, base=False)
     adapters = {n: t for n, t in tensors.items() if n.rsplit(".", 1)[-1] in LORA_PARAMS}
     saved = _trained_in_full(tensors, meta["config"], found["module"])
     names = _hf_names(found["folder"], found["vision"],
@@ -185,6 +151,6 @@ def _trained_in_full(tensors: Mapping[str, torch.Tensor], run_config: Mapping[st
         if module == adapted or mod.get("freeze") is True:
             continue
         frozen_tower = mod.get("freeze") == "encoder"
-        out |= {_prefix(module) + n for n in table
+        out |= {module_prefix_of(module) + n for n in table
                 if not (frozen_tower and n.startswith("encoder."))}
     return out

@@ -46,6 +46,8 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from mimotron.checkpoint.lora_base import BASE_KEY, base_record
+from mimotron.models.lora import is_lora_parameter
 from mimotron.optim.scheduler import OptimizerParamScheduler, load_schedulers_state_dict
 from mimotron.runtime import device_rng_state, seed_everything, set_device_rng_state
 
@@ -78,14 +80,19 @@ def model_state(model: nn.Module, optimizer: MimoOptimizer | None = None
                 ) -> dict[str, torch.Tensor]:
     """``{"model.<name>": tensor}`` for this rank's parameters and buffers.
 
-    The tensors share storage with the model, so DCP loads into it in place. A ZeRO-1
+    The tensors share storage with the model, so DCP loads into it in place. The base
+    of a module in ``model.adapters_only`` is left out (:mod:`mimotron.checkpoint.
+    lora_base`: it stays in its folder, and only its adapters are saved). A ZeRO-1
     module with 16-bit weights is represented by its fp32 masters
     (:meth:`MimoOptimizer.master_weights`: this rank's rows as DTensors of the full
     shape): a checkpoint always holds fp32 weights, whatever the layout and precision
     that wrote it, and loading writes the masters (the 16-bit weights are cast from them
     by :func:`apply_loaded`).
     """
-    state = {MODEL + canonical_name(k): v for k, v in model.state_dict().items()}
+    # A LoRA module whose base stays in its folder: its adapters only (checkpoint/lora_base).
+    base = getattr(model, "adapters_only", ())
+    state = {MODEL + canonical_name(k): v for k, v in model.state_dict().items()
+             if not (base and k.startswith(base) and not is_lora_parameter(k))}
     masters = optimizer.master_weights() if optimizer is not None else {}
     if masters:
         for name, p in model.named_parameters(remove_duplicate=False):
@@ -192,6 +199,8 @@ def build_save_state(
     }
     if global_state.vocab_size_unpadded is not None:
         meta[VOCAB_SIZE_UNPADDED] = int(global_state.vocab_size_unpadded)
+    if getattr(model, "adapters_only", ()):
+        meta[BASE_KEY] = base_record(cfg)  # which base the adapters belong to
     state[META] = json.dumps(meta)
     for key, value in capture_rng(runtime.device).items():
         state[f"{RNG}{runtime.rank}.{key}"] = value

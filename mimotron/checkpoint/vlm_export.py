@@ -57,7 +57,7 @@ from mimotron.checkpoint.hf_export import (
     write_hf_modules,
     write_tokenizer,
 )
-from mimotron.checkpoint.lora_export import merge_adapters
+from mimotron.checkpoint.lora_merge import merge_adapters
 from mimotron.checkpoint.state import VOCAB_SIZE_UNPADDED
 from mimotron.config.hf_folder import SINGLE_FILE, read_hf_config, tensor_files
 from mimotron.config.hf_vlm import is_native_config, is_vlm_config, vlm_part_config

@@ -2,7 +2,9 @@
 
 With ``rank > 0`` the linear layers whose names match ``targets`` get an adapter
 (``W x + (alpha / rank) B A dropout(x)``, LoRA) and everything else of the module stops
-training (:mod:`mimotron.models.lora`). The checks here run before any rank starts.
+training (:mod:`mimotron.models.lora`). The checks here run before any rank starts; that
+every target names a linear layer needs the module's build, and is checked with the
+layout (:func:`mimotron.models.lora_targets.check_lora_targets`).
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["DEFAULT_TARGETS", "LoraConfig", "check_lora", "check_lora_targets"]
+__all__ = ["DEFAULT_TARGETS", "LoraConfig", "check_lora"]
 
 DEFAULT_TARGETS = ("attn.wq", "attn.wk", "attn.wv", "attn.wo", "mlp.w1", "mlp.w2", "mlp.w3")
 """Every linear layer of a transformer layer: the attention projections and the MLP."""
@@ -71,21 +73,3 @@ def check_lora(name: str, lora: LoraConfig, mod: Any) -> None:
             raise ValueError(f"{where}.rank={lora.rank} is not supported with modules.{name}."
                              f"{what} yet; train the module in full or drop that option")
 
-
-def check_lora_targets(cfg: Any, name: str) -> None:
-    """Raise one line unless every ``targets`` entry names a linear layer of the module:
-    one layer of it built on the meta device (no memory, no weights read) is searched."""
-    import torch
-
-    from mimotron.models.build import build_module
-    from mimotron.models.lora import lora_targets
-
-    lora = cfg.modules[name].lora
-    with torch.device("meta"):
-        part = build_module(cfg, name, 64, layer_ids=[0], init=False)
-    missing = [t for t in lora.targets if not lora_targets(part, [t])]
-    if missing:
-        linear = sorted({n.split(".", 2)[-1] if n.startswith("layers.") else n
-                         for n, m in part.named_modules() if isinstance(m, torch.nn.Linear)})
-        raise ValueError(f"modules.{name}.lora.targets {missing} match no linear layer of the "
-                         f"module: expected names such as {linear}")

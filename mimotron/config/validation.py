@@ -31,7 +31,7 @@ from mimotron.config.hf_folder import HFConfigs, preprocessor_file
 from mimotron.config.hf_resolve import resolve_hf_module
 from mimotron.config.hf_vlm import is_vlm_config
 from mimotron.config.limits import check_limits
-from mimotron.config.lora import check_lora, check_lora_targets
+from mimotron.config.lora import check_lora
 from mimotron.config.moe_options import check_layer_freq, check_moe_options
 from mimotron.config.native_vision import check_native_layout
 from mimotron.config.numbers import check_numbers
@@ -84,8 +84,6 @@ def validate_config(cfg: MimoConfig, hf: HFConfigs | None = None) -> MimoConfig:
     check_native_layout(cfg)
     for name, mod in cfg.modules.items():
         check_lora(name, mod.lora, mod)
-        if mod.lora.rank:
-            check_lora_targets(cfg, name)
     _validate_train(cfg)
     _validate_optim(cfg.optimizer, "optimizer")
     _validate_scheduler(cfg.scheduler, "scheduler")

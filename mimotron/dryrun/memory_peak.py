@@ -84,6 +84,15 @@ def _step_tracker() -> Any:
                     del self.memory_tracking[module]
             super()._pre_fw_hook(module, inputs)
 
+        def _track_module_params_and_buffers(self, module: torch.nn.Module,
+                                             install_grad_hooks: bool = True) -> Any:
+            # torch hooks every parameter's gradient, which a frozen one (LoRA's base, a
+            # frozen tower) cannot take: mark those as hooked already.
+            for param in module.parameters():
+                if not param.requires_grad:
+                    self._param_to_grad_hook_handles.setdefault(param, _NO_HOOKS)
+            return super()._track_module_params_and_buffers(module, install_grad_hooks)
+
         def _update_peak_stats(self, peak_state: Any) -> None:
             # The device totals only: the per-module peaks walk every module at every op.
             for device, snap in self._curr_mem_snap.items():
@@ -92,6 +101,16 @@ def _step_tracker() -> Any:
                     self._peak_mem_snap[device] = dict(snap)
 
     return StepTracker()
+
+
+class _NoHook:
+    """The hook handle of a parameter the tracker must not hook (nothing to remove)."""
+
+    def remove(self) -> None:
+        return None
+
+
+_NO_HOOKS = (_NoHook(), _NoHook())
 
 
 class PeakObserver:

@@ -624,6 +624,9 @@ def _rank_estimate(cfg: MimoConfig, name: str, stage: int, n: int, trained: int,
     masters = has_master_weights(cfg, name)
     weights = (trained * compute + (n - trained) * (master + compute) if masters
                else n * (master + compute))
+    if mod.lora.rank and compute:  # the frozen base held once in 16 bits (models/lora)
+        weights = (trained * (compute if masters else master + compute)
+                   + (n - trained) * compute)
     if mod.fully_frozen and mod.is_encoder:
         workspace = 0  # no backward at all
     elif mod.tower_frozen:  # only the projector (last stage) runs a backward

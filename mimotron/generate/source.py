@@ -42,6 +42,7 @@ from mimotron.checkpoint.files import CheckpointError, read_manifest, resolve_ch
 from mimotron.checkpoint.hf_export import RUN_CONFIG_FILE, TOWER_PREFIX
 from mimotron.checkpoint.llava_export import FORMAT as LLAVA_FORMAT
 from mimotron.checkpoint.load import SafeLoadPlanner, read_metadata, verify_share
+from mimotron.checkpoint.lora_base import adapters_only, adapters_only_prefixes
 from mimotron.checkpoint.safe_metadata import SafeFileSystemReader
 from mimotron.checkpoint.state import META, MODEL, model_state
 from mimotron.config.hf_files import read_safetensors
@@ -207,8 +208,12 @@ def load_model(path: str | Path, device: str | torch.device | None = None) -> Lo
                                  native_placeholder_ids(cfg))  # a Qwen-VL folder's own
     target = device_for(0) if device is None else torch.device(device)
     vocab = padded_vocab_size(tokenizer.vocab_size)  # as training sized it (setup_mimo)
-    # A --format hf export holds the Hugging Face modules as folders: read from there.
-    parts = {name: _build_part(cfg, name, vocab, target, source.kind == "hf-export")
+    # A --format hf export holds the Hugging Face modules as folders: read from there; so
+    # does a checkpoint of adapters only (checkpoint/lora_base) for those modules' base.
+    from_folder = {n: source.kind == "hf-export" or (source.kind == "checkpoint"
+                                                     and adapters_only(cfg, n))
+                   for n in cfg.modules}
+    parts = {name: _build_part(cfg, name, vocab, target, from_folder[name])
              for name in cfg.modules}
     placeholders = {n: tokenizer.placeholder_id(cfg.modules[n].modality)
                     for n in cfg.encoder_names}
@@ -216,6 +221,7 @@ def load_model(path: str | Path, device: str | torch.device | None = None) -> Lo
     modality_of = {n: str(cfg.modules[n].modality) for n in cfg.encoder_names}
     model = MimoModel(parts, language, placeholders, modality_of)  # type: ignore[arg-type]
     if source.kind == "checkpoint":
+        model.adapters_only = adapters_only_prefixes(cfg)
         _read_checkpoint(source.path, model)
     else:
         _read_export(source, cfg, model)

@@ -18,7 +18,10 @@ column-parallel layer shards ``lora_b`` with it, that of a row-parallel layer sh
 
 Only the adapters train (:func:`freeze_for_lora`): the base weights get no gradient, no
 optimizer state and no data-parallel sync, and a frozen weight keeps no activation for
-its own gradient (autograd saves a linear's input only for a weight that trains).
+its own gradient (autograd saves a linear's input only for a weight that trains). Under
+``bf16`` / ``fp16`` the engine holds the frozen base in the compute dtype
+(:func:`hold_base_in`): once, 2 bytes per parameter, the numbers autocast's per-use
+cast would give.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from mimotron.config.lora import LoraConfig
 from mimotron.models.init import parameter_seed
 
 __all__ = ["LORA_PARAMS", "LoraState", "adapter_parameter_count", "attach_lora",
-           "freeze_for_lora", "is_lora_parameter", "lora_targets", "low_rank"]
+           "freeze_for_lora", "hold_base_in", "is_lora_parameter", "lora_targets", "low_rank"]
 
 LORA_PARAMS = ("lora_a", "lora_b")
 """The names an adapter's parameters take on its linear layer."""
@@ -129,6 +132,31 @@ def attach_lora(part: nn.Module, lora: LoraConfig, seed: int, prefix: str) -> li
         layer.lora_state = LoraState(lora.alpha / lora.rank, lora.dropout)
         layer.register_forward_hook(_hook)
     return sorted(layers)
+
+
+def hold_base_in(part: nn.Module, dtype: torch.dtype, embedding: bool = True) -> int:
+    """Hold the frozen weights (and biases) of ``part``'s linear layers, and of its
+    embedding unless ``embedding`` is false, in ``dtype``; returns how many.
+
+    Under ``bf16`` / ``fp16`` autocast casts a frozen fp32 weight to the compute dtype at
+    every use, so holding it in that dtype gives the same numbers at half the bytes: the
+    base once, 2 bytes per parameter. The embedding's lookup is the same values either
+    way unless the residual stream is fp32 (``train.fp32_residual_connection``), where
+    the caller keeps it. A weight shared by several modules (tied embeddings) stays
+    shared. Norms keep their dtype (they compute in fp32).
+    """
+    kinds = (nn.Linear, nn.Embedding) if embedding else (nn.Linear,)
+    held: dict[int, nn.Parameter] = {}
+    for module in part.modules():
+        if not isinstance(module, kinds):
+            continue
+        for name, param in list(module.named_parameters(recurse=False)):
+            if param.requires_grad or not param.is_floating_point() or param.dtype == dtype:
+                continue
+            if id(param) not in held:
+                held[id(param)] = nn.Parameter(param.detach().to(dtype), requires_grad=False)
+            setattr(module, name, held[id(param)])
+    return len(held)
 
 
 def freeze_for_lora(part: nn.Module) -> int:

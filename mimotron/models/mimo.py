@@ -45,6 +45,10 @@ class MimoModel(nn.Module):
         ValueError: if a held module has no placeholder id or modality.
     """
 
+    adapters_only: tuple[str, ...] = ()
+    """Parameter prefixes of the LoRA modules whose base stays in their folder: their
+    checkpoint entries are the adapters only (:mod:`mimotron.checkpoint.lora_base`)."""
+
     deepstack: tuple[str, int] | None = None
     """Qwen3-VL: ``(vision module, layers)`` whose DeepStack features the language model's
     first ``layers`` layers add; set by the engine's build, so a pipelined language model

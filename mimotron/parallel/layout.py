@@ -200,6 +200,11 @@ def check_layout(cfg: MimoConfig, env_world_size: int | None = None) -> Layout:
     _check_batch(cfg, modules)
     _check_encoder_batching(cfg, colocated)
     check_setup_rules(cfg, world_size)  # What a rank's set-up would refuse, refused here.
+    if any(m.lora.rank for m in cfg.modules.values()):
+        # Here, not at the top: the launcher's checks import no model (DTensor) otherwise.
+        from mimotron.models.lora_targets import check_lora_targets
+
+        check_lora_targets(cfg)  # the names a build gives
     check_vocab_split(cfg)
     if env_world_size is None and os.environ.get("TORCHELASTIC_RUN_ID"):
         env_world_size = int(os.environ.get("WORLD_SIZE", "0"))

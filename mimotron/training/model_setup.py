@@ -27,12 +27,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from mimotron.checkpoint.lora_base import adapters_only_prefixes
 from mimotron.config.native_vision import deepstack_source
 from mimotron.config.schema import MimoConfig
 from mimotron.models.build import build_module, load_hf_module, module_prefix
 from mimotron.models.freeze import freeze_part
 from mimotron.models.init import init_parameters_
-from mimotron.models.lora import attach_lora
+from mimotron.models.lora import attach_lora, hold_base_in
 from mimotron.models.mimo import MimoModel, module_part
 from mimotron.models.recompute import apply_recompute
 from mimotron.names import LANGUAGE
@@ -42,6 +43,7 @@ from mimotron.parallel.groups import EXPERT_VIEW
 from mimotron.parallel.lora_tp import shard_lora
 from mimotron.parallel.tensor_parallel import apply_tensor_parallel, mark_tensor_partial_params
 from mimotron.parallel.virtual_pipeline import rank_layers, set_layer_chunks
+from mimotron.runtime import compute_dtype
 from mimotron.training.infra import MimoModelInfra
 
 __all__ = ["build_rank_model", "freeze_modules"]
@@ -105,7 +107,14 @@ def build_rank_model(cfg: MimoConfig, infra: MimoModelInfra, vocab_size: int,
         tp_group = infra.pg_collections[LANGUAGE].tp
     model = MimoModel(parts, language, dict(placeholder_ids), modality_of, tp_group)
     model.deepstack = deepstack_source(cfg)
+    model.adapters_only = adapters_only_prefixes(cfg)
     freeze_modules(model, cfg)
+    if cfg.train.precision != "fp32":  # a LoRA module's frozen base: once, in 16 bits
+        dtype = compute_dtype(cfg.train.precision)
+        for name, mod in cfg.modules.items():
+            part = module_part(model, name)
+            if mod.lora.rank and part is not None:
+                hold_base_in(part, dtype, embedding=not cfg.train.fp32_residual_connection)
     return model
 
 

@@ -1,0 +1,128 @@
+"""Adapter-only checkpoints: a LoRA module's frozen base stays in its folder.
+
+A module with ``[modules.<m>.lora]`` whose weights come from its Hugging Face folder
+(``hf_path``, and no ``checkpoint.pretrained`` run) never changes its base: the folder
+holds it, and every build reads it from there. Its checkpoint entries are then the
+adapters only (and their optimizer state), which makes a LoRA checkpoint of a 7B model
+megabytes instead of gigabytes. The base is recorded instead by its folder and a
+fingerprint (:func:`folder_fingerprint`), and a resume against another base is one line
+naming both (:func:`check_base`), where loading adapters onto it would silently train
+something else.
+
+``MimoModel.adapters_only`` names those modules' parameter prefixes (set where the model
+is built); :func:`~mimotron.checkpoint.state.model_state` leaves their base out of what
+is saved and loaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from mimotron.config.hf_folder import tensor_files
+
+__all__ = ["BASE_KEY", "adapters_only", "adapters_only_prefixes", "base_record", "check_base",
+           "folder_fingerprint", "with_base"]
+
+BASE_KEY = "lora_base"
+"""Key of the checkpoint's ``meta``: ``{module: {"folder": ..., "fingerprint": ...}}``."""
+_SAMPLED = 1 << 20  # bytes hashed at each end of a weight file's data
+
+
+def adapters_only(cfg: Any, name: str) -> bool:
+    """Whether module ``name`` checkpoints its adapters only (module docs)."""
+    mod = cfg.modules[name]
+    return bool(mod.lora.rank and mod.hf_path and not cfg.checkpoint.pretrained)
+
+
+def adapters_only_prefixes(cfg: Any) -> tuple[str, ...]:
+    """The ``MimoModel`` parameter prefixes of the modules that checkpoint adapters only."""
+    from mimotron.models.build import module_prefix
+
+    return tuple(module_prefix(cfg, n) for n in cfg.modules if adapters_only(cfg, n))
+
+
+def folder_fingerprint(folder: str | Path) -> str:
+    """A digest of a folder's weights: each safetensors file's name, size, header (every
+    tensor's name, dtype, shape and offsets) and the first and last MiB of its data.
+
+    Cheap at any size (no full read), and it changes with any re-saved, re-cast,
+    re-shaped or fine-tuned checkpoint, whose bytes at the ends of its files differ.
+    """
+    digest = hashlib.sha256()
+    for file in sorted(set(tensor_files(folder).values())):
+        size = file.stat().st_size
+        with open(file, "rb") as handle:
+            head_len = int.from_bytes(handle.read(8), "little")
+            header = handle.read(head_len)
+            first = handle.read(_SAMPLED)
+            handle.seek(max(8 + head_len, size - _SAMPLED))
+            last = handle.read(_SAMPLED)
+        digest.update(json.dumps([file.name, size]).encode())
+        for part in (header, first, last):
+            digest.update(len(part).to_bytes(8, "little") + part)
+    return digest.hexdigest()[:16]
+
+
+def base_record(cfg: Any) -> dict[str, dict[str, str]]:
+    """``{module: {"folder", "fingerprint"}}`` of the modules that checkpoint adapters only."""
+    return {n: {"folder": str(cfg.modules[n].hf_path),
+                "fingerprint": folder_fingerprint(cfg.modules[n].hf_path)}
+            for n in cfg.modules if adapters_only(cfg, n)}
+
+
+def check_base(meta: Mapping[str, Any], cfg: Any, path: str | Path) -> None:
+    """Refuse adapters saved on another base than this run's (one line naming both).
+
+    Args:
+        meta: the checkpoint's ``meta``.
+        cfg: this run's config.
+        path: the checkpoint, for the message.
+
+    Raises:
+        ValueError: a module's base folder differs in content (fingerprint) from the one
+            the adapters were trained on, or one side keeps its base and the other not.
+    """
+    saved = meta.get(BASE_KEY) or {}
+    here = base_record(cfg)
+    for name in sorted(set(saved) | set(here)):
+        then, now = saved.get(name), here.get(name)
+        if then is None or now is None:
+            what = ("holds the whole module" if then is None
+                    else "holds only its adapters, for the base in "
+                    f"{then['folder']!r}")
+            raise ValueError(f"checkpoint {path}: module {name!r} {what}, but this run "
+                             f"{'trains adapters on its folder' if now else 'does not'}; "
+                             "resume with the config that wrote it")
+        if then["fingerprint"] != now["fingerprint"]:
+            raise ValueError(
+                f"checkpoint {path}: module {name!r}'s adapters were trained on the base in "
+                f"{then['folder']!r} (fingerprint {then['fingerprint']}), but "
+                f"modules.{name}.hf_path={now['folder']!r} holds another (fingerprint "
+                f"{now['fingerprint']}); point hf_path at the base they were trained on")
+
+
+def with_base(tensors: Mapping[str, Any], run_config: Mapping[str, Any]) -> dict[str, Any]:
+    """A checkpoint's full-shape model tensors with the base of every module that
+    checkpointed its adapters only read back from its folder, as training built it (one
+    process; the exports read this)."""
+    from mimotron.config.load import config_from_dict
+    from mimotron.config.vocab_size import padded_vocab_size
+    from mimotron.data.run_data import build_tokenizer
+    from mimotron.models.build import build_module, module_prefix
+
+    cfg = config_from_dict(dict(run_config))
+    names = [n for n in cfg.modules if adapters_only(cfg, n)]
+    out = dict(tensors)
+    if not names:
+        return out
+    vocab = padded_vocab_size(build_tokenizer(cfg).vocab_size)  # as training sized it
+    for name in names:
+        part = build_module(cfg, name, vocab)  # reads the folder
+        prefix = module_prefix(cfg, name)
+        for key, value in part.state_dict().items():
+            out.setdefault(prefix + key, value)
+    return out
