@@ -236,9 +236,9 @@ def hf_reference_run(config: Path, num_iters: int, overrides: tuple[str, ...] = 
     and the data API (the global sample order, the tokenised conversations). The names
     of its parameters map to mimotron's by :func:`hf_name`. With
     ``modules.vision.freeze = "encoder"`` (LLaVA-1.5's stage 2) the tower's parameters
-    get no gradient and no optimizer state. With ``modules.language.lora`` PEFT's
-    adapters go on transformers' model with mimotron's initial values
-    (:func:`tests.lora_reference.with_adapters`) and train alone in the language model.
+    get no gradient and no optimizer state. With ``modules.<m>.lora`` (one rank and alpha)
+    PEFT's adapters go on transformers' model with mimotron's initial values
+    (:func:`tests.lora_reference.with_adapters`) and train alone in those modules.
 
     ``packed``: each step takes the samples the engine packs into its rows (the greedy
     packer of :func:`tests.reference.packed_rows`), each sample in a row of its own: a
@@ -260,9 +260,13 @@ def hf_reference_run(config: Path, num_iters: int, overrides: tuple[str, ...] = 
     built = build_mimo_model(cfg, tokenizer.vocab_size, {
         "vision": tokenizer.placeholder_id("image")})
     names = [n for n, _ in built.named_parameters()]
-    name_of, lora = family.name_of, cfg.modules["language"].lora
-    if lora.rank:  # PEFT's adapters on transformers' model, holding mimotron's values
-        model, name_of = with_adapters(model, built, lora.rank, lora.alpha, family.name_of)
+    name_of = family.name_of
+    adapted = {n: m.lora for n, m in cfg.modules.items() if m.lora.rank}
+    if adapted:  # PEFT's adapters on transformers' model, holding mimotron's values
+        (rank, alpha), = {(t.rank, t.alpha) for t in adapted.values()}  # one PEFT config
+        model, name_of = with_adapters(model, built, rank, alpha, family.name_of)
+    prefixes = tuple("language_model." if m == "language" else f"modality_submodules.{m}."
+                     for m in adapted)
     params = dict(model.named_parameters())
     frozen_tower = cfg.modules["vision"].freeze == "encoder"
     # A frozen tower: every encoder parameter but a Qwen-VL tower's patch mergers.
@@ -271,7 +275,7 @@ def hf_reference_run(config: Path, num_iters: int, overrides: tuple[str, ...] = 
     ours = {n: params[name_of(n, model)] for n in names
             if not (frozen_tower and n.startswith("modality_submodules.vision.encoder.")
                     and not n.startswith(mergers))
-            and not (lora.rank and n.startswith("language_model.") and not is_lora_parameter(n))}
+            and not (n.startswith(prefixes) and prefixes and not is_lora_parameter(n))}
     for p in params.values():
         p.requires_grad_(False)
     for p in ours.values():

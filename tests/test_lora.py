@@ -9,9 +9,12 @@ values (:func:`tests.lora_reference.with_adapters`).
   transformers + peft's (fp32, 1e-5), with nonzero ``lora_b`` so every adapter matrix
   has a gradient.
 * Layouts: 10 iterations at a real learning rate, split (vision DP 2 | language TP 2,
-  language TP 2 with sequence parallelism, PP 2, CP 2) and colocated (vision DP 2 +
-  language TP 2): losses, grad norms and final weights equal the plain loop on the PEFT
-  model; the base weights end as loaded.
+  language TP 2 with sequence parallelism, PP 2, CP 2, DP 2 with ZeRO-1) and colocated
+  (vision DP 2 + language TP 2; + language FSDP2 over DP 2):
+  losses, grad norms and final weights equal the plain loop on the PEFT model; the base
+  weights end as loaded.
+* Adapters on the vision tower and the projector too (a CLIP tower, row-major 2-D
+  inputs), as one process against transformers + peft.
 * What the config refuses, one line each.
 """
 
@@ -27,10 +30,11 @@ from mimotron.forked_ranks import run_groups
 from mimotron.models.build import build_mimo_model
 from mimotron.models.lora import is_lora_parameter
 from mimotron.parallel.layout import check_layout
+from tests.common import DIGITS, SMALL_MODEL, noncolocated
 from tests.hf_vlm import (
     LLAVA,
+    HFFamily,
     check_layout_run,
-    hf_llava_loss,
     hf_name,
     hf_reference_run,
     save_llava_folder,
@@ -57,45 +61,67 @@ def llava(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
             "config": write_config(root, folder, data, iters=NUM_ITERS)}
 
 
-def test_loss_and_adapter_gradients_equal_transformers_with_peft(llava: dict[str, Path]
-                                                                 ) -> None:
+def _check_against_peft(config: Path, overrides: list[str], family: HFFamily = LLAVA
+                        ) -> dict[str, torch.Tensor]:
+    """One process: mimotron's loss and the gradient of everything that trains equal
+    transformers + peft's on a batch; ``lora_b`` nonzero so every adapter matrix has a
+    gradient. Returns what trained."""
     from mimotron.data import build_datasets, collate
     from mimotron.data.run_data import build_tokenizer
     from mimotron.training.model_setup import freeze_modules
 
-    cfg = load_config(llava["config"], list(RECIPE))
+    cfg = load_config(config, overrides)
     tokenizer = build_tokenizer(cfg)
     task, _ = build_datasets(cfg, tokenizer)
     model = build_mimo_model(cfg, tokenizer.vocab_size,
                              {"vision": tokenizer.placeholder_id("image")})
     freeze_modules(model, cfg)
     gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():  # lora_b starts at zero: give both matrices a gradient
+    with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("lora_b"):
                 param.copy_(torch.randn(param.shape, generator=gen) * 0.1)
-    reference, name_of = with_adapters(LLAVA.load(cfg.hf_path), model, RANK, ALPHA, LLAVA.name_of)
+    reference, name_of = with_adapters(family.load(cfg.hf_path), model, RANK, ALPHA,
+                                       family.name_of)
     theirs = dict(reference.named_parameters())
     trained = {n: p for n, p in model.named_parameters() if p.requires_grad}
-    for name in trained:  # PEFT froze all but its adapters; the projector trains too
+    for name in trained:  # PEFT froze all but its adapters; a projector may train too
         theirs[name_of(name, reference)].requires_grad_(True)
     batch = collate(task.stream(cfg.train.seed).samples(0, 8), task.seq_length,
                     pad_id=task.pad_id, image_shape=task.image_shape)
+    assert int(batch["has_image"].sum()) >= 2
     loss_sum, num_tokens, _ = model(batch)
     (loss_sum / num_tokens).backward()
-    want = hf_llava_loss(reference, batch)
+    want = family.loss(reference, batch)
     want.backward()
     assert float(loss_sum / num_tokens) == pytest.approx(float(want), rel=1e-5)
-    assert {n for n in trained if n.startswith("language_model.")} == {
-        n for n, _ in model.named_parameters() if is_lora_parameter(n)}
-    assert any(".projector." in n for n in trained)
     for name, param in trained.items():
         grad = theirs[name_of(name, reference)].grad
         err = float((param.grad.reshape(grad.shape) - grad).norm() / grad.norm())
         assert err <= 1e-5, f"{name}: relative error {err}"
-    frozen = [p for n, p in model.named_parameters() if n.startswith("language_model.")
-              and not is_lora_parameter(n)]
-    assert frozen and all(p.grad is None for p in frozen)
+    return trained
+
+
+def test_loss_and_adapter_gradients_equal_transformers_with_peft(llava: dict[str, Path]
+                                                                 ) -> None:
+    trained = _check_against_peft(llava["config"], list(RECIPE))
+    assert {n for n in trained if n.startswith("language_model.")} == {
+        n for n in trained if is_lora_parameter(n) and n.startswith("language_model.")}
+    assert sum(is_lora_parameter(n) for n in trained) == 2 * 7 * 2  # 7 per layer, 2 layers
+    assert any(".projector." in n for n in trained)
+
+
+def test_adapters_on_the_tower_and_the_projector_equal_peft(llava: dict[str, Path]) -> None:
+    """A CLIP tower's layers (2-D rows) and a projector layer adapted, both modules'
+    bases frozen."""
+    trained = _check_against_peft(llava["config"], [
+        "modules.vision.lora.rank=4", "modules.vision.lora.alpha=8.0",
+        "modules.vision.lora.targets=['attn.wq', 'attn.wv', 'mlp.w1', 'projector.fc1']",
+        "modules.language.lora.rank=4", "modules.language.lora.alpha=8.0"])
+    assert all(is_lora_parameter(n) for n in trained)
+    vision = {n.rsplit(".", 1)[0] for n in trained if n.startswith("modality_submodules.")}
+    assert "modality_submodules.vision.projector.fc1" in vision
+    assert any(".encoder.layers.0.attn.wq" in n for n in vision)
 
 
 _LAYOUTS = {
@@ -111,6 +137,12 @@ _LAYOUTS = {
         "modules.language.parallel.pipeline=2", "modules.language.parallel.rank_offset=1"]),
     "vision | language CP 2": (3, [
         "modules.language.parallel.context=2", "modules.language.parallel.rank_offset=1"]),
+    "colocated vision DP 2 + language FSDP2 over DP 2": (2, [
+        "modules.vision.parallel.data=2", "modules.language.parallel.data=2",
+        "modules.language.parallel.fsdp=true"]),
+    "vision | language DP 2 with ZeRO-1": (3, [
+        "modules.language.parallel.data=2", "modules.language.parallel.shard_optimizer=true",
+        "modules.language.parallel.rank_offset=1"]),
 }
 
 
@@ -137,6 +169,41 @@ def test_layouts_train_like_a_plain_loop_on_transformers_with_peft(llava: dict[s
             assert torch.equal(merged[name].reshape(want.shape), want), (layout, name)
 
 
+def test_tower_adapters_under_tensor_parallelism_train_like_the_plain_loop(
+        llava: dict[str, Path]) -> None:
+    """Adapters on the CLIP tower (TP 2: its 2-D rows) and the language model (TP 2),
+    colocated: 10 iterations against the plain loop on the PEFT model."""
+    from tests.common import engine_run
+
+    both = ["modules.vision.lora.rank=4", "modules.vision.lora.alpha=8.0",
+            "modules.vision.lora.targets=['attn.wq', 'attn.wo', 'mlp.w1', 'mlp.w2']",
+            "modules.language.lora.rank=4", "modules.language.lora.alpha=8.0",
+            "optimizer.lr=2e-2"]
+    ref = hf_reference_run(llava["config"], NUM_ITERS, tuple(both))
+    over = ["modules.vision.parallel.tensor=2", "modules.language.parallel.tensor=2", *both]
+    (results,) = run_groups([(2, engine_run, (over, NUM_ITERS, llava["config"]), {})],
+                            timeout_s=300)
+    merged = check_layout_run("colocated vision TP 2 + language TP 2", results, ref)
+    tower = [n for n in ref.weights if ".vision.encoder." in n]
+    assert tower and all(is_lora_parameter(n) for n in tower)
+    for name, want in ref.weights.items():
+        err = float((merged[name].reshape(want.shape) - want).norm() / want.norm())
+        assert err <= 1e-4, f"{name}: relative error {err}"
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_a_qwen_vl_folder_with_adapters_equals_peft(family: str, tmp_path: Path) -> None:
+    """Adapters on a Qwen-VL language model (M-RoPE; Qwen3-VL's DeepStack added between
+    adapted layers), images of several sizes, the tower's patch merger trained."""
+    from tests.qwen_vl import QWEN_FAMILY, save_qwen_folder, write_qwen_config
+
+    save_qwen_folder(tmp_path / "folder", family, 3)
+    config = write_qwen_config(tmp_path, tmp_path / "folder", 256, 10)
+    trained = _check_against_peft(config, list(RECIPE), QWEN_FAMILY)
+    assert any(".merger." in n for n in trained)
+    assert sum(is_lora_parameter(n) for n in trained) == 2 * 7 * 3  # 3 language layers
+
+
 @pytest.mark.parametrize(("overrides", "message"), [
     (["modules.language.lora.rank=-1"], r"modules.language.lora.rank=-1 is invalid"),
     (["modules.language.lora.rank=4", "modules.language.lora.alpha=0"],
@@ -148,17 +215,26 @@ def test_layouts_train_like_a_plain_loop_on_transformers_with_peft(llava: dict[s
     (["modules.language.lora.rank=4", "modules.language.lora.dropout=0.1",
       "modules.language.parallel.tensor=2", "modules.language.parallel.rank_offset=1"],
      r"tensor-parallel ranks would drop different inputs"),
+    (["modules.language.lora.rank=4", "modules.language.parallel.tensor=2",
+      "modules.language.parallel.data=2", "modules.language.parallel.fsdp=true",
+      "modules.language.parallel.rank_offset=1"],
+     r"not supported with modules.language.parallel.fsdp = true and parallel.tensor > 1"),
     (["modules.language.lora.rank=4", "modules.language.lora.targets=['attn.wqq']"],
      r"modules.language.lora.targets \['attn.wqq'\] match no linear layer"),
-    (["modules.language.lora.rank=4", "modules.language.parallel.data=2",
-      "modules.language.parallel.fsdp=true", "modules.language.parallel.rank_offset=1"],
-     r"not supported with modules.language.parallel.fsdp = true"),
 ])
 def test_a_table_that_cannot_run_is_one_line(llava: dict[str, Path], overrides: list[str],
                                              message: str) -> None:
     with pytest.raises(ValueError, match=message) as err:
         check_layout(load_config(llava["config"], overrides))
     assert "\n" not in str(err.value)
+
+
+def test_interleaving_is_refused_with_adapters() -> None:
+    over = [*SMALL_MODEL, *noncolocated({}, {}, {"pipeline": 2, "virtual_pipeline": 2}),
+            "modules.language.num_layers=4", "modules.language.lora.rank=2"]
+    with pytest.raises(ValueError, match=r"not supported with modules.language.parallel."
+                                         r"virtual_pipeline > 1"):
+        load_config(DIGITS, over)
 
 
 def test_targets_choose_the_layers(llava: dict[str, Path]) -> None:

@@ -114,9 +114,12 @@ def with_base(tensors: Mapping[str, Any], run_config: Mapping[str, Any]) -> dict
     from mimotron.data.run_data import build_tokenizer
     from mimotron.models.build import build_module, module_prefix
 
+    out = dict(tensors)
+    modules = run_config.get("modules") or {}
+    if not any((m.get("lora") or {}).get("rank", 0) for m in modules.values()):
+        return out  # no adapters: the run config is not even rebuilt
     cfg = config_from_dict(dict(run_config))
     names = [n for n in cfg.modules if adapters_only(cfg, n)]
-    out = dict(tensors)
     if not names:
         return out
     vocab = padded_vocab_size(build_tokenizer(cfg).vocab_size)  # as training sized it

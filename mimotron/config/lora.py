@@ -66,8 +66,10 @@ def check_lora(name: str, lora: LoraConfig, mod: Any) -> None:
         raise ValueError(f"{where}.dropout={lora.dropout} is not supported with modules."
                          f"{name}.parallel.tensor={par.tensor}: tensor-parallel ranks would "
                          "drop different inputs; use dropout = 0")
-    unsupported = [(par.fsdp, "parallel.fsdp = true"), (mod.num_experts > 0, "num_experts > 0"),
-                   (par.expert > 1, "parallel.expert > 1")]
+    unsupported = [(mod.num_experts > 0, "num_experts > 0"),
+                   (par.fsdp and par.tensor > 1, "parallel.fsdp = true and parallel.tensor > 1"),
+                   (par.expert > 1, "parallel.expert > 1"),
+                   (par.virtual_pipeline > 1, "parallel.virtual_pipeline > 1")]
     for bad, what in unsupported:
         if bad:
             raise ValueError(f"{where}.rank={lora.rank} is not supported with modules.{name}."

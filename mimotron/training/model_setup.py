@@ -33,7 +33,7 @@ from mimotron.config.schema import MimoConfig
 from mimotron.models.build import build_module, load_hf_module, module_prefix
 from mimotron.models.freeze import freeze_part
 from mimotron.models.init import init_parameters_
-from mimotron.models.lora import attach_lora, hold_base_in
+from mimotron.models.lora import attach_lora, freeze_for_lora, hold_base_in
 from mimotron.models.mimo import MimoModel, module_part
 from mimotron.models.recompute import apply_recompute
 from mimotron.names import LANGUAGE
@@ -88,9 +88,7 @@ def build_rank_model(cfg: MimoConfig, infra: MimoModelInfra, vocab_size: int,
             apply_tensor_parallel(parts[name], mesh, name == LANGUAGE,
                                   mod.parallel.sequence_parallel)
         if mod.lora.rank:  # after the TP plan, which must not see the adapters
-            attach_lora(parts[name], mod.lora, cfg.train.seed, module_prefix(cfg, name))
-            if mesh is not None:
-                shard_lora(parts[name], mesh, name == LANGUAGE and mod.parallel.sequence_parallel)
+            _adapt(parts[name], cfg, name, mesh)
         if mod.parallel.expert > 1 or mod.parallel.expert_tensor > 1:  # never with hf_path
             apply_expert_parallel(parts[name], infra, name, device,
                                   mod.parallel.expert_tensor > 1)
@@ -109,13 +107,21 @@ def build_rank_model(cfg: MimoConfig, infra: MimoModelInfra, vocab_size: int,
     model.deepstack = deepstack_source(cfg)
     model.adapters_only = adapters_only_prefixes(cfg)
     freeze_modules(model, cfg)
-    if cfg.train.precision != "fp32":  # a LoRA module's frozen base: once, in 16 bits
-        dtype = compute_dtype(cfg.train.precision)
-        for name, mod in cfg.modules.items():
-            part = module_part(model, name)
-            if mod.lora.rank and part is not None:
-                hold_base_in(part, dtype, embedding=not cfg.train.fp32_residual_connection)
     return model
+
+
+def _adapt(part: nn.Module, cfg: MimoConfig, name: str, mesh: DeviceMesh | None) -> None:
+    """LoRA adapters on a module part: attached, sharded with its TP layers, the rest of
+    the part frozen and, under bf16 / fp16, held once in the compute dtype (before FSDP2
+    takes the parameters over)."""
+    mod = cfg.modules[name]
+    attach_lora(part, mod.lora, cfg.train.seed, module_prefix(cfg, name))
+    if mesh is not None:
+        shard_lora(part, mesh, name == LANGUAGE and mod.parallel.sequence_parallel)
+    freeze_for_lora(part)
+    if cfg.train.precision != "fp32":
+        hold_base_in(part, compute_dtype(cfg.train.precision),
+                     embedding=not cfg.train.fp32_residual_connection)
 
 
 def _agree_on_folders(refused: list[str]) -> None:
