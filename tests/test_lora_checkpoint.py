@@ -9,13 +9,17 @@ line naming both; the folder fingerprint sees a changed byte and not a copy.
 
 from __future__ import annotations
 
+import math
 import shutil
 from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from mimotron.checkpoint import read_full_model
+from mimotron.checkpoint.files import read_manifest
+from mimotron.checkpoint.load import read_metadata
 from mimotron.checkpoint.lora_base import BASE_KEY, folder_fingerprint
 from mimotron.forked_ranks import RankError, run_ranks
 from mimotron.models.lora import is_lora_parameter
@@ -112,3 +116,26 @@ def test_resume_against_another_base_is_one_line(straight: dict, llava: dict, tm
     assert f"modules.language.hf_path={str(other)!r} holds another" in message, message
     after = {f.name: f.read_bytes() for f in sorted((straight["ckpt"] / "iter_0000006").iterdir())}
     assert after == before  # nothing saved is touched
+
+
+def test_the_checkpoint_is_smaller_than_a_full_one_by_the_base(straight: dict, llava: dict,
+                                                               tmp_path: Path) -> None:
+    """The same run with the language model trained in full: its checkpoint holds the
+    language weights and two Adam moments (12 bytes a parameter) where the LoRA one holds
+    the adapters'."""
+    _run(llava["config"], tmp_path, ["checkpoint.interval=6", "modules.language.lora.rank=0"])
+    stored, files, count = {}, {}, {}
+    for label, root in (("adapters", straight["ckpt"]), ("full", tmp_path / "ckpt")):
+        path = root / "iter_0000006"
+        saved = read_metadata(path, read_manifest(path)).state_dict_metadata
+        stored[label] = sum(math.prod(m.size) * m.properties.dtype.itemsize
+                            for m in saved.values() if isinstance(m, TensorStorageMetadata))
+        files[label] = sum(f.stat().st_size for f in path.iterdir())
+        tensors, _ = read_full_model(root, base=False)
+        count[label] = sum(t.numel() for n, t in tensors.items() if n.startswith("language_model."))
+    # fp32 weights and two Adam moments: 12 bytes a parameter (and a step count each).
+    difference = 12 * (count["full"] - count["adapters"])
+    assert stored["full"] - stored["adapters"] == pytest.approx(difference, rel=1e-3), stored
+    print(f"checkpoint tensors: {stored['adapters']} bytes with adapters only, "
+          f"{stored['full']} trained in full ({count['adapters']} vs {count['full']} language "
+          f"parameters; files {files['adapters']} vs {files['full']} bytes)")
