@@ -30,6 +30,7 @@ from mimotron.forked_ranks import run_groups
 from mimotron.models.build import build_mimo_model
 from mimotron.models.lora import is_lora_parameter
 from mimotron.parallel.layout import check_layout
+from tests.common import BASE as BASE_DIGITS
 from tests.common import DIGITS, SMALL_MODEL, noncolocated
 from tests.hf_vlm import (
     LLAVA,
@@ -229,12 +230,65 @@ def test_a_table_that_cannot_run_is_one_line(llava: dict[str, Path], overrides: 
     assert "\n" not in str(err.value)
 
 
+def test_adapters_on_a_tower_only_folder_are_refused(tmp_path: Path) -> None:
+    """Its projector would start random and stay frozen (a CLIP folder per module)."""
+    from tests.hf_models import hf_overrides, save_models
+
+    over = [*BASE_DIGITS, *hf_overrides(save_models(tmp_path)), "modules.vision.lora.rank=2"]
+    with pytest.raises(ValueError, match=r"modules.vision.lora.rank=2: modules.vision.hf_path="
+                                         r".* holds the tower only"):
+        load_config(DIGITS, over)
+    load_config(DIGITS, [*over, "modules.vision.lora.rank=0", "modules.language.lora.rank=2"])
+
+
 def test_interleaving_is_refused_with_adapters() -> None:
     over = [*SMALL_MODEL, *noncolocated({}, {}, {"pipeline": 2, "virtual_pipeline": 2}),
             "modules.language.num_layers=4", "modules.language.lora.rank=2"]
     with pytest.raises(ValueError, match=r"not supported with modules.language.parallel."
                                          r"virtual_pipeline > 1"):
         load_config(DIGITS, over)
+
+
+def test_a_layer_by_index_and_the_tower_defaults_are_targets(llava: dict[str, Path]) -> None:
+    cfg = load_config(llava["config"], ["modules.language.lora.rank=2",
+                                        "modules.language.lora.targets=['layers.1.attn.wq']",
+                                        "modules.vision.lora.rank=2"])
+    check_layout(cfg)  # the index names a layer; the tower has its own default names
+    model = build_mimo_model(cfg, 300, {"vision": 1})
+    adapted = {n.rsplit(".", 1)[0] for n, _ in model.named_parameters() if is_lora_parameter(n)}
+    assert {n for n in adapted if n.startswith("language_model.")} == {
+        "language_model.layers.1.attn.wq"}
+    assert "modality_submodules.vision.encoder.layers.0.mlp.w2" in adapted
+
+
+def test_a_tied_head_stays_tied_when_the_embedding_stays_fp32() -> None:
+    from torch import nn
+
+    from mimotron.models.lora import hold_base_in
+
+    embed, head = nn.Embedding(10, 4), nn.Linear(4, 10, bias=False)
+    head.weight = embed.weight
+    part = nn.ModuleDict({"embed": embed, "head": head, "mlp": nn.Linear(4, 4)})
+    part.requires_grad_(False)
+    assert hold_base_in(part, torch.bfloat16, embedding=False) == 2  # the MLP's weight, bias
+    assert part["head"].weight is part["embed"].weight
+    assert part["embed"].weight.dtype == torch.float32
+    assert part["mlp"].weight.dtype == torch.bfloat16
+
+
+def test_one_tp_rank_holds_the_split_matrix_of_each_adapter_and_the_other_whole(
+        llava: dict[str, Path]) -> None:
+    from mimotron.models.lora import adapter_parameter_count
+
+    cfg = load_config(llava["config"], ["modules.language.lora.rank=2",
+                                        "modules.language.lora.targets=['attn.wq', 'mlp.w2']"])
+    part = build_mimo_model(cfg, 300, {"vision": 1}).language_model
+    wq, w2 = part.layers["0"].attn.wq, part.layers["0"].mlp.w2
+    layers = cfg.modules["language"].num_layers
+    # wq column-parallel: A [2, in] whole, B [out/2, 2]; w2 row-parallel: A [2, in/2], B whole.
+    want = layers * 2 * (wq.in_features + wq.out_features // 2
+                         + w2.in_features // 2 + w2.out_features)
+    assert adapter_parameter_count(part, cfg.modules["language"].lora, tensor=2) == want
 
 
 def test_targets_choose_the_layers(llava: dict[str, Path]) -> None:

@@ -14,6 +14,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -139,3 +140,64 @@ def test_the_checkpoint_is_smaller_than_a_full_one_by_the_base(straight: dict, l
     print(f"checkpoint tensors: {stored['adapters']} bytes with adapters only, "
           f"{stored['full']} trained in full ({count['adapters']} vs {count['full']} language "
           f"parameters; files {files['adapters']} vs {files['full']} bytes)")
+
+
+def test_resume_under_another_lora_table_is_one_line(straight: dict, llava: dict,
+                                                     tmp_path: Path) -> None:
+    """A new alpha would rescale the trained adapters; fewer targets would drop some."""
+    for change in ("modules.language.lora.alpha=16.0",
+                   "modules.language.lora.targets=['attn.wq']"):
+        with pytest.raises(RankError) as err:
+            run_ranks(2, train, [*RECIPE, change, "train.iters=8",
+                                 f"log.dir='{tmp_path / 'run'}'",
+                                 f"checkpoint.load='{straight['ckpt']}'"],
+                      timeout_s=240, config=llava["config"])
+        assert "adapters resume only under the table they were trained with" in str(err.value)
+
+
+def test_a_fingerprint_sees_one_value_changed_inside_the_file(llava: dict, tmp_path: Path
+                                                              ) -> None:
+    copy = tmp_path / "copy"
+    shutil.copytree(llava["folder"], copy)
+    file = copy / "model.safetensors"
+    tensors = load_file(str(file))
+    middle = sorted(tensors)[len(tensors) // 2]
+    tensors[middle] = tensors[middle].clone()
+    tensors[middle].view(-1)[0] += 1.0
+    save_file(tensors, str(file), metadata={"format": "pt"})
+    assert folder_fingerprint(copy) != folder_fingerprint(llava["folder"])
+
+
+def test_exports_and_generate_refuse_a_base_that_changed(llava: dict, tmp_path: Path) -> None:
+    from mimotron.generate import Generator
+
+    folder = tmp_path / "base"
+    shutil.copytree(llava["folder"], folder)
+    config = tmp_path / "run.toml"
+    config.write_text(llava["config"].read_text().replace(str(llava["folder"]), str(folder)))
+    _run(config, tmp_path / "run", ["checkpoint.interval=2", "train.iters=2"])
+    ckpt = tmp_path / "run" / "ckpt"
+    read_full_model(ckpt)  # the base as trained: fine
+    _changed_copy(llava["folder"], tmp_path / "changed")
+    shutil.copy(tmp_path / "changed" / "model.safetensors", folder / "model.safetensors")
+    for load in (lambda: read_full_model(ckpt), lambda: Generator.from_path(ckpt, device="cpu")):
+        with pytest.raises(ValueError, match=r"adapters were trained on the base in .* which "
+                                             r"now holds another"):
+            load()
+
+
+def test_a_lora_run_starts_from_a_checkpoint_trained_without_adapters(llava: dict,
+                                                                      tmp_path: Path) -> None:
+    """LLaVA stage 1 (full) -> stage 2 (LoRA) through checkpoint.pretrained: the adapters
+    start fresh on the loaded weights, which stay as loaded; the whole model is saved."""
+    _run(llava["config"], tmp_path / "full", ["checkpoint.interval=2", "train.iters=2",
+                                              "modules.language.lora.rank=0"])
+    _run(llava["config"], tmp_path / "lora", [
+        "checkpoint.interval=2", "train.iters=2",
+        f"checkpoint.pretrained='{tmp_path / 'full' / 'ckpt'}'"])
+    before, _ = read_full_model(tmp_path / "full" / "ckpt")
+    after, meta = read_full_model(tmp_path / "lora" / "ckpt", base=False)
+    assert BASE_KEY not in meta  # its base is the pretrained run's: saved whole
+    base = [n for n in after if n.startswith("language_model.") and not is_lora_parameter(n)]
+    assert base and all(torch.equal(after[n], before[n]) for n in base)
+    assert any(is_lora_parameter(n) for n in after)

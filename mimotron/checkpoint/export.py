@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from mimotron.checkpoint.export_folder import ExportFolder
 from mimotron.checkpoint.files import CheckpointError, read_manifest, resolve_checkpoint
 from mimotron.checkpoint.load import SafeLoadPlanner, read_metadata, verify_share
-from mimotron.checkpoint.lora_base import with_base
+from mimotron.checkpoint.lora_base import BASE_KEY, with_base
 from mimotron.checkpoint.safe_metadata import SafeFileSystemReader
 from mimotron.checkpoint.state import META, MODEL
 from mimotron.config.hf_files import read_safetensors
@@ -103,7 +103,7 @@ def read_full_model(
             template[key] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
     _dcp_read(path, template)
     tensors = {k[len(MODEL) :]: v for k, v in template.items()}
-    return (with_base(tensors, meta["config"]) if base else tensors), meta
+    return (with_base(tensors, meta["config"], meta.get(BASE_KEY)) if base else tensors), meta
 
 
 def _dcp_read(path: Path, template: dict[str, Any]) -> None:

@@ -23,19 +23,19 @@ from pathlib import Path
 from typing import Any
 
 from mimotron.config.hf_folder import tensor_files
+from mimotron.config.lora import base_in_folder
 
 __all__ = ["BASE_KEY", "adapters_only", "adapters_only_prefixes", "base_record", "check_base",
-           "folder_fingerprint", "with_base"]
+           "check_folder_bases", "folder_fingerprint", "with_base"]
 
 BASE_KEY = "lora_base"
 """Key of the checkpoint's ``meta``: ``{module: {"folder": ..., "fingerprint": ...}}``."""
-_SAMPLED = 1 << 20  # bytes hashed at each end of a weight file's data
+_SAMPLED = 256  # bytes hashed at each end of every tensor's data
 
 
 def adapters_only(cfg: Any, name: str) -> bool:
     """Whether module ``name`` checkpoints its adapters only (module docs)."""
-    mod = cfg.modules[name]
-    return bool(mod.lora.rank and mod.hf_path and not cfg.checkpoint.pretrained)
+    return base_in_folder(cfg, name)
 
 
 def adapters_only_prefixes(cfg: Any) -> tuple[str, ...]:
@@ -46,24 +46,28 @@ def adapters_only_prefixes(cfg: Any) -> tuple[str, ...]:
 
 
 def folder_fingerprint(folder: str | Path) -> str:
-    """A digest of a folder's weights: each safetensors file's name, size, header (every
-    tensor's name, dtype, shape and offsets) and the first and last MiB of its data.
+    """A digest of a folder's weights: each safetensors file's name, size and header
+    (every tensor's name, dtype, shape and offsets), and the first and last
+    :data:`_SAMPLED` bytes of every tensor's data.
 
-    Cheap at any size (no full read), and it changes with any re-saved, re-cast,
-    re-shaped or fine-tuned checkpoint, whose bytes at the ends of its files differ.
+    Cheap at any size (a few hundred small reads, no full read), and it changes with a
+    re-saved, re-cast or re-shaped checkpoint and with one whose tensors were trained
+    (a trained tensor changes throughout, its ends included); a change confined to the
+    middle of a tensor passes unseen.
     """
     digest = hashlib.sha256()
     for file in sorted(set(tensor_files(folder).values())):
-        size = file.stat().st_size
         with open(file, "rb") as handle:
             head_len = int.from_bytes(handle.read(8), "little")
             header = handle.read(head_len)
-            first = handle.read(_SAMPLED)
-            handle.seek(max(8 + head_len, size - _SAMPLED))
-            last = handle.read(_SAMPLED)
-        digest.update(json.dumps([file.name, size]).encode())
-        for part in (header, first, last):
-            digest.update(len(part).to_bytes(8, "little") + part)
+            digest.update(json.dumps([file.name, file.stat().st_size]).encode())
+            digest.update(len(header).to_bytes(8, "little") + header)
+            entries = json.loads(header)
+            for name in sorted(n for n in entries if n != "__metadata__"):
+                begin, end = (8 + head_len + o for o in entries[name]["data_offsets"])
+                for start in sorted({begin, max(begin, end - _SAMPLED)}):
+                    handle.seek(start)
+                    digest.update(handle.read(min(_SAMPLED, end - start)))
     return digest.hexdigest()[:16]
 
 
@@ -83,9 +87,12 @@ def check_base(meta: Mapping[str, Any], cfg: Any, path: str | Path) -> None:
         path: the checkpoint, for the message.
 
     Raises:
-        ValueError: a module's base folder differs in content (fingerprint) from the one
-            the adapters were trained on, or one side keeps its base and the other not.
+        ValueError: a module's ``[lora]`` table (rank, alpha, targets) differs from the
+            one the checkpoint was trained with, its base folder differs in content
+            (fingerprint) from the one the adapters were trained on, or one side keeps
+            its base and the other not.
     """
+    _check_tables(meta, cfg, path)
     saved = meta.get(BASE_KEY) or {}
     here = base_record(cfg)
     for name in sorted(set(saved) | set(here)):
@@ -105,10 +112,42 @@ def check_base(meta: Mapping[str, Any], cfg: Any, path: str | Path) -> None:
                 f"{now['fingerprint']}); point hf_path at the base they were trained on")
 
 
-def with_base(tensors: Mapping[str, Any], run_config: Mapping[str, Any]) -> dict[str, Any]:
+def _check_tables(meta: Mapping[str, Any], cfg: Any, path: str | Path) -> None:
+    """Adapters resume only under the table that shaped and scaled them."""
+    saved_modules = (meta.get("config") or {}).get("modules") or {}
+    for name, mod in cfg.modules.items():
+        then = (saved_modules.get(name) or {}).get("lora") or {"rank": 0}
+        now = {"rank": mod.lora.rank, "alpha": mod.lora.alpha, "targets": list(mod.lora.targets)}
+        if not then.get("rank") and not now["rank"]:
+            continue
+        then = {k: then.get(k) for k in now}
+        if then != now:
+            raise ValueError(f"checkpoint {path}: modules.{name}.lora was {then} when it was "
+                             f"saved, and is {now} now; adapters resume only under the table "
+                             "they were trained with")
+
+
+def check_folder_bases(record: Mapping[str, Any] | None, where: str) -> None:
+    """Refuse to put saved adapters on a folder whose base changed since (exports,
+    ``generate``): each recorded module's folder must still hold its fingerprint.
+
+    Raises:
+        ValueError: one line naming the folder and both fingerprints.
+    """
+    for name, saved in (record or {}).items():
+        now = folder_fingerprint(saved["folder"])
+        if now != saved["fingerprint"]:
+            raise ValueError(f"{where}: module {name!r}'s adapters were trained on the base in "
+                             f"{saved['folder']!r} (fingerprint {saved['fingerprint']}), which "
+                             f"now holds another (fingerprint {now})")
+
+
+def with_base(tensors: Mapping[str, Any], run_config: Mapping[str, Any],
+              record: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """A checkpoint's full-shape model tensors with the base of every module that
     checkpointed its adapters only read back from its folder, as training built it (one
-    process; the exports read this)."""
+    process; the exports read this). ``record``: the checkpoint's :data:`BASE_KEY`, which
+    the folders must still match (:func:`check_folder_bases`)."""
     from mimotron.config.load import config_from_dict
     from mimotron.config.vocab_size import padded_vocab_size
     from mimotron.data.run_data import build_tokenizer
@@ -122,6 +161,7 @@ def with_base(tensors: Mapping[str, Any], run_config: Mapping[str, Any]) -> dict
     names = [n for n in cfg.modules if adapters_only(cfg, n)]
     if not names:
         return out
+    check_folder_bases(record, "export")
     vocab = padded_vocab_size(build_tokenizer(cfg).vocab_size)  # as training sized it
     for name in names:
         part = build_module(cfg, name, vocab)  # reads the folder

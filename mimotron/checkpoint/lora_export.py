@@ -19,10 +19,13 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from mimotron.checkpoint.export import read_full_model, split_by_module
+from mimotron.checkpoint.export import read_full_model
 from mimotron.checkpoint.export_folder import ExportFolder
+from mimotron.checkpoint.files import read_manifest, resolve_checkpoint
 from mimotron.checkpoint.hf_export import check_hf_folder, family_of, hf_paths, set_file_modes
+from mimotron.checkpoint.load import read_metadata
 from mimotron.checkpoint.lora_merge import lora_tables, module_prefix_of
+from mimotron.checkpoint.state import OPTIMIZER
 from mimotron.checkpoint.vlm_export import joined_weight_map, vlm_folder
 from mimotron.config.hf_folder import read_hf_config
 from mimotron.models.lora import LORA_PARAMS
@@ -113,7 +116,7 @@ def export_peft(checkpoint: str | Path, out_dir: str | Path) -> dict[str, Path]:
 
     tensors, meta = read_full_model(checkpoint, check_meta=check, base=False)
     adapters = {n: t for n, t in tensors.items() if n.rsplit(".", 1)[-1] in LORA_PARAMS}
-    saved = _trained_in_full(tensors, meta["config"], found["module"])
+    saved = _trained_in_full(checkpoint)
     names = _hf_names(found["folder"], found["vision"],
                       [f"{n.rsplit('.', 1)[0]}.weight" for n in adapters] + sorted(saved))
     weights, targets = {}, set()
@@ -141,16 +144,18 @@ def export_peft(checkpoint: str | Path, out_dir: str | Path) -> dict[str, Path]:
     return {"adapter": target.root}
 
 
-def _trained_in_full(tensors: Mapping[str, torch.Tensor], run_config: Mapping[str, Any],
-                     adapted: str) -> set[str]:
-    """The tensors of modules that trained without adapters and are not frozen: a
-    projector (``freeze = "encoder"``) or a whole module."""
+def _trained_in_full(checkpoint: str | Path) -> set[str]:
+    """The parameters (names inside ``MimoModel``) that trained without adapters: those
+    with optimizer state in the checkpoint and not an adapter's (a projector, Qwen-VL's
+    patch mergers, a whole module)."""
+    path = resolve_checkpoint(checkpoint)
+    keys = read_metadata(path, read_manifest(path)).state_dict_metadata
     out = set()
-    for module, table in split_by_module(dict(tensors)).items():
-        mod = run_config["modules"][module]
-        if module == adapted or mod.get("freeze") is True:
+    for key in keys:
+        if not key.startswith(OPTIMIZER) or ".state." not in key:
             continue
-        frozen_tower = mod.get("freeze") == "encoder"
-        out |= {module_prefix_of(module) + n for n in table
-                if not (frozen_tower and n.startswith("encoder."))}
+        module, rest = key[len(OPTIMIZER):].split(".state.", 1)
+        name = rest.rsplit(".", 1)[0]  # drop the state's own key (exp_avg, step, ...)
+        if name.rsplit(".", 1)[-1] not in LORA_PARAMS:
+            out.add(module_prefix_of(module) + name)
     return out

@@ -61,6 +61,7 @@ from mimotron.checkpoint.state import (
     rederive_rng,
 )
 from mimotron.config.hf_files import open_safetensors
+from mimotron.models.lora import is_lora_parameter
 from mimotron.models.weight_checks import capped, dtype_problem, nonfinite_problem
 from mimotron.names import ENCODER_PREFIX, LANGUAGE, LANGUAGE_MODEL_PREFIX
 from mimotron.run_dir import MODULE_FILE, describe_pretrained, pretrained_source
@@ -163,7 +164,7 @@ def _load_checkpoint(path: Path, model: nn.Module, optimizer: MimoOptimizer,
     fresh_scalers = {n: i.loss_scaler.state_dict() for n, i in optimizer.module_infos.items()}
     req = build_load_request(model, optimizer, schedulers, global_state, metadata, False,
                              optimizer_state=ck.pretrained_optimizer,
-                             schedule=ck.pretrained_schedule)
+                             schedule=ck.pretrained_schedule, fresh_adapters=True)
     read_checkpoint(path, manifest, req, runtime.rank, process_group, metadata)
     meta, fresh = apply_loaded(req, optimizer, schedulers, global_state)
     _check_vocabulary(path, meta, global_state)
@@ -190,6 +191,9 @@ def _load_export(path: Path, model: nn.Module, optimizer: MimoOptimizer,
                  global_state: GlobalState, process_group: Any) -> None:
     """The export source: each rank copies its shards out of the full tensors."""
     targets = model_state(model, optimizer)  # ZeRO-1 16-bit modules: their fp32 masters
+    # LoRA adapters a model trained without them lacks keep their initial values.
+    targets = {k: v for k, v in targets.items()
+               if not (is_lora_parameter(k) and not _exported(path, k))}
     rank = global_state.runtime.rank
     problems = _check_export_tensors(path, targets)
     agree_on_problems([f"rank {rank}: {p}" for p in problems], str(path), process_group)
@@ -206,6 +210,16 @@ def _load_export(path: Path, model: nn.Module, optimizer: MimoOptimizer,
     # Every rank read the full tensors it holds, but not every rank holds each tensor.
     agree_on_problems(capped(nonfinite), str(path), process_group)
     optimizer.load_master_weights()  # casts the masters into 16-bit weights (collective)
+
+
+def _exported(path: Path, key: str) -> bool:
+    """Whether the export holds the ``model.<name>`` entry ``key`` (from a header)."""
+    ((module, names),) = _by_module({key: torch.empty(0)}).items()
+    file = path / MODULE_FILE.format(module)
+    if not file.is_file():
+        return False
+    with open_safetensors(file) as f:
+        return names[0][1] in set(f.keys())
 
 
 def _by_module(targets: dict[str, torch.Tensor]) -> dict[str, list[tuple[str, str]]]:

@@ -242,6 +242,7 @@ def build_load_request(
     restore_rng_state: bool,
     optimizer_state: bool = True,
     schedule: bool = True,
+    fresh_adapters: bool = False,
 ) -> LoadRequest:
     """The template for ``dcp.load`` on this rank, checked against the checkpoint's keys.
 
@@ -255,6 +256,8 @@ def build_load_request(
         optimizer_state: ask for the optimizer's entries; without them the optimizer is
             not touched (no state is materialised: it stays fresh).
         schedule: ask for the schedules (``meta``, holding the train state, always).
+        fresh_adapters: LoRA adapters the checkpoint lacks keep their initial values (a
+            new run's adapters on a model trained without them: ``checkpoint.pretrained``).
 
     Returns:
         The request; ``errors`` lists what does not fit (nothing has been read yet).
@@ -289,6 +292,10 @@ def build_load_request(
             # Generator states are byte tensors whose size only the checkpoint knows.
             size = tuple(md.size) if isinstance(md, TensorStorageMetadata) else (0,)
             req.state[f"{RNG}{rank}.{key}"] = torch.empty(size, dtype=torch.uint8)
+    if fresh_adapters:
+        for key in [k for k in req.state if k.startswith(MODEL) and k not in saved
+                    and is_lora_parameter(k)]:
+            del req.state[key]
     req.errors = _check_against(req.state, saved)
     return req
 

@@ -12,10 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["DEFAULT_TARGETS", "LoraConfig", "check_lora"]
+__all__ = ["DEFAULT_TARGETS", "LoraConfig", "base_in_folder", "check_lora"]
 
-DEFAULT_TARGETS = ("attn.wq", "attn.wk", "attn.wv", "attn.wo", "mlp.w1", "mlp.w2", "mlp.w3")
-"""Every linear layer of a transformer layer: the attention projections and the MLP."""
+DEFAULT_TARGETS = ("attn.*", "mlp.*")
+"""Every linear layer of a transformer layer: the attention projections and the MLP
+(``attn.wq/wk/wv/wo``, ``mlp.w1/w2/w3`` of a decoder; a tower's own names)."""
 
 
 @dataclass
@@ -31,20 +32,29 @@ class LoraConfig:
     """Dropout on the adapter's input (0 <= p < 1); needs ``parallel.tensor = 1``."""
     targets: list[str] = field(default_factory=lambda: list(DEFAULT_TARGETS))
     """Linear layers that get adapters, by name inside the module: an entry matches a
-    layer whose name ends with it after a dot (``attn.wq`` matches ``layers.3.attn.wq``),
-    or as a glob (``layers.1*.mlp.*``). Names are mimotron's (``attn.wq/wk/wv/wo``,
-    ``mlp.w1/w2/w3``; a projector's ``projector.fc1/fc2``); every entry must match a
-    linear layer."""
+    layer whose name ends with it after a dot, as a glob too (``attn.wq`` matches
+    ``layers.3.attn.wq``, ``mlp.*`` every MLP projection), or the whole name as a glob
+    (``layers.1*.mlp.*``). Names are mimotron's (``attn.wq/wk/wv/wo``, ``mlp.w1/w2/w3``;
+    a projector's ``projector.fc1/fc2``); every entry must match a linear layer."""
 
 
-def check_lora(name: str, lora: LoraConfig, mod: Any) -> None:
+def base_in_folder(cfg: Any, name: str) -> bool:
+    """Whether module ``name`` has adapters on a base that only its Hugging Face folder
+    holds (``hf_path``, no ``checkpoint.pretrained``): the base never changes, so the
+    checkpoints hold the adapters only and the base is held once in 16 bits."""
+    mod = cfg.modules[name]
+    return bool(mod.lora.rank and mod.hf_path and not cfg.checkpoint.pretrained)
+
+
+def check_lora(cfg: Any, name: str) -> None:
     """Raise one ``ValueError`` line for a ``[modules.<name>.lora]`` table that cannot run.
 
     Args:
+        cfg: the run config (sizes of Hugging Face modules filled in).
         name: the module.
-        lora: its table.
-        mod: its ``ModuleConfig``.
     """
+    mod = cfg.modules[name]
+    lora = mod.lora
     where = f"modules.{name}.lora"
     if lora.rank < 0:
         raise ValueError(f"{where}.rank={lora.rank} is invalid: expected >= 0 (0 = no adapters)")
@@ -74,4 +84,5 @@ def check_lora(name: str, lora: LoraConfig, mod: Any) -> None:
         if bad:
             raise ValueError(f"{where}.rank={lora.rank} is not supported with modules.{name}."
                              f"{what} yet; train the module in full or drop that option")
+
 

@@ -82,8 +82,10 @@ def validate_config(cfg: MimoConfig, hf: HFConfigs | None = None) -> MimoConfig:
     _validate_modules(cfg, hf)
     _validate_vlm_projector(cfg, hf)
     check_native_layout(cfg)
-    for name, mod in cfg.modules.items():
-        check_lora(name, mod.lora, mod)
+    for name in cfg.modules:
+        check_lora(cfg, name)
+        if cfg.modules[name].lora.rank:
+            _validate_lora_base(cfg, name, hf)
     _validate_train(cfg)
     _validate_optim(cfg.optimizer, "optimizer")
     _validate_scheduler(cfg.scheduler, "scheduler")
@@ -97,6 +99,20 @@ def validate_config(cfg: MimoConfig, hf: HFConfigs | None = None) -> MimoConfig:
     _validate_run_tables(cfg)
     check_limits(cfg, hf)  # Timeouts torch takes; a model size some machine could hold.
     return cfg
+
+
+def _validate_lora_base(cfg: Any, name: str, hf: HFConfigs) -> None:
+    """Adapters on an encoder loaded from a tower-only folder: its projector would start
+    random and stay frozen (a built-in module's base is the seed's, deterministic: the
+    tests' and demos' case)."""
+    mod = cfg.modules[name]
+    if cfg.checkpoint.pretrained or not mod.hf_path or not mod.is_encoder:
+        return
+    if not is_vlm_config(hf.read(mod.hf_path)):
+        raise ValueError(f"modules.{name}.lora.rank={mod.lora.rank}: modules.{name}.hf_path="
+                         f"{mod.hf_path!r} holds the tower only, so the projector would start "
+                         "random and stay frozen; train the projector first and load it with "
+                         "checkpoint.pretrained, or use a whole vision-language folder")
 
 
 def _validate_run_tables(cfg: MimoConfig) -> None:

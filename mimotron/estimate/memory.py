@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from mimotron.config.lora import base_in_folder
 from mimotron.config.moe_config import moe_options
 from mimotron.config.schema import MimoConfig, default_ffn_hidden_size
 from mimotron.config.vocab_size import model_vocab_size
@@ -103,12 +104,12 @@ def stage_trainable_counts(cfg: MimoConfig, name: str, vocab_size: int) -> list[
 
     All of :func:`stage_parameter_counts` for a trainable module, none for a frozen one,
     for an encoder whose tower is frozen its projector's (on the last stage), and for a
-    module with LoRA adapters the adapters'.
+    module with LoRA adapters the adapters' (already one TP rank's).
     """
     mod = cfg.modules[name]
     par = mod.parallel
-    if mod.lora.rank:
-        return [adapter_parameter_count(part, mod.lora)
+    if mod.lora.rank:  # one rank's: TP splits only one matrix of an adapter
+        return [adapter_parameter_count(part, mod.lora, par.tensor)
                 for part in _stage_parts(cfg, name, vocab_size)]
     if not mod.freeze:
         return stage_parameter_counts(cfg, name, vocab_size)
@@ -563,7 +564,7 @@ def estimate_memory(
     def memoised(count: Any, name: str) -> list[Any]:
         par, lora = cfg.modules[name].parallel, cfg.modules[name].lora
         key = (count.__name__, name, vocab_size, par.pipeline, par.virtual_pipeline,
-               tuple(par.layers_per_stage), lora.rank, tuple(lora.targets))
+               tuple(par.layers_per_stage), lora.rank, tuple(lora.targets), par.tensor)
         if key not in memo:
             memo[key] = count(cfg, name, vocab_size)
         return memo[key]
@@ -585,7 +586,7 @@ def estimate_memory(
                     activation_bytes(cfg, name, vocab_size, None, stage, layout)
             split = experts[name][stage] if experts[name] else None
             n = rank_parameter_count(cfg, name, counts[name][stage], split)
-            t = n if not (mod.freeze or mod.lora.rank) else (
+            t = trained[name][stage] if mod.lora.rank else n if not mod.freeze else (
                 0 if mod.fully_frozen else rank_parameter_count(cfg, name, trained[name][stage],
                                                                 split))
             est = _rank_estimate(cfg, name, stage, n, t, split, vocab_size)
@@ -624,7 +625,7 @@ def _rank_estimate(cfg: MimoConfig, name: str, stage: int, n: int, trained: int,
     masters = has_master_weights(cfg, name)
     weights = (trained * compute + (n - trained) * (master + compute) if masters
                else n * (master + compute))
-    if mod.lora.rank and compute:  # the frozen base held once in 16 bits (models/lora)
+    if compute and base_in_folder(cfg, name):  # the base held once in 16 bits (models/lora)
         weights = (trained * (compute if masters else master + compute)
                    + (n - trained) * compute)
     if mod.fully_frozen and mod.is_encoder:

@@ -42,7 +42,12 @@ from mimotron.checkpoint.files import CheckpointError, read_manifest, resolve_ch
 from mimotron.checkpoint.hf_export import RUN_CONFIG_FILE, TOWER_PREFIX
 from mimotron.checkpoint.llava_export import FORMAT as LLAVA_FORMAT
 from mimotron.checkpoint.load import SafeLoadPlanner, read_metadata, verify_share
-from mimotron.checkpoint.lora_base import adapters_only, adapters_only_prefixes
+from mimotron.checkpoint.lora_base import (
+    BASE_KEY,
+    adapters_only,
+    adapters_only_prefixes,
+    check_folder_bases,
+)
 from mimotron.checkpoint.safe_metadata import SafeFileSystemReader
 from mimotron.checkpoint.state import META, MODEL, model_state
 from mimotron.config.hf_files import read_safetensors
@@ -137,7 +142,10 @@ def find_source(path: str | Path) -> ModelSource:
         raise CheckpointError(f"cannot read {checkpoint}:\n  " + "\n  ".join(problems))
     box: dict[str, Any] = {META: ""}
     _dcp_read(checkpoint, box)
-    return ModelSource("checkpoint", checkpoint, json.loads(box[META])["config"])
+    meta = json.loads(box[META])
+    # Adapters saved without their base go onto the base they were trained on only.
+    check_folder_bases(meta.get(BASE_KEY), f"checkpoint {checkpoint}")
+    return ModelSource("checkpoint", checkpoint, meta["config"])
 
 
 def _refuse_llava_folder(path: Path) -> None:
@@ -213,7 +221,9 @@ def load_model(path: str | Path, device: str | torch.device | None = None) -> Lo
     from_folder = {n: source.kind == "hf-export" or (source.kind == "checkpoint"
                                                      and adapters_only(cfg, n))
                    for n in cfg.modules}
-    parts = {name: _build_part(cfg, name, vocab, target, from_folder[name])
+    # A --format hf export holds the adapters merged into the weights: none to attach.
+    parts = {name: _build_part(cfg, name, vocab, target, from_folder[name],
+                               adapters=source.kind != "hf-export")
              for name in cfg.modules}
     placeholders = {n: tokenizer.placeholder_id(cfg.modules[n].modality)
                     for n in cfg.encoder_names}
@@ -259,7 +269,7 @@ def _check_language(source: ModelSource) -> None:
 
 
 def _build_part(cfg: MimoConfig, name: str, vocab_size: int, device: torch.device,
-                from_folder: bool) -> nn.Module:
+                from_folder: bool, adapters: bool = True) -> nn.Module:
     """Module ``name`` whole on ``device``, its values still to be read.
 
     Built on the meta device and allocated without initialisation, unless its values
@@ -280,7 +290,7 @@ def _build_part(cfg: MimoConfig, name: str, vocab_size: int, device: torch.devic
         if getattr(part, "tie_word_embeddings", False):
             part.tie_weights()  # to_empty allocates each reference separately
     lora = cfg.modules[name].lora
-    if lora.rank:  # the run's adapters (their values from the checkpoint)
+    if lora.rank and adapters:  # the run's adapters (their values from the checkpoint)
         attach_lora(part, lora, cfg.train.seed, module_prefix(cfg, name))
     return part
 

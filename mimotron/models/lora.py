@@ -61,7 +61,8 @@ class LoraState:
 
 
 def _matches(name: str, target: str) -> bool:
-    return name == target or name.endswith("." + target) or fnmatch.fnmatchcase(name, target)
+    """``target`` names ``name``: its end after a dot, or the whole name, each as a glob."""
+    return fnmatch.fnmatchcase(name, target) or fnmatch.fnmatchcase(name, "*." + target)
 
 
 def lora_targets(part: nn.Module, targets: list[str]) -> dict[str, nn.Linear]:
@@ -70,12 +71,25 @@ def lora_targets(part: nn.Module, targets: list[str]) -> dict[str, nn.Linear]:
             if isinstance(m, nn.Linear) and any(_matches(n, t) for t in targets)}
 
 
-def adapter_parameter_count(part: nn.Module, lora: LoraConfig) -> int:
-    """Parameters the adapters of ``part`` would have (a meta-device part will do)."""
+# Layers the tensor-parallel plans split by output (column) and by input (row).
+_COLUMN = ("wq", "wk", "wv", "w1", "w3", "fc1", "output")
+_ROW = ("wo", "w2", "fc2")
+
+
+def adapter_parameter_count(part: nn.Module, lora: LoraConfig, tensor: int = 1) -> int:
+    """Parameters the adapters of ``part`` would have on one rank of a ``tensor``-way TP
+    group (a meta-device part will do): a column-parallel layer's ``B`` and a
+    row-parallel layer's ``A`` are split, their partners whole on every rank
+    (:mod:`mimotron.parallel.lora_tp`)."""
     if not lora.rank:
         return 0
-    return sum(lora.rank * (m.in_features + m.out_features)
-               for m in lora_targets(part, lora.targets).values())
+    total = 0
+    for name, m in lora_targets(part, lora.targets).items():
+        leaf = name.rsplit(".", 1)[-1]
+        split_in = tensor if leaf in _ROW else 1
+        split_out = tensor if leaf in _COLUMN else 1
+        total += lora.rank * (m.in_features // split_in + m.out_features // split_out)
+    return total
 
 
 def is_lora_parameter(name: str) -> bool:
@@ -146,12 +160,16 @@ def hold_base_in(part: nn.Module, dtype: torch.dtype, embedding: bool = True) ->
     shared. Norms keep their dtype (they compute in fp32).
     """
     kinds = (nn.Linear, nn.Embedding) if embedding else (nn.Linear,)
+    # A weight the embedding shares (tied head) stays as the embedding keeps it.
+    kept = set() if embedding else {id(p) for m in part.modules()
+                                     if isinstance(m, nn.Embedding) for p in m.parameters()}
     held: dict[int, nn.Parameter] = {}
     for module in part.modules():
         if not isinstance(module, kinds):
             continue
         for name, param in list(module.named_parameters(recurse=False)):
-            if param.requires_grad or not param.is_floating_point() or param.dtype == dtype:
+            if (param.requires_grad or not param.is_floating_point() or param.dtype == dtype
+                    or id(param) in kept):
                 continue
             if id(param) not in held:
                 held[id(param)] = nn.Parameter(param.detach().to(dtype), requires_grad=False)

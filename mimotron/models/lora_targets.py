@@ -1,12 +1,14 @@
 """That every ``[modules.<m>.lora] targets`` entry names a linear layer of its module.
 
-The names are the built module's, so the check builds one layer of it on the meta
-device (no memory, no weight read). It runs with the layout checks
+The names are the built module's, so the check builds it on the meta device (no memory,
+no weight read), every layer, so an entry may name layers by index. It runs with the layout checks
 (:func:`mimotron.parallel.layout.check_layout`), which ``mimotron plan`` and
 ``mimotron train`` run before any rank starts.
 """
 
 from __future__ import annotations
+
+import re
 
 import torch
 
@@ -28,10 +30,11 @@ def check_lora_targets(cfg: MimoConfig) -> None:
         if not lora.rank:
             continue
         with torch.device("meta"):
-            part = build_module(cfg, name, 64, layer_ids=[0], init=False)
+            part = build_module(cfg, name, 64, init=False)
         missing = [t for t in lora.targets if not lora_targets(part, [t])]
         if missing:
-            linear = sorted({n.split(".", 2)[-1] if n.startswith("layers.") else n
-                             for n, m in part.named_modules() if isinstance(m, torch.nn.Linear)})
+            # Each layer's names once, without its index (attn.wq, encoder.mlp.w1, ...).
+            linear = sorted({re.sub(r"layers\.\d+\.", "", n) for n, m in part.named_modules()
+                             if isinstance(m, torch.nn.Linear)})
             raise ValueError(f"modules.{name}.lora.targets {missing} match no linear layer of "
                              f"the module: expected names such as {linear}")

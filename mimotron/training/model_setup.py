@@ -28,6 +28,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from mimotron.checkpoint.lora_base import adapters_only_prefixes
+from mimotron.config.lora import base_in_folder
 from mimotron.config.native_vision import deepstack_source
 from mimotron.config.schema import MimoConfig
 from mimotron.models.build import build_module, load_hf_module, module_prefix
@@ -112,14 +113,16 @@ def build_rank_model(cfg: MimoConfig, infra: MimoModelInfra, vocab_size: int,
 
 def _adapt(part: nn.Module, cfg: MimoConfig, name: str, mesh: DeviceMesh | None) -> None:
     """LoRA adapters on a module part: attached, sharded with its TP layers, the rest of
-    the part frozen and, under bf16 / fp16, held once in the compute dtype (before FSDP2
-    takes the parameters over)."""
+    the part frozen and, under bf16 / fp16 with the base in its folder, held once in the
+    compute dtype (before FSDP2 takes the parameters over)."""
     mod = cfg.modules[name]
     attach_lora(part, mod.lora, cfg.train.seed, module_prefix(cfg, name))
     if mesh is not None:
         shard_lora(part, mesh, name == LANGUAGE and mod.parallel.sequence_parallel)
     freeze_for_lora(part)
-    if cfg.train.precision != "fp32":
+    # Only a base that no checkpoint holds: one that is saved stays fp32, as every saved
+    # weight is.
+    if cfg.train.precision != "fp32" and base_in_folder(cfg, name):
         hold_base_in(part, compute_dtype(cfg.train.precision),
                      embedding=not cfg.train.fp32_residual_connection)
 
