@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from mimotron.checkpoint import read_full_model
 from mimotron.config import load_config
 from mimotron.forked_ranks import run_groups
 from mimotron.models.build import build_mimo_model
@@ -373,3 +374,45 @@ def _mimotron_logits(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> 
         embeds = {n: model.encode(n, batch) for n in model.modality_submodules}
         hidden, visual = language_inputs(model, batch, embeds)
         return model.language_model(hidden, **visual)
+
+
+def test_a_qwen_vl_peft_export_carries_the_trained_mergers(tmp_path: Path) -> None:
+    """Qwen3-VL with its tower frozen and its patch mergers (the projector) training:
+    3 iterations, ``export --format peft``, PEFT on transformers' model gives mimotron's
+    loss; the mergers are in ``modules_to_save``."""
+    import json
+
+    import peft
+
+    from mimotron.cli.main import main as cli_main
+    from mimotron.data import build_datasets, collate
+    from mimotron.data.run_data import build_tokenizer
+    from mimotron.forked_ranks import run_ranks
+    from tests.parity import train
+    from tests.qwen_vl import QWEN_FAMILY, save_qwen_folder, write_qwen_config
+
+    save_qwen_folder(tmp_path / "folder", "qwen3_vl", 3)
+    config = write_qwen_config(tmp_path, tmp_path / "folder", 256, 3)
+    over = [*RECIPE, "checkpoint.interval=3", f"checkpoint.dir='{tmp_path / 'ckpt'}'"]
+    run_ranks(1, train, over, timeout_s=240, config=config)
+    assert cli_main(["export", "--format", "peft", str(tmp_path / "ckpt"),
+                     str(tmp_path / "peft")]) == 0
+    saved = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    assert any("visual.merger" in m for m in saved["modules_to_save"]), saved
+    assert any("deepstack_merger_list" in m for m in saved["modules_to_save"]), saved
+    cfg = load_config(config, over)
+    tokenizer = build_tokenizer(cfg)
+    model = build_mimo_model(cfg, tokenizer.vocab_size,
+                             {"vision": tokenizer.placeholder_id("image")})
+    tensors, _ = read_full_model(tmp_path / "ckpt")
+    model.load_state_dict(tensors, strict=True)
+    task, _ = build_datasets(cfg, tokenizer)
+    batch = collate(task.stream(cfg.train.seed).samples(24, 8), task.seq_length,
+                    pad_id=task.pad_id, image_shape=task.image_shape)
+    theirs = peft.PeftModel.from_pretrained(QWEN_FAMILY.load(cfg.hf_path), str(tmp_path / "peft"))
+    with torch.no_grad():
+        loss_sum, num_tokens, _ = model(batch)
+        want = QWEN_FAMILY.loss(theirs, batch)
+        untrained = QWEN_FAMILY.loss(QWEN_FAMILY.load(cfg.hf_path), batch)
+    assert float(loss_sum / num_tokens) == pytest.approx(float(want), rel=1e-5)
+    assert abs(float(want) - float(untrained)) > 1e-4  # what trained is in the export
