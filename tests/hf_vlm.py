@@ -249,6 +249,7 @@ def hf_reference_run(config: Path, num_iters: int, overrides: tuple[str, ...] = 
     from mimotron.data.run_data import build_tokenizer
     from mimotron.models.build import build_mimo_model
     from mimotron.models.lora import is_lora_parameter
+    from mimotron.names import module_prefix
     from tests.lora_reference import with_adapters
     from tests.reference import lr_at
 
@@ -265,8 +266,7 @@ def hf_reference_run(config: Path, num_iters: int, overrides: tuple[str, ...] = 
     if adapted:  # PEFT's adapters on transformers' model, holding mimotron's values
         (rank, alpha), = {(t.rank, t.alpha) for t in adapted.values()}  # one PEFT config
         model, name_of = with_adapters(model, built, rank, alpha, family.name_of)
-    prefixes = tuple("language_model." if m == "language" else f"modality_submodules.{m}."
-                     for m in adapted)
+    prefixes = tuple(module_prefix(m) for m in adapted)
     params = dict(model.named_parameters())
     frozen_tower = cfg.modules["vision"].freeze == "encoder"
     # A frozen tower: every encoder parameter but a Qwen-VL tower's patch mergers.

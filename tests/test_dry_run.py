@@ -50,6 +50,13 @@ CASES: dict[str, tuple[list[str], list[int] | None]] = {
                           [0, 1, 2]),
     # bf16 language stage links (their dtype follows the residual stream's on the device).
     "bf16-pp2": (noncolocated({}, {}, {"pipeline": 2}) + ["train.precision=bf16"], None),
+    # LoRA adapters on TP layers (a column's partial input gradient, a row's reduce-scatter
+    # under SP) across two pipeline stages, and colocated beside the encoders.
+    "lora-tp2-sp-pp2": (noncolocated({}, {}, {"tensor": 2, "pipeline": 2}) + SP
+                        + ["modules.language.lora.rank=4", "train.precision=bf16"], None),
+    "lora-colocated-tp2": (coloc({"tensor": 2, "data": 1}, {"tensor": 2, "data": 1},
+                                 {"tensor": 2, "data": 1})
+                           + ["modules.language.lora.rank=4"], [0]),
 }
 # Two steps where the second differs (optimizer state, the overlapped param gather).
 TWO_STEPS = ("noncolocated", "zero1-overlap")
@@ -59,6 +66,7 @@ TWO_STEPS = ("noncolocated", "zero1-overlap")
 DATA_SYNC_FILES = {"mimotron/pipeline/p2p.py"}
 MORE_DATA_SYNC_FILES: dict[str, set[str]] = {
     "tp2-sp": {"mimotron/models/language.py"},
+    "lora-tp2-sp-pp2": {"mimotron/models/language.py"},
     "cp2": {"mimotron/parallel/context_parallel.py", "mimotron/pipeline/communicator.py",
             "mimotron/training/language_step.py", "mimotron/models/language.py"},
 }

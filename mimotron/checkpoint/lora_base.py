@@ -22,10 +22,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from mimotron.checkpoint.lora_merge import lora_tables
 from mimotron.config.hf_folder import tensor_files
 from mimotron.config.lora import base_in_folder
+from mimotron.names import module_prefix
 
-__all__ = ["BASE_KEY", "adapters_only", "adapters_only_prefixes", "base_record", "check_base",
+__all__ = ["BASE_KEY", "adapters_only_prefixes", "base_record", "check_base",
            "check_folder_bases", "folder_fingerprint", "with_base"]
 
 BASE_KEY = "lora_base"
@@ -33,16 +35,10 @@ BASE_KEY = "lora_base"
 _SAMPLED = 256  # bytes hashed at each end of every tensor's data
 
 
-def adapters_only(cfg: Any, name: str) -> bool:
-    """Whether module ``name`` checkpoints its adapters only (module docs)."""
-    return base_in_folder(cfg, name)
-
-
 def adapters_only_prefixes(cfg: Any) -> tuple[str, ...]:
-    """The ``MimoModel`` parameter prefixes of the modules that checkpoint adapters only."""
-    from mimotron.models.build import module_prefix
-
-    return tuple(module_prefix(cfg, n) for n in cfg.modules if adapters_only(cfg, n))
+    """The ``MimoModel`` parameter prefixes of the modules that checkpoint adapters only
+    (:func:`~mimotron.config.lora.base_in_folder`)."""
+    return tuple(module_prefix(n) for n in cfg.modules if base_in_folder(cfg, n))
 
 
 def folder_fingerprint(folder: str | Path) -> str:
@@ -75,7 +71,7 @@ def base_record(cfg: Any) -> dict[str, dict[str, str]]:
     """``{module: {"folder", "fingerprint"}}`` of the modules that checkpoint adapters only."""
     return {n: {"folder": str(cfg.modules[n].hf_path),
                 "fingerprint": folder_fingerprint(cfg.modules[n].hf_path)}
-            for n in cfg.modules if adapters_only(cfg, n)}
+            for n in cfg.modules if base_in_folder(cfg, n)}
 
 
 def check_base(meta: Mapping[str, Any], cfg: Any, path: str | Path) -> None:
@@ -151,21 +147,20 @@ def with_base(tensors: Mapping[str, Any], run_config: Mapping[str, Any],
     from mimotron.config.load import config_from_dict
     from mimotron.config.vocab_size import padded_vocab_size
     from mimotron.data.run_data import build_tokenizer
-    from mimotron.models.build import build_module, module_prefix
+    from mimotron.models.build import build_module
 
     out = dict(tensors)
-    modules = run_config.get("modules") or {}
-    if not any((m.get("lora") or {}).get("rank", 0) for m in modules.values()):
+    if not lora_tables(run_config):
         return out  # no adapters: the run config is not even rebuilt
     cfg = config_from_dict(dict(run_config))
-    names = [n for n in cfg.modules if adapters_only(cfg, n)]
+    names = [n for n in cfg.modules if base_in_folder(cfg, n)]
     if not names:
         return out
     check_folder_bases(record, "export")
     vocab = padded_vocab_size(build_tokenizer(cfg).vocab_size)  # as training sized it
     for name in names:
         part = build_module(cfg, name, vocab)  # reads the folder
-        prefix = module_prefix(cfg, name)
+        prefix = module_prefix(name)
         for key, value in part.state_dict().items():
             out.setdefault(prefix + key, value)
     return out

@@ -24,12 +24,12 @@ from mimotron.checkpoint.export_folder import ExportFolder
 from mimotron.checkpoint.files import read_manifest, resolve_checkpoint
 from mimotron.checkpoint.hf_export import check_hf_folder, family_of, hf_paths, set_file_modes
 from mimotron.checkpoint.load import read_metadata
-from mimotron.checkpoint.lora_merge import lora_tables, module_prefix_of
+from mimotron.checkpoint.lora_merge import lora_tables
 from mimotron.checkpoint.state import OPTIMIZER
 from mimotron.checkpoint.vlm_export import joined_weight_map, vlm_folder
 from mimotron.config.hf_folder import read_hf_config
-from mimotron.models.lora import LORA_PARAMS
-from mimotron.names import LANGUAGE
+from mimotron.models.lora import is_lora_parameter
+from mimotron.names import LANGUAGE, module_prefix
 
 __all__ = ["ADAPTER_CONFIG", "ADAPTER_FILE", "export_peft"]
 
@@ -76,8 +76,8 @@ def _hf_names(folder: Path, vision: str | None, names: list[str]) -> dict[str, s
     for name in names:
         if name.startswith("language_model."):
             local = name[len("language_model."):]
-        elif vision is not None and name.startswith(module_prefix_of(vision)):
-            local = name[len(module_prefix_of(vision)):]
+        elif vision is not None and name.startswith(module_prefix(vision)):
+            local = name[len(module_prefix(vision)):]
         else:
             raise ValueError(f"export --format peft: {name} trained in a module that is not "
                              f"in the folder {str(folder)!r}; export with --format mimotron")
@@ -115,7 +115,7 @@ def export_peft(checkpoint: str | Path, out_dir: str | Path) -> dict[str, Path]:
         target.check(meta["config"])
 
     tensors, meta = read_full_model(checkpoint, check_meta=check, base=False)
-    adapters = {n: t for n, t in tensors.items() if n.rsplit(".", 1)[-1] in LORA_PARAMS}
+    adapters = {n: t for n, t in tensors.items() if is_lora_parameter(n)}
     saved = _trained_in_full(checkpoint)
     names = _hf_names(found["folder"], found["vision"],
                       [f"{n.rsplit('.', 1)[0]}.weight" for n in adapters] + sorted(saved))
@@ -156,6 +156,6 @@ def _trained_in_full(checkpoint: str | Path) -> set[str]:
             continue
         module, rest = key[len(OPTIMIZER):].split(".state.", 1)
         name = rest.rsplit(".", 1)[0]  # drop the state's own key (exp_avg, step, ...)
-        if name.rsplit(".", 1)[-1] not in LORA_PARAMS:
-            out.add(module_prefix_of(module) + name)
+        if not is_lora_parameter(name):
+            out.add(module_prefix(module) + name)
     return out

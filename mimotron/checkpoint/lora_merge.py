@@ -15,20 +15,15 @@ from typing import Any
 
 import torch
 
-from mimotron.names import LANGUAGE
+from mimotron.names import module_prefix
 
-__all__ = ["lora_tables", "merge_adapters", "module_prefix_of"]
+__all__ = ["lora_tables", "merge_adapters"]
 
 
 def lora_tables(run_config: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     """``module -> its [lora] table`` for each module of the run with adapters."""
     return {m: t["lora"] for m, t in run_config["modules"].items()
             if (t.get("lora") or {}).get("rank", 0) > 0}
-
-
-def module_prefix_of(module: str) -> str:
-    """A module's parameter prefix inside ``MimoModel``."""
-    return "language_model." if module == LANGUAGE else f"modality_submodules.{module}."
 
 
 def merge_adapters(tensors: Mapping[str, torch.Tensor], run_config: Mapping[str, Any]
@@ -38,7 +33,7 @@ def merge_adapters(tensors: Mapping[str, torch.Tensor], run_config: Mapping[str,
     out = dict(tensors)
     for module, table in lora_tables(run_config).items():
         scale = float(table["alpha"]) / int(table["rank"])
-        prefix = module_prefix_of(module)
+        prefix = module_prefix(module)
         for name in [n for n in out if n.startswith(prefix) and n.endswith(".lora_a")]:
             layer = name[:-len(".lora_a")]
             a, b = out.pop(name), out.pop(f"{layer}.lora_b")

@@ -42,16 +42,12 @@ from mimotron.checkpoint.files import CheckpointError, read_manifest, resolve_ch
 from mimotron.checkpoint.hf_export import RUN_CONFIG_FILE, TOWER_PREFIX
 from mimotron.checkpoint.llava_export import FORMAT as LLAVA_FORMAT
 from mimotron.checkpoint.load import SafeLoadPlanner, read_metadata, verify_share
-from mimotron.checkpoint.lora_base import (
-    BASE_KEY,
-    adapters_only,
-    adapters_only_prefixes,
-    check_folder_bases,
-)
+from mimotron.checkpoint.lora_base import BASE_KEY, adapters_only_prefixes, check_folder_bases
 from mimotron.checkpoint.safe_metadata import SafeFileSystemReader
 from mimotron.checkpoint.state import META, MODEL, model_state
 from mimotron.config.hf_files import read_safetensors
 from mimotron.config.load import config_from_dict
+from mimotron.config.lora import base_in_folder
 from mimotron.config.schema import MimoConfig
 from mimotron.config.vocab_size import padded_vocab_size
 from mimotron.data.hf_tokenizer import HFTokenizer
@@ -219,7 +215,7 @@ def load_model(path: str | Path, device: str | torch.device | None = None) -> Lo
     # A --format hf export holds the Hugging Face modules as folders: read from there; so
     # does a checkpoint of adapters only (checkpoint/lora_base) for those modules' base.
     from_folder = {n: source.kind == "hf-export" or (source.kind == "checkpoint"
-                                                     and adapters_only(cfg, n))
+                                                     and base_in_folder(cfg, n))
                    for n in cfg.modules}
     # A --format hf export holds the adapters merged into the weights: none to attach.
     parts = {name: _build_part(cfg, name, vocab, target, from_folder[name],
