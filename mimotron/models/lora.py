@@ -37,9 +37,11 @@ from torch import nn
 
 from mimotron.config.lora import LoraConfig
 from mimotron.models.init import parameter_seed
+from mimotron.parallel.tensor_parallel import COLUMN_WISE, ROW_WISE
 
 __all__ = ["LORA_PARAMS", "LoraState", "adapter_parameter_count", "attach_lora",
-           "freeze_for_lora", "hold_base_in", "is_lora_parameter", "lora_targets", "low_rank"]
+           "freeze_for_lora", "hold_base_in", "is_lora_parameter", "lora_targets", "low_rank",
+           "matches_target"]
 
 LORA_PARAMS = ("lora_a", "lora_b")
 """The names an adapter's parameters take on its linear layer."""
@@ -60,7 +62,7 @@ class LoraState:
     combine: Callable[[nn.Linear, torch.Tensor], torch.Tensor] | None = None
 
 
-def _matches(name: str, target: str) -> bool:
+def matches_target(name: str, target: str) -> bool:
     """``target`` names ``name``: its end after a dot, or the whole name, each as a glob."""
     return fnmatch.fnmatchcase(name, target) or fnmatch.fnmatchcase(name, "*." + target)
 
@@ -68,12 +70,7 @@ def _matches(name: str, target: str) -> bool:
 def lora_targets(part: nn.Module, targets: list[str]) -> dict[str, nn.Linear]:
     """The linear layers of ``part`` whose names match ``targets`` (see ``LoraConfig``)."""
     return {n: m for n, m in part.named_modules()
-            if isinstance(m, nn.Linear) and any(_matches(n, t) for t in targets)}
-
-
-# Layers the tensor-parallel plans split by output (column) and by input (row).
-_COLUMN = ("wq", "wk", "wv", "w1", "w3", "fc1", "output")
-_ROW = ("wo", "w2", "fc2")
+            if isinstance(m, nn.Linear) and any(matches_target(n, t) for t in targets)}
 
 
 def adapter_parameter_count(part: nn.Module, lora: LoraConfig, tensor: int = 1) -> int:
@@ -86,8 +83,8 @@ def adapter_parameter_count(part: nn.Module, lora: LoraConfig, tensor: int = 1) 
     total = 0
     for name, m in lora_targets(part, lora.targets).items():
         leaf = name.rsplit(".", 1)[-1]
-        split_in = tensor if leaf in _ROW else 1
-        split_out = tensor if leaf in _COLUMN else 1
+        split_in = tensor if leaf in ROW_WISE else 1
+        split_out = tensor if leaf in COLUMN_WISE else 1
         total += lora.rank * (m.in_features // split_in + m.out_features // split_out)
     return total
 

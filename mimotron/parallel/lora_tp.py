@@ -14,10 +14,10 @@ the one-process one:
 * **row-parallel** layer (``wo``, ``w2``, ``fc2``; weight ``Shard(1)``, input this rank's
   features, output summed over TP): ``A`` sharded like the weight (``Shard(1)``), its
   rank-``r`` activations ``A_t x_t`` summed over TP (``r`` values per position: the
-  adapter's only collective; its backward is the identity, the activations feeding
-  computation replicated on every rank), then ``B`` whole. Under sequence parallelism
-  the layer's output is this rank's chunk of the sequence; the update is cut the same
-  way, and ``B``'s gradient, from that chunk only, is marked like ``A``'s above.
+  adapter's only collective, an all-reduce), then ``B`` whole. Under sequence
+  parallelism the layer's output is this rank's chunk of the sequence: the sum is a
+  reduce-scatter into that chunk (its backward gathers the chunks' gradients), and
+  ``B``'s gradient, from the chunk only, is marked like ``A``'s above.
 
 Dropout on the adapter's input is refused with TP (the ranks would drop different
 inputs: :func:`~mimotron.config.lora.check_lora`).

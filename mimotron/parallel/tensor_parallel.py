@@ -38,6 +38,11 @@ from mimotron.parallel.vocab_embedding import ReplicatedSum, VocabParallelEmbedd
 # (projection, column-wise?) in the order the plan lists them.
 _PROJECTIONS = (("attn.wq", True), ("attn.wk", True), ("attn.wv", True), ("attn.wo", False),
                 ("mlp.w1", True), ("mlp.w3", True), ("mlp.w2", False))
+COLUMN_WISE = (*(p.rsplit(".", 1)[1] for p, column in _PROJECTIONS if column), "fc1", "output")
+"""The linear layers the plans split by output features (a projector's ``fc1``, the
+output head), by their names' last part."""
+ROW_WISE = (*(p.rsplit(".", 1)[1] for p, column in _PROJECTIONS if not column), "fc2")
+"""The linear layers the plans split by input features, by their names' last part."""
 
 
 def _block_plan(prefix: str, layers: nn.ModuleDict) -> dict[str, object]:
