@@ -134,18 +134,17 @@ class DeepStackLink:
                 for i, d in enumerate(dense)]
         return hidden, {"deepstack": rows, "visual_mask": mask}, dense
 
-    def stage_output(self, lm: nn.Module, batch: dict[str, torch.Tensor], out: torch.Tensor,
-                     visual: dict[str, Any], dense: list[torch.Tensor | None], chunk: int
-                     ) -> torch.Tensor:
+    def stage_output(self, lm: nn.Module, out: torch.Tensor, visual: dict[str, Any],
+                     dense: list[torch.Tensor | None], chunk: int) -> torch.Tensor:
         """A stage's output with the feature sets its output link carries appended:
-        passed on as received, or spread from the rows (the first stage's); zeros for
-        a micro-batch without visual positions."""
+        passed on as received, or spread from the rows (the first stage's) at the
+        visual positions the stage's input came with; zeros for a micro-batch without
+        visual positions."""
         extra = self.extras[(chunk, True)]
         if extra == 0:
             return out
-        rows = visual.get("deepstack") or []
-        mask = self._mask(batch)
-        held = lm.context_positions(mask.shape[1], torch.device("cpu"))
+        rows, mask = visual.get("deepstack") or [], visual.get("visual_mask")
+        held = None if mask is None else lm.context_positions(mask.shape[1], torch.device("cpu"))
         sets = []
         for i in range(self.num_deepstack - extra, self.num_deepstack):
             passed = dense[i] if i < len(dense) else None

@@ -284,7 +284,7 @@ class StageRunner:
             self._record_loss(k, self.ctx.language.loss(model, batch, out), chunk)
             return None
         if link is not None:
-            out = link.stage_output(lm, batch, out, visual, carried, chunk)
+            out = link.stage_output(lm, out, visual, carried, chunk)
         self._saved[(chunk, k)] = (received, out)
         return out
 
