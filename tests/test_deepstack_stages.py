@@ -98,7 +98,7 @@ def test_the_memory_estimate_counts_what_the_links_carry(qwen3: dict, over: list
         extras = link_extras(3, chunks or [layers])
         sets = sum(n for (j, down), n in extras.items() if down or (chunks or [layers])[j][0])
         assert sets > 0
-        assert deepstack_link_bytes_per_sample(cfg, "language", layers) == (
+        assert deepstack_link_bytes_per_sample(cfg, "language", chunks or [layers]) == (
             sets * positions * lm.hidden_size * 4), (over, stage)
 
 

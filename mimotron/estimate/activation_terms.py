@@ -36,7 +36,7 @@ from mimotron.config.native_vision import deepstack_source
 from mimotron.config.schema import MimoConfig, default_ffn_hidden_size
 from mimotron.estimate.widths import BYTES, attention_widths, residual_bytes
 from mimotron.names import LANGUAGE
-from mimotron.pipeline.deepstack_link import carried
+from mimotron.pipeline.deepstack_link import link_extras
 
 ROUTED_INDEX_BYTES = 32
 """Per routed copy: its sort order and token index (int64) and its fp32 weight, measured."""
@@ -73,8 +73,7 @@ def num_moe_layers(cfg: MimoConfig, name: str, layers: list[int]) -> int:
 
 def extra_layer_bytes_per_sample(cfg: MimoConfig, name: str, layers: list[int],
                                  recomputed: int) -> float:
-    """The MoE and DeepStack-link terms of a stage holding ``layers``, per sample of a
-    micro-batch.
+    """The MoE term of a stage holding ``layers``, per sample of a micro-batch.
 
     Args:
         cfg: the run config.
@@ -86,27 +85,20 @@ def extra_layer_bytes_per_sample(cfg: MimoConfig, name: str, layers: list[int],
     tokens = cfg.data.seq_length // mod.parallel.context if name == LANGUAGE else 0
     kept = 1.0 - (recomputed / len(layers) if layers and mod.recompute == "full" else 0.0)
     moe = num_moe_layers(cfg, name, layers) * tokens * moe_extra_bytes_per_token(cfg, name)
-    return moe * kept + deepstack_link_bytes_per_sample(cfg, name, layers)
+    return moe * kept
 
 
-def deepstack_link_bytes_per_sample(cfg: MimoConfig, name: str, layers: list[int]) -> int:
-    """The DeepStack feature sets on a language stage's links, per sample (module docs).
-
-    Each contiguous run of ``layers`` is a model chunk: its input link carries the sets
-    from its first layer on (none into layer 0: the embeddings), its output link those
-    after its last layer.
+def deepstack_link_bytes_per_sample(cfg: MimoConfig, name: str,
+                                    chunks: list[list[int]]) -> int:
+    """The DeepStack feature sets on a language stage's links, per sample (module docs):
+    the sets :func:`~mimotron.pipeline.deepstack_link.link_extras` gives each link of the
+    stage's model ``chunks`` (one without interleaving), but the embeddings' into layer 0.
     """
     source = deepstack_source(cfg)
-    if name != LANGUAGE or source is None or not layers:
+    if name != LANGUAGE or source is None or not chunks:
         return 0
-    runs = [[layers[0]]]
-    for i in layers[1:]:
-        if i == runs[-1][-1] + 1:
-            runs[-1].append(i)
-        else:
-            runs.append([i])
-    sets = sum((carried(source[1], run[0]) if run[0] else 0) + carried(source[1], run[-1] + 1)
-               for run in runs)
+    sets = sum(n for (j, downstream), n in link_extras(source[1], chunks).items()
+               if downstream or chunks[j][0])
     mod = cfg.modules[name]
     tokens = cfg.data.seq_length // mod.parallel.context
     return sets * tokens * mod.hidden_size * residual_bytes(cfg)

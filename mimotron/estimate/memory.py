@@ -19,7 +19,11 @@ from mimotron.config.lora import base_in_folder
 from mimotron.config.moe_config import moe_options
 from mimotron.config.schema import MimoConfig, default_ffn_hidden_size
 from mimotron.config.vocab_size import model_vocab_size
-from mimotron.estimate.activation_terms import context_keys_read, extra_layer_bytes_per_sample
+from mimotron.estimate.activation_terms import (
+    context_keys_read,
+    deepstack_link_bytes_per_sample,
+    extra_layer_bytes_per_sample,
+)
 from mimotron.estimate.fsdp_memory import fsdp_memory_bytes
 from mimotron.estimate.in_flight import held_forwards_peak
 from mimotron.estimate.native_memory import (
@@ -316,7 +320,8 @@ def activation_bytes(cfg: MimoConfig, name: str, vocab_size: int = 64,
     # Recomputed layers keep less (modules.<m>.recompute).
     recomputed = recomputed_layers(cfg, name, stage)
     held = (per_layer * len(layers) - recomputed * recompute_dropped_bytes(cfg, name)
-            + extra_layer_bytes_per_sample(cfg, name, layers, recomputed))  # MoE, masks
+            + extra_layer_bytes_per_sample(cfg, name, layers, recomputed)  # MoE
+            + deepstack_link_bytes_per_sample(cfg, name, chunks or [layers]))
     first, last = ends_bytes_per_sample(cfg, name, tokens, vocab_size)
     ends = (first if stage == 0 else 0) + (last if stage == par.pipeline - 1 else 0)
     if chunks is not None:
