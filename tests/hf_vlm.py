@@ -166,15 +166,29 @@ dataset = "llava"
 path = "{data}"
 seq_length = 128
 
+{parity_tables(iters, seed=7, lr=2e-3)}
+[log]
+dir = "{root / 'run'}"
+interval = 1
+progress = false
+""")
+    return path
+
+
+def parity_tables(iters: int, seed: int, lr: float) -> str:
+    """The TOML tables of a run the plain loop follows: batches of 8 in micro-batches of
+    4, fp32, AdamW at ``lr`` with clipping at 0.5 and weight decay, 2 warm-up
+    iterations, no evaluation."""
+    return f"""
 [train]
 iters = {iters}
 global_batch_size = 8
 micro_batch_size = 4
-seed = 7
+seed = {seed}
 precision = "fp32"
 
 [optimizer]
-lr = 2e-3
+lr = {lr}
 clip_grad = 0.5
 weight_decay = 0.1
 
@@ -183,13 +197,7 @@ warmup_iters = 2
 
 [eval]
 interval = 1000
-
-[log]
-dir = "{root / 'run'}"
-interval = 1
-progress = false
-""")
-    return path
+"""
 
 
 @dataclass

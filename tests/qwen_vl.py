@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from mimotron.models.hf.llama import LLAMA_WEIGHTS
-from tests.hf_vlm import HFFamily
+from tests.hf_vlm import HFFamily, parity_tables
 
 VIDEO, VSTART, VEND = 121, 122, 123
 HIDDEN, PATCH, MERGE, TEMPORAL = 48, 2, 2, 2
@@ -141,24 +141,7 @@ dataset = "mock"
 seq_length = 40
 mock_num_samples = 96
 
-[train]
-iters = {iters}
-global_batch_size = 8
-micro_batch_size = 4
-seed = 3
-precision = "fp32"
-
-[optimizer]
-lr = 3e-3
-clip_grad = 0.5
-weight_decay = 0.1
-
-[scheduler]
-warmup_iters = 2
-
-[eval]
-interval = 1000
-
+{parity_tables(iters, seed=3, lr=3e-3)}
 [log]
 dir = "{root / 'run'}"
 """)
