@@ -16,6 +16,8 @@ Cases (each measures two sides A/B interleaved, >= 5 repetitions, medians and mi
 * ``overlap``    DP 2 step time with vs without overlapped gradient reduction, plain
                  and ZeRO-1 (reduce-scatter in the backward, parameter gather overlapped)
 * ``encoder_batching`` colocated step time with encoder batching off vs on (one rank)
+* ``balance``    skewed images on 4 ranks: vision work and language tokens per DP replica
+                 (max/mean) and step time, dealt by position vs by cost
 
 ``--json OUT`` writes every figure and raw measurement, ``--markdown OUT`` the README's
 *Performance* section; ``--case NAME`` (repeatable) selects cases and ``--size tiny``
@@ -42,6 +44,7 @@ from typing import Any  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import (  # noqa: E402
+    balance,
     bridge,
     checkpoint,
     encoder_batching,
@@ -66,6 +69,7 @@ CASES: dict[str, Callable[[Options], CaseResult]] = {
     "experts": experts.run_case,
     "overlap": overlap.run_case,
     "encoder_batching": encoder_batching.run_case,
+    "balance": balance.run_case,
 }
 
 

@@ -233,6 +233,11 @@ PROBES: dict[str, tuple[list[str], str, list[str]]] = {
     "data.allow_large_vocab": (["data.allow_large_vocab=true"], "error:built", []),
     "data.num_workers": (["data.num_workers=2"], "run", ["log.progress=true"]),
     "data.packing": (["data.packing=true"], "built", []),  # the first training batch
+    # Who holds which sample and item of the first training batch (one rank: the order of
+    # the micro-batches' samples; the encoder's batch of items); their effect across
+    # ranks (even work, training like the plain loop) is asserted by tests/test_balance.py.
+    "data.balance_tokens": (["data.balance_tokens=true"], "built", []),
+    "data.balance_encoders": (["data.balance_encoders=true"], "built", []),
     "data.max_images_per_sample": (["data.max_images_per_sample=2"], "error:built", []),
     "train.iters": (["train.iters=12"], "built", []),
     "train.global_batch_size": (["train.global_batch_size=32"], "built", []),

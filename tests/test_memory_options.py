@@ -164,6 +164,10 @@ NO_EFFECT: dict[str, str] = {
     "modules.<m>.num_heads": "fused attention keeps no per-head scores; only its "
                              "log-sum-exp (4 bytes per head and token) does, left out",
     "modules.<m>.parallel.rank_offset": "where a block starts, not what a rank holds",
+    "data.balance_tokens": "which samples share a micro-batch: every row is seq_length "
+                           "long either way",
+    "data.balance_encoders": "which replica encodes which item: a replica takes at most its "
+                             "slice's item slots of a micro-batch, what the estimate holds",
     "data.packing": "packed rows attend within their documents with no mask, so a layer "
                     "keeps what it keeps unpacked (per-document RoPE rows, 4 bytes per "
                     "token and head dimension a forward, left out)",

@@ -248,3 +248,23 @@ def test_an_empty_block_has_the_dtype_of_a_full_one(qwen: dict) -> None:
         empty = vision(patches[:0], torch.zeros(0, 3, dtype=torch.long))
     assert full.dtype == empty.dtype == torch.bfloat16
     assert empty.shape == (0, *full.shape[1:]) and empty.requires_grad
+
+
+# Images dealt to the tower's DP replicas by their cost (data.balance_encoders) and
+# samples to the language replicas by their tokens (data.balance_tokens): who computes
+# changes, the math does not; DeepStack features travel with the items (Qwen3-VL).
+_BALANCED = {
+    "vision DP 2 | language DP 2, balanced": (4, [
+        "modules.vision.parallel.data=2", "modules.language.parallel.data=2",
+        "modules.language.parallel.rank_offset=2", "data.balance_encoders=true",
+        "data.balance_tokens=true"]),
+    "colocated vision DP 2, language TP 2, balanced": (2, [
+        "modules.vision.parallel.data=2", "modules.language.parallel.tensor=2",
+        "data.balance_encoders=true"]),
+}
+
+
+def test_balanced_layouts_train_like_a_plain_loop_on_transformers(qwen: dict) -> None:
+    """10 iterations with balancing on: losses, grad norms, final weights."""
+    ref = hf_reference_run(qwen["config"], NUM_ITERS, family=QWEN_FAMILY)
+    run_layouts(qwen["config"], ref, _BALANCED, NUM_ITERS, timeout_s=400)

@@ -513,6 +513,24 @@ class DataConfig:
     token counts recorded when the file is checked, so every rank packs the same rows.
     Not with an MoE language model (its aux loss is per row).
     """
+    balance_tokens: bool = False
+    """Deal each global batch's samples (packed rows with ``packing``) to the language
+    model's DP replicas and micro-batches by their real tokens, longest first to the
+    replica with the fewest so far, instead of in stream order: even tokens per replica
+    per step, the same assignment on a resume, the same loss (normalised over the
+    global batch's tokens). Every rank then reads the whole global batch. Not with an
+    MoE language model (its aux loss is per micro-batch).
+    """
+    balance_encoders: bool = False
+    """Deal each micro-batch's media items (images, videos, spectrograms) to each
+    encoder's DP replicas by cost (tokens, plus tokens squared per frame for a
+    native-resolution tower), whatever sample they belong to, largest first to the
+    replica with the least work so far in the step; the bridge brings each item's rows
+    back to the language replica of its sample. Every rank then reads whole
+    micro-batches. In a colocated layout pair it with ``train.encoder_batching`` (the
+    bridge is a collective per micro-batch; batched, a rank encodes its items of the
+    whole step at once). Not into a context-parallel language model.
+    """
     max_images_per_sample: int = 1
     """LLaVA: the most images a sample may hold (>= 1); a sample's ``image`` list then
     pairs its k-th path with the k-th ``<image>`` of the conversation. A sample with more

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -61,23 +62,31 @@ def _write_png(path: Path, image: np.ndarray, side: int) -> None:
     Image.fromarray(pixels, mode="L").resize((side, side), Image.Resampling.NEAREST).save(path)
 
 
-def write_data(out: Path, num_samples: int, seed: int) -> Path:
-    """The LLaVA-format digits file with images of :data:`SIDES` sizes."""
+def _demo_side(rng: np.random.Generator) -> int:
+    return SIDES[int(rng.integers(len(SIDES)))]
+
+
+def write_data(out: Path, num_samples: int, seed: int, *, p_text: float = _P_TEXT,
+               side: Callable[[np.random.Generator], int] = _demo_side, salt: int = _SALT,
+               prefix: str = "digits") -> Path:
+    """The LLaVA-format digits file: text-only sums (a share ``p_text``) and digit images
+    whose side in pixels ``side`` draws (the demo's: one of :data:`SIDES`); each sample's
+    draws come from ``(seed, salt, index)``."""
     (out / "images").mkdir(parents=True, exist_ok=True)
     images, labels = load_digit_images()
     pixels, digits = images[:, 0].numpy(), labels.numpy()
     lines = []
     for index in range(num_samples):
-        rng = sample_rng(seed, _SALT, index)
-        record: dict[str, Any] = {"id": f"digits-{index:06d}"}
-        if rng.random() < _P_TEXT:
+        rng = sample_rng(seed, salt, index)
+        record: dict[str, Any] = {"id": f"{prefix}-{index:06d}"}
+        if rng.random() < p_text:
             a, b = (int(v) for v in rng.integers(0, 10, 2))
             human, answer = f"{number_to_words(a)} plus {number_to_words(b)}", number_to_words(
                 a + b)
         else:
-            pick, side = int(rng.integers(len(digits))), SIDES[int(rng.integers(len(SIDES)))]
+            pick = int(rng.integers(len(digits)))
             record["image"] = f"images/{index:06d}.png"
-            _write_png(out / record["image"], pixels[pick], side)
+            _write_png(out / record["image"], pixels[pick], side(rng))
             human, answer = PROMPT, number_to_words(int(digits[pick]))
         record["conversations"] = [{"from": "human", "value": human},
                                    {"from": "gpt", "value": answer}]
@@ -87,7 +96,11 @@ def write_data(out: Path, num_samples: int, seed: int) -> Path:
     return path
 
 
-def _save_model(folder: Path, tokenizer: Any) -> None:
+def save_model(folder: Path, tokenizer: Any, max_side: int = max(SIDES),
+               vision: dict[str, Any] | None = None) -> None:
+    """The toy Qwen2.5-VL folder and its processor (images up to ``max_side`` pixels
+    square), written with ``save_pretrained`` beside ``tokenizer``; ``vision`` overrides
+    keys of the tower's config."""
     import transformers
 
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in VISION_TOKENS}
@@ -101,7 +114,7 @@ def _save_model(folder: Path, tokenizer: Any) -> None:
     vision = {"depth": 2, "hidden_size": 64, "intermediate_size": 128, "num_heads": 4,
               "out_hidden_size": 128, "patch_size": PATCH, "spatial_merge_size": MERGE,
               "temporal_patch_size": TEMPORAL, "window_size": 16,
-              "fullatt_block_indexes": [1]}
+              "fullatt_block_indexes": [1], **(vision or {})}
     config = transformers.Qwen2_5_VLConfig(
         text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
         video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
@@ -109,7 +122,7 @@ def _save_model(folder: Path, tokenizer: Any) -> None:
     transformers.Qwen2_5_VLForConditionalGeneration(config).save_pretrained(folder)
     transformers.Qwen2VLImageProcessorPil(
         patch_size=PATCH, merge_size=MERGE, temporal_patch_size=TEMPORAL,
-        min_pixels=(PATCH * MERGE) ** 2, max_pixels=max(SIDES) ** 2).save_pretrained(folder)
+        min_pixels=(PATCH * MERGE) ** 2, max_pixels=max_side ** 2).save_pretrained(folder)
 
 
 def write_qwen_assets(out_dir: str | Path, num_samples: int = NUM_SAMPLES, seed: int = SEED,
@@ -144,7 +157,7 @@ def write_qwen_assets(out_dir: str | Path, num_samples: int = NUM_SAMPLES, seed:
                                  special_tokens=specials)
     hf_logging.disable_progress_bar()
     torch.manual_seed(seed)
-    _save_model(folder, AutoTokenizer.from_pretrained(folder))
+    save_model(folder, AutoTokenizer.from_pretrained(folder))
     (out / MARKER).write_text(json.dumps(wanted, sort_keys=True) + "\n")
     return True
 

@@ -23,7 +23,9 @@ it holds each edge's geometry (fixed for the run) and bridges encoder rows in-pr
 Its collectives run inside autograd, so they count as module compute in the metrics.
 An edge into a context-parallel language model (``context > 1``) uses
 :mod:`mimotron.pipeline.colocated_cp` instead, which sends each rank only the rows of
-its CP positions; every other edge keeps the all-gather bridge above.
+its CP positions; an edge whose items are dealt by cost (``data.balance_encoders``) uses
+:mod:`mimotron.pipeline.balanced_bridge`; every other edge keeps the all-gather bridge
+above.
 """
 
 from __future__ import annotations
@@ -33,9 +35,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from mimotron.data.balance import balanced_items
 from mimotron.host_sync import host_copy
 from mimotron.models.native_vision import real_rows, tokens_key
 from mimotron.parallel.layout import Layout
+from mimotron.pipeline.balanced_bridge import BalancedBridge
 from mimotron.pipeline.colocated_cp import CPBridgeGeometry, cp_bridge, cp_bridge_geometry
 from mimotron.pipeline.edges import Edge, slice_range
 
@@ -133,6 +137,7 @@ class ColocatedTransport:
         self.edges = edges
         self.geometry = {e.src: bridge_geometry(layout, e, rank, micro_batch_size)
                          for e in edges}
+        self.replica = {e.src: layout.modules[e.src].coordinate(rank)["dp"] for e in edges}
         # Edges into a CP language model route rows by position instead (colocated_cp).
         self.cp_geometry: dict[str, CPBridgeGeometry] = {
             e.src: cp_bridge_geometry(layout, e, rank, micro_batch_size)
@@ -170,6 +175,13 @@ class ColocatedTransport:
             return cp_bridge(rows, batch["tokens"], language_batch["tokens"], placeholder_id,
                              cp_geo)
         geo = self.geometry[edge.src]
+        if edge.balanced:  # items dealt by cost: any replica may hold any slice's rows
+            if language_batch is None:
+                raise ValueError(f"the bridge of {edge.src!r} with data.balance_encoders "
+                                 "needs language_batch (its items' replicas and rows)")
+            owner, row = balanced_items(language_batch, edge.modality)
+            return BalancedBridge.apply(rows, owner, row, geo.src_reader_ranks,
+                                        self.replica[edge.src], geo.dst_copies)
         if not geo.needed:
             return rows
         return ColocatedBridge.apply(rows, batch[f"has_{edge.modality}"], geo)

@@ -152,6 +152,9 @@ class MultiModulePipelineCommunicator:
         self._rows: dict[tuple[int, str], list[int]] = {}
         self._pairs = {e.src: bridge_routes(layout, e, micro_batch_size)
                        for e in edges if not e.colocated}
+        # This encoder's items are dealt by cost (data.balance_encoders): every language
+        # replica is a destination, and the mask counts its items per sample.
+        self.balanced = any(e.balanced for e in edges if e.src == self.module)
         # The language model's CP degree; > 1: encoder leaders route rows per CP rank and
         # remember, per micro-batch, (output shape, [(offset, n, selection)]) for backward.
         self.cp = layout.modules[LANGUAGE].parallel.context if LANGUAGE in layout.modules else 1
@@ -196,6 +199,8 @@ class MultiModulePipelineCommunicator:
         return mod.rank_at(tp=0, cp=r.cp, dp=r.dp, pp=r.pp)
 
     def _my_start(self) -> int:
+        if self.balanced:  # the mask counts this replica's items of every sample
+            return 0
         dp = self.layout.modules[self.module].parallel.data
         return slice_range(self.mbs, dp, self.role.dp)[0]
 

@@ -24,6 +24,9 @@ class Edge:
     dst: str
     modality: str
     colocated: bool
+    balanced: bool = False
+    """Items dealt to the encoder's replicas by cost (``data.balance_encoders``): any
+    encoder replica may hold rows of any language replica's samples."""
 
 
 def slice_range(mbs: int, dp_size: int, dp_rank: int) -> tuple[int, int]:
@@ -32,14 +35,16 @@ def slice_range(mbs: int, dp_size: int, dp_rank: int) -> tuple[int, int]:
     return dp_rank * per, (dp_rank + 1) * per
 
 
-def build_edges(layout: Layout, modality_of: dict[str, str]) -> list[Edge]:
-    """The module boundaries of the DAG, in config order."""
+def build_edges(layout: Layout, modality_of: dict[str, str], balanced: bool = False
+                ) -> list[Edge]:
+    """The module boundaries of the DAG, in config order (``balanced``: every edge's
+    items dealt by cost, ``data.balance_encoders``)."""
     edges = []
     for src, dsts in layout.topology.items():
         for dst in dsts:
             a, b = layout.modules[src], layout.modules[dst]
             colocated = a.rank_offset == b.rank_offset and a.size == b.size
-            edges.append(Edge(src, dst, modality_of[src], colocated))
+            edges.append(Edge(src, dst, modality_of[src], colocated, balanced))
     return edges
 
 
@@ -55,12 +60,14 @@ def bridge_routes(layout: Layout, edge: Edge, mbs: int
     One route per replica pair sharing samples and per context-parallel coordinate of
     the destination (its first stage's TP-0 rank at that coordinate): a CP rank
     receives only the rows of the placeholders among its positions. Routes of one
-    pair are consecutive, in CP order; without CP they are :func:`bridge_pairs`.
+    pair are consecutive, in CP order; without CP they are :func:`bridge_pairs`. On a
+    balanced edge every replica pair has a route (an encoder replica may encode items
+    of any sample) and ``[start, end)`` is the destination's slice.
     """
     src, dst = layout.modules[edge.src], layout.modules[edge.dst]
     out = []
     for i in range(src.parallel.data):
-        a0, a1 = slice_range(mbs, src.parallel.data, i)
+        a0, a1 = (0, mbs) if edge.balanced else slice_range(mbs, src.parallel.data, i)
         for j in range(dst.parallel.data):
             b0, b1 = slice_range(mbs, dst.parallel.data, j)
             lo, hi = max(a0, b0), min(a1, b1)

@@ -190,12 +190,17 @@ class StageRunner:
         """This rank's presence mask of its encoder module for micro-batch ``k``.
 
         The batch's host copy where it keeps one: the communicator counts each peer's
-        rows from it, with no device sync.
+        rows from it, with no device sync. An encoder whose items are dealt by cost
+        (:mod:`mimotron.data.balance`) gives how many of its items each sample of the
+        micro-batch holds instead.
         """
         model, m = self.ctx.model, self.module
         if m is None or m == LANGUAGE:
             return None
-        return host_copy(self.ctx.microbatches[k][m], f"has_{model.modality_of[m]}")
+        batch, modality = self.ctx.microbatches[k][m], model.modality_of[m]
+        if f"{modality}_sample" in batch:  # balanced items: this replica's per sample
+            return torch.bincount(host_copy(batch, f"{modality}_sample"))
+        return host_copy(batch, f"has_{modality}")
 
     def placeholder_tokens(self, k: int
                            ) -> tuple[torch.Tensor, int, torch.Tensor | None] | None:
@@ -212,6 +217,8 @@ class StageRunner:
         if m is None or m == LANGUAGE:
             return None
         batch, key = self.ctx.microbatches[k][m], tokens_key(model.modality_of[m])
+        if "tokens" not in batch:  # an item batch (data.balance_encoders): no CP routing
+            return None
         counts = host_copy(batch, key) if key in batch else None
         return batch["tokens"], model.placeholder_ids[m], counts
 

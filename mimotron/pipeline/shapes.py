@@ -138,10 +138,11 @@ def bridge_row_shapes(cfg: MimoConfig, layout: Layout) -> dict[str, tuple[int, i
     """``encoder -> (tokens, hidden)`` of each bridge row, where the row count is fixed.
 
     A replica pair sharing ``n`` samples then exchanges ``[n, tokens, hidden]`` fp32.
-    Empty (every bridge keeps its header) unless ``train.precision = "fp32"`` and the
-    language model has no context parallelism.
+    Empty (every bridge keeps its header) unless ``train.precision = "fp32"``, the
+    language model has no context parallelism and no encoder's items are dealt by cost.
     """
-    if cfg.train.precision != "fp32" or layout.modules[LANGUAGE].parallel.context > 1:
+    if (cfg.train.precision != "fp32" or layout.modules[LANGUAGE].parallel.context > 1
+            or cfg.data.balance_encoders):  # balanced: a pair's rows vary per micro-batch
         return {}
     hidden = cfg.modules[LANGUAGE].hidden_size
     return {n: (cfg.modules[n].num_output_tokens, hidden) for n in sorted(always_present(cfg))}

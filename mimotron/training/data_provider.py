@@ -34,12 +34,13 @@ from typing import Any
 
 import torch
 
-from mimotron.data.collate import Sample, collate, slice_batch
+from mimotron.data.collate import Sample, collate
 from mimotron.data.packing import collate_packed, pack_lengths, pack_rows, sample_length
 from mimotron.host_sync import HOST
 from mimotron.parallel.layout import Layout
 from mimotron.pipeline.edges import slice_range
 from mimotron.runtime import pins_memory
+from mimotron.training.balanced_batches import Balance, BalancedSplit
 
 Microbatch = dict[str, dict[str, torch.Tensor]]
 LengthsAt = Callable[[int, int], Sequence[int]]
@@ -56,10 +57,13 @@ class MicrobatchProvider:
         seq_length: padded sequence length.
         sample_at: ``f(position) -> sample dict`` over the global order.
         collate_kwargs: passed to ``collate`` (modality shapes).
+        balance: what is dealt out by work instead of by position
+            (:class:`~mimotron.training.balanced_batches.Balance`; ``None``: nothing).
     """
 
     def __init__(self, layout: Layout, rank: int, micro_batch_size: int, seq_length: int,
-                 sample_at: Any, collate_kwargs: dict[str, Any] | None = None) -> None:
+                 sample_at: Any, collate_kwargs: dict[str, Any] | None = None,
+                 balance: Balance | None = None) -> None:
         self.mbs = micro_batch_size
         self.seq_length = seq_length
         self.sample_at = sample_at
@@ -68,27 +72,33 @@ class MicrobatchProvider:
         for role in layout.roles(rank):
             dp = layout.modules[role.module].parallel.data
             self.slices[role.module] = slice_range(micro_batch_size, dp, role.dp)
+        self.balanced = BalancedSplit(layout, rank, micro_batch_size, balance or Balance())
 
     @property
     def span(self) -> tuple[int, int] | None:
-        """Union of this rank's module slices inside a micro-batch."""
+        """Union of this rank's module slices inside a micro-batch (the whole micro-batch
+        where media are balanced: an item of any sample may be this rank's)."""
         if not self.slices:
             return None
+        if self.balanced.encoders:
+            return 0, self.mbs
         return min(s for s, _ in self.slices.values()), max(e for _, e in self.slices.values())
 
     def microbatch(self, start: int) -> Microbatch:
         """The micro-batch whose first sample is at global position ``start``."""
-        span = self.span
-        if span is None:
-            return {}
-        lo, hi = span
-        samples = self.sample_at(start + lo, hi - lo)
-        batch = collate(samples, self.seq_length, **self.collate_kwargs)
-        return {name: slice_batch(batch, s - lo, e - lo) for name, (s, e) in self.slices.items()}
+        return self.step(start, 1)[0]
 
     def step(self, start: int, num_microbatches: int) -> list[Microbatch]:
         """All micro-batches of the step whose first sample is at ``start``."""
-        return [self.microbatch(start + j * self.mbs) for j in range(num_microbatches)]
+        span = self.span
+        if span is None:
+            return [{} for _ in range(num_microbatches)]
+        lo, hi = span
+        read = self.balanced.reader(self.sample_at, start, num_microbatches, span)
+        batches = [collate(read(j), self.seq_length, **self.collate_kwargs)
+                   for j in range(num_microbatches)]
+        return [self.balanced.split(b, self.slices, lo, owners)
+                for b, owners in zip(batches, self.balanced.deal(batches), strict=True)]
 
 
 def _map_tensors(microbatches: list[Microbatch], fn: Any) -> list[Microbatch]:
@@ -222,8 +232,9 @@ class PackedMicrobatchProvider(MicrobatchProvider):
 
     def __init__(self, layout: Layout, rank: int, micro_batch_size: int, seq_length: int,
                  sample_at: Any, collate_kwargs: dict[str, Any] | None = None,
-                 lengths_at: LengthsAt | None = None) -> None:
-        super().__init__(layout, rank, micro_batch_size, seq_length, sample_at, collate_kwargs)
+                 lengths_at: LengthsAt | None = None, balance: Balance | None = None) -> None:
+        super().__init__(layout, rank, micro_batch_size, seq_length, sample_at, collate_kwargs,
+                         balance)
         self.lengths_at = lengths_at
 
     def packed_step(self, start: int, num_microbatches: int
@@ -237,25 +248,38 @@ class PackedMicrobatchProvider(MicrobatchProvider):
         rows_in: Callable[[int, int], list[list[Sample]]]
         if self.lengths_at is None:
             rows, next_start = pack_rows(self.sample_at, start, num_rows, self.seq_length)
-            real = sum(sample_length(s) for row in rows for s in row)
+            row_tokens = [sum(sample_length(s) for s in row) for row in rows]
             rows_in = lambda a, b: rows[a:b]  # noqa: E731
         else:
             lengths, next_start = pack_lengths(self.lengths_at, start, num_rows,
                                                self.seq_length)
-            real = sum(sum(row) for row in lengths)
+            row_tokens = [sum(row) for row in lengths]
             rows_in = _RowLoader(self.sample_at, lengths, start).rows
         span = self.span
-        out: list[Microbatch] = []
-        for j in range(num_microbatches):
-            if span is None:
-                out.append({})
-                continue
-            lo, hi = span
-            mb_rows = rows_in(j * self.mbs + lo, j * self.mbs + hi)
-            batch = collate_packed(mb_rows, self.seq_length, **self.collate_kwargs)
-            out.append({name: slice_batch(batch, s - lo, e - lo)
-                        for name, (s, e) in self.slices.items()})
-        return out, next_start, real
+        if span is None:
+            return [{} for _ in range(num_microbatches)], next_start, sum(row_tokens)
+        lo, hi = span
+        order = self.balanced.order(row_tokens, num_microbatches) or list(range(num_rows))
+        batches = [collate_packed(_rows_at(rows_in, order[j * self.mbs + lo:j * self.mbs + hi]),
+                                  self.seq_length, **self.collate_kwargs)
+                   for j in range(num_microbatches)]
+        out = [self.balanced.split(b, self.slices, lo, owners)
+               for b, owners in zip(batches, self.balanced.deal(batches), strict=True)]
+        return out, next_start, sum(row_tokens)
+
+
+def _rows_at(rows_in: Callable[[int, int], list[list[Sample]]], picks: list[int]
+             ) -> list[list[Sample]]:
+    """Rows ``picks`` of a step, each run of consecutive rows read at once."""
+    out: list[list[Sample]] = []
+    i = 0
+    while i < len(picks):
+        k = i + 1
+        while k < len(picks) and picks[k] == picks[k - 1] + 1:
+            k += 1
+        out.extend(rows_in(picks[i], picks[k - 1] + 1))
+        i = k
+    return out
 
 
 class _RowLoader:

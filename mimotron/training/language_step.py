@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mimotron import host_sync
+from mimotron.data.balance import balanced_items, in_item_order, is_balanced
 from mimotron.host_sync import host_copy
 from mimotron.models.attention import document_args
 from mimotron.models.language import language_loss
@@ -93,6 +94,9 @@ def language_inputs(model: nn.Module, batch: dict[str, torch.Tensor],
     native_embeddings`; ``{}`` for every other model)."""
     tokens = batch["tokens"]
     embeds = {m: e for m, e in embeddings.items() if e is not None}
+    for m, e in embeds.items():  # items dealt by cost arrive grouped by encoding replica
+        if is_balanced(batch, model.modality_of[m]):
+            embeds[m] = in_item_order(e, balanced_items(batch, model.modality_of[m])[0])
     lm = model.language_model
     positions = lm.context_positions(tokens.shape[1], tokens.device)
     # The placeholder checks count on the batch's host copies: no device sync.

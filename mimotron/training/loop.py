@@ -37,6 +37,7 @@ from mimotron.pipeline.schedules import Transport, build_transport
 from mimotron.pipeline.shapes import bridge_row_shapes, residual_dtype
 from mimotron.run_dir import guard_fresh_start
 from mimotron.runtime import Runtime, seed_everything
+from mimotron.training.balanced_batches import Balance
 from mimotron.training.data_provider import (
     MicrobatchProvider,
     PackedMicrobatchProvider,
@@ -99,7 +100,7 @@ def setup_mimo(cfg: MimoConfig, runtime: Runtime) -> MimoRun:
     schedulers = build_schedulers(cfg, optimizer)
     communicator = build_transport(
         infra.layout, runtime.rank, cfg.train.micro_batch_size,
-        build_edges(infra.layout, model.modality_of),
+        build_edges(infra.layout, model.modality_of, cfg.data.balance_encoders),
         {n: pg.tp for n, pg in infra.pg_collections.items()}, runtime.device,
         cfg.data.seq_length, getattr(model.language_model, "hidden_size", None),
         bridge_row_shapes(cfg, infra.layout),
@@ -118,9 +119,11 @@ def setup_mimo(cfg: MimoConfig, runtime: Runtime) -> MimoRun:
     provider_args = (infra.layout, runtime.rank, cfg.train.micro_batch_size, cfg.data.seq_length,
                      reader.samples if reader is not None else stream.samples,
                      _collate_kwargs(train_task))
+    balance = Balance.from_config(cfg)
     # Packing decides rows from lengths known on every rank where the task has them (llava).
-    provider = (PackedMicrobatchProvider(*provider_args, lengths_at=stream_lengths(stream))
-                if cfg.data.packing else MicrobatchProvider(*provider_args))
+    provider = (PackedMicrobatchProvider(*provider_args, lengths_at=stream_lengths(stream),
+                                         balance=balance)
+                if cfg.data.packing else MicrobatchProvider(*provider_args, balance=balance))
     iterator_type = PackedTrainIterator if cfg.data.packing else train_iterator
     train_iter = iterator_type(provider, state.train_state.consumed_samples,
                                cfg.train.global_batch_size)
@@ -140,7 +143,9 @@ def _valid_factory(cfg: MimoConfig, infra: MimoModelInfra, runtime: Runtime, tas
                    ) -> Callable[[], Iterator]:
     provider = MicrobatchProvider(infra.layout, runtime.rank, cfg.train.micro_batch_size,
                                   cfg.data.seq_length, padded_reader(task, make_pad_sample(task)),
-                                  _collate_kwargs(task))
+                                  _collate_kwargs(task),
+                                  # the bridges expect dealt items (data.balance_encoders)
+                                  Balance(encoders=Balance.from_config(cfg).encoders))
     gbs = cfg.train.global_batch_size
     num_steps = math.ceil(len(task) / gbs)
     if cfg.eval.iters:
