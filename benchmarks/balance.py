@@ -56,7 +56,7 @@ LAYOUTS = {
 BALANCED = ["data.balance_encoders=true", "data.balance_tokens=true"]
 
 
-def _raw(assets: dict[str, Path], root: Path) -> dict[str, Any]:
+def skewed_raw(assets: dict[str, Path], root: Path) -> dict[str, Any]:
     return {
         "name": "skewed", "hf_path": str(assets["model"]),
         "modules": {"vision": {"parallel": {"data": 1, "rank_offset": 0}},
@@ -112,8 +112,10 @@ def _ratio(values: list[float]) -> float:
     return max(values) / mean if mean else 1.0
 
 
-def _rank(rank: int, world: int, configs: dict[str, MimoConfig], reps: int,
-          steps_per_rep: int) -> dict[str, Any]:
+def timed_rank(rank: int, world: int, configs: dict[str, MimoConfig], reps: int,
+               steps_per_rep: int) -> dict[str, Any]:
+    """Both configs (``before``, ``after``) set up on this rank and stepped alternately:
+    their step times, and how far apart their losses are (relative; the same math)."""
     from benchmarks.common import engine_stepper, precompute_steps, setup_run
 
     del world
@@ -131,7 +133,9 @@ def _rank(rank: int, world: int, configs: dict[str, MimoConfig], reps: int,
     for name in runs:  # warm-up: allocator, optimizer state, first-call paths
         side(name)
     times = interleave(reps, {name: (lambda n=name: side(n)) for name in runs})
-    return {"times": times, "rank": rank}
+    rel = [abs(a - b) / max(abs(b), 1e-12)
+           for a, b in zip(losses["after"], losses["before"], strict=True)]
+    return {"times": times, "rank": rank, "max_loss_rel_diff": max(rel)}
 
 
 def run_case(opts: Options) -> CaseResult:
@@ -143,7 +147,7 @@ def run_case(opts: Options) -> CaseResult:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         assets = write_skewed_assets(root / "assets", num_samples)
-        raw = _raw(assets, root)
+        raw = skewed_raw(assets, root)
         torch.set_num_threads(1)
         for name, layout in LAYOUTS.items():
             configs = {side: make_config(raw, layout + (BALANCED if side == "after" else []))
@@ -154,7 +158,9 @@ def run_case(opts: Options) -> CaseResult:
                     ratios = [_ratio(s[key]) for s in steps]
                     out.measurements[f"{name}_{key}_max_over_mean_{side}"] = summarize(ratios)
             world = check_layout(configs["before"]).world_size
-            timed = run_ranks(world, _rank, configs, opts.reps, steps_per_rep, timeout_s=1500)[0]
+            timed = run_ranks(world, timed_rank, configs, opts.reps, steps_per_rep,
+                              timeout_s=1500)[0]
+            out.measurements[f"{name}_max_loss_rel_diff"] = timed["max_loss_rel_diff"]
             before, after = (statistics.median(timed["times"][s]) for s in ("before", "after"))
             out.measurements[f"{name}_step_s_before"] = summarize(timed["times"]["before"])
             out.measurements[f"{name}_step_s_after"] = summarize(timed["times"]["after"])

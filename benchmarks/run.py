@@ -18,6 +18,7 @@ Cases (each measures two sides A/B interleaved, >= 5 repetitions, medians and mi
 * ``encoder_batching`` colocated step time with encoder batching off vs on (one rank)
 * ``balance``    skewed images on 4 ranks: vision work and language tokens per DP replica
                  (max/mean) and step time, dealt by position vs by cost
+* ``frozen_ahead`` a frozen vision encoder's step time in 1F1B vs running ahead (2 ranks)
 
 ``--json OUT`` writes every figure and raw measurement, ``--markdown OUT`` the README's
 *Performance* section; ``--case NAME`` (repeatable) selects cases and ``--size tiny``
@@ -49,6 +50,7 @@ from benchmarks import (  # noqa: E402
     checkpoint,
     encoder_batching,
     experts,
+    frozen_ahead,
     memory,
     overhead,
     overlap,
@@ -70,6 +72,7 @@ CASES: dict[str, Callable[[Options], CaseResult]] = {
     "overlap": overlap.run_case,
     "encoder_batching": encoder_batching.run_case,
     "balance": balance.run_case,
+    "frozen_ahead": frozen_ahead.run_case,
 }
 
 

@@ -19,6 +19,7 @@ from mimotron.data import build_datasets
 from mimotron.data.balance import (
     balanced_items,
     balanced_order,
+    deal_step,
     encoder_items,
     in_item_order,
     item_costs,
@@ -83,6 +84,38 @@ def test_balanced_order_is_a_permutation_with_even_replicas(replicas: int, micro
     assert max(after) / (sum(after) / replicas) <= 1.05, after
     assert max(after) < max(before), (after, before)  # the stream order was uneven
     assert balanced_order(lengths, replicas, microbatches) == order  # a pure function
+
+
+def test_deal_step_evens_each_microbatch_or_the_whole_step() -> None:
+    """Per micro-batch (what a bridge that waits for every micro-batch's slowest replica
+    needs): each micro-batch's largest load is as small as its items allow; per step
+    (encoder batching): the step's loads are even, micro-batches may not be."""
+    costs = [[9.0, 1.0, 1.0, 1.0], [9.0, 1.0, 1.0, 1.0], [1.0, 1.0, 1.0, 1.0]]
+    per_mb = deal_step(costs, 2, [4, 4, 4], per_step=False)
+    loads = [[sum(c for c, b in zip(mb, own, strict=True) if b == r) for r in (0, 1)]
+             for mb, own in zip(costs, per_mb, strict=True)]
+    assert [max(x) for x in loads] == [9.0, 9.0, 2.0]  # the 9 alone, the rest opposite it
+    per_step = deal_step(costs, 2, [4, 4, 4], per_step=True)
+    totals = [sum(c for mb, own in zip(costs, per_step, strict=True)
+                  for c, b in zip(mb, own, strict=True) if b == r) for r in (0, 1)]
+    assert totals == [14.0, 14.0]
+    # capacities bound a replica's items of one micro-batch
+    assert all(own.count(0) <= 2 and own.count(1) <= 2
+               for own in deal_step(costs, 2, [2, 2, 2], per_step=True))
+
+
+def test_a_custom_forward_step_gets_rows_in_sample_order() -> None:
+    """What the forward step (a user's too) receives: the rows back in item order."""
+    from types import SimpleNamespace
+
+    from mimotron.training.language_step import in_sample_order
+
+    mask = torch.tensor([True, True, True])
+    batch = owner_keys(mask, [1, 0, 1], "image")
+    grouped = torch.tensor([[1.0], [0.0], [2.0]])  # replica 0's item 1, then replica 1's 0, 2
+    model = SimpleNamespace(modality_of={"vision": "image", "audio": "audio"})
+    out = in_sample_order(model, batch, {"vision": grouped, "audio": None})
+    assert out["vision"].flatten().tolist() == [0.0, 1.0, 2.0] and out["audio"] is None
 
 
 def test_item_costs_weigh_frames_squared_for_native_items() -> None:

@@ -259,6 +259,10 @@ PROBES: dict[str, tuple[list[str], str, list[str]]] = {
     # Refused off colocated layouts; its effect (one encoder forward per step, training
     # like the plain loop) is asserted by tests/test_encoder_batching.py.
     "train.encoder_batching": (["train.encoder_batching=true"], "error:plan", NONCOLOCATED),
+    # Which encoders run ahead (the layout's plans); their training like the plain loop
+    # is asserted by tests/test_frozen_ahead.py.
+    "train.frozen_ahead": (["train.frozen_ahead=false"], "plan",
+                           [*NONCOLOCATED, "modules.vision.freeze=true"]),
     "eval.interval": (["eval.interval=1"], "run", RUN),
     "eval.iters": (["eval.iters=2"], "built", []),
     "checkpoint.dir": (["checkpoint.dir='ck'"], "run", SAVE),

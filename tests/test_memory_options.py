@@ -51,6 +51,10 @@ PROBES: dict[str, tuple[list[str], list[str], str, str, int]] = {
     "modules.<m>.num_audio_tokens": (NC, ["modules.audio.num_audio_tokens=8"], "audio",
                                      "activations", 1),
     "modules.<m>.freeze": (NC, ["modules.vision.freeze=true"], "vision", "grads", -1),
+    # In 1F1B a frozen encoder holds the outputs of its forwards in flight; running ahead
+    # it holds the whole step's until the step's sends complete.
+    "train.frozen_ahead": (NC + ["modules.vision.freeze=true", "train.micro_batch_size=2"],
+                           ["train.frozen_ahead=false"], "vision", "activations", -1),
     # Only the adapters train: fewer gradients; fewer targets, fewer still.
     "modules.<m>.lora.rank": (NC, ["modules.language.lora.rank=8"], LM, "grads", -1),
     "modules.<m>.lora.targets": (NC + ["modules.language.lora.rank=8"],

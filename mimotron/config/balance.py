@@ -3,14 +3,13 @@ cannot yet be combined with, refused when the config loads (before any rank star
 
 from __future__ import annotations
 
-from typing import Any
-
+from mimotron.config.schema import MimoConfig
 from mimotron.names import LANGUAGE
 
 __all__ = ["check_balance"]
 
 
-def check_balance(cfg: Any) -> None:
+def check_balance(cfg: MimoConfig) -> None:
     """Refuse the combinations balancing does not support, naming the keys.
 
     Args:

@@ -606,6 +606,15 @@ class TrainConfig:
     once (``mimotron plan`` shows it). Refused with a non-colocated layout and with
     fp16 (the one encoder backward would sum the step's gradient in fp16 and overflow).
     """
+    frozen_ahead: bool = True
+    """Split layouts: a wholly frozen encoder (``freeze = true``) runs every
+    micro-batch's forward without autograd, one after another, sending each output when
+    done, instead of waiting in 1F1B for gradients it does not use; the language model
+    sends it none. The same results; its ranks hold their outputs of the whole step until
+    the step's sends complete (``mimotron plan`` counts them). Not with interleaving
+    (``virtual_pipeline > 1``) on it or the language model. Colocated layouts run a frozen
+    encoder's step ahead with ``encoder_batching``.
+    """
     overwrite: bool = False
     """Allow a fresh start over a previous run: its files are moved aside, not clobbered.
 

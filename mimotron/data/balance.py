@@ -33,6 +33,7 @@ token in its projections and ``4 h s`` in attention over ``s`` keys).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import accumulate
 
 import torch
 
@@ -40,7 +41,7 @@ from mimotron.host_sync import host_copy
 
 Batch = dict[str, torch.Tensor]
 
-__all__ = ["balanced_items", "balanced_order", "encoder_items", "in_item_order",
+__all__ = ["balanced_items", "balanced_order", "deal_step", "encoder_items", "in_item_order",
            "is_balanced", "item_costs", "item_keys", "lpt_bins", "owner_keys"]
 
 
@@ -77,6 +78,38 @@ def lpt_bins(costs: Sequence[float], num_bins: int, capacity: int | Sequence[int
         out[i] = bin_
         loads[bin_] += costs[i]
         fill[(groups[i], bin_)] = fill.get((groups[i], bin_), 0) + 1
+    return out
+
+
+def deal_step(costs: Sequence[Sequence[float]], num_bins: int, capacities: Sequence[int],
+              per_step: bool) -> list[list[int]]:
+    """The bin of every item of a step, micro-batch by micro-batch.
+
+    Args:
+        costs: per micro-batch, its items' costs in item order.
+        num_bins: the encoder's DP replicas.
+        capacities: per micro-batch, the most of its items one replica takes.
+        per_step: deal the step's items together (:func:`lpt_bins` over all, each staying
+            in its micro-batch): what a step waits for when a replica encodes its whole
+            step at once (colocated ``train.encoder_batching``). Otherwise each
+            micro-batch is dealt on its own, starting from the step's loads so far spread
+            over its micro-batches, so that near-ties go to the replica with the least
+            work in the step: what a step waits for when every micro-batch waits for its
+            slowest replica (the bridges of split layouts, colocated without batching).
+    """
+    if per_step:
+        flat = lpt_bins([c for mb in costs for c in mb], num_bins, capacity=capacities,
+                        groups=[j for j, mb in enumerate(costs) for _ in mb])
+        first = [0, *accumulate(len(mb) for mb in costs)]
+        return [flat[first[j]:first[j + 1]] for j in range(len(costs))]
+    step = [0.0] * num_bins
+    out = []
+    for mb, capacity in zip(costs, capacities, strict=True):
+        owners = lpt_bins(mb, num_bins, capacity=capacity,
+                          loads=[load / len(costs) for load in step])
+        for cost, bin_ in zip(mb, owners, strict=True):
+            step[bin_] += cost
+        out.append(owners)
     return out
 
 

@@ -98,6 +98,9 @@ class Layout:
     modules: dict[str, ModulePlacement]
     # Module DAG: source module -> destination modules (every encoder feeds language).
     topology: dict[str, list[str]] = field(default_factory=dict)
+    ahead: frozenset[str] = frozenset()
+    """Encoders that run ahead (:func:`runs_ahead`): a forward-only plan, no gradient
+    sent back to them."""
 
     def roles(self, rank: int) -> list[RankRole]:
         """The roles of a rank, one per module it holds, in config order."""
@@ -214,7 +217,25 @@ def check_layout(cfg: MimoConfig, env_world_size: int | None = None) -> Layout:
             f"ranks ({_describe_blocks(modules)}); launch with --nproc-per-node={world_size} "
             "or change modules.<name>.parallel"
         )
-    return Layout(world_size, colocated, modules, topology)
+    return Layout(world_size, colocated, modules, topology, runs_ahead(cfg, modules, colocated))
+
+
+def runs_ahead(cfg: MimoConfig, modules: dict[str, ModulePlacement], colocated: bool
+               ) -> frozenset[str]:
+    """The encoders whose forwards run ahead of the language model.
+
+    A wholly frozen encoder (``freeze = true``) of a split layout needs no gradient
+    (``train.frozen_ahead``, on by default):
+    its ranks run every micro-batch's forward without autograd, one after the other, and
+    send each output as it is done, instead of waiting in 1F1B for gradients that would
+    change nothing. Not under interleaving (the encoder's or the language model's),
+    whose plans wait for chunk orders of their own.
+    """
+    if (not cfg.train.frozen_ahead or colocated
+            or modules[LANGUAGE].parallel.virtual_pipeline > 1):
+        return frozenset()
+    return frozenset(n for n in cfg.encoder_names if cfg.modules[n].fully_frozen
+                     and modules[n].parallel.virtual_pipeline == 1)
 
 
 def _describe_blocks(modules: dict[str, ModulePlacement]) -> str:

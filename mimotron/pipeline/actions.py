@@ -91,6 +91,14 @@ class Position:
     total: int  # number of positions
     has_prev: bool
     has_next: bool
+    grads_prev: bool | None = None
+    """Whether gradients go back to the previous stage(s); ``None``: ``has_prev``. False
+    where every feeding encoder runs ahead (``Layout.ahead``: it takes no gradient)."""
+
+    @property
+    def sends_grads(self) -> bool:
+        """Whether this stage sends gradients upstream."""
+        return self.has_prev if self.grads_prev is None else self.grads_prev
 
 
 def pipeline_positions(layout: Layout) -> dict[StageKey, Position]:
@@ -110,9 +118,10 @@ def pipeline_positions(layout: Layout) -> dict[StageKey, Position]:
         p = layout.modules[m].parallel.pipeline
         for s in range(p):
             out[(m, s)] = Position(m, s, depth - p + s, total, s > 0, True)
+    learners = [m for m in encoders if m not in layout.ahead]  # take gradients
     for s in range(lm_depth):
         out[(LANGUAGE, s)] = Position(LANGUAGE, s, depth + s, total, s > 0 or bool(encoders),
-                                      s < lm_depth - 1)
+                                      s < lm_depth - 1, s > 0 or bool(learners))
     return out
 
 
@@ -148,16 +157,18 @@ def build_1f1b_actions(num_microbatches: int, position: Position, pipelined: boo
         if p.has_next:
             plan.append(Action(SEND_FORWARD_RECV_BACKWARD, fwd, bwd))
         plan.append(Action(BACKWARD, bwd))
-        if p.has_prev:
-            last = i == remaining - 1
+        last = i == remaining - 1
+        if p.sends_grads:
             plan.append(Action(SEND_BACKWARD, bwd) if last
                         else Action(SEND_BACKWARD_RECV_FORWARD, bwd, fwd + 1))
+        elif p.has_prev and not last:  # inputs from encoders that run ahead only
+            plan.append(Action(RECV_FORWARD, fwd + 1))
     # Cool-down: the backwards of the warm-up micro-batches.
     for k in range(remaining, num_microbatches):
         if p.has_next:
             plan.append(Action(RECV_BACKWARD, k))
         plan.append(Action(BACKWARD, k))
-        if p.has_prev:
+        if p.sends_grads:
             plan.append(Action(SEND_BACKWARD, k))
     return plan
 

@@ -66,6 +66,8 @@ class Placement:
         virtual: model chunks per rank (1 without interleaving).
         upstream: last stage ranks of the modules feeding the first virtual stage.
         downstream: first stage ranks of the modules the last virtual stage feeds.
+        ahead: a module that runs ahead (``Layout.ahead``): forwards only, no gradient
+            sent to it.
     """
 
     ring: tuple[StageKey, ...]
@@ -73,6 +75,7 @@ class Placement:
     virtual: int = 1
     upstream: tuple[StageKey, ...] = ()
     downstream: tuple[StageKey, ...] = ()
+    ahead: bool = False
 
     def is_first(self, chunk: int) -> bool:
         """Whether ``chunk`` here is the module's first virtual stage."""
@@ -108,7 +111,7 @@ def layout_topology(layout: Layout) -> dict[StageKey, Placement]:
                     for src, dsts in layout.topology.items() if m in dsts)
         downs = tuple((dst, 0) for dst in layout.topology.get(m, []))
         for s, node in enumerate(ring):
-            out[node] = Placement(ring, s, par.virtual_pipeline, ups, downs)
+            out[node] = Placement(ring, s, par.virtual_pipeline, ups, downs, m in layout.ahead)
     return out
 
 
@@ -133,7 +136,7 @@ def routes(topology: Topology, node: StageKey, action: Action) -> list[tuple[Sta
     if c > 0:
         return [(ring[-1], (direction, c - 1 if sending else c, k))]
     return [(peer, (direction, topology[peer].virtual - 1 if sending else c, k))
-            for peer in where.upstream]
+            for peer in where.upstream if direction == FORWARD or not topology[peer].ahead]
 
 
 def expand(plan: Sequence[Action]) -> list[tuple[int, Action]]:
@@ -191,6 +194,7 @@ def check_rank(topology: Topology, node: StageKey, plan: Sequence[Action],
         ActionListError: naming the rank, the action index and the broken rule.
     """
     where = topology[node]
+    forward_only = forward_only or where.ahead
     done: set[Label] = set()
     received: set[Label] = set()
     moved: set[tuple[str, int, int]] = set()

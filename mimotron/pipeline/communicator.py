@@ -259,13 +259,14 @@ class MultiModulePipelineCommunicator:
         out = {}
         for src in self._pairs:
             chunks = [t for (s, _), t in zip(sources, tensors, strict=True) if s == src]
-            if self.role.tp == 0:  # Only the leader sends the gradients back.
-                self._rows[(k, src)] = [c.shape[0] for c in chunks]
+            if self.role.tp == 0 and src not in self.layout.ahead:  # the leader sends
+                self._rows[(k, src)] = [c.shape[0] for c in chunks]  # gradients back
             # One chunk (no fan-in) is used as received: no copy.
             t = (chunks[0] if len(chunks) == 1 else torch.cat(chunks)) if chunks else None
             # TP ranks of the destination all need the embeddings: leader broadcasts.
             t = broadcast_tensor(t, self._tp_leader, self.tp_group, self.device)
-            out[src] = t.requires_grad_(True)
+            # An encoder that runs ahead takes no gradient: none is computed for it.
+            out[src] = t if src in self.layout.ahead else t.requires_grad_(True)
         return out
 
     # ---- backward direction ------------------------------------------------------------
@@ -277,6 +278,8 @@ class MultiModulePipelineCommunicator:
             return []
         sends = []
         for src, pairs in self._pairs.items():
+            if src in self.layout.ahead:  # it runs ahead: no gradient goes back
+                continue
             rows, offset, i = self._rows.pop((k, src)), 0, 0
             for s_rank, d_rank, *_ in pairs:
                 if d_rank == self.rank:
@@ -361,7 +364,8 @@ class MultiModulePipelineCommunicator:
                 known += [self._checked(p, True, t, f"micro-batch {it.microbatch}'s output "
                                         f"for rank {p}", it.chunk) for p, t in out]
                 for p, t in out:  # its gradient comes back in this shape and dtype
-                    self._sent[(it.chunk, it.microbatch, p)] = (tuple(t.shape), t.dtype)
+                    if self.module not in self.layout.ahead:  # (none comes back to it)
+                        self._sent[(it.chunk, it.microbatch, p)] = (tuple(t.shape), t.dtype)
             elif it.kind == SEND_BACKWARD:
                 out = self._backward_sends(it.microbatch, it.payload, chunk=it.chunk)
                 for p, t in out:
@@ -387,10 +391,13 @@ class MultiModulePipelineCommunicator:
 
     def _assemble(self, it: Transfer, recvs: list[Recv], tensors: list[torch.Tensor]) -> Any:
         if it.kind == RECV_FORWARD:
-            for r, t in zip(recvs, tensors, strict=True):  # its gradient goes back alike
-                self._received[(it.chunk, it.microbatch, r.peer)] = (tuple(t.shape), t.dtype)
-            return self._assemble_forward(it.microbatch, self._forward_sources(it.chunk),
-                                          tensors, it.chunk)
+            sources = self._forward_sources(it.chunk)
+            for (src, _), r, t in zip(sources, recvs, tensors, strict=True):
+                if {src, self.module}.isdisjoint(self.layout.ahead):  # its gradient comes
+                    # back alike (none inside or out of an encoder that runs ahead)
+                    self._received[(it.chunk, it.microbatch, r.peer)] = (tuple(t.shape),
+                                                                         t.dtype)
+            return self._assemble_forward(it.microbatch, sources, tensors, it.chunk)
         return self._assemble_backward(it.microbatch, tensors, it.chunk)
 
     # ---- shapes known in advance --------------------------------------------------------

@@ -246,7 +246,7 @@ def build_rank_actions(layout: Layout, module: str, stage: int, num_microbatches
     pos = pipeline_positions(layout)[(module, stage)]
     par = layout.modules[module].parallel
     v = par.virtual_pipeline if not layout.colocated else 1
-    if forward_only:
+    if forward_only or module in layout.ahead:  # evaluation, or a frozen encoder ahead
         if v == 1:
             return build_forward_only_actions(num_microbatches, pos)
         return build_interleaved_forward_only_actions(

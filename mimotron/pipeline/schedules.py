@@ -263,11 +263,15 @@ class StageRunner:
     def _forward_encoder(self, k: int, received: torch.Tensor | None, chunk: int
                          ) -> torch.Tensor:
         model, m = self.ctx.model, self.module
-        if self._is_first(chunk):
-            out = model.encode(m, self.ctx.microbatches[k][m], **self._chunk_arg(chunk))
-        else:
-            out = model.modality_submodules[m](received, **self._chunk_arg(chunk))
-        self._saved[(chunk, k)] = (received, out)
+        ahead = m in self.ctx.layout.ahead and not self.ctx.forward_only
+        # Running ahead (a frozen encoder): no autograd state, nothing kept for backward.
+        with torch.no_grad() if ahead else contextlib.nullcontext():
+            if self._is_first(chunk):
+                out = model.encode(m, self.ctx.microbatches[k][m], **self._chunk_arg(chunk))
+            else:
+                out = model.modality_submodules[m](received, **self._chunk_arg(chunk))
+        if not ahead:
+            self._saved[(chunk, k)] = (received, out)
         return out
 
     def _forward_language(self, k: int, received: Any, chunk: int) -> torch.Tensor | None:
@@ -349,8 +353,8 @@ class StageRunner:
             out.backward(torch.zeros_like(out))
         if received is None:
             return None
-        if isinstance(received, dict):
-            return {n: _grad_or_zeros(t) for n, t in received.items()}
+        if isinstance(received, dict):  # not for encoders that run ahead (no grad)
+            return {n: _grad_or_zeros(t) for n, t in received.items() if t.requires_grad}
         return _grad_or_zeros(received)
 
 

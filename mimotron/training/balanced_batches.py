@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mimotron.config.schema import MimoConfig
-from mimotron.data.balance import balanced_order, encoder_items, item_costs, lpt_bins, owner_keys
+from mimotron.data.balance import balanced_order, deal_step, encoder_items, item_costs, owner_keys
 from mimotron.data.collate import Batch, Sample, slice_batch
 from mimotron.data.packing import sample_length
 from mimotron.names import LANGUAGE
@@ -37,17 +37,21 @@ class Balance:
         tokens: permute each global batch for even language tokens per DP replica.
         encoders: encoder module -> ``(modality, hidden size)``, for each encoder whose
             items go to its DP replicas by cost.
+        batched: ``train.encoder_batching`` (the deal evens whole steps, not each
+            micro-batch: :func:`~mimotron.data.balance.deal_step`).
     """
 
     tokens: bool = False
     encoders: Mapping[str, tuple[str, int]] = field(default_factory=dict)
+    batched: bool = False
+    """``train.encoder_batching``: a colocated rank encodes its whole step at once."""
 
     @classmethod
     def from_config(cls, cfg: MimoConfig) -> Balance:
         """The run's balancing (``data.balance_tokens``, ``data.balance_encoders``)."""
         encoders = {n: (str(cfg.modules[n].modality), cfg.modules[n].hidden_size)
                     for n in cfg.encoder_names} if cfg.data.balance_encoders else {}
-        return cls(cfg.data.balance_tokens, encoders)
+        return cls(cfg.data.balance_tokens, encoders, cfg.train.encoder_batching)
 
 
 class BalancedSplit:
@@ -68,6 +72,7 @@ class BalancedSplit:
         self.language_dp = layout.modules[LANGUAGE].parallel.data
         self.dp = {m: layout.modules[m].parallel.data for m in self.encoders}
         self.replica = {role.module: role.dp for role in layout.roles(rank)}
+        self.per_step = balance.batched and layout.colocated
 
     def order(self, lengths: list[int], num_microbatches: int) -> list[int] | None:
         """The step's permutation of its units by tokens, or ``None`` (stream order)."""
@@ -90,13 +95,10 @@ class BalancedSplit:
         return lambda j: [samples[i] for i in order[j * self.mbs + lo:j * self.mbs + hi]]
 
     def deal(self, batches: list[Batch]) -> list[dict[str, list[int]]]:
-        """The encoder replica of every item of a step, per micro-batch and encoder.
-
-        The step's items are dealt together (:func:`~mimotron.data.balance.lpt_bins`
-        over all of them, each staying in its micro-batch): the per-step loads are what
-        the deal evens out. A replica takes at most as many items of one micro-batch as
-        its slice has item slots, so what a forward holds stays within what position
-        would give it.
+        """The encoder replica of every item of a step, per micro-batch and encoder
+        (:func:`~mimotron.data.balance.deal_step`; a replica takes at most as many items
+        of one micro-batch as its slice has item slots, so what a forward holds stays
+        within what position would give it).
 
         Args:
             batches: the step's collated micro-batches (whole: ``lo = 0``).
@@ -109,12 +111,8 @@ class BalancedSplit:
             costs = [item_costs(b, modality, hidden) for b in batches]
             # a slice's item slots (packed rows: K per row, K per micro-batch)
             slots = [b[f"has_{modality}"].numel() // self.dp[module] for b in batches]
-            flat = lpt_bins([c for mb in costs for c in mb], self.dp[module], capacity=slots,
-                            groups=[j for j, mb in enumerate(costs) for _ in mb])
-            first = 0
-            for j, mb in enumerate(costs):
-                out[j][module] = flat[first:first + len(mb)]
-                first += len(mb)
+            for j, owners in enumerate(deal_step(costs, self.dp[module], slots, self.per_step)):
+                out[j][module] = owners
         return out
 
     def split(self, batch: Batch, slices: dict[str, tuple[int, int]], lo: int,

@@ -259,27 +259,19 @@ class PackedMicrobatchProvider(MicrobatchProvider):
         if span is None:
             return [{} for _ in range(num_microbatches)], next_start, sum(row_tokens)
         lo, hi = span
-        order = self.balanced.order(row_tokens, num_microbatches) or list(range(num_rows))
-        batches = [collate_packed(_rows_at(rows_in, order[j * self.mbs + lo:j * self.mbs + hi]),
-                                  self.seq_length, **self.collate_kwargs)
-                   for j in range(num_microbatches)]
+        order = self.balanced.order(row_tokens, num_microbatches)
+        if order is None:
+            picked = [rows_in(j * self.mbs + lo, j * self.mbs + hi)
+                      for j in range(num_microbatches)]
+        else:  # rows dealt by tokens: the step's rows read at once, in stream order
+            every = rows_in(0, num_rows)
+            picked = [[every[r] for r in order[j * self.mbs + lo:j * self.mbs + hi]]
+                      for j in range(num_microbatches)]
+        batches = [collate_packed(rows, self.seq_length, **self.collate_kwargs)
+                   for rows in picked]
         out = [self.balanced.split(b, self.slices, lo, owners)
                for b, owners in zip(batches, self.balanced.deal(batches), strict=True)]
         return out, next_start, sum(row_tokens)
-
-
-def _rows_at(rows_in: Callable[[int, int], list[list[Sample]]], picks: list[int]
-             ) -> list[list[Sample]]:
-    """Rows ``picks`` of a step, each run of consecutive rows read at once."""
-    out: list[list[Sample]] = []
-    i = 0
-    while i < len(picks):
-        k = i + 1
-        while k < len(picks) and picks[k] == picks[k - 1] + 1:
-            k += 1
-        out.extend(rows_in(picks[i], picks[k - 1] + 1))
-        i = k
-    return out
 
 
 class _RowLoader:

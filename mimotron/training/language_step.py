@@ -94,9 +94,6 @@ def language_inputs(model: nn.Module, batch: dict[str, torch.Tensor],
     native_embeddings`; ``{}`` for every other model)."""
     tokens = batch["tokens"]
     embeds = {m: e for m, e in embeddings.items() if e is not None}
-    for m, e in embeds.items():  # items dealt by cost arrive grouped by encoding replica
-        if is_balanced(batch, model.modality_of[m]):
-            embeds[m] = in_item_order(e, balanced_items(batch, model.modality_of[m])[0])
     lm = model.language_model
     positions = lm.context_positions(tokens.shape[1], tokens.device)
     # The placeholder checks count on the batch's host copies: no device sync.
@@ -116,6 +113,23 @@ def language_inputs(model: nn.Module, batch: dict[str, torch.Tensor],
     embeds, counts, visual = native_embeddings(model, batch, embeds, token_embeds.shape[-1])
     return model.merge_embeddings(tokens, token_embeds, embeds, present,
                                   host_tokens=host_tokens, counts=counts), visual
+
+
+def in_sample_order(model: nn.Module, batch: dict[str, torch.Tensor],
+                    embeddings: dict[str, torch.Tensor | None]
+                    ) -> dict[str, torch.Tensor | None]:
+    """``embeddings`` with each module's rows in sample order, as a forward step takes them.
+
+    Items dealt by cost (``data.balance_encoders``) arrive grouped by the replica that
+    encoded them (:mod:`mimotron.data.balance`); every other module's rows are already in
+    order and pass as they are.
+    """
+    out = dict(embeddings)
+    for m, e in embeddings.items():
+        modality = model.modality_of.get(m)
+        if e is not None and modality is not None and is_balanced(batch, modality):
+            out[m] = in_item_order(e, balanced_items(batch, modality)[0])
+    return out
 
 
 def language_loss_step(model: nn.Module, batch: dict[str, torch.Tensor], logits: torch.Tensor
@@ -254,7 +268,7 @@ class LanguageStep:
     def forward_step(self, model: nn.Module, batch: dict[str, torch.Tensor],
                      embeddings: dict[str, torch.Tensor | None]) -> LossOutput:
         """The whole language step (single-stage language model, or colocated)."""
-        out = self.forward_step_func(model, batch, embeddings)
+        out = self.forward_step_func(model, batch, in_sample_order(model, batch, embeddings))
         if model.training and isinstance(out, tuple) and len(out) == 3 \
                 and isinstance(out[2], dict):
             for key, value in out[2].items():
@@ -267,7 +281,7 @@ class LanguageStep:
                           ) -> tuple[torch.Tensor, dict[str, Any]]:
         """The first stage's input of a pipelined language model and its vision
         arguments (:func:`language_inputs`)."""
-        return language_inputs(model, batch, embeddings)
+        return language_inputs(model, batch, in_sample_order(model, batch, embeddings))
 
     def loss(self, model: nn.Module, batch: dict[str, torch.Tensor], logits: torch.Tensor
              ) -> LossOutput:
