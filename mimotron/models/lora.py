@@ -112,7 +112,14 @@ def low_rank(layer: nn.Linear, x: torch.Tensor, a: torch.Tensor) -> torch.Tensor
 def _hook(layer: nn.Linear, args: tuple[torch.Tensor, ...], out: torch.Tensor) -> torch.Tensor:
     state: LoraState = layer.lora_state
     if state.combine is not None:
-        return out + state.combine(layer, args[0])
+        update = state.combine(layer, args[0])
+        # The update is built in the layout of the layer's output as the TP plan leaves it
+        # (its output hook runs before this one): say so where that does not hold.
+        assert update.shape == out.shape, (
+            f"LoRA update {tuple(update.shape)} for an output {type(out).__name__} "
+            f"{tuple(out.shape)} {getattr(out, 'placements', '')}; forward hooks "
+            f"{[getattr(h, '__qualname__', repr(h)) for h in layer._forward_hooks.values()]}")
+        return out + update
     return out + F.linear(low_rank(layer, args[0], layer.lora_a), layer.lora_b) * state.scale
 
 
