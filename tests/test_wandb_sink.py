@@ -83,7 +83,9 @@ def test_offline_run_holds_the_records_and_a_resume_continues_it(tmp_path):
     run_ranks(1, _train, [*over, "train.iters=4"], timeout_s=240)
     run_id = (tmp_path / "wandb_run_id").read_text().strip()
     runs = sorted((tmp_path / "wandb").glob("offline-run-*"))
-    assert len(runs) == 2 and all(r.name.endswith(f"-{run_id}") for r in runs)
+    # wandb names each folder by the second it started (and adds "-1" when two start in the
+    # same second); the transaction log inside is named by the run id.
+    assert len(runs) == 2 and all((r / f"run-{run_id}.wandb").is_file() for r in runs)
     rows = [row for run in runs for row in _history(run)]
     records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if "loss" in r]
