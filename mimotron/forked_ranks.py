@@ -57,6 +57,7 @@ from mimotron.failures import (
     record_failure,
     root_cause,
 )
+from mimotron.runtime import forget_dtensor_plans
 
 # Set to 1 (the test suite does): every run records its ranks' communication and the
 # parent replays it under NCCL's rules (:mod:`mimotron.commcheck`) after they succeed.
@@ -98,6 +99,7 @@ def _rank_main(
     )
     try:
         store = dist.FileStore(os.path.join(tmp, "store"), world_size)
+        forget_dtensor_plans()  # the parent's, inherited through fork
         dist.init_process_group(
             "gloo", store=store, rank=rank, world_size=world_size,
             timeout=timedelta(seconds=pg_timeout_s),

@@ -98,6 +98,24 @@ def set_device_rng_state(state: torch.Tensor, device: torch.device) -> None:
         torch.get_device_module(device).set_rng_state(state, device)
 
 
+def forget_dtensor_plans() -> None:
+    """Drop DTensor's cached sharding and redistribution plans; called before a world is
+    created.
+
+    DTensor caches its plans by device-mesh *equality*, which ignores process groups: a
+    plan cached in an earlier world of this process (a dry run before this one, or the
+    parent of a forked rank) hands back that world's mesh, whose collectives then run on
+    destroyed groups ("Could not resolve the process group") or on the wrong ranks.
+    """
+    from torch.distributed.tensor import DTensor, _redistribute
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()  # the Python cache and the C++ fast path's
+    DTensor._op_dispatcher.sharding_propagator._propagate_tensor_meta_cached.cache_clear()
+    _redistribute._gen_transform_infos.cache_clear()
+    _redistribute.clear_redistribute_planner_cache()
+
+
 def init_runtime(timeout_s: float = 300.0) -> Runtime:
     """Join (or reuse) the default process group from the launcher's environment.
 
@@ -115,6 +133,7 @@ def init_runtime(timeout_s: float = 300.0) -> Runtime:
     device = device_for(local)
     backend = default_backend()
     timeout = timedelta(seconds=timeout_s)
+    forget_dtensor_plans()
     if "MASTER_ADDR" in os.environ:
         dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout,
                                 device_id=device if device.type != "cpu" else None)

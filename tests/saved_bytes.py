@@ -39,6 +39,27 @@ def saved_bytes(run: Callable[[], Any]) -> int:
     return sum(storages.values())
 
 
+def saved_inside(tower: torch.nn.Module, run: Callable[[], Any]) -> int:
+    """Bytes autograd saves while ``tower``'s forward runs, over ``run()``."""
+    inside = [False]
+    total = [0]
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if inside[0] and not isinstance(t, torch.nn.Parameter):
+            total[0] += t.untyped_storage().nbytes()
+        return t
+
+    handles = [tower.register_forward_pre_hook(lambda *_: inside.__setitem__(0, True)),
+               tower.register_forward_hook(lambda *_: inside.__setitem__(0, False))]
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            run()
+    finally:
+        for h in handles:
+            h.remove()
+    return total[0]
+
+
 def per_sample(module: torch.nn.Module, make_input: Callable[[int], torch.Tensor],
                precision: str, loss: bool) -> int:
     """Saved bytes per sample: ``saved(3 samples) - saved(2 samples)``.

@@ -60,6 +60,14 @@ CASES: dict[str, tuple[list[str], list[int] | None]] = {
     "lora-colocated-tp2": (coloc({"tensor": 2, "data": 1}, {"tensor": 2, "data": 1},
                                  {"tensor": 2, "data": 1})
                            + ["modules.language.lora.rank=4"], [0]),
+    # The colocated bridge re-slices rows (DP 4 -> DP 2): its gather of presence masks
+    # carries each rank's own (mimotron.dryrun.harness.PeerBatches).
+    "colocated-bridge": (coloc({"data": 4}, {"data": 4}, {"tensor": 2, "data": 2}), [0, 3]),
+    # A colocated pipelined language model: encoders and bridges on every rank, then the
+    # language stages (DP 2 x PP 2; TP 2 with SP x PP 2).
+    "colocated-pp2": (coloc({"data": 4}, {"data": 4}, {"data": 2, "pipeline": 2}), None),
+    "colocated-tp2-sp-pp2": (coloc({"data": 4}, {"tensor": 2, "data": 2},
+                                   {"tensor": 2, "data": 1, "pipeline": 2}) + SP, None),
 }
 # Two steps where the second differs (optimizer state, the overlapped param gather).
 TWO_STEPS = ("noncolocated", "zero1-overlap")
@@ -72,6 +80,10 @@ MORE_DATA_SYNC_FILES: dict[str, set[str]] = {
     "lora-tp2-sp-pp2": {"mimotron/models/language.py"},
     "cp2": {"mimotron/parallel/context_parallel.py", "mimotron/pipeline/communicator.py",
             "mimotron/training/language_step.py", "mimotron/models/language.py"},
+    # One read of every rank's presence per bridge: which rows each slice takes.
+    "colocated-bridge": {"mimotron/pipeline/colocated.py"},
+    "colocated-pp2": {"mimotron/pipeline/colocated.py"},
+    "colocated-tp2-sp-pp2": {"mimotron/pipeline/colocated.py", "mimotron/models/language.py"},
 }
 # Expert routing reads its per-expert counts (the router's choices: the all-to-all
 # splits and the grouped call's sizes) once per MoE layer and micro-batch, a real
@@ -84,15 +96,34 @@ def _run(overrides: list[str], ranks: list[int] | None, **kw: object) -> list[Dr
     return dry_run(cfg, ranks, **kw)  # type: ignore[arg-type]
 
 
+def _spawned() -> ProcessPoolExecutor:
+    return ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+
+
 @pytest.fixture(scope="module")
 def fresh_process() -> Iterator[ProcessPoolExecutor]:
     """One process started for this file's cases, as ``mimotron plan --dry-run`` runs in a
-    process of its own. In a test worker that ran other files first, the
-    ``lora-tp2-sp-pp2`` case has failed now and then (2 of 5 suite runs on 2026-12-06: a
-    LoRA update of the sequence-sharded shape met an unsharded layer output); alone,
-    and in a fresh process, it has not. The cause is not found: this contains it."""
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+    process of its own (a test worker's earlier files leave other state behind; the
+    DTensor plans they cached are dropped by every new world:
+    :func:`test_a_dry_run_after_another_in_one_process`)."""
+    with _spawned() as pool:
         yield pool
+
+
+def _two_dry_runs(first: str, second: str) -> None:
+    for name in (first, second):
+        _run(CASES[name][0], CASES[name][1], steps=1, evaluate=False, checkpoint=False)
+
+
+def test_a_dry_run_after_another_in_one_process() -> None:
+    """DTensor caches sharding plans by device-mesh equality, which ignores process
+    groups: a second dry run in one process whose TP mesh equals the first one's got the
+    first world's mesh back, and its sequence-parallel reduce-scatter a destroyed group
+    ("Could not resolve the process group registered under the name 4"; the cause of the
+    ``lora-tp2-sp-pp2`` case failing now and then in a worker that had run other files).
+    Every new world drops those plans (``mimotron.runtime.forget_dtensor_plans``)."""
+    with _spawned() as pool:
+        pool.submit(_two_dry_runs, "lora-colocated-tp2", "colocated-tp2-sp-pp2").result()
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -101,7 +132,8 @@ def test_dry_run_keeps_every_tensor_on_the_device(name: str,
     overrides, ranks = CASES[name]
     reports = fresh_process.submit(_run, overrides, ranks,
                                    steps=2 if name in TWO_STEPS else 1,
-                                   evaluate=name in ("noncolocated", "colocated-dp2")).result()
+                                   evaluate=name in ("noncolocated", "colocated-dp2",
+                                                     "colocated-pp2")).result()
     assert reports
     expected = {host_sync.TOKEN_COUNT: 1, host_sync.WORLD_SUMS: 1}
     if name in EXPERT_READS:

@@ -10,7 +10,6 @@ frozen tower keep for backward, and that no gradient travels to a frozen encoder
 from __future__ import annotations
 
 import pytest
-import torch
 
 from mimotron.config import load_config
 from mimotron.forked_ranks import run_ranks
@@ -24,7 +23,7 @@ from mimotron.training.megatron_compat import train_step_mimo
 from mimotron.training.step import default_forward_step
 from tests.common import BASE, DIGITS, noncolocated
 from tests.parity import SMALL_MB, run_against_plain_loop
-from tests.saved_bytes import saved_bytes
+from tests.saved_bytes import saved_bytes, saved_inside
 
 FROZEN_BOTH = ["modules.vision.freeze=true", "modules.audio.freeze=true"]
 VISION_2_LAYERS = ["modules.vision.num_layers=2"]
@@ -80,27 +79,6 @@ def test_frozen_ahead_matches_plain_loop(name: str) -> None:
     run_against_plain_loop(layout, extra)
 
 
-def _tower_saved(tower: torch.nn.Module, run: object) -> int:
-    """Bytes autograd saves while ``tower``'s forward runs, over ``run()``."""
-    inside = [False]
-    total = [0]
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        if inside[0] and not isinstance(t, torch.nn.Parameter):
-            total[0] += t.untyped_storage().nbytes()
-        return t
-
-    handles = [tower.register_forward_pre_hook(lambda *_: inside.__setitem__(0, True)),
-               tower.register_forward_hook(lambda *_: inside.__setitem__(0, False))]
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            run()
-    finally:
-        for h in handles:
-            h.remove()
-    return total[0]
-
-
 def _kept(rank: int, world: int, overrides: list[str]) -> dict:
     """Bytes autograd saves on this rank over one training step, and on the vision rank
     those saved inside its tower."""
@@ -116,7 +94,7 @@ def _kept(rank: int, world: int, overrides: list[str]) -> dict:
     module = next(r.module for r in run.infra.layout.roles(rank))
     out = {"module": module, "kept": saved_bytes(step), "tower": None}
     if module == "vision":
-        out["tower"] = _tower_saved(run.model.modality_submodules["vision"].encoder, step)
+        out["tower"] = saved_inside(run.model.modality_submodules["vision"].encoder, step)
     else:
         step()  # every rank runs the same steps
     return out

@@ -113,7 +113,8 @@ INVALID = [
                  "modules.language.parallel.pipeline=3", id="pp-more-than-layers"),
     pytest.param(_par("vision", data=1, pipeline=2) + _par("audio", data=2)
                  + _par("language", data=2),
-                 "colocated modules need pipeline=1", id="colocated-pp"),
+                 "in a colocated layout only the language model may be pipelined",
+                 id="colocated-pp"),
     pytest.param(_par("vision", data=1, rank_offset=0) + _par("audio", data=1, rank_offset=1)
                  + _par("language", data=4, expert=3, rank_offset=2),
                  "modules.language.parallel.expert=3", id="expert-does-not-divide"),

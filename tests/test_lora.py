@@ -10,7 +10,7 @@ values (:func:`tests.lora_reference.with_adapters`).
   has a gradient.
 * Layouts: 10 iterations at a real learning rate, split (vision DP 2 | language TP 2,
   language TP 2 with sequence parallelism, PP 2, CP 2, DP 2 with ZeRO-1) and colocated
-  (vision DP 2 + language TP 2; + language FSDP2 over DP 2):
+  (vision DP 2 + language TP 2; + language FSDP2 over DP 2; + language PP 2):
   losses, grad norms and final weights equal the plain loop on the PEFT model; the base
   weights end as loaded.
 * Adapters on the vision tower and the projector too (a CLIP tower, row-major 2-D
@@ -145,6 +145,8 @@ _LAYOUTS = {
     "vision | language DP 2 with ZeRO-1": (3, [
         "modules.language.parallel.data=2", "modules.language.parallel.shard_optimizer=true",
         "modules.language.parallel.rank_offset=1"]),
+    "colocated vision DP 2 + language PP 2": (2, [
+        "modules.vision.parallel.data=2", "modules.language.parallel.pipeline=2"]),
 }
 
 

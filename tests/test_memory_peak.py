@@ -74,9 +74,23 @@ def test_colocated_zero_recompute_within_band(llava_small: list[str]) -> None:
     ], [0], [])
 
 
+def test_colocated_pipelined_language_within_band(llava_small: list[str]) -> None:
+    """Both modules on four ranks: the vision tower DP 4, the language model TP 2 x PP 2
+    (one layer a stage), 2 micro-batches. Every rank holds the tower's activations of
+    both micro-batches (encoders run before the language stages, their backward after),
+    besides its stage's 1F1B forwards: the first stage (rank 0) and the last (rank 2)."""
+    _check(llava_small + [
+        "modules.vision.parallel.data=4", "modules.language.parallel.tensor=2",
+        "modules.language.parallel.data=1", "modules.language.parallel.pipeline=2",
+        "modules.language.parallel.layers_per_stage=[1,1]",
+        "modules.language.parallel.rank_offset=0", "train.global_batch_size=8",
+        "train.micro_batch_size=4",
+    ], [0, 2], [])
+
+
 # Every module on all 64 ranks: vision DP 8 x TP 8, language TP 8 x DP 8 with FSDP2 over
-# DP (a colocated language model cannot pipeline; TP stops at the 8 key/value heads, so
-# only sharding over DP brings its 70B parameters under 80 GB) and full recompute.
+# DP (TP stops at the 8 key/value heads, so without pipelining the language model only
+# sharding over DP brings its 70B parameters under 80 GB) and full recompute.
 COLOCATED_70B = [
     "modules.vision.parallel.data=8", "modules.language.parallel.data=8",
     "modules.language.parallel.pipeline=1", "modules.language.parallel.layers_per_stage=[]",
@@ -111,12 +125,23 @@ def test_split_pipeline_stage_recompute_70b_within_band(llama70b_small: list[str
     ], [1], [0], "llama2_70b_vit_64gpu.toml")
 
 
+# Every module on all 64 ranks, the language model TP 8 x PP 8 (its 80 layers, 10 a stage)
+# without FSDP: the vision tower DP 8 x TP 8 runs the step's 8 micro-batches first.
+COLOCATED_PP_70B = [
+    "modules.vision.parallel.data=8", "modules.language.parallel.data=1",
+    "modules.language.parallel.pipeline=8", "modules.language.parallel.layers_per_stage=[]",
+    "modules.language.parallel.rank_offset=0", "modules.language.recompute=full",
+    "train.global_batch_size=64", "train.micro_batch_size=8",
+]
+
+
 @pytest.mark.parametrize("overrides, verdict", [
     ([], "fit: all 64 ranks fit"),  # vision TP 8 | language TP 8 SP x PP 7
     (COLOCATED_70B, "fit: all 64 ranks fit"),
     # The same without FSDP: 8.6e9 parameters per rank do not fit.
     ([*COLOCATED_70B, "modules.language.parallel.fsdp=false"], "do not fit"),
-], ids=["split", "colocated-fsdp", "colocated-without-fsdp"])
+    (COLOCATED_PP_70B, "fit: all 64 ranks fit"),
+], ids=["split", "colocated-fsdp", "colocated-without-fsdp", "colocated-pp8"])
 def test_plan_device_memory_70b(overrides: list[str], verdict: str, tmp_path: Path,
                                 capsys: pytest.CaptureFixture[str]) -> None:
     from mimotron.cli.plan import run_plan

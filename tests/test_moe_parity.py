@@ -20,6 +20,8 @@ Layouts (tiny model: hidden 32, 2 layers, 4 experts, top-2):
 * ``ep2-pp2-noncolocated``: vision | audio | language PP 2 x DP 2 with EP 2 per stage
   (EP 2, EP with PP, EP fed by encoders through the non-colocated bridge);
 * ``ep2-dp2-colocated``: every module on 4 ranks, language EP 2 x expt_dp 2;
+* ``ep2-colocated-pp2``: every module on 4 ranks, language DP 2 x PP 2 with EP 2 per
+  stage (the encoders before the language stages);
 * ``ep2-tp2``: vision | audio | language TP 2 with EP 2 over the TP peers;
 * ``ep2-etp2``: every module on 4 ranks, language EP 2 x expert TP 2 (the expert TP
   peers are DP replicas with different tokens);
@@ -47,6 +49,9 @@ CASES: dict[str, list[str]] = {
     "ep2-pp2-noncolocated": noncolocated({}, {}, {"pipeline": 2, "data": 2})
     + par("language", expert=2),
     "ep2-dp2-colocated": colocated(4) + par("language", expert=2),
+    # Colocated with a pipelined language model: EP 2 over each stage's DP 2.
+    "ep2-colocated-pp2": coloc({"data": 4}, {"data": 4}, {"data": 2, "pipeline": 2})
+    + par("language", expert=2),
     "ep2-tp2": noncolocated({}, {}, {"tensor": 2}) + par("language", expert=2),
     # Expert TP 2: expt_tp peers are DP ranks (different tokens), then dense TP peers.
     "ep2-etp2": colocated(4) + par("language", expert=2, expert_tensor=2),

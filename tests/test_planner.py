@@ -25,7 +25,13 @@ from mimotron.config import ParallelConfig, load_config
 from mimotron.data.run_data import check_data
 from mimotron.estimate.flops import language_model_flops, transformer_layer_flops
 from mimotron.estimate.memory import estimate_memory
-from mimotron.parallel.layout import Layout, ModulePlacement, check_layout
+from mimotron.parallel.layout import (
+    Layout,
+    ModulePlacement,
+    check_layout,
+    is_colocated_pipeline,
+    language_pipeline,
+)
 from mimotron.pipeline.actions import Position, build_1f1b_actions
 from mimotron.pipeline.interleaved_actions import build_rank_actions
 from mimotron.planner.cost import Calibration, model_vocabulary, step_cost
@@ -259,6 +265,32 @@ def test_colocated_search_tries_a_leaner_rung_when_the_sum_is_over_the_limit():
     cfg = load_config(DIGITS, best.overrides)
     est = estimate_memory(cfg, check_layout(cfg), model_vocabulary(cfg), list(range(4)))
     assert max(sum(e.total for e in items) for items in est.values()) <= 3 * 2**20
+
+def test_search_offers_colocated_layouts_with_a_pipelined_language_model():
+    """Colocated candidates pipeline the language model (never an encoder, and without
+    context parallelism or interleaving): each one is valid, fits, has one rank class
+    per language stage, and its step prices the encoders' phase in series with the
+    language stages (more than the stages alone)."""
+    request = SearchRequest(str(DIGITS), BASE, 4, device_table()["cpu"], 64 * 2**20,
+                            micro_batches=(8,), top=50)
+    found = []
+    for cand in search(request).candidates:
+        cfg = load_config(DIGITS, cand.overrides)
+        layout = check_layout(cfg)
+        if is_colocated_pipeline(layout):
+            found.append(cand)
+            language = cfg.modules["language"].parallel
+            assert all(m.parallel.pipeline == 1 for n, m in cfg.modules.items()
+                       if n != "language")
+            assert language.context == language.virtual_pipeline == 1
+            classes = rank_classes(layout)
+            assert len(classes) == language.pipeline
+            assert sum(n for _, n in classes) == 4
+            alone = step_cost(cfg, language_pipeline(layout), device_table()["cpu"])
+            assert cand.cost.total > alone.total
+            assert cand.cost.compute["vision"] > 0 and cand.cost.bridge > alone.bridge
+    assert found
+
 
 def test_plan_auto_command(capsys):
     assert main(["plan", "--auto", str(DIGITS), *BASE, "--world", "2", "--device", "cpu",

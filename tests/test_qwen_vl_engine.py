@@ -12,7 +12,8 @@ samples between them), so a micro-batch mixes images of different sizes.
   language CP 2; language PP 2, for Qwen3-VL with both DeepStack layers on the first
   stage; spread over stages: ``test_deepstack_stages``) and colocated (vision DP 2 with
   language TP 2 with encoder batching and the tower recomputed, and for Qwen3-VL with
-  the tower frozen but its mergers; with language CP 2): losses, grad norms and final
+  the tower frozen but its mergers; with language CP 2; with language PP 2, the second
+  stage holding Qwen3-VL's second DeepStack layer): losses, grad norms and final
   weights equal the plain loop on transformers' model
   (:func:`tests.hf_vlm.hf_reference_run`).
 * Layouts the towers cannot run are one line before launch.
@@ -137,6 +138,10 @@ _LAYOUTS = {
     "vision | language PP 2": (3, [
         "modules.language.parallel.pipeline=2", "modules.language.parallel.rank_offset=1",
         "modules.language.parallel.layers_per_stage=[2, 1]"]),
+    # Colocated with a pipelined language model: the tower on both ranks, then the stages.
+    "colocated vision DP 2, language PP 2": (2, [
+        "modules.vision.parallel.data=2", "modules.language.parallel.pipeline=2",
+        "modules.language.parallel.layers_per_stage=[1, 2]"]),
 }
 
 

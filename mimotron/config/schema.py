@@ -63,10 +63,12 @@ class ParallelConfig:
     tensor: int = 1
     """Tensor-parallel degree (>= 1); must divide the module's heads and hidden size."""
     pipeline: int = 1
-    """Pipeline-parallel degree (>= 1, at most num_layers); colocated modules need 1.
+    """Pipeline-parallel degree (>= 1, at most num_layers).
 
-    Stages split the layers as ``layers_per_stage`` says, else evenly. When several
-    modules are colocated, pipeline parallelism needs non-colocated blocks instead.
+    Stages split the layers as ``layers_per_stage`` says, else evenly. In a colocated
+    layout only the language model may be pipelined (without context parallelism,
+    interleaving or ``data.balance_encoders``): every rank runs the encoders on the
+    step's micro-batches, then its language stage, then the encoders' backward.
     """
     data: int = 1
     """Data-parallel degree (>= 1); must divide train.micro_batch_size.

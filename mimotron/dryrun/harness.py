@@ -40,18 +40,26 @@ import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import _disable_current_modes
 
 from mimotron.checkpoint.state import build_save_state
 from mimotron.config.schema import MimoConfig
-from mimotron.dryrun.tracker import DeviceTracker, Wire
-from mimotron.parallel.layout import check_layout
+from mimotron.data import build_datasets
+from mimotron.data.run_data import build_tokenizer, restrict_to_rank
+from mimotron.dryrun.tracker import DataKey, DeviceTracker, PeerData, Wire
+from mimotron.parallel.layout import (
+    Layout,
+    check_layout,
+    is_colocated_pipeline,
+    language_pipeline,
+)
 from mimotron.pipeline.actions import pipeline_positions
-from mimotron.runtime import Runtime, fake_accelerator, fake_backend
+from mimotron.runtime import Runtime, fake_accelerator, fake_backend, forget_dtensor_plans
 from mimotron.training import model_setup
 from mimotron.training.data_provider import Microbatch
 from mimotron.training.evaluate import evaluate as run_evaluation
 from mimotron.training.language_step import LanguageStep, default_forward_step
-from mimotron.training.loop import setup_mimo
+from mimotron.training.loop import setup_mimo, train_steps, valid_steps
 from mimotron.training.step import build_step_run, module_parts, train_step
 
 
@@ -161,10 +169,13 @@ def dry_run(cfg: MimoConfig, ranks: Sequence[int] | None = None, *, steps: int =
         raise ValueError(f"ranks={bad!r} are invalid: the layout has ranks 0..{world - 1}")
     if dist.is_initialized():
         raise ValueError("dry_run needs no default process group (it creates a fake one)")
-    positions = pipeline_positions(layout)
+    # A colocated pipelined language model: every rank runs the encoders, then its stage.
+    positions = pipeline_positions(language_pipeline(layout) if is_colocated_pipeline(layout)
+                                   else layout)
 
     def order(rank: int) -> tuple[int, int]:
-        return (min(positions[(r.module, r.pp)].index for r in layout.roles(rank)), rank)
+        return (min(positions[(r.module, r.pp)].index for r in layout.roles(rank)
+                    if (r.module, r.pp) in positions), rank)
 
     wire = Wire()
     observers = observers or {}
@@ -179,6 +190,7 @@ def _run_one(cfg: MimoConfig, rank: int, world: int, wire: Wire, steps: int,
              device: torch.device) -> DryRunReport:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    forget_dtensor_plans()  # an earlier dry run's plans hold its destroyed groups
     dist.init_process_group(fake_backend(), store=FakeStore(), rank=rank, world_size=world)
     try:
         return _run_rank(cfg, Runtime(rank, world, rank, device, "fake"), wire,
@@ -204,8 +216,10 @@ def _run_rank(cfg: MimoConfig, runtime: Runtime, wire: Wire, steps: int, evaluat
         # One fake mode for the run (its tensors live across phases); host data is
         # collated outside it, as the loader does, so batches arrive as real host tensors.
         fake = FakeTensorMode(allow_non_fake_inputs=True)
-        for _ in range(steps):
+        peers = PeerBatches(cfg, run.infra.layout)
+        for s in range(steps):
             batches = _named(tracker, next(run.train_data_iterator), "step")
+            tracker.peers = peers.train(s)
             tracker.reset_counts()
             with fake, tracker, watch.step(run.model, torch_optimizers(run.optimizer)):
                 loss, *_ = train_step(step_run, batches)
@@ -215,6 +229,7 @@ def _run_rank(cfg: MimoConfig, runtime: Runtime, wire: Wire, steps: int, evaluat
         if evaluate and run.valid_data_iterator is not None:
             valid = [_named(tracker, mbs, "evaluation")
                      for mbs in itertools.islice(run.valid_data_iterator(), 1)]
+            tracker.peers = peers.evaluation()
             tracker.reset_counts()
             with fake, tracker:
                 run_evaluation(language, iter(valid), run.model, run.communicator, run.infra,
@@ -306,7 +321,73 @@ def _named(tracker: DeviceTracker, microbatches: list[Microbatch], phase: str
             for key, value in batch.items():
                 if isinstance(value, torch.Tensor):
                     tracker.name(value, f"{phase} micro-batch {j}, {module}[{key!r}] (host)")
+                    tracker.name_data(value, (j, module, key))
     return microbatches
+
+
+class PeerBatches:
+    """Every rank's host micro-batches of a colocated layout, built as each rank's data
+    provider builds them, on demand (a dry run of one rank still gathers every rank's
+    presence masks in the colocated bridge).
+
+    Args:
+        cfg: the run config.
+        layout: its layout; split layouts gather no batch data across ranks (``None``
+            peers: a gather assumes every member holds data like the running rank's).
+    """
+
+    def __init__(self, cfg: MimoConfig, layout: Layout) -> None:
+        self.cfg, self.layout = cfg, layout
+        self._tasks: tuple[Any, Any] | None = None
+        self._train: dict[int, list[list[Microbatch]]] = {}
+        self._valid: dict[int, list[Microbatch]] = {}
+
+    def _data(self) -> tuple[Any, Any]:
+        if self._tasks is None:
+            train_task, valid_task = build_datasets(self.cfg, build_tokenizer(self.cfg))
+            for task in (train_task, valid_task):  # colocated: every rank loads everything
+                restrict_to_rank(task, self.cfg, self.layout, 0)
+            self._tasks = train_task, valid_task
+        return self._tasks
+
+    def train(self, step: int) -> PeerData | None:
+        """The peers of training step ``step`` (0-based), or ``None`` (split layouts)."""
+        if not self.layout.colocated:
+            return None
+
+        def value(rank: int, key: DataKey) -> torch.Tensor | None:
+            steps = self._train.setdefault(rank, [])
+            if len(steps) <= step:
+                with _disable_current_modes():  # host data, built outside the fake mode
+                    steps[:] = self._train_steps(rank, step + 1)
+            return _lookup(steps[step], key)
+
+        return value
+
+    def _train_steps(self, rank: int, num_steps: int) -> list[list[Microbatch]]:
+        task = self._data()[0]
+        it = train_steps(self.cfg, self.layout, rank, task, task.stream(self.cfg.train.seed), 0)
+        return list(itertools.islice(it, num_steps))
+
+    def evaluation(self) -> PeerData | None:
+        """The peers of the first evaluation step, or ``None`` (split layouts)."""
+        if not self.layout.colocated:
+            return None
+
+        def value(rank: int, key: DataKey) -> torch.Tensor | None:
+            if rank not in self._valid:
+                with _disable_current_modes():
+                    steps = valid_steps(self.cfg, self.layout, rank, self._data()[1])()
+                    self._valid[rank] = next(iter(steps))
+            return _lookup(self._valid[rank], key)
+
+        return value
+
+
+def _lookup(microbatches: list[Microbatch], key: DataKey) -> torch.Tensor | None:
+    j, module, name = key
+    value = microbatches[j].get(module, {}).get(name) if j < len(microbatches) else None
+    return value if isinstance(value, torch.Tensor) else None
 
 
 def _snapshot(tracker: DeviceTracker) -> StepReport:

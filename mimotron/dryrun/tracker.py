@@ -21,6 +21,11 @@ the step runs. It does four things:
   a count read on the host) gets its true answer, and is counted as a sync when the
   tensor is on the device. Parameters have no values, so nothing computed from them is
   shadowed.
+- **Gathers of batch data carry every rank's own.** A gather of a batch tensor (or a
+  copy of one: the colocated bridge gathers its presence masks) gives each member the
+  value that member's own batch holds, which the harness reads from every rank's data
+  (:attr:`DeviceTracker.peers`); a gather of anything else assumes every member holds
+  data like this rank's.
 - **Host tensors created by the step are listed** with the line that created them
   (factory ops without ``device=`` land on the host), for the report.
 """
@@ -52,6 +57,13 @@ STAND_INS: dict[str, float] = {host_sync.TOKEN_COUNT: 1.0}
 """Stand-in values of named host reads; every other read stands in as 0 (no inf found,
 zero norm and sums: a step that succeeds and clips nothing)."""
 
+_SAME_VALUES = (aten._to_copy.default, aten.clone.default, aten.detach.default,
+                aten.alias.default, aten.lift_fresh.default)
+"""Ops whose output holds its input's values (batch data moved or copied)."""
+DataKey = tuple[int, str, str]
+"""A batch tensor: ``(micro-batch, module, key)``."""
+PeerData = Callable[[int, DataKey], "torch.Tensor | None"]
+"""``(rank, key) -> that rank's host value of key`` in the phase running, or ``None``."""
 _SHADOW_LIMIT = 1 << 16  # elements: host data of a test-sized batch, never a bucket
 _BOOL_INDEX_OPS = (aten.index.Tensor, aten.index_put.default, aten.index_put_.default,
                    aten._unsafe_index_put.default)
@@ -142,11 +154,20 @@ class DeviceTracker(TorchDispatchMode):
         """Data-dependent ops on device tensors answered from host data, by site."""
         self.host_tensors: Counter[str] = Counter()
         """Host tensors the step created with more than one element, by site and op."""
+        self.data_keys = WeakTensorKeyDictionary()
+        """Batch tensors (and their plain copies) by ``(micro-batch, module, key)``."""
+        self.peers: PeerData | None = None
+        """Every rank's batch data of the phase running (gathers carry each rank's own)."""
 
     # ---- the harness's registrations ---------------------------------------------------
     def name(self, tensor: torch.Tensor, origin: str) -> None:
         """Record where ``tensor`` comes from (a batch key, a parameter name)."""
         self.origins[tensor] = origin
+
+    def name_data(self, tensor: torch.Tensor, key: DataKey) -> None:
+        """Record that ``tensor`` is batch data ``key`` (a gather of it, or of a copy,
+        then carries each peer's own value of ``key``: :attr:`peers`)."""
+        self.data_keys[tensor] = key
 
     def reset_counts(self) -> None:
         """Start counting afresh (the harness counts per step)."""
@@ -257,11 +278,18 @@ class DeviceTracker(TorchDispatchMode):
                     for t in args[0]:
                         self.wire.put("broadcast", root, member, self._shadow(t))
         elif name == "allgather_":
+            members = dist.get_process_group_ranks(_unbox(args[2]))
             for outputs, source in zip(args[0], args[1], strict=True):
                 shadow = self._shadow(source)
-                if shadow is not None:
-                    for out in outputs:
-                        self.shadows[out] = _copy(shadow)
+                key = self.data_keys.get(source)
+                for member, out in zip(members, outputs, strict=True):
+                    # Batch data: each member's own (colocated bridges gather presence
+                    # masks); anything else is taken to be like this rank's.
+                    peer = (self.peers(member, key) if key is not None
+                            and self.peers is not None else None)
+                    value = peer if peer is not None and peer.shape == out.shape else shadow
+                    if value is not None:
+                        self.shadows[out] = _copy(value)
 
     def _receive(self, tensors: list[torch.Tensor], kind: str, src: int) -> None:
         for t in tensors:
@@ -288,6 +316,8 @@ class DeviceTracker(TorchDispatchMode):
             real = self._on_shadows(func, args, kwargs, inputs)
             if real is not None:
                 _pair(out, real, self.shadows.__setitem__)
+        if func in _SAME_VALUES and inputs and inputs[0] in self.data_keys:
+            self.data_keys[out] = self.data_keys[inputs[0]]  # a copy of batch data
         if not inputs and isinstance(out, torch.Tensor) and _on_host(out) and out.numel() > 1:
             self.host_tensors[f"{func.__name__} at {library_site()}"] += 1
             self.origins[out] = f"host tensor from {func.__name__} at {library_site()}"

@@ -29,6 +29,7 @@ from mimotron.config.schema import MimoConfig, ModuleConfig
 from mimotron.data import build_datasets
 from mimotron.data.native_mock import grid_distribution
 from mimotron.data.run_data import build_tokenizer
+from mimotron.estimate.widths import encoder_batching_factor
 from mimotron.parallel.layout import Layout
 from mimotron.pipeline.actions import BACKWARD, FORWARD
 from mimotron.pipeline.edges import slice_range
@@ -190,8 +191,8 @@ def _held_sets(cfg: MimoConfig, layout: Layout, name: str, stage: int) -> list[f
     """The micro-batches whose forward (of model chunk 0) a stage holds, after each
     compute of its training plan."""
     m = cfg.num_microbatches
-    if cfg.train.encoder_batching and cfg.modules[name].is_encoder:
-        return [frozenset(range(m))]  # the whole step in one forward
+    if encoder_batching_factor(cfg, name, layout) > 1:
+        return [frozenset(range(m))]  # the whole step's forwards before any backward
     plan = build_rank_actions(layout, name, stage, m, pipelined=cfg.train.schedule == "1f1b")
     held: set[int] = set()
     out = []

@@ -75,7 +75,7 @@ def held_forwards_peak(cfg: MimoConfig, layout: Layout, name: str, stage: int,
         stage: the pipeline stage.
         weights: one weight per model chunk of the rank.
     """
-    batched = encoder_batching_factor(cfg, name)
+    batched = encoder_batching_factor(cfg, name, layout)
     if batched > 1:
         trace: list[tuple[int, ...]] = [(batched,)]
     else:

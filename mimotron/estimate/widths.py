@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from mimotron.config.hf_resolve import language_spec
 from mimotron.config.schema import MimoConfig
+from mimotron.parallel.layout import Layout, is_colocated_pipeline
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 FP32 = 4
@@ -52,12 +53,16 @@ def optimizer_state_bytes_per_param(cfg: MimoConfig, name: str) -> int:
         return 8
     return 4 if opt.momentum else 0
 
-def encoder_batching_factor(cfg: MimoConfig, name: str) -> int:
+def encoder_batching_factor(cfg: MimoConfig, name: str, layout: Layout) -> int:
     """How many micro-batches of module ``name``'s activations are alive at once, beyond
     the schedule's: ``num_microbatches`` for an encoder under ``train.encoder_batching``
-    (it runs the whole step in one forward, :mod:`mimotron.pipeline.encoder_batching`),
-    else 1. For a frozen encoder that multiplies its outputs only: it saves nothing for
-    backward (:func:`frozen_encoder_output_bytes`)."""
-    if cfg.train.encoder_batching and cfg.modules[name].is_encoder:
+    (it runs the whole step in one forward, :mod:`mimotron.pipeline.encoder_batching`)
+    or of a colocated layout with a pipelined language model (every micro-batch's
+    forward runs before the language stages, its backward after:
+    :mod:`mimotron.pipeline.colocated_pipeline`), else 1. For a frozen encoder that
+    multiplies its outputs only: it saves nothing for backward
+    (:func:`frozen_encoder_output_bytes`)."""
+    whole_step = cfg.train.encoder_batching or is_colocated_pipeline(layout)
+    if whole_step and cfg.modules[name].is_encoder:
         return cfg.num_microbatches
     return 1

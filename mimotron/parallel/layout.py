@@ -220,6 +220,20 @@ def check_layout(cfg: MimoConfig, env_world_size: int | None = None) -> Layout:
     return Layout(world_size, colocated, modules, topology, runs_ahead(cfg, modules, colocated))
 
 
+def is_colocated_pipeline(layout: Layout) -> bool:
+    """Whether ``layout`` is colocated with a pipelined language model
+    (:mod:`mimotron.pipeline.colocated_pipeline`)."""
+    language = layout.modules.get(LANGUAGE)  # the planner prices modules alone
+    return layout.colocated and language is not None and language.parallel.pipeline > 1
+
+
+def language_pipeline(layout: Layout) -> Layout:
+    """The language model of a colocated pipelined layout alone, as a split layout of
+    one module: its stages' plans and point-to-point links are a split layout's."""
+    assert is_colocated_pipeline(layout), "not a colocated layout with a language pipeline"
+    return Layout(layout.world_size, False, {LANGUAGE: layout.modules[LANGUAGE]}, {})
+
+
 def runs_ahead(cfg: MimoConfig, modules: dict[str, ModulePlacement], colocated: bool
                ) -> frozenset[str]:
     """The encoders whose forwards run ahead of the language model.
@@ -283,10 +297,7 @@ def _check_module_shape(cfg: MimoConfig, name: str, colocated: bool) -> None:
     mod = cfg.modules[name]
     par, p = mod.parallel, f"modules.{name}.parallel"
     if colocated and par.pipeline > 1 and len(cfg.modules) > 1:
-        raise ValueError(
-            f"{p}.pipeline={par.pipeline} is invalid: colocated modules need pipeline=1 "
-            "(use non-colocated blocks for pipeline parallelism)"
-        )
+        check_colocated_pipeline(cfg, name)
     sizes = [("num_heads", mod.num_heads), ("hidden_size", mod.hidden_size)]
     if mod.hf_path:
         sizes += _hf_shape_keys(name, mod)
@@ -310,6 +321,27 @@ def _check_module_shape(cfg: MimoConfig, name: str, colocated: bool) -> None:
     check_expert_layout(cfg, name)
     check_virtual_pipeline(cfg, name, colocated)
     check_fsdp(cfg, name)
+
+
+def check_colocated_pipeline(cfg: MimoConfig, name: str) -> None:
+    """A colocated layout pipelines only its language model
+    (:mod:`mimotron.pipeline.colocated_pipeline`): every rank holds every encoder, which
+    runs the step's micro-batches before the language stages and its backward after."""
+    par, p = cfg.modules[name].parallel, f"modules.{name}.parallel"
+    if name != LANGUAGE:
+        raise ValueError(
+            f"{p}.pipeline={par.pipeline} is invalid: in a colocated layout only the "
+            "language model may be pipelined (every rank holds every encoder); use "
+            "pipeline=1, or non-colocated blocks for a pipelined encoder")
+    refused = [(f"{p}.context={par.context}", par.context > 1,
+                "context=1 (the colocated bridge into context-parallel stages is not built)"),
+               ("data.balance_encoders=true", cfg.data.balance_encoders,
+                "balance_encoders=false (its bridge serves unpipelined colocated layouts)")]
+    for what, bad, valid in refused:
+        if bad:
+            raise ValueError(f"{what} is invalid with a colocated layout whose language "
+                             f"model is pipelined ({p}.pipeline={par.pipeline}); use {valid}, "
+                             "or non-colocated blocks")
 
 
 def _hf_shape_keys(name: str, mod: ModuleConfig) -> list[tuple[str, int]]:

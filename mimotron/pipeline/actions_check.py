@@ -27,7 +27,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from mimotron.parallel.layout import Layout
+from mimotron.names import LANGUAGE
+from mimotron.parallel.layout import Layout, is_colocated_pipeline, language_pipeline
 from mimotron.pipeline.actions import (
     BACKWARD,
     FORWARD,
@@ -99,8 +100,12 @@ def layout_topology(layout: Layout) -> dict[StageKey, Placement]:
     """Every ``(module, stage)`` of a layout, wired by its module DAG.
 
     A colocated layout runs the whole model in one position on every rank (activations
-    cross modules in-process): each node stands alone.
+    cross modules in-process): each node stands alone; with a pipelined language model,
+    its stages are wired as the language model alone (the encoders stand alone).
     """
+    if is_colocated_pipeline(layout):
+        encoders = {(m, 0): Placement(((m, 0),), 0) for m in layout.modules if m != LANGUAGE}
+        return {**encoders, **layout_topology(language_pipeline(layout))}
     if layout.colocated:
         return {(m, 0): Placement(((m, 0),), 0) for m in layout.modules}
     out: dict[StageKey, Placement] = {}

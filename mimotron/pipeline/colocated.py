@@ -31,6 +31,7 @@ above.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 import torch.distributed as dist
@@ -52,30 +53,34 @@ class BridgeGeometry:
     src_dp_of_rank: tuple[int, ...]  # encoder DP coordinate of every rank
     src_reader_ranks: tuple[int, ...]  # per encoder DP replica, the rank read (TP 0)
     src_slice: tuple[int, int]
-    dst_slice: tuple[int, int]
+    dst_slice: tuple[int, int]  # empty past the language model's first stage
     dst_copies: int  # ranks holding this rank's language slice
-
-    @property
-    def needed(self) -> bool:
-        return self.src_slice != self.dst_slice
+    needed: bool  # on every rank alike: the bridge is a world collective
 
 
 def bridge_geometry(layout: Layout, edge: Edge, rank: int, mbs: int) -> BridgeGeometry:
-    """Slices of both modules on ``rank`` and who holds what (pure)."""
+    """Slices of both modules on ``rank`` and who holds what (pure).
+
+    Only the language model's first-stage ranks take rows; a rank of a later stage
+    (a pipelined language model, :mod:`mimotron.pipeline.colocated_pipeline`) joins the
+    collectives with an empty slice.
+    """
     src, dst = layout.modules[edge.src], layout.modules[edge.dst]
     world = layout.world_size
+
+    def dst_slice(r: int) -> tuple[int, int]:
+        c = dst.coordinate(r)
+        lo, hi = slice_range(mbs, dst.parallel.data, c["dp"])
+        return (lo, hi) if c["pp"] == 0 else (lo, lo)
+
     src_dp = tuple(src.coordinate(r)["dp"] for r in range(world))
     readers = tuple(src.rank_at(dp=d) for d in range(src.parallel.data))
-    my_src, my_dst = src.coordinate(rank), dst.coordinate(rank)
-    copies = sum(1 for r in range(world) if dst.coordinate(r)["dp"] == my_dst["dp"])
-    needed_anywhere = any(
-        slice_range(mbs, src.parallel.data, src.coordinate(r)["dp"])
-        != slice_range(mbs, dst.parallel.data, dst.coordinate(r)["dp"]) for r in range(world))
-    s = slice_range(mbs, src.parallel.data, my_src["dp"])
-    d = slice_range(mbs, dst.parallel.data, my_dst["dp"])
-    if not needed_anywhere:
-        d = s
-    return BridgeGeometry(world, src_dp, readers, s, d, copies)
+    src_slices = [slice_range(mbs, src.parallel.data, d) for d in src_dp]
+    dst_slices = [dst_slice(r) for r in range(world)]
+    copies = sum(1 for r in range(world) if dst_slices[r] == dst_slices[rank])
+    needed = src_slices != dst_slices
+    return BridgeGeometry(world, src_dp, readers, src_slices[rank],
+                          dst_slices[rank] if needed else src_slices[rank], copies, needed)
 
 
 class ColocatedBridge(torch.autograd.Function):
@@ -89,20 +94,21 @@ class ColocatedBridge(torch.autograd.Function):
             mask = mask.flatten(1).sum(1)
         masks = [torch.empty_like(mask) for _ in range(geo.world_size)]
         dist.all_gather(masks, mask.contiguous())
-        counts = [int(m.sum()) for m in masks]
-        pad = max(counts)
-        padded = torch.zeros((pad, *rows.shape[1:]), dtype=rows.dtype, device=rows.device)
+        # Every rank's presence, read once (one device-to-host copy per bridge).
+        present = torch.stack(masks).long().cpu().tolist()
+        counts = [sum(m) for m in present]
+        padded = torch.zeros((max(counts), *rows.shape[1:]), dtype=rows.dtype,
+                             device=rows.device)
         padded[:rows.shape[0]] = rows
         gathered = [torch.empty_like(padded) for _ in range(geo.world_size)]
         dist.all_gather(gathered, padded)
         # The micro-batch in sample order: encoder replicas in DP order (TP 0 copy each).
         full_rows = torch.cat([gathered[r][:counts[r]] for r in geo.src_reader_ranks])
-        full_mask = torch.cat([masks[r] for r in geo.src_reader_ranks])
-        before = torch.cumsum(full_mask.long(), 0)
+        before = list(accumulate(x for r in geo.src_reader_ranks for x in present[r]))
         lo, hi = geo.dst_slice
-        first = int(before[lo - 1]) if lo > 0 else 0
-        last = int(before[hi - 1])
-        src_lo = int(before[geo.src_slice[0] - 1]) if geo.src_slice[0] > 0 else 0
+        first = before[lo - 1] if lo > 0 else 0
+        last = before[hi - 1] if hi > lo else first
+        src_lo = before[geo.src_slice[0] - 1] if geo.src_slice[0] > 0 else 0
         ctx.meta = (full_rows.shape, first, last, src_lo, rows.shape[0], geo.dst_copies)
         return full_rows[first:last].clone()
 

@@ -32,7 +32,7 @@ up until it has sent what the language model's first stage needs.
 from __future__ import annotations
 
 from mimotron.names import LANGUAGE
-from mimotron.parallel.layout import Layout
+from mimotron.parallel.layout import Layout, is_colocated_pipeline, language_pipeline
 from mimotron.pipeline.actions import (
     BACKWARD,
     FORWARD,
@@ -237,12 +237,15 @@ def build_rank_actions(layout: Layout, module: str, stage: int, num_microbatches
 
     Args:
         layout: the placement (its modules' ``virtual_pipeline`` choose the schedule).
-        module: the module this rank holds (colocated layouts: any).
+        module: the module this rank holds (colocated layouts: any; the language model
+            of a colocated pipelined one: its stage's plan).
         stage: the rank's pipeline stage of ``module``.
         num_microbatches: micro-batches in the step.
         pipelined: ``False``: no warm-up (1F1B plans only; interleaving is pipelined).
         forward_only: evaluation (forwards only, every chunk in turn).
     """
+    if module == LANGUAGE and is_colocated_pipeline(layout):  # its own stages' plans
+        layout = language_pipeline(layout)
     pos = pipeline_positions(layout)[(module, stage)]
     par = layout.modules[module].parallel
     v = par.virtual_pipeline if not layout.colocated else 1

@@ -46,7 +46,7 @@ from mimotron.models.moe import set_aux_loss_weights
 from mimotron.models.native_vision import tokens_key
 from mimotron.names import LANGUAGE
 from mimotron.parallel.grad_sync import GradSync
-from mimotron.parallel.layout import Layout
+from mimotron.parallel.layout import Layout, is_colocated_pipeline, language_pipeline
 from mimotron.parallel.virtual_pipeline import (
     chunk_holder,
     is_first_virtual_stage,
@@ -64,6 +64,11 @@ from mimotron.pipeline.actions import (
     unpaired,
 )
 from mimotron.pipeline.colocated import ColocatedTransport
+from mimotron.pipeline.colocated_pipeline import (
+    ColocatedPipelineTransport,
+    EncoderPhase,
+    pipeline_context,
+)
 from mimotron.pipeline.communicator import MultiModulePipelineCommunicator, Transfer
 from mimotron.pipeline.deepstack_link import deepstack_link
 from mimotron.pipeline.edges import Edge
@@ -74,7 +79,7 @@ if TYPE_CHECKING:  # the language step is handed in; the schedule only calls it
     from mimotron.training.language_step import LanguageStep, LossOutput
 
 # How activations move: in-process (colocated) or between ranks (split layouts).
-Transport = ColocatedTransport | MultiModulePipelineCommunicator
+Transport = ColocatedTransport | MultiModulePipelineCommunicator | ColocatedPipelineTransport
 
 
 def build_transport(layout: Layout, rank: int, micro_batch_size: int, edges: list[Edge],
@@ -105,12 +110,18 @@ def build_transport(layout: Layout, rank: int, micro_batch_size: int, edges: lis
         deepstack: the DeepStack feature sets each language stage link of this rank
             carries (:func:`~mimotron.pipeline.deepstack_link.model_link_extras`).
     """
-    if layout.colocated:
+    hybrid = is_colocated_pipeline(layout)
+    if layout.colocated and not hybrid:
         return ColocatedTransport(layout, rank, micro_batch_size, edges)
-    return MultiModulePipelineCommunicator(layout, rank, micro_batch_size, edges, tp_groups,
-                                           device, seq_length, hidden_size, bridge_rows,
-                                           link_timeout=link_timeout, stage_dtype=stage_dtype,
-                                           deepstack=deepstack)
+    stage_layout = language_pipeline(layout) if hybrid else layout
+    comm = MultiModulePipelineCommunicator(
+        stage_layout, rank, micro_batch_size, [] if hybrid else edges, tp_groups, device,
+        seq_length, hidden_size, None if hybrid else bridge_rows, link_timeout=link_timeout,
+        stage_dtype=stage_dtype, deepstack=deepstack)
+    if hybrid:  # the bridges on the world, then the language stage links
+        return ColocatedPipelineTransport(
+            ColocatedTransport(layout, rank, micro_batch_size, edges), comm)
+    return comm
 
 
 @dataclass
@@ -144,6 +155,9 @@ class StepContext:
     encoder_batching: bool = False
     """Colocated only: each encoder runs the step in one forward and one backward
     (``train.encoder_batching``; :mod:`mimotron.pipeline.encoder_batching`)."""
+    first_stage_rows: list[dict[str, torch.Tensor]] | None = None
+    """A colocated layout's pipelined language model: each micro-batch's encoder rows,
+    which its first stage merges (:mod:`mimotron.pipeline.colocated_pipeline`)."""
 
     def divisor(self) -> float:
         """``loss_divisor``, or ``max(token_count(), 1)`` (waited for once) if pending."""
@@ -284,7 +298,9 @@ class StageRunner:
         lm, link = model.language_model, self.deepstack
         carried: list[torch.Tensor | None] = []  # DeepStack sets passed on as received
         if self._is_first(chunk):
-            hidden, visual = self.ctx.language.first_stage_input(model, batch, received or {})
+            rows = self.ctx.first_stage_rows
+            embeds = received if rows is None else rows[k]
+            hidden, visual = self.ctx.language.first_stage_input(model, batch, embeds or {})
         elif link is not None:
             hidden, visual, carried = link.stage_input(lm, batch, received, chunk)
         else:
@@ -315,11 +331,13 @@ class StageRunner:
         last one, so it also arms what lies outside the layers (embeddings, norms, head,
         projector): gradients that landed before that are flushed at the end, in order.
         """
-        if self.num_chunks == 1:
+        if self.num_chunks == 1 and self.ctx.first_stage_rows is None:
             return None
         model = self.ctx.model
         part = (model.language_model if self.module == LANGUAGE
                 else model.modality_submodules[self.module])
+        if self.num_chunks == 1:  # the rank's encoders (colocated pipeline) come later
+            return list(part.parameters())
         holder = chunk_holder(part)
         params = [p for i in holder.layer_chunks[chunk]
                   for p in holder.layers[str(i)].parameters()]
@@ -428,7 +446,9 @@ def rank_actions(layout: Layout, rank: int, num_microbatches: int, pipelined: bo
         The actions of the (module, pipeline stage) this rank runs (colocated: the first
         module's single position).
     """
-    if layout.colocated:
+    if is_colocated_pipeline(layout):  # the language model's stage plan
+        module, stage = LANGUAGE, layout.modules[LANGUAGE].coordinate(rank)["pp"]
+    elif layout.colocated:
         module, stage = next(iter(layout.modules)), 0
     else:
         (role,) = layout.roles(rank)
@@ -444,7 +464,15 @@ def run_schedule(ctx: StepContext, plan: list[Action]) -> list[MicrobatchOutput]
         What the language model's last stage produced, one entry per micro-batch (none
         on other ranks).
     """
-    runner = StageRunner(ctx)
     with torch.no_grad() if ctx.forward_only else contextlib.nullcontext():
-        _execute(plan, runner, ctx.transport)
+        if not isinstance(ctx.transport, ColocatedPipelineTransport):
+            runner = StageRunner(ctx)
+            _execute(plan, runner, ctx.transport)
+            return runner.outputs
+        phase = EncoderPhase(ctx)  # encoders and bridges, collectively, before the stages
+        phase.forward()
+        runner = StageRunner(pipeline_context(ctx, phase))
+        _execute(plan, runner, ctx.transport.stages)
+        if not ctx.forward_only:
+            phase.backward()
     return runner.outputs

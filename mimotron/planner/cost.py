@@ -17,7 +17,7 @@ from mimotron.config.schema import MimoConfig
 from mimotron.config.vocab_size import model_vocab_size, padded_vocab_size
 from mimotron.data.run_data import build_tokenizer
 from mimotron.names import LANGUAGE
-from mimotron.parallel.layout import Layout
+from mimotron.parallel.layout import Layout, is_colocated_pipeline, language_pipeline
 from mimotron.pipeline.actions import Position, build_1f1b_actions
 from mimotron.pipeline.interleaved_actions import build_rank_actions
 from mimotron.planner.calibration_data import Calibration
@@ -25,6 +25,7 @@ from mimotron.planner.devices import DeviceSpec
 from mimotron.planner.lanes import (
     LaneCost,
     bridge_seconds,
+    colocated_bridge,
     colocated_lane_cost,
     lane_cost,
     transfer_seconds,
@@ -99,6 +100,8 @@ def step_cost(cfg: MimoConfig, layout: Layout, device: DeviceSpec,
     """
     vocab = vocab_size if vocab_size is not None else model_vocabulary(cfg)
     links = Links(device, calibration)
+    if is_colocated_pipeline(layout):
+        return _colocated_pipeline_cost(cfg, layout, device, calibration, vocab, links)
     n, pipelined = cfg.num_microbatches, cfg.train.schedule == "1f1b"
     cores = (calibration.host_cores if calibration is not None and calibration.host_cores
              else device.host_cores)
@@ -122,6 +125,36 @@ def step_cost(cfg: MimoConfig, layout: Layout, device: DeviceSpec,
     result = simulate(lanes, lambda src, msg: transfer_seconds(cfg, layout, links, src, msg),
                       cores)
     return _assemble(n, costs, result, bridge * n, layout.colocated)
+
+
+def _colocated_pipeline_cost(cfg: MimoConfig, layout: Layout, device: DeviceSpec,
+                             calibration: Calibration | None, vocab: int, links: Links
+                             ) -> StepCost:
+    """A colocated layout with a pipelined language model: every rank runs the encoders
+    and bridges of every micro-batch, then its language stage, then the bridges' and
+    encoders' backward (:mod:`mimotron.pipeline.colocated_pipeline`): the encoders'
+    phase in series with the language model's pipeline, priced as a split layout of
+    the language model alone."""
+    n = cfg.num_microbatches
+    lm = step_cost(cfg, language_pipeline(layout), device, calibration, vocab)
+    enc = {m: lane_cost(cfg, layout, m, 0, vocab, device, calibration, links)
+           for m in cfg.encoder_names}
+    bridge = n * sum(colocated_bridge(cfg, layout, links, m) for m in cfg.encoder_names)
+    compute = {**{m: n * c.work for m, c in enc.items()}, **lm.compute}
+    collectives = {**{m: n * c.collectives for m, c in enc.items()}, **lm.collectives}
+    data_parallel = {**{m: c.reduction + n * c.fsdp for m, c in enc.items()},
+                     **lm.data_parallel}
+    optimizer = lm.optimizer + sum(c.optimizer for c in enc.values())
+    encoders = sum(compute[m] + collectives[m] + data_parallel[m] for m in enc)
+    total = lm.total + encoders + bridge + optimizer - lm.optimizer
+    terms = {**{f"compute ({m})": s for m, s in compute.items()},
+             **{f"tp/sp/cp/ep collectives ({m})": s for m, s in collectives.items()},
+             **{f"data-parallel reduction ({m})": s for m, s in data_parallel.items()},
+             "bridge transfers": bridge + lm.bridge, "pipeline idle": lm.pipeline_idle,
+             "shared CPU cores": lm.core_sharing, "optimizer step": optimizer}
+    return StepCost(compute, collectives, data_parallel, bridge + lm.bridge,
+                    lm.pipeline_idle, optimizer, total, max(terms, key=lambda k: terms[k]),
+                    lm.core_sharing, lm.critical)
 
 
 def _assemble(n: int, costs: dict[tuple[str, int], LaneCost], result: SimResult,

@@ -18,7 +18,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from mimotron.parallel.layout import Layout, format_skipped
+from mimotron.parallel.layout import (
+    Layout,
+    format_skipped,
+    is_colocated_pipeline,
+    language_pipeline,
+)
 
 
 @dataclass(frozen=True)
@@ -41,11 +46,14 @@ class RankFit:
 
 
 def rank_classes(layout: Layout) -> list[tuple[int, int]]:
-    """``(representative rank, ranks like it)``: one per module stage (colocated: one).
+    """``(representative rank, ranks like it)``: one per module stage (colocated: one, or
+    one per language stage where the language model is pipelined).
 
     Every rank of a module's pipeline stage holds the same estimate (it depends on the
     module and the stage only), whatever its tensor, context, data or expert coordinate.
     """
+    if is_colocated_pipeline(layout):
+        return rank_classes(language_pipeline(layout))
     if layout.colocated:
         return [(0, layout.world_size)]
     out = []

@@ -88,7 +88,7 @@ def colocated_lane_cost(cfg: MimoConfig, layout: Layout, vocab: int, device: Dev
     the bridge's seconds per micro-batch (inside it)."""
     parts = {m: lane_cost(cfg, layout, m, 0, vocab, device, calibration, links)
              for m in layout.modules}
-    bridge = sum(_colocated_bridge(cfg, layout, links, m) for m in cfg.encoder_names)
+    bridge = sum(colocated_bridge(cfg, layout, links, m) for m in cfg.encoder_names)
     f = [sum(p.compute[("F", 0)][i] for p in parts.values()) for i in (0, 1)]
     b = [sum(p.compute[("B", 0)][i] for p in parts.values()) for i in (0, 1)]
     compute = {("F", 0): (f[0], f[1] + bridge / 2), ("B", 0): (b[0], b[1] + bridge / 2)}
@@ -100,11 +100,12 @@ def colocated_lane_cost(cfg: MimoConfig, layout: Layout, vocab: int, device: Dev
     return total, bridge
 
 
-def _colocated_bridge(cfg: MimoConfig, layout: Layout, links: Links, encoder: str) -> float:
+def colocated_bridge(cfg: MimoConfig, layout: Layout, links: Links, encoder: str) -> float:
     """The colocated bridge's all-gather (forward) and all-reduce (backward), or 0 when
     each rank's encoder and language slices coincide (rows pass through)."""
     enc, lm = cfg.modules[encoder].parallel, cfg.modules[LANGUAGE].parallel
-    if (enc.data, enc.tensor) == (lm.data, lm.tensor) and lm.context == 1:
+    if ((enc.data, enc.tensor) == (lm.data, lm.tensor) and lm.context == 1
+            and lm.pipeline == 1):
         return 0.0
     rows = (cfg.train.micro_batch_size * cfg.modules[encoder].num_output_tokens
             * items_per_sample(cfg, encoder))
@@ -200,7 +201,7 @@ def bridge_seconds(cfg: MimoConfig, layout: Layout, links: Links) -> float:
     """A split layout's bridge per micro-batch: the slowest encoder's output to the
     language model and its gradient back."""
     out = 0.0
-    for encoder in cfg.encoder_names:
+    for encoder in layout.topology:  # none in the language model alone
         p = layout.modules[encoder].parallel.pipeline
         message = ("F", LANGUAGE, 0, 0, 0)
         out = max(out, 2 * transfer_seconds(cfg, layout, links, (encoder, p - 1), message))

@@ -12,10 +12,11 @@ Three phases keep a 3-module model on 64 ranks well under a minute:
    candidate) fits, after the layout validator accepted it; the best
    :data:`KEEP` per block size stay (a colocated module also keeps each one's leanest
    rung that fits: the modules share a rank's memory).
-2. **Compose**: colocated (every module on every rank, pipeline 1, the modules' times
-   added) and split (contiguous blocks whose sizes tile the world, in config order,
-   data-parallel degrees that divide one another, the slowest module's time), ranked
-   by that approximate time.
+2. **Compose**: colocated (every module on every rank, the modules' times added; the
+   language model may be pipelined, the encoders then running before its stages) and
+   split (contiguous blocks whose sizes tile the world, in config order, data-parallel
+   degrees that divide one another, the slowest module's time), ranked by that
+   approximate time.
 3. **Check** the composed list in that order: each candidate is written as config
    overrides and goes through ``load_config`` and
    :func:`~mimotron.parallel.layout.check_layout` (the validator ``mimotron train``
@@ -297,7 +298,7 @@ def module_choices(ctx: _Context, name: str, mbs: int, max_size: int, exact: boo
         name: the module.
         mbs: the micro-batch size.
         max_size: the largest block (``exact``: only blocks of exactly this size, the
-            colocated case, where pipeline stages are not allowed).
+            colocated case, where only the language model may have pipeline stages).
         exact: see ``max_size``.
     """
     scratch = copy.deepcopy(ctx.base)
@@ -305,9 +306,14 @@ def module_choices(ctx: _Context, name: str, mbs: int, max_size: int, exact: boo
     _minimal_others(scratch, name)
     limit = ctx.request.usable_memory
     options = []
-    for option in degree_options(scratch, name, max_size, mbs, _max_tensor(ctx),
-                                 pipelined=not exact or len(scratch.modules) == 1):
+    # Colocated, only the language model pipelines (encoders run before its stages),
+    # without context parallelism or interleaving (check_colocated_pipeline).
+    pipelined = not exact or len(scratch.modules) == 1 or name == LANGUAGE
+    for option in degree_options(scratch, name, max_size, mbs, _max_tensor(ctx), pipelined):
         if exact and option.size != max_size:
+            continue
+        if exact and len(scratch.modules) > 1 and option.pipeline > 1:
+            options += [option] if option.context == 1 else []
             continue
         options += _with_virtual(scratch, name, option)
     priced = sorted(((_alone_seconds(ctx, scratch, name, o), o) for o in options),

@@ -31,6 +31,7 @@ from mimotron.data.run_data import build_tokenizer, restrict_to_rank
 from mimotron.data.tokenizer import CharTokenizer
 from mimotron.optim import build_schedulers, get_mimo_optimizer
 from mimotron.optim.scheduler import OptimizerParamScheduler
+from mimotron.parallel.layout import Layout
 from mimotron.pipeline.deepstack_link import model_link_extras
 from mimotron.pipeline.edges import build_edges
 from mimotron.pipeline.schedules import Transport, build_transport
@@ -39,6 +40,7 @@ from mimotron.run_dir import guard_fresh_start
 from mimotron.runtime import Runtime, seed_everything
 from mimotron.training.balanced_batches import Balance
 from mimotron.training.data_provider import (
+    Microbatch,
     MicrobatchProvider,
     PackedMicrobatchProvider,
     PackedTrainIterator,
@@ -116,22 +118,30 @@ def setup_mimo(cfg: MimoConfig, runtime: Runtime) -> MimoRun:
     stream = train_task.stream(cfg.train.seed)
     # 0 workers: the stream itself, exactly today's synchronous path.
     reader = PrefetchingReader(stream, cfg.data.num_workers) if cfg.data.num_workers else None
-    provider_args = (infra.layout, runtime.rank, cfg.train.micro_batch_size, cfg.data.seq_length,
+    train_iter = train_steps(cfg, infra.layout, runtime.rank, train_task, stream,
+                             state.train_state.consumed_samples, reader)
+    if cfg.data.num_workers:  # the next step is collated (and pinned) during this one
+        train_iter = StepPrefetcher(train_iter, runtime.device)
+    valid_iter = valid_steps(cfg, infra.layout, runtime.rank, valid_task)
+    return MimoRun(model, optimizer, schedulers, train_iter, valid_iter, state, infra,
+                   communicator, tokenizer, reader)
+
+
+def train_steps(cfg: MimoConfig, layout: Layout, rank: int, task: Any, stream: Any,
+                start: int, reader: PrefetchingReader | None = None
+                ) -> Iterator[list[Microbatch]]:
+    """``rank``'s micro-batches of each training step from stream position ``start``
+    (read through ``reader`` where there is one); host tensors."""
+    provider_args = (layout, rank, cfg.train.micro_batch_size, cfg.data.seq_length,
                      reader.samples if reader is not None else stream.samples,
-                     _collate_kwargs(train_task))
+                     _collate_kwargs(task))
     balance = Balance.from_config(cfg)
     # Packing decides rows from lengths known on every rank where the task has them (llava).
     provider = (PackedMicrobatchProvider(*provider_args, lengths_at=stream_lengths(stream),
                                          balance=balance)
                 if cfg.data.packing else MicrobatchProvider(*provider_args, balance=balance))
     iterator_type = PackedTrainIterator if cfg.data.packing else train_iterator
-    train_iter = iterator_type(provider, state.train_state.consumed_samples,
-                               cfg.train.global_batch_size)
-    if cfg.data.num_workers:  # the next step is collated (and pinned) during this one
-        train_iter = StepPrefetcher(train_iter, runtime.device)
-    valid_iter = _valid_factory(cfg, infra, runtime, valid_task)
-    return MimoRun(model, optimizer, schedulers, train_iter, valid_iter, state, infra,
-                   communicator, tokenizer, reader)
+    return iterator_type(provider, start, cfg.train.global_batch_size)
 
 
 def _collate_kwargs(task: Any) -> dict[str, Any]:
@@ -139,9 +149,10 @@ def _collate_kwargs(task: Any) -> dict[str, Any]:
             "audio_shape": task.audio_shape}
 
 
-def _valid_factory(cfg: MimoConfig, infra: MimoModelInfra, runtime: Runtime, task: Any
-                   ) -> Callable[[], Iterator]:
-    provider = MicrobatchProvider(infra.layout, runtime.rank, cfg.train.micro_batch_size,
+def valid_steps(cfg: MimoConfig, layout: Layout, rank: int, task: Any
+                ) -> Callable[[], Iterator]:
+    """A callable giving a fresh iterator over ``rank``'s evaluation steps."""
+    provider = MicrobatchProvider(layout, rank, cfg.train.micro_batch_size,
                                   cfg.data.seq_length, padded_reader(task, make_pad_sample(task)),
                                   _collate_kwargs(task),
                                   # the bridges expect dealt items (data.balance_encoders)
