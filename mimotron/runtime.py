@@ -107,13 +107,25 @@ def forget_dtensor_plans() -> None:
     parent of a forked rank) hands back that world's mesh, whose collectives then run on
     destroyed groups ("Could not resolve the process group") or on the wrong ranks.
     """
+    # Private torch names, each cleared where this torch has it (they move between
+    # releases; the caches themselves came with the releases that have them).
+    import torch.distributed.tensor.debug as debug
     from torch.distributed.tensor import DTensor, _redistribute
-    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
-    _clear_sharding_prop_cache()  # the Python cache and the C++ fast path's
-    DTensor._op_dispatcher.sharding_propagator._propagate_tensor_meta_cached.cache_clear()
-    _redistribute._gen_transform_infos.cache_clear()
-    _redistribute.clear_redistribute_planner_cache()
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    clear_all = getattr(debug, "_clear_sharding_prop_cache", None)  # Python and C++ caches
+    caches = [getattr(propagator, "_propagate_tensor_meta_cached", None),
+              getattr(_redistribute, "_gen_transform_infos", None)]
+    if clear_all is not None:
+        clear_all()
+    else:
+        caches.append(getattr(propagator, "propagate_op_sharding", None))
+    for cache in caches:
+        if hasattr(cache, "cache_clear"):
+            cache.cache_clear()
+    clear_planners = getattr(_redistribute, "clear_redistribute_planner_cache", None)
+    if clear_planners is not None:
+        clear_planners()
 
 
 def init_runtime(timeout_s: float = 300.0) -> Runtime:

@@ -616,7 +616,7 @@ class TrainConfig:
     sends it none. The same results; its ranks hold their outputs of the whole step until
     the step's sends complete (``mimotron plan`` counts them). Not with interleaving
     (``virtual_pipeline > 1``) on it or the language model. Colocated layouts run a frozen
-    encoder's step ahead with ``encoder_batching``.
+    encoder's step ahead with ``encoder_batching`` or a pipelined language model.
     """
     overwrite: bool = False
     """Allow a fresh start over a previous run: its files are moved aside, not clobbered.

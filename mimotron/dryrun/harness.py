@@ -177,32 +177,33 @@ def dry_run(cfg: MimoConfig, ranks: Sequence[int] | None = None, *, steps: int =
         return (min(positions[(r.module, r.pp)].index for r in layout.roles(rank)
                     if (r.module, r.pp) in positions), rank)
 
-    wire = Wire()
+    wire, peers = Wire(), PeerBatches(cfg, layout)  # shared by the ranks run in turn
     observers = observers or {}
     device = device or fake_accelerator()
-    return [_run_one(cfg, rank, world, wire, steps, evaluate, checkpoint, observers.get(rank),
-                     device)
+    return [_run_one(cfg, rank, world, (wire, peers), steps, evaluate, checkpoint,
+                     observers.get(rank), device)
             for rank in sorted(set(chosen), key=order)]
 
 
-def _run_one(cfg: MimoConfig, rank: int, world: int, wire: Wire, steps: int,
-             evaluate: bool, checkpoint: bool, observer: StepObserver | None,
+def _run_one(cfg: MimoConfig, rank: int, world: int, shared: tuple[Wire, PeerBatches],
+             steps: int, evaluate: bool, checkpoint: bool, observer: StepObserver | None,
              device: torch.device) -> DryRunReport:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     forget_dtensor_plans()  # an earlier dry run's plans hold its destroyed groups
     dist.init_process_group(fake_backend(), store=FakeStore(), rank=rank, world_size=world)
     try:
-        return _run_rank(cfg, Runtime(rank, world, rank, device, "fake"), wire,
+        return _run_rank(cfg, Runtime(rank, world, rank, device, "fake"), shared,
                          steps, evaluate, checkpoint, observer)
     finally:
         gc.collect()  # the rank's model and meshes (reference cycles) go before its group
         dist.destroy_process_group()
 
 
-def _run_rank(cfg: MimoConfig, runtime: Runtime, wire: Wire, steps: int, evaluate: bool,
-              checkpoint: bool, observer: StepObserver | None = None) -> DryRunReport:
-
+def _run_rank(cfg: MimoConfig, runtime: Runtime, shared: tuple[Wire, PeerBatches],
+              steps: int, evaluate: bool, checkpoint: bool,
+              observer: StepObserver | None = None) -> DryRunReport:
+    wire, peers = shared
     watch = observer or _NoObserver()
     with _meta_mesh(), _without_hf_weights():
         with watch.setup():
@@ -216,7 +217,6 @@ def _run_rank(cfg: MimoConfig, runtime: Runtime, wire: Wire, steps: int, evaluat
         # One fake mode for the run (its tensors live across phases); host data is
         # collated outside it, as the loader does, so batches arrive as real host tensors.
         fake = FakeTensorMode(allow_non_fake_inputs=True)
-        peers = PeerBatches(cfg, run.infra.layout)
         for s in range(steps):
             batches = _named(tracker, next(run.train_data_iterator), "step")
             tracker.peers = peers.train(s)

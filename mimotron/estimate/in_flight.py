@@ -48,7 +48,8 @@ def rank_held_forwards(layout: Layout, module: str, stage: int, num_microbatches
 
     Args:
         layout: the placement (its ``virtual_pipeline`` degrees choose the schedules).
-        module: the module of the rank (colocated layouts: any; one position).
+        module: the module of the rank (colocated layouts: any; one position, but a
+            pipelined language model's stages).
         stage: the rank's pipeline stage of ``module``.
         num_microbatches: micro-batches in the step.
         pipelined: ``False`` for ``train.schedule = "no_pipelining"``.

@@ -35,6 +35,7 @@ from mimotron.estimate.widths import (
     BYTES,
     FP32,
     attention_widths,
+    bridged_rows_bytes,
     mlp_saved_tensors,
     optimizer_state_bytes_per_param,
     residual_bytes,
@@ -240,10 +241,12 @@ def microbatches_in_flight(cfg: MimoConfig, layout: Layout, name: str, stage: in
     m)``; an encoder on its own ranks is a pipeline position ahead of the language
     model, so it keeps one more micro-batch than its own pipeline depth, and more when
     it feeds an interleaved language model (a longer warm-up). One with
-    ``train.schedule`` other than ``1f1b`` and in colocated layouts (one position).
+    ``train.schedule`` other than ``1f1b`` and in colocated layouts (one position; a
+    pipelined language model's stages as in a split layout of it alone).
     Under interleaving the count is of model-chunk forwards
-    (:func:`interleaved_chunks_in_flight`). Under ``train.encoder_batching`` an encoder
-    holds every micro-batch of the step (:func:`encoder_batching_factor`).
+    (:func:`interleaved_chunks_in_flight`). Under ``train.encoder_batching``, or beside
+    a colocated pipelined language model, an encoder holds every micro-batch of the step
+    (:func:`encoder_batching_factor`).
     """
     return int(held_forwards_peak(cfg, layout, name, stage))
 
@@ -335,7 +338,7 @@ def activation_bytes(cfg: MimoConfig, name: str, vocab_size: int = 64,
     one = held + ends
     if in_flight is None:
         in_flight = microbatches_in_flight(cfg, layout, name, stage)
-    return int(one * samples * in_flight)
+    return int(one * samples * in_flight) + bridged_rows_bytes(cfg, layout, name, stage)
 
 
 def layer_bytes_per_sample(cfg: MimoConfig, name: str) -> int:

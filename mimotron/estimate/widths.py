@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from mimotron.config.hf_resolve import language_spec
 from mimotron.config.schema import MimoConfig
+from mimotron.names import LANGUAGE
 from mimotron.parallel.layout import Layout, is_colocated_pipeline
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -66,3 +67,22 @@ def encoder_batching_factor(cfg: MimoConfig, name: str, layout: Layout) -> int:
     if whole_step and cfg.modules[name].is_encoder:
         return cfg.num_microbatches
     return 1
+
+
+def bridged_rows_bytes(cfg: MimoConfig, layout: Layout | None, name: str, stage: int) -> int:
+    """What the first stage of a colocated pipelined language model keeps besides its
+    forwards' activations: every micro-batch's encoder rows from the bridge, and, once
+    its backwards ran, their gradients, both until the encoders' backward at the end of
+    the step (:mod:`mimotron.pipeline.colocated_pipeline`); 0 anywhere else."""
+    if layout is None or name != LANGUAGE or stage != 0 or not is_colocated_pipeline(layout):
+        return 0
+    language = cfg.modules[LANGUAGE]
+    samples = cfg.train.micro_batch_size // language.parallel.data
+    total = 0
+    for encoder in cfg.encoder_names:
+        mod = cfg.modules[encoder]
+        items = cfg.data.max_images_per_sample if mod.kind == "vit" else 1
+        copies = 1 if mod.fully_frozen else 2  # the rows, and their gradients
+        total += copies * samples * items * mod.num_output_tokens
+    return (total * cfg.num_microbatches * language.hidden_size
+            * BYTES[cfg.train.precision])

@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mimotron.names import LANGUAGE
-from mimotron.parallel.layout import Layout
+from mimotron.parallel.layout import Layout, is_colocated_pipeline, language_pipeline
 
 # Compute
 FORWARD = "F"
@@ -105,8 +105,14 @@ def pipeline_positions(layout: Layout) -> dict[StageKey, Position]:
     """Position of every (module, pipeline stage) of a layout's DAG.
 
     Colocated layouts run every module on every rank with one stage each: the whole
-    model is a single position (total 1), activations cross modules in-process.
+    model is a single position (total 1), activations cross modules in-process. A
+    colocated layout with a pipelined language model has the positions of its language
+    model alone (``language_pipeline``); its encoders run outside the pipeline.
     """
+    if is_colocated_pipeline(layout):
+        alone = {(m, 0): Position(m, 0, 0, 1, False, False) for m in layout.modules
+                 if m != LANGUAGE}
+        return {**alone, **pipeline_positions(language_pipeline(layout))}
     if layout.colocated:
         return {(m, 0): Position(m, 0, 0, 1, False, False) for m in layout.modules}
     encoders = [m for m in layout.modules if m != LANGUAGE]

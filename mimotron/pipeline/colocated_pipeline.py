@@ -11,8 +11,8 @@ language stage. A step has three phases, every rank running each one:
    rows onto the language model's *first-stage* ranks: a world all-gather, of which a
    first-stage rank keeps its language slice and every other rank keeps nothing. Each
    kept tensor is detached into a leaf that requires grad;
-2. **the language pipeline** — the language model's own plan (1F1B, or interleaved),
-   exactly as a split layout holding only the language model runs it: stage links are
+2. **the language pipeline** — the language model's own 1F1B plan, exactly as a split
+   layout holding only the language model runs it: stage links are
    the split layout's point-to-point links (:class:`~mimotron.pipeline.communicator.
    MultiModulePipelineCommunicator` over :func:`language_pipeline`), and the first stage
    merges micro-batch ``k``'s leaves where a split layout merges the rows it received.
@@ -21,7 +21,9 @@ language stage. A step has three phases, every rank running each one:
    edge, each bridge output takes its leaf's gradient (zeros where the leaf got none:
    on stages past the first, rows of none), the bridge's world all-reduce hands every
    encoder slice its rows' gradients, and the encoders' backward follows (one per
-   encoder after the last micro-batch under encoder batching).
+   encoder after the last micro-batch under encoder batching). Under
+   ``train.overlap_grad_reduce`` the language stage's buckets launch from its own last
+   backward; the encoders' wait for the end of the step (:meth:`EncoderPhase.backward`).
 
 The bridge's collectives need every rank at the same point, which a pipeline's stages
 never are in the middle of a step; so they run before and after it. The cost is memory:
@@ -118,23 +120,21 @@ class EncoderPhase:
                 self._bridged.append(bridged)
                 self.leaves.append(leaves)
 
-    def encoder_params(self) -> list[torch.nn.Parameter]:
-        """The encoders' parameters (armed for the overlapped gradient reduction)."""
-        return [p for e in self.edges
-                for p in self.ctx.model.modality_submodules[e.src].parameters()]
-
     def backward(self) -> None:
-        """The bridges' and encoders' backward, in (micro-batch, edge) order."""
-        last = len(self._bridged) - 1
+        """The bridges' and encoders' backward, in (micro-batch, edge) order.
+
+        The encoders' parameters are not armed for ``train.overlap_grad_reduce``: their
+        buckets wait for the flush at the end of the step. Armed, a rank would launch them
+        here between the bridges' world all-reduces, but a rank of a stage holding a late
+        language bucket (an expert one, a sequence-parallel norm's) only at the flush:
+        ranks would then issue two collectives they share in different orders, which
+        NCCL does not allow.
+        """
         for k, bridged in enumerate(self._bridged):
-            if k == last and self.batched is None and self.ctx.grad_sync is not None:
-                self.ctx.grad_sync.arm(self.encoder_params())  # their last backward
             for name, out in bridged.items():
                 leaf = self.leaves[k][name]
                 out.backward(leaf.grad if leaf.grad is not None else torch.zeros_like(out))
         if self.batched is not None:
-            if self.ctx.grad_sync is not None:
-                self.ctx.grad_sync.arm(self.encoder_params())
             self.batched.backward()
         self._bridged.clear()
         self.leaves.clear()

@@ -29,7 +29,9 @@ zero-row forward and backward, as without batching).
 With ``train.overlap_grad_reduce`` the step's grad sync is armed before the last micro-batch's
 backward (:meth:`~mimotron.pipeline.schedules.StageRunner.backward`), which comes
 before :meth:`BatchedEncoders.backward`: the encoders' gradients land once, after
-arming, so each encoder bucket launches when the single encoder backward fills it.
+arming, so each encoder bucket launches when the single encoder backward fills it
+(beside a pipelined language model the encoders are not armed: their buckets wait for
+the step's end, :mod:`mimotron.pipeline.colocated_pipeline`).
 Frozen encoders produce outputs that need no gradient: no leaf, no backward. In
 evaluation (``forward_only``) the forward is batched the same way under ``no_grad``.
 """

@@ -5,15 +5,19 @@ The *plan* (what to do, in which order) comes from the pure functions in
 run one forward or backward of whatever this rank holds:
 
 * a colocated rank holds every module: encoders, the colocated bridge, the language
-  model and its loss run in-process, and one ``loss.backward()`` reaches the encoders;
+  model and its loss run in-process, and one ``loss.backward()`` reaches the encoders
+  (with a pipelined language model the rank holds one language stage: the encoders and
+  bridges run before its plan and their backward after,
+  :mod:`mimotron.pipeline.colocated_pipeline`);
 * a non-colocated rank holds one pipeline stage of one module: it gets its input from
   the data (first encoder stage) or from the communicator (later stages, and the
   language model's first stage, which receives every encoder's embeddings), and hands
   its output to the communicator or, on the language model's last stage, to the loss.
 
 A run's ``StepContext`` carries two objects besides the data: the *transport*, chosen
-once at setup from the layout (``ColocatedTransport`` or
-``MultiModulePipelineCommunicator``), and the ``LanguageStep``, which owns everything on
+once at setup from the layout (``ColocatedTransport``,
+``MultiModulePipelineCommunicator`` or ``ColocatedPipelineTransport``), and the
+``LanguageStep``, which owns everything on
 the language side (input merging, the forward step function, the loss).
 
 With ``encoder_batching`` (colocated only) the encoders run the step's micro-batches in
@@ -444,7 +448,7 @@ def rank_actions(layout: Layout, rank: int, num_microbatches: int, pipelined: bo
 
     Returns:
         The actions of the (module, pipeline stage) this rank runs (colocated: the first
-        module's single position).
+        module's single position; with a pipelined language model: its language stage's).
     """
     if is_colocated_pipeline(layout):  # the language model's stage plan
         module, stage = LANGUAGE, layout.modules[LANGUAGE].coordinate(rank)["pp"]

@@ -78,7 +78,8 @@ def degree_options(cfg: MimoConfig, name: str, max_size: int, micro_batch: int,
         max_size: the most ranks it may occupy.
         micro_batch: ``train.micro_batch_size`` (the data-parallel degree divides it).
         max_tensor: the largest TP degree (ranks sharing a node's fast link).
-        pipelined: pipeline stages allowed (split layouts; colocated ones need 1).
+        pipelined: pipeline stages allowed (split layouts, and the language model of a
+            colocated one).
 
     Yields:
         Options with recompute none and no sharding (set later).
