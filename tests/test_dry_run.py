@@ -96,17 +96,13 @@ def _run(overrides: list[str], ranks: list[int] | None, **kw: object) -> list[Dr
     return dry_run(cfg, ranks, **kw)  # type: ignore[arg-type]
 
 
-def _spawned() -> ProcessPoolExecutor:
-    return ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
-
-
 @pytest.fixture(scope="module")
 def fresh_process() -> Iterator[ProcessPoolExecutor]:
     """One process started for this file's cases, as ``mimotron plan --dry-run`` runs in a
     process of its own (a test worker's earlier files leave other state behind; the
     DTensor plans they cached are dropped by every new world:
     :func:`test_a_dry_run_after_another_in_one_process`)."""
-    with _spawned() as pool:
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
         yield pool
 
 
@@ -115,15 +111,14 @@ def _two_dry_runs(first: str, second: str) -> None:
         _run(CASES[name][0], [0], steps=1, evaluate=False, checkpoint=False)
 
 
-def test_a_dry_run_after_another_in_one_process() -> None:
+def test_a_dry_run_after_another_in_one_process(fresh_process: ProcessPoolExecutor) -> None:
     """DTensor caches sharding plans by device-mesh equality, which ignores process
     groups: a second dry run in one process whose TP mesh equals the first one's got the
     first world's mesh back, and its sequence-parallel reduce-scatter a destroyed group
     ("Could not resolve the process group registered under the name 4"; the cause of the
     ``lora-tp2-sp-pp2`` case failing now and then in a worker that had run other files).
     Every new world drops those plans (``mimotron.runtime.forget_dtensor_plans``)."""
-    with _spawned() as pool:
-        pool.submit(_two_dry_runs, "lora-colocated-tp2", "colocated-tp2-sp-pp2").result()
+    fresh_process.submit(_two_dry_runs, "lora-colocated-tp2", "colocated-tp2-sp-pp2").result()
 
 
 @pytest.mark.parametrize("name", list(CASES))
