@@ -7,6 +7,7 @@ data, :func:`train_bpe_tokenizer` the Hugging Face tokenizer folder.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -160,3 +161,44 @@ def test_encoder_ranks_of_a_context_parallel_bridge_load_the_tokens(llava):
         restrict_to_rank(task, cfg, layout, rank)
         assert task.dataset.load_parts == want, rank
         assert task.dataset.load(0)["tokens"].numel() > 0, rank
+
+
+def test_a_colocated_rank_decodes_only_the_images_it_encodes(llava, monkeypatch):
+    """Vision DP 4 beside a pipelined language model DP 2 on 4 ranks: each rank reads its
+    language slice (twice its vision slice, or elsewhere) but decodes only the images of
+    its vision slice; its vision batch is bit for bit the one a rank decoding everything
+    builds, and its language batch keeps every presence mask."""
+    import torch
+
+    import mimotron.data.llava_check as llava_check
+    from mimotron.config import load_config
+    from mimotron.data.run_data import build_llava_tasks, build_tokenizer, restrict_to_rank
+    from mimotron.parallel.layout import check_layout
+    from mimotron.training.loop import train_steps
+
+    layout_over = coloc({"data": 4}, {"data": 4}, {"data": 2, "pipeline": 2})
+    cfg = load_config(DIGITS, [*BASE, *llava["overrides"], *layout_over])
+    layout = check_layout(cfg)
+    decoded: list[object] = []
+    opened = llava_check.open_image
+    monkeypatch.setattr(llava_check, "open_image",
+                        lambda *a, **k: decoded.append(a[0]) or opened(*a, **k))
+    for rank in range(4):
+        task, _ = build_llava_tasks(cfg, build_tokenizer(cfg))
+        restrict_to_rank(task, cfg, layout, rank)
+        assert task.parts_at is not None
+        decoded.clear()
+        (step,) = itertools.islice(train_steps(cfg, layout, rank, task,
+                                               task.stream(cfg.train.seed), 0), 1)
+        images = sum(int(mb["vision"]["has_image"].sum()) for mb in step)
+        assert len(decoded) == images > 0, (rank, len(decoded), images)
+        task.parts_at = None  # every image of the samples read decoded
+        decoded.clear()
+        (full,) = itertools.islice(train_steps(cfg, layout, rank, task,
+                                               task.stream(cfg.train.seed), 0), 1)
+        assert len(decoded) > images, (rank, len(decoded), images)
+        for mb, want in zip(step, full, strict=True):
+            for key, value in want["vision"].items():
+                assert torch.equal(mb["vision"][key], value), (rank, key)
+            for key in ("tokens", "labels", "loss_mask", "has_image", "has_audio"):
+                assert torch.equal(mb["language"][key], want["language"][key]), (rank, key)

@@ -493,6 +493,9 @@ class SampleStream:
             Sample dicts in position order.
         """
         items = self.items(start, count)
+        parts_at = getattr(self.dataset, "parts_at", None)  # what each position loads
+        if parts_at is not None:
+            return self.dataset.get_many(items, [parts_at(start + k) for k in range(count)])
         get_many = getattr(self.dataset, "get_many", None)
         if get_many is not None:
             return get_many(items)

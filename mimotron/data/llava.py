@@ -75,7 +75,7 @@ import hashlib
 import sys
 import tempfile
 import threading
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -341,14 +341,14 @@ class LlavaDataset:
             raise ValueError(f"parts {unknown} are invalid: expected some of {list(known)}")
         self.load_parts = frozenset(parts)
 
-    def _encode(self, record: LlavaRecord, image_tokens: Sequence[int] = ()
-                ) -> dict[str, torch.Tensor]:  # fmt: skip
-        if "text" not in self.load_parts:
+    def _encode(self, record: LlavaRecord, parts: frozenset[str],
+                image_tokens: Sequence[int] = ()) -> dict[str, torch.Tensor]:  # fmt: skip
+        if "text" not in parts:
             empty = torch.zeros(0, dtype=torch.long)
             return {"tokens": empty, "labels": empty, "loss_mask": empty.float()}
         return self.checker.tokenize(record.messages, image_tokens, record.video_plans)
 
-    def _load_native(self, index: int, record: LlavaRecord) -> Sample:
+    def _load_native(self, index: int, record: LlavaRecord, parts: frozenset[str]) -> Sample:
         """:meth:`load` with a native-resolution vision module (the keys of
         :mod:`~mimotron.data.native_llava`): every rank reads each image's grid and each
         video's plan from its header; a text rank expands its placeholders, an image rank
@@ -364,25 +364,25 @@ class LlavaDataset:
         assert native is not None
         try:
             grids = native.header_grids(record.images)
-            sample: dict[str, Any] = self._encode(record, native.tokens_of(grids))
+            sample: dict[str, Any] = self._encode(record, parts, native.tokens_of(grids))
             length = int(self.index.rows[index]["length"])
-            if "text" in self.load_parts and sample["tokens"].numel() != length:
+            if "text" in parts and sample["tokens"].numel() != length:
                 media = "image or video" if record.videos else "image"
                 raise ValueError(f"its {media}s now give {sample['tokens'].numel()} tokens, "
                                  f"not the {length} the check counted: an {media} file "
                                  "changed")
         except ValueError as exc:
-            return self._unreadable(index, SampleError(str(exc), record.sample_id))
+            return self._unreadable(index, SampleError(str(exc), record.sample_id), parts)
         try:
             image = None
-            if (record.images or record.videos) and "image" in self.load_parts:
+            if (record.images or record.videos) and "image" in parts:
                 image = native.load_items(record.images, grids, record.videos,
                                           record.video_plans, record.item_kinds)
                 image = image if self.max_images > 1 else image[0]
-            _, audio = load_media(record, self.load_parts - {"image"}, None,
+            _, audio = load_media(record, parts - {"image"}, None,
                                   self.audio_features)  # fmt: skip
         except (OSError, ValueError) as exc:
-            image, audio = self._skip_failed(record, exc)
+            image, audio = self._skip_failed(record, exc, parts)
             sample["loss_mask"] = torch.zeros_like(sample["loss_mask"])
         # Positions of the true ids (video runs laid out as videos), then the ids the
         # engine reads: every item at an image placeholder.
@@ -394,8 +394,9 @@ class LlavaDataset:
         return self._sample(sample, index, (image, audio), answer, record.sample_id,
                             len(record.images) + len(record.videos))  # fmt: skip
 
-    def load(self, index: int) -> Sample:
-        """Sample ``index`` (of the kept samples, in data order).
+    def load(self, index: int, parts: Collection[str] | None = None) -> Sample:
+        """Sample ``index`` (of the kept samples, in data order), with the parts
+        :meth:`restrict_loading` left, or only those of them in ``parts``.
 
         A media file that fails to load although it passed the check (it changed on disk
         since) is skipped with ``skip_bad_samples``: the sample keeps its shape and
@@ -410,18 +411,19 @@ class LlavaDataset:
         """
         if not 0 <= index < len(self):
             raise ValueError(f"index={index!r} is invalid: expected 0 <= index < {len(self)}")
+        parts = self.load_parts if parts is None else self.load_parts & frozenset(parts)
         try:
             record = self.record(index)
         except SampleError as exc:
-            return self._unreadable(index, exc)
+            return self._unreadable(index, exc, parts)
         if self.native is not None:
-            return self._load_native(index, record)
-        sample: dict[str, Any] = self._encode(record)  # checked when built: cannot fail
+            return self._load_native(index, record, parts)
+        sample: dict[str, Any] = self._encode(record, parts)  # checked when built
         try:
-            image, audio = load_media(record, self.load_parts, self.image_processor,
+            image, audio = load_media(record, parts, self.image_processor,
                                       self.audio_features, self.max_images > 1)  # fmt: skip
         except (OSError, ValueError) as exc:
-            image, audio = self._skip_failed(record, exc)
+            image, audio = self._skip_failed(record, exc, parts)
             sample["loss_mask"] = torch.zeros_like(sample["loss_mask"])
         answer = [m["content"] for m in record.messages if m["role"] == "assistant"][-1]
         return self._sample(sample, index, (image, audio), answer, record.sample_id,
@@ -447,24 +449,25 @@ class LlavaDataset:
             return torch.zeros((num_images, *self.image_shape))
         return torch.zeros(self.image_shape)
 
-    def _skip_failed(self, record: LlavaRecord, exc: Exception) -> _Media:
+    def _skip_failed(self, record: LlavaRecord, exc: Exception, parts: frozenset[str]
+                     ) -> _Media:
         """Zero media standing in for a sample that failed to load, or its one-line error."""
         self._failed(BadSample(record.location, record.sample_id, f"failed to load: {exc}"),
                      exc)  # fmt: skip
         image = audio = None
-        if (record.images or record.videos) and "image" in self.load_parts:
+        if (record.images or record.videos) and "image" in parts:
             image = self._zero_images(len(record.images) + len(record.videos))
-        if record.audios and "audio" in self.load_parts:
+        if record.audios and "audio" in parts:
             audio = torch.zeros(self.audio_shape)
         return image, audio
 
-    def _unreadable(self, index: int, exc: SampleError) -> Sample:
+    def _unreadable(self, index: int, exc: SampleError, parts: frozenset[str]) -> Sample:
         """A sample whose JSON no longer reads: padding and zero media, or its error."""
         row = self.index.rows[index]
         key = self.index.key_of(index)
         self._failed(BadSample(self.source.row_location(row, key), exc.sample_id or key,
                                f"failed to load: {exc.reason}"), exc)  # fmt: skip
-        length = int(row["length"]) if "text" in self.load_parts else 0
+        length = int(row["length"]) if "text" in parts else 0
         pad = torch.full((length,), self.pad_id, dtype=torch.long)
         sample: dict[str, Any] = {"tokens": pad, "labels": pad.clone(),
                                   "loss_mask": torch.zeros(length)}  # fmt: skip
@@ -526,6 +529,10 @@ class LlavaTask:
         self.max_images = dataset.max_images
         self.audio_shape = dataset.audio_shape
         self.modalities = dataset.modalities
+        self.parts_at: Callable[[int], frozenset[str]] | None = None
+        """Which parts a stream position's sample loads (:func:`~mimotron.data.run_data.
+        restrict_to_rank`: a rank decodes the media of the positions it encodes only);
+        ``None``: every part the dataset loads."""
 
     @property
     def num_skipped(self) -> int:
@@ -547,17 +554,23 @@ class LlavaTask:
         every rank without loading the sample (recorded when the dataset was checked)."""
         return int(self.dataset.lengths[int(self.indices[index])])
 
-    def get(self, index: int, epoch: int = 0) -> Sample:
-        """Sample ``index`` of this split (``epoch`` is ignored: no augmentation)."""
+    def get(self, index: int, epoch: int = 0, parts: Collection[str] | None = None
+            ) -> Sample:
+        """Sample ``index`` of this split (``epoch`` is ignored: no augmentation), with
+        only ``parts`` loaded where given (:meth:`LlavaDataset.load`)."""
         if not 0 <= index < len(self):
             raise ValueError(f"index={index!r} is invalid: expected 0 <= index < {len(self)}")
-        sample = self.dataset.load(int(self.indices[index]))
+        sample = self.dataset.load(int(self.indices[index]), parts)
         sample["index"] = index
         return sample
 
-    def get_many(self, items: Sequence[tuple[int, int]]) -> list[Sample]:
-        """Samples for several ``(index, epoch)`` pairs, in order."""
-        return [self.get(index, epoch) for index, epoch in items]
+    def get_many(self, items: Sequence[tuple[int, int]],
+                 parts: Sequence[Collection[str]] | None = None) -> list[Sample]:
+        """Samples for several ``(index, epoch)`` pairs, in order (``parts``: per item)."""
+        if parts is None:
+            return [self.get(index, epoch) for index, epoch in items]
+        return [self.get(index, epoch, p) for (index, epoch), p in zip(items, parts,
+                                                                       strict=True)]
 
 
 def llava_tasks(dataset: LlavaDataset, train_fraction: float) -> tuple[LlavaTask, LlavaTask]:

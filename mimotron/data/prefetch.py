@@ -70,7 +70,8 @@ class PrefetchingReader:
             ValueError: what the task's ``get`` raises for one of these samples.
         """
         if self._pool is None:
-            return [self.stream.dataset.get(i, e) for i, e in self.stream.items(start, count)]
+            return [self.stream.dataset.get(i, e, **self._parts(p))
+                    for p, (i, e) in enumerate(self.stream.items(start, count), start)]
         self._submit(start, count)
         began = time.perf_counter()
         try:
@@ -95,7 +96,14 @@ class PrefetchingReader:
         items = self.stream.items(todo[0], todo[-1] - todo[0] + 1)
         for p in todo:
             index, epoch = items[p - todo[0]]
-            self._pending[p] = self._pool.submit(self.stream.dataset.get, index, epoch)
+            self._pending[p] = self._pool.submit(self.stream.dataset.get, index, epoch,
+                                                 **self._parts(p))
+
+    def _parts(self, position: int) -> dict[str, frozenset[str]]:
+        """``get``'s ``parts`` keyword for ``position`` where the task says what each
+        position loads (``parts_at``); none otherwise."""
+        parts_at = getattr(self.stream.dataset, "parts_at", None)
+        return {} if parts_at is None else {"parts": parts_at(position)}
 
     def _forget_before(self, position: int) -> None:
         """Drop predicted positions the reader has moved past (a wrong guess)."""

@@ -45,7 +45,8 @@ from torch.utils._python_dispatch import _disable_current_modes
 from mimotron.checkpoint.state import build_save_state
 from mimotron.config.schema import MimoConfig
 from mimotron.data import build_datasets
-from mimotron.data.run_data import build_tokenizer, restrict_to_rank
+from mimotron.data.llava import LlavaTask
+from mimotron.data.run_data import build_tokenizer
 from mimotron.dryrun.tracker import DataKey, DeviceTracker, PeerData, Wire
 from mimotron.parallel.layout import (
     Layout,
@@ -345,8 +346,9 @@ class PeerBatches:
     def _data(self) -> tuple[Any, Any]:
         if self._tasks is None:
             train_task, valid_task = build_datasets(self.cfg, build_tokenizer(self.cfg))
-            for task in (train_task, valid_task):  # colocated: every rank loads everything
-                restrict_to_rank(task, self.cfg, self.layout, 0)
+            for task in (train_task, valid_task):  # the gathers read presence masks only
+                if isinstance(task, LlavaTask):
+                    task.dataset.restrict_loading({"text"})
             self._tasks = train_task, valid_task
         return self._tasks
 

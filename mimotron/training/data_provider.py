@@ -359,9 +359,13 @@ def padded_reader(task: Any, pad_sample: Any) -> Any:
     """
     n = len(task)
 
+    parts_at = getattr(task, "parts_at", None)  # what each position loads
+
     def read(start: int, count: int) -> list[dict[str, Any]]:
         # get_many batches the tones' STFT; validation samples are epoch 0.
-        real = task.get_many([(p, 0) for p in range(start, min(start + count, n))])
+        positions = range(start, min(start + count, n))
+        parts = None if parts_at is None else {"parts": [parts_at(p) for p in positions]}
+        real = task.get_many([(p, 0) for p in positions], **(parts or {}))
         return real + [pad_sample] * (count - len(real))
 
     return read
