@@ -14,7 +14,7 @@ DP 4 | language DP 2 x PP 2; language TP 2 (sequence parallel) x PP 2 fed by vis
 and audio TP 2 x DP 2; language PP 4 (two middle stages that take no rows) with slices of
 1 sample; encoder batching with the overlapped gradient reduction (the language stage's
 buckets launched from gradient hooks, the encoders' at the step's end); a frozen vision
-encoder; token-balanced batches; the language model under FSDP2 or ZeRO-1; packed rows.
+encoder; the language model under FSDP2 or ZeRO-1; packed rows.
 Also: a resume in the middle of the run gives the same records bit for bit; evaluation
 agrees with an unpipelined colocated layout; a frozen encoder saves nothing for
 backward; the bridge's geometry, the stages' plans and the plan's memory terms (pure);
@@ -70,7 +70,6 @@ CASES: dict[str, tuple[list[str], list[str]]] = {
     "language-pp4-mb4": (PP4, SMALL_MB + FOUR_LAYERS),
     "encoder-batching-overlap-mb4": (DP2_PP2 + OVERLAP, SMALL_MB),
     "frozen-vision": (DP2_PP2, ["modules.vision.freeze=true"]),
-    "balance-tokens": (DP2_PP2 + ["data.balance_tokens=true"], []),
     # The language stages sharded over DP: FSDP2, and ZeRO-1 with its parameter gather.
     "language-fsdp-pp2": (coloc({"data": 4}, {"data": 4},
                                 {"data": 2, "pipeline": 2, "fsdp": "true"}), []),
@@ -118,9 +117,9 @@ def test_packed_rows_match_plain_loop() -> None:
 def test_a_resume_in_the_middle_trains_the_same(tmp_path) -> None:
     """Stopped after iteration 3 and resumed from its checkpoint to 6: the same records
     (loss, grad norm, lr, consumed samples) bit for bit as the straight run."""
-    launch(tmp_path, "straight", 4, TP2_PP2, None, 6)
-    launch(tmp_path, "resumed", 4, TP2_PP2, None, 3)
-    launch(tmp_path, "resumed", 4, TP2_PP2, None, 6)
+    launch(tmp_path, "straight", 4, DP2_PP2, None, 6)
+    launch(tmp_path, "resumed", 4, DP2_PP2, None, 3)
+    launch(tmp_path, "resumed", 4, DP2_PP2, None, 6)
     straight = records(tmp_path / "straight", RECORD_FIELDS)
     resumed = records(tmp_path / "resumed", RECORD_FIELDS)
     assert [r["iteration"] for r in straight] == list(range(1, 7))

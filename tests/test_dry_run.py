@@ -65,9 +65,9 @@ CASES: dict[str, tuple[list[str], list[int] | None]] = {
     "colocated-bridge": (coloc({"data": 4}, {"data": 4}, {"tensor": 2, "data": 2}), [0, 3]),
     # A colocated pipelined language model: encoders and bridges on every rank, then the
     # language stages (DP 2 x PP 2; TP 2 with SP x PP 2).
-    "colocated-pp2": (coloc({"data": 4}, {"data": 4}, {"data": 2, "pipeline": 2}), None),
+    "colocated-pp2": (coloc({"data": 4}, {"data": 4}, {"data": 2, "pipeline": 2}), [0, 3]),
     "colocated-tp2-sp-pp2": (coloc({"data": 4}, {"tensor": 2, "data": 2},
-                                   {"tensor": 2, "data": 1, "pipeline": 2}) + SP, None),
+                                   {"tensor": 2, "data": 1, "pipeline": 2}) + SP, [1, 2]),
 }
 # Two steps where the second differs (optimizer state, the overlapped param gather).
 TWO_STEPS = ("noncolocated", "zero1-overlap")

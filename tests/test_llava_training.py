@@ -183,7 +183,7 @@ def test_a_colocated_rank_decodes_only_the_images_it_encodes(llava, monkeypatch)
     opened = llava_check.open_image
     monkeypatch.setattr(llava_check, "open_image",
                         lambda *a, **k: decoded.append(a[0]) or opened(*a, **k))
-    for rank in range(4):
+    for rank in (0, 3):  # a first stage's and a last stage's
         task, _ = build_llava_tasks(cfg, build_tokenizer(cfg))
         restrict_to_rank(task, cfg, layout, rank)
         assert task.parts_at is not None

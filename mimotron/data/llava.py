@@ -560,7 +560,9 @@ class LlavaTask:
         only ``parts`` loaded where given (:meth:`LlavaDataset.load`)."""
         if not 0 <= index < len(self):
             raise ValueError(f"index={index!r} is invalid: expected 0 <= index < {len(self)}")
-        sample = self.dataset.load(int(self.indices[index]), parts)
+        position = int(self.indices[index])
+        sample = (self.dataset.load(position) if parts is None
+                  else self.dataset.load(position, parts))
         sample["index"] = index
         return sample
 
