@@ -91,3 +91,17 @@ def launch(root: Path, name: str, world: int, layout: list[str], load: Path | No
     return run_ranks(world, _train, COMMON + layout + extra + [
         f"log.dir={root / name}", f"checkpoint.dir={root / name / 'ckpt'}",
         f"train.exit_interval={stop}"], timeout_s=300)
+
+
+def straight_and_resumed(root: Path, world: int, layout: list[str], stop: int, total: int
+                         ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """A run straight to iteration ``total``, and one stopped after ``stop`` and resumed
+    from its checkpoint to ``total``: each one's training records
+    (:data:`~tests.parity.RECORD_FIELDS`)."""
+    from tests.parity import RECORD_FIELDS, training_records
+
+    launch(root, "straight", world, layout, None, total)
+    launch(root, "resumed", world, layout, None, stop)
+    launch(root, "resumed", world, layout, None, total)
+    return (training_records(root / "straight", RECORD_FIELDS),
+            training_records(root / "resumed", RECORD_FIELDS))

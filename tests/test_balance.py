@@ -35,17 +35,15 @@ from mimotron.training.data_provider import MicrobatchProvider, PackedMicrobatch
 from tests.common import BASE, DIGITS, coloc, colocated, noncolocated
 from tests.parity import (
     NUM_ITERS,
-    RECORD_FIELDS,
     SMALL_MB,
     assert_steps_match,
     assert_weights_match,
     engine_results,
     packed_reference,
     run_against_plain_loop,
-    training_records,
 )
 from tests.reference import PACKING
-from tests.resume_chain import launch
+from tests.resume_chain import straight_and_resumed
 
 BALANCED = ["data.balance_encoders=true", "data.balance_tokens=true"]
 
@@ -295,11 +293,7 @@ def test_a_resume_mid_epoch_deals_the_same_and_trains_the_same(tmp_path) -> None
     """Stopped after iteration 6 of 12 and resumed from its checkpoint: the same records
     (loss, grad norm, lr, consumed samples) bit for bit as the straight run."""
     layout = noncolocated({"data": 2}, {}, {"data": 2}) + BALANCED + SMALL_MB
-    launch(tmp_path, "straight", 5, layout, None, 12)
-    launch(tmp_path, "resumed", 5, layout, None, 6)
-    launch(tmp_path, "resumed", 5, layout, None, 12)
-    straight = training_records(tmp_path / "straight", RECORD_FIELDS)
-    resumed = training_records(tmp_path / "resumed", RECORD_FIELDS)
+    straight, resumed = straight_and_resumed(tmp_path, 5, layout, 6, 12)
     assert [r["iteration"] for r in straight] == list(range(1, 13))
     assert resumed[-6:] == straight[-6:]
 

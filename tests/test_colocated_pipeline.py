@@ -40,7 +40,6 @@ from mimotron.training.step import default_forward_step
 from tests.common import BASE, DIGITS, coloc, engine_run
 from tests.parity import (
     NUM_ITERS,
-    RECORD_FIELDS,
     SMALL_MB,
     TINY_BUCKETS,
     assert_steps_match,
@@ -50,9 +49,8 @@ from tests.parity import (
     packed_reference,
     run_against_plain_loop,
 )
-from tests.parity import training_records as records
 from tests.reference import PACKING
-from tests.resume_chain import launch
+from tests.resume_chain import launch, straight_and_resumed
 from tests.saved_bytes import saved_inside
 
 ITERS = 12
@@ -117,11 +115,7 @@ def test_packed_rows_match_plain_loop() -> None:
 def test_a_resume_in_the_middle_trains_the_same(tmp_path) -> None:
     """Stopped after iteration 3 and resumed from its checkpoint to 6: the same records
     (loss, grad norm, lr, consumed samples) bit for bit as the straight run."""
-    launch(tmp_path, "straight", 4, DP2_PP2, None, 6)
-    launch(tmp_path, "resumed", 4, DP2_PP2, None, 3)
-    launch(tmp_path, "resumed", 4, DP2_PP2, None, 6)
-    straight = records(tmp_path / "straight", RECORD_FIELDS)
-    resumed = records(tmp_path / "resumed", RECORD_FIELDS)
+    straight, resumed = straight_and_resumed(tmp_path, 4, DP2_PP2, 3, 6)
     assert [r["iteration"] for r in straight] == list(range(1, 7))
     assert [r["iteration"] for r in resumed] == [1, 2, 3, 4, 5, 6]
     assert resumed[-3:] == straight[-3:]

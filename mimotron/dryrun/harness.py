@@ -48,12 +48,7 @@ from mimotron.data import build_datasets
 from mimotron.data.llava import LlavaTask
 from mimotron.data.run_data import build_tokenizer
 from mimotron.dryrun.tracker import DataKey, DeviceTracker, PeerData, Wire
-from mimotron.parallel.layout import (
-    Layout,
-    check_layout,
-    is_colocated_pipeline,
-    language_pipeline,
-)
+from mimotron.parallel.layout import Layout, check_layout
 from mimotron.pipeline.actions import pipeline_positions
 from mimotron.runtime import Runtime, fake_accelerator, fake_backend, forget_dtensor_plans
 from mimotron.training import model_setup
@@ -170,13 +165,12 @@ def dry_run(cfg: MimoConfig, ranks: Sequence[int] | None = None, *, steps: int =
         raise ValueError(f"ranks={bad!r} are invalid: the layout has ranks 0..{world - 1}")
     if dist.is_initialized():
         raise ValueError("dry_run needs no default process group (it creates a fake one)")
-    # A colocated pipelined language model: every rank runs the encoders, then its stage.
-    positions = pipeline_positions(language_pipeline(layout) if is_colocated_pipeline(layout)
-                                   else layout)
+    positions = pipeline_positions(layout)
 
     def order(rank: int) -> tuple[int, int]:
-        return (min(positions[(r.module, r.pp)].index for r in layout.roles(rank)
-                    if (r.module, r.pp) in positions), rank)
+        # A rank's latest position: a colocated rank holding a language stage runs
+        # after the stages before it (its encoders all stand at position 0).
+        return (max(positions[(r.module, r.pp)].index for r in layout.roles(rank)), rank)
 
     wire, peers = Wire(), PeerBatches(cfg, layout)  # shared by the ranks run in turn
     observers = observers or {}
@@ -340,7 +334,7 @@ class PeerBatches:
     def __init__(self, cfg: MimoConfig, layout: Layout) -> None:
         self.cfg, self.layout = cfg, layout
         self._tasks: tuple[Any, Any] | None = None
-        self._train: dict[int, list[list[Microbatch]]] = {}
+        self._train: dict[int, tuple[Iterator[list[Microbatch]], list[list[Microbatch]]]] = {}
         self._valid: dict[int, list[Microbatch]] = {}
 
     def _data(self) -> tuple[Any, Any]:
@@ -358,18 +352,17 @@ class PeerBatches:
             return None
 
         def value(rank: int, key: DataKey) -> torch.Tensor | None:
-            steps = self._train.setdefault(rank, [])
-            if len(steps) <= step:
-                with _disable_current_modes():  # host data, built outside the fake mode
-                    steps[:] = self._train_steps(rank, step + 1)
-            return _lookup(steps[step], key)
+            with _disable_current_modes():  # host data, built outside the fake mode
+                if rank not in self._train:
+                    task = self._data()[0]
+                    self._train[rank] = (train_steps(self.cfg, self.layout, rank, task,
+                                                     task.stream(self.cfg.train.seed), 0), [])
+                source, built = self._train[rank]
+                while len(built) <= step:
+                    built.append(next(source))
+            return _lookup(built[step], key)
 
         return value
-
-    def _train_steps(self, rank: int, num_steps: int) -> list[list[Microbatch]]:
-        task = self._data()[0]
-        it = train_steps(self.cfg, self.layout, rank, task, task.stream(self.cfg.train.seed), 0)
-        return list(itertools.islice(it, num_steps))
 
     def evaluation(self) -> PeerData | None:
         """The peers of the first evaluation step, or ``None`` (split layouts)."""

@@ -36,6 +36,7 @@ from mimotron.estimate.widths import (
     FP32,
     attention_widths,
     bridged_rows_bytes,
+    items_per_sample,
     mlp_saved_tensors,
     optimizer_state_bytes_per_param,
     residual_bytes,
@@ -427,12 +428,6 @@ def _selective_kept_bytes(cfg: MimoConfig, name: str) -> int:
     if par.sequence_parallel:
         whole, split = 0, whole + split
     return tokens * (whole + split // par.tensor)
-
-
-def items_per_sample(cfg: MimoConfig, name: str) -> int:
-    """Inputs of module ``name`` one sample may hold: ``data.max_images_per_sample`` for a
-    vision encoder, else 1."""
-    return cfg.data.max_images_per_sample if cfg.modules[name].kind == "vit" else 1
 
 
 def local_items(cfg: MimoConfig, name: str) -> int:

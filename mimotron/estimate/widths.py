@@ -69,6 +69,12 @@ def encoder_batching_factor(cfg: MimoConfig, name: str, layout: Layout) -> int:
     return 1
 
 
+def items_per_sample(cfg: MimoConfig, name: str) -> int:
+    """Inputs of module ``name`` one sample may hold: ``data.max_images_per_sample`` for a
+    vision encoder, else 1."""
+    return cfg.data.max_images_per_sample if cfg.modules[name].kind == "vit" else 1
+
+
 def bridged_rows_bytes(cfg: MimoConfig, layout: Layout | None, name: str, stage: int) -> int:
     """What the first stage of a colocated pipelined language model keeps besides its
     forwards' activations: every micro-batch's encoder rows from the bridge, and, once
@@ -81,8 +87,7 @@ def bridged_rows_bytes(cfg: MimoConfig, layout: Layout | None, name: str, stage:
     total = 0
     for encoder in cfg.encoder_names:
         mod = cfg.modules[encoder]
-        items = cfg.data.max_images_per_sample if mod.kind == "vit" else 1
         copies = 1 if mod.fully_frozen else 2  # the rows, and their gradients
-        total += copies * samples * items * mod.num_output_tokens
+        total += copies * samples * items_per_sample(cfg, encoder) * mod.num_output_tokens
     return (total * cfg.num_microbatches * language.hidden_size
             * BYTES[cfg.train.precision])

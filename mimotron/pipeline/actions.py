@@ -109,12 +109,11 @@ def pipeline_positions(layout: Layout) -> dict[StageKey, Position]:
     colocated layout with a pipelined language model has the positions of its language
     model alone (``language_pipeline``); its encoders run outside the pipeline.
     """
-    if is_colocated_pipeline(layout):
-        alone = {(m, 0): Position(m, 0, 0, 1, False, False) for m in layout.modules
-                 if m != LANGUAGE}
-        return {**alone, **pipeline_positions(language_pipeline(layout))}
     if layout.colocated:
-        return {(m, 0): Position(m, 0, 0, 1, False, False) for m in layout.modules}
+        alone = {(m, 0): Position(m, 0, 0, 1, False, False) for m in layout.modules}
+        if not is_colocated_pipeline(layout):
+            return alone
+        return {**alone, **pipeline_positions(language_pipeline(layout))}
     encoders = [m for m in layout.modules if m != LANGUAGE]
     depth = max((layout.modules[m].parallel.pipeline for m in encoders), default=0)
     lm_depth = layout.modules[LANGUAGE].parallel.pipeline

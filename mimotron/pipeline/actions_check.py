@@ -27,7 +27,6 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from mimotron.names import LANGUAGE
 from mimotron.parallel.layout import Layout, is_colocated_pipeline, language_pipeline
 from mimotron.pipeline.actions import (
     BACKWARD,
@@ -103,11 +102,11 @@ def layout_topology(layout: Layout) -> dict[StageKey, Placement]:
     cross modules in-process): each node stands alone; with a pipelined language model,
     its stages are wired as the language model alone (the encoders stand alone).
     """
-    if is_colocated_pipeline(layout):
-        encoders = {(m, 0): Placement(((m, 0),), 0) for m in layout.modules if m != LANGUAGE}
-        return {**encoders, **layout_topology(language_pipeline(layout))}
     if layout.colocated:
-        return {(m, 0): Placement(((m, 0),), 0) for m in layout.modules}
+        alone = {(m, 0): Placement(((m, 0),), 0) for m in layout.modules}
+        if not is_colocated_pipeline(layout):
+            return alone
+        return {**alone, **layout_topology(language_pipeline(layout))}
     out: dict[StageKey, Placement] = {}
     for m, mod in layout.modules.items():
         par = mod.parallel

@@ -11,7 +11,7 @@ plus the reduction and optimizer tail.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from mimotron.config.schema import MimoConfig
 from mimotron.config.vocab_size import model_vocab_size, padded_vocab_size
@@ -147,14 +147,19 @@ def _colocated_pipeline_cost(cfg: MimoConfig, layout: Layout, device: DeviceSpec
     optimizer = lm.optimizer + sum(c.optimizer for c in enc.values())
     encoders = sum(compute[m] + collectives[m] + data_parallel[m] for m in enc)
     total = lm.total + encoders + bridge + optimizer - lm.optimizer
-    terms = {**{f"compute ({m})": s for m, s in compute.items()},
-             **{f"tp/sp/cp/ep collectives ({m})": s for m, s in collectives.items()},
-             **{f"data-parallel reduction ({m})": s for m, s in data_parallel.items()},
-             "bridge transfers": bridge + lm.bridge, "pipeline idle": lm.pipeline_idle,
-             "shared CPU cores": lm.core_sharing, "optimizer step": optimizer}
-    return StepCost(compute, collectives, data_parallel, bridge + lm.bridge,
-                    lm.pipeline_idle, optimizer, total, max(terms, key=lambda k: terms[k]),
-                    lm.core_sharing, lm.critical)
+    cost = StepCost(compute, collectives, data_parallel, bridge + lm.bridge,
+                    lm.pipeline_idle, optimizer, total, "", lm.core_sharing, lm.critical)
+    return replace(cost, bottleneck=_bottleneck(cost))
+
+
+def _bottleneck(cost: StepCost) -> str:
+    """The label of ``cost``'s largest term (:meth:`StepCost.terms`'s labels)."""
+    terms = {**{f"compute ({m})": s for m, s in cost.compute.items()},
+             **{f"tp/sp/cp/ep collectives ({m})": s for m, s in cost.collectives.items()},
+             **{f"data-parallel reduction ({m})": s for m, s in cost.data_parallel.items()},
+             "bridge transfers": cost.bridge, "pipeline idle": cost.pipeline_idle,
+             "shared CPU cores": cost.core_sharing, "optimizer step": cost.optimizer}
+    return max(terms, key=lambda k: terms[k])
 
 
 def _assemble(n: int, costs: dict[tuple[str, int], LaneCost], result: SimResult,
@@ -183,11 +188,6 @@ def _assemble(n: int, costs: dict[tuple[str, int], LaneCost], result: SimResult,
     collectives = {label[m]: n * most("collectives", m) for m in modules}
     data_parallel = {label[m]: most("reduction", m) + n * most("fsdp", m) for m in modules}
     optimizer = costs[critical].optimizer
-    terms = {**{f"compute ({m})": s for m, s in compute.items()},
-             **{f"tp/sp/cp/ep collectives ({m})": s for m, s in collectives.items()},
-             **{f"data-parallel reduction ({m})": s for m, s in data_parallel.items()},
-             "bridge transfers": bridge, "pipeline idle": idle, "shared CPU cores": sharing,
-             "optimizer step": optimizer}
-    bottleneck = max(terms, key=lambda k: terms[k])
-    return StepCost(compute, collectives, data_parallel, bridge, idle, optimizer,
-                    ends[critical], bottleneck, sharing, critical)
+    cost = StepCost(compute, collectives, data_parallel, bridge, idle, optimizer,
+                    ends[critical], "", sharing, critical)
+    return replace(cost, bottleneck=_bottleneck(cost))
