@@ -14,7 +14,8 @@ DP 4 | language DP 2 x PP 2; language TP 2 (sequence parallel) x PP 2 fed by vis
 and audio TP 2 x DP 2; language PP 4 (two middle stages that take no rows) with slices of
 1 sample; encoder batching with the overlapped gradient reduction (the language stage's
 buckets launched from gradient hooks, the encoders' at the step's end); a frozen vision
-encoder; the language model under FSDP2 or ZeRO-1; packed rows.
+encoder; token-balanced batches; the language model under FSDP2 or ZeRO-1, the vision
+encoder under FSDP2; packed rows.
 Also: a resume in the middle of the run gives the same records bit for bit; evaluation
 agrees with an unpipelined colocated layout; a frozen encoder saves nothing for
 backward; the bridge's geometry, the stages' plans and the plan's memory terms (pure);
@@ -68,6 +69,10 @@ CASES: dict[str, tuple[list[str], list[str]]] = {
     "language-pp4-mb4": (PP4, SMALL_MB + FOUR_LAYERS),
     "encoder-batching-overlap-mb4": (DP2_PP2 + OVERLAP, SMALL_MB),
     "frozen-vision": (DP2_PP2, ["modules.vision.freeze=true"]),
+    "balance-tokens": (DP2_PP2 + ["data.balance_tokens=true"], []),
+    # An encoder under FSDP2 over its DP 4: its backward (with the reduce-scatters)
+    # after the language stages, on every rank.
+    "vision-fsdp": (DP2_PP2 + ["modules.vision.parallel.fsdp=true"], []),
     # The language stages sharded over DP: FSDP2, and ZeRO-1 with its parameter gather.
     "language-fsdp-pp2": (coloc({"data": 4}, {"data": 4},
                                 {"data": 2, "pipeline": 2, "fsdp": "true"}), []),
