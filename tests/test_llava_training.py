@@ -19,7 +19,7 @@ import pytest
 from mimotron.data.bpe import train_bpe_tokenizer
 from mimotron.data.digits_llava import conversation_texts, write_llava_task
 from mimotron.forked_ranks import run_groups
-from tests.common import BASE, DIGITS, ONE_RANK, coloc, colocated, train_steps
+from tests.common import BASE, DIGITS, ONE_RANK, coloc, colocated, noncolocated, train_steps
 
 NUM_ITERS = 4
 
@@ -163,33 +163,52 @@ def test_encoder_ranks_of_a_context_parallel_bridge_load_the_tokens(llava):
         assert task.dataset.load(0)["tokens"].numel() > 0, rank
 
 
-def test_a_colocated_rank_decodes_only_the_images_it_encodes(llava, monkeypatch):
-    """Vision DP 4 beside a pipelined language model DP 2 on 4 ranks: each rank reads its
-    language slice (twice its vision slice, or elsewhere) but decodes only the images of
-    its vision slice; its vision batch is bit for bit the one a rank decoding everything
-    builds, and its language batch keeps every presence mask."""
+COLOCATED_TP2 = coloc({"data": 4}, {"data": 4}, {"data": 2, "tensor": 2})
+DECODE_CASES = {  # layout and balancing -> world size, loader threads
+    "colocated vision DP 4, language DP 2 x PP 2": (
+        coloc({"data": 4}, {"data": 4}, {"data": 2, "pipeline": 2}), 4, 0),
+    "colocated TP 2, items dealt by cost": (
+        [*COLOCATED_TP2, "data.balance_encoders=true"], 4, 2),
+    "colocated TP 2, tokens balanced": ([*COLOCATED_TP2, "data.balance_tokens=true"], 4, 0),
+    "split, items dealt by cost and tokens balanced": (
+        [*noncolocated({"data": 2}, {}, {"data": 1}), "data.balance_encoders=true",
+         "data.balance_tokens=true"], 4, 0),
+}
+
+
+@pytest.mark.parametrize("case", sorted(DECODE_CASES))
+def test_a_rank_decodes_only_the_images_it_encodes(llava, monkeypatch, case):
+    """Each rank decodes exactly the images of its vision batch (one image per sample
+    here): by position where its modules slice a micro-batch differently, and after the
+    step's samples are read where the items are dealt by cost or the samples permuted by
+    length (a second read, on the loader threads where there are any). Its batches are
+    bit for bit those of a rank decoding everything it reads, which decodes more."""
     import torch
 
     import mimotron.data.llava_check as llava_check
     from mimotron.config import load_config
+    from mimotron.data.prefetch import PrefetchingReader
     from mimotron.data.run_data import build_llava_tasks, build_tokenizer, restrict_to_rank
     from mimotron.parallel.layout import check_layout
     from mimotron.training.loop import train_steps
 
-    layout_over = coloc({"data": 4}, {"data": 4}, {"data": 2, "pipeline": 2})
+    layout_over, world, num_workers = DECODE_CASES[case]
     cfg = load_config(DIGITS, [*BASE, *llava["overrides"], *layout_over])
     layout = check_layout(cfg)
     decoded: list[object] = []
     opened = llava_check.open_image
     monkeypatch.setattr(llava_check, "open_image",
                         lambda *a, **k: decoded.append(a[0]) or opened(*a, **k))
-    for rank in (0, 3):  # a first stage's and a last stage's
+    vision_ranks = [r for r in range(world) if "vision" in {x.module for x in layout.roles(r)}]
+    for rank in vision_ranks:
         task, _ = build_llava_tasks(cfg, build_tokenizer(cfg))
         restrict_to_rank(task, cfg, layout, rank)
         assert task.parts_at is not None
         decoded.clear()
-        (step,) = itertools.islice(train_steps(cfg, layout, rank, task,
-                                               task.stream(cfg.train.seed), 0), 1)
+        stream = task.stream(cfg.train.seed)
+        with PrefetchingReader(stream, num_workers, depth=1) as reader:
+            (step,) = itertools.islice(train_steps(cfg, layout, rank, task, stream, 0,
+                                                   reader if num_workers else None), 1)
         images = sum(int(mb["vision"]["has_image"].sum()) for mb in step)
         assert len(decoded) == images > 0, (rank, len(decoded), images)
         task.parts_at = None  # every image of the samples read decoded
@@ -198,7 +217,8 @@ def test_a_colocated_rank_decodes_only_the_images_it_encodes(llava, monkeypatch)
                                                task.stream(cfg.train.seed), 0), 1)
         assert len(decoded) > images, (rank, len(decoded), images)
         for mb, want in zip(step, full, strict=True):
-            for key, value in want["vision"].items():
-                assert torch.equal(mb["vision"][key], value), (rank, key)
-            for key in ("tokens", "labels", "loss_mask", "has_image", "has_audio"):
-                assert torch.equal(mb["language"][key], want["language"][key]), (rank, key)
+            for module, batch in want.items():
+                assert batch.keys() == mb[module].keys(), (rank, module)
+                for key, value in batch.items():
+                    if module == "vision" or key not in ("image", "audio"):  # unread: zeros
+                        assert torch.equal(mb[module][key], value), (rank, module, key)

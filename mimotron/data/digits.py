@@ -500,3 +500,10 @@ class SampleStream:
         if get_many is not None:
             return get_many(items)
         return [self.dataset.get(index, epoch) for index, epoch in items]
+
+    def load(self, positions: Sequence[int], parts: Sequence[frozenset[str]]) -> list[Sample]:
+        """The samples at ``positions`` with only ``parts`` each: the second read of media
+        decoded once a step shows which items a rank encodes
+        (:class:`~mimotron.data.media_policy.DeferredMedia`)."""
+        items = [self.items(p, 1)[0] for p in positions]
+        return self.dataset.get_many(items, list(parts))

@@ -530,9 +530,9 @@ class LlavaTask:
         self.audio_shape = dataset.audio_shape
         self.modalities = dataset.modalities
         self.parts_at: Callable[[int], frozenset[str]] | None = None
-        """Which parts a stream position's sample loads (:func:`~mimotron.data.run_data.
-        restrict_to_rank`: a rank decodes the media of the positions it encodes only);
-        ``None``: every part the dataset loads."""
+        """Which parts a stream position's sample loads (:mod:`~mimotron.data.
+        media_policy`, set by :func:`~mimotron.data.run_data.restrict_to_rank`: a rank
+        decodes only the media it encodes); ``None``: every part the dataset loads."""
 
     @property
     def num_skipped(self) -> int:

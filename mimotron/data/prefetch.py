@@ -17,6 +17,7 @@ Threads suffice: PIL decodes and resizes, and numpy/torch compute, without the G
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
 
@@ -29,6 +30,9 @@ class _Stream(Protocol):
     dataset: Any
 
     def items(self, start: int, count: int) -> list[tuple[int, int]]: ...
+
+    def load(self, positions: Sequence[int], parts: Sequence[frozenset[str]]
+             ) -> list[Sample]: ...
 
 
 class PrefetchingReader:
@@ -104,6 +108,16 @@ class PrefetchingReader:
         position loads (``parts_at``); none otherwise."""
         parts_at = getattr(self.stream.dataset, "parts_at", None)
         return {} if parts_at is None else {"parts": parts_at(position)}
+
+    def load(self, positions: Sequence[int], parts: Sequence[frozenset[str]]) -> list[Sample]:
+        """The samples at ``positions`` with only ``parts`` each, on the workers where
+        there are any (the stream's :meth:`~mimotron.data.digits.SampleStream.load`)."""
+        if self._pool is None:
+            return self.stream.load(positions, parts)
+        items = [self.stream.items(p, 1)[0] for p in positions]
+        futures = [self._pool.submit(self.stream.dataset.get, index, epoch, parts=q)
+                   for (index, epoch), q in zip(items, parts, strict=True)]
+        return [f.result() for f in futures]
 
     def _forget_before(self, position: int) -> None:
         """Drop predicted positions the reader has moved past (a wrong guess)."""

@@ -43,7 +43,7 @@ its first collective.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -55,6 +55,7 @@ from mimotron.data.chat_templates import check_template_tokens, resolve_chat_tem
 from mimotron.data.hf_tokenizer import HFTokenizer
 from mimotron.data.llava import LlavaDataset, LlavaTask, llava_tasks
 from mimotron.data.media import AudioFeatures, ImageProcessor
+from mimotron.data.media_policy import media_policy
 from mimotron.data.native_llava import NativeLlava, native_image_id
 from mimotron.data.sample_index import default_processes
 from mimotron.data.tokenizer import MODALITIES, CharTokenizer
@@ -286,41 +287,6 @@ def restrict_to_rank(task: object, cfg: MimoConfig, layout: Layout, rank: int) -
             parts.add("text")
     task.dataset.restrict_loading(parts)
     task.parts_at = media_policy(cfg, layout, rank, frozenset(parts))
-
-
-def media_policy(cfg: MimoConfig, layout: Layout, rank: int, parts: frozenset[str]
-                 ) -> Callable[[int], frozenset[str]] | None:
-    """Which parts the sample at a stream position loads on ``rank``: an encoder's media
-    only at the positions of its slice of each micro-batch.
-
-    A rank whose modules slice a micro-batch differently (colocated: vision DP 4 beside a
-    language model DP 2 reads the language slice, twice the vision one) reads every
-    sample of its slices but decodes only the media it encodes; the rest keep their
-    presence flags, which is all the language model needs. ``None`` where every sample
-    read is encoded (one slice), and where positions do not map to micro-batch slots:
-    packed rows, token-balanced batches, items dealt by cost.
-    """
-    data = cfg.data
-    if data.packing or data.balance_tokens or data.balance_encoders:
-        return None
-    mbs = cfg.train.micro_batch_size
-    slices, media = set(), {}
-    for role in layout.roles(rank):
-        module = cfg.modules[role.module]
-        per = mbs // module.parallel.data
-        span = (role.dp * per, (role.dp + 1) * per)
-        slices.add(span)
-        if module.is_encoder and role.is_first_stage and module.modality in parts:
-            media[str(module.modality)] = span
-    if len(slices) < 2 or not media:
-        return None
-    base = parts - set(media)
-
-    def parts_at(position: int) -> frozenset[str]:
-        offset = position % mbs  # steps start at multiples of the global batch
-        return base | {m for m, (lo, hi) in media.items() if lo <= offset < hi}
-
-    return parts_at
 
 
 def check_data(cfg: MimoConfig) -> CharTokenizer | HFTokenizer:

@@ -19,6 +19,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from mimotron.config.schema import MimoConfig
 from mimotron.data.balance import balanced_order, deal_step, encoder_items, item_costs, owner_keys
 from mimotron.data.collate import Batch, Sample, slice_batch
@@ -81,18 +83,57 @@ class BalancedSplit:
         return balanced_order(lengths, self.language_dp, num_microbatches)
 
     def reader(self, sample_at: Any, start: int, num_microbatches: int,
-               span: tuple[int, int]) -> Callable[[int], list[Sample]]:
-        """``f(j)``: the samples of micro-batch ``j``'s ``span`` of the step at ``start``.
+               span: tuple[int, int]) -> Callable[[int], tuple[list[int], list[Sample]]]:
+        """``f(j)``: the stream positions and samples of micro-batch ``j``'s ``span`` of
+        the step at ``start``.
 
         Balancing tokens reads the global batch at once (its lengths decide the order).
         """
         lo, hi = span
         if not self.tokens:
-            return lambda j: list(sample_at(start + j * self.mbs + lo, hi - lo))
+            def contiguous(j: int) -> tuple[list[int], list[Sample]]:
+                first = start + j * self.mbs + lo
+                return list(range(first, first + hi - lo)), list(sample_at(first, hi - lo))
+            return contiguous
         samples = list(sample_at(start, num_microbatches * self.mbs))
         order = self.order([sample_length(s) for s in samples], num_microbatches)
         assert order is not None
-        return lambda j: [samples[i] for i in order[j * self.mbs + lo:j * self.mbs + hi]]
+
+        def permuted(j: int) -> tuple[list[int], list[Sample]]:
+            picked = order[j * self.mbs + lo:j * self.mbs + hi]
+            return [start + i for i in picked], [samples[i] for i in picked]
+        return permuted
+
+    def encoded_media(self, batch: Batch, slices: dict[str, tuple[int, int]], lo: int,
+                      owners: dict[str, list[int]], modalities: dict[str, str]
+                      ) -> dict[int, frozenset[str]]:
+        """Which media of a collated micro-batch this rank encodes, per sample.
+
+        Args:
+            batch: the collated samples of this rank's span (first sample ``lo``).
+            slices: module -> its sample slice in the micro-batch.
+            lo: the span's first sample.
+            owners: the micro-batch's part of :meth:`deal` (``{}`` without balancing).
+            modalities: encoder module -> the modality whose media this rank decodes for
+                it (its first stage's).
+
+        Returns:
+            ``{sample in the span: modalities}`` for the samples holding an item this
+            rank encodes: dealt to its replica, or in its module's slice.
+        """
+        out: dict[int, set[str]] = {}
+        for module, modality in modalities.items():
+            mask = batch[f"has_{modality}"].bool()
+            if module in self.encoders:
+                items = torch.nonzero(mask)[:, 0]  # the sample of every present item
+                mine = torch.tensor(owners[module], dtype=torch.long) == self.replica[module]
+                samples = items[mine].unique().tolist()
+            else:
+                s, e = slices[module]
+                samples = [k for k in range(s - lo, e - lo) if bool(mask[k].any())]
+            for k in samples:
+                out.setdefault(int(k), set()).add(modality)
+        return {k: frozenset(v) for k, v in out.items()}
 
     def deal(self, batches: list[Batch]) -> list[dict[str, list[int]]]:
         """The encoder replica of every item of a step, per micro-batch and encoder

@@ -30,11 +30,13 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from itertools import accumulate
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
+from mimotron.config.schema import MimoConfig
 from mimotron.data.collate import Sample, collate
+from mimotron.data.media_policy import DeferredMedia
 from mimotron.data.packing import collate_packed, pack_lengths, pack_rows, sample_length
 from mimotron.host_sync import HOST
 from mimotron.parallel.layout import Layout
@@ -59,11 +61,14 @@ class MicrobatchProvider:
         collate_kwargs: passed to ``collate`` (modality shapes).
         balance: what is dealt out by work instead of by position
             (:class:`~mimotron.training.balanced_batches.Balance`; ``None``: nothing).
+        media: the second read of the media the first left out
+            (:func:`media_reader`; ``None``: every sample read whole).
     """
 
     def __init__(self, layout: Layout, rank: int, micro_batch_size: int, seq_length: int,
                  sample_at: Any, collate_kwargs: dict[str, Any] | None = None,
-                 balance: Balance | None = None) -> None:
+                 balance: Balance | None = None, media: MediaReader | None = None) -> None:
+        self.media = media
         self.mbs = micro_batch_size
         self.seq_length = seq_length
         self.sample_at = sample_at
@@ -93,12 +98,34 @@ class MicrobatchProvider:
         span = self.span
         if span is None:
             return [{} for _ in range(num_microbatches)]
-        lo, hi = span
+        lo, _ = span
         read = self.balanced.reader(self.sample_at, start, num_microbatches, span)
-        batches = [collate(read(j), self.seq_length, **self.collate_kwargs)
-                   for j in range(num_microbatches)]
+        parts = [read(j) for j in range(num_microbatches)]
+        batches = [collate(samples, self.seq_length, **self.collate_kwargs)
+                   for _, samples in parts]
+        deals = self.balanced.deal(batches)
+        if self.media is not None:
+            batches = [self._with_encoded_media(*part, batch, owners, lo)
+                       for part, batch, owners in zip(parts, batches, deals, strict=True)]
         return [self.balanced.split(b, self.slices, lo, owners)
-                for b, owners in zip(batches, self.balanced.deal(batches), strict=True)]
+                for b, owners in zip(batches, deals, strict=True)]
+
+    def _with_encoded_media(self, positions: list[int], samples: list[Sample], batch: Any,
+                            owners: dict[str, list[int]], lo: int) -> Any:
+        """``batch`` with the media this rank encodes decoded (a second read of their
+        samples); the others stay zeros, which no module of this rank reads."""
+        assert self.media is not None
+        wanted = self.balanced.encoded_media(batch, self.slices, lo, owners,
+                                             self.media.modalities)
+        todo = {k: m for k, m in sorted(wanted.items())
+                if any(samples[k].get(x) is None for x in m)}  # pads come whole
+        if not todo:
+            return batch
+        loaded = self.media.load([positions[k] for k in todo], list(todo.values()))
+        samples = list(samples)
+        for (k, modalities), sample in zip(todo.items(), loaded, strict=True):
+            samples[k] = {**samples[k], **{m: sample[m] for m in modalities}}
+        return collate(samples, self.seq_length, **self.collate_kwargs)
 
 
 def _map_tensors(microbatches: list[Microbatch], fn: Any) -> list[Microbatch]:
@@ -349,6 +376,40 @@ class PackedTrainIterator(Iterator[list[Microbatch]]):
         self.step_samples, self.step_real_tokens = nxt - self.position, real
         self.position = nxt
         return mbs
+
+
+class MediaReader(NamedTuple):
+    """The second read of a run whose first read left the encoded media out
+    (:class:`~mimotron.data.media_policy.DeferredMedia`).
+
+    Attributes:
+        modalities: this rank's encoder module -> the modality it decodes.
+        load: ``f(positions, parts) -> samples``: the samples at those positions with
+            only those parts.
+    """
+
+    modalities: dict[str, str]
+    load: Callable[[Sequence[int], Sequence[frozenset[str]]], list[Sample]]
+
+
+def media_reader(cfg: MimoConfig, layout: Layout, rank: int, task: Any,
+                 load: Callable[[Sequence[int], Sequence[frozenset[str]]], list[Sample]]
+                 ) -> MediaReader | None:
+    """The second read of ``rank``'s media, where the task defers them; else ``None``.
+
+    Args:
+        cfg: the run's config (the modules' modalities).
+        layout: the placement (this rank's encoder stages).
+        rank: this global rank.
+        task: the task read (its ``parts_at`` says whether media are deferred).
+        load: how the samples of positions are read with given parts.
+    """
+    policy = getattr(task, "parts_at", None)
+    if not isinstance(policy, DeferredMedia):
+        return None
+    modalities = {r.module: str(cfg.modules[r.module].modality) for r in layout.roles(rank)
+                  if cfg.modules[r.module].is_encoder and r.is_first_stage}
+    return MediaReader({m: x for m, x in modalities.items() if x in policy.deferred}, load)
 
 
 def padded_reader(task: Any, pad_sample: Any) -> Any:

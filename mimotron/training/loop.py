@@ -46,6 +46,7 @@ from mimotron.training.data_provider import (
     PackedTrainIterator,
     StepPrefetcher,
     make_pad_sample,
+    media_reader,
     padded_reader,
     stream_lengths,
     train_iterator,
@@ -137,11 +138,18 @@ def train_steps(cfg: MimoConfig, layout: Layout, rank: int, task: Any, stream: A
                      _collate_kwargs(task))
     balance = Balance.from_config(cfg)
     # Packing decides rows from lengths known on every rank where the task has them (llava).
+    media = media_reader(cfg, layout, rank, task, (reader or stream).load)
     provider = (PackedMicrobatchProvider(*provider_args, lengths_at=stream_lengths(stream),
                                          balance=balance)
-                if cfg.data.packing else MicrobatchProvider(*provider_args, balance=balance))
+                if cfg.data.packing else MicrobatchProvider(*provider_args, balance=balance,
+                                                            media=media))
     iterator_type = PackedTrainIterator if cfg.data.packing else train_iterator
     return iterator_type(provider, start, cfg.train.global_batch_size)
+
+
+def _reader_of(task: Any) -> Any:
+    """``f(positions, parts)`` over a finite split in order (its positions are indices)."""
+    return lambda positions, parts: task.get_many([(p, 0) for p in positions], parts)
 
 
 def _collate_kwargs(task: Any) -> dict[str, Any]:
@@ -156,7 +164,8 @@ def valid_steps(cfg: MimoConfig, layout: Layout, rank: int, task: Any
                                   cfg.data.seq_length, padded_reader(task, make_pad_sample(task)),
                                   _collate_kwargs(task),
                                   # the bridges expect dealt items (data.balance_encoders)
-                                  Balance(encoders=Balance.from_config(cfg).encoders))
+                                  Balance(encoders=Balance.from_config(cfg).encoders),
+                                  media_reader(cfg, layout, rank, task, _reader_of(task)))
     gbs = cfg.train.global_batch_size
     num_steps = math.ceil(len(task) / gbs)
     if cfg.eval.iters:
