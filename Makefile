@@ -6,10 +6,10 @@ TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 # Test files run on this many worker processes (pytest-xdist), a whole file per worker so
-# its module fixtures are built once. Single-process tests use one thread each and the
-# launcher tests mostly wait on subprocesses; three workers keep both cores of a 2-core
-# machine busy (docs/testing.md has the measured figures).
-TEST_WORKERS ?= 3
+# its module fixtures are built once. Two workers keep both cores of a 2-core machine
+# busy; a third oversubscribed them (the multi-rank tests fork several ranks each) and
+# was no faster (docs/testing.md has the measured figures).
+TEST_WORKERS ?= 2
 
 .PHONY: venv demo demo-llava demo-qwen test lint plan docs clean
 

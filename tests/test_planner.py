@@ -351,3 +351,33 @@ def test_data_parallel_reduction_is_exposed_unless_overlapped():
     # Ranks 2 and 3 reduce the fp32 gradients: 2 (n-1)/n of them at 1 GB/s, one hop.
     assert exposed[False] == pytest.approx(device.latency_s + grads / 1e9)
     assert exposed[True] == 0.0  # hidden by the last backward (tens of ms on this model)
+
+
+def test_the_report_predicts_mfu_and_warns_when_the_batch_cannot_fill_the_world():
+    """``plan --auto`` prints each candidate's MFU (model FLOPs of the step over its
+    predicted time and the world's datasheet peak) and tokens per second per device,
+    and warns, with the MFU the best layout implies, where the global batch is smaller
+    than the world; a device with no known peak (the CPU) predicts no MFU."""
+    from mimotron.estimate.flops import model_flops_per_iteration
+    from mimotron.planner.report import format_report, predicted_mfu
+
+    h100 = device_table()["h100"]
+    request = SearchRequest(str(LLAVA_7B), ["train.global_batch_size=32"], 64, h100,
+                            80 * 10**9, top=1)
+    result = search(request)
+    best = result.candidates[0]
+    cfg = load_config(LLAVA_7B, best.overrides)
+    flops = sum(model_flops_per_iteration(cfg, model_vocabulary(cfg),
+                                          {"vision": 32.0}).values())
+    assert best.model_flops == pytest.approx(flops)
+    mfu = flops / best.cost.total / (989e12 * 64)
+    assert predicted_mfu(best, request) == pytest.approx(mfu)
+    report = format_report(result, request)
+    assert f"{mfu:.0%}" in report.splitlines()[5]
+    assert (f"warning: a global batch of 32 samples cannot keep 64 ranks busy (0.5 samples "
+            f"per rank per step); the best layout found implies MFU {mfu:.0%}") in report
+    enough = SearchRequest(str(LLAVA_7B), ["train.global_batch_size=64"], 64, h100,
+                           80 * 10**9, top=1)
+    assert "cannot keep" not in format_report(search(enough), enough)
+    assert predicted_mfu(best, dataclasses.replace(request, device=device_table()["cpu"])
+                         ) is None

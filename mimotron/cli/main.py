@@ -38,6 +38,11 @@ def _parser() -> argparse.ArgumentParser:
                            help="memory of one device (80GB, 80GiB, 81920MiB or bytes): "
                                 "say per rank whether its estimate fits, with the headroom "
                                 "(the exit status stays 0 when a rank does not fit)")
+            s.add_argument("--nccl-buffer-mib", type=float, default=128.0, metavar="MIB",
+                           help="device memory reserved per NCCL communicator a rank joins, "
+                                "beside its estimate, in the --device-memory and --auto "
+                                "checks (default 128: NCCL_BUFFSIZE 4 MiB x 2 ways x 16 "
+                                "channels; docs/planner.md)")
             _add_auto_arguments(s)
     s = sub.add_parser("plot", help="PNG curves from one or more runs' metrics.jsonl")
     s.add_argument("run_dirs", nargs="+", help="run directories (each holding metrics.jsonl)")
@@ -81,7 +86,7 @@ def _add_auto_arguments(s: argparse.ArgumentParser) -> None:
                         "(device cpu), cached in the run directory")
     s.add_argument("--headroom", type=float, default=0.05,
                    help="--auto: fraction of device memory a layout leaves free for "
-                        "allocator fragmentation and communication buffers (default 0.05)")
+                        "allocator fragmentation and the estimate's error (default 0.05)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -107,12 +112,12 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         return run_plan_auto(args.config, args.overrides, AutoOptions(
             args.world, args.device, args.device_table, args.device_memory, args.top,
-            args.explain, args.calibrate, args.headroom))
+            args.explain, args.calibrate, args.headroom, args.nccl_buffer_mib))
     if args.command == "plan":
         from mimotron.cli.plan import run_plan
 
         return run_plan(args.config, args.overrides, dry_run=args.dry_run, ranks=args.rank,
-                        device_memory=args.device_memory)
+                        device_memory=args.device_memory, nccl_buffer_mib=args.nccl_buffer_mib)
     if args.command == "train":
         from mimotron.cli.train import run_train
 

@@ -14,6 +14,7 @@ from typing import Any
 
 from mimotron.checkpoint.files import CheckpointError
 from mimotron.cli.device_fit import parse_device_memory
+from mimotron.config.context_length import context_length_note
 from mimotron.config.load import load_config
 from mimotron.config.moe_config import moe_options
 from mimotron.config.schema import MimoConfig, ModuleConfig
@@ -27,6 +28,7 @@ from mimotron.estimate.memory import (
 from mimotron.estimate.native_memory import native_count_lines
 from mimotron.parallel.expert_layout import format_expert_layout
 from mimotron.parallel.layout import Layout, check_layout, format_skipped
+from mimotron.pipeline.communicators import NCCL_BUFFER_BYTES, communicators_of
 from mimotron.planner.fit import fit_lines
 
 LEGEND = """\
@@ -45,7 +47,8 @@ def _mib(n: int) -> str:
 
 
 def run_plan(config: str, overrides: list[str], dry_run: bool = False,
-             ranks: list[int] | None = None, device_memory: str | None = None) -> int:
+             ranks: list[int] | None = None, device_memory: str | None = None,
+             nccl_buffer_mib: float = NCCL_BUFFER_BYTES / 2**20) -> int:
     """Print the plan; exit 0, or 2 with one line naming the problem.
 
     With ``device_memory`` (``80GB``, ``80GiB``, ``81920MiB``, bytes:
@@ -53,10 +56,15 @@ def run_plan(config: str, overrides: list[str], dry_run: bool = False,
     estimate fits one device of that size, with its headroom, and a summary line; a
     plan that does not fit still exits 0. With ``dry_run``, then run ``ranks`` (None:
     all) on a fake accelerator (:func:`mimotron.dryrun.dry_run`) and print each rank's
-    host syncs; exit 1 on a device mix or a step the dry run cannot stand in for.
+    host syncs; exit 1 on a device mix or a step the dry run cannot stand in for. The
+    fit adds ``nccl_buffer_mib`` per NCCL communicator a rank joins
+    (:mod:`mimotron.pipeline.communicators`) to its estimate.
     """
     try:
         device = None if device_memory is None else parse_device_memory(device_memory)
+        if not nccl_buffer_mib >= 0.0:
+            raise ValueError(f"--nccl-buffer-mib={nccl_buffer_mib} is invalid: expected a "
+                             "number of MiB >= 0")
     except ValueError as exc:
         print(f"mimotron plan: invalid option: {exc}", file=sys.stderr)
         return 2
@@ -73,6 +81,9 @@ def run_plan(config: str, overrides: list[str], dry_run: bool = False,
         print(f"mimotron plan: invalid config: {exc}", file=sys.stderr)
         return 2
     vocab = padded_vocab_size(tokenizer.vocab_size)
+    note = context_length_note(cfg)
+    if note:
+        print(note)
     print(layout.format_rank_map())
     print()
     _print_modules(cfg, vocab)
@@ -84,8 +95,10 @@ def run_plan(config: str, overrides: list[str], dry_run: bool = False,
     _print_memory(cfg, layout, vocab)
     if device is not None:
         print()
-        print("\n".join(fit_lines(layout, lambda wanted: _rank_totals(cfg, layout, vocab, wanted),
-                                   device, layout.shown_ranks(), device_memory or "")))
+        buffers = int(nccl_buffer_mib * 2**20)
+        print("\n".join(fit_lines(
+            layout, lambda wanted: _rank_totals(cfg, layout, vocab, wanted, buffers),
+            device, layout.shown_ranks(), device_memory or "")))
     print(f"\nmicro-batches per step: {cfg.num_microbatches} "
           f"(global batch {cfg.train.global_batch_size}, micro-batch {cfg.train.micro_batch_size})")
     if cfg.train.encoder_batching:
@@ -155,11 +168,17 @@ def _print_memory(cfg: MimoConfig, layout: Layout, vocab: int) -> None:
         print(line)
 
 
-def _rank_totals(cfg: MimoConfig, layout: Layout, vocab: int, ranks: list[int]
-                 ) -> dict[int, list[tuple[str, int]]]:
-    """``rank -> [(module, estimated peak bytes)]`` for ``ranks``."""
-    return {rank: [(e.module, e.total) for e in items]
-            for rank, items in estimate_memory(cfg, layout, vocab, ranks).items()}
+def _rank_totals(cfg: MimoConfig, layout: Layout, vocab: int, ranks: list[int],
+                 buffer_bytes: int = 0) -> dict[int, list[tuple[str, int]]]:
+    """``rank -> [(module, estimated peak bytes)]`` for ``ranks``, and the NCCL buffers
+    of its communicators (``buffer_bytes`` each) as one more entry."""
+    mbs = cfg.train.micro_batch_size
+    out = {rank: [(e.module, e.total) for e in items]
+           for rank, items in estimate_memory(cfg, layout, vocab, ranks).items()}
+    if buffer_bytes:
+        for rank, items in out.items():
+            items.append(("NCCL buffers", buffer_bytes * communicators_of(layout, rank, mbs)))
+    return out
 
 
 def _dry_run(cfg: Any, ranks: list[int] | None) -> int:

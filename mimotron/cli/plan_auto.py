@@ -31,8 +31,10 @@ class AutoOptions:
     explain: bool = False
     calibrate: bool = False
     headroom: float = 0.05
-    """Fraction of the device memory kept free (allocator fragmentation, NCCL/gloo
-    buffers, the estimate's own error): layouts must fit in the rest."""
+    """Fraction of the device memory kept free (allocator fragmentation, the estimate's
+    own error): layouts must fit in the rest."""
+    nccl_buffer_mib: float = 128.0
+    """Device memory reserved per NCCL communicator a rank joins (``--nccl-buffer-mib``)."""
 
 
 def _fail(kind: str, message: str) -> int:
@@ -58,6 +60,9 @@ def run_plan_auto(config: str, overrides: list[str], options: AutoOptions) -> in
         if options.world is None or not 1 <= options.world <= MAX_WORLD:
             raise ValueError(f"--world={options.world} is invalid: --auto needs the number "
                              f"of ranks, 1 to {MAX_WORLD:,}, e.g. --world 8")
+        if not options.nccl_buffer_mib >= 0.0:
+            return _fail("invalid option", f"--nccl-buffer-mib={options.nccl_buffer_mib} is "
+                         "invalid: expected a number of MiB >= 0")
         if not 0.0 <= options.headroom < 1.0:
             raise ValueError(f"--headroom={options.headroom} is invalid: expected a fraction "
                              "of the device memory in [0, 1), e.g. 0.05")
@@ -87,7 +92,8 @@ def run_plan_auto(config: str, overrides: list[str], options: AutoOptions) -> in
     except ValueError as exc:  # a cached calibration holding a value out of range
         return _fail("invalid calibration", str(exc))
     request = SearchRequest(config, list(overrides), options.world, device, limit,
-                            calibration, options.top, headroom=options.headroom)
+                            calibration, options.top, headroom=options.headroom,
+                            nccl_buffer_bytes=int(options.nccl_buffer_mib * 2**20))
     try:
         result = search(request)
     except SimulationError as exc:  # a duration the device or calibration priced at inf

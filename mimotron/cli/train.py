@@ -77,9 +77,13 @@ def run_train(config: str, overrides: list[str]) -> int:
             layout = check_layout(cfg, env_world_size=env_world)
             check_local_ranks(layout.world_size, launched=not _under_launcher())
             if not _under_launcher():  # Every sample checked once, before any rank starts.
+                from mimotron.config.context_length import context_length_note
                 from mimotron.data.run_data import check_data
 
                 check_data(cfg)
+                note = context_length_note(cfg)
+                if note:
+                    print(f"mimotron train: {note}", file=sys.stderr)
             held.enter_context(run_lock(cfg))  # Before anything in the run dir is touched.
             # Before any launch: a bad checkpoint.load, an unwritable directory, a previous
             # run a fresh start would clobber (moved aside by one process with overwrite).

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from mimotron.config.balance import check_balance
+from mimotron.config.context_length import check_context_length
 from mimotron.config.hf_folder import HFConfigs, preprocessor_file
 from mimotron.config.hf_resolve import resolve_hf_module
 from mimotron.config.hf_vlm import is_vlm_config
@@ -97,6 +98,7 @@ def validate_config(cfg: MimoConfig, hf: HFConfigs | None = None) -> MimoConfig:
         _validate_scheduler(cfg.effective_scheduler(name), f"modules.{name}.optimizer")
         _validate_warmup(cfg, cfg.effective_scheduler(name), f"modules.{name}.optimizer")
     _validate_data(cfg)
+    check_context_length(cfg, hf)
     check_balance(cfg)
     _validate_run_tables(cfg)
     check_limits(cfg, hf)  # Timeouts torch takes; a model size some machine could hold.

@@ -11,9 +11,12 @@ Forward FLOPs of the built-in modules, for ``N = samples · tokens`` tokens of w
 ======================  ================================================================
 piece                   forward FLOPs
 ======================  ================================================================
-q, k, v, o projections  ``4 · 2·N·h·h``
-attention scores+context ``2 · 2·samples·S·S·h`` (``Q Kᵀ`` and ``A V``; the full ``S×S``
-                        square is counted, causal or not, as PaLM and Megatron do)
+q, k, v, o projections  ``2·2·N·h·q + 2·2·N·h·kv`` (``q = kv = h`` without grouped-query
+                        attention; a Hugging Face decoder's widths from its config)
+attention scores+context ``2 · 2·P·q`` (``Q Kᵀ`` and ``A V``) over ``P`` (query, key)
+                        pairs: ``samples·S·S`` for whole rows (the full square, causal
+                        or not, as PaLM and Megatron count it), the sum of the
+                        documents' squares for packed rows (each attends within itself)
 SwiGLU MLP              ``3 · 2·N·h·f`` (gate, up, down)
 two-matrix MLP          ``2 · 2·N·h·f`` (``fc1``, ``fc2``: Hugging Face CLIP, SigLIP and
                         Whisper encoders, :func:`~mimotron.config.hf_specs.mlp_matrices`)
@@ -55,6 +58,7 @@ from mimotron.config.moe_config import moe_options
 from mimotron.config.schema import MimoConfig, ModuleConfig, default_ffn_hidden_size
 from mimotron.estimate.image_counts import ImageStats, bound_stats, image_stats
 from mimotron.estimate.native_flops import merger_flops, tower_flops
+from mimotron.estimate.widths import module_attention_widths
 from mimotron.names import LANGUAGE
 
 
@@ -64,7 +68,9 @@ def matmul_flops(m: int | float, n: int | float, k: int | float) -> float:
 
 
 def transformer_layer_flops(num_samples: float, seq_length: int, hidden_size: int,
-                            ffn_hidden_size: int = 0, num_mlp_matrices: int = 3) -> float:
+                            ffn_hidden_size: int = 0, num_mlp_matrices: int = 3, *,
+                            widths: tuple[int, int] | None = None,
+                            attention_pairs: float | None = None) -> float:
     """Forward FLOPs of one transformer layer (:class:`~mimotron.models.blocks.
     TransformerBlock`, or a Hugging Face encoder's with ``num_mlp_matrices=2``).
 
@@ -75,35 +81,57 @@ def transformer_layer_flops(num_samples: float, seq_length: int, hidden_size: in
         ffn_hidden_size: MLP width (0 = the SwiGLU default for ``h``).
         num_mlp_matrices: 3 for SwiGLU (gate, up, down), 2 for ``fc1``/``fc2``
             (:func:`~mimotron.config.hf_specs.mlp_matrices`).
+        widths: ``(query width, key/value width)`` (grouped-query attention:
+            :func:`~mimotron.estimate.widths.module_attention_widths`); ``None``: ``h``.
+        attention_pairs: (query, key) pairs the attention computes over the batch: the
+            sum over its attention segments of ``queries x keys`` (packed documents
+            attend within themselves); ``None``: every sequence whole, ``B·S²``.
 
     Returns:
-        ``8·N·h² + 4·B·S²·h + 2·m·N·h·f`` with ``N = B·S``, ``m`` the MLP's matrices.
+        ``2·N·h·(2q + 2kv) + 4·P·q + 2·m·N·h·f`` with ``N = B·S`` tokens, ``P`` the
+        attention pairs (``B·S²`` unpacked: ``8·N·h² + 4·B·S²·h`` without GQA).
     """
     ffn = ffn_hidden_size or default_ffn_hidden_size(hidden_size)
+    q_width, kv_width = widths or (hidden_size, hidden_size)
     tokens = num_samples * seq_length
-    projections = 4 * matmul_flops(tokens, hidden_size, hidden_size)
-    attention = 2 * num_samples * matmul_flops(seq_length, seq_length, hidden_size)
+    pairs = num_samples * seq_length * seq_length if attention_pairs is None else attention_pairs
+    projections = (2 * matmul_flops(tokens, q_width, hidden_size)  # q and o
+                   + 2 * matmul_flops(tokens, kv_width, hidden_size))  # k and v
+    attention = 2 * matmul_flops(pairs, q_width, 1)  # Q Kᵀ and A V over every head
     mlp = num_mlp_matrices * matmul_flops(tokens, ffn, hidden_size)
     return projections + attention + mlp
 
 
 def language_model_flops(mod: ModuleConfig, vocab_size: int, num_samples: float,
-                         seq_length: int) -> float:
-    """Forward FLOPs of the built-in language model (layers + output head).
+                         seq_length: int, attention_pairs: float | None = None) -> float:
+    """Forward FLOPs of the language model (layers + output head).
 
     Args:
-        mod: the ``language`` module's config.
+        mod: the ``language`` module's config (a Hugging Face decoder's grouped-query
+            widths are read from its folder).
         vocab_size: tokenizer vocabulary size.
         num_samples: sequences.
         seq_length: tokens per sequence (padded length: padding is computed too).
+        attention_pairs: the attention's (query, key) pairs per layer
+            (:func:`transformer_layer_flops`); ``None``: unpacked sequences.
 
     Returns:
         ``num_layers · layer + 2·N·h·V``.
     """
-    layers = mod.num_layers * transformer_layer_flops(num_samples, seq_length,
-                                                      mod.hidden_size, mod.ffn_hidden_size)
-    head = matmul_flops(num_samples * seq_length, vocab_size, mod.hidden_size)
-    return layers + head + moe_flops_delta(mod, num_samples * seq_length)
+    layers = mod.num_layers * language_layer_flops(mod, num_samples, seq_length,
+                                                   attention_pairs)
+    return layers + matmul_flops(num_samples * seq_length, vocab_size, mod.hidden_size)
+
+
+def language_layer_flops(mod: ModuleConfig, num_samples: float, seq_length: int,
+                         attention_pairs: float | None = None) -> float:
+    """Forward FLOPs of one language-model layer, the MoE layers' share averaged over
+    all layers (what :func:`language_model_flops` sums and the planner prices per
+    stage); the arguments are :func:`language_model_flops`'s."""
+    dense = transformer_layer_flops(num_samples, seq_length, mod.hidden_size,
+                                    mod.ffn_hidden_size, widths=module_attention_widths(mod),
+                                    attention_pairs=attention_pairs)
+    return dense + moe_flops_delta(mod, num_samples * seq_length) / mod.num_layers
 
 
 def moe_flops_delta(mod: ModuleConfig, num_tokens: float) -> float:
@@ -194,8 +222,8 @@ def training_multiplier(cfg: MimoConfig, name: str) -> int:
 def model_flops_per_iteration(cfg: MimoConfig, vocab_size: int,
                               encoder_samples: Mapping[str, float],
                               num_samples: float | None = None,
-                              native_stats: Mapping[str, ImageStats] | None = None
-                              ) -> dict[str, float]:
+                              native_stats: Mapping[str, ImageStats] | None = None,
+                              attention_pairs: float | None = None) -> dict[str, float]:
     """Training FLOPs of one iteration, per module (forward + backward).
 
     Args:
@@ -207,6 +235,8 @@ def model_flops_per_iteration(cfg: MimoConfig, vocab_size: int,
         native_stats: a native tower's per-image counts for this iteration (its real
             grids, :func:`~mimotron.estimate.image_counts.grid_stats`); missing ones
             are the data's (:func:`~mimotron.estimate.image_counts.image_stats`).
+        attention_pairs: the language model's attention pairs of the iteration (packed
+            rows: the sum of their documents' squares); ``None``: unpacked rows.
 
     Returns:
         Module name -> FLOPs; sum the values for the model total.
@@ -214,7 +244,7 @@ def model_flops_per_iteration(cfg: MimoConfig, vocab_size: int,
     lm = cfg.modules[LANGUAGE]
     samples = cfg.train.global_batch_size if num_samples is None else num_samples
     out = {LANGUAGE: training_multiplier(cfg, LANGUAGE) * language_model_flops(
-        lm, vocab_size, samples, cfg.data.seq_length)}
+        lm, vocab_size, samples, cfg.data.seq_length, attention_pairs)}
     for name in cfg.encoder_names:
         mod, n = cfg.modules[name], encoder_samples.get(name, 0.0)
         stats = None

@@ -10,7 +10,7 @@ terms, the in-flight counts, the FSDP terms and the planner all import it downwa
 from __future__ import annotations
 
 from mimotron.config.hf_resolve import language_spec
-from mimotron.config.schema import MimoConfig
+from mimotron.config.schema import MimoConfig, ModuleConfig
 from mimotron.names import LANGUAGE
 from mimotron.parallel.layout import Layout, is_colocated_pipeline
 
@@ -24,12 +24,17 @@ def residual_bytes(cfg: MimoConfig) -> int:
     return FP32 if cfg.train.fp32_residual_connection else BYTES[cfg.train.precision]
 
 def attention_widths(cfg: MimoConfig, name: str) -> tuple[int, int]:
-    """``(query width, key/value width)`` of module ``name``'s attention, whole layer.
+    """``(query width, key/value width)`` of module ``name``'s attention, whole layer
+    (:func:`module_attention_widths`)."""
+    return module_attention_widths(cfg.modules[name])
+
+
+def module_attention_widths(mod: ModuleConfig) -> tuple[int, int]:
+    """``(query width, key/value width)`` of a module's attention, whole layer.
 
     ``hidden`` for both, except a Hugging Face language model's (grouped-query
     attention: ``num_kv_heads x head_dim`` for keys and values, read from config.json).
     """
-    mod = cfg.modules[name]
     if mod.is_language and mod.hf_path:
         spec = language_spec(mod)
         head_dim = spec.head_dim or spec.hidden_size // spec.num_heads

@@ -6,9 +6,10 @@ so ``rank = rank_offset + sum(coord[i] * stride[i])`` with ``stride[i] = prod(sh
 With dims ``["tp", "cp", "dp", "pp"]`` neighbouring ranks are tensor-parallel peers.
 
 Group creation (``create_pg``, ``create_custom_pg``, ``to_device_mesh`` with groups
-missing) is collective over the WHOLE world: ``torch.distributed.new_group`` numbers
-groups by call order, so every rank must create the same groups in the same order, even
-ranks outside this grid. Enumeration (``get_rank_enum``, ``get_coordinate``) is pure.
+missing) is collective over the WHOLE world: each call makes its whole set of disjoint
+groups in one split of the world (:func:`~mimotron.parallel.group_factory.create_groups`),
+so every rank must make the same calls in the same order, even ranks outside this grid.
+Enumeration (``get_rank_enum``, ``get_coordinate``) is pure.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
+
+from mimotron.parallel.group_factory import create_groups
 
 BASE_VIEW = "base"
 
@@ -312,16 +315,19 @@ class HyperCommGrid:
             raise ValueError(
                 f"grid ranks {self.rank_range} exceed the world size {dist.get_world_size()}"
             )
+        if not pg_options and self.backend in (None, dist.get_backend()):
+            # The set at once: one world-wide split (parallel/group_factory.py).
+            mine = create_groups(groups, self.timeout)
+            self._pg_by_members[members] = mine
+            return mine
+        mine: ProcessGroup | None = None
         options = {"backend": self.backend, "timeout": self.timeout, **pg_options}
         me = dist.get_rank()
-        mine: ProcessGroup | None = None
-        for ranks in groups:
+        for ranks in groups:  # other options or backends: a group at a time
             pg = dist.new_group(ranks=ranks, **options)
             if me in ranks:
                 assert mine is None, f"rank {me} is in two groups of {groups}"
                 mine = pg
-        if not pg_options:
-            self._pg_by_members[members] = mine
         return mine
 
     def get_pg(self, dims: str | list[str], view: str | None = None) -> ProcessGroup | None:

@@ -17,9 +17,10 @@ plan that completes with buffered sends completes under NCCL too. The cost is tw
 communicators per neighbour pair, created once at set-up. ``mimotron.commcheck``
 replays every multi-rank test's communication under NCCL's rules to check it.
 
-The links are a pure function of the layout (:func:`p2p_links`); the groups are made
-by every rank in one sorted order (:func:`build_link_groups`), as ``new_group`` is
-collective over the world.
+The links are a pure function of the layout (:func:`p2p_links`); every rank makes the
+groups in one sorted order (:func:`build_link_groups`), a set of links sharing no rank
+at a time (one world-wide split each, :mod:`mimotron.parallel.group_factory`), so the
+world-wide operations grow with the links a rank has, not with the world's.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from itertools import product
 
 import torch.distributed as dist
 
+from mimotron.parallel.group_factory import colour_sets, create_groups
 from mimotron.parallel.layout import Layout, ModulePlacement
 from mimotron.pipeline.edges import Edge, bridge_routes
 
@@ -77,10 +79,10 @@ def build_link_groups(links: list[Link], rank: int, timeout: timedelta | None = 
     Returns:
         This rank's links (as sender or receiver) and their groups.
     """
-    options = {"timeout": timeout} if timeout is not None else {}
     mine = {}
-    for src, dst in links:
-        group = dist.new_group(sorted((src, dst)), **options)
-        if rank in (src, dst):
-            mine[(src, dst)] = group
+    for links_of_set in colour_sets(links):  # disjoint links: one split each
+        group = create_groups([sorted(link) for link in links_of_set], timeout, "p2p link")
+        for src, dst in links_of_set:
+            if rank in (src, dst):
+                mine[(src, dst)] = group
     return mine

@@ -67,6 +67,9 @@ class DeviceSpec:
     latency_s: float
     host_cores: int = 0
     layer_overhead_s: float = 0.0
+    peak_flops_per_s: float = 0.0
+    """The datasheet's dense peak in the training precision, what MFU divides by
+    (0 = unknown: no MFU is predicted)."""
 
 
 def _builtin() -> dict[str, DeviceSpec]:
@@ -74,12 +77,12 @@ def _builtin() -> dict[str, DeviceSpec]:
     # H100 / H200 SXM: 989 TFLOP/s dense bf16 peak x 0.5; NVLink 4 (450 GB/s per
     # direction, ~360 GB/s achieved by NCCL's all-reduce bus bandwidth); one 400 Gb/s
     # NIC per GPU (~40 GB/s achieved).
-    hopper = dict(flops_per_s=0.5 * 989e12, devices_per_node=8,
+    hopper = dict(flops_per_s=0.5 * 989e12, peak_flops_per_s=989e12, devices_per_node=8,
                   intra_node_bytes_per_s=360e9, inter_node_bytes_per_s=40e9,
                   latency_s=2e-5, layer_overhead_s=1e-4)
     # A100 SXM: 312 TFLOP/s dense bf16 peak x 0.5; NVLink 3 (300 GB/s per direction,
     # ~230 GB/s achieved); one 200 Gb/s NIC per GPU (~20 GB/s achieved).
-    ampere = dict(flops_per_s=0.5 * 312e12, devices_per_node=8,
+    ampere = dict(flops_per_s=0.5 * 312e12, peak_flops_per_s=312e12, devices_per_node=8,
                   intra_node_bytes_per_s=230e9, inter_node_bytes_per_s=20e9,
                   latency_s=2.5e-5, layer_overhead_s=1e-4)
     # layer_overhead_s on the GPUs: eager PyTorch launches some 20 kernels per layer
@@ -107,8 +110,9 @@ def device_table(extra: str | None = None) -> dict[str, DeviceSpec]:
 
     Args:
         extra: path of a TOML file whose ``[devices.NAME]`` tables override fields of a
-            built-in device or define a new one (every field but ``host_cores`` and
-            ``layer_overhead_s`` required); ``None`` = the built-ins only.
+            built-in device or define a new one (every field but ``host_cores``,
+            ``layer_overhead_s`` and ``peak_flops_per_s`` required); ``None`` = the
+            built-ins only.
 
     Returns:
         Device name -> :class:`DeviceSpec`.
@@ -138,7 +142,7 @@ def device_table(extra: str | None = None) -> dict[str, DeviceSpec]:
 
 _WHOLE_FIELDS = ("memory_bytes", "devices_per_node", "host_cores")
 """Fields that count something (bytes, devices, cores): whole numbers."""
-_MAY_BE_ZERO = ("host_cores", "layer_overhead_s")
+_MAY_BE_ZERO = ("host_cores", "layer_overhead_s", "peak_flops_per_s")
 """Fields where 0 means "not shared" / "not priced"."""
 
 

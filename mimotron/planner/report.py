@@ -61,17 +61,44 @@ def _layout_cell(name: str, option: ModuleOption) -> str:
 def format_table(result: SearchResult, request: SearchRequest) -> list[str]:
     """One row per candidate, best first."""
     unit = memory_unit(request.memory_limit)
-    lines = [f"{'#':>2}  {'placement':<9} {'mbs':>4}  {'step s':>8}  "
-             f"{'peak ' + unit[1]:>8} / {'limit':<6}  {'bottleneck':<32} layout"]
+    lines = [f"{'#':>2}  {'placement':<9} {'mbs':>4}  {'step s':>8}  {'MFU':>5}  "
+             f"{'tok/s/dev':>9}  {'peak ' + unit[1]:>8} / {'limit':<6}  "
+             f"{'bottleneck':<32} layout"]
     limit = _amount(request.memory_limit, unit)
     for i, cand in enumerate(result.candidates[:request.top], 1):
         assert cand.cost is not None
         layout = "; ".join(_layout_cell(n, o) for n, o in cand.options.items())
         place = "colocated" if cand.colocated else "split"
         peak = _amount(cand.peak, unit)
+        mfu = predicted_mfu(cand, request)
+        mfu_cell = "-" if mfu is None else f"{mfu:.0%}"
+        per_device = cand.tokens / cand.cost.total / request.world
         lines.append(f"{i:>2}  {place:<9} {cand.micro_batch:>4}  {cand.cost.total:>8.4g}  "
-                     f"{peak:>8} / {limit:<6}  {cand.cost.bottleneck:<32} {layout}")
+                     f"{mfu_cell:>5}  {per_device:>9,.0f}  {peak:>8} / {limit:<6}  "
+                     f"{cand.cost.bottleneck:<32} {layout}")
     return lines
+
+
+def batch_remark(best: Candidate, request: SearchRequest) -> str:
+    """A warning where the global batch is smaller than the world: fewer samples than
+    ranks in a step leave pipelines unfilled and push the model onto more tensor or
+    pipeline ranks than it uses well; with the MFU the best layout implies."""
+    if best.samples >= request.world:
+        return ""
+    mfu = predicted_mfu(best, request)
+    implied = "" if mfu is None else f"; the best layout found implies MFU {mfu:.0%}"
+    return (f"warning: a global batch of {best.samples} samples cannot keep {request.world:,}"
+            f" ranks busy ({best.samples / request.world:.2g} samples per rank per step)"
+            f"{implied}; raise train.global_batch_size or plan for fewer ranks")
+
+
+def predicted_mfu(cand: Candidate, request: SearchRequest) -> float | None:
+    """Model FLOPs per step over the predicted step and the world's datasheet peak
+    (``None`` where the device's peak is unknown)."""
+    peak = request.device.peak_flops_per_s
+    if not peak or cand.cost is None or cand.cost.total <= 0:
+        return None
+    return cand.model_flops / cand.cost.total / (peak * request.world)
 
 
 def uncertainty_remark(result: SearchResult, request: SearchRequest) -> str:
@@ -153,6 +180,9 @@ def format_report(result: SearchResult, request: SearchRequest, explain: bool = 
     remark = uncertainty_remark(result, request)
     if remark:
         lines += ["", remark]
+    busy = batch_remark(result.candidates[0], request)
+    if busy:
+        lines += ["", busy]
     if explain:
         lines += ["", "terms per step (modules run side by side: terms do not add up):"]
         for i, cand in enumerate(result.candidates[:request.top], 1):

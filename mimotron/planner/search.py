@@ -33,9 +33,11 @@ from dataclasses import dataclass, field
 
 from mimotron.config.load import load_config
 from mimotron.config.schema import MimoConfig
+from mimotron.estimate.flops import model_flops_per_iteration
 from mimotron.estimate.memory import estimate_memory
 from mimotron.names import LANGUAGE
 from mimotron.parallel.layout import Layout, ModulePlacement, check_layout
+from mimotron.pipeline.communicators import NCCL_BUFFER_BYTES, communicators_of
 from mimotron.planner.calibration_data import Calibration
 from mimotron.planner.cost import StepCost, model_vocabulary, step_cost
 from mimotron.planner.devices import DeviceSpec
@@ -78,6 +80,9 @@ class SearchRequest:
     headroom: float = 0.0
     """Fraction of ``memory_limit`` kept free (``--headroom``): a layout fits when its
     estimate is at most :attr:`usable_memory`."""
+    nccl_buffer_bytes: int = NCCL_BUFFER_BYTES
+    """Reserved per NCCL communicator a rank joins, added to its estimate
+    (:mod:`mimotron.pipeline.communicators`); not on the ``cpu`` device (gloo)."""
 
     @property
     def usable_memory(self) -> int:
@@ -107,6 +112,9 @@ class Candidate:
     cost: StepCost | None = None
     peak: int = 0  # the largest per-rank memory estimate (bytes)
     peak_rank: int = 0
+    model_flops: float = 0.0  # per step (mimotron.estimate.flops): MFU = this / step / peak
+    tokens: int = 0  # per step: global batch x seq_length
+    samples: int = 0  # per step: the global batch
 
     @property
     def offsets(self) -> dict[str, int]:
@@ -459,7 +467,11 @@ def _check(ctx: _Context, cand: Candidate) -> str:
         return "refused"
     ranks = [r for r, _ in rank_classes(layout)]
     est = estimate_memory(cfg, layout, ctx.vocab, ranks, ctx.memo)
-    totals = {r: sum(e.total for e in items) for r, items in est.items()}
+    # ranks on CPUs talk over gloo: no NCCL buffers
+    buffers = 0 if ctx.request.device.name == "cpu" else ctx.request.nccl_buffer_bytes
+    totals = {r: sum(e.total for e in items)
+              + buffers * communicators_of(layout, r, cfg.train.micro_batch_size)
+              for r, items in est.items()}
     cand.peak_rank = max(totals, key=lambda r: (totals[r], -r))
     cand.peak = totals[cand.peak_rank]
     if cand.peak > ctx.request.usable_memory:
@@ -467,6 +479,11 @@ def _check(ctx: _Context, cand: Candidate) -> str:
     try:
         cand.cost = step_cost(cfg, layout, ctx.request.device, ctx.request.calibration,
                               ctx.vocab)
+        # every sample taken to carry each encoder's input, as the step-time model does
+        samples = {n: float(cfg.train.global_batch_size) for n in cfg.encoder_names}
+        cand.model_flops = sum(model_flops_per_iteration(cfg, ctx.vocab, samples).values())
+        cand.tokens = cfg.train.global_batch_size * cfg.data.seq_length
+        cand.samples = cfg.train.global_batch_size
     except SimulationError as exc:
         raise SimulationError(f"{describe_candidate(cand)}: {exc}") from exc
     return "ok"

@@ -36,9 +36,9 @@ from mimotron.config.hf_specs import mlp_matrices
 from mimotron.config.schema import MimoConfig, default_ffn_hidden_size
 from mimotron.estimate.flops import (
     encoder_flops,
+    language_layer_flops,
     language_model_flops,
     matmul_flops,
-    moe_flops_delta,
     projector_flops,
     transformer_layer_flops,
 )
@@ -154,10 +154,7 @@ def _flops_per_layer(cfg: MimoConfig, name: str, shape: StageShape) -> float:
     if mod.is_encoder:
         return transformer_layer_flops(shape.samples, shape.tokens, mod.hidden_size,
                                        mod.ffn_hidden_size, mlp_matrices(mod))
-    seq, cp = cfg.data.seq_length, mod.parallel.context
-    dense = transformer_layer_flops(shape.samples, seq, mod.hidden_size, mod.ffn_hidden_size)
-    moe = moe_flops_delta(mod, shape.samples * seq) / mod.num_layers
-    return (dense + moe) / cp
+    return language_layer_flops(mod, shape.samples, cfg.data.seq_length) / mod.parallel.context
 
 
 def _ends_flops(cfg: MimoConfig, name: str, shape: StageShape, vocab: int

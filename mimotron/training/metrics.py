@@ -21,7 +21,9 @@ losses by name (interval mean, and ``<name>_last``), ``interval_iters`` /
 dataset left out, only for a dataset that checks them: ``llava``), ``peak_memory_bytes``
 (max over ranks) and ``peak_memory_bytes_per_rank``, ``model_flops_per_iteration`` and
 ``model_flops_per_module`` (:mod:`mimotron.estimate.flops`),
-``tflops_per_second_per_rank``, ``mfu`` (only where the device's peak is known),
+``hardware_flops_per_iteration`` (model FLOPs plus what full recompute runs again,
+:mod:`mimotron.estimate.hardware_flops`), ``tflops_per_second_per_rank``, ``mfu`` and
+``hfu`` (only where the device's peak is known),
 ``time_s`` (the step's timers) and ``module_time_s`` {module: {forward, backward,
 communication}} — seconds per iteration, the max over the ranks holding the module (see
 :mod:`mimotron.training.profiling` for what they cover). An MoE language model adds
@@ -53,7 +55,10 @@ from torch import nn
 
 from mimotron.data.packing import real_tokens
 from mimotron.estimate.flops import model_flops_per_iteration
+from mimotron.estimate.hardware_flops import recompute_flops_per_iteration
+from mimotron.host_sync import host_copy
 from mimotron.models.attention import attention_kernel
+from mimotron.models.attention.documents import Documents
 from mimotron.names import LANGUAGE
 from mimotron.run_files import open_text, write_error
 from mimotron.runtime import compute_dtype, device_peak_flops, peak_memory_bytes
@@ -74,6 +79,7 @@ from mimotron.training.tensorboard_sink import TENSORBOARD_DIR, TensorBoardSink
 
 # The language ranks' count of non-padding tokens, beside the encoders' sample counts.
 REAL_TOKENS = "__real_tokens__"
+ATTENTION_PAIRS = "__attention_pairs__"
 
 if TYPE_CHECKING:
     from mimotron.optim.mimo_optimizer import MimoOptimizer
@@ -99,6 +105,16 @@ def _scalars(prefix: str, value: Any) -> Iterator[tuple[str, float]]:
     elif isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
         yield prefix, float(value)
 
+
+
+def attention_pairs(batch: dict[str, Any]) -> int:
+    """The (query, key) pairs the language model's attention computes over a batch:
+    each packed document's square and each padding run's (the segments the attention
+    runs, read from the host copy of ``doc_ids``: no device sync), or ``rows x S²``."""
+    if "doc_ids" in batch:
+        return Documents.from_doc_ids(host_copy(batch, "doc_ids")).attention_pairs
+    rows, seq = batch["tokens"].shape[:2]
+    return rows * seq * seq
 
 class TrainingDivergedError(RuntimeError):
     """Too many consecutive iterations had non-finite gradients (raised on every rank)."""
@@ -457,6 +473,7 @@ class LoopMonitor:
                 self._counts[module] = self._counts[module] + present
             if self._counts_tokens and LANGUAGE in mb:
                 self._counts[REAL_TOKENS] = self._counts[REAL_TOKENS] + real_tokens(mb[LANGUAGE])
+                self._counts[ATTENTION_PAIRS] += attention_pairs(mb[LANGUAGE])
 
     @contextlib.contextmanager
     def excluded(self) -> Iterator[None]:
@@ -597,19 +614,25 @@ class LoopMonitor:
         if vocab is None:  # A language model that is not the built-in one: no count.
             return {}
         cfg, rt = self.state.cfg, self.state.runtime
-        per_module = model_flops_per_iteration(
-            cfg, vocab, {m: c / num_iters for m, c in counts.items()})
+        pairs = counts.pop(ATTENTION_PAIRS, None)
+        samples = {m: c / num_iters for m, c in counts.items()}
+        pairs = None if pairs is None else pairs / num_iters
+        per_module = model_flops_per_iteration(cfg, vocab, samples, attention_pairs=pairs)
         flops = sum(per_module.values())
+        hardware = flops + sum(recompute_flops_per_iteration(
+            cfg, vocab, samples, attention_pairs=pairs).values())
         self.state.train_state.floating_point_operations_so_far += flops * num_iters
         self._run["flops"] += flops * num_iters
         self._run["flops_iters"] += num_iters
         out: dict[str, Any] = {"model_flops_per_iteration": flops,
                                "model_flops_per_module": per_module,
+                               "hardware_flops_per_iteration": hardware,
                                "tflops_per_second_per_rank":
                                    flops / step_time / rt.world_size / 1e12}
         peak = device_peak_flops(rt.device, compute_dtype(cfg.train.precision))
         if peak:
             out["mfu"] = flops / step_time / (peak * rt.world_size)
+            out["hfu"] = hardware / step_time / (peak * rt.world_size)
         return out
 
     # ---- the end --------------------------------------------------------------------------

@@ -23,6 +23,7 @@ row, never ``O(S^2)``.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from itertools import accumulate
@@ -68,6 +69,14 @@ class Documents:
     @property
     def num_rows(self) -> int:
         return len(self.bounds)
+
+    @property
+    def attention_pairs(self) -> int:
+        """(query, key) pairs the segments attend over, whole rows (without context
+        parallelism): each document's square, the square of a padding run included (it
+        is a segment too). What the FLOP count reads
+        (:func:`~mimotron.estimate.flops.transformer_layer_flops`)."""
+        return sum((b - a) ** 2 for row in self.bounds for a, b in itertools.pairwise(row))
 
 
 @dataclass(frozen=True)
