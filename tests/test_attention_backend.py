@@ -163,9 +163,23 @@ def test_a_packed_step_at_4096_tokens_allocates_nothing_of_s_by_s() -> None:
     assert dense.largest[0] >= limit, dense.largest
 
 
+@pytest.fixture(scope="module")
+def long_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Llama-2-7B's config.json with linear RoPE scaling x 32 (a 131,072-token context:
+    a longer ``seq_length`` than its 4,096 is refused without scaling)."""
+    import json
+
+    folder = tmp_path_factory.mktemp("llama2_7b_long")
+    config = json.loads((ROOT / "tests/data/hf_configs/llama2_7b/config.json").read_text())
+    config["rope_scaling"] = {"rope_type": "linear", "factor": 32.0}
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
 @pytest.mark.parametrize("seq", [32768, 131072])
 @pytest.mark.parametrize("layout", ["packed", "cp8", "cp8-packed"])
-def test_plan_attention_term_matches_the_fake_accelerator(seq: int, layout: str) -> None:
+def test_plan_attention_term_matches_the_fake_accelerator(seq: int, layout: str,
+                                                          long_llama: Path) -> None:
     """At the Llama-2-7B shape (32 heads of 128, bf16) the variable-length kernel runs on
     fake tensors; what attention keeps for backward (distinct saved storages) is within
     0.85-1.15 of the plan's term, and at most it with packed documents under CP."""
@@ -173,6 +187,7 @@ def test_plan_attention_term_matches_the_fake_accelerator(seq: int, layout: str)
 
     context = 8 if layout.startswith("cp8") else 1
     cfg = load_config(LLAVA_7B, [f"data.seq_length={seq}", "train.precision=bf16",
+                                 f"modules.language.hf_path={long_llama}",
                                  "modules.language.parallel.tensor=1",
                                  f"modules.language.parallel.context={context}"])
     lengths = [seq // 4, seq // 8, seq // 2, seq // 8] if "packed" in layout else [seq]

@@ -42,3 +42,10 @@ def test_a_longer_sequence_with_rope_scaling_is_a_warning_of_plan(tmp_path, caps
                     "positions past what it was trained on")
     assert main(["plan", LLAVA, *overrides]) == 0
     assert capsys.readouterr().out.startswith(note)
+
+
+def test_packed_rows_restart_positions_so_a_longer_row_is_a_warning():
+    cfg = load_config(LLAVA, ["data.seq_length=8192", "data.packing=true"])
+    note = context_length_note(cfg)
+    assert note is not None and note.startswith("warning: data.seq_length=8192 exceeds")
+    assert "packed document" in note

@@ -222,3 +222,47 @@ def test_a_rank_decodes_only_the_images_it_encodes(llava, monkeypatch, case):
                 for key, value in batch.items():
                     if module == "vision" or key not in ("image", "audio"):  # unread: zeros
                         assert torch.equal(mb[module][key], value), (rank, module, key)
+
+
+def test_an_image_failing_in_the_second_read_trains_nothing_of_its_sample(llava, monkeypatch):
+    """Items dealt by cost (colocated vision DP 4, language TP 2 x DP 2), every image
+    failing to decode after the check, with data.skip_bad_samples: a sample whose image
+    a rank decodes in its second read has its loss mask zeroed there, as a whole read
+    zeroes it. (A language row whose image another rank decodes keeps its mask: the
+    language side never decodes it, as on split layouts.)"""
+    import torch
+
+    import mimotron.data.llava_check as llava_check
+    from mimotron.config import load_config
+    from mimotron.data.run_data import build_llava_tasks, build_tokenizer, restrict_to_rank
+    from mimotron.parallel.layout import check_layout
+    from mimotron.training.loop import train_steps
+
+    cfg = load_config(DIGITS, [*BASE, *llava["overrides"], *COLOCATED_TP2,
+                               "data.balance_encoders=true", "data.skip_bad_samples=true"])
+    layout = check_layout(cfg)
+
+    def broken(*args, **kwargs):
+        raise OSError("truncated file")
+
+    for rank in (0, 3):
+        task, _ = build_llava_tasks(cfg, build_tokenizer(cfg))  # checked: every image reads
+        restrict_to_rank(task, cfg, layout, rank)
+        monkeypatch.setattr(llava_check, "open_image", broken)  # then the files break
+        replica = {r.module: r.dp for r in layout.roles(rank)}["vision"]
+        (step,) = itertools.islice(train_steps(cfg, layout, rank, task,
+                                               task.stream(cfg.train.seed), 0), 1)
+        mine = others = 0
+        for mb in step:
+            language = mb["language"]
+            owner = language["image_owner"]
+            for row in range(owner.shape[0]):
+                trained = bool(language["loss_mask"][row].any())
+                if int(owner[row]) == replica:
+                    assert not trained, (rank, row)
+                    mine += 1
+                elif int(owner[row]) >= 0:
+                    others += trained
+        assert mine > 0 and others > 0, (rank, mine, others)
+        assert torch.all(mb["vision"]["image"] == 0)
+        monkeypatch.undo()

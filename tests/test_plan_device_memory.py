@@ -65,7 +65,9 @@ def test_verdict_and_headroom_per_rank(tmp_path: Path, capsys: pytest.CaptureFix
     totals = {rank: sum(e.total for e in items) for rank, items in est.items()}
     # Between the audio rank's total and the vision rank's: some fit, some do not.
     device = (totals[1] + totals[0]) // 2
-    assert main(["plan", "--device-memory", str(device), str(DIGITS), *overrides]) == 0
+    # The estimate's verdict alone: the demo's ranks use gloo (no NCCL buffers).
+    assert main(["plan", "--device-memory", str(device), "--nccl-buffer-mib", "0",
+                 str(DIGITS), *overrides]) == 0
     out = capsys.readouterr().out
     rows = _rows(out)
     assert sorted(rows) == sorted(totals)
@@ -92,10 +94,12 @@ def test_summary_counts_every_rank_past_the_rank_map(tmp_path: Path,
     vision, audio, language = (est[r][0].total for r in (0, 1, 2))
     assert audio < language < vision  # the whole micro-batch on each encoder rank
     device = (audio + language) // 2  # only the audio rank fits
-    assert main(["plan", "--device-memory", f"{device}B", str(DIGITS), *overrides]) == 0
+    assert main(["plan", "--device-memory", f"{device}B", "--nccl-buffer-mib", "0",
+                 str(DIGITS), *overrides]) == 0
     out = capsys.readouterr().out
     assert "ranks not shown" in out.split("fit on a device of ")[1]
     assert "fit: 65 of 66 ranks do not fit; the worst is rank 0 (vision)" in out
     ample = f"{(vision + 2**20) / 2**30:.6f}GiB"
-    assert main(["plan", "--device-memory", ample, str(DIGITS), *overrides]) == 0
+    assert main(["plan", "--device-memory", ample, "--nccl-buffer-mib", "0", str(DIGITS),
+                 *overrides]) == 0
     assert "fit: all 66 ranks fit; the tightest is rank 0 (vision)" in capsys.readouterr().out

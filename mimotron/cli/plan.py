@@ -177,7 +177,8 @@ def _rank_totals(cfg: MimoConfig, layout: Layout, vocab: int, ranks: list[int],
            for rank, items in estimate_memory(cfg, layout, vocab, ranks).items()}
     if buffer_bytes:
         for rank, items in out.items():
-            items.append(("NCCL buffers", buffer_bytes * communicators_of(layout, rank, mbs)))
+            items.append(("NCCL buffers", buffer_bytes * communicators_of(
+                layout, rank, mbs, cfg.data.balance_encoders)))
     return out
 
 

@@ -52,9 +52,21 @@ _COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gathe
 
 
 def group_name(group: Any) -> str:
-    """A process group's name, equal on every member (groups are made in one order)."""
+    """A process group's name, equal on every member.
+
+    ``new_group`` numbers groups by call order, the same on every rank. A group made by
+    ``split_group`` (:mod:`mimotron.parallel.group_factory` under NCCL) has a name
+    hashed from the number of groups the calling rank holds, which differs between
+    members; it is named here by its ranks and its place among this rank's groups of
+    the same ranks (members make those in the same order).
+    """
     pg = group if group is not None else c10d._get_default_group()
-    return str(getattr(pg, "group_name", id(pg)))
+    name = str(getattr(pg, "group_name", id(pg)))
+    if name.isdigit() or pg not in c10d._world.pg_group_ranks:
+        return name
+    ranks = sorted(c10d._world.pg_group_ranks[pg])
+    same = [g for g, members in c10d._world.pg_group_ranks.items() if sorted(members) == ranks]
+    return f"ranks {ranks} #{same.index(pg)}"
 
 
 def _nbytes(t: Any) -> int:

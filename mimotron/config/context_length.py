@@ -7,26 +7,38 @@ nothing says why. So a longer ``seq_length`` is refused when the folder has no R
 scaling (:func:`check_context_length`, one line naming both values), and is a warning
 (:func:`context_length_note`, printed by ``mimotron plan`` and ``mimotron train``)
 when it has one (linear, dynamic, YaRN, Llama 3: the model extends its context as the
-scaling says). The built-in language model has no trained context and is not checked.
+scaling says), and where a long row may still hold only trained positions (packed rows
+restart positions per document; Qwen-VL's 3-D positions advance an image by its grid's
+side). The built-in language model has no trained context and is not checked.
 """
 
 from __future__ import annotations
 
 from mimotron.config.hf_folder import HFConfigs
 from mimotron.config.hf_resolve import language_spec, part_config
+from mimotron.config.hf_specs import LlamaFamilySpec
 from mimotron.config.schema import MimoConfig
 from mimotron.names import LANGUAGE
 
 __all__ = ["check_context_length", "context_length_note"]
 
 
-def _context(cfg: MimoConfig, hf: HFConfigs) -> tuple[int, str] | None:
+def _spec(cfg: MimoConfig, hf: HFConfigs | None) -> LlamaFamilySpec:
+    """The language model's spec: from the load's reader, or (``None``) from the
+    config.json the load recorded (no file read again)."""
+    mod = cfg.modules[LANGUAGE]
+    if hf is None:
+        return language_spec(mod)
+    return language_spec(mod, part_config(hf.read(mod.hf_path), mod.kind))
+
+
+def _context(cfg: MimoConfig, hf: HFConfigs | None) -> tuple[int, str] | None:
     """``(max_position_embeddings, rope type)`` of a Hugging Face language model whose
     context ``data.seq_length`` exceeds; ``None`` where it does not (or no folder)."""
     mod = cfg.modules.get(LANGUAGE)
     if mod is None or not mod.hf_path:
         return None
-    spec = language_spec(mod, part_config(hf.read(mod.hf_path), mod.kind))
+    spec = _spec(cfg, hf)
     if cfg.data.seq_length <= spec.max_position_embeddings:
         return None
     return spec.max_position_embeddings, str(spec.rope_scaling.get("rope_type", "default"))
@@ -40,8 +52,8 @@ def check_context_length(cfg: MimoConfig, hf: HFConfigs | None = None) -> None:
         ValueError: one line naming ``data.seq_length``, the folder's
             ``max_position_embeddings`` and what would be valid.
     """
-    found = _context(cfg, hf or HFConfigs())
-    if found is None or found[1] != "default":
+    found = _context(cfg, hf)
+    if found is None or found[1] != "default" or _positions_may_fit(cfg, hf):
         return
     limit = found[0]
     raise ValueError(
@@ -51,13 +63,25 @@ def check_context_length(cfg: MimoConfig, hf: HFConfigs | None = None) -> None:
         " or a folder whose config.json sets rope_scaling (linear, dynamic, yarn, llama3)")
 
 
+def _positions_may_fit(cfg: MimoConfig, hf: HFConfigs | None) -> bool:
+    """Whether a row longer than the context may still hold only trained positions:
+    packed rows restart positions per document, and 3-D rotary positions (Qwen-VL)
+    advance an image by its grid's side, not its token count."""
+    return cfg.data.packing or _spec(cfg, hf).mrope_section is not None
+
+
 def context_length_note(cfg: MimoConfig, hf: HFConfigs | None = None) -> str | None:
-    """The warning where ``data.seq_length`` exceeds the trained context under RoPE
-    scaling (``None`` otherwise)."""
-    found = _context(cfg, hf or HFConfigs())
+    """The warning where ``data.seq_length`` exceeds the trained context and is not
+    refused: under RoPE scaling, packed rows or 3-D rotary positions (``None``
+    otherwise; ``hf`` ``None``: the config.json the load recorded)."""
+    found = _context(cfg, hf)
     if found is None:
         return None
     limit, rope = found
-    return (f"warning: data.seq_length={cfg.data.seq_length} exceeds the language model's "
-            f"max_position_embeddings={limit}; its RoPE scaling ({rope}) extends the "
-            "positions past what it was trained on")
+    head = (f"warning: data.seq_length={cfg.data.seq_length} exceeds the language model's "
+            f"max_position_embeddings={limit}")
+    if rope != "default":
+        return (f"{head}; its RoPE scaling ({rope}) extends the positions past what it was "
+                "trained on")
+    return (f"{head}; a packed document or a sample longer than {limit} positions gets "
+            "positions it was not trained on")

@@ -384,6 +384,7 @@ class LlavaDataset:
         except (OSError, ValueError) as exc:
             image, audio = self._skip_failed(record, exc, parts)
             sample["loss_mask"] = torch.zeros_like(sample["loss_mask"])
+            sample["media_failed"] = True  # a second read's merge zeroes the first's mask
         # Positions of the true ids (video runs laid out as videos), then the ids the
         # engine reads: every item at an image placeholder.
         sample.update(native.sample_keys(sample["tokens"], grids, self.max_images,
@@ -425,6 +426,7 @@ class LlavaDataset:
         except (OSError, ValueError) as exc:
             image, audio = self._skip_failed(record, exc, parts)
             sample["loss_mask"] = torch.zeros_like(sample["loss_mask"])
+            sample["media_failed"] = True  # a second read's merge zeroes the first's mask
         answer = [m["content"] for m in record.messages if m["role"] == "assistant"][-1]
         return self._sample(sample, index, (image, audio), answer, record.sample_id,
                             len(record.images))  # fmt: skip

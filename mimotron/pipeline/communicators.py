@@ -48,7 +48,7 @@ def _module_group_sets(layout: Layout, rank: int) -> int:
     return count
 
 
-def _links(layout: Layout, rank: int, micro_batch_size: int) -> int:
+def _links(layout: Layout, rank: int, micro_batch_size: int, balanced: bool) -> int:
     """Directed point-to-point links the rank sends or receives on."""
     if is_colocated_pipeline(layout):
         links = p2p_links(language_pipeline(layout), micro_batch_size, [])
@@ -56,11 +56,12 @@ def _links(layout: Layout, rank: int, micro_batch_size: int) -> int:
         return 0
     else:
         modality = {name: name for name in layout.modules}  # routes ignore the modality
-        links = p2p_links(layout, micro_batch_size, build_edges(layout, modality))
+        links = p2p_links(layout, micro_batch_size, build_edges(layout, modality, balanced))
     return sum(rank in link for link in links)
 
 
-def communicators_of(layout: Layout, rank: int, micro_batch_size: int) -> int:
+def communicators_of(layout: Layout, rank: int, micro_batch_size: int,
+                     balanced: bool = False) -> int:
     """The communicators ``rank`` joins: the world's, its modules' group sets and its
     point-to-point links.
 
@@ -68,5 +69,8 @@ def communicators_of(layout: Layout, rank: int, micro_batch_size: int) -> int:
         layout: the placement.
         rank: a global rank.
         micro_batch_size: the global micro-batch size (which bridge pairs exchange).
+        balanced: ``data.balance_encoders`` (every encoder replica then sends to every
+            language replica).
     """
-    return 1 + _module_group_sets(layout, rank) + _links(layout, rank, micro_batch_size)
+    return (1 + _module_group_sets(layout, rank)
+            + _links(layout, rank, micro_batch_size, balanced))

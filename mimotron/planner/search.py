@@ -470,7 +470,8 @@ def _check(ctx: _Context, cand: Candidate) -> str:
     # ranks on CPUs talk over gloo: no NCCL buffers
     buffers = 0 if ctx.request.device.name == "cpu" else ctx.request.nccl_buffer_bytes
     totals = {r: sum(e.total for e in items)
-              + buffers * communicators_of(layout, r, cfg.train.micro_batch_size)
+              + buffers * communicators_of(layout, r, cfg.train.micro_batch_size,
+                                          cfg.data.balance_encoders)
               for r, items in est.items()}
     cand.peak_rank = max(totals, key=lambda r: (totals[r], -r))
     cand.peak = totals[cand.peak_rank]

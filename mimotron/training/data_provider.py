@@ -125,6 +125,8 @@ class MicrobatchProvider:
         samples = list(samples)
         for (k, modalities), sample in zip(todo.items(), loaded, strict=True):
             samples[k] = {**samples[k], **{m: sample[m] for m in modalities}}
+            if sample.get("media_failed"):  # as a whole read would: nothing of it trains
+                samples[k]["loss_mask"] = torch.zeros_like(samples[k]["loss_mask"])
         return collate(samples, self.seq_length, **self.collate_kwargs)
 
 
