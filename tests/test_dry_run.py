@@ -68,6 +68,9 @@ CASES: dict[str, tuple[list[str], list[int] | None]] = {
     "colocated-pp2": (coloc({"data": 4}, {"data": 4}, {"data": 2, "pipeline": 2}), [0, 3]),
     "colocated-tp2-sp-pp2": (coloc({"data": 4}, {"tensor": 2, "data": 2},
                                    {"tensor": 2, "data": 1, "pipeline": 2}) + SP, [1, 2]),
+    # The encoders on the first language stage's ranks (0-1), bridged over their group.
+    "first-stage-pp2": (coloc({"data": 2}, {"tensor": 2, "data": 1},
+                              {"data": 2, "pipeline": 2}), [1, 2]),
 }
 # Two steps where the second differs (optimizer state, the overlapped param gather).
 TWO_STEPS = ("noncolocated", "zero1-overlap")
@@ -84,6 +87,7 @@ MORE_DATA_SYNC_FILES: dict[str, set[str]] = {
     "colocated-bridge": {"mimotron/pipeline/colocated.py"},
     "colocated-pp2": {"mimotron/pipeline/colocated.py"},
     "colocated-tp2-sp-pp2": {"mimotron/pipeline/colocated.py", "mimotron/models/language.py"},
+    "first-stage-pp2": {"mimotron/pipeline/colocated.py"},
 }
 # Expert routing reads its per-expert counts (the router's choices: the all-to-all
 # splits and the grouped call's sizes) once per MoE layer and micro-batch, a real
@@ -128,7 +132,8 @@ def test_dry_run_keeps_every_tensor_on_the_device(name: str,
     reports = fresh_process.submit(_run, overrides, ranks,
                                    steps=2 if name in TWO_STEPS else 1,
                                    evaluate=name in ("noncolocated", "colocated-dp2",
-                                                     "colocated-pp2")).result()
+                                                     "colocated-pp2", "first-stage-pp2")
+                                   ).result()
     assert reports
     expected = {host_sync.TOKEN_COUNT: 1, host_sync.WORLD_SUMS: 1}
     if name in EXPERT_READS:

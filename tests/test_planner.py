@@ -29,6 +29,7 @@ from mimotron.parallel.layout import (
     Layout,
     ModulePlacement,
     check_layout,
+    encoders_on_first_stage,
     is_colocated_pipeline,
     language_pipeline,
 )
@@ -37,7 +38,7 @@ from mimotron.pipeline.interleaved_actions import build_rank_actions
 from mimotron.planner.cost import Calibration, model_vocabulary, step_cost
 from mimotron.planner.devices import DeviceSpec, device_table
 from mimotron.planner.fit import rank_classes
-from mimotron.planner.report import snippet
+from mimotron.planner.report import format_table, snippet
 from mimotron.planner.search import SearchRequest, search
 from mimotron.planner.simulate import Lane, SimulationError, simulate
 from mimotron.planner.terms import Links, chunk_compute, tp_efficiency, trainable_params
@@ -201,7 +202,8 @@ def snippet_overrides(text: str) -> list[str]:
     """The snippet as overrides; each ``[modules.<m>.parallel]`` table *replaces* the
     config's (keys it leaves out take their defaults), as the report says."""
     doc = tomllib.loads(text)
-    out = [f"train.{k}={v}" for k, v in doc.get("train", {}).items()]
+    out = [f"train.{k}={str(v).lower() if isinstance(v, bool) else v}"
+           for k, v in doc.get("train", {}).items()]
     defaults = {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
                 for f in dataclasses.fields(ParallelConfig)}
     for name, table in doc.get("modules", {}).items():
@@ -267,8 +269,9 @@ def test_colocated_search_tries_a_leaner_rung_when_the_sum_is_over_the_limit():
     assert max(sum(e.total for e in items) for items in est.values()) <= 3 * 2**20
 
 def test_search_offers_colocated_layouts_with_a_pipelined_language_model():
-    """Colocated candidates pipeline the language model (never an encoder, and without
-    context parallelism or interleaving): each one is valid, fits, has one rank class
+    """Colocated candidates pipeline the language model (never an encoder, without
+    interleaving, and with context parallelism only where the encoders sit on its first
+    stage): each one is valid, fits, has one rank class
     per language stage, and its step prices the encoders' phase in series with the
     language stages (more than the stages alone)."""
     request = SearchRequest(str(DIGITS), BASE, 4, device_table()["cpu"], 64 * 2**20,
@@ -282,7 +285,8 @@ def test_search_offers_colocated_layouts_with_a_pipelined_language_model():
             language = cfg.modules["language"].parallel
             assert all(m.parallel.pipeline == 1 for n, m in cfg.modules.items()
                        if n != "language")
-            assert language.context == language.virtual_pipeline == 1
+            assert language.virtual_pipeline == 1
+            assert language.context == 1 or encoders_on_first_stage(layout)
             classes = rank_classes(layout)
             assert len(classes) == language.pipeline
             assert sum(n for _, n in classes) == 4
@@ -290,6 +294,54 @@ def test_search_offers_colocated_layouts_with_a_pipelined_language_model():
             assert cand.cost.total > alone.total
             assert cand.cost.compute["vision"] > 0 and cand.cost.bridge > alone.bridge
     assert found
+
+
+def test_search_offers_encoders_on_the_first_stage():
+    """First-stage candidates: every encoder on exactly the first stage's ranks of a
+    pipelined language model (the validator calls it so), each valid and fitting, its
+    encoders' memory on those ranks only, its step the encoders' phase in series with
+    the language stages; the report names the placement."""
+    request = SearchRequest(str(DIGITS), BASE, 4, device_table()["cpu"], 64 * 2**20,
+                            micro_batches=(8,), top=50)
+    result = search(request)
+    found = [c for c in result.candidates if c.placement == "first stage"]
+    assert found
+    for cand in found:
+        cfg = load_config(DIGITS, cand.overrides)
+        layout = check_layout(cfg)
+        language = cfg.modules["language"].parallel
+        stage = 4 // language.pipeline
+        assert encoders_on_first_stage(layout) and stage < 4
+        assert all(m.parallel.size == stage for n, m in cfg.modules.items() if n != "language")
+        est = estimate_memory(cfg, layout, model_vocabulary(cfg), [0, 3])
+        assert {e.module for e in est[3]} == {"language"} and len(est[0]) == 3
+        alone = step_cost(cfg, language_pipeline(layout), device_table()["cpu"])
+        assert cand.cost.total > alone.total
+        # The encoders hold the step anyway: one forward and backward for it.
+        assert cfg.train.encoder_batching and "encoder_batching = true" in snippet(cand)
+    table = "\n".join(format_table(result, request))
+    assert " first stage " in table
+
+
+def test_encoder_batching_prices_the_encoders_once_a_step():
+    """Under encoder batching a pipelined colocated step prices each encoder as one
+    micro-batch of the whole step: its per-micro-batch fixed costs (5 ms a layer and end
+    on ``cpu``) once instead of 8 times; the language stages' terms do not change."""
+    cpu = device_table()["cpu"]
+    layout_keys = [*BASE, "train.micro_batch_size=2", "modules.language.parallel.data=2",
+                   "modules.language.parallel.pipeline=2",
+                   *[f"modules.{m}.parallel.{k}={v}" for m in ("vision", "audio", "language")
+                     for k, v in (("rank_offset", 0),)],
+                   *[f"modules.{m}.parallel.data=2" for m in ("vision", "audio")]]
+    costs = {}
+    for batched in (False, True):
+        cfg = load_config(DIGITS, [*layout_keys, f"train.encoder_batching={str(batched).lower()}"])
+        layout = check_layout(cfg)
+        assert encoders_on_first_stage(layout) and cfg.num_microbatches == 8
+        costs[batched] = step_cost(cfg, layout, cpu)
+    for m in ("vision", "audio"):
+        assert 0 < costs[True].compute[m] < costs[False].compute[m] / 2, (m, costs)
+    assert costs[True].compute["language"] == costs[False].compute["language"]
 
 
 def test_plan_auto_command(capsys):

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
-from mimotron.parallel.group_factory import create_groups
+from mimotron.parallel.group_factory import create_groups, groups_one_at_a_time
 
 BASE_VIEW = "base"
 
@@ -320,15 +320,8 @@ class HyperCommGrid:
             mine = create_groups(groups, self.timeout)
             self._pg_by_members[members] = mine
             return mine
-        mine: ProcessGroup | None = None
-        options = {"backend": self.backend, "timeout": self.timeout, **pg_options}
-        me = dist.get_rank()
-        for ranks in groups:  # other options or backends: a group at a time
-            pg = dist.new_group(ranks=ranks, **options)
-            if me in ranks:
-                assert mine is None, f"rank {me} is in two groups of {groups}"
-                mine = pg
-        return mine
+        options = {"backend": self.backend, **pg_options}  # a group at a time
+        return groups_one_at_a_time(groups, options.pop("timeout", self.timeout), **options)
 
     def get_pg(self, dims: str | list[str], view: str | None = None) -> ProcessGroup | None:
         """The group of ``dims`` holding this rank (``None`` outside the grid).

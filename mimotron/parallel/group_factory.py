@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 __all__ = ["SplitGroup", "colour_sets", "create_groups", "emulated_split_group",
-           "splits_natively"]
+           "groups_one_at_a_time", "splits_natively"]
 
 SplitGroup = Callable[..., ProcessGroup | None]
 """``split_group(parent_pg=None, split_ranks=..., timeout=..., group_desc=...)``."""
@@ -93,10 +93,28 @@ def emulated_split_group(parent_pg: ProcessGroup | None = None,
     assert split_ranks is not None
     check_split(split_ranks, dist.get_world_size())
     options: dict[str, Any] = {"pg_options": pg_options} if pg_options is not None else {}
+    return groups_one_at_a_time(split_ranks, timeout, group_desc, **options)
+
+
+def groups_one_at_a_time(groups: Sequence[Sequence[int]], timeout: timedelta | None = None,
+                         desc: str | None = None, **options: Any) -> ProcessGroup | None:
+    """Each group by its own ``new_group``, every rank calling it for every group in order
+    (``new_group``'s contract): where no split serves (gloo, another backend, options).
+
+    Args:
+        groups: disjoint groups of world ranks.
+        timeout: their timeout.
+        desc: a description for logs.
+        **options: ``new_group``'s other arguments (``backend``, ``pg_options``).
+
+    Returns:
+        The group holding this rank, or ``None``.
+    """
     me, mine = dist.get_rank(), None
-    for group in split_ranks:  # every rank, every group, in order: new_group's contract
-        pg = dist.new_group(sorted(group), timeout=timeout, group_desc=group_desc, **options)
+    for group in groups:
+        pg = dist.new_group(sorted(group), timeout=timeout, group_desc=desc, **options)
         if me in group:
+            assert mine is None, f"rank {me} is in two groups of {groups}"
             mine = pg
     return mine
 

@@ -41,6 +41,21 @@ GROUP_ORDER: tuple[tuple[str, str | None, tuple[str, ...]], ...] = (
 )
 
 
+def group_sets(grid: HyperCommGrid) -> dict[str, list[list[int]]]:
+    """The rank groups of every field :meth:`ProcessGroupCollection.from_grid` creates
+    (``GROUP_ORDER``'s, the expert ones where the grid has the view, then the embedding
+    groups), by field name; pure (no process group)."""
+    has_expert = EXPERT_VIEW in grid.views
+    out = {name: grid.get_rank_enum(list(dims), view) for name, view, dims in GROUP_ORDER
+           if view != EXPERT_VIEW or has_expert}
+    pipelines = grid.get_rank_enum("pp")
+    # Embedding groups tie the input embedding (first stage) to the output layer
+    # (last stage) of each pipeline; with one stage both are the same rank.
+    out["embd"] = [sorted({p[0], p[-1]}) for p in pipelines]
+    out["pos_embd"] = [[p[0]] for p in pipelines]
+    return out
+
+
 @dataclass
 class ProcessGroupCollection:
     """The process groups of one module on this rank; ``None`` = not present.
@@ -96,14 +111,11 @@ class ProcessGroupCollection:
             created = grid.has_pg(list(dims), view)
             get = grid.get_pg if created else grid.create_pg
             pgs[name] = get(list(dims), view)
-        pipelines = grid.get_rank_enum("pp")
-        # Embedding groups tie the input embedding (first stage) to the output layer
-        # (last stage) of each pipeline; with one stage both are the same rank.
-        embd = [sorted({p[0], p[-1]}) for p in pipelines]
-        pos_embd = [[p[0]] for p in pipelines]
-        for name, groups in (("embd", embd), ("pos_embd", pos_embd)):
+        sets = group_sets(grid)
+        for name in ("embd", "pos_embd"):
             created = grid.has_custom_pg(name)
-            pgs[name] = grid.get_custom_pg(name) if created else grid.create_custom_pg(name, groups)
+            pgs[name] = (grid.get_custom_pg(name) if created
+                         else grid.create_custom_pg(name, sets[name]))
         return cls(**pgs)
 
     def sizes(self) -> dict[str, int]:

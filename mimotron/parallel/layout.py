@@ -1,9 +1,13 @@
 """Placement planning: which global rank holds which module, at which coordinates.
 
 Pure functions over the config (no process group), so ``mimotron plan`` and every
-validation run before any process starts. Two placements exist:
+validation run before any process starts. Three placements exist:
 
 * **colocated** — every module spans the same ranks ``[0, world)`` (degrees may differ);
+* **first stage** — the language model spans ``[0, world)`` with ``pipeline > 1`` and every
+  encoder spans the ranks of its first pipeline stage, ``[0, world / pipeline)``
+  (Megatron's LLaVA placement; a colocated layout whose encoders leave the later stages
+  out, :mod:`mimotron.pipeline.colocated_pipeline`);
 * **non-colocated** — modules occupy disjoint contiguous blocks that tile ``[0, world)``.
 
 Coordinates follow the grid convention of :class:`~mimotron.parallel.grid.HyperCommGrid`:
@@ -141,8 +145,7 @@ class Layout:
     def format_rank_map(self, limit: int = RANK_MAP_LIMIT) -> str:
         """A human-readable table of the rank map (summarised past ``limit`` ranks)."""
         lines = [
-            f"placement: {'colocated' if self.colocated else 'non-colocated'}, "
-            f"world size {self.world_size}",
+            f"placement: {placement_name(self)}, world size {self.world_size}",
             f"{'rank':>4}  {'module':<10} {'tp':>2} {'cp':>2} {'dp':>2} {'pp':>2}  stage",
         ]
         previous = -1
@@ -220,6 +223,29 @@ def check_layout(cfg: MimoConfig, env_world_size: int | None = None) -> Layout:
     return Layout(world_size, colocated, modules, topology, runs_ahead(cfg, modules, colocated))
 
 
+def encoders_on_first_stage(layout: Layout) -> bool:
+    """Whether every encoder of ``layout`` spans only the language model's first pipeline
+    stage (the *first stage* placement, module docs)."""
+    language = layout.modules.get(LANGUAGE)
+    return (layout.colocated and language is not None
+            and any(m.size < language.size for m in layout.modules.values()))
+
+
+def first_stage_ranks(layout: Layout) -> range:
+    """The ranks of the language model's first pipeline stage (the whole world when it is
+    not pipelined): where a colocated layout's encoders may be placed."""
+    language = layout.modules[LANGUAGE]
+    return range(language.rank_offset,
+                 language.rank_offset + language.size // language.parallel.pipeline)
+
+
+def placement_name(layout: Layout) -> str:
+    """``colocated``, ``first stage`` or ``non-colocated``: how ``mimotron plan`` names it."""
+    if encoders_on_first_stage(layout):
+        return "first stage"
+    return "colocated" if layout.colocated else "non-colocated"
+
+
 def is_colocated_pipeline(layout: Layout) -> bool:
     """Whether ``layout`` is colocated with a pipelined language model
     (:mod:`mimotron.pipeline.colocated_pipeline`)."""
@@ -259,9 +285,18 @@ def _describe_blocks(modules: dict[str, ModulePlacement]) -> str:
 
 
 def _check_placement(modules: dict[str, ModulePlacement]) -> tuple[bool, int]:
-    """Return (colocated, world_size) or raise for overlaps, gaps and partial overlaps."""
+    """Return (colocated, world_size) or raise for overlaps, gaps and partial overlaps.
+
+    Colocated includes the first-stage placement: the language model on ``[0, world)``
+    with ``pipeline > 1``, every encoder on exactly its first stage's ranks."""
     blocks = sorted(modules.values(), key=lambda m: (m.rank_offset, m.name))
     first = blocks[0]
+    stage = _first_stage_size(modules)
+    if len(blocks) > 1 and stage and all(
+            m.rank_offset == 0 and m.size == stage for n, m in modules.items() if n != LANGUAGE):
+        return True, modules[LANGUAGE].size
+    if len(blocks) > 1 and stage and all(m.rank_offset == 0 for m in blocks):
+        _check_shared_sizes(modules, stage)
     # One module alone with pipeline stages is a pipeline, not a colocated placement.
     alone_pipelined = len(blocks) == 1 and first.parallel.pipeline > 1
     if not alone_pipelined and all(m.rank_offset == first.rank_offset and m.size == first.size
@@ -277,12 +312,14 @@ def _check_placement(modules: dict[str, ModulePlacement]) -> tuple[bool, int]:
         field_name = f"modules.{m.name}.parallel.rank_offset"
         if m.rank_offset < expected:
             other = next(o for o in blocks if m.rank_offset in o.ranks and o is not m)
+            first_stage = (f", every encoder on the language model's first pipeline stage "
+                           f"(rank_offset=0 and {stage} ranks)" if stage else "")
             raise ValueError(
                 f"{field_name}={m.rank_offset} is invalid: ranks {m.rank_offset}-"
                 f"{m.rank_offset + m.size - 1} partially overlap modules.{other.name} (ranks "
                 f"{other.rank_offset}-{other.rank_offset + other.size - 1}); use either the same "
-                f"ranks and size for every module (colocated) or disjoint blocks, e.g. "
-                f"rank_offset={expected}"
+                f"ranks and size for every module (colocated){first_stage}, or disjoint blocks, "
+                f"e.g. rank_offset={expected}"
             )
         if m.rank_offset > expected:
             raise ValueError(
@@ -291,6 +328,32 @@ def _check_placement(modules: dict[str, ModulePlacement]) -> tuple[bool, int]:
             )
         expected = m.rank_offset + m.size
     return False, expected
+
+
+def _check_shared_sizes(modules: dict[str, ModulePlacement], stage: int) -> None:
+    """Every module from rank 0: each encoder spans the language model's ranks or its
+    first stage's, all alike; name the first encoder that does not."""
+    world = modules[LANGUAGE].size
+    encoders = [m for n, m in modules.items() if n != LANGUAGE]
+    wanted = encoders[0].size if encoders[0].size in (world, stage) else world
+    odd = next((m for m in encoders if m.size != wanted), None)
+    if odd is None:
+        return
+    raise ValueError(
+        f"modules.{odd.name}.parallel (tensor x context x data x pipeline = {odd.size} "
+        f"ranks) is invalid with every module at rank_offset=0: each encoder spans the "
+        f"language model's {world} ranks (colocated) or its first pipeline stage's {stage} "
+        "(the first-stage placement), every encoder alike; or place the modules on "
+        "disjoint blocks")
+
+
+def _first_stage_size(modules: dict[str, ModulePlacement]) -> int:
+    """Ranks of the language model's first pipeline stage when it starts at rank 0 with
+    ``pipeline > 1`` (where encoders may sit); 0 otherwise."""
+    language = modules.get(LANGUAGE)
+    if language is None or language.rank_offset or language.parallel.pipeline == 1:
+        return 0
+    return language.size // language.parallel.pipeline
 
 
 def _check_module_shape(cfg: MimoConfig, name: str, colocated: bool) -> None:
@@ -325,16 +388,23 @@ def _check_module_shape(cfg: MimoConfig, name: str, colocated: bool) -> None:
 
 def check_colocated_pipeline(cfg: MimoConfig, name: str) -> None:
     """A colocated layout pipelines only its language model
-    (:mod:`mimotron.pipeline.colocated_pipeline`): every rank holds every encoder, which
-    runs the step's micro-batches before the language stages and its backward after."""
+    (:mod:`mimotron.pipeline.colocated_pipeline`): every rank holds every encoder (or,
+    in the first-stage placement, every rank of the first stage), which runs the step's
+    micro-batches before the language stages and its backward after. Context
+    parallelism needs the first-stage placement: with an encoder on every rank, ranks of
+    later stages would join the bridge's all-to-all with no tokens of their own."""
     par, p = cfg.modules[name].parallel, f"modules.{name}.parallel"
     if name != LANGUAGE:
         raise ValueError(
             f"{p}.pipeline={par.pipeline} is invalid: in a colocated layout only the "
             "language model may be pipelined (every rank holds every encoder); use "
             "pipeline=1, or non-colocated blocks for a pipelined encoder")
-    refused = [(f"{p}.context={par.context}", par.context > 1,
-                "context=1 (the colocated bridge into context-parallel stages is not built)"),
+    language = cfg.modules[LANGUAGE].parallel
+    first_stage = any(cfg.modules[n].parallel.size < language.size for n in cfg.encoder_names)
+    refused = [(f"{p}.context={par.context}", par.context > 1 and not first_stage,
+                "context=1, every encoder on the first stage's "
+                f"{language.size // language.pipeline} ranks (the bridge into "
+                "context-parallel stages spans the encoders' ranks)"),
                ("data.balance_encoders=true", cfg.data.balance_encoders,
                 "balance_encoders=false (its bridge serves unpipelined colocated layouts)")]
     for what, bad, valid in refused:

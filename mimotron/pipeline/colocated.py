@@ -31,6 +31,7 @@ above.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 from itertools import accumulate
 
 import torch
@@ -39,7 +40,8 @@ import torch.distributed as dist
 from mimotron.data.balance import balanced_items
 from mimotron.host_sync import host_copy
 from mimotron.models.native_vision import real_rows, tokens_key
-from mimotron.parallel.layout import Layout
+from mimotron.parallel.group_factory import create_groups
+from mimotron.parallel.layout import Layout, encoders_on_first_stage, first_stage_ranks
 from mimotron.pipeline.balanced_bridge import BalancedBridge
 from mimotron.pipeline.colocated_cp import CPBridgeGeometry, cp_bridge, cp_bridge_geometry
 from mimotron.pipeline.edges import Edge, slice_range
@@ -61,12 +63,16 @@ class BridgeGeometry:
 def bridge_geometry(layout: Layout, edge: Edge, rank: int, mbs: int) -> BridgeGeometry:
     """Slices of both modules on ``rank`` and who holds what (pure).
 
-    Only the language model's first-stage ranks take rows; a rank of a later stage
-    (a pipelined language model, :mod:`mimotron.pipeline.colocated_pipeline`) joins the
+    The bridge spans the encoder's ranks, ``[0, world)`` or, in the first-stage
+    placement, the language model's first stage ``[0, world / pipeline)`` (the group's
+    ranks are then the global ranks). Only the language model's first-stage ranks take
+    rows; a rank of a later stage (a pipelined language model,
+    :mod:`mimotron.pipeline.colocated_pipeline`) holding the encoder joins the
     collectives with an empty slice.
     """
     src, dst = layout.modules[edge.src], layout.modules[edge.dst]
-    world = layout.world_size
+    assert src.rank_offset == 0 and rank in src.ranks, "the bridge spans the encoder's ranks"
+    world = src.size
 
     def dst_slice(r: int) -> tuple[int, int]:
         c = dst.coordinate(r)
@@ -83,17 +89,31 @@ def bridge_geometry(layout: Layout, edge: Edge, rank: int, mbs: int) -> BridgeGe
                           dst_slices[rank] if needed else src_slices[rank], copies, needed)
 
 
+def first_stage_group(layout: Layout, timeout: timedelta | None = None
+                      ) -> dist.ProcessGroup | None:
+    """The bridges' group of a first-stage placement (the language model's first stage,
+    where every encoder sits); ``None`` otherwise (the bridges span the world).
+
+    Collective over the world where a group is made: every rank calls it, in the same
+    order of group creations.
+    """
+    if not encoders_on_first_stage(layout):
+        return None
+    return create_groups([list(first_stage_ranks(layout))], timeout, desc="first_stage_bridge")
+
+
 class ColocatedBridge(torch.autograd.Function):
     """Re-slice encoder rows from the encoder's DP layout to the language model's."""
 
     @staticmethod
-    def forward(ctx, rows: torch.Tensor, mask: torch.Tensor, geo: BridgeGeometry
-                ) -> torch.Tensor:  # noqa: ANN001
-        """``rows``: this rank's encoder output; ``mask``: presence over its src slice."""
+    def forward(ctx, rows: torch.Tensor, mask: torch.Tensor, geo: BridgeGeometry,
+                group: dist.ProcessGroup | None = None) -> torch.Tensor:  # noqa: ANN001
+        """``rows``: this rank's encoder output; ``mask``: presence over its src slice;
+        ``group``: the encoder's ranks (``None``: the world)."""
         if mask.dim() > 1:  # packed rows (data.packing): [rows, K] -> items per row
             mask = mask.flatten(1).sum(1)
         masks = [torch.empty_like(mask) for _ in range(geo.world_size)]
-        dist.all_gather(masks, mask.contiguous())
+        dist.all_gather(masks, mask.contiguous(), group=group)
         # Every rank's presence, read once (one device-to-host copy per bridge).
         present = torch.stack(masks).long().cpu().tolist()
         counts = [sum(m) for m in present]
@@ -101,7 +121,7 @@ class ColocatedBridge(torch.autograd.Function):
                              device=rows.device)
         padded[:rows.shape[0]] = rows
         gathered = [torch.empty_like(padded) for _ in range(geo.world_size)]
-        dist.all_gather(gathered, padded)
+        dist.all_gather(gathered, padded, group=group)
         # The micro-batch in sample order: encoder replicas in DP order (TP 0 copy each).
         full_rows = torch.cat([gathered[r][:counts[r]] for r in geo.src_reader_ranks])
         before = list(accumulate(x for r in geo.src_reader_ranks for x in present[r]))
@@ -110,6 +130,7 @@ class ColocatedBridge(torch.autograd.Function):
         last = before[hi - 1] if hi > lo else first
         src_lo = before[geo.src_slice[0] - 1] if geo.src_slice[0] > 0 else 0
         ctx.meta = (full_rows.shape, first, last, src_lo, rows.shape[0], geo.dst_copies)
+        ctx.group = group
         return full_rows[first:last].clone()
 
     @staticmethod
@@ -117,29 +138,35 @@ class ColocatedBridge(torch.autograd.Function):
         shape, first, last, src_lo, n_src, copies = ctx.meta
         full = torch.zeros(shape, dtype=grad.dtype, device=grad.device)
         full[first:last] = grad / copies
-        dist.all_reduce(full)
-        return full[src_lo:src_lo + n_src].clone(), None, None
+        dist.all_reduce(full, group=ctx.group)
+        return full[src_lo:src_lo + n_src].clone(), None, None, None
 
 
 class ColocatedTransport:
     """Hands encoder rows to the language model on ranks that hold every module.
 
     Args:
-        layout: a colocated placement.
+        layout: a colocated placement (the first-stage one included).
         rank: this global rank.
         micro_batch_size: the global micro-batch size.
-        edges: the module boundaries (``build_edges``); all colocated.
+        edges: the module boundaries (``build_edges``); all colocated. A rank keeps those
+            whose encoder it holds (in the first-stage placement, none past the first
+            stage).
+        group: the encoders' ranks when they are not the world (the first-stage
+            placement: :func:`first_stage_group`); ``None``: the world.
 
     Raises:
         ValueError: ``layout`` is not colocated (use the pipeline communicator).
     """
 
-    def __init__(self, layout: Layout, rank: int, micro_batch_size: int, edges: list[Edge]
-                 ) -> None:
+    def __init__(self, layout: Layout, rank: int, micro_batch_size: int, edges: list[Edge],
+                 group: dist.ProcessGroup | None = None) -> None:
         if not layout.colocated:
             raise ValueError("ColocatedTransport needs a colocated layout; a split layout "
                              "uses MultiModulePipelineCommunicator")
         assert all(e.colocated for e in edges), "a colocated layout has split edges"
+        self.group = group
+        edges = [e for e in edges if rank in layout.modules[e.src].ranks]
         self.edges = edges
         self.geometry = {e.src: bridge_geometry(layout, e, rank, micro_batch_size)
                          for e in edges}
@@ -179,7 +206,7 @@ class ColocatedTransport:
                                  host_copy(batch, key))
                 rows = rows.reshape(-1, rows.shape[-1])[real].unsqueeze(1)
             return cp_bridge(rows, batch["tokens"], language_batch["tokens"], placeholder_id,
-                             cp_geo)
+                             cp_geo, self.group)
         geo = self.geometry[edge.src]
         if edge.balanced:  # items dealt by cost: any replica may hold any slice's rows
             if language_batch is None:
@@ -190,7 +217,7 @@ class ColocatedTransport:
                                         self.replica[edge.src], geo.dst_copies)
         if not geo.needed:
             return rows
-        return ColocatedBridge.apply(rows, batch[f"has_{edge.modality}"], geo)
+        return ColocatedBridge.apply(rows, batch[f"has_{edge.modality}"], geo, self.group)
 
     def finish(self, forward_only: bool = False) -> None:
         """Nothing is in flight between steps (the bridge is synchronous)."""

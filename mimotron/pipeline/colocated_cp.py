@@ -50,7 +50,8 @@ from mimotron.pipeline.edges import Edge, slice_range
 class CPBridgeGeometry:
     """Who holds what on a colocated edge into a CP language model (fixed for a run).
 
-    Per-rank tuples are indexed by global rank.
+    Per-rank tuples are indexed by the bridge's ranks: the encoder's, which start at
+    global rank 0 (the world, or the language model's first stage), so by global rank.
     """
 
     rank: int
@@ -70,14 +71,18 @@ class CPBridgeGeometry:
 def cp_bridge_geometry(layout: Layout, edge: Edge, rank: int, mbs: int) -> CPBridgeGeometry:
     """The geometry of a colocated edge into a CP language model, seen from ``rank`` (pure).
 
+    The bridge spans the encoder's ranks: the world, or in the first-stage placement
+    the language model's first stage, whose ranks all take rows.
+
     Args:
-        layout: a colocated placement.
+        layout: a colocated placement (the first-stage one included).
         edge: an encoder -> language boundary.
         rank: this global rank.
         mbs: the global micro-batch size (rows when packing).
     """
     src, dst = layout.modules[edge.src], layout.modules[edge.dst]
-    world = range(layout.world_size)
+    assert src.rank_offset == 0 and rank in src.ranks, "the bridge spans the encoder's ranks"
+    world = src.ranks
     src_coord = [src.coordinate(r) for r in world]
     dst_coord = [dst.coordinate(r) for r in world]
     readers = tuple(src.rank_at(dp=d) for d in range(src.parallel.data))
@@ -185,13 +190,16 @@ class ColocatedCPBridge(torch.autograd.Function):
     """Route encoder rows to the CP language ranks whose positions hold their placeholders."""
 
     @staticmethod
-    def forward(ctx, rows: torch.Tensor, route: Route) -> torch.Tensor:  # noqa: ANN001
-        """``rows``: this rank's encoder output ``[N, T, H]``; returns ``[n_local, H]``."""
+    def forward(ctx, rows: torch.Tensor, route: Route,
+                group: dist.ProcessGroup | None = None) -> torch.Tensor:  # noqa: ANN001
+        """``rows``: this rank's encoder output ``[N, T, H]``; returns ``[n_local, H]``;
+        ``group``: the bridge's ranks (``None``: the world)."""
         flat = rows.reshape(-1, rows.shape[-1])
         send = flat.index_select(0, route.fwd_send_index)
         out = flat.new_empty((sum(route.fwd_recv_splits), flat.shape[1]))
-        dist.all_to_all_single(out, send, route.fwd_recv_splits, route.fwd_send_splits)
-        ctx.route, ctx.rows_shape = route, rows.shape
+        dist.all_to_all_single(out, send, route.fwd_recv_splits, route.fwd_send_splits,
+                               group=group)
+        ctx.route, ctx.rows_shape, ctx.group = route, rows.shape, group
         return out
 
     @staticmethod
@@ -199,15 +207,17 @@ class ColocatedCPBridge(torch.autograd.Function):
         route = ctx.route
         send = grad.contiguous().index_select(0, route.bwd_send_index)
         recv = grad.new_empty((sum(route.bwd_recv_splits), grad.shape[1]))
-        dist.all_to_all_single(recv, send, route.bwd_recv_splits, route.bwd_send_splits)
+        dist.all_to_all_single(recv, send, route.bwd_recv_splits, route.bwd_send_splits,
+                               group=ctx.group)
         # The pieces tile the encoder rows (each lives in one language DP x CP slot).
         full = grad.new_zeros((route.num_flat_rows, grad.shape[1]))
         full.index_copy_(0, route.bwd_recv_index, recv)
-        return full.reshape(ctx.rows_shape), None
+        return full.reshape(ctx.rows_shape), None, None
 
 
 def cp_bridge(rows: torch.Tensor, src_tokens: torch.Tensor, dst_tokens: torch.Tensor,
-              placeholder_id: int, geo: CPBridgeGeometry) -> torch.Tensor:
+              placeholder_id: int, geo: CPBridgeGeometry,
+              group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """This rank's contract rows of an encoder's output (autograd-aware).
 
     Args:
@@ -217,6 +227,7 @@ def cp_bridge(rows: torch.Tensor, src_tokens: torch.Tensor, dst_tokens: torch.Te
         dst_tokens: ``[B_dst, S]`` tokens of this rank's language slice.
         placeholder_id: the encoder's placeholder token id.
         geo: the edge's geometry on this rank.
+        group: the bridge's ranks (``None``: the world).
 
     Returns:
         ``[n_local, H]``: ``flat[placeholder_selection(dst_tokens, placeholder_id, c, r)]``
@@ -224,4 +235,4 @@ def cp_bridge(rows: torch.Tensor, src_tokens: torch.Tensor, dst_tokens: torch.Te
     """
     num_flat = math.prod(rows.shape[:-1])
     route = plan_route(geo, src_tokens, dst_tokens, placeholder_id, num_flat)
-    return ColocatedCPBridge.apply(rows, route)
+    return ColocatedCPBridge.apply(rows, route, group)

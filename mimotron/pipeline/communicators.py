@@ -20,10 +20,14 @@ registration add their own.
 
 from __future__ import annotations
 
-from mimotron.parallel.groups import EXPERT_VIEW, GROUP_ORDER, build_module_grid
-from mimotron.parallel.layout import Layout, is_colocated_pipeline, language_pipeline
+from mimotron.parallel.groups import build_module_grid, group_sets
+from mimotron.parallel.layout import (
+    Layout,
+    encoders_on_first_stage,
+    first_stage_ranks,
+)
 from mimotron.pipeline.edges import build_edges
-from mimotron.pipeline.links import p2p_links
+from mimotron.pipeline.links import transport_links
 
 __all__ = ["NCCL_BUFFER_BYTES", "communicators_of"]
 
@@ -38,11 +42,7 @@ def _module_group_sets(layout: Layout, rank: int) -> int:
     for placement in layout.modules.values():
         if rank not in placement.ranks:
             continue
-        grid = build_module_grid(placement.parallel)
-        sets = [grid.get_rank_enum(list(dims), view) for _, view, dims in GROUP_ORDER
-                if view != EXPERT_VIEW or EXPERT_VIEW in grid.views]
-        pipelines = grid.get_rank_enum("pp")
-        sets.append([sorted({p[0], p[-1]}) for p in pipelines])  # embedding groups
+        sets = group_sets(build_module_grid(placement.parallel)).values()
         distinct = {tuple(tuple(g) for g in s) for s in sets}
         count += sum(any(rank in g and len(g) > 1 for g in s) for s in distinct)
     return count
@@ -50,20 +50,15 @@ def _module_group_sets(layout: Layout, rank: int) -> int:
 
 def _links(layout: Layout, rank: int, micro_batch_size: int, balanced: bool) -> int:
     """Directed point-to-point links the rank sends or receives on."""
-    if is_colocated_pipeline(layout):
-        links = p2p_links(language_pipeline(layout), micro_batch_size, [])
-    elif layout.colocated:
-        return 0
-    else:
-        modality = {name: name for name in layout.modules}  # routes ignore the modality
-        links = p2p_links(layout, micro_batch_size, build_edges(layout, modality, balanced))
-    return sum(rank in link for link in links)
+    modality = {name: name for name in layout.modules}  # routes ignore the modality
+    edges = build_edges(layout, modality, balanced)
+    return sum(rank in link for link in transport_links(layout, micro_batch_size, edges))
 
 
 def communicators_of(layout: Layout, rank: int, micro_batch_size: int,
                      balanced: bool = False) -> int:
-    """The communicators ``rank`` joins: the world's, its modules' group sets and its
-    point-to-point links.
+    """The communicators ``rank`` joins: the world's, its modules' group sets, the
+    first-stage placement's bridge group and its point-to-point links.
 
     Args:
         layout: the placement.
@@ -72,5 +67,11 @@ def communicators_of(layout: Layout, rank: int, micro_batch_size: int,
         balanced: ``data.balance_encoders`` (every encoder replica then sends to every
             language replica).
     """
-    return (1 + _module_group_sets(layout, rank)
+    return (1 + _module_group_sets(layout, rank) + _bridge_group(layout, rank)
             + _links(layout, rank, micro_batch_size, balanced))
+
+
+def _bridge_group(layout: Layout, rank: int) -> int:
+    """1 on the ranks of a first-stage placement's bridge group (of 2 ranks or more)."""
+    stage = first_stage_ranks(layout) if encoders_on_first_stage(layout) else range(0)
+    return int(rank in stage and len(stage) > 1)

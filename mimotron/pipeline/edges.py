@@ -42,9 +42,8 @@ def build_edges(layout: Layout, modality_of: dict[str, str], balanced: bool = Fa
     edges = []
     for src, dsts in layout.topology.items():
         for dst in dsts:
-            a, b = layout.modules[src], layout.modules[dst]
-            colocated = a.rank_offset == b.rank_offset and a.size == b.size
-            edges.append(Edge(src, dst, modality_of[src], colocated, balanced))
+            # Shared ranks (colocated, or the encoder on the destination's first stage).
+            edges.append(Edge(src, dst, modality_of[src], layout.colocated, balanced))
     return edges
 
 

@@ -31,7 +31,12 @@ from itertools import product
 import torch.distributed as dist
 
 from mimotron.parallel.group_factory import colour_sets, create_groups
-from mimotron.parallel.layout import Layout, ModulePlacement
+from mimotron.parallel.layout import (
+    Layout,
+    ModulePlacement,
+    is_colocated_pipeline,
+    language_pipeline,
+)
 from mimotron.pipeline.edges import Edge, bridge_routes
 
 Link = tuple[int, int]  # (sending rank, receiving rank)
@@ -70,6 +75,21 @@ def p2p_links(layout: Layout, micro_batch_size: int, edges: list[Edge]) -> list[
             for src, dst, *_ in bridge_routes(layout, edge, micro_batch_size):
                 links |= {(src, dst), (dst, src)}
     return sorted(links)
+
+
+def transport_links(layout: Layout, micro_batch_size: int, edges: list[Edge]) -> list[Link]:
+    """The links a layout's transport sends on (``build_transport``'s choice): a split
+    layout's stages and bridges; a colocated layout's language stages where it is
+    pipelined (its bridges are collectives), none otherwise.
+
+    Args:
+        layout: the placement of every module.
+        micro_batch_size: the global micro-batch size.
+        edges: the module boundaries (``build_edges``).
+    """
+    if is_colocated_pipeline(layout):
+        return p2p_links(language_pipeline(layout), micro_batch_size, [])
+    return [] if layout.colocated else p2p_links(layout, micro_batch_size, edges)
 
 
 def build_link_groups(links: list[Link], rank: int, timeout: timedelta | None = None

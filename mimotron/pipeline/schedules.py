@@ -67,7 +67,7 @@ from mimotron.pipeline.actions import (
     Action,
     unpaired,
 )
-from mimotron.pipeline.colocated import ColocatedTransport
+from mimotron.pipeline.colocated import ColocatedTransport, first_stage_group
 from mimotron.pipeline.colocated_pipeline import (
     ColocatedPipelineTransport,
     EncoderPhase,
@@ -78,6 +78,7 @@ from mimotron.pipeline.deepstack_link import deepstack_link
 from mimotron.pipeline.edges import Edge
 from mimotron.pipeline.encoder_batching import BatchedEncoders
 from mimotron.pipeline.interleaved_actions import build_rank_actions
+from mimotron.pipeline.links import build_link_groups, transport_links
 
 if TYPE_CHECKING:  # the language step is handed in; the schedule only calls it
     from mimotron.training.language_step import LanguageStep, LossOutput
@@ -107,8 +108,9 @@ def build_transport(layout: Layout, rank: int, micro_batch_size: int, edges: lis
         hidden_size: see ``seq_length``.
         bridge_rows: the bridges whose row count is fixed (split layouts only; see
             :func:`~mimotron.pipeline.shapes.bridge_row_shapes`): no header either.
-        link_timeout: the timeout of the point-to-point link groups (split layouts
-            only; created here, collectively: :mod:`mimotron.pipeline.links`).
+        link_timeout: the timeout of the groups created here, collectively: the
+            point-to-point link groups (:mod:`mimotron.pipeline.links`) and the
+            first-stage placement's bridge group.
         stage_dtype: the language model's residual dtype, which its stage links carry
             (:func:`~mimotron.pipeline.shapes.residual_dtype`).
         deepstack: the DeepStack feature sets each language stage link of this rank
@@ -118,13 +120,16 @@ def build_transport(layout: Layout, rank: int, micro_batch_size: int, edges: lis
     if layout.colocated and not hybrid:
         return ColocatedTransport(layout, rank, micro_batch_size, edges)
     stage_layout = language_pipeline(layout) if hybrid else layout
+    links = (build_link_groups(transport_links(layout, micro_batch_size, edges), rank,
+                               link_timeout) if dist.is_initialized() else None)
     comm = MultiModulePipelineCommunicator(
         stage_layout, rank, micro_batch_size, [] if hybrid else edges, tp_groups, device,
-        seq_length, hidden_size, None if hybrid else bridge_rows, link_timeout=link_timeout,
+        seq_length, hidden_size, None if hybrid else bridge_rows, links,
         stage_dtype=stage_dtype, deepstack=deepstack)
-    if hybrid:  # the bridges on the world, then the language stage links
+    if hybrid:  # the bridges on the encoders' ranks, then the language stage links
+        group = first_stage_group(layout, link_timeout)
         return ColocatedPipelineTransport(
-            ColocatedTransport(layout, rank, micro_batch_size, edges), comm)
+            ColocatedTransport(layout, rank, micro_batch_size, edges, group), comm)
     return comm
 
 

@@ -130,19 +130,24 @@ def step_cost(cfg: MimoConfig, layout: Layout, device: DeviceSpec,
 def _colocated_pipeline_cost(cfg: MimoConfig, layout: Layout, device: DeviceSpec,
                              calibration: Calibration | None, vocab: int, links: Links
                              ) -> StepCost:
-    """A colocated layout with a pipelined language model: every rank runs the encoders
-    and bridges of every micro-batch, then its language stage, then the bridges' and
-    encoders' backward (:mod:`mimotron.pipeline.colocated_pipeline`): the encoders'
-    phase in series with the language model's pipeline, priced as a split layout of
-    the language model alone."""
+    """A colocated layout with a pipelined language model (the first-stage placement
+    included): the encoders' ranks run the encoders and bridges of every micro-batch,
+    then the language stages run, then the bridges' and encoders' backward
+    (:mod:`mimotron.pipeline.colocated_pipeline`): the encoders' phase in series with the
+    language model's pipeline, priced as a split layout of the language model alone."""
     n = cfg.num_microbatches
     lm = step_cost(cfg, language_pipeline(layout), device, calibration, vocab)
-    enc = {m: lane_cost(cfg, layout, m, 0, vocab, device, calibration, links)
+    # Under train.encoder_batching an encoder runs the step as one micro-batch: its
+    # per-layer fixed costs and collective latencies once, its bytes and FLOPs alike.
+    batched = cfg.train.encoder_batching
+    enc_cfg = whole_step(cfg) if batched else cfg
+    runs = 1 if batched else n
+    enc = {m: lane_cost(enc_cfg, layout, m, 0, vocab, device, calibration, links)
            for m in cfg.encoder_names}
     bridge = n * sum(colocated_bridge(cfg, layout, links, m) for m in cfg.encoder_names)
-    compute = {**{m: n * c.work for m, c in enc.items()}, **lm.compute}
-    collectives = {**{m: n * c.collectives for m, c in enc.items()}, **lm.collectives}
-    data_parallel = {**{m: c.reduction + n * c.fsdp for m, c in enc.items()},
+    compute = {**{m: runs * c.work for m, c in enc.items()}, **lm.compute}
+    collectives = {**{m: runs * c.collectives for m, c in enc.items()}, **lm.collectives}
+    data_parallel = {**{m: c.reduction + runs * c.fsdp for m, c in enc.items()},
                      **lm.data_parallel}
     optimizer = lm.optimizer + sum(c.optimizer for c in enc.values())
     encoders = sum(compute[m] + collectives[m] + data_parallel[m] for m in enc)
@@ -150,6 +155,12 @@ def _colocated_pipeline_cost(cfg: MimoConfig, layout: Layout, device: DeviceSpec
     cost = StepCost(compute, collectives, data_parallel, bridge + lm.bridge,
                     lm.pipeline_idle, optimizer, total, "", lm.core_sharing, lm.critical)
     return replace(cost, bottleneck=_bottleneck(cost))
+
+
+def whole_step(cfg: MimoConfig) -> MimoConfig:
+    """``cfg`` with the step as one micro-batch (an encoder under encoder batching)."""
+    train = replace(cfg.train, micro_batch_size=cfg.train.global_batch_size)
+    return replace(cfg, train=train)
 
 
 def _bottleneck(cost: StepCost) -> str:

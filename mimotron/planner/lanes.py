@@ -101,8 +101,11 @@ def colocated_lane_cost(cfg: MimoConfig, layout: Layout, vocab: int, device: Dev
 
 
 def colocated_bridge(cfg: MimoConfig, layout: Layout, links: Links, encoder: str) -> float:
-    """The colocated bridge's all-gather (forward) and all-reduce (backward), or 0 when
-    each rank's encoder and language slices coincide (rows pass through)."""
+    """The colocated bridge's all-gather (forward) and all-reduce (backward) of the
+    micro-batch's rows, or into a context-parallel language model one all-to-all each way
+    of a rank's own rows (:mod:`mimotron.pipeline.colocated_cp`); 0 when each rank's
+    encoder and language slices coincide (rows pass through). Over the encoder's ranks:
+    the world, or the language model's first stage."""
     enc, lm = cfg.modules[encoder].parallel, cfg.modules[LANGUAGE].parallel
     if ((enc.data, enc.tensor) == (lm.data, lm.tensor) and lm.context == 1
             and lm.pipeline == 1):
@@ -110,8 +113,10 @@ def colocated_bridge(cfg: MimoConfig, layout: Layout, links: Links, encoder: str
     rows = (cfg.train.micro_batch_size * cfg.modules[encoder].num_output_tokens
             * items_per_sample(cfg, encoder))
     nbytes = rows * cfg.modules[LANGUAGE].hidden_size * BYTES[cfg.train.precision]
-    world = list(range(layout.world_size))
-    return links.cost("all_gather", world, nbytes) + links.cost("all_reduce", world, nbytes)
+    ranks = list(layout.modules[encoder].ranks)
+    if lm.context > 1:
+        return 2 * links.cost("all_to_all", ranks, nbytes / (lm.data * lm.context))
+    return links.cost("all_gather", ranks, nbytes) + links.cost("all_reduce", ranks, nbytes)
 
 
 def _fsdp_seconds(cfg: MimoConfig, name: str, stage: int, vocab: int, layout: Layout,

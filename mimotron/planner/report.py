@@ -61,19 +61,19 @@ def _layout_cell(name: str, option: ModuleOption) -> str:
 def format_table(result: SearchResult, request: SearchRequest) -> list[str]:
     """One row per candidate, best first."""
     unit = memory_unit(request.memory_limit)
-    lines = [f"{'#':>2}  {'placement':<9} {'mbs':>4}  {'step s':>8}  {'MFU':>5}  "
+    lines = [f"{'#':>2}  {'placement':<11} {'mbs':>4}  {'step s':>8}  {'MFU':>5}  "
              f"{'tok/s/dev':>9}  {'peak ' + unit[1]:>8} / {'limit':<6}  "
              f"{'bottleneck':<32} layout"]
     limit = _amount(request.memory_limit, unit)
     for i, cand in enumerate(result.candidates[:request.top], 1):
         assert cand.cost is not None
         layout = "; ".join(_layout_cell(n, o) for n, o in cand.options.items())
-        place = "colocated" if cand.colocated else "split"
+        place = cand.placement
         peak = _amount(cand.peak, unit)
         mfu = predicted_mfu(cand, request)
         mfu_cell = "-" if mfu is None else f"{mfu:.0%}"
         per_device = cand.tokens / cand.cost.total / request.world
-        lines.append(f"{i:>2}  {place:<9} {cand.micro_batch:>4}  {cand.cost.total:>8.4g}  "
+        lines.append(f"{i:>2}  {place:<11} {cand.micro_batch:>4}  {cand.cost.total:>8.4g}  "
                      f"{mfu_cell:>5}  {per_device:>9,.0f}  {peak:>8} / {limit:<6}  "
                      f"{cand.cost.bottleneck:<32} {layout}")
     return lines
@@ -135,11 +135,13 @@ def explain_lines(cand: Candidate) -> list[str]:
 
 
 def snippet(cand: Candidate) -> str:
-    """The candidate as TOML: ``[train]``'s micro-batch and each module's recompute keys
+    """The candidate as TOML: ``[train]``'s micro-batch, encoder batching and each module's
+    recompute keys
     to set, and each module's ``[modules.<m>.parallel]`` table to replace the config's
     (keys left out take their defaults)."""
     defaults = module_settings(ModuleOption(), 0)
-    lines = ["[train]", f"micro_batch_size = {cand.micro_batch}"]
+    lines = ["[train]", f"micro_batch_size = {cand.micro_batch}",
+             f"encoder_batching = {toml_value(cand.encoder_batching)}"]
     for name, option in cand.options.items():
         settings = module_settings(option, cand.offsets[name])
         lines += ["", f"[modules.{name}]",
@@ -188,8 +190,9 @@ def format_report(result: SearchResult, request: SearchRequest, explain: bool = 
         for i, cand in enumerate(result.candidates[:request.top], 1):
             lines += [f"  #{i}", *explain_lines(cand)]
     best = result.candidates[0]
-    lines += ["", "best layout (#1) as TOML: set [train] micro_batch_size and each "
-              "module's recompute, replace each [modules.<m>.parallel] table",
+    lines += ["", "best layout (#1) as TOML: set [train] micro_batch_size and "
+              "encoder_batching and each module's recompute, replace each "
+              "[modules.<m>.parallel] table",
               "", snippet(best), "", "or as overrides of the config:",
               f"  mimotron train {request.config} " + " ".join(best.changes)]
     return "\n".join(lines)

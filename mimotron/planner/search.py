@@ -13,10 +13,11 @@ Three phases keep a 3-module model on 64 ranks well under a minute:
    :data:`KEEP` per block size stay (a colocated module also keeps each one's leanest
    rung that fits: the modules share a rank's memory).
 2. **Compose**: colocated (every module on every rank, the modules' times added; the
-   language model may be pipelined, the encoders then running before its stages) and
-   split (contiguous blocks whose sizes tile the world, in config order, data-parallel
-   degrees that divide one another, the slowest module's time), ranked by that
-   approximate time.
+   language model may be pipelined, the encoders then running before its stages),
+   first stage (a pipelined language model on every rank, the encoders on its first
+   stage's ranks only, the times added likewise) and split (contiguous blocks whose
+   sizes tile the world, in config order, data-parallel degrees that divide one
+   another, the slowest module's time), ranked by that approximate time.
 3. **Check** the composed list in that order: each candidate is written as config
    overrides and goes through ``load_config`` and
    :func:`~mimotron.parallel.layout.check_layout` (the validator ``mimotron train``
@@ -107,6 +108,8 @@ class Candidate:
     micro_batch: int
     colocated: bool
     approx: float
+    first_stage: bool = False  # colocated, every encoder on the first language stage's ranks
+    encoder_batching: bool = False  # train.encoder_batching (an encoders' phase of its own)
     overrides: list[str] = field(default_factory=list)  # every layout key, for load_config
     changes: list[str] = field(default_factory=list)  # only those the base config differs in
     cost: StepCost | None = None
@@ -115,6 +118,13 @@ class Candidate:
     model_flops: float = 0.0  # per step (mimotron.estimate.flops): MFU = this / step / peak
     tokens: int = 0  # per step: global batch x seq_length
     samples: int = 0  # per step: the global batch
+
+    @property
+    def placement(self) -> str:
+        """``colocated``, ``first stage`` or ``split``."""
+        if self.first_stage:
+            return "first stage"
+        return "colocated" if self.colocated else "split"
 
     @property
     def offsets(self) -> dict[str, int]:
@@ -191,7 +201,7 @@ def search(request: SearchRequest) -> SearchResult:
         # itself, so each (placement, micro-batch, language layout) is listed once, with
         # the encoders phase 2 ranked best of those that fit (the encoders' memory may
         # decide whether a colocated layout fits).
-        key = (cand.colocated, cand.micro_batch, cand.options[LANGUAGE])
+        key = (cand.placement, cand.micro_batch, cand.options[LANGUAGE])
         if key in seen:
             continue
         result.checked += 1
@@ -222,14 +232,15 @@ def _footprint(c: Candidate) -> int:
 
 
 def _shortlist_order(composed: list[Candidate]) -> list[Candidate]:
-    """Colocated and split candidates alternately, each kind fastest first.
+    """Colocated, first-stage and split candidates in turn, each kind fastest first.
 
     Phase 2's time adds colocated modules and takes the slowest split one, which leaves
-    out what the simulation adds (the bubble, shared CPU cores); taking both kinds in
-    turn keeps either from crowding the other out of the checked list.
+    out what the simulation adds (the bubble, shared CPU cores); taking the kinds in
+    turn keeps any from crowding the others out of the checked list.
     """
-    kinds = [sorted((c for c in composed if c.colocated == k),
-                    key=lambda c: (c.approx, _footprint(c))) for k in (True, False)]
+    kinds = [sorted((c for c in composed if c.placement == k),
+                    key=lambda c: (c.approx, _footprint(c)))
+             for k in ("colocated", "first stage", "split")]
     out: list[Candidate] = []
     for i in range(max(len(k) for k in kinds) if composed else 0):
         out += [k[i] for k in kinds if i < len(k)]
@@ -258,8 +269,12 @@ def _compose(ctx: _Context, mbs: int) -> list[Candidate]:
     for combo in _products([colocated[n].get(world, []) for n in names]):
         if _compatible(names, combo):
             approx = sum(c.seconds for c in combo)
-            out.append(Candidate(dict(zip(names, (c.option for c in combo), strict=True)),
-                                 mbs, True, approx))
+            options = dict(zip(names, (c.option for c in combo), strict=True))
+            out.append(Candidate(options, mbs, True, approx, encoder_batching=_batches(
+                ctx, names, options[LANGUAGE])))
+    if len(names) > 1:
+        languages = module_choices(ctx, LANGUAGE, mbs, world, exact=True, first_stage=True)
+        out += _first_stage(ctx, mbs, names, languages.get(world, []))
     if len(names) == 1 or world < len(names):
         return out
     split = {n: module_choices(ctx, n, mbs, world - len(names) + 1, exact=False)
@@ -272,6 +287,36 @@ def _compose(ctx: _Context, mbs: int) -> list[Candidate]:
                 out.append(Candidate(dict(zip(names, (c.option for c in combo),
                                               strict=True)), mbs, False, approx))
     return out
+
+
+def _first_stage(ctx: _Context, mbs: int, names: list[str], languages: list[ModuleChoice]
+                 ) -> list[Candidate]:
+    """Phase 2's first-stage layouts: each pipelined language choice on the world with
+    every encoder on exactly its first stage's ranks (``world / pipeline``); the encoders'
+    phase runs in series with the pipeline, so the times add as colocated ones do."""
+    pools: dict[int, dict[str, list[ModuleChoice]]] = {}  # by first-stage size
+    out: list[Candidate] = []
+    for lm in languages:
+        stage = ctx.request.world // lm.option.pipeline
+        if stage not in pools:
+            pools[stage] = {n: module_choices(ctx, n, mbs, stage, exact=True).get(stage, [])
+                            for n in names if n != LANGUAGE}
+        for combo in _products([[lm] if n == LANGUAGE else pools[stage][n] for n in names]):
+            if _compatible(names, combo):
+                out.append(Candidate(dict(zip(names, (c.option for c in combo), strict=True)),
+                                     mbs, True, sum(c.seconds for c in combo),
+                                     first_stage=True,
+                                     encoder_batching=_batches(ctx, names, lm.option)))
+    return out
+
+
+def _batches(ctx: _Context, names: list[str], language: ModuleOption) -> bool:
+    """Encoder batching for a colocated candidate whose language model is pipelined: its
+    encoders hold the whole step's activations anyway (their phase runs before the
+    stages), so one forward and backward for the step costs no memory and saves each
+    micro-batch's fixed costs; not under fp16 (the validator's rule)."""
+    return (len(names) > 1 and language.pipeline > 1
+            and ctx.base.train.precision != "fp16")
 
 
 def _products(pools: list[list[ModuleChoice]]) -> list[tuple[ModuleChoice, ...]]:
@@ -297,8 +342,8 @@ def _compatible(names: list[str], combo: tuple[ModuleChoice, ...]) -> bool:
                for n, c in by_name.items() if n != LANGUAGE)
 
 
-def module_choices(ctx: _Context, name: str, mbs: int, max_size: int, exact: bool
-                   ) -> dict[int, list[ModuleChoice]]:
+def module_choices(ctx: _Context, name: str, mbs: int, max_size: int, exact: bool,
+                   first_stage: bool = False) -> dict[int, list[ModuleChoice]]:
     """Phase 1: the best :data:`KEEP` options of module ``name`` per block size.
 
     Args:
@@ -308,6 +353,8 @@ def module_choices(ctx: _Context, name: str, mbs: int, max_size: int, exact: boo
         max_size: the largest block (``exact``: only blocks of exactly this size, the
             colocated case, where only the language model may have pipeline stages).
         exact: see ``max_size``.
+        first_stage: the language model of a first-stage layout (``exact``): pipelined
+            options only, context parallelism allowed (the encoders on its first stage).
     """
     scratch = copy.deepcopy(ctx.base)
     scratch.train.micro_batch_size = mbs
@@ -315,13 +362,16 @@ def module_choices(ctx: _Context, name: str, mbs: int, max_size: int, exact: boo
     limit = ctx.request.usable_memory
     options = []
     # Colocated, only the language model pipelines (encoders run before its stages),
-    # without context parallelism or interleaving (check_colocated_pipeline).
+    # without interleaving, and with context parallelism only where the encoders sit on
+    # its first stage (check_colocated_pipeline: the first_stage choices).
     pipelined = not exact or len(scratch.modules) == 1 or name == LANGUAGE
     for option in degree_options(scratch, name, max_size, mbs, _max_tensor(ctx), pipelined):
         if exact and option.size != max_size:
             continue
+        if first_stage and option.pipeline == 1:
+            continue
         if exact and len(scratch.modules) > 1 and option.pipeline > 1:
-            options += [option] if option.context == 1 else []
+            options += [option] if option.context == 1 or first_stage else []
             continue
         options += _with_virtual(scratch, name, option)
     priced = sorted(((_alone_seconds(ctx, scratch, name, o), o) for o in options),
@@ -451,6 +501,8 @@ def candidate_overrides(ctx_overrides: list[str], cand: Candidate,
         out += module_overrides(name, option, cand.offsets[name], base)
     if base is None or base.train.micro_batch_size != cand.micro_batch:
         out.append(f"train.micro_batch_size={cand.micro_batch}")
+    if base is None or base.train.encoder_batching != cand.encoder_batching:
+        out.append(f"train.encoder_batching={str(cand.encoder_batching).lower()}")
     return out
 
 
@@ -462,6 +514,9 @@ def _check(ctx: _Context, cand: Candidate) -> str:
         cfg = load_config(ctx.request.config, cand.overrides)
         layout = check_layout(cfg)
     except ValueError:
+        if cand.encoder_batching:  # a model or data option it does not serve: without
+            cand.encoder_batching = False
+            return _check(ctx, cand)
         return "refused"
     if layout.world_size != ctx.request.world:
         return "refused"
@@ -493,5 +548,4 @@ def _check(ctx: _Context, cand: Candidate) -> str:
 def describe_candidate(cand: Candidate) -> str:
     """The layout in one line: ``split, micro-batch 8, vision: tp1 pp1 dp1; ...``."""
     modules = "; ".join(f"{n}: {o.describe()}" for n, o in cand.options.items())
-    place = "colocated" if cand.colocated else "split"
-    return f"layout ({place}, micro-batch {cand.micro_batch}, {modules})"
+    return f"layout ({cand.placement}, micro-batch {cand.micro_batch}, {modules})"
