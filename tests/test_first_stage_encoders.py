@@ -25,6 +25,7 @@ import pytest
 
 from mimotron.config import load_config
 from mimotron.estimate.memory import estimate_memory
+from mimotron.estimate.widths import bridged_rows_bytes
 from mimotron.parallel.layout import (
     check_layout,
     encoders_on_first_stage,
@@ -141,6 +142,37 @@ def test_the_plan_holds_the_encoders_on_the_first_stage_only() -> None:
     assert communicators_of(layout, 3, mbs) == 1 + 2 + 2
 
 
+@pytest.mark.parametrize(("context", "rows"), [(1, 16 + 4), (2, 16 + 4), (8, 8)])
+def test_the_plan_counts_the_rows_a_context_parallel_first_stage_keeps(context: int,
+                                                                       rows: int) -> None:
+    """A first-stage rank keeps every micro-batch's bridged rows and their gradients:
+    per sample the encoders' 16 + 4 placeholder rows, but into CP stages only those of
+    its own 64 / context positions (8 at CP 8, wherever the media sit)."""
+    layout_keys = coloc({"data": context}, {"data": context},
+                        {"context": context, "data": 1, "pipeline": 2})
+    cfg = load_config(DIGITS, BASE + layout_keys)
+    lm = cfg.modules["language"]
+    assert cfg.data.seq_length == 64 and cfg.modules["vision"].num_output_tokens == 16
+    want = 2 * cfg.num_microbatches * cfg.train.micro_batch_size * rows * lm.hidden_size * 4
+    assert bridged_rows_bytes(cfg, check_layout(cfg), "language", 0) == want
+
+
+def test_encoder_batching_counts_one_backward_of_the_step() -> None:
+    """Under encoder batching an encoder's one backward covers the step's inputs: its
+    workspace is the micro-batch's times the micro-batches (what plan --auto turns on
+    for these layouts); the language model's does not change."""
+    workspace = {}
+    for batched in ("false", "true"):
+        cfg = load_config(DIGITS, BASE + DP2_PP2 + [f"train.encoder_batching={batched}"])
+        est = estimate_memory(cfg, check_layout(cfg), 64, ranks=[0])[0]
+        workspace[batched] = {e.module: e.workspace for e in est}
+    n = cfg.num_microbatches
+    assert n > 1
+    for m in ("vision", "audio"):
+        assert workspace["true"][m] == n * workspace["false"][m] > 0
+    assert workspace["true"]["language"] == workspace["false"]["language"]
+
+
 @pytest.mark.parametrize(("overrides", "message"), [
     # The encoders on the first stage, but one of them on two ranks of four.
     (coloc({"data": 2}, {"data": 4}, {"data": 2, "pipeline": 2}),
@@ -153,10 +185,19 @@ def test_the_plan_holds_the_encoders_on_the_first_stage_only() -> None:
     # An encoder starting inside the first stage.
     (par("vision", rank_offset=1, data=1) + par("audio", rank_offset=0, data=2)
      + par("language", rank_offset=0, data=2, pipeline=2),
-     "modules.language.parallel.rank_offset=0 is invalid: ranks 0-3 partially overlap "
-     "modules.audio (ranks 0-1); use either the same ranks and size for every module "
-     "(colocated), every encoder on the language model's first pipeline stage "
-     "(rank_offset=0 and 2 ranks), or disjoint blocks"),
+     "modules.vision.parallel.rank_offset=1 (1 ranks) is invalid: modules.audio sits on "
+     "the language model's first pipeline stage (ranks 0-1), so every encoder must: "
+     "rank_offset=0 and tensor x data = 2"),
+    # One encoder on the first stage, the other in a block after the language model.
+    (par("vision", rank_offset=0, data=2) + par("audio", rank_offset=4, data=2)
+     + par("language", rank_offset=0, data=2, pipeline=2),
+     "modules.audio.parallel.rank_offset=4 (2 ranks) is invalid: modules.vision sits on"),
+    # No encoder on the first stage: the overlap is named as before.
+    (par("vision", rank_offset=0, data=1) + par("audio", rank_offset=1, data=2)
+     + par("language", rank_offset=0, data=2, pipeline=2),
+     "partially overlap modules.language (ranks 0-3); use either the same ranks and size "
+     "for every module (colocated), every encoder on the language model's first pipeline "
+     "stage (rank_offset=0 and 2 ranks), or disjoint blocks"),
     # Context parallelism beside encoders on every rank (later stages hold no tokens).
     (coloc({"data": 4}, {"data": 4}, {"context": 2, "data": 1, "pipeline": 2}),
      "modules.language.parallel.context=2 is invalid with a colocated layout whose language "

@@ -223,6 +223,9 @@ def _expert_view(rank: int, world_size: int) -> None:
     _check_pg(pp, grid.get_rank_enum("pp"), rank)
     _check_pg(ep, [[0, 1, 2, 3], [4, 5, 6, 7]], rank)
     _check_pg(tp_ep_pp, [list(range(8))], rank)
+    # Options take the group-at-a-time path (new_group per group), a description too.
+    dp = grid.create_pg("dp", group_desc="dp with a description")
+    _check_pg(dp, grid.get_rank_enum("dp"), rank)
 
 
 def test_expert_view_shares_pp_8_ranks() -> None:

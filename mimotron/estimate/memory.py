@@ -640,6 +640,8 @@ def _rank_estimate(cfg: MimoConfig, name: str, stage: int, n: int, trained: int,
         workspace = (backward_workspace_bytes(cfg, name, vocab_size,
                                               stage == mod.parallel.pipeline - 1)
                      + recompute_workspace_bytes(cfg, name))
+    if cfg.train.encoder_batching and mod.is_encoder:
+        workspace *= cfg.num_microbatches  # one backward of the whole step's inputs
     return MemoryEstimate(
         module=name,
         num_params=n,

@@ -89,10 +89,17 @@ def bridged_rows_bytes(cfg: MimoConfig, layout: Layout | None, name: str, stage:
         return 0
     language = cfg.modules[LANGUAGE]
     samples = cfg.train.micro_batch_size // language.parallel.data
-    total = 0
+    # Into context-parallel stages a rank keeps the rows of its own positions only
+    # (colocated_cp): at most seq_length / context of a sample's, wherever its media sit.
+    positions = cfg.data.seq_length // language.parallel.context
+    per_sample = 0
     for encoder in cfg.encoder_names:
         mod = cfg.modules[encoder]
         copies = 1 if mod.fully_frozen else 2  # the rows, and their gradients
-        total += copies * samples * items_per_sample(cfg, encoder) * mod.num_output_tokens
+        per_sample += copies * min(items_per_sample(cfg, encoder) * mod.num_output_tokens,
+                                   positions)
+    if language.parallel.context > 1:
+        per_sample = min(per_sample, 2 * positions)
+    total = samples * per_sample
     return (total * cfg.num_microbatches * language.hidden_size
             * BYTES[cfg.train.precision])

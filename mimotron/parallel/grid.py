@@ -321,7 +321,8 @@ class HyperCommGrid:
             self._pg_by_members[members] = mine
             return mine
         options = {"backend": self.backend, **pg_options}  # a group at a time
-        return groups_one_at_a_time(groups, options.pop("timeout", self.timeout), **options)
+        return groups_one_at_a_time(groups, options.pop("timeout", self.timeout),
+                                    options.pop("group_desc", None), **options)
 
     def get_pg(self, dims: str | list[str], view: str | None = None) -> ProcessGroup | None:
         """The group of ``dims`` holding this rank (``None`` outside the grid).

@@ -297,6 +297,8 @@ def _check_placement(modules: dict[str, ModulePlacement]) -> tuple[bool, int]:
         return True, modules[LANGUAGE].size
     if len(blocks) > 1 and stage and all(m.rank_offset == 0 for m in blocks):
         _check_shared_sizes(modules, stage)
+    if len(blocks) > 1 and stage:
+        _check_first_stage_kept(modules, stage)
     # One module alone with pipeline stages is a pipeline, not a colocated placement.
     alone_pipelined = len(blocks) == 1 and first.parallel.pipeline > 1
     if not alone_pipelined and all(m.rank_offset == first.rank_offset and m.size == first.size
@@ -345,6 +347,21 @@ def _check_shared_sizes(modules: dict[str, ModulePlacement], stage: int) -> None
         f"language model's {world} ranks (colocated) or its first pipeline stage's {stage} "
         "(the first-stage placement), every encoder alike; or place the modules on "
         "disjoint blocks")
+
+
+def _check_first_stage_kept(modules: dict[str, ModulePlacement], stage: int) -> None:
+    """Where an encoder sits on the language model's first stage, every encoder must;
+    name the first that does not (rather than whichever block sorts first)."""
+    encoders = [m for n, m in modules.items() if n != LANGUAGE]
+    placed = next((m for m in encoders if (m.rank_offset, m.size) == (0, stage)), None)
+    odd = next((m for m in encoders if (m.rank_offset, m.size) != (0, stage)), None)
+    if placed is None or odd is None:
+        return
+    raise ValueError(
+        f"modules.{odd.name}.parallel.rank_offset={odd.rank_offset} ({odd.size} ranks) is "
+        f"invalid: modules.{placed.name} sits on the language model's first pipeline stage "
+        f"(ranks 0-{stage - 1}), so every encoder must: rank_offset=0 and tensor x data = "
+        f"{stage}; or place every module on disjoint blocks")
 
 
 def _first_stage_size(modules: dict[str, ModulePlacement]) -> int:
@@ -397,7 +414,7 @@ def check_colocated_pipeline(cfg: MimoConfig, name: str) -> None:
     if name != LANGUAGE:
         raise ValueError(
             f"{p}.pipeline={par.pipeline} is invalid: in a colocated layout only the "
-            "language model may be pipelined (every rank holds every encoder); use "
+            "language model may be pipelined (the encoders run before its stages); use "
             "pipeline=1, or non-colocated blocks for a pipelined encoder")
     language = cfg.modules[LANGUAGE].parallel
     first_stage = any(cfg.modules[n].parallel.size < language.size for n in cfg.encoder_names)

@@ -127,7 +127,7 @@ def build_transport(layout: Layout, rank: int, micro_batch_size: int, edges: lis
         seq_length, hidden_size, None if hybrid else bridge_rows, links,
         stage_dtype=stage_dtype, deepstack=deepstack)
     if hybrid:  # the bridges on the encoders' ranks, then the language stage links
-        group = first_stage_group(layout, link_timeout)
+        group = first_stage_group(layout, link_timeout) if dist.is_initialized() else None
         return ColocatedPipelineTransport(
             ColocatedTransport(layout, rank, micro_batch_size, edges, group), comm)
     return comm

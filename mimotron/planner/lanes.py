@@ -107,8 +107,10 @@ def colocated_bridge(cfg: MimoConfig, layout: Layout, links: Links, encoder: str
     encoder and language slices coincide (rows pass through). Over the encoder's ranks:
     the world, or the language model's first stage."""
     enc, lm = cfg.modules[encoder].parallel, cfg.modules[LANGUAGE].parallel
+    # Rows pass through where every rank of the bridge holds the same slice of both:
+    # an unpipelined language model, or encoders on its first stage only.
     if ((enc.data, enc.tensor) == (lm.data, lm.tensor) and lm.context == 1
-            and lm.pipeline == 1):
+            and (lm.pipeline == 1 or enc.size < lm.size)):
         return 0.0
     rows = (cfg.train.micro_batch_size * cfg.modules[encoder].num_output_tokens
             * items_per_sample(cfg, encoder))

@@ -311,12 +311,14 @@ def _first_stage(ctx: _Context, mbs: int, names: list[str], languages: list[Modu
 
 
 def _batches(ctx: _Context, names: list[str], language: ModuleOption) -> bool:
-    """Encoder batching for a colocated candidate whose language model is pipelined: its
-    encoders hold the whole step's activations anyway (their phase runs before the
-    stages), so one forward and backward for the step costs no memory and saves each
-    micro-batch's fixed costs; not under fp16 (the validator's rule)."""
-    return (len(names) > 1 and language.pipeline > 1
-            and ctx.base.train.precision != "fp16")
+    """Encoder batching for a colocated candidate: on where its language model is
+    pipelined (the encoders hold the whole step's activations anyway, their phase
+    running before the stages, so one forward and backward for the step saves each
+    micro-batch's fixed costs for a larger backward workspace; not under fp16, the
+    validator's rule), else as the config has it."""
+    if len(names) > 1 and language.pipeline > 1:
+        return ctx.base.train.precision != "fp16"
+    return ctx.base.train.encoder_batching
 
 
 def _products(pools: list[list[ModuleChoice]]) -> list[tuple[ModuleChoice, ...]]:
@@ -513,8 +515,8 @@ def _check(ctx: _Context, cand: Candidate) -> str:
     try:
         cfg = load_config(ctx.request.config, cand.overrides)
         layout = check_layout(cfg)
-    except ValueError:
-        if cand.encoder_batching:  # a model or data option it does not serve: without
+    except ValueError as exc:
+        if cand.encoder_batching and "encoder_batching" in str(exc):  # not served: without
             cand.encoder_batching = False
             return _check(ctx, cand)
         return "refused"
