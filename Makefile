@@ -47,8 +47,12 @@ demo-qwen: $(STAMP)
 	$(VENV)/bin/mimotron train configs/digits_qwen.toml train.overwrite=true checkpoint.load=none
 	$(VENV)/bin/mimotron plot runs/digits_qwen
 
+# Bytecode is compiled once and kept, even where PYTHONDONTWRITEBYTECODE is set (as in some
+# containers): the suite starts a few hundred Python processes (launched ranks, spawned
+# dry runs), each of which would otherwise compile every mimotron module it imports.
 test: $(STAMP)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(PY) -m compileall -q mimotron tests benchmarks > /dev/null
+	env -u PYTHONDONTWRITEBYTECODE $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -10,11 +10,10 @@ Each parity case trains 12 fp32 iterations (lr 3e-3, clipping at 0.5) through th
 engine on 4 forked gloo ranks against :func:`tests.reference.reference_run` (one
 process, no engine code): losses, global and per-module grad norms at 1e-4 relative,
 final weights at 1e-4 relative L2; the runs are replayed under NCCL's rules
-(``tests/conftest.py``). Cases: vision DP 2 and audio TP 2 on the first stage of language
-DP 2 x PP 2; language TP 2 (sequence parallel) x PP 2; language PP 4, the encoders on
-rank 0 alone; encoder batching with the overlapped gradient reduction; a frozen vision
-encoder; the vision encoder under FSDP2 and the language model under ZeRO-1; language
-CP 2 x PP 2 with encoder batching.
+(``tests/conftest.py``). Cases: vision DP 2 under FSDP2 and audio TP 2 on the first stage
+of language DP 2 x PP 2 under ZeRO-1; language TP 2 (sequence parallel) x PP 2 with a
+frozen vision encoder; language PP 4, the encoders on rank 0 alone; encoder batching with
+the overlapped gradient reduction; language CP 2 x PP 2 with encoder batching.
 Also: a resume in the middle gives the same records bit for bit; the validator's
 rules, the bridge's ranks and the plan's per-rank memory (pure).
 """
@@ -53,12 +52,11 @@ SHARDED = coloc({"data": 2, "fsdp": "true"}, {"tensor": 2, "data": 1},
 
 # name: (layout and engine options, overrides shared with the reference)
 CASES: dict[str, tuple[list[str], list[str]]] = {
-    "vision-dp2-audio-tp2-language-dp2-pp2": (DP2_PP2, []),
-    "language-tp2-sp-pp2": (TP2_PP2 + SP, []),
+    # The vision encoder under FSDP2, audio TP 2, the language stages under ZeRO-1.
+    "vision-dp2-fsdp-audio-tp2-language-dp2-pp2-zero1": (SHARDED, []),
+    "language-tp2-sp-pp2-frozen-vision": (TP2_PP2 + SP, ["modules.vision.freeze=true"]),
     "language-pp4-encoders-on-rank-0": (PP4, SMALL_MB + FOUR_LAYERS),
     "encoder-batching-overlap-mb4": (DP2_PP2 + OVERLAP, SMALL_MB),
-    "frozen-vision": (DP2_PP2, ["modules.vision.freeze=true"]),
-    "vision-fsdp-language-zero1": (SHARDED, []),
     # Context parallelism: the bridges' variable all-to-alls on the first stage's group,
     # each encoder running the step in one forward (what plan --auto proposes).
     "language-cp2-pp2-encoder-batching": (CP2_PP2 + ["train.encoder_batching=true"], []),
