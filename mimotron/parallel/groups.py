@@ -48,12 +48,16 @@ def group_sets(grid: HyperCommGrid) -> dict[str, list[list[int]]]:
     has_expert = EXPERT_VIEW in grid.views
     out = {name: grid.get_rank_enum(list(dims), view) for name, view, dims in GROUP_ORDER
            if view != EXPERT_VIEW or has_expert}
+    return {**out, **embedding_group_sets(grid)}
+
+
+def embedding_group_sets(grid: HyperCommGrid) -> dict[str, list[list[int]]]:
+    """``embd`` and ``pos_embd``: the groups no grid dim spans. Embedding groups tie the
+    input embedding (first stage) to the output layer (last stage) of each pipeline;
+    with one stage both are the same rank."""
     pipelines = grid.get_rank_enum("pp")
-    # Embedding groups tie the input embedding (first stage) to the output layer
-    # (last stage) of each pipeline; with one stage both are the same rank.
-    out["embd"] = [sorted({p[0], p[-1]}) for p in pipelines]
-    out["pos_embd"] = [[p[0]] for p in pipelines]
-    return out
+    return {"embd": [sorted({p[0], p[-1]}) for p in pipelines],
+            "pos_embd": [[p[0]] for p in pipelines]}
 
 
 @dataclass
@@ -111,11 +115,9 @@ class ProcessGroupCollection:
             created = grid.has_pg(list(dims), view)
             get = grid.get_pg if created else grid.create_pg
             pgs[name] = get(list(dims), view)
-        sets = group_sets(grid)
-        for name in ("embd", "pos_embd"):
+        for name, groups in embedding_group_sets(grid).items():
             created = grid.has_custom_pg(name)
-            pgs[name] = (grid.get_custom_pg(name) if created
-                         else grid.create_custom_pg(name, sets[name]))
+            pgs[name] = grid.get_custom_pg(name) if created else grid.create_custom_pg(name, groups)
         return cls(**pgs)
 
     def sizes(self) -> dict[str, int]:

@@ -239,6 +239,12 @@ def first_stage_ranks(layout: Layout) -> range:
                  language.rank_offset + language.size // language.parallel.pipeline)
 
 
+def bridge_group_ranks(layout: Layout) -> range:
+    """The ranks of the first-stage placement's bridge group (its first stage); empty
+    otherwise, where the colocated bridges span the world."""
+    return first_stage_ranks(layout) if encoders_on_first_stage(layout) else range(0)
+
+
 def placement_name(layout: Layout) -> str:
     """``colocated``, ``first stage`` or ``non-colocated``: how ``mimotron plan`` names it."""
     if encoders_on_first_stage(layout):

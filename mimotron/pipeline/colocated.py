@@ -41,7 +41,7 @@ from mimotron.data.balance import balanced_items
 from mimotron.host_sync import host_copy
 from mimotron.models.native_vision import real_rows, tokens_key
 from mimotron.parallel.group_factory import create_groups
-from mimotron.parallel.layout import Layout, encoders_on_first_stage, first_stage_ranks
+from mimotron.parallel.layout import Layout, bridge_group_ranks
 from mimotron.pipeline.balanced_bridge import BalancedBridge
 from mimotron.pipeline.colocated_cp import CPBridgeGeometry, cp_bridge, cp_bridge_geometry
 from mimotron.pipeline.edges import Edge, slice_range
@@ -97,9 +97,8 @@ def first_stage_group(layout: Layout, timeout: timedelta | None = None
     Collective over the world where a group is made: every rank calls it, in the same
     order of group creations.
     """
-    if not encoders_on_first_stage(layout):
-        return None
-    return create_groups([list(first_stage_ranks(layout))], timeout, desc="first_stage_bridge")
+    ranks = bridge_group_ranks(layout)
+    return create_groups([list(ranks)], timeout, desc="first_stage_bridge") if ranks else None
 
 
 class ColocatedBridge(torch.autograd.Function):

@@ -21,11 +21,7 @@ registration add their own.
 from __future__ import annotations
 
 from mimotron.parallel.groups import build_module_grid, group_sets
-from mimotron.parallel.layout import (
-    Layout,
-    encoders_on_first_stage,
-    first_stage_ranks,
-)
+from mimotron.parallel.layout import Layout, bridge_group_ranks
 from mimotron.pipeline.edges import build_edges
 from mimotron.pipeline.links import transport_links
 
@@ -73,5 +69,5 @@ def communicators_of(layout: Layout, rank: int, micro_batch_size: int,
 
 def _bridge_group(layout: Layout, rank: int) -> int:
     """1 on the ranks of a first-stage placement's bridge group (of 2 ranks or more)."""
-    stage = first_stage_ranks(layout) if encoders_on_first_stage(layout) else range(0)
-    return int(rank in stage and len(stage) > 1)
+    ranks = bridge_group_ranks(layout)
+    return int(rank in ranks and len(ranks) > 1)
